@@ -1,0 +1,47 @@
+"""Whether the router accepts new requests, and why not when it does not.
+
+Several owners can close admission independently (the monitor when degraded,
+the lease when fenced or standing by, shutdown); each holds its own reason, and
+admission is open only when none is held. Requests already admitted are never
+affected: closing admission only refuses new ones.
+"""
+
+from __future__ import annotations
+
+__all__ = ["Admission"]
+
+# Order in which reasons are reported when several hold at once: the one an
+# operator must act on first comes first.
+_PRIORITY = ("shutdown", "lease", "monitor")
+
+
+class Admission:
+    """A set of named closures; ``reason()`` is None when admission is open."""
+
+    def __init__(self) -> None:
+        self._closed: dict[str, str] = {}
+        self._reason: str | None = None
+
+    def close(self, owner: str, reason: str) -> None:
+        """Close admission on behalf of ``owner`` ('monitor', 'lease', 'shutdown')."""
+        self._closed[owner] = reason
+        self._recompute()
+
+    def open(self, owner: str) -> None:
+        """Withdraw ``owner``'s closure; admission reopens when no owner holds one."""
+        if self._closed.pop(owner, None) is not None:
+            self._recompute()
+
+    def reason(self) -> str | None:
+        """Why new requests are refused, or None when admission is open."""
+        return self._reason
+
+    def held_by(self, owner: str) -> str | None:
+        return self._closed.get(owner)
+
+    def _recompute(self) -> None:
+        for owner in _PRIORITY:
+            if owner in self._closed:
+                self._reason = self._closed[owner]
+                return
+        self._reason = next(iter(self._closed.values()), None)

@@ -1,0 +1,98 @@
+"""The control app (quart-trio): every route except the two completion routes.
+
+``/health`` (process alive), ``/ready`` (the load balancer's question: should
+traffic come here?), ``/metrics`` (Prometheus text), ``/v1/models`` and the
+admin API under ``/admin/``, which needs a bearer token when one is configured.
+The app holds no state of its own: it reads the router's.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from quart import Response, request
+from quart_trio import QuartTrio
+
+from .wire import error_json
+
+if TYPE_CHECKING:
+    from .router import Router
+
+__all__ = ["create_app"]
+
+_encode_json = msgspec.json.Encoder()
+
+
+def _json(payload: Any, status: int = 200) -> Response:
+    return Response(_encode_json.encode(payload), status=status, content_type="application/json")
+
+
+def _error(status: int, message: str, type_: str, code: str | None = None) -> Response:
+    return Response(error_json(message, type_, code), status=status, content_type="application/json")
+
+
+def create_app(router: Router) -> QuartTrio:
+    """Build the control app over ``router``'s live state."""
+    app = QuartTrio("narwhal")
+    # Quart cuts streamed responses at RESPONSE_TIMEOUT (60 s) silently; nothing here may be cut.
+    app.config["RESPONSE_TIMEOUT"] = None
+    app.config["BODY_TIMEOUT"] = None
+    app.config["MAX_CONTENT_LENGTH"] = router.config.serving.max_body_bytes
+    token = router.config.admin.token.encode() if router.config.admin.token else None
+
+    @app.before_request
+    async def _admin_auth() -> Response | None:
+        if token is None or not request.path.startswith("/admin/"):
+            return None
+        given = request.headers.get("authorization", "")
+        scheme, _, value = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token):
+            response = _error(401, "admin API needs a valid bearer token", "authentication_error",
+                              "unauthorized")
+            response.headers["www-authenticate"] = 'Bearer realm="narwhal-admin"'
+            return response
+        return None
+
+    @app.get("/health")
+    async def health() -> Response:
+        return _json({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        reason = router.readiness()
+        if reason is None:
+            return Response("ready\n", status=200, content_type="text/plain; charset=utf-8")
+        return Response(reason + "\n", status=503, content_type="text/plain; charset=utf-8")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(router.metrics.render(), status=200,
+                        content_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return _json({"object": "list", "data": [
+            {"id": router.config.fleet.model, "object": "model", "owned_by": "narwhal"},
+        ]})
+
+    @app.get("/admin/engines")
+    async def admin_engines() -> Response:
+        return _json(router.engines_view())
+
+    @app.errorhandler(404)
+    async def not_found(_: Exception) -> Response:
+        return _error(404, f"no route for {request.method} {request.path}", "invalid_request_error",
+                      "not_found")
+
+    @app.errorhandler(405)
+    async def not_allowed(_: Exception) -> Response:
+        return _error(405, f"{request.method} is not allowed on {request.path}", "invalid_request_error",
+                      "method_not_allowed")
+
+    @app.errorhandler(413)
+    async def too_large(_: Exception) -> Response:
+        return _error(413, "request body too large", "invalid_request_error", "body_too_large")
+
+    return app

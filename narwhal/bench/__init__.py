@@ -1,0 +1,1 @@
+"""``python -m narwhal bench``: router overhead and fault handling against a mock fleet."""

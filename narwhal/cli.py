@@ -1,0 +1,138 @@
+"""Command line: ``python -m narwhal serve|mock-engine|demo|bench|admin``.
+
+Every command exits non-zero with one plain line on stderr when its input is
+wrong (a bad config names the key and the problem; no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from collections.abc import Sequence
+
+import trio
+
+from .config import ConfigError, load_config, parse_listen
+from .logs import configure_logging, log_event
+
+__all__ = ["main", "serve_main"]
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the router", description="Run the Narwhal router.")
+    p.add_argument("--config", required=True, metavar="FILE", help="TOML config file")
+    p.add_argument("--listen", metavar="HOST:PORT", help="override serving.listen")
+    p.add_argument("--resume", action="store_true",
+                   help="apply the saved handoff when its schema and engine set match the config")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _add_mock(sub: argparse._SubParsersAction) -> None:
+    from .mock.engine import build_parser
+
+    p = sub.add_parser("mock-engine", help="run a mock inference engine",
+                       description="Run a mock vLLM-style engine with fault injection.")
+    build_parser(p)
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="run 2 prefill + 2 decode mock engines and the router",
+                       description="Start a local mock fleet and the router in front of it; Ctrl-C stops all.")
+    p.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT")
+    p.add_argument("--tokens", type=int, default=16, help="tokens each mock decode produces")
+    p.add_argument("--token-delay-s", type=float, default=0.02)
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from .bench.cli import build_parser
+
+    p = sub.add_parser("bench", help="benchmark the router against a mock fleet",
+                       description="Measure router overhead and fault handling against a mock fleet.")
+    build_parser(p)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="narwhal", description="Narwhal: a router for disaggregated LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_serve(sub)
+    _add_mock(sub)
+    _add_demo(sub)
+    _add_bench(sub)
+    try:
+        from .admin_cli import add_parser as add_admin
+    except ImportError:
+        pass
+    else:
+        add_admin(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` and run the chosen command; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _build_parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "mock-engine":
+        from .mock.engine import main as mock_main
+
+        return mock_main(argv[argv.index("mock-engine") + 1:])
+    if args.command == "demo":
+        from .demo import run_demo
+
+        return run_demo(args)
+    if args.command == "bench":
+        from .bench.cli import run_from_args as run_bench
+
+        return run_bench(args)
+    return args.run(args)
+
+
+def serve_main(argv: Sequence[str] | None = None) -> int:
+    """The ``narwhal-serve`` console script: ``python -m narwhal serve``."""
+    return main(["serve", *(sys.argv[1:] if argv is None else argv)])
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config)
+        if args.listen:
+            parse_listen(args.listen)
+    except ConfigError as exc:
+        print(f"narwhal: config error: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"narwhal: --listen: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(args.log_level)
+    from .router import Router
+
+    router = Router(config, listen=args.listen, resume=args.resume)
+    try:
+        trio.run(run_until_signal, router)
+    except OSError as exc:
+        log_event("router_failed", **{"class": type(exc).__name__}, message=str(exc))
+        print(f"narwhal: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def run_until_signal(router) -> None:
+    """Run ``router``; the first SIGTERM/SIGINT drains it, a second one stops at once."""
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                count = 0
+                async for signum in signals:
+                    count += 1
+                    log_event("signal", signal=signal.Signals(signum).name)
+                    if count == 1:
+                        router.shutdown()
+                    else:
+                        nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch)
+            await router.run()
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,593 @@
+"""The engine state machine: every transition of every engine lives in this file.
+
+It decides which engines may take new work, per role, from the failure evidence,
+health sweeps, probe results, holds and ejections the shell reports. It does no
+I/O and reads no clock: each call takes ``now`` (monotonic seconds), and what the
+shell must do comes back as ``Action``s, what happened as ``FleetEvent``s.
+
+Theory of operation
+-------------------
+Per engine the fleet keeps: a consecutive-failure streak for each failure class,
+a liveness miss counter, an ejection (reason, time) or none, and at most one hold
+of each ``HoldKind``. An engine is *eligible* when it is not ejected and has no
+active hold; every hold kind pauses new requests. A hold is active unless it is
+*deferred* (last-engine protection, below) or its deadline has passed
+(``deadline <= now`` is expired).
+
+Evidence. ``record_failure`` adds one to the class's streak. When the streak
+reaches ``eject_after`` the class's row of ``FAILURE_ACTIONS`` answers, and again
+at every further multiple of ``eject_after`` (so an engine whose evidence is
+never cleared is looked at again, at the same rate, rather than never):
+
+- EJECT: the engine is ejected now; the returned action reports it.
+- HEALTH_PROBE: the shell runs ``GET /health`` on the control pool and reports a
+  200 as ``record_success(HEALTH_200)``, a failure as ``record_failure``.
+- INFERENCE_PROBE: the fleet first applies an inference-verification hold (the
+  pause), then asks the shell for a prefill/decode probe, and marks it in flight.
+  While that hold stands, further failures ask for no second probe.
+
+Ejected engines collect evidence but get no actions: they come back only
+through ``readmit``. ``record_success`` clears exactly the classes of its row of
+``EVIDENCE_CLEARED``.
+
+Probes. ``record_probe`` records the result of an inference probe: success
+clears the inference-class streaks, the verification hold and any quarantine
+hold; a failed prefill or decode leg ejects; an inconclusive result keeps the
+hold and schedules the next probe at ``now + probe_interval_s``, which
+``probes_due`` hands out (and marks in flight) once due. The shell must report
+every probe it starts, as inconclusive when it was cut short; probes of
+ejected engines are never scheduled.
+
+Liveness. ``record_health_sweep`` gives each engine without a successful health
+response a miss; ``liveness_misses`` consecutive misses eject. Any health 200
+(sweep or probe) resets the counter, as the clearing table says.
+
+Quarantine and ejection (the design decision). An *ejection* is a confirmed
+failure: the engine is out until ``readmit`` (a successful readmission chain).
+With ``failure_quarantine_s`` set, a *failure_quarantine* hold with deadline
+``now + failure_quarantine_s`` goes with it in two cases:
+
+1. On every ejection (streak, failed probe leg, liveness, explicit ``eject``):
+   the quarantine is then the minimum time out before readmission may be
+   tried; ``readmission_allowed`` is False until it expires or a successful
+   health or inference check clears it.
+2. Temporarily, for evidence short of ejection: when a timeout or overload
+   streak asks for a health probe, the engine is quarantined while the probe
+   decides. A health 200 clears it at once; otherwise the engine returns to
+   placement by itself at the deadline. This *temporary quarantine* is a hold
+   under last-engine protection.
+
+Either way the hold expires when its deadline passes, checked by ``eligible``
+itself (candidate selection), not by a monitor pass; for an ejected engine
+expiry only permits readmission.
+
+Last-engine protection. Performance-drift and failure-quarantine holds never
+take away the last eligible engine of a role: such a hold is recorded
+*deferred* (not pausing), and applied as soon as another engine of the role is
+eligible again. The check runs on every ``eligible`` call that finds the state
+changed or a deadline passed and after every mutation, and it works both ways:
+if a peer is later ejected, drained or paused and only protected holds keep the
+role empty, the most recently held engine gets its protected holds deferred
+again. Ejections, inference-verification holds, drains and maintenance are not
+protected: a confirmed failure (or the operator) can empty a role, and
+``capacity_problem`` then names it while probes continue.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Mapping, Sequence
+
+import msgspec
+
+from narwhal.failures import FailureClass, SuccessKind
+from narwhal.fleet.model import (
+    PROBE_OUTCOMES,
+    ROLES,
+    Action,
+    ActionKind,
+    EngineCounters,
+    EngineRecord,
+    EngineView,
+    FleetEvent,
+    FleetEventKind,
+    Hold,
+    HoldKind,
+    HoldRecord,
+    ProbeOutcome,
+)
+from narwhal.fleet.tables import (
+    EVIDENCE_CLEARED,
+    FAILURE_ACTIONS,
+    INFERENCE_FAILURES,
+    PROTECTED_HOLDS,
+    READMISSION_CLEARS,
+)
+
+__all__ = ["Fleet"]
+
+# Events wait here until the shell drains them (every monitor pass); the bound
+# keeps a shell that never drains from growing memory without limit.
+EVENT_BACKLOG = 10_000
+PROBE_LEGS = (None, "prefill", "decode")
+
+
+class _Engine:
+    """One engine's mutable state; only ``Fleet`` touches it."""
+
+    __slots__ = ("name", "role", "index", "streaks", "any_streak", "liveness_misses", "ejected",
+                 "ejected_reason", "ejected_at", "holds", "next_probe_at",
+                 "probe_in_flight", "ejections", "probes", "failures")
+
+    def __init__(self, name: str, role: str, index: int) -> None:
+        self.name = name
+        self.role = role
+        # Position in the configured fleet: the deterministic tie-breaker.
+        self.index = index
+        self.reset()
+
+    def reset(self) -> None:
+        self.streaks: dict[FailureClass, int] = dict.fromkeys(FailureClass, 0)
+        # False only when every streak is 0: lets traffic successes return at once.
+        self.any_streak = False
+        self.liveness_misses = 0
+        self.ejected = False
+        self.ejected_reason: str | None = None
+        self.ejected_at: float | None = None
+        self.holds: dict[HoldKind, Hold] = {}
+        self.next_probe_at: float | None = None
+        self.probe_in_flight = False
+        self.ejections = 0
+        self.probes: dict[str, int] = dict.fromkeys(PROBE_OUTCOMES, 0)
+        self.failures: dict[FailureClass, int] = dict.fromkeys(FailureClass, 0)
+
+    def protected_hold_active(self) -> bool:
+        return any(kind in PROTECTED_HOLDS and not hold.deferred
+                   for kind, hold in self.holds.items())
+
+    def placeable_but_for_protected_holds(self) -> bool:
+        return not self.ejected and all(kind in PROTECTED_HOLDS for kind in self.holds)
+
+
+class Fleet:
+    """The engine state machine: evidence, holds, ejection, eligibility per role."""
+
+    def __init__(self, engines: Sequence[tuple[str, str]], *, eject_after: int,
+                 liveness_misses: int, failure_quarantine_s: float | None,
+                 probe_interval_s: float) -> None:
+        """Track ``engines``, given as (name, role) pairs, all eligible at first."""
+        if eject_after < 1 or liveness_misses < 1:
+            raise ValueError("eject_after and liveness_misses must be >= 1")
+        if probe_interval_s <= 0 or (failure_quarantine_s is not None and failure_quarantine_s <= 0):
+            raise ValueError("probe_interval_s and failure_quarantine_s must be > 0")
+        self._eject_after = eject_after
+        self._liveness_limit = liveness_misses
+        self._quarantine_s = failure_quarantine_s
+        self._probe_interval_s = probe_interval_s
+        self._engines: dict[str, _Engine] = {}
+        self._by_role: dict[str, list[_Engine]] = {role: [] for role in ROLES}
+        for index, (name, role) in enumerate(engines):
+            if name in self._engines:
+                raise ValueError(f"duplicate engine name {name!r}")
+            if role not in self._by_role:
+                raise ValueError(f"engine {name!r} has role {role!r}, expected one of {ROLES}")
+            engine = _Engine(name, role, index)
+            self._engines[name] = engine
+            self._by_role[role].append(engine)
+        self._eligible: dict[str, list[str]] = {role: [] for role in ROLES}
+        self._eligible_names: frozenset[str] = frozenset()
+        # The cache of eligibility is stale when _dirty is set or at
+        # _next_deadline, the earliest hold deadline.
+        self._dirty = True
+        self._next_deadline = math.inf
+        self._events: collections.deque[FleetEvent] = collections.deque(maxlen=EVENT_BACKLOG)
+        self._events_dropped = 0
+
+    def __repr__(self) -> str:
+        counts = " | ".join(f"{role}: {len(self._eligible[role])}/{len(members)} eligible"
+                            for role, members in self._by_role.items())
+        return f"<Fleet [{counts}]>"
+
+    # ----- placement (hot path) -----
+
+    def eligible(self, role: str, now: float) -> list[str]:
+        """Names of the engines of ``role`` that may take new requests at ``now``."""
+        if self._dirty or now >= self._next_deadline:
+            self._refresh(now)
+        return list(self._eligible[role])
+
+    def is_eligible(self, name: str, now: float) -> bool:
+        """Whether engine ``name`` may take new requests at ``now``."""
+        if self._dirty or now >= self._next_deadline:
+            self._refresh(now)
+        return name in self._eligible_names
+
+    def capacity_problem(self, now: float) -> str | None:
+        """Why serving capacity is exhausted (a role with no eligible engine), or None."""
+        if self._dirty or now >= self._next_deadline:
+            self._refresh(now)
+        missing = [role for role in ROLES if not self._eligible[role]]
+        if not missing:
+            return None
+        return f"serving capacity exhausted: no eligible {' or '.join(missing)} engine"
+
+    # ----- evidence -----
+
+    def record_failure(self, name: str, failure_class: FailureClass, now: float) -> list[Action]:
+        """Count one failure of ``failure_class``; the table's action when the streak reaches eject_after."""
+        engine = self._engines[name]
+        streak = engine.streaks[failure_class] + 1
+        engine.streaks[failure_class] = streak
+        engine.any_streak = True
+        engine.failures[failure_class] += 1
+        if streak % self._eject_after or engine.ejected:
+            return []
+        reason = f"{failure_class} streak reached {streak} (eject_after {self._eject_after})"
+        actions = self._respond(engine, failure_class, reason, now)
+        self._refresh_if_stale(now)
+        return actions
+
+    def record_success(self, name: str, kind: SuccessKind, now: float) -> list[Action]:
+        """Clear exactly the evidence that ``kind``'s row of the clearing table names."""
+        engine = self._engines[name]
+        if not engine.any_streak and kind is not SuccessKind.HEALTH_200:
+            return []  # the common case on the request path: nothing to clear
+        for evidence in EVIDENCE_CLEARED[kind]:
+            if isinstance(evidence, FailureClass):
+                if engine.streaks[evidence]:
+                    self._clear_streak(engine, evidence, f"{kind} response", now)
+            elif engine.liveness_misses:
+                self._emit(FleetEventKind.EVIDENCE_CLEARED, engine, now,
+                           f"{kind} response reset {engine.liveness_misses} liveness misses")
+                engine.liveness_misses = 0
+        # "A successful health ... check clears the [quarantine] hold first."
+        if kind is SuccessKind.HEALTH_200 and HoldKind.FAILURE_QUARANTINE in engine.holds:
+            self._remove_hold(engine, HoldKind.FAILURE_QUARANTINE, "health check succeeded", now)
+            self._refresh_if_stale(now)
+        return []
+
+    def record_health_sweep(self, results: Mapping[str, bool], now: float) -> list[Action]:
+        """Apply one health sweep: True is a health 200, False or absent is a liveness miss."""
+        unknown = results.keys() - self._engines.keys()
+        if unknown:
+            raise KeyError(f"health sweep names unknown engines: {sorted(unknown)}")
+        actions: list[Action] = []
+        for engine in self._engines.values():
+            if results.get(engine.name, False):
+                self.record_success(engine.name, SuccessKind.HEALTH_200, now)
+                continue
+            engine.liveness_misses += 1
+            if engine.liveness_misses >= self._liveness_limit and not engine.ejected:
+                actions += self._eject(engine, f"{engine.liveness_misses} consecutive silent health "
+                                       f"sweeps (liveness_misses {self._liveness_limit})", now)
+        self._refresh_if_stale(now)
+        return actions
+
+    # ----- inference probes -----
+
+    def record_probe(self, name: str, outcome: ProbeOutcome, now: float, *,
+                     leg: str | None = None, reason: str = "") -> list[Action]:
+        """Record an inference probe's result; ``leg`` names the leg that decided it."""
+        if outcome not in PROBE_OUTCOMES:
+            raise ValueError(f"probe outcome must be one of {PROBE_OUTCOMES}, got {outcome!r}")
+        if leg not in PROBE_LEGS:
+            raise ValueError(f"probe leg must be one of {PROBE_LEGS}, got {leg!r}")
+        engine = self._engines[name]
+        engine.probes[outcome] += 1
+        engine.probe_in_flight = False
+        what = f"{leg} probe leg {outcome}" if leg else f"inference probe {outcome}"
+        if reason:
+            what = f"{what}: {reason}"
+        self._emit(FleetEventKind.PROBE_RESULT, engine, now, what, outcome=outcome, leg=leg)
+        actions: list[Action] = []
+        if outcome == "success":
+            for failure_class in INFERENCE_FAILURES:
+                if engine.streaks[failure_class]:
+                    self._clear_streak(engine, failure_class, "inference probe succeeded", now)
+            for kind in (HoldKind.INFERENCE_VERIFICATION, HoldKind.FAILURE_QUARANTINE):
+                if kind in engine.holds:
+                    self._remove_hold(engine, kind, "inference probe succeeded", now)
+        elif outcome == "failed":
+            actions = self._eject(engine, what, now)
+        elif HoldKind.INFERENCE_VERIFICATION in engine.holds and not engine.ejected:
+            # Inconclusive: the hold stays and the monitor probes again later.
+            engine.next_probe_at = now + self._probe_interval_s
+        self._refresh_if_stale(now)
+        return actions
+
+    def probes_due(self, now: float) -> list[str]:
+        """Engines whose inference re-probe is due; each is marked in flight, so probe each once."""
+        due: list[str] = []
+        for engine in self._engines.values():
+            if engine.next_probe_at is not None and engine.next_probe_at <= now:
+                engine.next_probe_at = None
+                engine.probe_in_flight = True
+                due.append(engine.name)
+        return due
+
+    # ----- holds, ejection, readmission -----
+
+    def add_hold(self, name: str, kind: HoldKind, reason: str, now: float,
+                 deadline: float | None = None) -> list[Action]:
+        """Hold ``name`` out of placement; an inference-verification hold also asks for a probe."""
+        engine = self._engines[name]
+        self._put_hold(engine, kind, reason, now, deadline)
+        actions: list[Action] = []
+        if (kind is HoldKind.INFERENCE_VERIFICATION and not engine.ejected
+                and not engine.probe_in_flight and engine.next_probe_at is None):
+            actions = self._start_probe(engine, None, reason)
+        self._refresh_if_stale(now)
+        return actions
+
+    def clear_hold(self, name: str, kind: HoldKind, now: float) -> bool:
+        """Remove ``name``'s hold of ``kind``; False when there was none."""
+        engine = self._engines[name]
+        if kind not in engine.holds:
+            return False
+        self._remove_hold(engine, kind, "cleared by request", now)
+        self._refresh_if_stale(now)
+        return True
+
+    def eject(self, name: str, reason: str, now: float) -> list[Action]:
+        """Eject ``name`` as a confirmed failure; no-op when already ejected."""
+        actions = self._eject(self._engines[name], reason, now)
+        self._refresh_if_stale(now)
+        return actions
+
+    def readmit(self, name: str, now: float) -> None:
+        """After a successful readmission chain: end the ejection, clear its holds and evidence."""
+        engine = self._engines[name]
+        for kind in READMISSION_CLEARS:
+            if kind in engine.holds:
+                self._remove_hold(engine, kind, "readmitted", now)
+        engine.ejected = False
+        engine.ejected_reason = None
+        engine.ejected_at = None
+        engine.streaks = dict.fromkeys(FailureClass, 0)
+        engine.any_streak = False
+        engine.liveness_misses = 0
+        engine.next_probe_at = None
+        engine.probe_in_flight = False
+        self._emit(FleetEventKind.READMITTED, engine, now, "readmission verified")
+        self._dirty = True
+        self._refresh_if_stale(now)
+
+    def readmission_allowed(self, name: str, now: float) -> bool:
+        """False while a failure-quarantine hold on ``name`` is unexpired."""
+        hold = self._engines[name].holds.get(HoldKind.FAILURE_QUARANTINE)
+        return hold is None or (hold.deadline is not None and hold.deadline <= now)
+
+    # ----- visibility -----
+
+    def view(self, name: str, now: float) -> EngineView:
+        """A frozen picture of one engine at ``now``."""
+        if self._dirty or now >= self._next_deadline:
+            self._refresh(now)
+        engine = self._engines[name]
+        return EngineView(
+            name=engine.name, role=engine.role, eligible=name in self._eligible_names,
+            ejected=engine.ejected, ejected_reason=engine.ejected_reason,
+            ejected_at=engine.ejected_at,
+            holds=[engine.holds[kind] for kind in HoldKind if kind in engine.holds],
+            evidence=dict(engine.streaks), liveness_misses=engine.liveness_misses,
+            next_probe_at=engine.next_probe_at, probe_in_flight=engine.probe_in_flight,
+            readmission_allowed=self.readmission_allowed(name, now),
+            counters=self._counters(engine))
+
+    def views(self, now: float) -> list[EngineView]:
+        """``view`` of every engine, in configured order."""
+        return [self.view(name, now) for name in self._engines]
+
+    def drain_events(self) -> list[FleetEvent]:
+        """What happened since the last call, oldest first."""
+        events = list(self._events)
+        self._events.clear()
+        return events
+
+    @property
+    def events_dropped(self) -> int:
+        """Events lost because the backlog was full (the shell drained too rarely)."""
+        return self._events_dropped
+
+    # ----- durable handoff -----
+
+    def snapshot(self, now: float, wall_now: float) -> list[EngineRecord]:
+        """Every engine's durable state, with monotonic times converted to wall-clock."""
+        if self._dirty or now >= self._next_deadline:
+            self._refresh(now)
+
+        def wall(t: float | None) -> float | None:
+            return None if t is None else wall_now + (t - now)
+
+        return [EngineRecord(
+            name=engine.name, role=engine.role, ejected=engine.ejected,
+            ejected_reason=engine.ejected_reason, ejected_at_wall=wall(engine.ejected_at),
+            holds=[HoldRecord(kind=hold.kind, reason=hold.reason, since_wall=wall_now + (hold.since - now),
+                              deadline_wall=wall(hold.deadline), deferred=hold.deferred)
+                   for kind in HoldKind if (hold := engine.holds.get(kind)) is not None],
+            streaks=dict(engine.streaks), liveness_misses=engine.liveness_misses,
+            next_probe_at_wall=wall(engine.next_probe_at), counters=self._counters(engine),
+        ) for engine in self._engines.values()]
+
+    def restore(self, records: Sequence[EngineRecord], now: float, wall_now: float) -> None:
+        """Inverse of ``snapshot``; deadlines already past come back expired.
+
+        Raises ValueError, changing nothing, when a record names an engine that
+        is not configured or gives it another role. A verification hold whose
+        probe was in flight in the old process is probed again at once.
+        """
+        seen: set[str] = set()
+        for record in records:
+            engine = self._engines.get(record.name)
+            if engine is None or record.name in seen:
+                raise ValueError(f"handoff engine {record.name!r} is unknown or repeated")
+            if record.role != engine.role:
+                raise ValueError(f"handoff gives engine {record.name!r} role {record.role!r}, "
+                                 f"configured {engine.role!r}")
+            seen.add(record.name)
+
+        def mono(t: float | None) -> float | None:
+            return None if t is None else now + (t - wall_now)
+
+        for record in records:
+            engine = self._engines[record.name]
+            engine.reset()
+            engine.ejected = record.ejected
+            if record.ejected:
+                engine.ejected_reason = record.ejected_reason or "restored from handoff"
+                engine.ejected_at = mono(record.ejected_at_wall)
+                if engine.ejected_at is None:
+                    engine.ejected_at = now
+            engine.holds = {h.kind: Hold(h.kind, h.reason, now + (h.since_wall - wall_now),
+                                         mono(h.deadline_wall), h.deferred) for h in record.holds}
+            engine.streaks.update(record.streaks)
+            engine.any_streak = any(engine.streaks.values())
+            engine.liveness_misses = record.liveness_misses
+            if HoldKind.INFERENCE_VERIFICATION in engine.holds and not engine.ejected:
+                next_probe_at = mono(record.next_probe_at_wall)
+                engine.next_probe_at = now if next_probe_at is None else next_probe_at
+            engine.ejections = record.counters.ejections
+            engine.probes.update(record.counters.probes)
+            engine.failures.update(record.counters.failures)
+        self._refresh(now)
+
+    # ----- transitions -----
+
+    def _respond(self, engine: _Engine, failure_class: FailureClass, reason: str,
+                 now: float) -> list[Action]:
+        action = FAILURE_ACTIONS[failure_class]
+        if action is ActionKind.EJECT:
+            return self._eject(engine, reason, now, failure_class)
+        if action is ActionKind.HEALTH_PROBE:
+            if self._quarantine_s is not None:
+                self._put_hold(engine, HoldKind.FAILURE_QUARANTINE, f"temporary, until health "
+                               f"verified: {reason}", now, now + self._quarantine_s)
+            return [Action(ActionKind.HEALTH_PROBE, engine.name, failure_class, reason)]
+        # Pause new requests first, then probe prefill/decode.
+        if HoldKind.INFERENCE_VERIFICATION not in engine.holds:
+            self._put_hold(engine, HoldKind.INFERENCE_VERIFICATION, reason, now, None)
+        elif engine.probe_in_flight or engine.next_probe_at is not None:
+            return []  # already paused, and its probe is running or scheduled
+        return self._start_probe(engine, failure_class, reason)
+
+    def _start_probe(self, engine: _Engine, failure_class: FailureClass | None,
+                     reason: str) -> list[Action]:
+        engine.probe_in_flight = True
+        engine.next_probe_at = None
+        return [Action(ActionKind.INFERENCE_PROBE, engine.name, failure_class, reason)]
+
+    def _eject(self, engine: _Engine, reason: str, now: float,
+               failure_class: FailureClass | None = None) -> list[Action]:
+        if engine.ejected:
+            return []
+        engine.ejected = True
+        engine.ejected_reason = reason
+        engine.ejected_at = now
+        engine.ejections += 1
+        # Ejected engines come back through readmission, not probes.
+        engine.next_probe_at = None
+        engine.probe_in_flight = False
+        self._dirty = True
+        self._emit(FleetEventKind.EJECTED, engine, now, reason, failure_class=failure_class)
+        if self._quarantine_s is not None:
+            self._put_hold(engine, HoldKind.FAILURE_QUARANTINE, f"ejected: {reason}", now,
+                           now + self._quarantine_s)
+        return [Action(ActionKind.EJECT, engine.name, failure_class, reason)]
+
+    def _put_hold(self, engine: _Engine, kind: HoldKind, reason: str, now: float,
+                  deadline: float | None) -> None:
+        if self._dirty or now >= self._next_deadline:
+            self._refresh(now)
+        # Last-engine protection decides at the moment the hold would bite.
+        deferred = (kind in PROTECTED_HOLDS and not engine.ejected
+                    and self._eligible[engine.role] == [engine.name])
+        previous = engine.holds.get(kind)
+        since = previous.since if previous is not None and previous.deferred == deferred else now
+        engine.holds[kind] = Hold(kind, reason, since, deadline, deferred)
+        self._dirty = True
+        if deferred:
+            self._emit(FleetEventKind.HOLD_DEFERRED, engine, now,
+                       f"{reason} (deferred: last eligible {engine.role} engine)", hold_kind=kind)
+        else:
+            self._emit(FleetEventKind.HOLD_ADDED, engine, now, reason, hold_kind=kind)
+
+    def _remove_hold(self, engine: _Engine, kind: HoldKind, why: str, now: float) -> None:
+        hold = engine.holds.pop(kind)
+        if kind is HoldKind.INFERENCE_VERIFICATION:
+            engine.next_probe_at = None  # nothing left to verify
+        self._dirty = True
+        self._emit(FleetEventKind.HOLD_CLEARED, engine, now, f"{why} (was: {hold.reason})",
+                   hold_kind=kind)
+
+    def _clear_streak(self, engine: _Engine, failure_class: FailureClass, why: str,
+                      now: float) -> None:
+        self._emit(FleetEventKind.EVIDENCE_CLEARED, engine, now,
+                   f"{why} cleared a {failure_class} streak of {engine.streaks[failure_class]}",
+                   failure_class=failure_class)
+        engine.streaks[failure_class] = 0
+        engine.any_streak = any(engine.streaks.values())
+
+    def _refresh_if_stale(self, now: float) -> None:
+        if self._dirty or now >= self._next_deadline:
+            self._refresh(now)
+
+    def _refresh(self, now: float) -> None:
+        """Expire holds, apply last-engine protection, and rebuild the eligibility cache."""
+        self._dirty = False
+        for engine in self._engines.values():
+            for kind, hold in list(engine.holds.items()):
+                if hold.deadline is not None and hold.deadline <= now:
+                    self._remove_hold(engine, kind, "deadline passed", now)
+        eligible_names: set[str] = set()
+        for role, members in self._by_role.items():
+            self._protect_last_engine(role, members, now)
+            eligible = [engine.name for engine in members if not engine.ejected
+                        and all(hold.deferred for hold in engine.holds.values())]
+            self._eligible[role] = eligible
+            eligible_names.update(eligible)
+        self._eligible_names = frozenset(eligible_names)
+        self._next_deadline = min((hold.deadline for engine in self._engines.values()
+                                   for hold in engine.holds.values() if hold.deadline is not None),
+                                  default=math.inf)
+        # Removing expired holds above marked the state changed; it is now current.
+        self._dirty = False
+
+    def _protect_last_engine(self, role: str, members: list[_Engine], now: float) -> None:
+        # Candidates: engines that only protected holds (if any) keep out of placement.
+        candidates = [engine for engine in members if engine.placeable_but_for_protected_holds()]
+        for engine in candidates:
+            if not any(hold.deferred for hold in engine.holds.values()):
+                continue
+            peer_eligible = any(not peer.protected_hold_active()
+                                for peer in candidates if peer is not engine)
+            if peer_eligible or engine.protected_hold_active():
+                for kind, hold in list(engine.holds.items()):
+                    if hold.deferred:
+                        engine.holds[kind] = msgspec.structs.replace(hold, since=now, deferred=False)
+                        self._emit(FleetEventKind.HOLD_ADDED, engine, now,
+                                   f"{hold.reason} (applied: a peer is eligible again)", hold_kind=kind)
+        if not candidates or any(not engine.protected_hold_active() for engine in candidates):
+            return
+        # Only protected holds empty this role: keep the engine held most recently,
+        # i.e. the one that was eligible last.
+        keep = max(candidates, key=lambda engine: (
+            max(hold.since for hold in engine.holds.values() if not hold.deferred), -engine.index))
+        for kind, hold in list(keep.holds.items()):
+            if not hold.deferred:
+                keep.holds[kind] = msgspec.structs.replace(hold, deferred=True)
+                self._emit(FleetEventKind.HOLD_DEFERRED, keep, now,
+                           f"{hold.reason} (deferred: last eligible {role} engine)", hold_kind=kind)
+
+    def _counters(self, engine: _Engine) -> EngineCounters:
+        return EngineCounters(ejections=engine.ejections, probes=dict(engine.probes),
+                              failures=dict(engine.failures))
+
+    def _emit(self, kind: FleetEventKind, engine: _Engine, now: float, reason: str, *,
+              failure_class: FailureClass | None = None, hold_kind: HoldKind | None = None,
+              outcome: str | None = None, leg: str | None = None) -> None:
+        if len(self._events) == self._events.maxlen:
+            self._events_dropped += 1
+        self._events.append(FleetEvent(kind=kind, engine=engine.name, reason=reason, at=now,
+                                       failure_class=failure_class, hold_kind=hold_kind,
+                                       outcome=outcome, leg=leg))

@@ -1,0 +1,163 @@
+"""The fleet's vocabulary: what it asks the shell to do, what it reports, what it saves.
+
+Every struct here is frozen data crossing the boundary between the pure state
+machine (``narwhal.fleet.machine``) and its shell: actions to perform, events to
+log and count, per-engine views for the admin API, and records for the handoff.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Literal
+
+import msgspec
+
+from narwhal.failures import FailureClass
+
+__all__ = [
+    "ROLES",
+    "Action",
+    "ActionKind",
+    "EngineCounters",
+    "EngineRecord",
+    "EngineView",
+    "FleetEvent",
+    "FleetEventKind",
+    "Hold",
+    "HoldKind",
+    "HoldRecord",
+    "ProbeOutcome",
+]
+
+ROLES: tuple[str, ...] = ("prefill", "decode")
+
+ProbeOutcome = Literal["success", "failed", "inconclusive"]
+PROBE_OUTCOMES: tuple[ProbeOutcome, ...] = ("success", "failed", "inconclusive")
+
+
+class ActionKind(enum.StrEnum):
+    """What the shell must do for an engine (the 'Action' column of the failure table)."""
+
+    EJECT = "eject"
+    HEALTH_PROBE = "health_probe"
+    INFERENCE_PROBE = "inference_probe"
+
+
+class HoldKind(enum.StrEnum):
+    """Why an engine is held out of placement; every kind pauses new requests."""
+
+    INFERENCE_VERIFICATION = "inference_verification"
+    FAILURE_QUARANTINE = "failure_quarantine"
+    PERFORMANCE_DRIFT = "performance_drift"
+    OPERATOR_DRAIN = "operator_drain"
+    MAINTENANCE = "maintenance"
+
+
+class Action(msgspec.Struct, frozen=True):
+    """One piece of I/O the shell owes an engine; state changes are already applied.
+
+    ``EJECT`` reports an ejection the fleet has recorded; the probe kinds ask the
+    shell to start that probe now, on the control pool, and report its result.
+    """
+
+    kind: ActionKind
+    engine: str
+    failure_class: FailureClass | None
+    reason: str
+
+
+class Hold(msgspec.Struct, frozen=True):
+    """A hold on one engine; ``deferred`` means recorded but not pausing (last engine)."""
+
+    kind: HoldKind
+    reason: str
+    since: float
+    deadline: float | None = None
+    deferred: bool = False
+
+
+class FleetEventKind(enum.StrEnum):
+    """What happened inside the fleet, for the shell to log and count."""
+
+    EJECTED = "ejected"
+    READMITTED = "readmitted"
+    HOLD_ADDED = "hold_added"
+    HOLD_CLEARED = "hold_cleared"
+    HOLD_DEFERRED = "hold_deferred"
+    PROBE_RESULT = "probe_result"
+    EVIDENCE_CLEARED = "evidence_cleared"
+
+
+class FleetEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """One transition: which engine, what kind, why, and when (monotonic seconds).
+
+    ``failure_class`` is set for ejections caused by a streak and for cleared
+    streaks (``None`` on an ``evidence_cleared`` event means the liveness
+    counter); ``hold_kind`` for hold events; ``outcome`` and ``leg`` for probes.
+    """
+
+    kind: FleetEventKind
+    engine: str
+    reason: str
+    at: float
+    failure_class: FailureClass | None = None
+    hold_kind: HoldKind | None = None
+    outcome: str | None = None
+    leg: str | None = None
+
+
+class EngineCounters(msgspec.Struct, frozen=True, kw_only=True):
+    """Monotonic totals for one engine: ejections, probes by outcome, failures by class."""
+
+    ejections: int = 0
+    probes: dict[str, int] = {}
+    failures: dict[FailureClass, int] = {}
+
+
+class EngineView(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything an operator needs to see why an engine is in or out of placement."""
+
+    name: str
+    role: str
+    eligible: bool
+    ejected: bool
+    ejected_reason: str | None
+    ejected_at: float | None
+    holds: list[Hold]
+    # Current consecutive-failure streak for every failure class.
+    evidence: dict[FailureClass, int]
+    liveness_misses: int
+    # When the next inference re-probe is due; None when none is scheduled.
+    next_probe_at: float | None
+    probe_in_flight: bool
+    readmission_allowed: bool
+    counters: EngineCounters
+
+
+class HoldRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A hold as saved in the handoff, with wall-clock times."""
+
+    kind: HoldKind
+    reason: str
+    since_wall: float
+    deadline_wall: float | None = None
+    deferred: bool = False
+
+
+class EngineRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One engine's durable state for the handoff; times are wall-clock seconds.
+
+    Every field but the name and role has a default, so a handoff written by an
+    older version (with fewer fields) still decodes.
+    """
+
+    name: str
+    role: str
+    ejected: bool = False
+    ejected_reason: str | None = None
+    ejected_at_wall: float | None = None
+    holds: list[HoldRecord] = []
+    streaks: dict[FailureClass, int] = {}
+    liveness_misses: int = 0
+    next_probe_at_wall: float | None = None
+    counters: EngineCounters = EngineCounters()

@@ -1,0 +1,87 @@
+"""The spec's two tables and the hold rules, as literal data.
+
+``FAILURE_ACTIONS`` is the spec's "Failure evidence" table (class -> action when
+a streak reaches ``recovery.eject_after``); ``EVIDENCE_CLEARED`` is its
+"Clearing failure evidence" table (successful response -> evidence cleared).
+The state machine reads these dicts and nothing else to decide; the tests walk
+them row by row.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+from narwhal.failures import FailureClass, SuccessKind
+from narwhal.fleet.model import ActionKind, HoldKind
+
+__all__ = [
+    "ACTION_POOL",
+    "EVIDENCE_CLEARED",
+    "FAILURE_ACTIONS",
+    "INFERENCE_FAILURES",
+    "LIVENESS",
+    "PAUSING_HOLDS",
+    "PROTECTED_HOLDS",
+    "READMISSION_CLEARS",
+    "Evidence",
+]
+
+# The liveness miss counter, named alongside the failure classes in the
+# clearing table ("Health 200 clears ... and liveness").
+LIVENESS: Final = "liveness"
+Evidence = FailureClass | Literal["liveness"]
+
+# Failure evidence: when a class's streak reaches recovery.eject_after.
+# INFERENCE_PROBE means "pause new requests and probe prefill/decode": the
+# fleet applies the inference-verification hold before asking for the probe.
+FAILURE_ACTIONS: Final[dict[FailureClass, ActionKind]] = {
+    FailureClass.CONNECTION: ActionKind.EJECT,
+    FailureClass.TIMEOUT: ActionKind.HEALTH_PROBE,
+    FailureClass.STREAM: ActionKind.INFERENCE_PROBE,
+    FailureClass.OVERLOAD: ActionKind.HEALTH_PROBE,
+    FailureClass.INFERENCE_STATUS: ActionKind.INFERENCE_PROBE,
+    FailureClass.KV_HANDOFF: ActionKind.INFERENCE_PROBE,
+}
+
+# Clearing failure evidence: each successful response clears exactly these.
+EVIDENCE_CLEARED: Final[dict[SuccessKind, tuple[Evidence, ...]]] = {
+    # 4xx response other than 408 or 429
+    SuccessKind.CLIENT_4XX: (FailureClass.CONNECTION, FailureClass.INFERENCE_STATUS),
+    # Health 200
+    SuccessKind.HEALTH_200: (FailureClass.CONNECTION, FailureClass.TIMEOUT,
+                             FailureClass.OVERLOAD, LIVENESS),
+    # Prefill with an extracted handoff
+    SuccessKind.PREFILL_HANDOFF: (FailureClass.CONNECTION, FailureClass.INFERENCE_STATUS,
+                                  FailureClass.KV_HANDOFF),
+    # Decode stream reaching its terminal marker
+    SuccessKind.DECODE_TERMINAL: (FailureClass.CONNECTION, FailureClass.INFERENCE_STATUS,
+                                  FailureClass.STREAM),
+}
+
+# "Recorded inference failures": the classes an inference probe verifies, and
+# so the ones a successful inference probe clears.
+INFERENCE_FAILURES: Final[tuple[FailureClass, ...]] = tuple(
+    cls for cls, action in FAILURE_ACTIONS.items() if action is ActionKind.INFERENCE_PROBE)
+
+# Which pool the shell runs each action's I/O on ("Connection pools"): suspect
+# verification is control-pool work, so a saturated data pool cannot starve it.
+# An ejection is bookkeeping, not a call.
+ACTION_POOL: Final[dict[ActionKind, Literal["control"] | None]] = {
+    ActionKind.EJECT: None,
+    ActionKind.HEALTH_PROBE: "control",
+    ActionKind.INFERENCE_PROBE: "control",
+}
+
+# Every hold kind pauses new requests to its engine.
+PAUSING_HOLDS: Final[frozenset[HoldKind]] = frozenset(HoldKind)
+
+# Last-engine protection: these holds never remove the last eligible engine of
+# a role. A failure_quarantine hold on an ejected engine is moot here (the
+# ejection already removed it), so in effect only temporary quarantines count.
+PROTECTED_HOLDS: Final[frozenset[HoldKind]] = frozenset(
+    {HoldKind.PERFORMANCE_DRIFT, HoldKind.FAILURE_QUARANTINE})
+
+# What a successful readmission chain clears besides the ejection itself.
+READMISSION_CLEARS: Final[tuple[HoldKind, ...]] = (
+    HoldKind.OPERATOR_DRAIN, HoldKind.MAINTENANCE,
+    HoldKind.FAILURE_QUARANTINE, HoldKind.INFERENCE_VERIFICATION)

@@ -1,0 +1,207 @@
+"""The durable handoff: the control plane's state as one versioned JSON document.
+
+The persistence stage writes a ``HandoffDocument`` on every monitor pass;
+``narwhal-serve --resume`` and a warm standby read it back. ``write_atomic``
+replaces the file so that a reader, a concurrent writer or a crash never sees
+anything but one complete document.
+
+Errors::
+
+    HandoffError                 any problem reading a handoff
+    ├── HandoffMissing           no file at the path
+    ├── HandoffUnreadable        cannot be read, is not JSON, or does not fit the struct
+    └── HandoffSchemaMismatch    a complete document of another schema version
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from narwhal.fleet import EngineRecord
+
+__all__ = [
+    "HANDOFF_SCHEMA",
+    "ConsolidationRisk",
+    "EngineSetEntry",
+    "HandoffDocument",
+    "HandoffError",
+    "HandoffMissing",
+    "HandoffSchemaMismatch",
+    "HandoffUnreadable",
+    "LeaseOwnership",
+    "decode_document",
+    "encode_document",
+    "read_document",
+    "write_atomic",
+]
+
+# Bump only for a change an older reader would misread; adding a field with a
+# default keeps the schema, since older documents still decode.
+HANDOFF_SCHEMA = 1
+
+ConsolidationRisk = Literal["none", "elevated", "critical"]
+
+
+class HandoffError(Exception):
+    """A handoff could not be used; the message is fit to show an operator."""
+
+
+class HandoffMissing(HandoffError):
+    """There is no handoff file at the path."""
+
+
+class HandoffUnreadable(HandoffError):
+    """The file cannot be read or is not a complete handoff document."""
+
+
+class HandoffSchemaMismatch(HandoffError):
+    """The document is of another schema version than this router's."""
+
+    def __init__(self, found: int, expected: int = HANDOFF_SCHEMA) -> None:
+        super().__init__(f"schema {found} differs from {expected}")
+        self.found = found
+        self.expected = expected
+
+
+class EngineSetEntry(msgspec.Struct, frozen=True, kw_only=True):
+    """One configured engine as the writer knew it; resume compares these to the config."""
+
+    name: str
+    url: str
+    role: str
+
+
+class LeaseOwnership(msgspec.Struct, frozen=True, kw_only=True):
+    """Who held the serving lease when the document was written; "none" without a lease."""
+
+    holder: str = "none"
+    epoch: int = 0
+
+
+class HandoffDocument(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything a restarted or standby router needs to carry the fleet's state over.
+
+    Engine records carry roles, ejections, every hold (drains, maintenance,
+    quarantine, drift, inference verification) with wall-clock deadlines, and
+    counters. The monitor-failure streak is deliberately absent: a restarted
+    router starts with fresh monitor-failure counters.
+    """
+
+    schema: int
+    router_id: str
+    pid: int
+    pass_number: int
+    # Wall-clock unix seconds.
+    written_at: float
+    engine_set: list[EngineSetEntry]
+    engines: list[EngineRecord]
+    # Role -> risk that the role's serving consolidates onto too few engines.
+    consolidation_risk: dict[str, ConsolidationRisk] = {}
+    lease: LeaseOwnership = LeaseOwnership()
+    # Engines whose operator drain has settled (no requests left in flight).
+    drained: list[str] = []
+
+
+class _SchemaOnly(msgspec.Struct):
+    schema: int
+
+
+_encoder = msgspec.json.Encoder()
+_schema_decoder = msgspec.json.Decoder(_SchemaOnly)
+_document_decoder = msgspec.json.Decoder(HandoffDocument)
+
+
+def encode_document(document: HandoffDocument) -> bytes:
+    """The document as JSON bytes, ending in a newline."""
+    return _encoder.encode(document) + b"\n"
+
+
+def decode_document(data: bytes) -> HandoffDocument:
+    """Parse a document, reading its schema first; raise a ``HandoffError`` subclass if unusable."""
+    try:
+        schema = _schema_decoder.decode(data).schema
+    except msgspec.ValidationError as exc:
+        raise HandoffUnreadable(f"no schema number: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise HandoffUnreadable(f"not JSON: {exc}") from None
+    if schema != HANDOFF_SCHEMA:
+        raise HandoffSchemaMismatch(schema)
+    try:
+        return _document_decoder.decode(data)
+    except msgspec.DecodeError as exc:  # ValidationError is a subclass
+        raise HandoffUnreadable(f"not a handoff document: {exc}") from None
+
+
+def read_document(path: str | os.PathLike[str]) -> HandoffDocument:
+    """Read and decode the handoff at ``path``."""
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise HandoffMissing(f"no handoff at {os.fspath(path)}") from None
+    except OSError as exc:
+        raise HandoffUnreadable(f"cannot read {os.fspath(path)}: {exc.strerror or exc}") from None
+    return decode_document(data)
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes, *,
+                 proceed: Callable[[], bool] | None = None) -> bool:
+    """Replace ``path`` with ``data`` so that readers only ever see a complete file.
+
+    A temporary file unique to this process and call (pid and a random suffix)
+    is created next to the destination, written in full, fsynced and renamed
+    over the destination; then the directory is fsynced so the rename itself
+    survives a power loss. If any step up to the rename fails, the temporary
+    file is removed, the destination is untouched, and the error propagates.
+    A failed directory fsync also propagates, though the rename (the commit
+    point) has then already put the new complete document in place.
+
+    ``proceed``, when given, is asked just before the rename; if it says no
+    (the writer was fenced meanwhile) nothing is replaced and False is returned.
+    """
+    destination = Path(path)
+    directory = destination.parent
+    # Same directory as the destination: os.replace is atomic only within one filesystem.
+    temporary = directory / f".{destination.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    renamed = False
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if proceed is not None and not proceed():
+            return False
+        os.replace(temporary, destination)
+        renamed = True
+    finally:
+        if not renamed:
+            try:
+                os.unlink(temporary)
+            except OSError:
+                pass  # the original error is the one worth raising
+    _fsync_directory(directory)
+    return True
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        # As PostgreSQL's fsync_fname: some filesystems cannot fsync a directory
+        # at all; that is no reason to call every write a failure.
+        if exc.errno not in (errno.EINVAL, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)

@@ -1,0 +1,164 @@
+"""Start mock engines and routers as local processes: for ``demo``, ``bench`` and e2e tests.
+
+Each process is started on port 0 and announces its bound port with one JSON
+line (``mock_engine_ready`` on stdout, ``router_started`` on stderr), so
+nothing here guesses free ports. ``LocalProcess.stop`` sends SIGTERM, waits,
+and kills only if the process outstays its grace.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+import trio
+
+__all__ = ["LocalProcess", "render_config", "start_mock_engine", "start_router"]
+
+_decode_json = msgspec.json.Decoder()
+
+
+class LocalProcess:
+    """A child process with the port it announced and the lines it has logged."""
+
+    def __init__(self, process: trio.Process, port: int, name: str) -> None:
+        self.process = process
+        self.port = port
+        self.name = name
+        self.lines: list[dict[str, Any]] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    async def stop(self, grace_s: float = 10.0) -> int:
+        """SIGTERM, then SIGKILL after ``grace_s``; returns the exit code."""
+        if self.process.returncode is None:
+            self.process.send_signal(signal.SIGTERM)
+            with trio.move_on_after(grace_s):
+                await self.process.wait()
+            if self.process.returncode is None:
+                self.process.kill()
+        return await self.process.wait()
+
+    def kill(self) -> None:
+        if self.process.returncode is None:
+            self.process.kill()
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        return [line for line in self.lines if line.get("event") == name]
+
+
+async def _read_lines(stream: trio.abc.ReceiveStream, sink: list[dict[str, Any]],
+                      ready: str, found: trio.Event, found_line: list[dict[str, Any]],
+                      echo: Any = None) -> None:
+    """Collect JSON lines from ``stream`` until EOF; flag the first ``ready`` event."""
+    buffer = b""
+    async for data in stream:
+        buffer += data
+        *complete, buffer = buffer.split(b"\n")
+        for raw in complete:
+            if echo is not None:
+                echo.write(raw.decode(errors="replace") + "\n")
+                echo.flush()
+            try:
+                line = _decode_json.decode(raw)
+            except msgspec.DecodeError:
+                continue
+            if not isinstance(line, dict):
+                continue
+            sink.append(line)
+            if not found.is_set() and line.get("event") == ready:
+                found_line.append(line)
+                found.set()
+    found.set()
+
+
+async def _start(nursery: trio.Nursery, argv: Sequence[str], *, ready: str, from_stderr: bool,
+                 name: str, timeout_s: float, env: Mapping[str, str] | None,
+                 echo: Any = None) -> LocalProcess:
+    child_env = dict(os.environ)
+    child_env.update(env or {})
+    process = await trio.lowlevel.open_process(
+        list(argv),
+        stdout=subprocess.PIPE if not from_stderr else subprocess.DEVNULL,
+        stderr=subprocess.PIPE if from_stderr else None,
+        env=child_env,
+        start_new_session=True,
+    )
+    stream = process.stderr if from_stderr else process.stdout
+    found = trio.Event()
+    found_line: list[dict[str, Any]] = []
+    local = LocalProcess(process, 0, name)
+    nursery.start_soon(_read_lines, stream, local.lines, ready, found, found_line, echo)
+    with trio.move_on_after(timeout_s):
+        await found.wait()
+    if not found_line:
+        process.kill()
+        await process.wait()
+        raise RuntimeError(f"{name} did not report {ready!r} within {timeout_s} s "
+                           f"(exit code {process.returncode})")
+    line = found_line[0]
+    if "port" in line:
+        local.port = int(line["port"])
+    else:
+        local.port = int(str(line["listen"]).rpartition(":")[2])
+    return local
+
+
+async def start_mock_engine(nursery: trio.Nursery, role: str, *, engine_id: str | None = None,
+                            args: Sequence[str] = (), port: int = 0, timeout_s: float = 20.0) -> LocalProcess:
+    """Start ``python -m narwhal mock-engine`` and wait for its ready line."""
+    argv = [sys.executable, "-m", "narwhal", "mock-engine", "--port", str(port), "--role", role]
+    if engine_id:
+        argv += ["--engine-id", engine_id]
+    argv += list(args)
+    return await _start(nursery, argv, ready="mock_engine_ready", from_stderr=False,
+                        name=engine_id or f"mock-{role}", timeout_s=timeout_s, env=None)
+
+
+async def start_router(nursery: trio.Nursery, config_path: str, *, args: Sequence[str] = (),
+                       listen: str = "127.0.0.1:0", timeout_s: float = 20.0,
+                       env: Mapping[str, str] | None = None, echo: Any = None) -> LocalProcess:
+    """Start ``python -m narwhal serve`` and wait for its ``router_started`` event."""
+    argv = [sys.executable, "-m", "narwhal", "serve", "--config", config_path, "--listen", listen, *args]
+    return await _start(nursery, argv, ready="router_started", from_stderr=True, name="router",
+                        timeout_s=timeout_s, env=env, echo=echo)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError("TOML has no place for a non-finite number here")
+        return repr(value)
+    if isinstance(value, str):
+        return msgspec.json.encode(value).decode()
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def render_config(engines: Sequence[tuple[str, str, str]],
+                  sections: Mapping[str, Mapping[str, Any]] | None = None) -> str:
+    """A config file for ``engines`` as (name, url, role), with extra ``sections``."""
+    lines: list[str] = []
+    for section, values in (sections or {}).items():
+        lines.append(f"[{section}]")
+        lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items() if value is not None)
+        lines.append("")
+    for name, url, role in engines:
+        lines += ["[[engines]]", f"name = {_toml_value(name)}", f"url = {_toml_value(url)}",
+                  f"role = {_toml_value(role)}", ""]
+    return "\n".join(lines)

@@ -1,0 +1,808 @@
+"""The mock inference engine: vLLM's OpenAI-compatible API with its P/D flow.
+
+``MockEngine.handle`` answers one parsed HTTP request through a ``Responder``;
+``serve_mock`` runs it on the project's HTTP/1.1 server; ``main`` is the CLI
+(``python -m narwhal mock-engine`` / ``python -m narwhal.mock``).
+
+Tokenizer: a token is a whitespace-separated word of the prompt (a prompt given
+as a list of ints is taken as tokens); a chat request adds one token per message
+for its role. Token ids are ``crc32(word) % 32000``. Generated token ``i`` is the
+text ``" tok{i}"``.
+
+Fault injection (``narwhal.mock.faults``) is set with ``--fault`` or at run time
+through ``/mock/faults``; ``/mock/stats`` reports what the engine saw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import hmac
+import itertools
+import logging
+import secrets
+import signal
+import socket
+import struct
+import sys
+import time
+import zlib
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+import msgspec
+import trio
+
+from narwhal.http1.server import ClientDisconnected, HTTPServer
+from narwhal.logs import configure_logging, log_event
+from narwhal.mock.faults import Applied, Fault, FaultError, FaultRequest, FaultTable, Mode, Operation, parse_fault_spec
+from narwhal.wire import AttestRequest, AttestResponse, EngineIdentity, KVTransferParams, error_json
+
+if TYPE_CHECKING:
+    from narwhal.http1.server import Request, Responder
+
+__all__ = [
+    "PROCESS_STARTED_AT",
+    "MockEngine",
+    "MockService",
+    "MockSettings",
+    "build_parser",
+    "main",
+    "serve_mock",
+    "tokenize",
+]
+
+PROCESS_STARTED_AT = time.time()
+
+_JSON = [(b"content-type", b"application/json")]
+_SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+_DONE = b"data: [DONE]\n\n"
+_GARBAGE = b"<html><body>502 upstream confused</body></html>\r\n\x00\xff not server-sent events\r\n"
+_BLOCK_TOKENS = 16
+_VOCAB = 32000
+
+_encode = msgspec.json.Encoder().encode
+_decode_any = msgspec.json.Decoder().decode
+
+
+# ----- request shapes --------------------------------------------------------
+
+class _ChatMessage(msgspec.Struct):
+    role: str = "user"
+    content: str | list[Any] | None = None
+
+
+class _StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class _CompletionBody(msgspec.Struct):
+    """The fields of an OpenAI completion / chat request that the mock reads."""
+
+    model: str | None = None
+    prompt: str | list[Any] | None = None
+    messages: list[_ChatMessage] | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    stream: bool = False
+    stream_options: _StreamOptions | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class _BadRequest(Exception):
+    def __init__(self, status: int, message: str, type_: str = "BadRequestError") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type_ = type_
+
+
+# ----- tokenizer ---------------------------------------------------------------
+
+def _word_ids(text: str) -> list[int]:
+    return [zlib.crc32(word.encode()) % _VOCAB for word in text.split()]
+
+
+def _message_text(content: str | list[Any] | None) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return " ".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return ""
+
+
+def tokenize(prompt: str | list[Any] | None = None, messages: list[_ChatMessage] | None = None) -> list[int]:
+    """The mock's deterministic token ids for a prompt or a chat (see the module docstring)."""
+    if messages is not None:
+        tokens: list[int] = []
+        for message in messages:
+            tokens.append(zlib.crc32(f"<|{message.role}|>".encode()) % _VOCAB)
+            tokens.extend(_word_ids(_message_text(message.content)))
+        return tokens
+    if isinstance(prompt, str):
+        return _word_ids(prompt)
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    raise _BadRequest(400, "prompt must be a string or a list of token ids (one prompt per request)")
+
+
+_token_texts: list[bytes] = []
+
+
+def _token_text(i: int) -> bytes:
+    """JSON-safe text of generated token ``i``, encoded once per process."""
+    while len(_token_texts) <= i:
+        _token_texts.append(b" tok%d" % len(_token_texts))
+    return _token_texts[i]
+
+
+# ----- settings and stats ----------------------------------------------------
+
+class MockSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """What one mock engine is; ``engine_id`` None = ``f"{role}-{bound port}"``."""
+
+    role: Literal["prefill", "decode"]
+    host: str = "127.0.0.1"
+    port: int = 0
+    engine_id: str | None = None
+    model: str = "mock-model"
+    generation: str = "g1"
+    attestation_key: str = "narwhal-dev-key"
+    max_model_len: int = 4096
+    tokens: int = 16
+    token_delay_s: float = 0.0
+    # Empty = from the role: prefill produces KV, decode consumes it.
+    kv_roles: tuple[str, ...] = ()
+    process_started_at: float = PROCESS_STARTED_AT
+    # Fault specs applied at start (``--fault``).
+    faults: tuple[str, ...] = ()
+    # vLLM's uvicorn closes idle keep-alive connections after 5 s; so does the mock.
+    idle_timeout_s: float = 5.0
+
+    @property
+    def effective_kv_roles(self) -> tuple[str, ...]:
+        if self.kv_roles:
+            return self.kv_roles
+        return ("producer",) if self.role == "prefill" else ("consumer",)
+
+
+@dataclasses.dataclass
+class MockStats:
+    """What the engine saw, for ``GET /mock/stats``; bodies stay raw until asked for."""
+
+    requests: Counter[str] = dataclasses.field(default_factory=Counter)
+    prefill: int = 0
+    decode: int = 0
+    plain: int = 0
+    connections_opened: int = 0
+    disconnects: int = 0
+    last_kv_transfer_params: dict[str, Any] | None = None
+    last_prefill_body: bytes | None = None
+    last_decode_body: bytes | None = None
+    last_request_ids: dict[str, str | None] = dataclasses.field(
+        default_factory=lambda: {"prefill": None, "decode": None})
+
+    def describe(self) -> dict[str, Any]:
+        def body(raw: bytes | None) -> Any:
+            return None if raw is None else _decode_any(raw)
+
+        return {
+            "requests": dict(self.requests),
+            "prefill": self.prefill,
+            "decode": self.decode,
+            "plain": self.plain,
+            "connections_opened": self.connections_opened,
+            "disconnects": self.disconnects,
+            "last_kv_transfer_params": self.last_kv_transfer_params,
+            "last_prefill_body": body(self.last_prefill_body),
+            "last_decode_body": body(self.last_decode_body),
+            "last_request_ids": dict(self.last_request_ids),
+        }
+
+
+# ----- response shapes ---------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """Pre-encoded pieces of one request's SSE events, so a token costs one join."""
+
+    head: bytes      # 'data: {..."choices":[{"index":0,' up to the token text
+    open_text: bytes  # '"text":"' or '"delta":{"content":"'
+    mid: bytes       # closes a token event that is not the last
+    last: bytes      # closes the last token event (finish_reason "length")
+    role_event: bytes  # chat's leading role event; b"" for completions
+    usage_head: bytes  # 'data: {...,"choices":[],"usage":'
+
+    def token_event(self, i: int, final: bool) -> bytes:
+        return b"".join((self.head, self.open_text, _token_text(i), self.last if final else self.mid))
+
+
+def _stream_shape(chat: bool, rid: str, created: int, model_json: bytes) -> _Shape:
+    if chat:
+        common = b'{"id":"%s","object":"chat.completion.chunk","created":%d,"model":%s,' % (
+            rid.encode(), created, model_json)
+        return _Shape(
+            head=b'data: ' + common + b'"choices":[{"index":0,',
+            open_text=b'"delta":{"content":"',
+            mid=b'"},"logprobs":null,"finish_reason":null}]}\n\n',
+            last=b'"},"logprobs":null,"finish_reason":"length","stop_reason":null}]}\n\n',
+            role_event=b'data: ' + common
+            + b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+            b'"logprobs":null,"finish_reason":null}]}\n\n',
+            usage_head=b'data: ' + common + b'"choices":[],"usage":',
+        )
+    common = b'{"id":"%s","object":"text_completion","created":%d,"model":%s,' % (rid.encode(), created, model_json)
+    return _Shape(
+        head=b'data: ' + common + b'"choices":[{"index":0,',
+        open_text=b'"text":"',
+        mid=b'","logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n',
+        last=b'","logprobs":null,"finish_reason":"length","stop_reason":null}]}\n\n',
+        role_event=b"",
+        usage_head=b'data: ' + common + b'"choices":[],"usage":',
+    )
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens}
+
+
+_STATUS_ERRORS = {
+    Mode.STATUS_408: (408, "request timed out (injected fault)", "RequestTimeout"),
+    Mode.STATUS_429: (429, "too many requests (injected fault)", "RateLimitError"),
+    Mode.UNHEALTHY: (503, "engine unhealthy (injected fault)", "ServiceUnavailable"),
+}
+
+
+class _Completion(msgspec.Struct, frozen=True, kw_only=True):
+    """One validated completion request, classified."""
+
+    op: Operation
+    # True for a disaggregated prefill: answered in one body that carries the handoff.
+    handoff: bool
+    chat: bool
+    prompt_tokens: int
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+
+
+# ----- the engine ----------------------------------------------------------------
+
+_T = TypeVar("_T")
+_Route = Callable[["Request", "Responder"], Awaitable[None]]
+
+
+class MockEngine:
+    """A vLLM-like engine in one object; ``handle`` is the HTTP server's handler."""
+
+    def __init__(self, settings: MockSettings, *, on_refuse: Callable[[float], None] | None = None) -> None:
+        self.settings = settings
+        self.faults = FaultTable()
+        self.stats = MockStats()
+        # The serving shell closes the listener for a ``refuse`` window.
+        self.on_refuse = on_refuse
+        self.port = settings.port
+        self.engine_id = settings.engine_id or f"{settings.role}-{settings.port}"
+        self._model_json = _encode(settings.model)
+        self._ids = itertools.count(1)
+        self._id_prefix = secrets.token_hex(4)
+        self._blocks = itertools.count(1)
+        for spec in settings.faults:
+            self.add_fault(parse_fault_spec(spec))
+        self._routes: dict[str, dict[bytes, _Route]] = {
+            "/health": {b"GET": self._health},
+            "/v1/models": {b"GET": self._models},
+            "/tokenize": {b"POST": self._tokenize},
+            "/v1/completions": {b"POST": self._completion},
+            "/v1/chat/completions": {b"POST": self._completion},
+            "/narwhal/identity": {b"GET": self._identity},
+            "/narwhal/attest": {b"POST": self._attest},
+            "/mock/faults": {b"GET": self._list_faults, b"POST": self._set_fault, b"DELETE": self._clear_faults},
+            "/mock/stats": {b"GET": self._get_stats},
+            "/mock/stats/reset": {b"POST": self._reset_stats},
+        }
+
+    def __repr__(self) -> str:
+        return f"<MockEngine {self.engine_id} {self.settings.role} port={self.port} {self.faults!r}>"
+
+    def on_bound(self, port: int) -> None:
+        """Learn the bound port: it is advertised in handoffs and names the engine by default."""
+        self.port = port
+        self.engine_id = self.settings.engine_id or f"{self.settings.role}-{port}"
+
+    def add_fault(self, request: FaultRequest) -> Fault:
+        """Validate and activate a fault; a ``refuse`` window goes to the serving shell."""
+        fault = self.faults.validate(request)
+        duration_s = fault.params.get("duration_s")
+        if fault.mode is Mode.REFUSE and duration_s is not None:
+            if self.on_refuse is None:
+                raise FaultError("this engine is not served by a shell that can close its listener")
+            self.on_refuse(duration_s)
+        else:
+            self.faults.add(fault)
+        return fault
+
+    async def handle(self, request: Request, responder: Responder) -> None:
+        """Answer one request; a client gone mid-answer is counted, not raised."""
+        path = request.path
+        methods = self._routes.get(path)
+        if methods is None:
+            await responder.respond(404, _JSON, error_json(f"no route {path}", "NotFoundError", 404))
+            return
+        handler = methods.get(request.method)
+        if handler is None:
+            allow = b", ".join(methods)
+            await responder.respond(405, [*_JSON, (b"allow", allow)],
+                                    error_json(f"method not allowed on {path}", "MethodNotAllowed", 405))
+            return
+        if not path.startswith("/mock/"):
+            self.stats.requests[path] += 1
+        try:
+            try:
+                await handler(request, responder)
+            except _BadRequest as exc:
+                await responder.respond(exc.status, _JSON, error_json(exc.message, exc.type_, exc.status))
+        except ClientDisconnected:
+            self.stats.disconnects += 1
+        except trio.Cancelled:
+            # The server cancels a handler whose client went away; count that, let it pass.
+            if responder.client_disconnected:
+                self.stats.disconnects += 1
+            raise
+
+    # ----- faults that replace the whole answer --------------------------------
+
+    async def _terminal(self, fault: Fault, responder: Responder) -> None:
+        if fault.mode is Mode.HANG:
+            await trio.sleep_forever()
+        if fault.mode is Mode.STATUS_5XX:
+            status = fault.params["status"]
+            body = error_json(f"engine error {status} (injected fault)", "InternalServerError", status)
+        else:
+            status, message, type_ = _STATUS_ERRORS[fault.mode]
+            body = error_json(message, type_, status)
+        await responder.respond(status, _JSON, body)
+
+    async def _take_or_answer(self, op: Operation, responder: Responder, *, streamed: bool = False,
+                              handoff: bool = False) -> Applied | None:
+        """The faults for this request; None when a terminal fault already answered it."""
+        applied = self.faults.take(op, streamed=streamed, handoff=handoff)
+        if applied.terminal is not None:
+            await self._terminal(applied.terminal, responder)
+            return None
+        return applied
+
+    # ----- engine routes -----------------------------------------------------------
+
+    async def _health(self, request: Request, responder: Responder) -> None:
+        if await self._take_or_answer(Operation.HEALTH, responder) is not None:
+            await responder.respond(200, [], b"")
+
+    def _reported_model(self, applied: Applied) -> str:
+        fault = applied.get(Mode.MODEL)
+        return fault.params["value"] if fault else self.settings.model
+
+    def _reported_generation(self, applied: Applied) -> str:
+        fault = applied.get(Mode.GENERATION)
+        return fault.params["value"] if fault else self.settings.generation
+
+    async def _models(self, request: Request, responder: Responder) -> None:
+        applied = await self._take_or_answer(Operation.MODELS, responder)
+        if applied is None:
+            return
+        card = {"id": self._reported_model(applied), "object": "model",
+                "created": int(self.settings.process_started_at), "owned_by": "narwhal-mock",
+                "root": self.settings.model, "max_model_len": self.settings.max_model_len}
+        await responder.respond(200, _JSON, _encode({"object": "list", "data": [card]}))
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.settings.model:
+            raise _BadRequest(404, f"The model `{model}` does not exist.", "NotFoundError")
+
+    async def _tokenize(self, request: Request, responder: Responder) -> None:
+        body = _decode_body(request.body, _CompletionBody)
+        self._check_model(body.model)
+        if body.messages is None and body.prompt is None:
+            raise _BadRequest(400, "the request needs prompt or messages")
+        tokens = tokenize(body.prompt, body.messages)
+        if await self._take_or_answer(Operation.TOKENIZE, responder) is None:
+            return
+        await responder.respond(200, _JSON, _encode(
+            {"count": len(tokens), "max_model_len": self.settings.max_model_len, "tokens": tokens}))
+
+    async def _identity(self, request: Request, responder: Responder) -> None:
+        applied = await self._take_or_answer(Operation.IDENTITY, responder)
+        if applied is None:
+            return
+        identity = EngineIdentity(
+            engine_id=self.engine_id, model=self._reported_model(applied),
+            generation=self._reported_generation(applied),
+            process_started_at=self.settings.process_started_at,
+            kv_roles=list(self.settings.effective_kv_roles))
+        await responder.respond(200, _JSON, _encode(identity))
+
+    def signature(self, nonce: str, generation: str | None = None) -> str:
+        """The attestation signature: hex HMAC-SHA256 over ``engine_id|nonce|generation``."""
+        message = f"{self.engine_id}|{nonce}|{generation or self.settings.generation}".encode()
+        return hmac.new(self.settings.attestation_key.encode(), message, hashlib.sha256).hexdigest()
+
+    async def _attest(self, request: Request, responder: Responder) -> None:
+        nonce = _decode_body(request.body, AttestRequest).nonce
+        applied = await self._take_or_answer(Operation.ATTEST, responder)
+        if applied is None:
+            return
+        if applied.get(Mode.WRONG_NONCE):
+            # A replayed answer: correctly signed, for some other nonce.
+            nonce = f"{nonce}-stale"
+        signature = self.signature(nonce, self._reported_generation(applied))
+        if applied.get(Mode.BAD_ATTESTATION):
+            signature = hashlib.sha256(signature.encode()).hexdigest()
+        await responder.respond(200, _JSON, _encode(
+            AttestResponse(engine_id=self.engine_id, nonce=nonce, signature=signature)))
+
+    # ----- completions ---------------------------------------------------------------
+
+    def _classify(self, body: _CompletionBody, chat: bool) -> _Completion:
+        """Validate a completion request and name its leg."""
+        self._check_model(body.model)
+        if chat and not body.messages:
+            raise _BadRequest(400, "the request needs messages")
+        if not chat and body.prompt is None:
+            raise _BadRequest(400, "the request needs prompt")
+        prompt_tokens = len(tokenize(messages=body.messages) if chat else tokenize(body.prompt))
+        kv = body.kv_transfer_params
+        roles = self.settings.effective_kv_roles
+        if kv is not None and kv.get("do_remote_prefill"):
+            if "consumer" not in roles:
+                raise _BadRequest(400, f"engine {self.engine_id} is not a KV consumer (kv_roles: {list(roles)})")
+            try:
+                msgspec.convert(kv, KVTransferParams)
+            except msgspec.ValidationError as exc:
+                raise _BadRequest(400, f"decode needs a readable kv_transfer_params: {exc}") from None
+            op, handoff = Operation.DECODE, False
+        elif kv is not None and kv.get("do_remote_decode"):
+            if "producer" not in roles:
+                raise _BadRequest(400, f"engine {self.engine_id} is not a KV producer (kv_roles: {list(roles)})")
+            op, handoff = Operation.PREFILL, True
+        else:
+            # Served as a non-disaggregated engine would; faults see this engine's role's leg.
+            op, handoff = (Operation.PREFILL if self.settings.role == "prefill" else Operation.DECODE), False
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = 1 if handoff else self.settings.tokens if requested is None else requested
+        if max_tokens < 1:
+            raise _BadRequest(400, "max_tokens must be at least 1")
+        if prompt_tokens + max_tokens > self.settings.max_model_len:
+            raise _BadRequest(400, f"This model's maximum context length is {self.settings.max_model_len} "
+                              f"tokens. However, you requested {prompt_tokens + max_tokens} tokens "
+                              f"({prompt_tokens} in the messages, {max_tokens} in the completion).")
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        # A prefill is answered in one JSON body, whatever it asked for.
+        return _Completion(op=op, handoff=handoff, chat=chat, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
+                           stream=body.stream and not handoff, include_usage=include_usage)
+
+    def _record(self, request: Request, job: _Completion, kv: dict[str, Any] | None) -> None:
+        stats = self.stats
+        if job.handoff:
+            stats.prefill += 1
+            stats.last_prefill_body = request.body
+            stats.last_request_ids["prefill"] = _request_id(request)
+        elif kv is not None and job.op is Operation.DECODE:
+            stats.decode += 1
+            stats.last_kv_transfer_params = kv
+            stats.last_decode_body = request.body
+            stats.last_request_ids["decode"] = _request_id(request)
+        else:
+            stats.plain += 1
+
+    async def _completion(self, request: Request, responder: Responder) -> None:
+        chat = request.path == "/v1/chat/completions"
+        body = _decode_body(request.body, _CompletionBody)
+        job = self._classify(body, chat)
+        self._record(request, job, body.kv_transfer_params)
+        applied = await self._take_or_answer(job.op, responder, streamed=job.stream, handoff=job.handoff)
+        if applied is None:
+            return
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{self._id_prefix}{next(self._ids):x}"
+        created = int(time.time())
+        slow = applied.get(Mode.SLOW_TOKENS)
+        token_delay_s = slow.params["delay_s"] if slow else self.settings.token_delay_s
+        first = applied.get(Mode.FIRST_TOKEN_DELAY)
+        first_delay_s = first.params["delay_s"] if first else None
+        if job.stream:
+            await self._stream(responder, _stream_shape(chat, rid, created, self._model_json), job, applied,
+                               token_delay_s, first_delay_s)
+            return
+        if first_delay_s is not None:
+            await trio.sleep(first_delay_s)
+        if token_delay_s:
+            await trio.sleep(token_delay_s * job.max_tokens)
+        text = b"".join(_token_text(i) for i in range(job.max_tokens)).decode()
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": "length", "stop_reason": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        answer: dict[str, Any] = {
+            "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": self.settings.model, "choices": [choice],
+            "usage": _usage(job.prompt_tokens, job.max_tokens),
+        }
+        if job.handoff:
+            self._put_handoff(answer, job.prompt_tokens, applied.get(Mode.BAD_KV))
+        else:
+            answer["kv_transfer_params"] = None
+        await responder.respond(200, _JSON, _encode(answer))
+
+    def _put_handoff(self, answer: dict[str, Any], prompt_tokens: int, bad_kv: Fault | None) -> None:
+        """The prefill's KV handoff, or the unreadable one a ``bad_kv`` fault asks for."""
+        blocks = max(1, -(-prompt_tokens // _BLOCK_TOKENS))
+        kv: dict[str, Any] = {
+            "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
+            "remote_block_ids": [next(self._blocks) for _ in range(blocks)],
+            "remote_host": self.settings.host, "remote_port": self.port, "tp_size": 1,
+        }
+        variant = bad_kv.params["variant"] if bad_kv else None
+        if variant == "absent":
+            return
+        if variant == "null":
+            answer["kv_transfer_params"] = None
+            return
+        if variant == "string":
+            answer["kv_transfer_params"] = _encode(kv).decode()
+            return
+        if variant == "missing_block_ids":
+            del kv["remote_block_ids"]
+        elif variant == "bad_port":
+            kv["remote_port"] = "not-a-port"
+        answer["kv_transfer_params"] = kv
+
+    async def _stream(self, responder: Responder, shape: _Shape, job: _Completion, applied: Applied,
+                      token_delay_s: float, first_delay_s: float | None) -> None:
+        """Write the SSE answer: one write per token when paced, else head+first token, then the rest."""
+        n = job.max_tokens
+        stall = applied.get(Mode.STALL)
+        garbage = applied.get(Mode.GARBAGE_STREAM)
+        cut = stall or garbage
+        events = [shape.token_event(i, i == n - 1)
+                  for i in range(min(n, cut.params["after_tokens"]) if cut else n)]
+        if events and shape.role_event:
+            events[0] = shape.role_event + events[0]
+        if garbage:
+            tail = _GARBAGE
+        elif stall:
+            tail = b""
+        else:
+            tail = shape.usage_head + _encode(_usage(job.prompt_tokens, n)) + b"}\n\n" if job.include_usage else b""
+            if not applied.get(Mode.NO_DONE):
+                tail += _DONE
+        # events[:split] go out one write each; the rest goes with the terminator in the last write.
+        if stall:
+            split = len(events)
+        elif token_delay_s:
+            split = max(0, len(events) - 1)
+        else:
+            split = min(1, len(events))
+        if first_delay_s is not None:
+            await responder.start_stream(200, _SSE)
+            await trio.sleep(first_delay_s)
+        for event in events[:split]:
+            if token_delay_s:
+                await trio.sleep(token_delay_s)
+            if responder.started:
+                await responder.write(event)
+            else:
+                await responder.start_stream(200, _SSE, event)
+        if not responder.started:
+            await responder.start_stream(200, _SSE)
+        if stall:
+            await trio.sleep_forever()
+        if token_delay_s and split < len(events):
+            await trio.sleep(token_delay_s)
+        await responder.end_stream(b"".join(events[split:]) + tail)
+
+    # ----- /mock control ---------------------------------------------------------------
+
+    async def _list_faults(self, request: Request, responder: Responder) -> None:
+        await responder.respond(200, _JSON, _encode({"faults": self.faults.describe()}))
+
+    async def _set_fault(self, request: Request, responder: Responder) -> None:
+        fault_request = _decode_body(request.body, FaultRequest)
+        try:
+            fault = self.add_fault(fault_request)
+        except FaultError as exc:
+            raise _BadRequest(400, str(exc)) from None
+        await responder.respond(200, _JSON, _encode({"fault": fault.describe()}))
+
+    async def _clear_faults(self, request: Request, responder: Responder) -> None:
+        self.faults.clear()
+        await responder.respond(200, _JSON, _encode({"faults": []}))
+
+    async def _get_stats(self, request: Request, responder: Responder) -> None:
+        await responder.respond(200, _JSON, _encode(self.stats.describe()))
+
+    async def _reset_stats(self, request: Request, responder: Responder) -> None:
+        self.stats = MockStats()
+        await responder.respond(200, _JSON, _encode(self.stats.describe()))
+
+
+def _decode_body(raw: bytes, type_: type[_T]) -> _T:
+    try:
+        return msgspec.json.decode(raw, type=type_)
+    except msgspec.DecodeError as exc:
+        raise _BadRequest(400, f"invalid JSON body: {exc}") from None
+
+
+def _request_id(request: Request) -> str | None:
+    value = request.get_header(b"x-request-id")
+    return value.decode("latin-1") if value is not None else None
+
+
+# ----- serving --------------------------------------------------------------------
+
+_SHUTDOWN_GRACE_S = 1.0
+
+
+class _MockListener(trio.abc.Listener[trio.SocketStream]):
+    """A TCP listener that counts connections and resets the ones a counted ``refuse`` claims."""
+
+    def __init__(self, inner: trio.SocketListener, engine: MockEngine) -> None:
+        self._inner = inner
+        self._engine = engine
+        # HTTPServer closes listeners through ``.socket``.
+        self.socket = inner.socket
+
+    async def accept(self) -> trio.SocketStream:
+        while True:
+            stream = await self._inner.accept()
+            self._engine.stats.connections_opened += 1
+            if not self._engine.faults.take_connection_refusal():
+                return stream
+            # Linger 0 makes close() send RST: the client sees a reset, no response.
+            stream.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            stream.socket.close()
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+class MockService:
+    """Serves one MockEngine; closes and reopens its listener for ``refuse`` windows."""
+
+    def __init__(self, settings: MockSettings) -> None:
+        self._server: HTTPServer | None = None
+        self._reopen_at: float | None = None
+        self._window: trio.CancelScope | None = None
+        self._stopping = False
+        self.engine = MockEngine(settings, on_refuse=self._refuse)
+
+    def __repr__(self) -> str:
+        return f"<MockService {self.engine!r} server={self._server!r}>"
+
+    def _refuse(self, duration_s: float) -> None:
+        if self._stopping:
+            return
+        self._reopen_at = trio.current_time() + duration_s
+        if self._server is not None:
+            # In-flight answers (the one that set this fault, too) may finish within the window.
+            self._server.shutdown(duration_s)
+
+    def stop(self, grace_s: float) -> None:
+        """Stop serving; requests in flight get ``grace_s`` to finish."""
+        self._stopping = True
+        self._reopen_at = None
+        if self._server is not None:
+            self._server.shutdown(grace_s)
+        if self._window is not None:
+            self._window.cancel()
+
+    async def run(self, *, task_status: trio.TaskStatus[MockEngine] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until ``stop``; reports the engine once its port is bound."""
+        engine = self.engine
+        host, port = engine.settings.host, engine.settings.port
+        reported = False
+        while not self._stopping:
+            listeners = await trio.open_tcp_listeners(port, host=host)
+            port = listeners[0].socket.getsockname()[1]
+            if not reported:
+                engine.on_bound(port)
+                task_status.started(engine)
+                reported = True
+            if self._reopen_at is None:
+                self._server = HTTPServer(engine.handle, idle_timeout_s=engine.settings.idle_timeout_s,
+                                          server_name=b"narwhal-mock")
+                try:
+                    await self._server.serve_listeners([_MockListener(l, engine) for l in listeners])
+                finally:
+                    self._server = None
+            else:
+                # A refuse window set before the first bind (``--fault refuse:duration_s=...``).
+                for listener in listeners:
+                    await listener.aclose()
+            if self._reopen_at is not None:
+                with trio.CancelScope() as self._window:
+                    await trio.sleep_until(self._reopen_at)
+                self._window = None
+                self._reopen_at = None
+
+
+async def serve_mock(settings: MockSettings, *,
+                     task_status: trio.TaskStatus[MockService] = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve a mock engine until cancelled; reports its MockService once bound."""
+    service = MockService(settings)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        task_status.started(service)
+
+
+# ----- CLI ---------------------------------------------------------------------------
+
+def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the mock engine's options to ``parser``."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind and advertise (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=0, help="port to bind; 0 picks one (default 0)")
+    parser.add_argument("--role", choices=("prefill", "decode"), required=True)
+    parser.add_argument("--engine-id", help="engine id (default ROLE-PORT)")
+    parser.add_argument("--model", default="mock-model")
+    parser.add_argument("--generation", default="g1")
+    parser.add_argument("--attestation-key", default="narwhal-dev-key")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--tokens", type=int, default=16, help="tokens per decode without max_tokens (default 16)")
+    parser.add_argument("--token-delay-s", type=float, default=0.0, help="pause before each token (default 0)")
+    parser.add_argument("--kv-roles", help="comma-separated KV roles, e.g. producer,consumer (default: from role)")
+    parser.add_argument("--idle-timeout-s", type=float, default=5.0,
+                        help="close idle keep-alive connections after this long, as vLLM's uvicorn does")
+    parser.add_argument("--fault", action="append", default=[], metavar="SPEC",
+                        help="fault at start, MODE[:KEY=VALUE,...] (repeatable), e.g. status_500:count=3")
+    return parser
+
+
+def _settings_from_args(args: argparse.Namespace) -> MockSettings:
+    kv_roles = tuple(role.strip() for role in args.kv_roles.split(",") if role.strip()) if args.kv_roles else ()
+    unknown = set(kv_roles) - {"producer", "consumer"}
+    if unknown:
+        raise ValueError(f"--kv-roles: unknown role(s) {', '.join(sorted(unknown))}")
+    if args.tokens < 1 or args.max_model_len < 1 or args.token_delay_s < 0 or args.idle_timeout_s <= 0:
+        raise ValueError("--tokens and --max-model-len must be >= 1, --token-delay-s >= 0, --idle-timeout-s > 0")
+    return MockSettings(
+        role=args.role, host=args.host, port=args.port, engine_id=args.engine_id, model=args.model,
+        generation=args.generation, attestation_key=args.attestation_key, max_model_len=args.max_model_len,
+        tokens=args.tokens, token_delay_s=args.token_delay_s, kv_roles=kv_roles, faults=tuple(args.fault),
+        idle_timeout_s=args.idle_timeout_s)
+
+
+async def _run(settings: MockSettings) -> None:
+    service = MockService(settings)
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            engine = await nursery.start(service.run)
+            ready = {"event": "mock_engine_ready", "port": engine.port, "engine_id": engine.engine_id,
+                     "role": settings.role, "model": settings.model}
+            sys.stdout.write(_encode(ready).decode() + "\n")
+            sys.stdout.flush()
+            async for _ in signals:
+                service.stop(_SHUTDOWN_GRACE_S)
+                break
+
+
+def main(argv: list[str]) -> int:
+    """Run a mock engine until SIGTERM/SIGINT; prints a ready line with the bound port."""
+    parser = build_parser(argparse.ArgumentParser(
+        prog="narwhal mock-engine", description="A mock vLLM engine with P/D handoffs and fault injection."))
+    args = parser.parse_args(argv)
+    try:
+        settings = _settings_from_args(args)
+        # Faults are checked before binding, so a typo fails at once.
+        for spec in settings.faults:
+            FaultTable().validate(parse_fault_spec(spec))
+    except ValueError as exc:  # FaultError too
+        parser.error(str(exc))
+    configure_logging()
+    try:
+        trio.run(_run, settings)
+    except OSError as exc:
+        log_event("mock_engine_error", level=logging.ERROR, **{"class": type(exc).__name__}, message=str(exc))
+        return 1
+    return 0

@@ -1,0 +1,245 @@
+"""The monitor: one pass of the control-plane stages per interval, on an absolute schedule.
+
+A pass runs the eight stages the spec lists (controller logic, health checks,
+drain settlement, interval rollover, readmission, liveness, telemetry, handoff
+persistence) under one nursery, each in its own cancel scope bounded by
+``stage_timeout_s``. A stage's exception, or its timeout (recorded with the
+class ``TimeoutError``), is caught, counted in
+``narwhal_monitor_stage_errors_total{stage,class}``, logged as one
+``stage_error`` JSON line, and never stops the other stages. Only ``Exception``
+is caught: cancellation of the router passes straight through.
+
+Stage order. Stages start together unless they read what another stage
+produces in the same pass (``RUNS_AFTER``):
+
+- health, drain, rollover and readmission start at once;
+- controller waits for rollover (it judges the interval rollover just closed)
+  and health (its consolidation risk reads eligibility after this sweep);
+- liveness waits for health (it feeds that sweep's results to the fleet);
+- telemetry waits for rollover (it publishes the interval just closed);
+- persistence waits for all seven, so the handoff holds the state they produced.
+
+A stage waits for its predecessors to finish, successfully or not; its own
+timeout starts when it starts. A dependency on a stage that is not in the
+monitor's list is ignored, so tests can run any subset.
+
+Failure streak. A pass with at least one stage error adds one to
+``failure_streak``; at ``failure_limit`` admission closes with
+``monitoring degraded: <stage> <class>`` (the first error in stage order of
+the latest failing pass) and ``monitor_degraded`` is logged once. Passes go on
+while degraded; one pass without errors clears the streak, reopens admission
+and logs ``monitor_recovered``. The streak lives in this object only, so a
+restarted router starts at zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import msgspec
+import trio
+
+from .admission import Admission
+from .logs import log_event
+from .router_metrics import RouterMetrics
+
+__all__ = ["RUNS_AFTER", "STAGE_NAMES", "STAGE_TIMEOUT_CLASS", "Monitor", "PassResult", "Stage", "StageError"]
+
+# The spec's stage list, in its order; errors of one pass are reported in this order.
+STAGE_NAMES: tuple[str, ...] = ("controller", "health", "drain", "rollover", "readmission",
+                                "liveness", "telemetry", "persistence")
+
+# Which stages must have finished (in this pass) before a stage starts.
+RUNS_AFTER: dict[str, tuple[str, ...]] = {
+    "controller": ("rollover", "health"),
+    "liveness": ("health",),
+    "telemetry": ("rollover",),
+    "persistence": ("controller", "health", "drain", "rollover", "readmission", "liveness", "telemetry"),
+}
+
+# The class recorded when a stage is cut at stage_timeout_s (stable: operators alert on it).
+STAGE_TIMEOUT_CLASS = "TimeoutError"
+
+
+class Stage(Protocol):
+    """One monitor stage: a name from ``STAGE_NAMES`` and one async job per pass."""
+
+    name: str
+
+    async def run(self, pass_number: int) -> None: ...
+
+
+class StageError(msgspec.Struct, frozen=True, kw_only=True):
+    """A stage that raised or timed out in pass ``pass_number``, at monotonic time ``at``."""
+
+    stage: str
+    error_class: str
+    message: str
+    pass_number: int
+    at: float
+
+
+class PassResult(msgspec.Struct, frozen=True, kw_only=True):
+    """What one pass did: its number, when it ran, and its stage errors in stage order."""
+
+    number: int
+    started_at: float
+    finished_at: float
+    errors: list[StageError]
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+def _leaf(exc: BaseException) -> BaseException:
+    """A group holding exactly one exception reports that exception (a stage's inner nursery)."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+class Monitor:
+    """Runs the stages once per ``interval_s`` and closes admission when passes keep failing."""
+
+    def __init__(self, stages: Sequence[Stage], *, interval_s: float, stage_timeout_s: float,
+                 failure_limit: int, admission: Admission, metrics: RouterMetrics,
+                 clock: Callable[[], float] = trio.current_time) -> None:
+        """``clock`` must be trio's clock (or share its time base): passes ``sleep_until`` on it."""
+        names = [stage.name for stage in stages]
+        if len(set(names)) != len(names):
+            raise ValueError(f"stage names must be unique, got {names}")
+        if interval_s <= 0 or stage_timeout_s <= 0 or failure_limit < 1:
+            raise ValueError("interval_s and stage_timeout_s must be > 0, failure_limit >= 1")
+        self.stages = list(stages)
+        self.interval_s = interval_s
+        self.stage_timeout_s = stage_timeout_s
+        self.failure_limit = failure_limit
+        self.admission = admission
+        self.metrics = metrics
+        self.clock = clock
+        self._position = {name: index for index, name in enumerate(names)}
+        self._after = {name: tuple(dep for dep in RUNS_AFTER.get(name, ()) if dep in self._position)
+                       for name in names}
+        self.failure_streak = 0
+        self.degraded_reason: str | None = None
+        self.passes = 0
+        self.last_errors: list[StageError] = []
+        self.last_pass: PassResult | None = None
+        self._register_gauges()
+
+    def __repr__(self) -> str:
+        state = f"degraded: {self.degraded_reason}" if self.degraded_reason else "ok"
+        return (f"<Monitor [{len(self.stages)} stages | pass {self.passes} | "
+                f"streak {self.failure_streak}/{self.failure_limit} | {state}]>")
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Run passes at t0 + k * interval_s until cancelled; an overrun starts the next pass at once."""
+        t0 = self.clock()
+        slot = 0
+        task_status.started()
+        while True:
+            await trio.sleep_until(t0 + slot * self.interval_s)
+            await self.run_pass()
+            slot += 1
+            # Overran past the next slot: take the latest slot already due (so the
+            # next pass starts now) and skip the missed ones; the grid stays put.
+            due = math.floor((self.clock() - t0) / self.interval_s)
+            slot = max(slot, due)
+
+    async def run_pass(self) -> PassResult:
+        """Run every stage once, settle the failure streak, and return what happened."""
+        self.passes += 1
+        number = self.passes
+        started_at = self.clock()
+        errors: list[StageError] = []
+        finished = {stage.name: trio.Event() for stage in self.stages}
+        async with trio.open_nursery() as nursery:
+            for stage in self.stages:
+                nursery.start_soon(self._run_stage, stage, number, finished, errors,
+                                   name=f"monitor stage {stage.name}")
+        errors.sort(key=lambda error: self._position[error.stage])
+        result = PassResult(number=number, started_at=started_at, finished_at=self.clock(), errors=errors)
+        self.last_pass = result
+        self.last_errors = errors
+        self._settle(result)
+        return result
+
+    async def _run_stage(self, stage: Stage, number: int, finished: dict[str, trio.Event],
+                         errors: list[StageError]) -> None:
+        try:
+            for name in self._after[stage.name]:
+                await finished[name].wait()
+            error = await self._guarded(stage, number)
+            if error is not None:
+                errors.append(error)
+                self._report(error)
+        finally:
+            finished[stage.name].set()
+
+    async def _guarded(self, stage: Stage, number: int) -> StageError | None:
+        """Run one stage in its own cancel scope; its exception or timeout becomes a StageError."""
+        try:
+            with trio.move_on_after(self.stage_timeout_s) as scope:
+                await stage.run(number)
+        except Exception as exc:  # noqa: BLE001 - one stage's failure must not stop its siblings
+            leaf = _leaf(exc)
+            return StageError(stage=stage.name, error_class=type(leaf).__name__,
+                              message=str(leaf) or type(leaf).__name__, pass_number=number, at=self.clock())
+        if scope.cancelled_caught:
+            return StageError(stage=stage.name, error_class=STAGE_TIMEOUT_CLASS,
+                              message=f"stage did not finish within stage_timeout_s ({self.stage_timeout_s:g} s)",
+                              pass_number=number, at=self.clock())
+        return None
+
+    def _report(self, error: StageError) -> None:
+        self.metrics.stage_errors.inc(error.stage, error.error_class)
+        log_event("stage_error", level=logging.ERROR, stage=error.stage, message=error.message,
+                  **{"class": error.error_class, "pass": error.pass_number})
+
+    def _settle(self, result: PassResult) -> None:
+        """Advance or clear the failure streak, closing or reopening admission at the limit."""
+        if result.errors:
+            self.failure_streak += 1
+            first = result.errors[0]
+            if self.failure_streak < self.failure_limit:
+                return
+            reason = f"monitoring degraded: {first.stage} {first.error_class}"
+            newly_degraded = self.degraded_reason is None
+            if reason != self.degraded_reason:
+                # The text follows the latest failing pass while degraded.
+                self.admission.close("monitor", reason)
+                self.degraded_reason = reason
+            if newly_degraded:
+                log_event("monitor_degraded", level=logging.ERROR, reason=reason, stage=first.stage,
+                          streak=self.failure_streak, failure_limit=self.failure_limit,
+                          **{"class": first.error_class, "pass": result.number})
+            return
+        if not self.failure_streak:
+            return
+        reopened = self.degraded_reason is not None
+        if reopened:
+            self.admission.open("monitor")
+            self.degraded_reason = None
+        log_event("monitor_recovered", failed_passes=self.failure_streak, admission_reopened=reopened,
+                  **{"pass": result.number})
+        self.failure_streak = 0
+
+    def _register_gauges(self) -> None:
+        m = self.metrics
+        m.add_gauge("narwhal_monitor_failure_streak", "Consecutive monitor passes with a stage error.", (),
+                    lambda: {(): float(self.failure_streak)})
+        m.add_gauge("narwhal_monitor_degraded", "1 while the monitor keeps admission closed.", (),
+                    lambda: {(): float(self.degraded_reason is not None)})
+        m.add_gauge("narwhal_monitor_passes", "Monitor passes run since this router started.", (),
+                    lambda: {(): float(self.passes)})
+
+        def last_duration() -> dict[tuple[str, ...], float]:
+            last = self.last_pass
+            return {} if last is None else {(): last.finished_at - last.started_at}
+
+        m.add_gauge("narwhal_monitor_last_pass_seconds", "Duration of the latest monitor pass.", (),
+                    last_duration)

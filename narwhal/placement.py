@@ -1,0 +1,44 @@
+"""Placement: pick an engine among the eligible ones, and count what is in flight.
+
+Least outstanding requests wins; ties are broken at random so that a burst
+after a quiet spell does not pile onto the first engine in the config.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Sequence
+
+__all__ = ["InFlight", "pick_least_outstanding"]
+
+
+class InFlight:
+    """Requests in flight per engine; owned by the request path, read by admin views."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self.counts: dict[str, int] = {name: 0 for name in names}
+
+    def acquire(self, name: str) -> None:
+        self.counts[name] += 1
+
+    def release(self, name: str) -> None:
+        self.counts[name] -= 1
+
+    def __getitem__(self, name: str) -> int:
+        return self.counts[name]
+
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def pick_least_outstanding(candidates: Sequence[str], in_flight: InFlight,
+                           rng: random.Random = random._inst) -> str | None:  # type: ignore[attr-defined]
+    """The candidate with the fewest requests in flight (random among ties), or None."""
+    if not candidates:
+        return None
+    if len(candidates) == 1:
+        return candidates[0]
+    counts = in_flight.counts
+    best = min(counts[name] for name in candidates)
+    tied = [name for name in candidates if counts[name] == best]
+    return tied[0] if len(tied) == 1 else rng.choice(tied)

@@ -1,0 +1,17 @@
+"""Engine connection pools: the data pool (prefill, decode, token counting) and
+the control pool (health, verification, readmission), each with its own bound.
+
+``classify`` is the one place where their errors become failure classes.
+"""
+
+from .control import ControlPool, ControlPoolStatistics, ControlResponse
+from .data import DataPool, DataPoolStatistics, UpstreamStream
+
+__all__ = [
+    "ControlPool",
+    "ControlPoolStatistics",
+    "ControlResponse",
+    "DataPool",
+    "DataPoolStatistics",
+    "UpstreamStream",
+]

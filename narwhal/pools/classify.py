@@ -1,0 +1,225 @@
+"""The one place where what went wrong on an engine call becomes a failure class.
+
+Both pools hand every transport error, status code and stream anomaly here;
+nothing above the pools sees an httpx, socket or httptools exception::
+
+    what happened                                           result
+    ------------------------------------------------------  --------------------------
+    refused, DNS, reset/closed before any response byte     EngineFailure(connection)
+    connect, read or write timeout                          EngineFailure(timeout)
+    first-token deadline, mid-stream silence, body cut off,
+      end without `data: [DONE]`, not SSE, malformed HTTP   EngineFailure(stream)
+    HTTP 408, 429                                           EngineFailure(overload)
+    other 5xx (and any other non-2xx, non-4xx status)       EngineFailure(inference_status)
+    other 4xx                                               UpstreamClientError
+    no slot in our own limiter before the caller's deadline PoolSaturated
+
+``kv_handoff`` is decided by the request core, which reads the prefill body.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from collections.abc import AsyncIterator
+
+import httpx
+import trio
+
+from ..failures import EngineFailure, FailureClass, PoolSaturated, UpstreamClientError
+from .http_client import (
+    ConnectFailed,
+    ConnectionClosed,
+    ConnectTimeout,
+    DeadlineExpired,
+    HTTPTransportError,
+    MalformedResponse,
+    ReadTimeout,
+    WriteTimeout,
+)
+
+__all__ = [
+    "SSEWatch",
+    "call_timeout",
+    "httpx_failure",
+    "pool_slot",
+    "raise_for_status",
+    "status_failure",
+    "stream_failure",
+    "transport_failure",
+]
+
+# ConnectionClosed is absent: its class depends on whether the response had started.
+_TRANSPORT_CLASSES: dict[type[HTTPTransportError], FailureClass] = {
+    ConnectFailed: FailureClass.CONNECTION,
+    ConnectTimeout: FailureClass.TIMEOUT,
+    WriteTimeout: FailureClass.TIMEOUT,
+    ReadTimeout: FailureClass.TIMEOUT,
+    DeadlineExpired: FailureClass.STREAM,
+    MalformedResponse: FailureClass.STREAM,
+}
+
+# First match wins; httpx.PoolTimeout is handled before this table (our saturation).
+_HTTPX_CLASSES: tuple[tuple[type[httpx.HTTPError], FailureClass], ...] = (
+    (httpx.TimeoutException, FailureClass.TIMEOUT),
+    (httpx.DecodingError, FailureClass.STREAM),
+    # ConnectError, ReadError, WriteError, RemoteProtocolError ("server disconnected
+    # without sending a response"): httpx cannot say whether response bytes arrived.
+    (httpx.TransportError, FailureClass.CONNECTION),
+)
+
+_OVERLOAD_STATUSES = frozenset({408, 429})
+_BODY_SNIPPET_BYTES = 200
+
+
+def transport_failure(engine: str, exc: HTTPTransportError) -> EngineFailure:
+    """The failure for a data-pool transport error."""
+    if isinstance(exc, ConnectionClosed):
+        failure_class = FailureClass.STREAM if exc.response_started else FailureClass.CONNECTION
+    else:
+        failure_class = _TRANSPORT_CLASSES[type(exc)]
+    return EngineFailure(engine, failure_class, str(exc), cause=exc.cause)
+
+
+def httpx_failure(engine: str, exc: httpx.HTTPError) -> EngineFailure | PoolSaturated:
+    """The failure for an httpx error raised by a control-pool call."""
+    if isinstance(exc, httpx.PoolTimeout):
+        return PoolSaturated(f"no free control connection to {engine}")
+    message = str(exc) or type(exc).__name__
+    for kind, failure_class in _HTTPX_CLASSES:
+        if isinstance(exc, kind):
+            return EngineFailure(engine, failure_class, message, cause=type(exc).__name__)
+    return EngineFailure(engine, FailureClass.CONNECTION, message, cause=type(exc).__name__)
+
+
+def status_failure(engine: str, status: int, body: bytes) -> EngineFailure | UpstreamClientError | None:
+    """None for 2xx; otherwise what a data-pool caller must raise for this status."""
+    if 200 <= status < 300:
+        return None
+    if status in _OVERLOAD_STATUSES:
+        return EngineFailure(engine, FailureClass.OVERLOAD, f"HTTP {status}", status=status)
+    if 400 <= status < 500:
+        return UpstreamClientError(engine, status, body)
+    snippet = body[:_BODY_SNIPPET_BYTES].decode("utf-8", "replace")
+    message = f"HTTP {status}: {snippet}" if snippet else f"HTTP {status}"
+    return EngineFailure(engine, FailureClass.INFERENCE_STATUS, message, status=status)
+
+
+def raise_for_status(engine: str, status: int, body: bytes) -> None:
+    """Raise the failure for a non-2xx status; return for 2xx."""
+    failure = status_failure(engine, status, body)
+    if failure is not None:
+        raise failure
+
+
+def call_timeout(engine: str, timeout_s: float) -> EngineFailure:
+    """A whole control call overran its timeout (each read may have been quick)."""
+    return EngineFailure(engine, FailureClass.TIMEOUT, f"no complete response within {timeout_s:g} s",
+                         cause="CallTimeout")
+
+
+def stream_failure(engine: str, message: str, *, cause: str | None = None) -> EngineFailure:
+    """A stream anomaly the data pool detected itself (no [DONE], not SSE, wrong type)."""
+    return EngineFailure(engine, FailureClass.STREAM, message, cause=cause)
+
+
+# The caller's own cancel scope has the same deadline. If both expire in the same
+# scheduler tick, trio lets the outer scope catch the cancellation and the caller
+# never learns it was saturation; so ours fires this much earlier (a loop stalled
+# longer than that still ends the caller at its own deadline, never as an engine
+# failure). The margin also leaves the caller time to answer 503.
+SATURATION_MARGIN_S = 0.05
+
+
+@contextlib.asynccontextmanager
+async def pool_slot(limiter: trio.CapacityLimiter, pool: str) -> AsyncIterator[None]:
+    """Hold one slot of ``limiter``; raise PoolSaturated if none frees up before the caller's deadline."""
+    token = object()  # one per call: a task may hold several slots (e.g. decode plus a token count)
+    try:
+        limiter.acquire_on_behalf_of_nowait(token)
+    except trio.WouldBlock:
+        with trio.move_on_at(trio.current_effective_deadline() - SATURATION_MARGIN_S) as scope:
+            await limiter.acquire_on_behalf_of(token)
+        if scope.cancelled_caught:
+            raise PoolSaturated(f"no free {pool} pool connection before the request deadline") from None
+    try:
+        yield
+    finally:
+        limiter.release_on_behalf_of(token)
+
+
+_SSE_FIELDS = (b"data:", b"event:", b"id:", b"retry:", b":")
+_LONGEST_FIELD = 6
+_TERMINAL_EVENTS = (b"data: [DONE]", b"data:[DONE]")
+# Enough of an event's first bytes to check its field and recognise the terminal event.
+_EVENT_HEAD_BYTES = 17
+# Applied with map(): the per-event work stays in C.
+_strip_leading_newlines = operator.methodcaller("lstrip", b"\n")
+_starts_with_field = operator.methodcaller("startswith", _SSE_FIELDS)
+
+
+class SSEWatch:
+    """A cheap watch over a relayed SSE body: is it SSE, and was `data: [DONE]` the last event?
+
+    It sees raw reads as they are relayed and keeps only the first bytes of the
+    current event: per read one split on blank lines and C-level prefix checks
+    over the events it completes, never a JSON parse.
+    """
+
+    def __init__(self) -> None:
+        self.valid = True
+        self.saw_terminal = False
+        self._event = b""  # first bytes of the event not yet ended by a blank line
+        self._after_newline = False
+
+    def feed(self, data: bytes) -> bool:
+        """Take one read of the body; False once it is clearly not an event stream."""
+        if b"\r" in data:
+            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        if self._after_newline and data.startswith(b"\n"):
+            # The blank line that ends an event straddles two reads.
+            self._end_event()
+            data = data[1:]
+        if not data:
+            return self.valid
+        if (not self._event and data.startswith(b"data:") and data.endswith(b"\n\n")
+                and data.count(b"\n\n") == data.count(b"\n\ndata:") + 1):
+            # The usual read: whole `data:` events. Counting separators checks them all in C.
+            self._after_newline = True
+            self.saw_terminal = data.rsplit(b"\n\n", 2)[-2].lstrip(b"\n") in _TERMINAL_EVENTS
+            return self.valid
+        self._after_newline = data.endswith(b"\n")
+        *complete, rest = data.split(b"\n\n")
+        if complete:
+            complete[0] = self._event + complete[0]
+            self._event = b""
+            self._end_events([event for event in map(_strip_leading_newlines, complete) if event])
+        if rest and len(self._event) < _EVENT_HEAD_BYTES:
+            if not self._event:
+                rest = rest.lstrip(b"\n")
+            self._event += rest[:_EVENT_HEAD_BYTES - len(self._event)]
+            if len(self._event) >= _LONGEST_FIELD and not self._event.startswith(_SSE_FIELDS):
+                self.valid = False
+        return self.valid
+
+    def finish(self) -> bool:
+        """At the end of the body: True when the last event was the terminal marker.
+
+        An unterminated last event still counts, so `data: [DONE]\\n` then EOF ends cleanly.
+        """
+        self._end_event()
+        return self.valid and self.saw_terminal
+
+    def _end_event(self) -> None:
+        event, self._event = self._event.lstrip(b"\n"), b""
+        if event:
+            self._end_events([event])
+
+    def _end_events(self, events: list[bytes]) -> None:
+        if not all(map(_starts_with_field, events)):
+            self.valid = False
+            return
+        for event in reversed(events):
+            if not event.startswith(b":"):  # a comment is not an event
+                self.saw_terminal = event.rstrip(b"\n") in _TERMINAL_EVENTS
+                return

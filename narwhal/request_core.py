@@ -1,0 +1,451 @@
+"""The request path: validate, admit, count tokens, place, prefill, decode, relay.
+
+It knows no HTTP framework: ``RequestCore.handle`` reads a parsed request (route,
+body, request id) and writes bytes to a ``Sink`` (``respond`` / ``start_stream``
+/ ``write`` / ``end_stream``). The data-plane front hands it its ``Responder``;
+tests hand it a recorder.
+
+Evidence: every engine outcome is reported to the supervisor (failure with its
+class, or the success row it earns); a client's 4xx is never engine failure.
+
+Policies: ``saturate`` (default) makes one prefill/decode attempt and then
+reports; ``bounded`` queues for capacity and retries within the request's
+original deadline, each retry with a new prefill (fresh KV ownership). Tokens
+already streamed to a client are never replayed: a failure after the first
+byte ends the stream with an SSE error event and no ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import random
+from collections.abc import Callable
+from typing import Any, NoReturn, Protocol
+
+import msgspec
+import trio
+
+from .admission import Admission
+from .config import Config, EngineSpec
+from .failures import EngineFailure, FailureClass, PoolSaturated, SuccessKind, UpstreamClientError
+from .logs import log_event
+from .placement import InFlight, pick_least_outstanding
+from .router_metrics import RouterMetrics
+from .wire import error_json, extract_handoff
+
+__all__ = ["COMPLETION_ROUTES", "RequestCore", "Sink"]
+
+COMPLETION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+_SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+_PREFILL_KV = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+_DATA = b"data: "
+_DONE = b"data: [DONE]"
+# Bounded policy: how often a queued request looks for capacity again.
+_QUEUE_POLL_S = 0.05
+_QUEUEABLE = frozenset({"no_capacity", "pool_saturated"})
+
+_decode_json = msgspec.json.Decoder()
+_encode_json = msgspec.json.Encoder()
+
+
+class Sink(Protocol):
+    """Where a response goes; the data-plane ``Responder`` is one."""
+
+    started: bool
+
+    async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None: ...
+    async def start_stream(self, status: int, headers: list[tuple[bytes, bytes]], first: bytes = b"") -> None: ...
+    async def write(self, data: bytes) -> None: ...
+    async def end_stream(self, last: bytes = b"") -> None: ...
+
+
+class Supervisor(Protocol):
+    """The part of the control plane the request path talks to."""
+
+    def eligible(self, role: str) -> list[str]: ...
+    def capacity_problem(self) -> str | None: ...
+    def record_failure(self, engine: str, failure_class: FailureClass) -> None: ...
+    def record_success(self, engine: str, kind: SuccessKind) -> None: ...
+
+
+class DataPool(Protocol):
+    async def post_json(self, engine: EngineSpec, path: str, body: bytes, *, request_id: str) -> tuple[int, bytes]: ...
+    def stream(self, engine: EngineSpec, path: str, body: bytes, *, request_id: str) -> Any: ...
+
+
+class ClientError(Exception):
+    """A request the router refuses before or instead of serving it."""
+
+    def __init__(self, status: int, message: str, type_: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.code = code
+
+    def body(self) -> bytes:
+        return error_json(self.message, self.type, self.code)
+
+
+class _AttemptFailed(Exception):
+    """One prefill/decode attempt failed before anything reached the client."""
+
+    def __init__(self, error: ClientError, engine: str | None, failure_class: str) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.engine = engine
+        self.failure_class = failure_class
+
+
+class _Usage(msgspec.Struct):
+    completion_tokens: int = 0
+
+
+class _UsageOnly(msgspec.Struct):
+    usage: _Usage | None = None
+
+
+class _TokenizeResult(msgspec.Struct):
+    count: int
+    max_model_len: int | None = None
+
+
+class _Outcome:
+    """What one request did, for its log line and metrics."""
+
+    __slots__ = ("status", "prefill", "decode", "ttft_s", "tokens", "error_class", "attempts")
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.prefill: str | None = None
+        self.decode: str | None = None
+        self.ttft_s: float | None = None
+        self.tokens = 0
+        self.error_class: str | None = None
+        self.attempts = 0
+
+
+def _sse_error(message: str, type_: str, code: str | None) -> bytes:
+    return b"data: " + error_json(message, type_, code) + b"\n\n"
+
+
+def _failure_error(exc: EngineFailure, leg: str) -> ClientError:
+    status = 504 if exc.failure_class is FailureClass.TIMEOUT else 502
+    return ClientError(status, f"{leg} engine {exc.engine} failed: {exc.failure_class}: {exc.message}",
+                       "upstream_error", str(exc.failure_class))
+
+
+class RequestCore:
+    """Serves the two completion routes against the fleet."""
+
+    def __init__(self, *, config: Config, supervisor: Supervisor, data_pool: DataPool,
+                 in_flight: InFlight, admission: Admission, metrics: RouterMetrics,
+                 clock: Callable[[], float] = trio.current_time, rng: random.Random | None = None) -> None:
+        self.config = config
+        self.supervisor = supervisor
+        self.data_pool = data_pool
+        self.in_flight = in_flight
+        self.admission = admission
+        self.metrics = metrics
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self.engines: dict[str, EngineSpec] = {spec.name: spec for spec in config.engines}
+        self.model = config.fleet.model
+        self._deadline_s = config.serving.request_deadline_s
+        self._bounded = config.serving.policy == "bounded"
+        self._max_attempts = config.serving.max_attempts if self._bounded else 1
+        self._count_tokens = config.serving.count_tokens
+        self._ids = itertools.count(1)
+        self._id_prefix = os.urandom(4).hex()
+
+    # -- entry point -------------------------------------------------------
+
+    async def handle(self, route: str, body: bytes, request_id: bytes | None, sink: Sink) -> None:
+        """Serve one completion request and write its response to ``sink``."""
+        started_at = self.clock()
+        rid = request_id.decode("latin-1") if request_id else f"nw-{self._id_prefix}-{next(self._ids)}"
+        rid_header = (b"x-request-id", rid.encode("latin-1"))
+        outcome = _Outcome()
+        try:
+            with trio.move_on_after(self._deadline_s) as deadline:
+                await self._serve(route, body, rid, rid_header, sink, started_at, outcome)
+            if deadline.cancelled_caught:
+                outcome.error_class = "deadline"
+                message = f"request deadline of {self._deadline_s:g} s exceeded"
+                await self._fail(sink, outcome, ClientError(504, message, "timeout", "deadline_exceeded"),
+                                 rid_header)
+        except ClientError as exc:
+            await self._fail(sink, outcome, exc, rid_header)
+        finally:
+            if outcome.status == 0:
+                # Cancelled from outside (client went away, router stopping).
+                outcome.status = 499
+                outcome.error_class = outcome.error_class or "client_disconnected"
+            self._finish(route, rid, started_at, outcome)
+
+    async def _fail(self, sink: Sink, outcome: _Outcome, error: ClientError,
+                    rid_header: tuple[bytes, bytes]) -> None:
+        if sink.started:
+            # Tokens already reached the client: say why the stream ends, never replay.
+            outcome.status = outcome.status or 200
+            await sink.end_stream(_sse_error(error.message, error.type, error.code))
+        else:
+            outcome.status = error.status
+            await sink.respond(error.status, [*_JSON_HEADERS, rid_header], error.body())
+
+    def _finish(self, route: str, rid: str, started_at: float, outcome: _Outcome) -> None:
+        duration_s = self.clock() - started_at
+        status = str(outcome.status)
+        self.metrics.requests.inc(route, status)
+        self.metrics.request_duration.observe(duration_s, route)
+        if outcome.ttft_s is not None:
+            self.metrics.ttft.observe(outcome.ttft_s, route)
+        log_event(
+            "request",
+            request_id=rid,
+            route=route,
+            status=outcome.status,
+            prefill=outcome.prefill,
+            decode=outcome.decode,
+            ttft_ms=None if outcome.ttft_s is None else round(outcome.ttft_s * 1000, 3),
+            tokens=outcome.tokens,
+            duration_ms=round(duration_s * 1000, 3),
+            attempts=outcome.attempts,
+            error=outcome.error_class,
+        )
+
+    # -- one request ---------------------------------------------------------
+
+    async def _serve(self, route: str, body: bytes, rid: str, rid_header: tuple[bytes, bytes],
+                     sink: Sink, started_at: float, outcome: _Outcome) -> None:
+        closed = self.admission.reason()
+        if closed is not None:
+            self.metrics.saturations.inc("admission_closed")
+            raise ClientError(503, closed, "service_unavailable", "admission_closed")
+        request = self._validate(route, body)
+        while True:
+            try:
+                await self._attempt(route, request, rid, rid_header, sink, started_at, outcome)
+                return
+            except _AttemptFailed as failed:
+                outcome.error_class = failed.failure_class
+                queued = failed.failure_class in _QUEUEABLE
+                if not self._bounded or sink.started or (not queued and outcome.attempts >= self._max_attempts):
+                    raise failed.error from None
+                if queued:
+                    # Waiting for capacity is bounded by the request deadline, not by attempts.
+                    await trio.sleep(_QUEUE_POLL_S)
+                else:
+                    log_event("request_retry", request_id=rid, attempt=outcome.attempts,
+                              engine=failed.engine, **{"class": failed.failure_class})
+
+    def _validate(self, route: str, body: bytes) -> dict[str, Any]:
+        try:
+            request = _decode_json.decode(body)
+        except msgspec.DecodeError as exc:
+            raise ClientError(400, f"request body is not valid JSON: {exc}", "invalid_request_error",
+                              "invalid_json") from None
+        if not isinstance(request, dict):
+            raise ClientError(400, "request body must be a JSON object", "invalid_request_error",
+                              "invalid_body")
+        model = request.get("model")
+        if model is None:
+            request["model"] = self.model
+        elif not isinstance(model, str):
+            raise ClientError(400, "'model' must be a string", "invalid_request_error", "invalid_model")
+        elif model != self.model:
+            raise ClientError(404, f"the model '{model}' does not exist; this router serves '{self.model}'",
+                              "invalid_request_error", "model_not_found")
+        if route == "/v1/chat/completions":
+            messages = request.get("messages")
+            if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+                raise ClientError(400, "'messages' must be a non-empty array of message objects",
+                                  "invalid_request_error", "invalid_messages")
+        else:
+            prompt = request.get("prompt")
+            if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt)):
+                raise ClientError(400, "'prompt' must be a string or a non-empty array",
+                                  "invalid_request_error", "invalid_prompt")
+        stream = request.get("stream", False)
+        if not isinstance(stream, bool):
+            raise ClientError(400, "'stream' must be a boolean", "invalid_request_error", "invalid_stream")
+        for key in ("max_tokens", "max_completion_tokens"):
+            value = request.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ClientError(400, f"'{key}' must be a positive integer", "invalid_request_error",
+                                  f"invalid_{key}")
+        # A client does not choose KV placement; the router owns the handoff.
+        request.pop("kv_transfer_params", None)
+        return request
+
+    def _place(self, role: str) -> str:
+        name = pick_least_outstanding(self.supervisor.eligible(role), self.in_flight, self.rng)
+        if name is None:
+            self.metrics.saturations.inc(f"no_{role}")
+            problem = self.supervisor.capacity_problem() or f"serving capacity exhausted: no eligible {role} engine"
+            raise _AttemptFailed(ClientError(503, problem, "service_unavailable", "no_capacity"),
+                                 None, "no_capacity")
+        return name
+
+    async def _attempt(self, route: str, request: dict[str, Any], rid: str, rid_header: tuple[bytes, bytes],
+                       sink: Sink, started_at: float, outcome: _Outcome) -> None:
+        prefill_name = self._place("prefill")
+        decode_name = self._place("decode")
+        outcome.prefill, outcome.decode = prefill_name, decode_name
+        prefill = self.engines[prefill_name]
+        decode = self.engines[decode_name]
+        outcome.attempts += 1
+        in_flight = self.in_flight
+        in_flight.acquire(prefill_name)
+        try:
+            if self._count_tokens:
+                await self._check_context(route, request, prefill, rid)
+            kv = await self._prefill(route, request, prefill, rid)
+        finally:
+            in_flight.release(prefill_name)
+        in_flight.acquire(decode_name)
+        try:
+            await self._decode(route, request, kv, decode, rid, rid_header, sink, started_at, outcome)
+        finally:
+            in_flight.release(decode_name)
+
+    async def _engine_call(self, leg: str, call: Any) -> Any:
+        """Await one engine call, turning its failure into evidence and a client error."""
+        try:
+            return await call
+        except (EngineFailure, UpstreamClientError, PoolSaturated) as exc:
+            self._translate(leg, exc)
+
+    def _translate(self, leg: str, exc: Exception) -> NoReturn:
+        """The one place engine outcomes become evidence and client-facing errors."""
+        if isinstance(exc, EngineFailure):
+            self.supervisor.record_failure(exc.engine, exc.failure_class)
+            self.metrics.engine_failures.inc(exc.engine, exc.failure_class.value)
+            log_event("engine_failure", level=logging.WARNING, engine=exc.engine, stage=leg,
+                      **{"class": exc.failure_class.value}, cause=exc.cause, message=exc.message)
+            raise _AttemptFailed(_failure_error(exc, leg), exc.engine, exc.failure_class.value) from None
+        if isinstance(exc, UpstreamClientError):
+            self.supervisor.record_success(exc.engine, SuccessKind.CLIENT_4XX)
+            raise ClientError(exc.status, _upstream_message(exc), "invalid_request_error",
+                              "upstream_rejected") from None
+        self.metrics.saturations.inc("pool")
+        raise _AttemptFailed(ClientError(503, "router saturated: no free data connection",
+                                         "service_unavailable", "pool_saturated"),
+                             None, "pool_saturated") from None
+
+    async def _check_context(self, route: str, request: dict[str, Any], prefill: EngineSpec, rid: str) -> None:
+        query: dict[str, Any] = {"model": request["model"]}
+        if route == "/v1/chat/completions":
+            query["messages"] = request["messages"]
+        else:
+            query["prompt"] = request["prompt"]
+        _, raw = await self._engine_call("tokenize", self.data_pool.post_json(
+            prefill, "/tokenize", _encode_json.encode(query), request_id=rid))
+        try:
+            counted = msgspec.json.decode(raw, type=_TokenizeResult)
+        except msgspec.DecodeError:
+            # A tokenizer answer we cannot read is no reason to refuse the request.
+            return
+        limit = counted.max_model_len
+        if limit is None:
+            return
+        if counted.count > limit:
+            raise ClientError(400, f"the prompt is {counted.count} tokens, more than the model's "
+                              f"context length of {limit}", "invalid_request_error", "context_length_exceeded")
+        wanted = request.get("max_completion_tokens") or request.get("max_tokens")
+        if wanted is not None and counted.count + wanted > limit:
+            raise ClientError(400, f"the prompt ({counted.count} tokens) plus max_tokens ({wanted}) exceeds "
+                              f"the model's context length of {limit}", "invalid_request_error",
+                              "context_length_exceeded")
+
+    async def _prefill(self, route: str, request: dict[str, Any], prefill: EngineSpec, rid: str) -> dict[str, Any]:
+        body = dict(request)
+        body["max_tokens"] = 1
+        if "max_completion_tokens" in body:
+            body["max_completion_tokens"] = 1
+        body["stream"] = False
+        body.pop("stream_options", None)
+        body["kv_transfer_params"] = _PREFILL_KV
+        _, raw = await self._engine_call("prefill", self.data_pool.post_json(
+            prefill, route, _encode_json.encode(body), request_id=rid))
+        kv = extract_handoff(raw)
+        if kv is None:
+            self._translate("prefill", EngineFailure(
+                prefill.name, FailureClass.KV_HANDOFF, "prefill response carries no readable kv_transfer_params"))
+        self.supervisor.record_success(prefill.name, SuccessKind.PREFILL_HANDOFF)
+        return kv
+
+    async def _decode(self, route: str, request: dict[str, Any], kv: dict[str, Any], decode: EngineSpec,
+                      rid: str, rid_header: tuple[bytes, bytes], sink: Sink, started_at: float,
+                      outcome: _Outcome) -> None:
+        body = dict(request)
+        body["kv_transfer_params"] = kv
+        payload = _encode_json.encode(body)
+        if not request.get("stream", False):
+            _, raw = await self._engine_call("decode", self.data_pool.post_json(
+                decode, route, payload, request_id=rid))
+            self.supervisor.record_success(decode.name, SuccessKind.DECODE_TERMINAL)
+            outcome.ttft_s = self.clock() - started_at
+            try:
+                usage = msgspec.json.decode(raw, type=_UsageOnly).usage
+            except msgspec.DecodeError:
+                usage = None
+            outcome.tokens = usage.completion_tokens if usage else 0
+            outcome.status = 200
+            await sink.respond(200, [*_JSON_HEADERS, rid_header], raw)
+            return
+        clock = self.clock
+        observe_gap = self.metrics.inter_token.observe
+        tokens = 0
+        try:
+            async with self.data_pool.stream(decode, route, payload, request_id=rid) as upstream:
+                chunks = upstream.__aiter__()
+                try:
+                    first = await chunks.__anext__()
+                except StopAsyncIteration:
+                    raise EngineFailure(decode.name, FailureClass.STREAM,
+                                        "decode stream ended before its first event") from None
+                last_at = clock()
+                outcome.ttft_s = last_at - started_at
+                outcome.status = 200
+                tokens = first.count(_DATA)
+                await sink.start_stream(200, [*_SSE_HEADERS, rid_header], first)
+                while True:
+                    try:
+                        chunk = await chunks.__anext__()
+                    except StopAsyncIteration:
+                        break
+                    now = clock()
+                    observe_gap(now - last_at)
+                    last_at = now
+                    tokens += chunk.count(_DATA)
+                    await sink.write(chunk)
+                terminal = upstream.saw_terminal
+        except (EngineFailure, UpstreamClientError, PoolSaturated) as exc:
+            outcome.tokens = tokens
+            self._translate("decode", exc)
+        outcome.tokens = tokens - 1 if terminal and tokens else tokens
+        self.supervisor.record_success(decode.name, SuccessKind.DECODE_TERMINAL)
+        await sink.end_stream()
+
+
+def _upstream_message(exc: UpstreamClientError) -> str:
+    try:
+        detail = _decode_json.decode(exc.body)
+        message = detail["error"]["message"] if isinstance(detail.get("error"), dict) else detail.get("message")
+        if isinstance(message, str):
+            return message
+    except (msgspec.DecodeError, AttributeError, KeyError, TypeError):
+        pass
+    return f"engine {exc.engine} rejected the request with HTTP {exc.status}"

@@ -1,0 +1,124 @@
+"""Resume: decide whether a saved handoff may be applied at start, then apply it.
+
+``narwhal-serve --resume`` applies the handoff only when its schema and its
+engine set (names, URLs, roles) match the configuration. Anything else (no
+file, an unreadable file, another schema, another engine set) means a fresh
+start with a one-line reason, never a crash. Monitor-failure counters are not
+in the handoff, so they always start fresh.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from narwhal.config import Config, EngineSpec
+from narwhal.fleet import Fleet
+from narwhal.handoff import (
+    EngineSetEntry,
+    HandoffDocument,
+    HandoffMissing,
+    HandoffSchemaMismatch,
+    HandoffUnreadable,
+    read_document,
+)
+
+__all__ = ["ResumePlan", "apply_resume", "engine_set_difference", "plan_resume"]
+
+
+class ResumePlan(msgspec.Struct, frozen=True, kw_only=True):
+    """The decision: apply ``document``, or start fresh for ``reason``."""
+
+    path: str
+    applied: bool
+    document: HandoffDocument | None = None
+    # One line, "handoff not applied: ...", when ``applied`` is False.
+    reason: str | None = None
+
+    def event_fields(self) -> dict[str, Any]:
+        """Fields for the "handoff_applied" / "handoff_not_applied" log event."""
+        if self.document is None or not self.applied:
+            return {"path": self.path, "reason": self.reason}
+        doc = self.document
+        return {
+            "path": self.path,
+            "writer": doc.router_id,
+            "writer_pid": doc.pid,
+            "pass": doc.pass_number,
+            "written_at": doc.written_at,
+            "ejected": [record.name for record in doc.engines if record.ejected],
+            "holds": {record.name: [hold.kind.value for hold in record.holds]
+                      for record in doc.engines if record.holds},
+            "lease_holder": doc.lease.holder,
+            "lease_epoch": doc.lease.epoch,
+        }
+
+
+def _not_applied(path: str, why: str) -> ResumePlan:
+    return ResumePlan(path=path, applied=False, reason=f"handoff not applied: {why}".replace("\n", " "))
+
+
+def engine_set_difference(saved: Sequence[EngineSetEntry], configured: Sequence[EngineSpec]) -> str | None:
+    """How the saved engine set differs from the configured one, or None when they match.
+
+    For example "added d2, removed d1, changed p1"; a changed URL or role counts.
+    """
+    saved_by_name = {entry.name: entry for entry in saved}
+    configured_by_name = {spec.name: spec for spec in configured}
+    added = sorted(configured_by_name.keys() - saved_by_name.keys())
+    removed = sorted(saved_by_name.keys() - configured_by_name.keys())
+    changed = sorted(name for name in saved_by_name.keys() & configured_by_name.keys()
+                     if (saved_by_name[name].url.rstrip("/"), saved_by_name[name].role)
+                     != (configured_by_name[name].base_url, configured_by_name[name].role))
+    parts = [f"{label} {', '.join(names)}"
+             for label, names in (("added", added), ("removed", removed), ("changed", changed)) if names]
+    if len(saved_by_name) != len(saved):
+        parts.append("repeated engine names")
+    return ", ".join(parts) or None
+
+
+def _records_problem(document: HandoffDocument) -> str | None:
+    """Why the engine records disagree with the document's own engine set, or None."""
+    roles = {entry.name: entry.role for entry in document.engine_set}
+    seen: set[str] = set()
+    for record in document.engines:
+        if record.name in seen:
+            return f"engine {record.name} is recorded twice"
+        if roles.get(record.name) != record.role:
+            return f"engine record {record.name} ({record.role}) is not in its engine set"
+        seen.add(record.name)
+    return None
+
+
+def plan_resume(path: str | os.PathLike[str], config: Config) -> ResumePlan:
+    """Read the handoff at ``path`` and decide whether it may be applied to ``config``'s fleet."""
+    where = os.fspath(path)
+    try:
+        document = read_document(where)
+    except HandoffMissing:
+        return _not_applied(where, f"no handoff at {where}")
+    except HandoffSchemaMismatch as exc:
+        return _not_applied(where, str(exc))
+    except HandoffUnreadable as exc:
+        return _not_applied(where, f"unreadable: {exc}")
+    difference = engine_set_difference(document.engine_set, config.engines)
+    if difference is not None:
+        return _not_applied(where, f"engine set differs: {difference}")
+    problem = _records_problem(document)
+    if problem is not None:
+        return _not_applied(where, f"unreadable: {problem}")
+    return ResumePlan(path=where, applied=True, document=document)
+
+
+def apply_resume(plan: ResumePlan, fleet: Fleet, now: float, wall_now: float) -> None:
+    """Restore the fleet from an applicable plan; a plan not applied changes nothing.
+
+    Holds keep their wall-clock deadlines, so one that passed while no router
+    ran comes back already expired.
+    """
+    if not plan.applied or plan.document is None:
+        return
+    fleet.restore(plan.document.engines, now, wall_now)

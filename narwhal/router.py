@@ -1,0 +1,181 @@
+"""The router process: builds every part from the config and runs them under one nursery.
+
+Ownership: ``Router.run`` opens the nursery that owns the supervisor (probes),
+the monitor, the optional hypercorn admin listener and the data-plane server.
+``shutdown`` closes admission, stops accepting, lets in-flight requests finish
+within the grace period, then cancels the rest.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import trio
+
+from .admission import Admission
+from .app import create_app
+from .config import Config, parse_listen
+from .fleet import Fleet
+from .http1.asgi import ASGILifespan, call_asgi
+from .http1.server import HTTPServer, Request, Responder
+from .logs import log_event
+from .placement import InFlight
+from .pools.control import ControlPool
+from .pools.data import DataPool
+from .request_core import COMPLETION_ROUTES, RequestCore
+from .router_metrics import RouterMetrics
+from .supervisor import Supervisor
+from .wire import error_json
+
+__all__ = ["Router"]
+
+_NOT_ALLOWED = error_json("completion routes accept POST only", "invalid_request_error", "method_not_allowed")
+
+
+class Router:
+    """One Narwhal router: data plane, control app and control plane over one fleet."""
+
+    def __init__(self, config: Config, *, listen: str | None = None, resume: bool = False) -> None:
+        self.config = config
+        self.listen = listen or config.serving.listen
+        self.resume = resume
+        self.router_id = config.lease.router_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.metrics = RouterMetrics()
+        self.admission = Admission()
+        names = [spec.name for spec in config.engines]
+        self.in_flight = InFlight(names)
+        recovery = config.recovery
+        self.fleet = Fleet(
+            [(spec.name, spec.role) for spec in config.engines],
+            eject_after=recovery.eject_after,
+            liveness_misses=recovery.liveness_misses,
+            failure_quarantine_s=recovery.failure_quarantine_s,
+            probe_interval_s=recovery.probe_interval_s,
+        )
+        self.data_pool = DataPool(max_connections=config.serving.max_connections, engine_config=config.engine)
+        self.control_pool = ControlPool(control_connections=config.engine.control_connections,
+                                        engine_config=config.engine)
+        self.supervisor = Supervisor(config=config, fleet=self.fleet, control_pool=self.control_pool,
+                                     metrics=self.metrics)
+        self.core = RequestCore(config=config, supervisor=self.supervisor, data_pool=self.data_pool,
+                                in_flight=self.in_flight, admission=self.admission, metrics=self.metrics)
+        self.app = create_app(self)
+        serving = config.serving
+        self.server = HTTPServer(self.handle, max_header_bytes=serving.max_header_bytes,
+                                 max_body_bytes=serving.max_body_bytes, idle_timeout_s=serving.idle_timeout_s)
+        self.bound_port: int | None = None
+        self._nursery: trio.Nursery | None = None
+        self._register_gauges()
+
+    # -- state views -----------------------------------------------------------------
+
+    def readiness(self) -> str | None:
+        """None when this router should get traffic, else the one-line reason."""
+        reason = self.admission.reason()
+        if reason is not None:
+            return reason
+        return self.supervisor.capacity_problem()
+
+    def engines_view(self) -> dict[str, Any]:
+        now = trio.current_time()
+        engines = []
+        for view in self.fleet.views(now):
+            spec = self.config.engine_spec(view.name)
+            engines.append({
+                "name": view.name,
+                "role": view.role,
+                "url": spec.url,
+                "eligible": view.eligible,
+                "ejected": view.ejected,
+                "ejected_reason": view.ejected_reason,
+                "holds": [{"kind": str(hold.kind), "reason": hold.reason, "since": hold.since,
+                           "deadline": hold.deadline, "deferred": hold.deferred} for hold in view.holds],
+                "evidence": {str(k): v for k, v in view.evidence.items()},
+                "liveness_misses": view.liveness_misses,
+                "in_flight": self.in_flight[view.name],
+            })
+        return {"engines": engines}
+
+    def _register_gauges(self) -> None:
+        m = self.metrics
+        m.add_gauge("narwhal_requests_in_flight", "Requests in flight per engine.", ("engine",),
+                    lambda: {(name,): float(n) for name, n in self.in_flight.counts.items()})
+
+        def pools() -> dict[tuple[str, ...], float]:
+            data = self.data_pool.statistics()
+            control = self.control_pool.statistics()
+            return {("data", "in_use"): float(data.in_use), ("data", "capacity"): float(data.max_connections),
+                    ("data", "waiting"): float(data.waiting),
+                    ("control", "in_use"): float(control.in_use),
+                    ("control", "capacity"): float(control.control_connections)}
+
+        m.add_gauge("narwhal_pool_connections", "Connection pool occupancy.", ("pool", "state"), pools)
+
+        def eligibility() -> dict[tuple[str, ...], float]:
+            now = trio.current_time()
+            return {(v.name, v.role): float(v.eligible) for v in self.fleet.views(now)}
+
+        m.add_gauge("narwhal_engine_eligible", "1 when the engine may take new requests.",
+                    ("engine", "role"), eligibility)
+        m.add_gauge("narwhal_ready", "1 when /ready answers 200.", (),
+                    lambda: {(): float(self.readiness() is None)})
+
+    # -- the front ---------------------------------------------------------------------
+
+    async def handle(self, request: Request, responder: Responder) -> None:
+        """The data-plane front: completion routes to the core, the rest to the app."""
+        if request.path in COMPLETION_ROUTES:
+            if request.method == b"POST":
+                await self.core.handle(request.path, request.body, request.get_header(b"x-request-id"),
+                                       responder)
+            else:
+                await responder.respond(405, [(b"content-type", b"application/json"), (b"allow", b"POST")],
+                                        _NOT_ALLOWED)
+            return
+        await call_asgi(self.app, request, responder)
+
+    # -- lifetime ----------------------------------------------------------------------
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until ``shutdown`` completes; ``task_status.started(port)`` once listening."""
+        host, port = parse_listen(self.listen)
+        try:
+            async with ASGILifespan(self.app), trio.open_nursery() as nursery:
+                self._nursery = nursery
+                await nursery.start(self.supervisor.run)
+                if self.config.admin.listen:
+                    await nursery.start(self._serve_admin)
+                self.bound_port = await nursery.start(self._serve_then_stop, nursery, host, port)
+                log_event("router_started", router_id=self.router_id, listen=f"{host}:{self.bound_port}",
+                          engines=len(self.config.engines), pid=os.getpid())
+                task_status.started(self.bound_port)
+        finally:
+            await self.data_pool.aclose()
+            await self.control_pool.aclose()
+            log_event("router_stopped", router_id=self.router_id)
+
+    async def _serve_then_stop(self, nursery: trio.Nursery, host: str, port: int, *,
+                               task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        # The server returns once shutdown has drained it; everything else stops with it.
+        await self.server.serve(host, port, task_status=task_status)
+        nursery.cancel_scope.cancel()
+
+    def shutdown(self, grace_s: float | None = None) -> None:
+        """Stop taking requests; in-flight ones get ``grace_s`` to finish."""
+        grace = self.config.serving.shutdown_grace_s if grace_s is None else grace_s
+        self.admission.close("shutdown", "shutting down")
+        log_event("router_shutdown", grace_s=grace)
+        self.server.shutdown(grace)
+
+    async def _serve_admin(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        from hypercorn.config import Config as HypercornConfig
+        from hypercorn.trio import serve
+
+        hconfig = HypercornConfig()
+        hconfig.bind = [self.config.admin.listen]
+        hconfig.accesslog = None
+        hconfig.errorlog = None
+        task_status.started()
+        await serve(self.app, hconfig, mode="asgi")

@@ -1,0 +1,53 @@
+"""Every Prometheus metric the router exports, in one place."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .metrics import Registry
+
+__all__ = ["RouterMetrics"]
+
+_GaugeReader = Callable[[], dict[tuple[str, ...], float]]
+
+
+def _empty() -> dict[tuple[str, ...], float]:
+    return {}
+
+
+class RouterMetrics:
+    """Counters and histograms written by the request path and the control plane."""
+
+    def __init__(self) -> None:
+        r = self.registry = Registry()
+        self.requests = r.counter("narwhal_requests", "Finished client requests by route and status.",
+                                  ("route", "status"))
+        self.request_duration = r.histogram("narwhal_request_duration_seconds",
+                                            "Client request duration.", ("route",))
+        self.ttft = r.histogram("narwhal_time_to_first_token_seconds",
+                                "Time from request arrival to the first decode bytes.", ("route",))
+        self.inter_token = r.histogram("narwhal_inter_token_seconds",
+                                       "Gap between successive decode reads relayed to a client.")
+        self.engine_failures = r.counter("narwhal_engine_failures",
+                                         "Engine failures by engine and failure class.", ("engine", "class"))
+        self.engine_ejections = r.counter("narwhal_engine_ejections", "Engine ejections.",
+                                          ("engine", "reason"))
+        self.holds_applied = r.counter("narwhal_engine_holds_applied", "Holds applied by kind.",
+                                       ("engine", "kind"))
+        self.probes = r.counter("narwhal_probes", "Suspect verification probes by kind and outcome.",
+                                ("engine", "kind", "outcome"))
+        self.stage_errors = r.counter("narwhal_monitor_stage_errors",
+                                      "Monitor stage errors by stage and exception class.",
+                                      ("stage", "class"))
+        self.readmissions = r.counter("narwhal_readmission_attempts",
+                                      "Readmission attempts by outcome and failed check.",
+                                      ("engine", "outcome", "check"))
+        self.saturations = r.counter("narwhal_saturations", "Requests refused for saturation by reason.",
+                                     ("reason",))
+
+    def add_gauge(self, name: str, help_text: str, labels: tuple[str, ...], read: _GaugeReader) -> None:
+        """Register a gauge read from live state at scrape time."""
+        self.registry.gauge(name, help_text, labels, read)
+
+    def render(self) -> str:
+        return self.registry.render()

@@ -1,0 +1,54 @@
+"""Drain settlement: an engine under an operator drain or maintenance hold is drained at zero in flight.
+
+The hold already keeps new requests away; this stage notices when the last
+request in flight has finished, logs ``engine_drained`` once, and keeps the
+engine in ``drained`` until its hold goes away (readmission clears it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import trio
+
+from narwhal.fleet import Fleet, HoldKind
+from narwhal.logs import log_event
+from narwhal.placement import InFlight
+
+__all__ = ["DRAIN_HOLDS", "DrainStage"]
+
+DRAIN_HOLDS: frozenset[HoldKind] = frozenset({HoldKind.OPERATOR_DRAIN, HoldKind.MAINTENANCE})
+
+
+class DrainStage:
+    """Tracks which drained engines have no request left in flight."""
+
+    name = "drain"
+
+    def __init__(self, *, fleet: Fleet, in_flight: InFlight, clock: Callable[[], float] = trio.current_time) -> None:
+        self.fleet = fleet
+        self.in_flight = in_flight
+        self.clock = clock
+        self.drained: set[str] = set()
+
+    def __repr__(self) -> str:
+        return f"<DrainStage [drained: {sorted(self.drained)}]>"
+
+    async def run(self, pass_number: int) -> None:
+        """Settle drains at the current time."""
+        self.settle(self.clock())
+
+    def settle(self, now: float) -> list[str]:
+        """Mark engines whose drain just completed; forget engines no longer draining."""
+        newly: list[str] = []
+        for view in self.fleet.views(now):
+            holds = sorted(str(hold.kind) for hold in view.holds if hold.kind in DRAIN_HOLDS)
+            if not holds:
+                self.drained.discard(view.name)
+                continue
+            if view.name in self.drained or self.in_flight[view.name] > 0:
+                continue
+            self.drained.add(view.name)
+            newly.append(view.name)
+            log_event("engine_drained", engine=view.name, holds=holds)
+        return newly

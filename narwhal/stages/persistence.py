@@ -1,0 +1,126 @@
+"""Persistence stage: write the durable handoff once per monitor pass.
+
+It decides nothing; it snapshots the fleet (as the pass's other stages left it)
+plus what the controller and lease report, and replaces ``handoff.path``
+atomically in a worker thread, so a slow disk never blocks the event loop.
+A failed write raises, and the monitor records it as this stage's error.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import msgspec
+import trio
+
+from narwhal.config import Config
+from narwhal.fleet import EngineRecord
+from narwhal.handoff import (
+    HANDOFF_SCHEMA,
+    ConsolidationRisk,
+    EngineSetEntry,
+    HandoffDocument,
+    LeaseOwnership,
+    encode_document,
+    write_atomic,
+)
+
+__all__ = ["HandoffWriteInProgress", "PersistenceStage"]
+
+
+class HandoffWriteInProgress(Exception):
+    """The previous pass's write has not finished (a stuck disk): this pass writes nothing."""
+
+
+class _Snapshotting(Protocol):
+    def snapshot(self, now: float, wall_now: float) -> list[EngineRecord]: ...
+
+
+class _Extra(msgspec.Struct, kw_only=True):
+    """What ``extra()`` may report beside the fleet; validated before it is written."""
+
+    consolidation_risk: dict[str, ConsolidationRisk] = {}
+    drained: list[str] = []
+    lease: LeaseOwnership = LeaseOwnership()
+
+
+class PersistenceStage:
+    """The monitor stage that writes the handoff on every pass while ``paused`` is False."""
+
+    name = "persistence"
+
+    def __init__(self, *, path: str | os.PathLike[str], router_id: str, fleet: _Snapshotting,
+                 config: Config, extra: Callable[[], dict[str, Any]] | None = None,
+                 clock: Callable[[], float] = trio.current_time,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        """``extra()`` returns optional "consolidation_risk", "drained" and "lease" entries."""
+        self.path = os.fspath(path)
+        self.router_id = router_id
+        self.fleet = fleet
+        self.engine_set = [EngineSetEntry(name=spec.name, url=spec.base_url, role=spec.role)
+                           for spec in config.engines]
+        self.extra = extra
+        self.clock = clock
+        self.wall_clock = wall_clock
+        # The lease code sets this when fenced or standing by: only the active router writes.
+        self.paused = False
+        # The pass number of the last document that replaced the file, if any.
+        self.last_written_pass: int | None = None
+        # One write at a time, newest last. The lock is taken and released by the
+        # worker thread itself, so a write abandoned by the stage timeout keeps it
+        # while it runs; sequence numbers stop an older document from landing
+        # after a newer one if two workers ever reach the lock out of order.
+        self._writing = threading.Lock()
+        self._sequence = 0
+        self._sequence_written = 0
+
+    def __repr__(self) -> str:
+        state = "paused" if self.paused else "active"
+        return f"<PersistenceStage {self.path!r} [{state} | last pass written: {self.last_written_pass}]>"
+
+    def document(self, pass_number: int) -> HandoffDocument:
+        """The handoff for this pass, from the fleet's state now and ``extra()``."""
+        extra = msgspec.convert(self.extra() if self.extra is not None else {}, _Extra)
+        return HandoffDocument(
+            schema=HANDOFF_SCHEMA,
+            router_id=self.router_id,
+            pid=os.getpid(),
+            pass_number=pass_number,
+            written_at=self.wall_clock(),
+            engine_set=list(self.engine_set),
+            engines=self.fleet.snapshot(self.clock(), self.wall_clock()),
+            consolidation_risk=extra.consolidation_risk,
+            lease=extra.lease,
+            drained=extra.drained,
+        )
+
+    async def run(self, pass_number: int) -> None:
+        """Write this pass's handoff; raise if it could not be written."""
+        if self.paused:
+            return
+        data = encode_document(self.document(pass_number))
+        self._sequence += 1
+        written = await trio.to_thread.run_sync(self._write, data, self._sequence,
+                                                abandon_on_cancel=True)
+        if written:
+            self.last_written_pass = pass_number
+
+    def _write(self, data: bytes, sequence: int) -> bool:
+        """In the worker thread: write unless busy, superseded, or fenced meanwhile."""
+        if not self._writing.acquire(blocking=False):
+            raise HandoffWriteInProgress(f"the write to {self.path} from an earlier pass is still running")
+        try:
+            if sequence < self._sequence_written:
+                return False
+            # Re-checked just before the rename: a write that outlives a fencing
+            # must not overwrite the next holder's handoff.
+            written = write_atomic(self.path, data, proceed=lambda: not self.paused)
+            if written:
+                self._sequence_written = sequence
+            return written
+        finally:
+            self._writing.release()

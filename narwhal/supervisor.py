@@ -1,0 +1,254 @@
+"""The shell around the pure ``Fleet``: evidence in, probes out, every event logged.
+
+The request path and the monitor report outcomes here; the fleet decides and
+returns actions; the supervisor carries them out at once (not at the next
+monitor pass) in its own nursery, on the control pool, and logs and counts
+every event the fleet reports. It owns no policy of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import msgspec
+import trio
+
+from .config import Config, EngineSpec
+from .failures import EngineFailure, FailureClass, SuccessKind
+from .fleet import Action, ActionKind, Fleet, FleetEventKind
+from .logs import log_event
+from .router_metrics import RouterMetrics
+from .wire import extract_handoff
+
+__all__ = ["Supervisor"]
+
+_PROBE_PROMPT = "narwhal inference probe"
+_PROBE_KV = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+_encode_json = msgspec.json.Encoder()
+
+
+class _LegInconclusive(Exception):
+    """A probe leg could not decide about the suspect (peer failed, no peer)."""
+
+
+class Supervisor:
+    """Feeds the fleet, carries out its actions, and logs what it reports."""
+
+    def __init__(self, *, config: Config, fleet: Fleet, control_pool: Any, metrics: RouterMetrics,
+                 clock: Callable[[], float] = trio.current_time) -> None:
+        self.config = config
+        self.fleet = fleet
+        self.control_pool = control_pool
+        self.metrics = metrics
+        self.clock = clock
+        self.engines: dict[str, EngineSpec] = {spec.name: spec for spec in config.engines}
+        self._nursery: trio.Nursery | None = None
+        # (engine, probe kind) pairs with a probe in flight: never two at once.
+        self._running: set[tuple[str, str]] = set()
+        self._probe_timeout_s = max(config.engine.health_timeout_s, config.engine.first_token_deadline_s)
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Own the nursery that probes run in, until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    # -- the request path's view ------------------------------------------------
+
+    def eligible(self, role: str) -> list[str]:
+        return self.fleet.eligible(role, self.clock())
+
+    def capacity_problem(self) -> str | None:
+        return self.fleet.capacity_problem(self.clock())
+
+    def record_failure(self, engine: str, failure_class: FailureClass) -> None:
+        self._apply(self.fleet.record_failure(engine, failure_class, self.clock()))
+
+    def record_success(self, engine: str, kind: SuccessKind) -> None:
+        actions = self.fleet.record_success(engine, kind, self.clock())
+        if actions:
+            self._apply(actions)
+        else:
+            self._log_fleet_events()
+
+    def record_health_sweep(self, results: Mapping[str, bool]) -> None:
+        self._apply(self.fleet.record_health_sweep(results, self.clock()))
+
+    # -- actions -------------------------------------------------------------------
+
+    def _apply(self, actions: list[Action]) -> None:
+        self._log_fleet_events()
+        for action in actions:
+            if action.kind is ActionKind.HEALTH_PROBE:
+                self._start_probe(action.engine, "health")
+            elif action.kind is ActionKind.INFERENCE_PROBE:
+                self._start_probe(action.engine, "inference")
+            # EJECT is already applied inside the fleet; its event was logged above.
+
+    def start_due_probes(self) -> None:
+        """Start the inference probes the fleet has scheduled for now or earlier."""
+        for name in self.fleet.probes_due(self.clock()):
+            self._start_probe(name, "inference")
+
+    def _start_probe(self, engine: str, kind: str) -> None:
+        key = (engine, kind)
+        if key in self._running:
+            return
+        if self._nursery is None:
+            raise RuntimeError("supervisor is not running: start Supervisor.run first")
+        self._running.add(key)
+        probe = self.health_probe if kind == "health" else self.inference_probe
+        self._nursery.start_soon(self._run_probe, key, probe)
+
+    async def _run_probe(self, key: tuple[str, str], probe: Callable[[str], Any]) -> None:
+        try:
+            await probe(key[0])
+        except Exception as exc:
+            # A probe that breaks must still end in a verdict, or its hold would never be revisited.
+            log_event("probe_error", level=logging.ERROR, engine=key[0], probe=key[1],
+                      **{"class": type(exc).__name__}, message=str(exc))
+            if key[1] == "inference":
+                self._apply(self.fleet.record_probe(key[0], "inconclusive", self.clock(),
+                                                    reason=f"probe error: {type(exc).__name__}"))
+        finally:
+            self._running.discard(key)
+
+    def _log_fleet_events(self) -> None:
+        for event in self.fleet.drain_events():
+            if event.kind is FleetEventKind.PROBE_RESULT:
+                continue  # logged by the probe itself, with the probe's kind
+            fields = msgspec.structs.asdict(event)
+            kind = fields.pop("kind").value
+            level = logging.WARNING if kind in ("ejected", "probe_failed") else logging.INFO
+            self._count(kind, fields)
+            log_event(f"engine_{kind}", level=level, **{k: getattr(v, "value", v) for k, v in fields.items()})
+
+    def _count(self, kind: str, fields: dict[str, Any]) -> None:
+        engine = fields.get("engine", "")
+        if kind == "ejected":
+            self.metrics.engine_ejections.inc(engine, str(fields.get("reason", "")))
+        elif kind == "hold_added":
+            hold_kind = fields.get("hold_kind") or fields.get("hold")
+            self.metrics.holds_applied.inc(engine, str(getattr(hold_kind, "value", hold_kind)))
+
+    # -- probes ----------------------------------------------------------------------
+
+    async def health_probe(self, name: str) -> bool:
+        """GET /health on the control pool; 200 clears, anything else is evidence."""
+        engine = self.engines[name]
+        try:
+            response = await self.control_pool.get(engine, "/health")
+        except EngineFailure as exc:
+            self._probe_result(name, "health", "failed", str(exc))
+            self.record_failure(name, exc.failure_class)
+            return False
+        if response.status == 200:
+            self._probe_result(name, "health", "success", "")
+            self.record_success(name, SuccessKind.HEALTH_200)
+            return True
+        failure_class = (FailureClass.OVERLOAD if response.status in (408, 429)
+                         else FailureClass.INFERENCE_STATUS)
+        self._probe_result(name, "health", "failed", f"HTTP {response.status}")
+        self.record_failure(name, failure_class)
+        return False
+
+    def _probe_result(self, name: str, kind: str, outcome: str, reason: str) -> None:
+        self.metrics.probes.inc(name, kind, outcome)
+        level = logging.INFO if outcome == "success" else logging.WARNING
+        log_event("probe_result", level=level, engine=name, probe=kind, outcome=outcome, reason=reason)
+
+    async def inference_probe(self, name: str) -> str:
+        """A tiny prefill and decode through the suspect and a healthy peer.
+
+        A failed leg on the suspect ejects it; a leg that cannot decide leaves
+        the inference-verification hold and the fleet schedules another probe.
+        """
+        suspect = self.engines[name]
+        now = self.clock
+        try:
+            with trio.fail_after(self._probe_timeout_s * 2):
+                if suspect.role == "prefill":
+                    peer = self._probe_peer("decode")
+                    kv = await self._probe_prefill(suspect, suspect_leg=True)
+                    await self._probe_decode(peer, kv, suspect_leg=False)
+                else:
+                    peer = self._probe_peer("prefill")
+                    kv = await self._probe_prefill(peer, suspect_leg=False)
+                    await self._probe_decode(suspect, kv, suspect_leg=True)
+        except _SuspectLegFailed as failed:
+            self._probe_result(name, "inference", "failed", failed.reason)
+            self._apply(self.fleet.record_probe(name, "failed", now(), leg=failed.leg, reason=failed.reason))
+            return "failed"
+        except (_LegInconclusive, trio.TooSlowError) as exc:
+            reason = str(exc) or "probe cut short"
+            self._probe_result(name, "inference", "inconclusive", reason)
+            self._apply(self.fleet.record_probe(name, "inconclusive", now(), reason=reason))
+            return "inconclusive"
+        self._probe_result(name, "inference", "success", "")
+        self._apply(self.fleet.record_probe(name, "success", now()))
+        return "success"
+
+    def _probe_peer(self, role: str) -> EngineSpec:
+        peers = self.fleet.eligible(role, self.clock())
+        if not peers:
+            raise _LegInconclusive(f"no eligible {role} peer to probe with")
+        return self.engines[peers[0]]
+
+    async def _probe_prefill(self, engine: EngineSpec, *, suspect_leg: bool) -> dict[str, Any]:
+        body = _encode_json.encode({
+            "model": self.config.fleet.model, "prompt": _PROBE_PROMPT, "max_tokens": 1,
+            "stream": False, "kv_transfer_params": _PROBE_KV,
+        })
+        problem, raw = await self._probe_call(engine, "/v1/completions", body)
+        kv = None
+        if problem is None:
+            kv = extract_handoff(raw)
+            if kv is None:
+                problem = "kv_handoff: prefill response carries no readable kv_transfer_params"
+        if problem is not None:
+            if suspect_leg:
+                raise _SuspectLegFailed("prefill", problem)
+            raise _LegInconclusive(f"peer {engine.name} prefill failed: {problem}")
+        return kv
+
+    async def _probe_decode(self, engine: EngineSpec, kv: dict[str, Any], *, suspect_leg: bool) -> None:
+        body = _encode_json.encode({
+            "model": self.config.fleet.model, "prompt": _PROBE_PROMPT, "max_tokens": 1,
+            "stream": True, "kv_transfer_params": kv,
+        })
+        problem, _ = await self._probe_call(engine, "/v1/completions", body, stream=True)
+        if problem is not None:
+            if suspect_leg:
+                raise _SuspectLegFailed("decode", problem)
+            raise _LegInconclusive(f"peer {engine.name} decode failed: {problem}")
+
+    async def _probe_call(self, engine: EngineSpec, path: str, body: bytes, *,
+                          stream: bool = False) -> tuple[str | None, bytes]:
+        """One probe request: (None, body) when it succeeded, else (what went wrong, b"")."""
+        try:
+            response = await self.control_pool.post_json(engine, path, body, timeout_s=self._probe_timeout_s)
+        except EngineFailure as exc:
+            return f"{exc.failure_class}: {exc.message}", b""
+        if response.status != 200:
+            return f"HTTP {response.status}", b""
+        if stream and not response.body.rstrip().endswith(b"data: [DONE]"):
+            return "stream: decode stream ended without data: [DONE]", b""
+        return None, response.body
+
+
+class _SuspectLegFailed(Exception):
+    def __init__(self, leg: str, reason: str) -> None:
+        super().__init__(reason)
+        self.leg = leg
+        self.reason = reason
+

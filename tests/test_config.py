@@ -1,0 +1,129 @@
+"""Config decoding: defaults, and every bad case gets one message naming the key."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from narwhal.config import Config, ConfigError, load_config, parse_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+GOOD = """
+[[engines]]
+name = "p1"
+url = "http://127.0.0.1:9001"
+role = "prefill"
+
+[[engines]]
+name = "d1"
+url = "http://127.0.0.1:9002"
+role = "decode"
+"""
+
+
+def test_minimal_config_gets_documented_defaults():
+    config = parse_config(GOOD)
+    assert config.serving.listen == "127.0.0.1:8000"
+    assert config.serving.max_connections == 256
+    assert config.serving.policy == "saturate"
+    assert config.engine.control_connections == 16
+    assert config.recovery.failure_quarantine_s is None
+    assert config.lease.backend == "none"
+    assert config.admin.token is None and config.admin.listen is None
+    assert [e.name for e in config.engines] == ["p1", "d1"]
+
+
+def test_example_file_spells_out_exactly_the_defaults():
+    config = load_config(ROOT / "examples" / "narwhal.toml")
+    assert config == Config(engines=config.engines, fleet=config.fleet)
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ('[serving]\nlisen = "x"\n', "serving.lisen: unknown key"),
+        ("[servng]\n", "servng: unknown key"),
+        ('[serving]\nmax_connections = "many"\n', "serving.max_connections: Expected `int`, got `str`"),
+        ("[serving]\nmax_connections = 0\n", "serving: max_connections must be > 0"),
+        ('[serving]\nlisten = "nowhere"\n', "serving: expected HOST:PORT"),
+        ('[serving]\npolicy = "yolo"\n', "serving.policy: Invalid enum value 'yolo'"),
+        ("[recovery]\neject_after = -1\n", "recovery: eject_after must be > 0"),
+        ('[lease]\nbackend = "file"\n', "lease.path is required"),
+        ('[admin]\nlisten = "x"\n', "admin: expected HOST:PORT"),
+    ],
+)
+def test_bad_values_name_the_key(extra, expected):
+    with pytest.raises(ConfigError) as info:
+        parse_config(GOOD + extra, "n.toml")
+    assert str(info.value).startswith("n.toml: ")
+    assert expected in str(info.value)
+
+
+def test_duplicate_engine_name():
+    with pytest.raises(ConfigError, match=r"engines\[1\]\.name: duplicate engine name 'p1'"):
+        parse_config(GOOD.replace('"d1"', '"p1"'))
+
+
+@pytest.mark.parametrize("missing", ["prefill", "decode"])
+def test_each_role_is_required(missing):
+    other = "decode" if missing == "prefill" else "prefill"
+    text = GOOD.replace(f'role = "{missing}"', f'role = "{other}"')
+    with pytest.raises(ConfigError, match=f"no {missing} engine configured"):
+        parse_config(text)
+
+
+@pytest.mark.parametrize("url", ["ftp://127.0.0.1:1", "http://", "http://h:99999", "http://h:1/v1", "nonsense"])
+def test_bad_engine_urls(url):
+    with pytest.raises(ConfigError, match=r"engines\[0\]"):
+        parse_config(GOOD.replace("http://127.0.0.1:9001", url, 1))
+
+
+def test_bad_role():
+    with pytest.raises(ConfigError, match=r"engines\[0\]\.role"):
+        parse_config(GOOD.replace('role = "prefill"', 'role = "both"'))
+
+
+def test_not_toml():
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        parse_config("[serving\n")
+
+
+def test_unreadable_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "absent.toml")
+
+
+def test_attestation_key_file_is_read_relative_to_config(tmp_path):
+    (tmp_path / "key").write_text("sekrit\n")
+    path = tmp_path / "n.toml"
+    path.write_text('[fleet]\nattestation_key_file = "key"\n' + GOOD)
+    config = load_config(path)
+    assert config.attestation_key_bytes(tmp_path) == b"sekrit"
+    path.write_text('[fleet]\nattestation_key_file = "nokey"\n' + GOOD)
+    with pytest.raises(ConfigError, match="fleet.attestation_key_file: cannot read"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (GOOD + "[serving]\nbogus = 1\n", "serving.bogus: unknown key"),
+        (GOOD.replace('"d1"', '"p1"'), "duplicate engine name"),
+        ("[serving\n", "not valid TOML"),
+        (None, "cannot read config file"),
+    ],
+)
+def test_serve_exits_nonzero_with_one_line_and_no_traceback(tmp_path, text, expected):
+    path = tmp_path / "narwhal.toml"
+    if text is not None:
+        path.write_text(text)
+    result = subprocess.run([sys.executable, "-m", "narwhal", "serve", "--config", str(path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("narwhal: config error: ")
+    assert expected in lines[0]

@@ -1,0 +1,173 @@
+"""The spec's two tables, walked row by row against the fleet state machine."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from narwhal.failures import FailureClass, SuccessKind
+from narwhal.fleet import (
+    EVIDENCE_CLEARED,
+    FAILURE_ACTIONS,
+    LIVENESS,
+    Action,
+    ActionKind,
+    Fleet,
+    FleetEventKind,
+    HoldKind,
+)
+
+ENGINES = [("p1", "prefill"), ("p2", "prefill"), ("d1", "decode"), ("d2", "decode")]
+NOW = 100.0
+
+
+def make_fleet(eject_after: int = 3, liveness_misses: int = 10) -> Fleet:
+    return Fleet(ENGINES, eject_after=eject_after, liveness_misses=liveness_misses,
+                 failure_quarantine_s=None, probe_interval_s=5.0)
+
+
+def fail(fleet: Fleet, name: str, failure_class: FailureClass, times: int) -> list[Action]:
+    actions: list[Action] = []
+    for _ in range(times):
+        actions += fleet.record_failure(name, failure_class, NOW)
+    return actions
+
+
+def test_failure_table_is_the_spec_table() -> None:
+    # Copied from the spec's "Failure evidence" table, one row per line.
+    assert FAILURE_ACTIONS == {
+        "connection": "eject",                      # Eject the engine
+        "timeout": "health_probe",                  # Run a health probe
+        "stream": "inference_probe",                # Pause new requests and probe prefill/decode
+        "overload": "health_probe",                 # Run a health probe
+        "inference_status": "inference_probe",      # Pause new requests and probe prefill/decode
+        "kv_handoff": "inference_probe",            # Pause new requests and probe prefill/decode
+    }
+    assert set(FAILURE_ACTIONS) == set(FailureClass)
+
+
+def test_clearing_table_is_the_spec_table() -> None:
+    # Copied from the spec's "Clearing failure evidence" table.
+    assert {kind: set(cleared) for kind, cleared in EVIDENCE_CLEARED.items()} == {
+        "client_4xx": {"connection", "inference_status"},
+        "health_200": {"connection", "timeout", "overload", "liveness"},
+        "prefill_handoff": {"connection", "inference_status", "kv_handoff"},
+        "decode_terminal": {"connection", "inference_status", "stream"},
+    }
+    assert set(EVIDENCE_CLEARED) == set(SuccessKind)
+
+
+@pytest.mark.parametrize("eject_after", [1, 3])
+@pytest.mark.parametrize("failure_class", list(FAILURE_ACTIONS))
+def test_failure_row_takes_no_action_below_eject_after(failure_class: FailureClass,
+                                                       eject_after: int) -> None:
+    fleet = make_fleet(eject_after)
+    assert fail(fleet, "d1", failure_class, eject_after - 1) == []
+    view = fleet.view("d1", NOW)
+    assert view.evidence[failure_class] == eject_after - 1
+    assert view.eligible and not view.ejected and view.holds == []
+
+
+@pytest.mark.parametrize("eject_after", [1, 3])
+@pytest.mark.parametrize(("failure_class", "action_kind"), list(FAILURE_ACTIONS.items()))
+def test_failure_row_action_when_streak_reaches_eject_after(
+        failure_class: FailureClass, action_kind: ActionKind, eject_after: int) -> None:
+    fleet = make_fleet(eject_after)
+    fail(fleet, "d1", failure_class, eject_after - 1)
+    actions = fleet.record_failure("d1", failure_class, NOW)
+    assert [(a.kind, a.engine, a.failure_class) for a in actions] == [(action_kind, "d1", failure_class)]
+    assert str(failure_class) in actions[0].reason
+    view = fleet.view("d1", NOW)
+    if action_kind is ActionKind.EJECT:
+        # "Eject the engine"
+        assert view.ejected and not view.eligible and view.holds == []
+    elif action_kind is ActionKind.HEALTH_PROBE:
+        # "Run a health probe": nothing else changes (no quarantine configured).
+        assert not view.ejected and view.eligible and view.holds == []
+    else:
+        # "Pause new requests and probe prefill/decode"
+        assert not view.ejected and not view.eligible
+        assert [h.kind for h in view.holds] == [HoldKind.INFERENCE_VERIFICATION]
+        assert view.probe_in_flight
+    # The peer of the same role is untouched.
+    assert fleet.is_eligible("d2", NOW)
+
+
+@pytest.mark.parametrize(("failure_class", "action_kind"), list(FAILURE_ACTIONS.items()))
+def test_failure_row_action_fires_once_per_eject_after_failures(
+        failure_class: FailureClass, action_kind: ActionKind) -> None:
+    fleet = make_fleet(eject_after=3)
+    assert len(fail(fleet, "d1", failure_class, 3)) == 1
+    # Past the threshold: no repeat until the streak reaches the next multiple,
+    # and never a second ejection or a second probe while one is pending.
+    later = fail(fleet, "d1", failure_class, 3)
+    if action_kind is ActionKind.HEALTH_PROBE:
+        assert [(a.kind, a.failure_class) for a in later] == [(action_kind, failure_class)]
+        assert "streak reached 6" in later[0].reason
+    else:
+        assert later == []
+
+
+@pytest.mark.parametrize(("first", "second"), list(itertools.permutations(FailureClass, 2)))
+def test_streaks_of_different_classes_are_independent(first: FailureClass,
+                                                      second: FailureClass) -> None:
+    fleet = make_fleet(eject_after=3)
+    assert fail(fleet, "d1", first, 2) + fail(fleet, "d1", second, 2) == []
+    evidence = fleet.view("d1", NOW).evidence
+    assert evidence[first] == 2 and evidence[second] == 2
+    assert sum(evidence.values()) == 4
+    actions = fleet.record_failure("d1", second, NOW)
+    assert [(a.kind, a.failure_class) for a in actions] == [(FAILURE_ACTIONS[second], second)]
+    assert fleet.view("d1", NOW).evidence[first] == 2
+
+
+@pytest.mark.parametrize("failure_class", list(FailureClass))
+def test_streaks_of_different_engines_are_independent(failure_class: FailureClass) -> None:
+    fleet = make_fleet(eject_after=3)
+    # Two failures on each of four engines: twice eject_after in all, no action.
+    for name, _ in ENGINES:
+        assert fail(fleet, name, failure_class, 2) == []
+    for name, _ in ENGINES:
+        assert fleet.view(name, NOW).evidence[failure_class] == 2
+    actions = fleet.record_failure("p1", failure_class, NOW)
+    assert [a.engine for a in actions] == ["p1"]
+    assert fleet.view("p2", NOW).evidence[failure_class] == 2
+
+
+@pytest.mark.parametrize(("success", "cleared"), list(EVIDENCE_CLEARED.items()))
+def test_success_row_clears_exactly_its_evidence(success: SuccessKind, cleared: tuple) -> None:
+    fleet = make_fleet(eject_after=3, liveness_misses=10)
+    for failure_class in FailureClass:
+        fail(fleet, "d1", failure_class, 2)
+    fleet.record_health_sweep({"p1": True, "p2": True, "d2": True}, NOW)  # d1 misses one
+    fleet.drain_events()
+    assert fleet.record_success("d1", success, NOW) == []
+    view = fleet.view("d1", NOW)
+    for failure_class in FailureClass:
+        assert view.evidence[failure_class] == (0 if failure_class in cleared else 2), failure_class
+    assert view.liveness_misses == (0 if LIVENESS in cleared else 1)
+    events = fleet.drain_events()
+    assert all(e.kind is FleetEventKind.EVIDENCE_CLEARED and e.engine == "d1" for e in events)
+    assert {e.failure_class or LIVENESS for e in events} == set(cleared)
+
+
+@pytest.mark.parametrize("success", list(SuccessKind))
+def test_success_row_touches_only_its_engine(success: SuccessKind) -> None:
+    fleet = make_fleet()
+    for name, _ in ENGINES:
+        fail(fleet, name, FailureClass.CONNECTION, 2)
+    fleet.record_success("d1", success, NOW)
+    assert fleet.view("d1", NOW).evidence[FailureClass.CONNECTION] == 0
+    for name in ("p1", "p2", "d2"):
+        assert fleet.view(name, NOW).evidence[FailureClass.CONNECTION] == 2
+
+
+@pytest.mark.parametrize(("success", "cleared"), list(EVIDENCE_CLEARED.items()))
+def test_success_row_resets_the_count_toward_eject_after(success: SuccessKind, cleared: tuple) -> None:
+    fleet = make_fleet(eject_after=3)
+    for failure_class in (c for c in FailureClass if c in cleared):
+        fail(fleet, "d1", failure_class, 2)
+        fleet.record_success("d1", success, NOW)
+        # Two more are not consecutive with the first two: still no action.
+        assert fail(fleet, "d1", failure_class, 2) == []

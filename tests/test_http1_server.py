@@ -1,0 +1,655 @@
+"""The HTTP/1.1 front over real sockets on 127.0.0.1: framing, limits, keep-alive,
+pipelining, disconnects, handler failures and graceful shutdown."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import socket
+import struct
+from collections.abc import AsyncIterator
+
+import httptools
+import httpx
+import pytest
+import trio
+
+from narwhal.http1.server import ClientDisconnected, HTTPServer, Request, Responder, ServerStatistics
+
+JSON = [(b"content-type", b"application/json")]
+
+
+@contextlib.asynccontextmanager
+async def running(handler, **options) -> AsyncIterator[tuple[HTTPServer, int]]:
+    """An HTTPServer on 127.0.0.1 with an ephemeral port, shut down on exit."""
+    server = HTTPServer(handler, **options)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(server.serve, "127.0.0.1", 0)
+        yield server, port
+        server.shutdown(0)
+
+
+class Response:
+    def __init__(self) -> None:
+        self.status = 0
+        self.headers: dict[bytes, bytes] = {}
+        self.body = b""
+        self.complete = False
+
+
+class RawClient:
+    """A client on a raw trio stream that parses responses with httptools."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.raw = b""
+        self.eof = False
+        self.responses: list[Response] = []
+        self._parser = httptools.HttpResponseParser(self)
+
+    # httptools callbacks
+    def on_message_begin(self) -> None:
+        self.responses.append(Response())
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.responses[-1].headers[name.lower()] = value
+
+    def on_headers_complete(self) -> None:
+        self.responses[-1].status = self._parser.get_status_code()
+
+    def on_body(self, body: bytes) -> None:
+        self.responses[-1].body += body
+
+    def on_message_complete(self) -> None:
+        self.responses[-1].complete = True
+
+    async def send(self, data: bytes) -> None:
+        await self.stream.send_all(data)
+
+    async def _receive(self) -> None:
+        data = await self.stream.receive_some(65536)
+        if not data:
+            self.eof = True
+            return
+        self.raw += data
+        self._parser.feed_data(data)
+
+    async def responses_complete(self, count: int) -> list[Response]:
+        """Read until ``count`` complete responses (interim ones included) arrived."""
+        with trio.fail_after(5):
+            while sum(r.complete for r in self.responses) < count:
+                await self._receive()
+                assert not self.eof, f"EOF after {self.raw!r}"
+        return self.responses[:count]
+
+    async def read_to_eof(self) -> bytes:
+        with trio.fail_after(5):
+            while not self.eof:
+                try:
+                    await self._receive()
+                except httptools.HttpParserError:
+                    pass  # a cut stream: the raw bytes tell the story
+        return self.raw
+
+
+@contextlib.asynccontextmanager
+async def raw_client(port: int) -> AsyncIterator[RawClient]:
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        yield RawClient(stream)
+
+
+async def echo(request: Request, responder: Responder) -> None:
+    document = {
+        "method": request.method.decode(),
+        "target": request.target.decode(),
+        "path": request.path,
+        "query": request.query.decode(),
+        "headers": [[k.decode(), v.decode()] for k, v in request.headers],
+        "body": request.body.decode(),
+        "version": request.http_version,
+        "keep_alive": request.keep_alive,
+        "client_port": request.client[1] if request.client else None,
+        "host": (request.get_header(b"host") or b"").decode(),
+    }
+    await responder.respond(200, JSON, json.dumps(document).encode())
+
+
+async def test_request_fields_and_response_framing() -> None:
+    async with running(echo) as (_server, port), httpx.AsyncClient() as client:
+        response = await client.post(
+            f"http://127.0.0.1:{port}/v1/completions?x=1", content=b'{"a": 1}', headers={"X-Trace": "t1"}
+        )
+    assert response.status_code == 200
+    assert response.headers["content-length"] == str(len(response.content))
+    assert response.headers["server"] == "narwhal"
+    assert "date" in response.headers
+    seen = response.json()
+    assert seen["method"] == "POST"
+    assert seen["target"] == "/v1/completions?x=1"
+    assert seen["path"] == "/v1/completions"
+    assert seen["query"] == "x=1"
+    assert seen["body"] == '{"a": 1}'
+    assert seen["version"] == "1.1"
+    assert seen["keep_alive"] is True
+    assert seen["host"] == f"127.0.0.1:{port}"
+    assert ["x-trace", "t1"] in seen["headers"]
+
+
+async def test_chunked_request_body_is_dechunked() -> None:
+    async with running(echo) as (_server, port), raw_client(port) as client:
+        await client.send(
+            b"POST /c HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
+        )
+        (response,) = await client.responses_complete(1)
+    assert json.loads(response.body)["body"] == "hello world"
+
+
+async def test_stream_is_chunked_with_one_socket_write_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    sends: list[bytes] = []
+    original_send_all = trio.SocketStream.send_all
+
+    async def counting_send_all(self: trio.SocketStream, data: bytes) -> None:
+        if self is not client.stream:  # count the server's writes only
+            sends.append(bytes(data))
+        await original_send_all(self, data)
+
+    async def stream(request: Request, responder: Responder) -> None:
+        await responder.start_stream(200, [(b"content-type", b"text/event-stream")], b"data: 1\n\n")
+        await responder.write(b"")  # a no-op
+        await responder.write(b"data: 2\n\n")
+        await responder.end_stream(b"data: [DONE]\n\n")
+
+    async with running(stream) as (_server, port), raw_client(port) as client:
+        monkeypatch.setattr(trio.SocketStream, "send_all", counting_send_all)
+        await client.send(b"POST /s HTTP/1.1\r\nHost: x\r\n\r\n")
+        (response,) = await client.responses_complete(1)
+        monkeypatch.undo()
+    assert response.headers[b"transfer-encoding"] == b"chunked"
+    assert response.body == b"data: 1\n\ndata: 2\n\ndata: [DONE]\n\n"
+    assert len(sends) == 3
+    assert sends[0].endswith(b"\r\n\r\n9\r\ndata: 1\n\n\r\n")
+    assert sends[1] == b"9\r\ndata: 2\n\n\r\n"
+    assert sends[2] == b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"
+
+
+async def test_http10_stream_is_unframed_and_closes() -> None:
+    async def stream(request: Request, responder: Responder) -> None:
+        await responder.start_stream(200, [], b"one ")
+        await responder.write(b"two")
+        await responder.end_stream()
+
+    async with running(stream) as (_server, port), raw_client(port) as client:
+        await client.send(b"GET / HTTP/1.0\r\n\r\n")
+        raw = await client.read_to_eof()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert b"transfer-encoding" not in head
+    assert b"connection: close" in head
+    assert body == b"one two"
+
+
+async def test_head_request_gets_length_without_body() -> None:
+    async def handler(request: Request, responder: Responder) -> None:
+        await responder.respond(200, [], b"12345")
+
+    async with running(handler) as (_server, port), raw_client(port) as client:
+        await client.send(b"HEAD / HTTP/1.1\r\nHost: x\r\n\r\nGET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        raw = b""
+        with trio.fail_after(5):
+            while not raw.endswith(b"12345"):  # raw bytes: a response parser cannot know it was HEAD
+                raw += await client.stream.receive_some(65536)
+    first, _, second = raw.partition(b"\r\n\r\n")
+    assert b"content-length: 5" in first
+    assert second.startswith(b"HTTP/1.1 200 OK")
+
+
+# ---- limits and malformed requests ----
+
+
+async def _expect_error_and_close(client: RawClient, status: int) -> dict:
+    raw = await client.read_to_eof()
+    assert client.responses and client.responses[0].status == status, raw
+    response = client.responses[0]
+    assert response.headers[b"connection"] == b"close"
+    assert response.headers[b"content-type"] == b"application/json"
+    return json.loads(response.body)
+
+
+async def test_too_many_header_bytes_get_431_and_close() -> None:
+    async with running(echo, max_header_bytes=1024) as (_server, port), raw_client(port) as client:
+        headers = b"".join(b"X-Filler-%d: %s\r\n" % (i, b"v" * 60) for i in range(40))
+        await client.send(b"GET / HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n")
+        error = await _expect_error_and_close(client, 431)
+    assert error["error"]["type"] == "invalid_request_error"
+    assert error["error"]["code"] == "request_header_fields_too_large"
+
+
+async def test_one_endless_header_line_gets_431() -> None:
+    async with running(echo, max_header_bytes=1024) as (_server, port), raw_client(port) as client:
+        await client.send(b"GET / HTTP/1.1\r\nX-Long: ")
+        for _ in range(4):
+            await client.send(b"v" * 512)
+            await trio.sleep(0.01)  # separate reads: the head never completes
+        error = await _expect_error_and_close(client, 431)
+    assert error["error"]["code"] == "request_header_fields_too_large"
+
+
+async def test_content_length_over_limit_gets_413_without_reading_body() -> None:
+    async with running(echo, max_body_bytes=100) as (_server, port), raw_client(port) as client:
+        await client.send(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 101\r\n\r\n")
+        error = await _expect_error_and_close(client, 413)
+    assert error["error"] == {"message": "request body too large", "type": "invalid_request_error",
+                              "code": "request_too_large"}
+
+
+async def test_chunked_body_growing_over_limit_gets_413() -> None:
+    handled: list[Request] = []
+
+    async def handler(request: Request, responder: Responder) -> None:
+        handled.append(request)
+        await responder.respond(200, [], b"")
+
+    async with running(handler, max_body_bytes=100) as (_server, port), raw_client(port) as client:
+        await client.send(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(3):
+            await client.send(b"3c\r\n" + b"x" * 60 + b"\r\n")
+        await _expect_error_and_close(client, 413)
+    assert handled == []
+
+
+async def test_malformed_request_gets_400_and_close() -> None:
+    async with running(echo) as (_server, port), raw_client(port) as client:
+        await client.send(b"NOT HTTP AT ALL\r\n\r\n")
+        error = await _expect_error_and_close(client, 400)
+    assert error["error"]["code"] == "malformed_request"
+
+
+async def test_error_after_good_pipelined_request_comes_after_its_response() -> None:
+    async with running(echo) as (_server, port), raw_client(port) as client:
+        await client.send(b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\nPOST / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n")
+        await client.read_to_eof()
+    assert [r.status for r in client.responses] == [200, 400]
+
+
+async def test_expect_100_continue_is_answered_before_the_body() -> None:
+    async with running(echo) as (_server, port), raw_client(port) as client:
+        await client.send(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n")
+        (interim,) = await client.responses_complete(1)
+        assert interim.status == 100
+        assert client.raw == b"HTTP/1.1 100 Continue\r\n\r\n"
+        await client.send(b"hello")
+        _interim, final = await client.responses_complete(2)
+    assert final.status == 200
+    assert json.loads(final.body)["body"] == "hello"
+
+
+async def test_expect_100_continue_waits_for_the_response_ahead_of_it() -> None:
+    release = trio.Event()
+
+    async def handler(request: Request, responder: Responder) -> None:
+        if request.path == "/slow":
+            await release.wait()
+        await responder.respond(200, [], request.path.encode() + request.body)
+
+    async with running(handler) as (_server, port), raw_client(port) as client:
+        await client.send(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        await client.send(b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nExpect: 100-continue\r\n\r\n")
+        await trio.sleep(0.05)
+        assert client.raw == b""  # nothing may interleave with the pending response
+        release.set()
+        first, interim = await client.responses_complete(2)
+        assert (first.body, interim.status) == (b"/slow", 100)
+        await client.send(b"abc")
+        _first, _interim, final = await client.responses_complete(3)
+    assert final.body == b"/uploadabc"
+
+
+async def test_expect_100_continue_with_oversized_length_gets_413_at_once() -> None:
+    async with running(echo, max_body_bytes=10) as (_server, port), raw_client(port) as client:
+        await client.send(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 11\r\nExpect: 100-continue\r\n\r\n")
+        await _expect_error_and_close(client, 413)
+    assert b"100 Continue" not in client.raw
+
+
+# ---- keep-alive ----
+
+
+async def test_keep_alive_reuses_the_connection() -> None:
+    async with running(echo) as (server, port), httpx.AsyncClient() as client:
+        first = await client.get(f"http://127.0.0.1:{port}/a")
+        second = await client.get(f"http://127.0.0.1:{port}/b")
+        assert first.json()["client_port"] == second.json()["client_port"]
+        assert "connection" not in second.headers
+        assert server.statistics().requests_total == 2
+
+
+async def test_idle_connection_closes_after_idle_timeout() -> None:
+    async with running(echo, idle_timeout_s=0.2) as (server, port), raw_client(port) as client:
+        await client.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        await client.responses_complete(1)
+        started = trio.current_time()
+        await client.read_to_eof()
+        waited = trio.current_time() - started
+        assert 0.1 <= waited < 2
+        with trio.fail_after(2):
+            while server.statistics().connections_open:
+                await trio.sleep(0.01)
+
+
+async def test_http10_closes_unless_keep_alive_requested() -> None:
+    async with running(echo) as (_server, port):
+        async with raw_client(port) as client:
+            await client.send(b"GET / HTTP/1.0\r\n\r\n")
+            await client.read_to_eof()
+            assert client.responses[0].headers[b"connection"] == b"close"
+        async with raw_client(port) as client:
+            await client.send(b"GET /1 HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+            (first,) = await client.responses_complete(1)
+            assert first.headers[b"connection"] == b"keep-alive"
+            await client.send(b"GET /2 HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+            _first, second = await client.responses_complete(2)
+            assert json.loads(second.body)["path"] == "/2"
+
+
+async def test_connection_close_is_honoured() -> None:
+    async with running(echo) as (_server, port), raw_client(port) as client:
+        await client.send(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        await client.read_to_eof()
+    assert client.responses[0].status == 200
+    assert client.responses[0].headers[b"connection"] == b"close"
+
+
+# ---- pipelining ----
+
+
+async def test_pipelined_requests_are_answered_in_order() -> None:
+    async def handler(request: Request, responder: Responder) -> None:
+        # Earlier requests take longer, so order cannot come from timing.
+        await trio.sleep(0.03 * (5 - int(request.path[1:])))
+        await responder.respond(200, [], request.path.encode())
+
+    async with running(handler) as (_server, port), raw_client(port) as client:
+        await client.send(b"".join(b"GET /%d HTTP/1.1\r\nHost: x\r\n\r\n" % i for i in range(5)))
+        responses = await client.responses_complete(5)
+    assert [r.body for r in responses] == [b"/0", b"/1", b"/2", b"/3", b"/4"]
+
+
+async def test_requests_arriving_while_a_handler_runs_are_buffered_in_order() -> None:
+    release = trio.Event()
+
+    async def handler(request: Request, responder: Responder) -> None:
+        if request.path == "/slow":
+            await release.wait()
+        await responder.respond(200, [], request.path.encode())
+
+    def requests(*paths: str) -> bytes:
+        return b"".join(b"GET %b HTTP/1.1\r\nHost: x\r\n\r\n" % p.encode() for p in paths)
+
+    async with running(handler) as (_server, port), raw_client(port) as client:
+        await client.send(requests("/slow", "/1", "/2"))
+        await trio.sleep(0.05)
+        # Two requests are already queued: these wait in the socket until there is room.
+        await client.send(requests("/3", "/4"))
+        await trio.sleep(0.05)
+        assert client.raw == b""
+        release.set()
+        responses = await client.responses_complete(5)
+    assert [r.body for r in responses] == [b"/slow", b"/1", b"/2", b"/3", b"/4"]
+
+
+# ---- client disconnects ----
+
+
+async def _handler_cancelled_on_disconnect(close_client) -> list[str]:
+    events: list[str] = []
+    entered = trio.Event()
+    done = trio.Event()
+
+    async def handler(request: Request, responder: Responder) -> None:
+        await responder.start_stream(200, [], b"first")
+        entered.set()
+        try:
+            await trio.sleep_forever()
+        except trio.Cancelled:
+            events.append("cancelled")
+            with trio.CancelScope(shield=True):
+                try:
+                    await responder.write(b"more")
+                except ClientDisconnected:
+                    events.append("write raised ClientDisconnected")
+            raise
+        finally:
+            done.set()
+
+    async with running(handler) as (server, port):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        await stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        await entered.wait()
+        await close_client(stream)
+        with trio.fail_after(2):
+            await done.wait()
+        with trio.fail_after(2):
+            while server.statistics().connections_open:
+                await trio.sleep(0.01)
+    return events
+
+
+async def test_client_eof_cancels_the_handler() -> None:
+    async def close(stream: trio.SocketStream) -> None:
+        await stream.aclose()
+
+    events = await _handler_cancelled_on_disconnect(close)
+    assert events == ["cancelled", "write raised ClientDisconnected"]
+
+
+async def test_client_reset_cancels_the_handler() -> None:
+    async def reset(stream: trio.SocketStream) -> None:
+        stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        await stream.aclose()
+
+    events = await _handler_cancelled_on_disconnect(reset)
+    assert events == ["cancelled", "write raised ClientDisconnected"]
+
+
+async def test_eof_is_noticed_while_pipelined_requests_are_queued() -> None:
+    cancelled = trio.Event()
+    paths: list[str] = []
+
+    async def handler(request: Request, responder: Responder) -> None:
+        paths.append(request.path)
+        try:
+            await trio.sleep_forever()
+        finally:
+            cancelled.set()
+
+    async with running(handler) as (_server, port):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        await stream.send_all(b"".join(b"GET /%d HTTP/1.1\r\nHost: x\r\n\r\n" % i for i in range(4)))
+        await trio.sleep(0.05)
+        await stream.aclose()
+        with trio.fail_after(2):
+            await cancelled.wait()
+    assert paths == ["/0"]
+
+
+# ---- handler failures ----
+
+
+async def test_handler_exception_gets_500_and_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    async def handler(request: Request, responder: Responder) -> None:
+        if request.path == "/boom":
+            raise ValueError("kaboom")
+        await responder.respond(200, [], b"fine")
+
+    caplog.set_level(logging.ERROR, logger="narwhal.events")
+    async with running(handler) as (_server, port), httpx.AsyncClient() as client:
+        failed = await client.get(f"http://127.0.0.1:{port}/boom")
+        after = await client.get(f"http://127.0.0.1:{port}/ok")
+    assert failed.status_code == 500
+    assert failed.json()["error"]["type"] == "server_error"
+    assert after.text == "fine"  # the connection survived
+    events = [json.loads(r.getMessage()) for r in caplog.records if r.name == "narwhal.events"]
+    (event,) = [e for e in events if e["event"] == "http_handler_error"]
+    assert event["path"] == "/boom"
+    assert event["class"] == "ValueError"
+    assert event["message"] == "kaboom"
+    assert event["level"] == "error"
+
+
+async def test_handler_returning_without_response_gets_500(caplog: pytest.LogCaptureFixture) -> None:
+    async def handler(request: Request, responder: Responder) -> None:
+        return None
+
+    caplog.set_level(logging.ERROR, logger="narwhal.events")
+    async with running(handler) as (_server, port), httpx.AsyncClient() as client:
+        response = await client.get(f"http://127.0.0.1:{port}/nothing")
+    assert response.status_code == 500
+    assert any("http_handler_error" in r.getMessage() for r in caplog.records)
+
+
+async def test_handler_failing_mid_stream_closes_without_terminator(caplog: pytest.LogCaptureFixture) -> None:
+    async def handler(request: Request, responder: Responder) -> None:
+        await responder.start_stream(200, [], b"partial")
+        raise RuntimeError("upstream broke")
+
+    caplog.set_level(logging.ERROR, logger="narwhal.events")
+    async with running(handler) as (_server, port), raw_client(port) as client:
+        await client.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        raw = await client.read_to_eof()
+    assert raw.endswith(b"7\r\npartial\r\n")
+    assert b"0\r\n\r\n" not in raw
+    assert not client.responses[0].complete
+
+
+# ---- shutdown and statistics ----
+
+
+async def test_graceful_shutdown_lets_a_stream_finish_and_refuses_new_connections() -> None:
+    in_stream = trio.Event()
+
+    async def handler(request: Request, responder: Responder) -> None:
+        if request.path == "/quick":
+            await responder.respond(200, [], b"q")
+            return
+        await responder.start_stream(200, [], b"a")
+        in_stream.set()
+        for piece in (b"b", b"c", b"d"):
+            await trio.sleep(0.05)
+            await responder.write(piece)
+        await responder.end_stream(b"e")
+
+    server = HTTPServer(handler)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(server.serve, "127.0.0.1", 0)
+        async with raw_client(port) as idle, raw_client(port) as streaming:
+            await idle.send(b"GET /quick HTTP/1.1\r\nHost: x\r\n\r\n")
+            await idle.responses_complete(1)
+            await streaming.send(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+            await in_stream.wait()
+            server.shutdown(5.0)
+            await idle.read_to_eof()  # the idle keep-alive connection is closed at once
+            assert not streaming.eof
+            with pytest.raises(OSError):
+                late = await trio.open_tcp_stream("127.0.0.1", port)
+                await late.aclose()
+            (response,) = await streaming.responses_complete(1)
+            assert response.body == b"abcde"
+            await streaming.read_to_eof()  # closed after the stream, as shutdown is under way
+    # Leaving the nursery means serve() returned on its own.
+    assert server.statistics().connections_open == 0
+
+
+async def test_response_finished_during_shutdown_says_connection_close() -> None:
+    inside = trio.Event()
+    release = trio.Event()
+
+    async def handler(request: Request, responder: Responder) -> None:
+        inside.set()
+        await release.wait()
+        await responder.respond(200, [], b"late")
+
+    server = HTTPServer(handler)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(server.serve, "127.0.0.1", 0)
+        async with raw_client(port) as client:
+            await client.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            await inside.wait()
+            server.shutdown(5.0)
+            release.set()
+            await client.read_to_eof()
+    assert client.responses[0].body == b"late"
+    assert client.responses[0].headers[b"connection"] == b"close"
+
+
+async def test_stream_outlasting_the_grace_period_is_cut() -> None:
+    in_stream = trio.Event()
+
+    async def handler(request: Request, responder: Responder) -> None:
+        await responder.start_stream(200, [], b"a")
+        in_stream.set()
+        await trio.sleep(30)
+        await responder.end_stream()
+
+    server = HTTPServer(handler)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(server.serve, "127.0.0.1", 0)
+        async with raw_client(port) as client:
+            await client.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            await in_stream.wait()
+            started = trio.current_time()
+            server.shutdown(0.2)
+            raw = await client.read_to_eof()
+            assert 0.15 <= trio.current_time() - started < 2
+    # leaving the nursery means serve() returned
+    assert raw.endswith(b"1\r\na\r\n")
+
+
+async def test_statistics_count_connections_and_requests() -> None:
+    inside = trio.Event()
+    release = trio.Event()
+    seen: list[ServerStatistics] = []
+
+    async def handler(request: Request, responder: Responder) -> None:
+        if request.path == "/hold":
+            inside.set()
+            await release.wait()
+        await responder.respond(200, [], b"")
+
+    async with running(handler) as (server, port), httpx.AsyncClient() as client:
+        assert server.statistics() == ServerStatistics(connections_open=0, requests_in_flight=0, requests_total=0)
+        await client.get(f"http://127.0.0.1:{port}/a")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.get, f"http://127.0.0.1:{port}/hold")
+            await inside.wait()
+            seen.append(server.statistics())
+            assert "1 in flight" in repr(server)
+            release.set()
+    assert seen == [ServerStatistics(connections_open=1, requests_in_flight=1, requests_total=2)]
+
+
+async def test_accepted_sockets_have_tcp_nodelay() -> None:
+    flags: list[int] = []
+
+    async def handler(request: Request, responder: Responder) -> None:
+        (conn,) = server._connections
+        flags.append(conn.stream.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+        await responder.respond(200, [], b"")
+
+    async with running(handler) as (server, port), httpx.AsyncClient() as client:
+        await client.get(f"http://127.0.0.1:{port}/")
+    assert flags and flags[0] != 0
+
+
+async def test_serve_listeners_reports_its_listeners() -> None:
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    server = HTTPServer(echo)
+    async with trio.open_nursery() as nursery:
+        reported = await nursery.start(server.serve_listeners, listeners)
+        assert reported is listeners
+        port = listeners[0].socket.getsockname()[1]
+        async with httpx.AsyncClient() as client:
+            response = await client.get(f"http://127.0.0.1:{port}/via-listener")
+        assert response.json()["path"] == "/via-listener"
+        server.shutdown(1.0)

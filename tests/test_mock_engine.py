@@ -1,0 +1,613 @@
+"""The mock engine: request/response shapes, every fault mode, and the real server.
+
+Handler tests drive ``MockEngine.handle`` with a fake Responder (virtual time);
+the socket tests serve it with the project's HTTP server and talk httpx to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import json
+import os
+import signal
+import subprocess
+import sys
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import trio
+
+from narwhal.http1.server import ClientDisconnected
+from narwhal.mock.engine import MockEngine, MockSettings, main, serve_mock, tokenize
+from narwhal.mock.faults import FaultError, FaultRequest, FaultTable, Leg, Mode, Operation, parse_fault_spec
+from narwhal.wire import KVTransferParams
+
+PREFILL_KV = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+              "remote_block_ids": None, "remote_host": None, "remote_port": None}
+DECODE_KV = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "prefill-1",
+             "remote_block_ids": [1, 2], "remote_host": "127.0.0.1", "remote_port": 9, "tp_size": 1}
+
+
+# ----- fakes -------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class FakeRequest:
+    method: bytes
+    path: str
+    body: bytes = b""
+    headers: list[tuple[bytes, bytes]] = dataclasses.field(default_factory=list)
+    target: bytes = b""
+    query: bytes = b""
+    http_version: str = "1.1"
+    keep_alive: bool = True
+    client: Any = None
+
+    def get_header(self, name: bytes) -> bytes | None:
+        return next((v for k, v in self.headers if k == name), None)
+
+
+class FakeResponder:
+    """Records what the engine writes, and when (trio time)."""
+
+    def __init__(self, disconnect_after_writes: int | None = None) -> None:
+        self.started = False
+        self.status: int | None = None
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.writes: list[tuple[float, bytes]] = []
+        self.ended = False
+        self.client_disconnected = False
+        self._disconnect_after = disconnect_after_writes
+
+    async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        self.status, self.headers, self.started, self.ended = status, headers, True, True
+        self.writes.append((trio.current_time(), body))
+
+    async def start_stream(self, status: int, headers: list[tuple[bytes, bytes]], first: bytes = b"") -> None:
+        self.status, self.headers, self.started = status, headers, True
+        self.writes.append((trio.current_time(), first))
+
+    async def write(self, data: bytes) -> None:
+        if self._disconnect_after is not None and len(self.writes) >= self._disconnect_after:
+            self.client_disconnected = True
+            raise ClientDisconnected()
+        self.writes.append((trio.current_time(), data))
+
+    async def end_stream(self, last: bytes = b"") -> None:
+        self.writes.append((trio.current_time(), last))
+        self.ended = True
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(data for _, data in self.writes)
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    def events(self) -> list[str]:
+        """The SSE ``data:`` payloads, in order."""
+        text = self.body.decode()
+        assert text.endswith("\n\n") or not self.ended, text
+        return [block.removeprefix("data: ") for block in text.split("\n\n") if block]
+
+
+def engine(role: str = "decode", **overrides: Any) -> MockEngine:
+    settings = MockSettings(role=role, port=8100, **overrides)  # type: ignore[arg-type]
+    return MockEngine(settings)
+
+
+async def call(mock: MockEngine, method: str, path: str, body: Any = None, *,
+               headers: list[tuple[bytes, bytes]] | None = None, responder: FakeResponder | None = None,
+               ) -> FakeResponder:
+    raw = body if isinstance(body, bytes) else b"" if body is None else json.dumps(body).encode()
+    responder = responder or FakeResponder()
+    await mock.handle(FakeRequest(method.encode(), path, raw, headers or []), responder)  # type: ignore[arg-type]
+    return responder
+
+
+def set_fault(mock: MockEngine, spec: str) -> None:
+    mock.add_fault(parse_fault_spec(spec))
+
+
+def completion(kv: dict[str, Any] | None = None, **fields: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "mock-model", "prompt": "the quick brown fox", **fields}
+    if kv is not None:
+        body["kv_transfer_params"] = kv
+    return body
+
+
+def chat(kv: dict[str, Any] | None = None, **fields: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "mock-model", "messages": [{"role": "user", "content": "hi there"}], **fields}
+    if kv is not None:
+        body["kv_transfer_params"] = kv
+    return body
+
+
+# ----- plain engine routes -------------------------------------------------------------
+
+async def test_health_models_and_tokenize_shapes() -> None:
+    mock = engine(max_model_len=2048)
+    health = await call(mock, "GET", "/health")
+    assert (health.status, health.body) == (200, b"")
+    models = (await call(mock, "GET", "/v1/models")).json()
+    assert models["object"] == "list"
+    assert {k: models["data"][0][k] for k in ("id", "object", "owned_by", "max_model_len")} == {
+        "id": "mock-model", "object": "model", "owned_by": "narwhal-mock", "max_model_len": 2048}
+    counted = (await call(mock, "POST", "/tokenize", {"model": "mock-model", "prompt": "a b  c\nd"})).json()
+    assert counted["count"] == 4 and counted["max_model_len"] == 2048 and len(counted["tokens"]) == 4
+    assert counted["tokens"] == tokenize("a b c d")
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text",
+                                                                                         "text": "hi"}]}]
+    counted = (await call(mock, "POST", "/tokenize", {"model": "mock-model", "messages": messages})).json()
+    assert counted["count"] == 2 + 2 + 1  # one role token per message plus the words
+    ids = (await call(mock, "POST", "/tokenize", {"prompt": [5, 6, 7]})).json()
+    assert ids["tokens"] == [5, 6, 7]
+
+
+async def test_bad_requests_are_openai_errors() -> None:
+    mock = engine()
+    bad_json = await call(mock, "POST", "/v1/completions", b"{not json")
+    assert bad_json.status == 400 and bad_json.json()["error"]["type"] == "BadRequestError"
+    wrong_model = await call(mock, "POST", "/v1/completions", completion(model="other"))
+    assert wrong_model.status == 404 and "other" in wrong_model.json()["error"]["message"]
+    assert (await call(mock, "POST", "/tokenize", {"model": "other", "prompt": "x"})).status == 404
+    assert (await call(mock, "POST", "/v1/chat/completions", {"model": "mock-model"})).status == 400
+    too_long = await call(mock, "POST", "/v1/completions", completion(max_tokens=5000))
+    assert too_long.status == 400 and "maximum context length is 4096" in too_long.json()["error"]["message"]
+    assert (await call(mock, "GET", "/nope")).status == 404
+    wrong_method = await call(mock, "GET", "/v1/completions")
+    assert wrong_method.status == 405 and (b"allow", b"POST") in wrong_method.headers
+
+
+# ----- the P/D flow -------------------------------------------------------------------------
+
+async def test_prefill_returns_one_token_and_a_readable_handoff() -> None:
+    mock = engine("prefill", host="127.0.0.1")
+    answer = await call(mock, "POST", "/v1/completions", completion(PREFILL_KV, max_tokens=1, stream=False),
+                        headers=[(b"x-request-id", b"r-1")])
+    body = answer.json()
+    assert answer.status == 200 and body["object"] == "text_completion"
+    assert body["choices"][0]["text"] == " tok0" and body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}
+    kv = body["kv_transfer_params"]
+    assert kv == {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "prefill-8100",
+                  "remote_block_ids": [1], "remote_host": "127.0.0.1", "remote_port": 8100, "tp_size": 1}
+    msgspec.convert(kv, KVTransferParams)
+    # A streamed prefill is still answered in one JSON body, and gets fresh blocks.
+    again = (await call(mock, "POST", "/v1/chat/completions", chat(PREFILL_KV, stream=True))).json()
+    assert again["object"] == "chat.completion" and again["choices"][0]["message"]["role"] == "assistant"
+    assert again["kv_transfer_params"]["remote_block_ids"] == [2]
+    stats = mock.stats.describe()
+    assert stats["prefill"] == 2 and stats["requests"] == {"/v1/completions": 1, "/v1/chat/completions": 1}
+    assert stats["last_prefill_body"]["messages"][0]["content"] == "hi there"
+    assert stats["last_request_ids"] == {"prefill": None, "decode": None}  # the last one had no header
+
+
+async def test_decode_streams_completion_chunks_then_done() -> None:
+    mock = engine()
+    answer = await call(mock, "POST", "/v1/completions",
+                        completion(DECODE_KV, max_tokens=3, stream=True, stream_options={"include_usage": True}),
+                        headers=[(b"x-request-id", b"r-7")])
+    assert answer.status == 200 and (b"content-type", b"text/event-stream") in answer.headers
+    events = answer.events()
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [c["choices"][0]["text"] for c in chunks[:3]] == [" tok0", " tok1", " tok2"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:3]] == [None, None, "length"]
+    assert chunks[0]["object"] == "text_completion" and chunks[0]["model"] == "mock-model"
+    assert len({c["id"] for c in chunks}) == 1
+    assert chunks[3]["choices"] == [] and chunks[3]["usage"]["completion_tokens"] == 3
+    # Unpaced: head and first token in one write, the rest with the terminator in the next.
+    assert len(answer.writes) == 2 and answer.ended
+    stats = mock.stats.describe()
+    assert stats["decode"] == 1 and stats["last_kv_transfer_params"] == DECODE_KV
+    assert stats["last_request_ids"]["decode"] == "r-7"
+    assert stats["last_decode_body"]["max_tokens"] == 3
+
+
+async def test_decode_streams_chat_chunks_and_defaults_to_tokens_option() -> None:
+    mock = engine(tokens=2)
+    events = (await call(mock, "POST", "/v1/chat/completions", chat(DECODE_KV, stream=True))).events()
+    assert events[-1] == "[DONE]" and len(events) == 4  # role, two tokens, DONE; no usage unless asked
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [c["choices"][0]["delta"] for c in chunks[1:]] == [{"content": " tok0"}, {"content": " tok1"}]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+
+
+async def test_decode_without_stream_is_one_json_body() -> None:
+    mock = engine()
+    body = (await call(mock, "POST", "/v1/completions", completion(DECODE_KV, max_tokens=2))).json()
+    assert body["choices"][0]["text"] == " tok0 tok1" and body["usage"]["completion_tokens"] == 2
+    assert body["kv_transfer_params"] is None
+
+
+async def test_decode_needs_the_remote_fields() -> None:
+    mock = engine()
+    for missing in ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port"):
+        kv = {k: v for k, v in DECODE_KV.items() if k != missing}
+        answer = await call(mock, "POST", "/v1/completions", completion(kv))
+        assert answer.status == 400, missing
+        assert missing in answer.json()["error"]["message"]
+
+
+async def test_role_check_and_kv_roles_override() -> None:
+    decode_only, prefill_only = engine("decode"), engine("prefill")
+    assert (await call(decode_only, "POST", "/v1/completions", completion(PREFILL_KV))).status == 400
+    assert (await call(prefill_only, "POST", "/v1/completions", completion(DECODE_KV))).status == 400
+    both = engine("decode", kv_roles=("producer", "consumer"))
+    assert (await call(both, "POST", "/v1/completions", completion(PREFILL_KV))).status == 200
+    assert (await call(both, "POST", "/v1/completions", completion(DECODE_KV))).status == 200
+
+
+async def test_plain_request_is_served_like_a_normal_engine() -> None:
+    mock = engine("prefill")
+    events = (await call(mock, "POST", "/v1/completions", completion(max_tokens=2, stream=True))).events()
+    assert len(events) == 3 and events[-1] == "[DONE]"
+    assert mock.stats.plain == 1 and mock.stats.prefill == 0
+
+
+async def test_token_delay_paces_one_write_per_token(autojump_clock: Any) -> None:
+    mock = engine(token_delay_s=0.25)
+    answer = await call(mock, "POST", "/v1/completions", completion(DECODE_KV, max_tokens=3, stream=True))
+    assert [t for t, _ in answer.writes] == [0.25, 0.5, 0.75]
+    assert answer.writes[-1][1].endswith(b"data: [DONE]\n\n")
+
+
+# ----- identity and attestation --------------------------------------------------------------
+
+async def test_identity_and_attestation_signature() -> None:
+    mock = engine("prefill", engine_id="p1", generation="g7", attestation_key="k",
+                  process_started_at=1234.5)
+    identity = (await call(mock, "GET", "/narwhal/identity")).json()
+    assert identity == {"engine_id": "p1", "model": "mock-model", "generation": "g7",
+                        "process_started_at": 1234.5, "kv_roles": ["producer"]}
+    assert (await call(engine(), "GET", "/narwhal/identity")).json()["kv_roles"] == ["consumer"]
+    attest = (await call(mock, "POST", "/narwhal/attest", {"nonce": "n-1"})).json()
+    expected = hmac.new(b"k", b"p1|n-1|g7", hashlib.sha256).hexdigest()
+    assert attest == {"engine_id": "p1", "nonce": "n-1", "signature": expected}
+    assert (await call(mock, "POST", "/narwhal/attest", {"nonce": 3})).status == 400
+
+
+async def test_identity_faults_change_what_is_reported() -> None:
+    mock = engine("prefill", engine_id="p1")
+    set_fault(mock, "generation:value=g2")
+    set_fault(mock, "model:value=other-model")
+    identity = (await call(mock, "GET", "/narwhal/identity")).json()
+    assert (identity["generation"], identity["model"]) == ("g2", "other-model")
+    assert (await call(mock, "GET", "/v1/models")).json()["data"][0]["id"] == "other-model"
+    attest = (await call(mock, "POST", "/narwhal/attest", {"nonce": "n"})).json()
+    assert attest["signature"] == hmac.new(b"narwhal-dev-key", b"p1|n|g2", hashlib.sha256).hexdigest()
+    set_fault(mock, "bad_attestation:count=1")
+    forged = (await call(mock, "POST", "/narwhal/attest", {"nonce": "n"})).json()
+    assert forged["nonce"] == "n" and forged["signature"] != attest["signature"]
+    set_fault(mock, "wrong_nonce:count=1")
+    stale = (await call(mock, "POST", "/narwhal/attest", {"nonce": "n"})).json()
+    assert stale["nonce"] != "n"
+    assert (await call(mock, "POST", "/narwhal/attest", {"nonce": "n"})).json() == attest
+
+
+# ----- faults that replace the answer -----------------------------------------------------------
+
+async def test_status_faults_count_down_then_clear() -> None:
+    mock = engine()
+    set_fault(mock, "status_503:count=2")
+    first = await call(mock, "POST", "/v1/completions", completion(DECODE_KV))
+    assert first.status == 503 and first.json()["error"]["code"] == 503
+    assert mock.faults.describe()[0]["count"] == 1
+    assert (await call(mock, "POST", "/v1/completions", completion(DECODE_KV))).status == 503
+    assert (await call(mock, "POST", "/v1/completions", completion(DECODE_KV))).status == 200
+    assert mock.faults.describe() == []
+    for spec, status in (("status_408:count=1", 408), ("status_429:count=1", 429), ("status_5xx", 500)):
+        set_fault(mock, spec)
+        assert (await call(mock, "POST", "/v1/chat/completions", chat(DECODE_KV))).status == status
+    # Health is not an inference leg, so the default legs leave it alone.
+    assert (await call(mock, "GET", "/health")).status == 200
+
+
+async def test_fault_legs_select_the_requests_they_hit() -> None:
+    mock = engine(kv_roles=("producer", "consumer"))
+    set_fault(mock, "status_500:legs=prefill")
+    assert (await call(mock, "POST", "/v1/completions", completion(PREFILL_KV))).status == 500
+    assert (await call(mock, "POST", "/v1/completions", completion(DECODE_KV))).status == 200
+    mock.faults.clear()
+    set_fault(mock, "status_500:legs=any,count=4")
+    for method, path, body in (("GET", "/health", None), ("POST", "/tokenize", {"prompt": "x"}),
+                               ("GET", "/narwhal/identity", None), ("GET", "/v1/models", None)):
+        assert (await call(mock, method, path, body)).status == 500, path
+    # Control routes are never faulted.
+    assert (await call(mock, "GET", "/mock/stats")).status == 200
+
+
+async def test_unhealthy_and_hang(autojump_clock: Any) -> None:
+    mock = engine()
+    set_fault(mock, "unhealthy:count=1")
+    assert (await call(mock, "GET", "/health")).status == 503
+    assert (await call(mock, "GET", "/health")).status == 200
+    set_fault(mock, "hang:count=1,legs=health+decode")
+    responder = FakeResponder()
+    with trio.move_on_after(100) as scope:
+        await call(mock, "GET", "/health", responder=responder)
+    assert scope.cancelled_caught and responder.writes == []
+    assert mock.stats.disconnects == 0  # cancelled, but not because the client went
+    # The server cancels a handler when its client goes: that is a disconnect.
+    set_fault(mock, "hang:count=1")
+    responder.client_disconnected = True
+    with trio.move_on_after(100):
+        await call(mock, "POST", "/v1/completions", completion(DECODE_KV), responder=responder)
+    assert mock.stats.disconnects == 1
+    assert (await call(mock, "POST", "/v1/completions", completion(DECODE_KV))).status == 200
+    assert mock.faults.describe() == []
+
+
+# ----- faults that break the stream -------------------------------------------------------------
+
+async def test_stall_sends_some_tokens_then_goes_silent(autojump_clock: Any) -> None:
+    mock = engine()
+    set_fault(mock, "stall:after_tokens=2,count=1")
+    responder = FakeResponder()
+    with trio.move_on_after(60):
+        await call(mock, "POST", "/v1/completions", completion(DECODE_KV, max_tokens=5, stream=True),
+                   responder=responder)
+    assert responder.started and not responder.ended
+    assert [json.loads(e)["choices"][0]["text"] for e in responder.events()] == [" tok0", " tok1"]
+    # A non-streamed decode is not a stream to stall: it neither acts nor spends the count.
+    assert mock.faults.describe() == []
+    set_fault(mock, "stall:count=1")
+    assert (await call(mock, "POST", "/v1/completions", completion(DECODE_KV))).status == 200
+    assert mock.faults.describe()[0]["count"] == 1
+
+
+async def test_no_done_and_garbage_stream() -> None:
+    mock = engine()
+    set_fault(mock, "no_done:count=1")
+    cut = await call(mock, "POST", "/v1/completions", completion(DECODE_KV, max_tokens=2, stream=True))
+    assert cut.ended and b"[DONE]" not in cut.body and len(cut.events()) == 2
+    set_fault(mock, "garbage_stream:count=1")
+    garbage = await call(mock, "POST", "/v1/completions", completion(DECODE_KV, stream=True))
+    assert garbage.ended and not garbage.body.startswith(b"data:") and b"[DONE]" not in garbage.body
+    set_fault(mock, "garbage_stream:count=1,after_tokens=1")
+    late = await call(mock, "POST", "/v1/completions", completion(DECODE_KV, stream=True))
+    assert late.body.startswith(b"data: {") and b"[DONE]" not in late.body
+
+
+async def test_first_token_delay_and_slow_tokens(autojump_clock: Any) -> None:
+    mock = engine()
+    set_fault(mock, "first_token_delay:delay_s=5,count=1")
+    delayed = await call(mock, "POST", "/v1/completions", completion(DECODE_KV, max_tokens=2, stream=True))
+    # Headers go out at once; the first token is what is late.
+    assert delayed.writes[0] == (0.0, b"") and delayed.writes[1][0] == 5.0
+    start = trio.current_time()
+    mock_both = engine(kv_roles=("producer", "consumer"))
+    set_fault(mock_both, "first_token_delay:delay_s=2,count=1,legs=prefill")
+    await call(mock_both, "POST", "/v1/completions", completion(PREFILL_KV))
+    assert trio.current_time() - start == 2.0
+    set_fault(mock, "slow_tokens:delay_s=0.5,count=1")
+    start = trio.current_time()
+    slow = await call(mock, "POST", "/v1/completions", completion(DECODE_KV, max_tokens=3, stream=True))
+    assert [t - start for t, _ in slow.writes] == [0.5, 1.0, 1.5]
+    start = trio.current_time()
+    fast = await call(mock, "POST", "/v1/completions", completion(DECODE_KV, max_tokens=3, stream=True))
+    assert [t - start for t, _ in fast.writes] == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("variant", ["missing_block_ids", "string", "null", "absent", "bad_port"])
+async def test_bad_kv_variants_are_unreadable_handoffs(variant: str) -> None:
+    mock = engine("prefill")
+    set_fault(mock, f"bad_kv:variant={variant},count=1")
+    body = (await call(mock, "POST", "/v1/completions", completion(PREFILL_KV))).json()
+    kv = body.get("kv_transfer_params")
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert(kv, KVTransferParams)
+    healthy = (await call(mock, "POST", "/v1/completions", completion(PREFILL_KV))).json()
+    msgspec.convert(healthy["kv_transfer_params"], KVTransferParams)
+
+
+async def test_client_gone_mid_stream_is_counted() -> None:
+    mock = engine(token_delay_s=0.001)
+    responder = FakeResponder(disconnect_after_writes=2)
+    await call(mock, "POST", "/v1/completions", completion(DECODE_KV, max_tokens=5, stream=True),
+               responder=responder)
+    assert len(responder.writes) == 2 and mock.stats.disconnects == 1
+
+
+# ----- the /mock control API -----------------------------------------------------------------------
+
+async def test_fault_api_sets_lists_and_clears() -> None:
+    mock = engine()
+    made = await call(mock, "POST", "/mock/faults", {"mode": "status_5xx", "status": 502, "count": 2})
+    assert made.status == 200 and made.json()["fault"]["status"] == 502
+    listed = (await call(mock, "GET", "/mock/faults")).json()["faults"]
+    assert [(f["mode"], f["count"], f["legs"], f["status"]) for f in listed] == [
+        ("status_5xx", 2, ["decode", "prefill"], 502)]
+    rejected = await call(mock, "POST", "/mock/faults", {"mode": "bad_kv", "legs": ["decode"]})
+    assert rejected.status == 400 and "leg" in rejected.json()["error"]["message"]
+    assert (await call(mock, "POST", "/mock/faults", {"mode": "stall", "nonsense": 1})).status == 400
+    # Closing the listener needs the serving shell; a bare engine says so.
+    assert (await call(mock, "POST", "/mock/faults", {"mode": "refuse", "duration_s": 1})).status == 400
+    assert (await call(mock, "DELETE", "/mock/faults")).json() == {"faults": []}
+    assert mock.faults.describe() == []
+
+
+async def test_stats_reset() -> None:
+    mock = engine()
+    await call(mock, "POST", "/v1/completions", completion(DECODE_KV))
+    assert (await call(mock, "GET", "/mock/stats")).json()["decode"] == 1
+    reset = (await call(mock, "POST", "/mock/stats/reset")).json()
+    assert reset["decode"] == 0 and reset["requests"] == {} and reset["last_kv_transfer_params"] is None
+
+
+# ----- the fault table on its own ------------------------------------------------------------------
+
+def test_fault_spec_parsing_and_validation() -> None:
+    request = parse_fault_spec("status_500:count=3,legs=prefill+decode")
+    assert request == FaultRequest(mode="status_500", count=3, legs=["prefill", "decode"])
+    table = FaultTable()
+    fault = table.validate(request)
+    assert (fault.mode, fault.params, fault.remaining) == (Mode.STATUS_5XX, {"status": 500}, 3)
+    assert table.validate(parse_fault_spec("slow_tokens")).params == {"delay_s": 0.05}
+    assert table.validate(parse_fault_spec("first_token_delay")).legs == {Leg.PREFILL, Leg.DECODE}
+    assert table.validate(parse_fault_spec("refuse:count=2")).remaining == 2
+    for bad in ("nope", "status_500:count=0", "generation", "stall:delay_s=1", "refuse",
+                "refuse:count=1,duration_s=2", "bad_kv:variant=weird", "unhealthy:legs=decode",
+                "status_5xx:status=404", "hang:legs=everywhere", "stall:count"):
+        with pytest.raises(FaultError):
+            table.validate(parse_fault_spec(bad))
+
+
+def test_fault_table_take_precedence_and_counts() -> None:
+    table = FaultTable()
+    for spec in ("status_500:count=1", "hang:count=1", "slow_tokens:count=2", "slow_tokens:delay_s=9"):
+        table.add(table.validate(parse_fault_spec(spec)))
+    applied = table.take(Operation.DECODE, streamed=True)
+    # The first terminal fault wins and only it is spent; one modifier per mode, the first set.
+    assert applied.terminal is not None and applied.terminal.mode is Mode.STATUS_5XX
+    assert applied.get(Mode.SLOW_TOKENS).params["delay_s"] == 0.05  # type: ignore[union-attr]
+    assert [(f["mode"], f["count"]) for f in table.describe()] == [
+        ("hang", 1), ("slow_tokens", 1), ("slow_tokens", None)]
+    assert table.take(Operation.HEALTH).terminal is None
+    assert not table.take_connection_refusal()
+    table.add(table.validate(parse_fault_spec("bad_kv:count=1")))
+    # A prefill that asked for no handoff has none to spoil: the count stays.
+    assert table.take(Operation.PREFILL).get(Mode.BAD_KV) is None
+    assert table.take(Operation.PREFILL, handoff=True).get(Mode.BAD_KV) is not None
+    table.add(table.validate(parse_fault_spec("refuse:count=1")))
+    assert table.take_connection_refusal() and not table.take_connection_refusal()
+
+
+# ----- over real sockets ------------------------------------------------------------------------------
+
+@pytest.fixture
+async def served(nursery: trio.Nursery) -> Any:
+    """A decode mock served on 127.0.0.1 by the project's HTTP server, and a client for it."""
+    settings = MockSettings(role="decode", engine_id="d1", kv_roles=("producer", "consumer"))
+    service = await nursery.start(serve_mock, settings)
+    base = f"http://127.0.0.1:{service.engine.port}"
+    async with httpx.AsyncClient(base_url=base, timeout=5) as client:
+        yield service, client
+    service.stop(0)
+
+
+async def test_socket_prefill_then_streamed_decode(served: Any) -> None:
+    service, client = served
+    prefill = await client.post("/v1/completions", json=completion(PREFILL_KV, max_tokens=1))
+    kv = prefill.json()["kv_transfer_params"]
+    assert kv["remote_port"] == service.engine.port and kv["remote_engine_id"] == "d1"
+    body = completion(kv, max_tokens=4, stream=True, stream_options={"include_usage": True})
+    async with client.stream("POST", "/v1/completions", json=body, headers={"x-request-id": "rq"}) as response:
+        assert response.headers["transfer-encoding"] == "chunked"
+        assert response.headers["content-type"] == "text/event-stream"
+        lines = [line async for line in response.aiter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and len(lines) == 6
+    assert json.loads(lines[-2].removeprefix("data: "))["usage"]["completion_tokens"] == 4
+    stats = (await client.get("/mock/stats")).json()
+    assert stats["last_kv_transfer_params"] == kv and stats["last_request_ids"]["decode"] == "rq"
+    assert stats["connections_opened"] == 1  # keep-alive: one connection for all of it
+
+
+async def test_socket_identity_attestation_and_fault_counts(served: Any) -> None:
+    _, client = served
+    identity = (await client.get("/narwhal/identity")).json()
+    assert identity["engine_id"] == "d1" and identity["kv_roles"] == ["producer", "consumer"]
+    attest = (await client.post("/narwhal/attest", json={"nonce": "abc"})).json()
+    assert attest["signature"] == hmac.new(b"narwhal-dev-key", b"d1|abc|g1", hashlib.sha256).hexdigest()
+    made = await client.post("/mock/faults", json={"mode": "status_429", "count": 2, "legs": ["health"]})
+    assert made.status_code == 200
+    assert [(await client.get("/health")).status_code for _ in range(3)] == [429, 429, 200]
+    assert (await client.get("/mock/faults")).json() == {"faults": []}
+
+
+async def test_socket_refuse_resets_counted_connections(served: Any) -> None:
+    service, client = served
+    await client.post("/mock/faults", json={"mode": "refuse", "count": 2})
+    base = str(client.base_url)
+    for _ in range(2):
+        async with httpx.AsyncClient(base_url=base) as fresh:
+            # The reset can beat the client's own connect bookkeeping: any transport error.
+            with pytest.raises(httpx.TransportError):
+                await fresh.get("/health")
+    async with httpx.AsyncClient(base_url=base) as fresh:
+        assert (await fresh.get("/health")).status_code == 200
+    assert service.engine.stats.connections_opened == 4
+
+
+async def until_healthy(client: httpx.AsyncClient) -> None:
+    """Poll /health until it answers 200; connection errors mean the port is still closed."""
+    with trio.fail_after(5):
+        while True:
+            try:
+                if (await client.get("/health")).status_code == 200:
+                    return
+            except httpx.ConnectError:
+                pass
+            await trio.sleep(0.02)
+
+
+async def test_socket_refuse_window_closes_then_reopens_the_port(served: Any) -> None:
+    service, client = served
+    closed_for_s = 0.3
+    asked_at = trio.current_time()
+    answer = await client.post("/mock/faults", json={"mode": "refuse", "duration_s": closed_for_s})
+    assert answer.status_code == 200
+    async with httpx.AsyncClient(base_url=str(client.base_url)) as fresh:
+        with pytest.raises(httpx.ConnectError):
+            await fresh.get("/health")
+        await until_healthy(fresh)
+    assert trio.current_time() - asked_at >= closed_for_s
+
+
+async def test_socket_refuse_window_set_at_start(nursery: trio.Nursery) -> None:
+    asked_at = trio.current_time()
+    service = await nursery.start(serve_mock, MockSettings(role="prefill", faults=("refuse:duration_s=0.2",)))
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.engine.port}") as client:
+        with pytest.raises(httpx.ConnectError):
+            await client.get("/health")
+        await until_healthy(client)
+    assert trio.current_time() - asked_at >= 0.2
+    service.stop(0)
+
+
+async def test_socket_client_gone_mid_stream_and_during_hang(served: Any) -> None:
+    service, client = served
+    await client.post("/mock/faults", json={"mode": "slow_tokens", "delay_s": 0.05, "count": 1})
+    # A raw socket, so the client can walk away mid-stream without httpx's generators complaining.
+    body = json.dumps(completion(DECODE_KV, max_tokens=50, stream=True)).encode()
+    stream = await trio.open_tcp_stream("127.0.0.1", service.engine.port)
+    async with stream:
+        await stream.send_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                              b"content-length: %d\r\n\r\n%b" % (len(body), body))
+        assert b" tok0" in await stream.receive_some(65536)
+    await client.post("/mock/faults", json={"mode": "hang", "count": 1})
+    with pytest.raises(httpx.ReadTimeout):
+        await client.post("/v1/completions", json=completion(DECODE_KV), timeout=0.2)
+    with trio.fail_after(5):
+        while service.engine.stats.disconnects < 2:
+            await trio.sleep(0.01)
+
+
+def test_subprocess_prints_ready_line_and_stops_on_sigterm() -> None:
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    command = [sys.executable, "-m", "narwhal.mock", "--role", "prefill", "--port", "0",
+               "--fault", "unhealthy:count=1"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True) as process:
+        assert process.stdout is not None and process.stderr is not None
+        try:
+            ready = json.loads(process.stdout.readline())
+            assert ready["event"] == "mock_engine_ready" and ready["engine_id"] == f"prefill-{ready['port']}"
+            with httpx.Client(base_url=f"http://127.0.0.1:{ready['port']}", timeout=5) as client:
+                assert [client.get("/health").status_code for _ in range(2)] == [503, 200]
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=10) == 0
+        finally:
+            if process.poll() is None:
+                process.kill()
+        assert "Traceback" not in process.stderr.read()
+
+
+def test_main_rejects_a_bad_fault_before_binding(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--role", "decode", "--fault", "status_500:count=0"])
+    assert exited.value.code == 2 and "count must be >= 1" in capsys.readouterr().err

@@ -1,0 +1,186 @@
+"""The control pool: httpx.MockTransport fakes for statuses and errors, and one
+real-socket check that health calls get through while the data pool is full."""
+
+from __future__ import annotations
+
+import functools
+
+import httpx
+import msgspec
+import pytest
+import trio
+
+from narwhal.config import EngineConfig, EngineSpec
+from narwhal.failures import EngineFailure, FailureClass, PoolSaturated
+from narwhal.pools.control import ControlPool, ControlResponse
+from narwhal.pools.data import DataPool
+
+ENGINE = EngineSpec(name="e1", url="http://127.0.0.1:9", role="prefill")
+CONFIG = EngineConfig(health_timeout_s=2.0, connect_timeout_s=1.0)
+
+
+@pytest.fixture
+async def make_pool():
+    pools: list[ControlPool] = []
+
+    def make(handler, **kwargs) -> ControlPool:
+        pool = ControlPool(control_connections=kwargs.pop("control_connections", 4),
+                           engine_config=kwargs.pop("engine_config", CONFIG),
+                           transport=httpx.MockTransport(handler))
+        pools.append(pool)
+        return pool
+    yield make
+    for pool in pools:
+        await pool.aclose()
+
+
+@pytest.mark.parametrize("status", [200, 404, 503])
+async def test_get_returns_any_status_with_its_body(make_pool, status):
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(status, content=b'{"status": "x"}')
+    pool = make_pool(handler)
+    assert await pool.get(ENGINE, "/health") == ControlResponse(status=status, body=b'{"status": "x"}')
+    assert (seen[0].method, str(seen[0].url)) == ("GET", "http://127.0.0.1:9/health")
+
+
+async def test_post_json_sends_the_body_as_json(make_pool):
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, content=b'{"signature": "s"}')
+    pool = make_pool(handler)
+    response = await pool.post_json(ENGINE, "/narwhal/attest", b'{"nonce": "n"}', timeout_s=7.0)
+    assert response == ControlResponse(status=200, body=b'{"signature": "s"}')
+    request = seen[0]
+    assert (request.method, request.url.path, request.content) == ("POST", "/narwhal/attest", b'{"nonce": "n"}')
+    assert request.headers["content-type"] == "application/json"
+    assert request.extensions["timeout"]["read"] == 7.0
+
+
+async def test_default_timeout_is_the_health_timeout(make_pool):
+    timeouts = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        timeouts.append(request.extensions["timeout"])
+        return httpx.Response(200)
+    pool = make_pool(handler)
+    await pool.get(ENGINE, "/health")
+    assert timeouts[0]["read"] == 2.0
+    assert timeouts[0]["connect"] == 1.0
+
+
+@pytest.mark.parametrize(("error", "failure_class"), [
+    (httpx.ConnectError("connection refused"), FailureClass.CONNECTION),
+    (httpx.ReadTimeout("timed out"), FailureClass.TIMEOUT),
+    (httpx.ConnectTimeout("timed out"), FailureClass.TIMEOUT),
+    (httpx.RemoteProtocolError("Server disconnected without sending a response."), FailureClass.CONNECTION),
+])
+async def test_transport_errors_become_engine_failures(make_pool, error, failure_class):
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise error
+    pool = make_pool(handler)
+    with pytest.raises(EngineFailure) as caught:
+        await pool.get(ENGINE, "/health")
+    failure = caught.value
+    assert (failure.engine, failure.failure_class, failure.cause) == ("e1", failure_class, type(error).__name__)
+    assert pool.statistics().in_use == 0
+
+
+async def test_whole_call_is_bounded_by_its_timeout(make_pool, autojump_clock):
+    async def handler(request: httpx.Request) -> httpx.Response:
+        await trio.sleep(10)
+        return httpx.Response(200)
+    pool = make_pool(handler)
+    with pytest.raises(EngineFailure) as caught:
+        await pool.get(ENGINE, "/health", timeout_s=0.5)
+    assert caught.value.failure_class is FailureClass.TIMEOUT
+    assert trio.current_time() == 0.5
+
+
+async def test_slot_wait_past_the_deadline_is_saturation_and_statistics_show_it(make_pool, autojump_clock,
+                                                                                 nursery):
+    release = trio.Event()
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        await release.wait()
+        return httpx.Response(200)
+    pool = make_pool(handler, control_connections=1,
+                     engine_config=msgspec.structs.replace(CONFIG, health_timeout_s=100.0))
+    nursery.start_soon(pool.get, ENGINE, "/health")
+    await trio.sleep(1)
+    assert repr(pool) == "<ControlPool [in use 1/1 | waiting 0]>"
+    with trio.move_on_after(3) as caller:
+        with pytest.raises(PoolSaturated):
+            await pool.get(ENGINE, "/health")
+    assert not caller.cancelled_caught
+    release.set()
+    await trio.sleep(1)
+    stats = pool.statistics()
+    assert (stats.control_connections, stats.in_use, stats.waiting) == (1, 0, 0)
+
+
+# real sockets: the control pool does not share the data pool's bound ---------------
+
+async def _engine(stream: trio.SocketStream, *, streams_started: list[int]) -> None:
+    """GET /health answers 200; POST /v1/completions starts a stream that never ends."""
+    buf = b""
+    try:
+        while b"\r\n\r\n" not in buf:
+            data = await stream.receive_some(65536)
+            if not data:
+                return
+            buf += data
+        if buf.startswith(b"GET /health "):
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")
+            return
+        streams_started.append(1)
+        event = b'data: {"t": 1}\n\n'
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                              b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(event), event))
+        await trio.sleep_forever()
+    except trio.BrokenResourceError:
+        return
+    finally:
+        await trio.aclose_forcefully(stream)
+
+
+async def test_control_calls_go_through_while_the_data_pool_is_full(nursery):
+    streams_started: list[int] = []
+    listeners = await nursery.start(functools.partial(
+        trio.serve_tcp, functools.partial(_engine, streams_started=streams_started), 0, host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+    engine = EngineSpec(name="e1", url=f"http://127.0.0.1:{port}", role="decode")
+    config = EngineConfig(stream_silence_s=30.0, health_timeout_s=1.0)
+    data_pool = DataPool(max_connections=2, engine_config=config)
+    control_pool = ControlPool(control_connections=1, engine_config=config)
+    held = trio.Semaphore(0)
+
+    async def hold_a_data_slot() -> None:
+        async with data_pool.stream(engine, "/v1/completions", b"{}", request_id="hold") as upstream:
+            await upstream.__anext__()
+            held.release()
+            await trio.sleep_forever()
+    try:
+        async with trio.open_nursery() as holders:
+            for _ in range(2):
+                holders.start_soon(hold_a_data_slot)
+            with trio.fail_after(2):
+                for _ in range(2):
+                    await held.acquire()
+            assert data_pool.statistics().in_use == 2
+            with trio.move_on_after(0.2), pytest.raises(PoolSaturated):
+                await data_pool.post_json(engine, "/tokenize", b"{}", request_id="r")
+
+            with trio.fail_after(2):
+                response = await control_pool.get(engine, "/health")
+            assert response == ControlResponse(status=200, body=b"ok")
+            assert len(streams_started) == 2
+            holders.cancel_scope.cancel()
+        assert data_pool.statistics().in_use == 0
+    finally:
+        await control_pool.aclose()
+        await data_pool.aclose()

@@ -1,0 +1,506 @@
+"""The data pool against tiny scripted engines on real 127.0.0.1 sockets.
+
+Each fake engine is a ``respond(request, stream, index)`` coroutine run by
+``trio.serve_tcp``: it writes hand-made HTTP bytes and returns whether to keep
+the connection open (``index`` counts requests on that connection).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import socket
+from collections.abc import Awaitable, Callable
+
+import msgspec
+import pytest
+import trio
+
+from narwhal.config import EngineConfig, EngineSpec
+from narwhal.failures import EngineFailure, FailureClass, PoolSaturated, UpstreamClientError
+from narwhal.pools.data import DataPool
+
+FAST = EngineConfig(connect_timeout_s=0.5, request_timeout_s=0.5, first_token_deadline_s=0.3,
+                    stream_silence_s=0.3, pool_idle_s=4.0)
+
+SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+LAST_CHUNK = b"0\r\n\r\n"
+EVENTS = [b'data: {"text": "a"}\n\n', b'data: {"text": "b"}\n\n', b"data: [DONE]\n\n"]
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def response(status: int, body: bytes = b"", *, close: bool = False) -> bytes:
+    head = [b"HTTP/1.1 %d X" % status, b"content-type: application/json", b"content-length: %d" % len(body)]
+    if close:
+        head.append(b"connection: close")
+    return b"\r\n".join(head) + b"\r\n\r\n" + body
+
+
+@dataclasses.dataclass
+class FakeRequest:
+    method: bytes
+    path: bytes
+    headers: dict[bytes, bytes]
+    body: bytes
+
+
+Respond = Callable[[FakeRequest, trio.SocketStream, int], Awaitable[bool]]
+
+
+async def read_request(stream: trio.SocketStream, buf: bytearray) -> FakeRequest | None:
+    """One request from the stream, or None when the client closed (or reset) it."""
+    try:
+        while b"\r\n\r\n" not in buf:
+            data = await stream.receive_some(65536)
+            if not data:
+                return None
+            buf += data
+        head, _, rest = bytes(buf).partition(b"\r\n\r\n")
+        request_line, *header_lines = head.split(b"\r\n")
+        method, path, _ = request_line.split(b" ")
+        headers = {k.strip().lower(): v.strip() for k, v in (line.split(b":", 1) for line in header_lines)}
+        length = int(headers.get(b"content-length", b"0"))
+        while len(rest) < length:
+            data = await stream.receive_some(65536)
+            if not data:
+                return None
+            rest += data
+    except trio.BrokenResourceError:
+        return None
+    buf[:] = rest[length:]
+    return FakeRequest(method, path, headers, rest[:length])
+
+
+class FakeEngine:
+    def __init__(self, respond: Respond) -> None:
+        self.respond = respond
+        self.port = 0
+        self.connections = 0
+        self.requests: list[FakeRequest] = []
+        self.client_closed = trio.Event()
+
+    @property
+    def spec(self) -> EngineSpec:
+        return EngineSpec(name="e1", url=f"http://127.0.0.1:{self.port}", role="decode")
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        self.connections += 1
+        buf = bytearray()
+        try:
+            for index in range(100):
+                request = await read_request(stream, buf)
+                if request is None:
+                    self.client_closed.set()
+                    return
+                self.requests.append(request)
+                if not await self.respond(request, stream, index):
+                    return
+        except trio.BrokenResourceError:
+            self.client_closed.set()
+        finally:
+            await trio.aclose_forcefully(stream)
+
+
+@pytest.fixture
+async def serve(nursery: trio.Nursery) -> Callable[[Respond], Awaitable[FakeEngine]]:
+    async def start(respond: Respond) -> FakeEngine:
+        engine = FakeEngine(respond)
+        listeners = await nursery.start(functools.partial(trio.serve_tcp, engine.handle, 0, host="127.0.0.1"))
+        engine.port = listeners[0].socket.getsockname()[1]
+        return engine
+    return start
+
+
+@pytest.fixture
+async def make_pool():
+    pools: list[DataPool] = []
+
+    def make(config: EngineConfig = FAST, max_connections: int = 8) -> DataPool:
+        pool = DataPool(max_connections=max_connections, engine_config=config)
+        pools.append(pool)
+        return pool
+    yield make
+    for pool in pools:
+        await pool.aclose()
+
+
+async def ok_json(request: FakeRequest, stream: trio.SocketStream, index: int) -> bool:
+    await stream.send_all(response(200, b'{"ok": true}'))
+    return True
+
+
+def sse(*parts: bytes, end: bytes = LAST_CHUNK, then: Callable[[], Awaitable[None]] | None = None) -> Respond:
+    async def respond(request: FakeRequest, stream: trio.SocketStream, index: int) -> bool:
+        await stream.send_all(SSE_HEAD)
+        for part in parts:
+            await stream.send_all(chunk(part))
+        if then is not None:
+            await then()
+        await stream.send_all(end)
+        return True
+    return respond
+
+
+async def post(pool: DataPool, engine: FakeEngine) -> tuple[int, bytes]:
+    return await pool.post_json(engine.spec, "/v1/completions", b'{"prompt": "hi"}', request_id="r1")
+
+
+# keep-alive -----------------------------------------------------------------
+
+async def test_sequential_requests_share_one_connection(serve, make_pool):
+    engine = await serve(ok_json)
+    pool = make_pool()
+    for _ in range(5):
+        assert await post(pool, engine) == (200, b'{"ok": true}')
+    assert engine.connections == 1
+    stats = pool.statistics()
+    assert (stats.connections_opened, stats.idle_connections, stats.in_use) == (1, 1, 0)
+    request = engine.requests[0]
+    assert (request.method, request.path, request.body) == (b"POST", b"/v1/completions", b'{"prompt": "hi"}')
+    assert request.headers[b"content-type"] == b"application/json"
+    assert request.headers[b"x-request-id"] == b"r1"
+    assert request.headers[b"host"] == f"127.0.0.1:{engine.port}".encode()
+
+
+async def test_connection_idle_longer_than_idle_s_is_not_reused(serve, make_pool):
+    engine = await serve(ok_json)
+    pool = make_pool(msgspec.structs.replace(FAST, pool_idle_s=0.05))
+    await post(pool, engine)
+    await trio.sleep(0.1)
+    await post(pool, engine)
+    assert engine.connections == 2
+    assert pool.statistics().connections_opened == 2
+
+
+async def test_connection_close_response_is_not_pooled(serve, make_pool):
+    async def respond(request, stream, index):
+        await stream.send_all(response(200, b"{}", close=True))
+        return False
+    engine = await serve(respond)
+    pool = make_pool()
+    await post(pool, engine)
+    assert pool.statistics().idle_connections == 0
+    await post(pool, engine)
+    assert engine.connections == 2
+
+
+# stale connections and the one retry ---------------------------------------
+
+async def test_engine_closing_an_idle_connection_costs_a_fresh_connection(serve, make_pool):
+    async def respond(request, stream, index):
+        await stream.send_all(response(200, b"{}"))
+        return False  # close the keep-alive connection right after answering
+    engine = await serve(respond)
+    pool = make_pool()
+    await post(pool, engine)
+    await trio.sleep(0.02)
+    assert await post(pool, engine) == (200, b"{}")
+    assert engine.connections == 2
+
+
+async def test_reused_connection_closed_before_any_response_byte_is_retried_once(serve, make_pool):
+    async def respond(request, stream, index):
+        if index == 1:
+            return False  # read the request on the reused connection, then close unanswered
+        await stream.send_all(response(200, b"{}"))
+        return True
+    engine = await serve(respond)
+    pool = make_pool()
+    await post(pool, engine)
+    assert await post(pool, engine) == (200, b"{}")
+    assert engine.connections == 2
+    assert len(engine.requests) == 3
+    assert pool.statistics().connections_opened == 2
+
+
+async def test_the_retry_happens_once(serve, make_pool):
+    answered = []
+
+    async def respond(request, stream, index):
+        if answered:
+            return False  # every request after the first: close unanswered
+        answered.append(request)
+        await stream.send_all(response(200, b"{}"))
+        return True
+    engine = await serve(respond)
+    pool = make_pool()
+    await post(pool, engine)
+    with pytest.raises(EngineFailure) as caught:
+        await post(pool, engine)
+    assert caught.value.failure_class is FailureClass.CONNECTION
+    assert engine.connections == 2
+
+
+async def test_failure_after_response_bytes_is_not_retried(serve, make_pool):
+    async def respond(request, stream, index):
+        if index == 1:
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc")
+            return False
+        await stream.send_all(response(200, b"{}"))
+        return True
+    engine = await serve(respond)
+    pool = make_pool()
+    await post(pool, engine)
+    with pytest.raises(EngineFailure) as caught:
+        await post(pool, engine)
+    assert caught.value.failure_class is FailureClass.STREAM
+    assert engine.connections == 1
+
+
+async def test_fresh_connection_closed_before_any_response_byte_is_a_connection_failure(serve, make_pool):
+    async def respond(request, stream, index):
+        return False
+    engine = await serve(respond)
+    pool = make_pool()
+    with pytest.raises(EngineFailure) as caught:
+        await post(pool, engine)
+    assert caught.value.failure_class is FailureClass.CONNECTION
+    assert engine.connections == 1
+
+
+# classification -------------------------------------------------------------
+
+async def test_refused_port_is_a_connection_failure(make_pool):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    spec = EngineSpec(name="gone", url=f"http://127.0.0.1:{port}", role="prefill")
+    pool = make_pool()
+    with pytest.raises(EngineFailure) as caught:
+        await pool.post_json(spec, "/tokenize", b"{}", request_id="r1")
+    failure = caught.value
+    assert (failure.engine, failure.failure_class, failure.cause) == (
+        "gone", FailureClass.CONNECTION, "ConnectionRefusedError")
+    assert pool.statistics().in_use == 0
+
+
+async def test_engine_that_never_answers_is_a_timeout(serve, make_pool):
+    async def respond(request, stream, index):
+        await trio.sleep_forever()
+    engine = await serve(respond)
+    pool = make_pool(msgspec.structs.replace(FAST, request_timeout_s=0.2))
+    started = trio.current_time()
+    with pytest.raises(EngineFailure) as caught:
+        await post(pool, engine)
+    assert caught.value.failure_class is FailureClass.TIMEOUT
+    assert caught.value.cause == "ReadTimeout"
+    assert 0.2 <= trio.current_time() - started < 0.5
+
+
+@pytest.mark.parametrize(("status", "failure_class"), [
+    (408, FailureClass.OVERLOAD),
+    (429, FailureClass.OVERLOAD),
+    (500, FailureClass.INFERENCE_STATUS),
+    (503, FailureClass.INFERENCE_STATUS),
+])
+async def test_error_statuses_are_classified(serve, make_pool, status, failure_class):
+    async def respond(request, stream, index):
+        await stream.send_all(response(status, b'{"error": "busy"}'))
+        return True
+    engine = await serve(respond)
+    pool = make_pool()
+    with pytest.raises(EngineFailure) as caught:
+        await post(pool, engine)
+    assert (caught.value.failure_class, caught.value.status) == (failure_class, status)
+    # The error body was read to its end, so the connection stays usable.
+    assert pool.statistics().idle_connections == 1
+
+
+@pytest.mark.parametrize("status", [400, 404, 422])
+async def test_client_error_statuses_raise_upstream_client_error_with_body(serve, make_pool, status):
+    async def respond(request, stream, index):
+        await stream.send_all(response(status, b'{"error": {"message": "bad prompt"}}'))
+        return True
+    engine = await serve(respond)
+    pool = make_pool()
+    with pytest.raises(UpstreamClientError) as caught:
+        await post(pool, engine)
+    assert (caught.value.engine, caught.value.status) == ("e1", status)
+    assert caught.value.body == b'{"error": {"message": "bad prompt"}}'
+
+
+async def test_malformed_response_is_a_stream_failure(serve, make_pool):
+    async def respond(request, stream, index):
+        await stream.send_all(b"SMTP ready\r\n\r\n")
+        return False
+    engine = await serve(respond)
+    with pytest.raises(EngineFailure) as caught:
+        await post(make_pool(), engine)
+    assert caught.value.failure_class is FailureClass.STREAM
+
+
+# streams -------------------------------------------------------------------
+
+async def collect(pool: DataPool, engine: FakeEngine) -> tuple[list[bytes], bool]:
+    items = []
+    async with pool.stream(engine.spec, "/v1/completions", b'{"stream": true}', request_id="r2") as upstream:
+        assert upstream.status == 200
+        assert (b"content-type", b"text/event-stream") in upstream.headers
+        async for item in upstream:
+            items.append(item)
+    return items, upstream.saw_terminal
+
+
+async def test_clean_stream_yields_every_byte_and_returns_its_connection(serve, make_pool):
+    async def pause():
+        await trio.sleep(0.01)
+    engine = await serve(sse(*EVENTS[:2], then=pause, end=chunk(EVENTS[2]) + LAST_CHUNK))
+    pool = make_pool()
+    items, saw_terminal = await collect(pool, engine)
+    assert b"".join(items) == b"".join(EVENTS)
+    assert saw_terminal
+    assert engine.requests[0].headers[b"accept"] == b"text/event-stream"
+    await collect(pool, engine)
+    assert engine.connections == 1
+
+
+async def test_stream_cut_off_after_the_terminal_marker_still_ends_cleanly(serve, make_pool):
+    async def respond(request, stream, index):
+        await stream.send_all(SSE_HEAD + b"".join(chunk(event) for event in EVENTS))
+        return False  # no chunked terminator
+    engine = await serve(respond)
+    pool = make_pool()
+    items, saw_terminal = await collect(pool, engine)
+    assert saw_terminal and b"".join(items) == b"".join(EVENTS)
+    assert pool.statistics().idle_connections == 0
+
+
+async def test_no_first_token_before_the_deadline_is_a_stream_failure(serve, make_pool):
+    engine = await serve(sse(then=trio.sleep_forever))
+    pool = make_pool(msgspec.structs.replace(FAST, first_token_deadline_s=0.2))
+    started = trio.current_time()
+    with pytest.raises(EngineFailure) as caught:
+        await collect(pool, engine)
+    assert caught.value.failure_class is FailureClass.STREAM
+    assert "first token" in caught.value.message
+    assert 0.2 <= trio.current_time() - started < 0.45
+
+
+async def test_first_token_deadline_covers_a_missing_response_head(serve, make_pool):
+    async def respond(request, stream, index):
+        await trio.sleep_forever()
+    engine = await serve(respond)
+    pool = make_pool(msgspec.structs.replace(FAST, first_token_deadline_s=0.2, request_timeout_s=5.0))
+    with pytest.raises(EngineFailure) as caught:
+        await collect(pool, engine)
+    assert caught.value.failure_class is FailureClass.STREAM
+    assert "first token" in caught.value.message
+
+
+async def test_silence_mid_stream_is_a_stream_failure(serve, make_pool):
+    engine = await serve(sse(EVENTS[0], then=trio.sleep_forever))
+    pool = make_pool(msgspec.structs.replace(FAST, stream_silence_s=0.2))
+    items = []
+    with pytest.raises(EngineFailure) as caught:
+        async with pool.stream(engine.spec, "/v1/completions", b"{}", request_id="r3") as upstream:
+            async for item in upstream:
+                items.append(item)
+    assert items == [EVENTS[0]]
+    assert caught.value.failure_class is FailureClass.STREAM
+    assert "silent" in caught.value.message
+
+
+async def test_stream_ending_without_done_is_a_stream_failure(serve, make_pool):
+    engine = await serve(sse(*EVENTS[:2]))
+    pool = make_pool()
+    items = []
+    with pytest.raises(EngineFailure) as caught:
+        async with pool.stream(engine.spec, "/v1/completions", b"{}", request_id="r4") as upstream:
+            async for item in upstream:
+                items.append(item)
+    assert caught.value.failure_class is FailureClass.STREAM
+    assert caught.value.message == "stream ended without data: [DONE]"
+    assert b"".join(items) == b"".join(EVENTS[:2])
+    assert not upstream.saw_terminal
+
+
+async def test_events_after_done_make_the_ending_invalid(serve, make_pool):
+    engine = await serve(sse(*EVENTS, b'data: {"text": "late"}\n\n'))
+    with pytest.raises(EngineFailure) as caught:
+        await collect(make_pool(), engine)
+    assert caught.value.failure_class is FailureClass.STREAM
+
+
+async def test_body_that_is_not_sse_is_a_stream_failure(serve, make_pool):
+    engine = await serve(sse(b"<html>upstream proxy error</html>\n\n"))
+    with pytest.raises(EngineFailure) as caught:
+        await collect(make_pool(), engine)
+    assert caught.value.failure_class is FailureClass.STREAM
+    assert "not a server-sent event stream" in caught.value.message
+
+
+async def test_stream_with_another_content_type_is_a_stream_failure(serve, make_pool):
+    engine = await serve(ok_json)
+    with pytest.raises(EngineFailure) as caught:
+        await collect(make_pool(), engine)
+    assert caught.value.failure_class is FailureClass.STREAM
+
+
+@pytest.mark.parametrize(("status", "expected"), [(503, EngineFailure), (400, UpstreamClientError)])
+async def test_stream_error_status_raises_on_entering(serve, make_pool, status, expected):
+    async def respond(request, stream, index):
+        await stream.send_all(response(status, b'{"error": "no"}'))
+        return True
+    engine = await serve(respond)
+    with pytest.raises(expected) as caught:
+        await collect(make_pool(), engine)
+    assert caught.value.status == status
+
+
+async def one_event_then_listen(request: FakeRequest, stream: trio.SocketStream, index: int) -> bool:
+    await stream.send_all(SSE_HEAD + chunk(EVENTS[0]))
+    return True  # the engine then waits for the next request, or sees the close
+
+
+async def test_leaving_a_stream_early_closes_its_connection(serve, make_pool):
+    engine = await serve(one_event_then_listen)
+    pool = make_pool()
+    async with pool.stream(engine.spec, "/v1/completions", b"{}", request_id="r5") as upstream:
+        assert await upstream.__anext__() == EVENTS[0]
+    with trio.fail_after(1):
+        await engine.client_closed.wait()
+    stats = pool.statistics()
+    assert (stats.in_use, stats.idle_connections) == (0, 0)
+
+
+async def test_cancelling_a_stream_closes_its_connection(serve, make_pool):
+    engine = await serve(one_event_then_listen)
+    pool = make_pool()
+    with trio.move_on_after(0.1):
+        await collect(pool, engine)
+    with trio.fail_after(1):
+        await engine.client_closed.wait()
+    assert pool.statistics().in_use == 0
+
+
+# saturation --------------------------------------------------------------
+
+async def test_waiting_for_a_slot_past_the_callers_deadline_is_pool_saturated(serve, make_pool, nursery):
+    engine = await serve(sse(EVENTS[0], then=trio.sleep_forever))
+    pool = make_pool(msgspec.structs.replace(FAST, stream_silence_s=30.0), max_connections=1)
+    holding = trio.Event()
+    holder = trio.CancelScope()
+
+    async def hold_the_only_slot():
+        with holder:
+            async with pool.stream(engine.spec, "/v1/completions", b"{}", request_id="hold") as upstream:
+                await upstream.__anext__()
+                holding.set()
+                await trio.sleep_forever()
+    nursery.start_soon(hold_the_only_slot)
+    await holding.wait()
+    assert repr(pool) == "<DataPool [in use 1/1 | waiting 0 | opened 1 | idle 0]>"
+
+    with trio.move_on_after(0.2) as deadline:
+        with pytest.raises(PoolSaturated):
+            await post(pool, engine)
+    assert not deadline.cancelled_caught
+    assert pool.statistics().waiting == 0
+    holder.cancel()
+    with trio.fail_after(1):
+        while pool.statistics().in_use:
+            await trio.sleep(0.01)
+    assert pool.statistics().in_use == 0

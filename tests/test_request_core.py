@@ -1,0 +1,463 @@
+"""The request core, driven directly with an in-process fake pool and a recording sink."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Any
+
+import msgspec
+import pytest
+import trio
+
+from narwhal.admission import Admission
+from narwhal.config import parse_config
+from narwhal.failures import EngineFailure, FailureClass, PoolSaturated, SuccessKind, UpstreamClientError
+from narwhal.placement import InFlight
+from narwhal.request_core import RequestCore
+from narwhal.router_metrics import RouterMetrics
+
+CONFIG = """
+[serving]
+count_tokens = {count_tokens}
+policy = "{policy}"
+request_deadline_s = 5.0
+[[engines]]
+name = "p1"
+url = "http://127.0.0.1:9001"
+role = "prefill"
+[[engines]]
+name = "d1"
+url = "http://127.0.0.1:9002"
+role = "decode"
+[[engines]]
+name = "d2"
+url = "http://127.0.0.1:9003"
+role = "decode"
+"""
+
+KV = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p1-eng",
+      "remote_block_ids": [1, 2, 3], "remote_host": "127.0.0.1", "remote_port": 9001, "tp_size": 1}
+SSE = [b'data: {"choices":[{"text":"a"}]}\n\n', b'data: {"choices":[{"text":"b"}]}\n\ndata: [DONE]\n\n']
+
+
+class FakeSupervisor:
+    def __init__(self) -> None:
+        self.roles = {"prefill": ["p1"], "decode": ["d1", "d2"]}
+        self.failures: list[tuple[str, FailureClass]] = []
+        self.successes: list[tuple[str, SuccessKind]] = []
+
+    def eligible(self, role: str) -> list[str]:
+        return list(self.roles[role])
+
+    def capacity_problem(self) -> str | None:
+        for role in ("prefill", "decode"):
+            if not self.roles[role]:
+                return f"serving capacity exhausted: no eligible {role} engine"
+        return None
+
+    def record_failure(self, engine: str, failure_class: FailureClass) -> None:
+        self.failures.append((engine, failure_class))
+
+    def record_success(self, engine: str, kind: SuccessKind) -> None:
+        self.successes.append((engine, kind))
+
+
+class FakeStream:
+    def __init__(self, chunks: list[Any]) -> None:
+        self.chunks = chunks
+        self.saw_terminal = False
+
+    def __aiter__(self):
+        return self._gen()
+
+    async def _gen(self):
+        for chunk in self.chunks:
+            if isinstance(chunk, BaseException):
+                raise chunk
+            if chunk == "hang":
+                await trio.sleep_forever()
+            yield chunk
+            if b"data: [DONE]" in chunk:
+                self.saw_terminal = True
+
+
+class FakePool:
+    """Scripted engine answers: a list of outcomes per (engine, path)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, dict[str, Any], str]] = []
+        self.prefill: list[Any] = []
+        self.decode: list[Any] = []
+        self.tokenize: list[Any] = []
+        self.closed_streams = 0
+
+    def _next(self, script: list[Any], default: Any) -> Any:
+        outcome = script.pop(0) if script else default
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    async def post_json(self, engine, path, body, *, request_id):
+        payload = json.loads(body)
+        self.calls.append((engine.name, path, payload, request_id))
+        if path == "/tokenize":
+            return self._next(self.tokenize, (200, b'{"count": 5, "max_model_len": 100, "tokens": []}'))
+        if payload.get("kv_transfer_params", {}).get("do_remote_decode"):
+            return self._next(self.prefill, (200, json.dumps({"kv_transfer_params": KV}).encode()))
+        return self._next(self.decode, (200, b'{"choices": [{"text": "ab"}], "usage": {"completion_tokens": 2}}'))
+
+    @contextlib.asynccontextmanager
+    async def stream(self, engine, path, body, *, request_id):
+        self.calls.append((engine.name, path, json.loads(body), request_id))
+        chunks = self._next(self.decode, list(SSE))
+        try:
+            yield FakeStream(chunks)
+        finally:
+            self.closed_streams += 1
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.started = False
+        self.status: int | None = None
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.body = b""
+        self.writes: list[bytes] = []
+        self.ended = False
+
+    async def respond(self, status, headers, body):
+        self.status, self.headers, self.body = status, headers, body
+
+    async def start_stream(self, status, headers, first=b""):
+        self.started = True
+        self.status, self.headers = status, headers
+        self.writes.append(first)
+
+    async def write(self, data):
+        self.writes.append(data)
+
+    async def end_stream(self, last=b""):
+        if last:
+            self.writes.append(last)
+        self.ended = True
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def make_core(*, count_tokens: bool = False, policy: str = "saturate"):
+    config = parse_config(CONFIG.format(count_tokens=str(count_tokens).lower(), policy=policy))
+    supervisor, pool = FakeSupervisor(), FakePool()
+    admission = Admission()
+    core = RequestCore(config=config, supervisor=supervisor, data_pool=pool,
+                       in_flight=InFlight(e.name for e in config.engines), admission=admission,
+                       metrics=RouterMetrics())
+    return core, supervisor, pool, admission
+
+
+def body(**fields: Any) -> bytes:
+    payload = {"model": "mock-model", "prompt": "hello", "max_tokens": 7}
+    payload.update(fields)
+    return msgspec.json.encode({k: v for k, v in payload.items() if v is not ...})
+
+
+async def test_prefill_gets_one_token_no_stream_and_a_remote_decode_request():
+    core, _, pool, _ = make_core()
+    sink = Sink()
+    await core.handle("/v1/completions",
+                      body(stream=True, stream_options={"include_usage": True}, max_completion_tokens=9,
+                           temperature=0.5), None, sink)
+    engine, path, prefill, _ = pool.calls[0]
+    assert (engine, path) == ("p1", "/v1/completions")
+    assert prefill["max_tokens"] == 1
+    assert prefill["max_completion_tokens"] == 1
+    assert prefill["stream"] is False
+    assert "stream_options" not in prefill
+    assert prefill["temperature"] == 0.5
+    assert prefill["kv_transfer_params"] == {
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+        "remote_block_ids": None, "remote_host": None, "remote_port": None,
+    }
+
+
+async def test_decode_gets_the_original_body_plus_the_prefills_handoff_verbatim():
+    core, supervisor, pool, _ = make_core()
+    sink = Sink()
+    await core.handle("/v1/completions", body(stream=True, stream_options={"include_usage": True}), None, sink)
+    engine, path, decode, _ = pool.calls[1]
+    assert engine in ("d1", "d2") and path == "/v1/completions"
+    assert decode["max_tokens"] == 7
+    assert decode["stream"] is True
+    assert decode["stream_options"] == {"include_usage": True}
+    assert decode["kv_transfer_params"] == KV
+    assert (("p1", SuccessKind.PREFILL_HANDOFF) in supervisor.successes)
+    assert ((engine, SuccessKind.DECODE_TERMINAL) in supervisor.successes)
+
+
+async def test_prefill_without_max_completion_tokens_does_not_gain_it():
+    core, _, pool, _ = make_core()
+    await core.handle("/v1/completions", body(), None, Sink())
+    assert "max_completion_tokens" not in pool.calls[0][2]
+
+
+async def test_client_supplied_kv_params_never_reach_an_engine():
+    core, _, pool, _ = make_core()
+    await core.handle("/v1/completions", body(kv_transfer_params={"remote_host": "evil"}), None, Sink())
+    assert pool.calls[1][2]["kv_transfer_params"] == KV
+
+
+async def test_stream_is_relayed_chunk_for_chunk_without_reencoding():
+    core, _, _, _ = make_core()
+    sink = Sink()
+    await core.handle("/v1/completions", body(stream=True), None, sink)
+    assert sink.status == 200
+    assert (b"content-type", b"text/event-stream") in sink.headers
+    assert sink.writes == SSE
+    assert sink.ended
+
+
+async def test_non_streaming_decode_body_is_returned_as_is():
+    core, _, _, _ = make_core()
+    sink = Sink()
+    await core.handle("/v1/chat/completions",
+                      msgspec.json.encode({"model": "mock-model", "messages": [{"role": "user", "content": "x"}]}),
+                      None, sink)
+    assert sink.status == 200
+    assert sink.json()["choices"][0]["text"] == "ab"
+
+
+async def test_request_id_from_client_is_sent_on_both_legs_and_echoed():
+    core, _, pool, _ = make_core()
+    sink = Sink()
+    await core.handle("/v1/completions", body(), b"abc-123", sink)
+    assert [call[3] for call in pool.calls] == ["abc-123", "abc-123"]
+    assert (b"x-request-id", b"abc-123") in sink.headers
+
+
+async def test_generated_request_ids_are_unique():
+    core, _, pool, _ = make_core()
+    await core.handle("/v1/completions", body(), None, Sink())
+    await core.handle("/v1/completions", body(), None, Sink())
+    assert pool.calls[0][3] == pool.calls[1][3]
+    assert pool.calls[0][3] != pool.calls[2][3]
+
+
+@pytest.mark.parametrize(
+    ("raw", "status", "code"),
+    [
+        (b"{not json", 400, "invalid_json"),
+        (b"[1, 2]", 400, "invalid_body"),
+        (body(model="other"), 404, "model_not_found"),
+        (body(model=3), 400, "invalid_model"),
+        (body(prompt=...), 400, "invalid_prompt"),
+        (body(prompt=[]), 400, "invalid_prompt"),
+        (body(stream="yes"), 400, "invalid_stream"),
+        (body(max_tokens=0), 400, "invalid_max_tokens"),
+        (body(max_tokens="9"), 400, "invalid_max_tokens"),
+    ],
+)
+async def test_bad_requests_get_openai_errors_and_reach_no_engine(raw, status, code):
+    core, _, pool, _ = make_core()
+    sink = Sink()
+    await core.handle("/v1/completions", raw, None, sink)
+    assert sink.status == status
+    error = sink.json()["error"]
+    assert error["code"] == code and error["message"] and error["type"]
+    assert pool.calls == []
+
+
+async def test_chat_needs_messages():
+    core, _, pool, _ = make_core()
+    sink = Sink()
+    await core.handle("/v1/chat/completions", msgspec.json.encode({"model": "mock-model"}), None, sink)
+    assert sink.status == 400 and sink.json()["error"]["code"] == "invalid_messages"
+
+
+async def test_missing_model_means_the_fleets_model():
+    core, _, pool, _ = make_core()
+    sink = Sink()
+    await core.handle("/v1/completions", body(model=...), None, sink)
+    assert sink.status == 200
+    assert pool.calls[0][2]["model"] == "mock-model"
+
+
+async def test_unreadable_handoff_is_kv_handoff_on_the_prefill_and_nothing_goes_to_decode():
+    core, supervisor, pool, _ = make_core()
+    for bad in (b'{"choices": []}', b'{"kv_transfer_params": "x"}', b"not json",
+                b'{"kv_transfer_params": {"remote_engine_id": "e"}}'):
+        pool.calls.clear()
+        pool.prefill.append((200, bad))
+        sink = Sink()
+        await core.handle("/v1/completions", body(stream=True), None, sink)
+        assert sink.status == 502
+        assert sink.json()["error"]["code"] == "kv_handoff"
+        assert [c[0] for c in pool.calls] == ["p1"]
+    assert supervisor.failures == [("p1", FailureClass.KV_HANDOFF)] * 4
+
+
+@pytest.mark.parametrize(
+    ("failure", "status"),
+    [(FailureClass.CONNECTION, 502), (FailureClass.TIMEOUT, 504), (FailureClass.INFERENCE_STATUS, 502),
+     (FailureClass.OVERLOAD, 502)],
+)
+async def test_engine_failure_before_streaming_is_evidence_and_an_honest_status(failure, status):
+    core, supervisor, pool, _ = make_core()
+    pool.prefill.append(EngineFailure("p1", failure, "boom"))
+    sink = Sink()
+    await core.handle("/v1/completions", body(), None, sink)
+    assert sink.status == status
+    assert supervisor.failures == [("p1", failure)]
+
+
+async def test_failure_after_first_byte_ends_with_sse_error_and_no_done():
+    core, supervisor, pool, _ = make_core()
+    pool.decode.append([SSE[0], EngineFailure("d1", FailureClass.STREAM, "silence")])
+    sink = Sink()
+    await core.handle("/v1/completions", body(stream=True), None, sink)
+    assert sink.status == 200 and sink.ended
+    assert sink.writes[0] == SSE[0]
+    last = sink.writes[-1]
+    assert last.startswith(b"data: ") and b'"code":"stream"' in last
+    assert not any(b"[DONE]" in w for w in sink.writes)
+    assert supervisor.failures == [("d1", FailureClass.STREAM)]
+    assert not any(kind is SuccessKind.DECODE_TERMINAL for _, kind in supervisor.successes)
+
+
+async def test_upstream_client_error_is_relayed_and_clears_not_counts():
+    core, supervisor, pool, _ = make_core()
+    pool.prefill.append(UpstreamClientError("p1", 422, b'{"error": {"message": "bad logprobs"}}'))
+    sink = Sink()
+    await core.handle("/v1/completions", body(), None, sink)
+    assert sink.status == 422
+    assert sink.json()["error"]["message"] == "bad logprobs"
+    assert supervisor.failures == []
+    assert supervisor.successes == [("p1", SuccessKind.CLIENT_4XX)]
+
+
+async def test_closed_admission_refuses_with_its_reason():
+    core, _, pool, admission = make_core()
+    admission.close("monitor", "monitoring degraded: health TimeoutError")
+    sink = Sink()
+    await core.handle("/v1/completions", body(), None, sink)
+    assert sink.status == 503
+    assert sink.json()["error"]["message"] == "monitoring degraded: health TimeoutError"
+    assert pool.calls == []
+
+
+async def test_no_eligible_decode_engine_is_503_capacity_exhausted():
+    core, supervisor, pool, _ = make_core()
+    supervisor.roles["decode"] = []
+    sink = Sink()
+    await core.handle("/v1/completions", body(), None, sink)
+    assert sink.status == 503
+    assert sink.json()["error"]["message"] == "serving capacity exhausted: no eligible decode engine"
+    assert pool.calls == []
+
+
+async def test_pool_saturation_is_503_and_not_engine_failure():
+    core, supervisor, pool, _ = make_core()
+    pool.prefill.append(PoolSaturated())
+    sink = Sink()
+    await core.handle("/v1/completions", body(), None, sink)
+    assert sink.status == 503 and sink.json()["error"]["code"] == "pool_saturated"
+    assert supervisor.failures == []
+
+
+async def test_token_counting_refuses_prompts_longer_than_the_context():
+    core, _, pool, _ = make_core(count_tokens=True)
+    pool.tokenize.append((200, b'{"count": 101, "max_model_len": 100, "tokens": []}'))
+    sink = Sink()
+    await core.handle("/v1/completions", body(), None, sink)
+    assert sink.status == 400 and sink.json()["error"]["code"] == "context_length_exceeded"
+    assert [c[1] for c in pool.calls] == ["/tokenize"]
+    assert pool.calls[0][0] == "p1" and pool.calls[0][2] == {"model": "mock-model", "prompt": "hello"}
+
+
+async def test_token_counting_counts_prompt_plus_max_tokens():
+    core, _, pool, _ = make_core(count_tokens=True)
+    pool.tokenize.append((200, b'{"count": 95, "max_model_len": 100, "tokens": []}'))
+    sink = Sink()
+    await core.handle("/v1/completions", body(max_tokens=6), None, sink)
+    assert sink.status == 400
+
+
+async def test_token_counting_off_skips_tokenize():
+    core, _, pool, _ = make_core(count_tokens=False)
+    await core.handle("/v1/completions", body(), None, Sink())
+    assert "/tokenize" not in [c[1] for c in pool.calls]
+
+
+async def test_saturate_policy_makes_one_attempt():
+    core, _, pool, _ = make_core(policy="saturate")
+    pool.decode.append(EngineFailure("d1", FailureClass.CONNECTION, "refused"))
+    sink = Sink()
+    await core.handle("/v1/completions", body(), None, sink)
+    assert sink.status == 502
+    assert len(pool.calls) == 2
+
+
+async def test_bounded_policy_retries_with_a_fresh_prefill():
+    core, supervisor, pool, _ = make_core(policy="bounded")
+    pool.decode.append(EngineFailure("d1", FailureClass.CONNECTION, "refused"))
+    sink = Sink()
+    await core.handle("/v1/completions", body(), None, sink)
+    assert sink.status == 200
+    legs = [(c[0], bool(c[2]["kv_transfer_params"].get("do_remote_decode"))) for c in pool.calls]
+    # prefill, failed decode, then a NEW prefill before the second decode: fresh KV ownership.
+    assert [prefill for _, prefill in legs] == [True, False, True, False]
+
+
+async def test_bounded_policy_never_retries_after_tokens_reached_the_client():
+    core, _, pool, _ = make_core(policy="bounded")
+    pool.decode.append([SSE[0], EngineFailure("d1", FailureClass.STREAM, "cut")])
+    sink = Sink()
+    await core.handle("/v1/completions", body(stream=True), None, sink)
+    assert len(pool.calls) == 2
+    assert sink.writes[0] == SSE[0] and b"error" in sink.writes[-1]
+
+
+async def test_bounded_policy_queues_for_capacity_within_the_deadline(autojump_clock):
+    core, supervisor, pool, _ = make_core(policy="bounded")
+    supervisor.roles["decode"] = []
+
+    async def engine_returns():
+        await trio.sleep(1.0)
+        supervisor.roles["decode"] = ["d2"]
+
+    sink = Sink()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine_returns)
+        await core.handle("/v1/completions", body(), None, sink)
+    assert sink.status == 200
+    assert pool.calls[-1][0] == "d2"
+    assert trio.current_time() >= 1.0
+
+
+async def test_deadline_gives_504(autojump_clock):
+    core, _, pool, _ = make_core()
+    pool.decode.append(["hang"])
+    sink = Sink()
+    await core.handle("/v1/completions", body(stream=True), None, sink)
+    assert sink.status == 504
+    assert trio.current_time() == pytest.approx(5.0)
+    assert pool.closed_streams == 1
+
+
+async def test_client_cancellation_releases_in_flight_and_closes_the_upstream():
+    core, _, pool, _ = make_core()
+    pool.decode.append([SSE[0], "hang"])
+    sink = Sink()
+    with trio.move_on_after(0.2):
+        await core.handle("/v1/completions", body(stream=True), None, sink)
+    assert sink.writes == [SSE[0]]
+    assert pool.closed_streams == 1
+    assert core.in_flight.total() == 0
+
+
+async def test_least_outstanding_placement_avoids_the_busy_decode_engine():
+    core, _, pool, _ = make_core()
+    core.in_flight.acquire("d1")
+    for _ in range(5):
+        await core.handle("/v1/completions", body(), None, Sink())
+    assert {c[0] for c in pool.calls[1::2]} == {"d2"}
