@@ -28,14 +28,6 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
-def _add_mock(sub: argparse._SubParsersAction) -> None:
-    from .mock.engine import build_parser
-
-    p = sub.add_parser("mock-engine", help="run a mock inference engine",
-                       description="Run a mock vLLM-style engine with fault injection.")
-    build_parser(p)
-
-
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="run 2 prefill + 2 decode mock engines and the router",
                        description="Start a local mock fleet and the router in front of it; Ctrl-C stops all.")
@@ -44,21 +36,20 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--token-delay-s", type=float, default=0.02)
 
 
-def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from .bench.cli import build_parser
-
-    p = sub.add_parser("bench", help="benchmark the router against a mock fleet",
-                       description="Measure router overhead and fault handling against a mock fleet.")
-    build_parser(p)
+# Commands with parsers of their own: listed here for `narwhal --help`, parsed by their module.
+_DELEGATED = {
+    "mock-engine": "run a mock inference engine with fault injection (see: mock-engine --help)",
+    "bench": "benchmark the router against a mock fleet (see: bench --help)",
+}
 
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="narwhal", description="Narwhal: a router for disaggregated LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(sub)
-    _add_mock(sub)
     _add_demo(sub)
-    _add_bench(sub)
+    for name, help_text in _DELEGATED.items():
+        sub.add_parser(name, help=help_text, add_help=False)
     try:
         from .admin_cli import add_parser as add_admin
     except ImportError:
@@ -68,24 +59,31 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _run_delegated(command: str, argv: list[str]) -> int:
+    if command == "mock-engine":
+        from .mock.engine import main as mock_main
+
+        return mock_main(argv)
+    from .bench.cli import build_parser, run_from_args
+
+    parser = argparse.ArgumentParser(prog="narwhal bench",
+                                     description="Measure router overhead and fault handling against a mock fleet.")
+    build_parser(parser)
+    return run_from_args(parser.parse_args(argv))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` and run the chosen command; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _DELEGATED:
+        return _run_delegated(argv[0], argv[1:])
     args = _build_parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
-    if args.command == "mock-engine":
-        from .mock.engine import main as mock_main
-
-        return mock_main(argv[argv.index("mock-engine") + 1:])
     if args.command == "demo":
         from .demo import run_demo
 
         return run_demo(args)
-    if args.command == "bench":
-        from .bench.cli import run_from_args as run_bench
-
-        return run_bench(args)
     return args.run(args)
 
 

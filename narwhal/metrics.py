@@ -137,8 +137,10 @@ class Registry:
     def render(self) -> str:
         lines: list[str] = []
         for metric in self._metrics:
-            lines.append(f"# HELP {metric.name} {metric.help}")
-            lines.append(f"# TYPE {metric.name} {metric.kind}")
+            # Text format 0.0.4 names a counter by its sample name, suffix included.
+            name = f"{metric.name}_total" if metric.kind == "counter" else metric.name
+            lines.append(f"# HELP {name} {metric.help}")
+            lines.append(f"# TYPE {name} {metric.kind}")
             lines.extend(metric.render())
         lines.append("")
         return "\n".join(lines)

@@ -53,6 +53,8 @@ _DATA = b"data: "
 _DONE = b"data: [DONE]"
 # Bounded policy: how often a queued request looks for capacity again.
 _QUEUE_POLL_S = 0.05
+# A client's X-Request-Id longer than this (or not ASCII) is replaced by our own.
+_MAX_REQUEST_ID = 128
 _QUEUEABLE = frozenset({"no_capacity", "pool_saturated"})
 
 _decode_json = msgspec.json.Decoder()
@@ -174,7 +176,10 @@ class RequestCore:
     async def handle(self, route: str, body: bytes, request_id: bytes | None, sink: Sink) -> None:
         """Serve one completion request and write its response to ``sink``."""
         started_at = self.clock()
-        rid = request_id.decode("latin-1") if request_id else f"nw-{self._id_prefix}-{next(self._ids)}"
+        if request_id and len(request_id) <= _MAX_REQUEST_ID and request_id.isascii():
+            rid = request_id.decode("ascii")
+        else:
+            rid = f"nw-{self._id_prefix}-{next(self._ids)}"
         rid_header = (b"x-request-id", rid.encode("latin-1"))
         outcome = _Outcome()
         try:
