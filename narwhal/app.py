@@ -81,6 +81,10 @@ def create_app(router: Router) -> QuartTrio:
     async def admin_engines() -> Response:
         return _json(router.engines_view())
 
+    @app.get("/admin/telemetry")
+    async def admin_telemetry() -> Response:
+        return _json(router.telemetry.as_json())
+
     @app.errorhandler(404)
     async def not_found(_: Exception) -> Response:
         return _error(404, f"no route for {request.method} {request.path}", "invalid_request_error",

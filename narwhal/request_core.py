@@ -33,6 +33,7 @@ from .failures import EngineFailure, FailureClass, PoolSaturated, SuccessKind, U
 from .logs import log_event
 from .placement import InFlight, pick_least_outstanding
 from .router_metrics import RouterMetrics
+from .telemetry import Telemetry
 from .wire import error_json, extract_handoff
 
 __all__ = ["COMPLETION_ROUTES", "RequestCore", "Sink"]
@@ -126,7 +127,8 @@ class _TokenizeResult(msgspec.Struct):
 class _Outcome:
     """What one request did, for its log line and metrics."""
 
-    __slots__ = ("status", "prefill", "decode", "ttft_s", "tokens", "error_class", "attempts")
+    __slots__ = ("status", "prefill", "decode", "ttft_s", "tokens", "error_class", "attempts",
+                 "error_engine", "inter_token_s")
 
     def __init__(self) -> None:
         self.status = 0
@@ -136,6 +138,8 @@ class _Outcome:
         self.tokens = 0
         self.error_class: str | None = None
         self.attempts = 0
+        self.error_engine: str | None = None
+        self.inter_token_s: float | None = None
 
 
 def _sse_error(message: str, type_: str, code: str | None) -> bytes:
@@ -153,6 +157,7 @@ class RequestCore:
 
     def __init__(self, *, config: Config, supervisor: Supervisor, data_pool: DataPool,
                  in_flight: InFlight, admission: Admission, metrics: RouterMetrics,
+                 telemetry: Telemetry | None = None,
                  clock: Callable[[], float] = trio.current_time, rng: random.Random | None = None) -> None:
         self.config = config
         self.supervisor = supervisor
@@ -160,6 +165,7 @@ class RequestCore:
         self.in_flight = in_flight
         self.admission = admission
         self.metrics = metrics
+        self.telemetry = telemetry
         self.clock = clock
         self.rng = rng or random.Random()
         self.engines: dict[str, EngineSpec] = {spec.name: spec for spec in config.engines}
@@ -216,6 +222,9 @@ class RequestCore:
         self.metrics.request_duration.observe(duration_s, route)
         if outcome.ttft_s is not None:
             self.metrics.ttft.observe(outcome.ttft_s, route)
+        if self.telemetry is not None:
+            self.telemetry.record_request(prefill=outcome.prefill, decode=outcome.decode, ttft_s=outcome.ttft_s,
+                                          inter_token_s=outcome.inter_token_s, error_engine=outcome.error_engine)
         log_event(
             "request",
             request_id=rid,
@@ -245,6 +254,7 @@ class RequestCore:
                 return
             except _AttemptFailed as failed:
                 outcome.error_class = failed.failure_class
+                outcome.error_engine = failed.engine
                 queued = failed.failure_class in _QUEUEABLE
                 if not self._bounded or sink.started or (not queued and outcome.attempts >= self._max_attempts):
                     raise failed.error from None
@@ -421,8 +431,8 @@ class RequestCore:
                 except StopAsyncIteration:
                     raise EngineFailure(decode.name, FailureClass.STREAM,
                                         "decode stream ended before its first event") from None
-                last_at = clock()
-                outcome.ttft_s = last_at - started_at
+                first_at = last_at = clock()
+                outcome.ttft_s = first_at - started_at
                 outcome.status = 200
                 tokens = first.count(_DATA)
                 await sink.start_stream(200, [*_SSE_HEADERS, rid_header], first)
@@ -437,6 +447,8 @@ class RequestCore:
                     tokens += chunk.count(_DATA)
                     await sink.write(chunk)
                 terminal = upstream.saw_terminal
+                if tokens > 2:
+                    outcome.inter_token_s = (last_at - first_at) / (tokens - 2)
         except (EngineFailure, UpstreamClientError, PoolSaturated) as exc:
             outcome.tokens = tokens
             self._translate("decode", exc)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Any
 
 import trio
@@ -21,12 +22,17 @@ from .fleet import Fleet
 from .http1.asgi import ASGILifespan, call_asgi
 from .http1.server import HTTPServer, Request, Responder
 from .logs import log_event
+from .monitor import Monitor
 from .placement import InFlight
 from .pools.control import ControlPool
 from .pools.data import DataPool
 from .request_core import COMPLETION_ROUTES, RequestCore
+from .resume import apply_resume, plan_resume
 from .router_metrics import RouterMetrics
+from .stages import build_stages
+from .stages.persistence import PersistenceStage
 from .supervisor import Supervisor
+from .telemetry import Telemetry
 from .wire import error_json
 
 __all__ = ["Router"]
@@ -59,8 +65,26 @@ class Router:
                                         engine_config=config.engine)
         self.supervisor = Supervisor(config=config, fleet=self.fleet, control_pool=self.control_pool,
                                      metrics=self.metrics)
+        roles = [(spec.name, spec.role) for spec in config.engines]
+        self.telemetry = Telemetry(roles, interval_s=config.telemetry.interval_s,
+                                   keep_intervals=config.telemetry.keep_intervals)
         self.core = RequestCore(config=config, supervisor=self.supervisor, data_pool=self.data_pool,
-                                in_flight=self.in_flight, admission=self.admission, metrics=self.metrics)
+                                in_flight=self.in_flight, admission=self.admission, metrics=self.metrics,
+                                telemetry=self.telemetry)
+        self.persistence = PersistenceStage(path=config.handoff.path, router_id=self.router_id,
+                                            fleet=self.fleet, config=config)
+        self.readmitter: Any = None
+        self.stages = build_stages(config=config, supervisor=self.supervisor, control_pool=self.control_pool,
+                                   telemetry=self.telemetry, in_flight=self.in_flight,
+                                   persistence_stage=self.persistence, readmission=self.readmitter)
+        self.controller = self.stages[0]
+        self.drain = self.stages[2]
+        self.persistence.extra = self._handoff_extra
+        controller = config.controller
+        self.monitor = Monitor(self.stages, interval_s=controller.monitor_interval_s,
+                               stage_timeout_s=controller.stage_timeout_s,
+                               failure_limit=controller.monitor_failure_limit,
+                               admission=self.admission, metrics=self.metrics)
         self.app = create_app(self)
         serving = config.serving
         self.server = HTTPServer(self.handle, max_header_bytes=serving.max_header_bytes,
@@ -77,6 +101,9 @@ class Router:
         if reason is not None:
             return reason
         return self.supervisor.capacity_problem()
+
+    def _handoff_extra(self) -> dict[str, Any]:
+        return {"consolidation_risk": self.controller.consolidation_risk(), "drained": sorted(self.drain.drained)}
 
     def engines_view(self) -> dict[str, Any]:
         now = trio.current_time()
@@ -95,8 +122,16 @@ class Router:
                 "evidence": {str(k): v for k, v in view.evidence.items()},
                 "liveness_misses": view.liveness_misses,
                 "in_flight": self.in_flight[view.name],
+                "drained": view.name in self.drain.drained,
+                "next_probe_at": view.next_probe_at,
+                "counters": {"ejections": view.counters.ejections, "probes": dict(view.counters.probes),
+                             "failures": {str(k): v for k, v in view.counters.failures.items()}},
             })
-        return {"engines": engines}
+            if self.readmitter is not None:
+                engines[-1].update(self.readmitter.engine_extras(view.name))
+        return {"engines": engines, "consolidation_risk": self.controller.consolidation_risk(),
+                "monitor": {"failure_streak": self.monitor.failure_streak,
+                            "degraded": self.monitor.degraded_reason, "passes": self.monitor.passes}}
 
     def _register_gauges(self) -> None:
         m = self.metrics
@@ -145,6 +180,9 @@ class Router:
             async with ASGILifespan(self.app), trio.open_nursery() as nursery:
                 self._nursery = nursery
                 await nursery.start(self.supervisor.run)
+                if self.resume:
+                    self._resume()
+                await nursery.start(self.monitor.run)
                 if self.config.admin.listen:
                     await nursery.start(self._serve_admin)
                 self.bound_port = await nursery.start(self._serve_then_stop, nursery, host, port)
@@ -155,6 +193,15 @@ class Router:
             await self.data_pool.aclose()
             await self.control_pool.aclose()
             log_event("router_stopped", router_id=self.router_id)
+
+    def _resume(self) -> None:
+        """Apply the saved handoff when its schema and engine set match; say plainly when not."""
+        plan = plan_resume(self.config.handoff.path, self.config)
+        if plan.applied:
+            apply_resume(plan, self.fleet, trio.current_time(), time.time())
+            log_event("handoff_applied", **plan.event_fields())
+        else:
+            log_event("handoff_not_applied", **plan.event_fields())
 
     async def _serve_then_stop(self, nursery: trio.Nursery, host: str, port: int, *,
                                task_status: Any = trio.TASK_STATUS_IGNORED) -> None:

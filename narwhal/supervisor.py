@@ -20,6 +20,7 @@ from .failures import EngineFailure, FailureClass, SuccessKind
 from .fleet import Action, ActionKind, Fleet, FleetEventKind
 from .logs import log_event
 from .router_metrics import RouterMetrics
+from .stages.health import health_failure_class
 from .wire import extract_handoff
 
 __all__ = ["Supervisor"]
@@ -97,6 +98,8 @@ class Supervisor:
 
     def start_due_probes(self) -> None:
         """Start the inference probes the fleet has scheduled for now or earlier."""
+        # Holds the controller added straight on the fleet are logged here, once per pass at worst.
+        self._log_fleet_events()
         for name in self.fleet.probes_due(self.clock()):
             self._start_probe(name, "inference")
 
@@ -156,10 +159,10 @@ class Supervisor:
             self._probe_result(name, "health", "success", "")
             self.record_success(name, SuccessKind.HEALTH_200)
             return True
-        failure_class = (FailureClass.OVERLOAD if response.status in (408, 429)
-                         else FailureClass.INFERENCE_STATUS)
         self._probe_result(name, "health", "failed", f"HTTP {response.status}")
-        self.record_failure(name, failure_class)
+        failure_class = health_failure_class(response.status)
+        if failure_class is not None:
+            self.record_failure(name, failure_class)
         return False
 
     def _probe_result(self, name: str, kind: str, outcome: str, reason: str) -> None:

@@ -1,0 +1,85 @@
+"""The operator's per-engine routes under ``/admin/``: inspect, drain, maintain, readmit.
+
+    GET  /admin/engines/{name}              the engine's state (as in /admin/engines)
+    POST /admin/engines/{name}/drain        stop new placements; in-flight requests finish
+    POST /admin/engines/{name}/maintenance  drain and record the maintenance start
+    POST /admin/engines/{name}/readmit      run the readmission chain now: 200, or 409
+                                            naming the check that failed and why
+
+Unknown engines get 404 with an OpenAI-style JSON error. The bearer-token check
+for every ``/admin/`` path is the app's (``narwhal.app``), not repeated here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import msgspec
+from quart import Response
+from quart_trio import QuartTrio
+
+from .readmission import Readmitter
+from .wire import error_json
+
+__all__ = ["register_admin_routes"]
+
+_encode_json = msgspec.json.Encoder()
+
+
+class _Router(Protocol):
+    readmitter: Readmitter
+
+    def engines_view(self) -> dict[str, Any]: ...
+
+
+def _json(payload: Any, status: int = 200) -> Response:
+    return Response(_encode_json.encode(payload), status=status, content_type="application/json")
+
+
+def _unknown(name: str) -> Response:
+    return Response(error_json(f"no engine named {name!r}", "invalid_request_error", "engine_not_found"),
+                    status=404, content_type="application/json")
+
+
+def register_admin_routes(app: QuartTrio, router: _Router) -> None:
+    """Add the per-engine admin routes to ``app``; ``router.readmitter`` must already exist."""
+    readmitter = router.readmitter
+
+    def engine_view(name: str) -> dict[str, Any]:
+        # The same entry /admin/engines lists, with the readmitter's fields (drained, last readmission).
+        entry = next(e for e in router.engines_view()["engines"] if e["name"] == name)
+        return {**entry, **readmitter.engine_extras(name)}
+
+    @app.get("/admin/engines/<name>")
+    async def admin_engine(name: str) -> Response:
+        if not readmitter.knows(name):
+            return _unknown(name)
+        return _json({"engine": engine_view(name)})
+
+    @app.post("/admin/engines/<name>/drain")
+    async def admin_drain(name: str) -> Response:
+        if not readmitter.knows(name):
+            return _unknown(name)
+        readmitter.drain(name, readmitter.clock())
+        return _json({"action": "drain", "engine": engine_view(name)})
+
+    @app.post("/admin/engines/<name>/maintenance")
+    async def admin_maintenance(name: str) -> Response:
+        if not readmitter.knows(name):
+            return _unknown(name)
+        started_at = readmitter.maintenance(name, readmitter.clock())
+        return _json({"action": "maintenance", "maintenance_started_at": started_at,
+                      "engine": engine_view(name)})
+
+    @app.post("/admin/engines/<name>/readmit")
+    async def admin_readmit(name: str) -> Response:
+        if not readmitter.knows(name):
+            return _unknown(name)
+        result = await readmitter.readmit(name, operator=True)
+        body: dict[str, Any] = {"action": "readmit", "readmission": msgspec.to_builtins(result),
+                                "engine": engine_view(name)}
+        if result.readmitted:
+            return _json(body)
+        message = f"readmission of {name} refused by check {result.check}: {result.reason}"
+        error = msgspec.json.decode(error_json(message, "conflict_error", "readmission_refused"))
+        return _json({**error, **body}, status=409)

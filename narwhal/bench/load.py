@@ -1,0 +1,411 @@
+"""The load generator: a small HTTP/1.1 client on trio sockets, parsed with httptools.
+
+It must cost far less than the router it measures (perf-notes.md: httpx alone
+costs more per request than the whole data plane), so each connection sends
+one pre-encoded request at a time and the response is only watched, never
+decoded: SSE events are counted with ``bytes.count`` across read boundaries,
+and the stream's end is checked for ``data: [DONE]`` or an SSE error event.
+
+A load is ``concurrency`` workers taking tickets until ``requests`` have been
+issued or ``duration_s`` has passed; requests in flight then finish (each is
+bounded by ``timeout_s``). Each request yields one ``RequestRecord`` whose
+``kind`` is ``"ok"`` or one of ``ERROR_KINDS``.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from array import array
+from collections.abc import Callable
+
+import httptools
+import msgspec
+import trio
+
+from .report import LoadSummary, summarize_load
+
+__all__ = [
+    "ERROR_KINDS",
+    "LoadResult",
+    "LoadSpec",
+    "LoadState",
+    "RequestRecord",
+    "build_request",
+    "completion_body",
+    "run_load",
+]
+
+# What can go wrong with one request, as the client sees it.
+ERROR_KINDS = {
+    "refused": "the connection was refused",
+    "connect_error": "the connection could not be opened (other than refused)",
+    "reset": "the connection closed or reset before a response head",
+    "malformed": "the response is not HTTP/1.1",
+    "status": "a response status other than 200 (see errors by status)",
+    "sse_error": "a 200 stream that ended with an SSE error event",
+    "truncated": "a 200 response whose connection closed before its body ended, no [DONE]",
+    "no_done": "a 200 stream that ended cleanly without data: [DONE]",
+    "timeout": "no complete response within the request timeout",
+}
+
+_READ_SIZE = 65536
+_EVENT = b"data: "
+_DONE = b"data: [DONE]"
+_ERROR_EVENT = b'data: {"error"'
+# Longer than every pattern, so counting in (tail + body) minus tail finds the ones across reads.
+_TAIL = 32
+
+
+class LoadSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """One bounded load against one HTTP/1.1 endpoint."""
+
+    host: str
+    port: int
+    path: str = "/v1/completions"
+    body: bytes
+    concurrency: int = 16
+    requests: int | None = 2000
+    duration_s: float | None = 20.0
+    keep_alive: bool = True
+    stream: bool = True
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        if self.requests is None and self.duration_s is None:
+            raise ValueError("a load needs a request count, a duration, or both")
+        if self.requests is not None and self.requests < 1:
+            raise ValueError("requests must be at least 1")
+        if self.duration_s is not None and self.duration_s <= 0:
+            raise ValueError("duration_s must be positive")
+
+
+def completion_body(*, prompt_words: int, max_tokens: int, stream: bool, model: str = "mock-model",
+                    kv_transfer_params: dict[str, object] | None = None) -> bytes:
+    """A ``/v1/completions`` body; ``kv_transfer_params`` makes it decode-shaped for a direct baseline."""
+    body: dict[str, object] = {"model": model, "prompt": " ".join(f"w{i}" for i in range(prompt_words)),
+                               "max_tokens": max_tokens, "stream": stream}
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
+    return msgspec.json.encode(body)
+
+
+def build_request(spec: LoadSpec) -> bytes:
+    """The request bytes every worker sends, encoded once."""
+    connection = b"keep-alive" if spec.keep_alive else b"close"
+    accept = b"text/event-stream" if spec.stream else b"application/json"
+    return b"".join((
+        b"POST ", spec.path.encode("ascii"), b" HTTP/1.1\r\nhost: ", f"{spec.host}:{spec.port}".encode(),
+        b"\r\ncontent-type: application/json\r\naccept: ", accept, b"\r\nconnection: ", connection,
+        b"\r\ncontent-length: ", str(len(spec.body)).encode(), b"\r\n\r\n", spec.body,
+    ))
+
+
+class RequestRecord:
+    """What one request did; times in seconds, ``started_at`` from the start of the load."""
+
+    __slots__ = ("started_at", "status", "kind", "ttft_s", "total_s", "tokens")
+
+    def __init__(self, started_at: float) -> None:
+        self.started_at = started_at
+        self.status = 0
+        self.kind = "ok"
+        self.ttft_s: float | None = None
+        self.total_s = 0.0
+        self.tokens = 0
+
+    def as_dict(self) -> dict[str, object]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+class LoadState:
+    """Running counts, read by the progress line and the fault scenario while the load goes on."""
+
+    def __init__(self) -> None:
+        self.issued = 0
+        self.done = 0
+        self.errors = 0
+        self.tokens = 0
+        self.started_at = 0.0
+        self.errors_by_kind: dict[str, int] = {}
+
+
+class _Usage(msgspec.Struct):
+    completion_tokens: int = 0
+
+
+class _UsageOnly(msgspec.Struct):
+    usage: _Usage | None = None
+
+
+_decode_usage = msgspec.json.Decoder(_UsageOnly).decode
+
+
+class _Exchange:
+    """The httptools callbacks for one response, and what they saw.
+
+    ``now`` is set before each ``feed_data``, so every event parsed from one
+    socket read carries that read's arrival time.
+    """
+
+    __slots__ = ("parser", "stream", "now", "status", "complete", "keep_alive", "tail",
+                 "arrivals", "done", "error_events", "body")
+
+    def __init__(self, stream: bool) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.stream = stream
+        self.now = 0.0
+        self.status = 0
+        self.complete = False
+        self.keep_alive = False
+        self.tail = b""
+        # (arrival time, token events) per read that carried tokens.
+        self.arrivals: list[tuple[float, int]] = []
+        self.done = False
+        self.error_events = 0
+        self.body: list[bytes] = []
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+
+    def on_body(self, body: bytes) -> None:
+        if not self.stream or self.status != 200:
+            self.body.append(body)
+            return
+        tail = self.tail
+        joined = tail + body
+        events = joined.count(_EVENT) - tail.count(_EVENT)
+        if events:
+            done = joined.count(_DONE) - tail.count(_DONE)
+            errors = joined.count(_ERROR_EVENT) - tail.count(_ERROR_EVENT)
+            if done:
+                self.done = True
+            self.error_events += errors
+            tokens = events - done - errors
+            if tokens > 0:
+                self.arrivals.append((self.now, tokens))
+        self.tail = joined[-_TAIL:]
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        # should_keep_alive() is valid only inside this callback (perf-notes.md).
+        self.keep_alive = self.parser.should_keep_alive()
+
+
+class LoadResult:
+    """Every request's record, every inter-token gap, and the connections the load used."""
+
+    def __init__(self, records: list[RequestRecord], gaps_s: array, *, duration_s: float,
+                 wall_started_at: float, connections_opened: int, stale_connection_retries: int) -> None:
+        self.records = records
+        self.gaps_s = gaps_s
+        self.duration_s = duration_s
+        self.wall_started_at = wall_started_at
+        self.connections_opened = connections_opened
+        self.stale_connection_retries = stale_connection_retries
+
+    @property
+    def ok(self) -> int:
+        return sum(1 for record in self.records if record.kind == "ok")
+
+    @property
+    def tokens(self) -> int:
+        return sum(record.tokens for record in self.records if record.kind == "ok")
+
+    def summary(self) -> LoadSummary:
+        ok = [record for record in self.records if record.kind == "ok"]
+        return summarize_load(
+            kinds=[record.kind for record in self.records],
+            statuses=[record.status for record in self.records],
+            ttft_s=[record.ttft_s for record in ok if record.ttft_s is not None],
+            total_s=[record.total_s for record in ok],
+            gaps_s=self.gaps_s, tokens=sum(record.tokens for record in ok),
+            duration_s=self.duration_s, connections_opened=self.connections_opened,
+            stale_connection_retries=self.stale_connection_retries)
+
+
+class _Refused(Exception):
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
+
+
+async def _connect(host: str, port: int) -> trio.SocketStream:
+    sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        await sock.connect((host, port))
+    except ConnectionRefusedError:
+        sock.close()
+        raise _Refused("refused") from None
+    except OSError:
+        sock.close()
+        raise _Refused("connect_error") from None
+    except BaseException:
+        sock.close()
+        raise
+    return trio.SocketStream(sock)
+
+
+class _Load:
+    """One run of ``run_load``: the workers and what they share."""
+
+    def __init__(self, spec: LoadSpec, state: LoadState, on_record: Callable[[RequestRecord], None] | None) -> None:
+        self.spec = spec
+        self.state = state
+        self.on_record = on_record
+        self.request = build_request(spec)
+        self.host = socket.gethostbyname(spec.host)
+        self.records: list[RequestRecord] = []
+        self.gaps_s = array("d")
+        self.connections_opened = 0
+        self.stale_retries = 0
+        self.t0 = 0.0
+        self.stop_at = float("inf")
+
+    def take_ticket(self) -> bool:
+        state = self.state
+        if self.spec.requests is not None and state.issued >= self.spec.requests:
+            return False
+        if trio.current_time() >= self.stop_at:
+            return False
+        state.issued += 1
+        return True
+
+    async def worker(self) -> None:
+        conn: trio.SocketStream | None = None
+        try:
+            while self.take_ticket():
+                record = RequestRecord(trio.current_time() - self.t0)
+                conn = await self.one(conn, record)
+                self.finish(record)
+        finally:
+            if conn is not None:
+                conn.socket.close()
+
+    def finish(self, record: RequestRecord) -> None:
+        self.records.append(record)
+        state = self.state
+        state.done += 1
+        if record.kind == "ok":
+            state.tokens += record.tokens
+        else:
+            state.errors += 1
+            state.errors_by_kind[record.kind] = state.errors_by_kind.get(record.kind, 0) + 1
+        if self.on_record is not None:
+            self.on_record(record)
+
+    async def one(self, conn: trio.SocketStream | None, record: RequestRecord) -> trio.SocketStream | None:
+        """Send one request on ``conn`` (or a new connection); returns the connection to reuse, if any."""
+        started = trio.current_time()
+        exchange: _Exchange | None = None
+        ended_early = False
+        with trio.move_on_at(started + self.spec.timeout_s) as scope:
+            # At most two tries: a reused connection the server closed while idle gets one fresh retry.
+            for _ in range(2):
+                reused = conn is not None
+                if conn is None:
+                    try:
+                        conn = await _connect(self.host, self.spec.port)
+                    except _Refused as exc:
+                        record.kind = exc.kind
+                        record.total_s = trio.current_time() - started
+                        return None
+                    self.connections_opened += 1
+                exchange = _Exchange(self.spec.stream)
+                got_bytes, ended_early, malformed = await self._exchange(conn, exchange)
+                if malformed:
+                    record.kind = "malformed"
+                    break
+                if reused and not got_bytes and ended_early:
+                    conn.socket.close()
+                    conn = None
+                    self.stale_retries += 1
+                    continue
+                break
+        record.total_s = trio.current_time() - started
+        if scope.cancelled_caught:
+            record.kind = "timeout"
+        elif exchange is not None and record.kind == "ok":
+            self._classify(record, exchange, started, ended_early)
+        if conn is not None and (record.kind in ("timeout", "malformed") or exchange is None
+                                 or not (exchange.complete and exchange.keep_alive and self.spec.keep_alive)):
+            conn.socket.close()
+            conn = None
+        return conn
+
+    async def _exchange(self, conn: trio.SocketStream, exchange: _Exchange) -> tuple[bool, bool, bool]:
+        """Send the request and feed the response to the parser; (got bytes, ended early, malformed)."""
+        got_bytes = False
+        try:
+            await conn.send_all(self.request)
+            while not exchange.complete:
+                data = await conn.receive_some(_READ_SIZE)
+                if not data:
+                    return got_bytes, True, False
+                got_bytes = True
+                exchange.now = trio.current_time()
+                exchange.parser.feed_data(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            return got_bytes, True, False
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade):
+            return got_bytes, False, True
+        return got_bytes, False, False
+
+    def _classify(self, record: RequestRecord, exchange: _Exchange, started: float, ended_early: bool) -> None:
+        record.status = exchange.status
+        if exchange.status == 0:
+            record.kind = "reset"
+            return
+        if exchange.status != 200:
+            record.kind = "status"
+            return
+        if not self.spec.stream:
+            if not exchange.complete:
+                record.kind = "truncated"
+                return
+            record.ttft_s = record.total_s
+            try:
+                usage = _decode_usage(b"".join(exchange.body)).usage
+            except msgspec.DecodeError:
+                usage = None
+            record.tokens = usage.completion_tokens if usage else 0
+            return
+        if exchange.error_events:
+            record.kind = "sse_error"
+        elif not exchange.done:
+            record.kind = "truncated" if ended_early or not exchange.complete else "no_done"
+        arrivals = exchange.arrivals
+        record.tokens = sum(n for _, n in arrivals)
+        if arrivals:
+            record.ttft_s = arrivals[0][0] - started
+        if record.kind != "ok":
+            return
+        # Client-visible inter-token gaps: events that arrived in one read are 0 apart.
+        gaps = self.gaps_s
+        previous = None
+        for at, n in arrivals:
+            if previous is not None:
+                gaps.append(at - previous)
+            for _ in range(n - 1):
+                gaps.append(0.0)
+            previous = at
+
+
+async def run_load(spec: LoadSpec, *, state: LoadState | None = None,
+                   on_record: Callable[[RequestRecord], None] | None = None) -> LoadResult:
+    """Run one bounded load and return every request's record."""
+    load = _Load(spec, state or LoadState(), on_record)
+    load.t0 = trio.current_time()
+    load.state.started_at = load.t0
+    wall_started_at = time.time()
+    if spec.duration_s is not None:
+        load.stop_at = load.t0 + spec.duration_s
+    async with trio.open_nursery() as nursery:
+        for _ in range(spec.concurrency):
+            nursery.start_soon(load.worker)
+    duration_s = trio.current_time() - load.t0
+    return LoadResult(load.records, load.gaps_s, duration_s=duration_s, wall_started_at=wall_started_at,
+                      connections_opened=load.connections_opened,
+                      stale_connection_retries=load.stale_retries)

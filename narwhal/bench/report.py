@@ -1,0 +1,300 @@
+"""The figures of a benchmark run: percentiles, summaries, the table and the JSON.
+
+Everything here is pure: the load generator and the runner collect raw
+samples, ``summarize_load`` turns them into a ``LoadSummary``, and
+``format_report`` lays a ``BenchReport`` out as the table the CLI prints.
+Latencies are reported in milliseconds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import msgspec
+
+__all__ = [
+    "BenchReport",
+    "Distribution",
+    "EngineTraffic",
+    "FaultReport",
+    "LoadSummary",
+    "ProcessUsage",
+    "RunReport",
+    "distribution",
+    "format_report",
+    "percentile",
+    "process_usage",
+    "summarize_load",
+]
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) of ascending values, interpolated linearly between ranks.
+
+    The same definition as numpy's default: rank ``q/100 * (n - 1)``.
+    """
+    if not sorted_values:
+        raise ValueError("percentile of no values")
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile must be within 0-100, got {q}")
+    rank = q / 100 * (len(sorted_values) - 1)
+    low = math.floor(rank)
+    high = min(low + 1, len(sorted_values) - 1)
+    fraction = rank - low
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * fraction
+
+
+class Distribution(msgspec.Struct, frozen=True, kw_only=True):
+    """Count, mean, percentiles and max of one latency, in milliseconds."""
+
+    count: int
+    mean_ms: float
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    max_ms: float
+
+
+def distribution(values_s: Sequence[float]) -> Distribution | None:
+    """Summarise latencies given in seconds; None when there are none."""
+    if not values_s:
+        return None
+    ordered = sorted(values_s)
+
+    def ms(value: float) -> float:
+        return round(value * 1000, 3)
+
+    return Distribution(count=len(ordered), mean_ms=ms(math.fsum(ordered) / len(ordered)),
+                        p50_ms=ms(percentile(ordered, 50)), p90_ms=ms(percentile(ordered, 90)),
+                        p99_ms=ms(percentile(ordered, 99)), max_ms=ms(ordered[-1]))
+
+
+class LoadSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """What the clients saw: throughput, latencies, and every error by kind and by status."""
+
+    requests: int
+    ok: int
+    errors: int
+    duration_s: float
+    requests_per_s: float
+    tokens: int
+    tokens_per_s: float
+    ttft: Distribution | None
+    inter_token: Distribution | None
+    total: Distribution | None
+    errors_by_kind: dict[str, int]
+    errors_by_status: dict[str, int]
+    connections_opened: int
+    stale_connection_retries: int
+
+
+def summarize_load(*, kinds: Sequence[str], statuses: Sequence[int], ttft_s: Sequence[float],
+                   total_s: Sequence[float], gaps_s: Sequence[float], tokens: int, duration_s: float,
+                   connections_opened: int = 0, stale_connection_retries: int = 0) -> LoadSummary:
+    """Summarise one load: ``kinds[i]``/``statuses[i]`` describe request ``i`` (``"ok"`` or an error kind).
+
+    Throughput counts only successful requests and the tokens they carried;
+    latency percentiles cover the successful requests only.
+    """
+    if len(kinds) != len(statuses):
+        raise ValueError("kinds and statuses must describe the same requests")
+    by_kind: dict[str, int] = {}
+    by_status: dict[str, int] = {}
+    ok = 0
+    for kind, status in zip(kinds, statuses):
+        if kind == "ok":
+            ok += 1
+            continue
+        by_kind[kind] = by_kind.get(kind, 0) + 1
+        key = str(status) if status else "none"
+        by_status[key] = by_status.get(key, 0) + 1
+    rate = (lambda n: round(n / duration_s, 2)) if duration_s > 0 else (lambda n: 0.0)
+    return LoadSummary(
+        requests=len(kinds), ok=ok, errors=len(kinds) - ok, duration_s=round(duration_s, 3),
+        requests_per_s=rate(ok), tokens=tokens, tokens_per_s=rate(tokens),
+        ttft=distribution(ttft_s), inter_token=distribution(gaps_s), total=distribution(total_s),
+        errors_by_kind=dict(sorted(by_kind.items())), errors_by_status=dict(sorted(by_status.items())),
+        connections_opened=connections_opened, stale_connection_retries=stale_connection_retries)
+
+
+class ProcessUsage(msgspec.Struct, frozen=True, kw_only=True):
+    """CPU and peak memory of one process tree over the load (from ``/proc``)."""
+
+    pids: list[int]
+    cpu_s: float
+    cpu_utilization: float
+    cpu_ms_per_request: float | None
+    cpu_ms_per_1k_tokens: float | None
+    peak_rss_mb: float
+
+
+def process_usage(*, pids: Sequence[int], cpu_s: float, wall_s: float, requests: int, tokens: int,
+                  peak_rss_kb: int) -> ProcessUsage:
+    """Per-request and per-1,000-token CPU cost; ``cpu_utilization`` is cores kept busy (1.0 = one)."""
+    return ProcessUsage(
+        pids=list(pids), cpu_s=round(cpu_s, 3),
+        cpu_utilization=round(cpu_s / wall_s, 3) if wall_s > 0 else 0.0,
+        cpu_ms_per_request=round(cpu_s * 1000 / requests, 4) if requests else None,
+        cpu_ms_per_1k_tokens=round(cpu_s * 1e6 / tokens, 3) if tokens else None,
+        peak_rss_mb=round(peak_rss_kb / 1024, 1))
+
+
+class EngineTraffic(msgspec.Struct, frozen=True, kw_only=True):
+    """What one mock engine saw during the load (from its ``/mock/stats``)."""
+
+    name: str
+    role: str
+    connections_opened: int
+    requests: int
+    connections_per_request: float | None
+
+
+class RunReport(msgspec.Struct, frozen=True, kw_only=True):
+    """One load against one target, with the cost it put on the router and the load generator."""
+
+    label: str
+    target: str
+    load: LoadSummary
+    router: ProcessUsage | None = None
+    load_generator: ProcessUsage | None = None
+    engines: list[EngineTraffic] = []
+
+
+class FaultReport(msgspec.Struct, frozen=True, kw_only=True):
+    """The fault scenario: what was lost, how streams ended, how fast the fleet reacted.
+
+    Times are seconds from the fault; None means "not seen during the run".
+    """
+
+    killed_engine: str
+    failing_engine: str
+    failing_status: int
+    timeline: list[dict[str, object]]
+    goodput: float
+    requests_lost: int
+    lost_by_kind: dict[str, int]
+    streams_cut: int
+    cut_with_error_event: int
+    cut_silently: int
+    attempts_on_dead_engine: int | None
+    dead_engine_last_attempt_s: float | None
+    dead_engine_ineligible_s: float | None
+    restarted_engine_eligible_s: float | None
+    restarted_engine_first_served_s: float | None
+    failing_engine_requests_during_fault: int | None
+    failing_engine_last_request_s: float | None
+    failing_engine_ineligible_s: float | None
+    notes: list[str] = []
+
+
+class BenchReport(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything ``--json`` writes: the settings, the run, the optional baseline and fault report."""
+
+    settings: dict[str, object]
+    run: RunReport
+    baseline: RunReport | None = None
+    router_vs_direct: dict[str, float | None] | None = None
+    faults: FaultReport | None = None
+
+
+# ----- the table -------------------------------------------------------------------
+
+def _fmt(value: float | int | None, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, int):
+        return str(value)
+    return f"{value:.{digits}f}"
+
+
+def _dist_cells(dist: Distribution | None, which: Sequence[str]) -> list[str]:
+    return [_fmt(getattr(dist, f"{name}_ms") if dist else None) for name in which]
+
+
+def _rows(run: RunReport) -> list[tuple[str, str]]:
+    load = run.load
+    rows = [
+        ("requests (ok / errors)", f"{load.ok} / {load.errors}"),
+        ("duration s", _fmt(load.duration_s)),
+        ("requests/s", _fmt(load.requests_per_s, 1)),
+        ("tokens/s", _fmt(load.tokens_per_s, 0)),
+        ("TTFT ms p50 / p90 / p99", " / ".join(_dist_cells(load.ttft, ("p50", "p90", "p99")))),
+        ("inter-token ms p50 / p99", " / ".join(_dist_cells(load.inter_token, ("p50", "p99")))),
+        ("total ms p50 / p99", " / ".join(_dist_cells(load.total, ("p50", "p99")))),
+        ("client connections opened", str(load.connections_opened)),
+    ]
+    if run.router is not None:
+        rows += [
+            ("router CPU ms / request", _fmt(run.router.cpu_ms_per_request, 3)),
+            ("router CPU ms / 1k tokens", _fmt(run.router.cpu_ms_per_1k_tokens, 1)),
+            ("router CPU cores busy", _fmt(run.router.cpu_utilization, 2)),
+            ("router peak RSS MB", _fmt(run.router.peak_rss_mb, 1)),
+        ]
+    if run.load_generator is not None:
+        rows.append(("load generator CPU cores busy", _fmt(run.load_generator.cpu_utilization, 2)))
+    for engine in run.engines:
+        rows.append((f"{engine.name} new connections / request", _fmt(engine.connections_per_request, 3)))
+    errors = ", ".join(f"{k} {v}" for k, v in load.errors_by_kind.items()) or "none"
+    rows.append(("errors by kind", errors))
+    if load.errors_by_status:
+        rows.append(("errors by status", ", ".join(f"{k} {v}" for k, v in load.errors_by_status.items())))
+    return rows
+
+
+def _table(columns: Sequence[tuple[str, list[tuple[str, str]]]]) -> str:
+    names = [name for name, _ in columns]
+    labels: list[str] = []
+    for _, rows in columns:
+        for label, _ in rows:
+            if label not in labels:
+                labels.append(label)
+    cells = [[dict(rows).get(label, "") for _, rows in columns] for label in labels]
+    label_width = max(len(label) for label in labels)
+    widths = [max(len(names[i]), *(len(row[i]) for row in cells)) for i in range(len(columns))]
+    lines = ["  ".join([" " * label_width, *(n.rjust(w) for n, w in zip(names, widths))])]
+    for label, row in zip(labels, cells):
+        lines.append("  ".join([label.ljust(label_width), *(c.rjust(w) for c, w in zip(row, widths))]))
+    return "\n".join(lines)
+
+
+def _fault_lines(faults: FaultReport) -> list[str]:
+    def secs(value: float | None) -> str:
+        return "not seen" if value is None else f"{value:.2f} s"
+
+    lines = [
+        "",
+        f"fault scenario: {faults.killed_engine} killed and restarted; "
+        f"{faults.failing_engine} answered {faults.failing_status} for a while",
+        f"  goodput                                   {faults.goodput * 100:.2f} %",
+        f"  requests lost                             {faults.requests_lost}"
+        + (f" ({', '.join(f'{k} {v}' for k, v in faults.lost_by_kind.items())})" if faults.lost_by_kind else ""),
+        f"  streams cut                               {faults.streams_cut} "
+        f"({faults.cut_with_error_event} with an SSE error event, {faults.cut_silently} silently)",
+        f"  attempts on the dead engine               "
+        f"{'not observable' if faults.attempts_on_dead_engine is None else faults.attempts_on_dead_engine}",
+        f"  dead engine: last attempt after kill      {secs(faults.dead_engine_last_attempt_s)}",
+        f"  dead engine: ineligible after kill        {secs(faults.dead_engine_ineligible_s)}",
+        f"  restarted engine: eligible after restart  {secs(faults.restarted_engine_eligible_s)}",
+        f"  restarted engine: first served after      {secs(faults.restarted_engine_first_served_s)}",
+        f"  5xx engine: requests during the fault     "
+        f"{'-' if faults.failing_engine_requests_during_fault is None else faults.failing_engine_requests_during_fault}",
+        f"  5xx engine: last request after fault set  {secs(faults.failing_engine_last_request_s)}",
+        f"  5xx engine: ineligible after fault set    {secs(faults.failing_engine_ineligible_s)}",
+    ]
+    lines += [f"  note: {note}" for note in faults.notes]
+    return lines
+
+
+def format_report(report: BenchReport) -> str:
+    """The table the CLI prints: the run, the direct baseline beside it, then the fault scenario."""
+    columns = [(report.run.label, _rows(report.run))]
+    if report.baseline is not None:
+        columns.append((report.baseline.label, _rows(report.baseline)))
+    lines = [_table(columns)]
+    if report.router_vs_direct:
+        ratios = ", ".join(f"{k} {_fmt(v, 2)}" for k, v in report.router_vs_direct.items())
+        lines.append(f"router / direct: {ratios}")
+    if report.faults is not None:
+        lines += _fault_lines(report.faults)
+    return "\n".join(lines)

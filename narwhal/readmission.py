@@ -1,0 +1,441 @@
+"""Readmission: the checks an engine must pass to return to placement, when they run, and drains.
+
+The chain, run in this order on the control pool and stopped at the first failure:
+
+    check          passes when
+    -------------  ---------------------------------------------------------------
+    health         GET /health answers 200
+    attestation    GET /narwhal/identity names the engine; POST /narwhal/attest with a
+                   fresh random nonce echoes that nonce, for the same engine_id, signed
+                   hex HMAC-SHA256(fleet key, "engine_id|nonce|generation")
+    newer_process  (maintenance only) identity process_started_at is later than the
+                   maintenance start
+    model          identity model and one of GET /v1/models's ids are fleet.model
+    generation     identity generation is fleet.generation
+    kv_role        identity kv_roles has "producer" (prefill) or "consumer" (decode)
+    final_health   GET /health answers 200 again
+
+Why this order. Identity is read once, in the attestation step, because the
+signature binds the engine_id it names; the signature covers the generation
+the engine *claims*, so an engine of the wrong generation that holds the key
+fails at ``generation`` with that reason, not as a bad signature. The
+newer-process requirement comes first among the identity facts: an engine that
+was never restarted answers every later question about its old process, and
+"restart it" is what the operator needs to hear.
+
+Schedule. An ejected engine is tried ``recovery.probe_interval_s`` after its
+ejection and then every ``probe_interval_s`` after its previous attempt began,
+never giving up, but never while its failure quarantine is unexpired. Engines
+under an operator drain or maintenance are left to the operator's readmit.
+Attempts for different engines run concurrently, in ``Readmitter.run``'s
+nursery; each engine has at most one attempt at a time.
+
+A success calls ``Fleet.readmit`` (ending the ejection and clearing drains,
+maintenance, quarantine and verification holds); a failure changes nothing in
+the fleet. Either way one ``readmission`` log event names the engine, the check
+that failed and why, and ``narwhal_readmission_attempts_total`` counts it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import enum
+import hashlib
+import hmac
+import logging
+import math
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
+
+import msgspec
+import trio
+
+from .config import Config, EngineSpec
+from .failures import EngineFailure, PoolSaturated
+from .fleet import EngineView, Fleet, HoldKind
+from .logs import log_event
+from .placement import InFlight
+from .router_metrics import RouterMetrics
+from .wire import AttestRequest, AttestResponse, EngineIdentity
+
+__all__ = ["CHAIN", "DRAIN_HOLDS", "Check", "ReadmissionResult", "Readmitter"]
+
+DRAIN_HOLDS: frozenset[HoldKind] = frozenset({HoldKind.OPERATOR_DRAIN, HoldKind.MAINTENANCE})
+
+# The KV role an engine's kv_roles must allow for it to serve its placement role.
+_KV_ROLE_FOR: dict[str, str] = {"prefill": "producer", "decode": "consumer"}
+
+
+class Check(enum.StrEnum):
+    """One step of the readmission chain (the ``check`` label of logs and metrics)."""
+
+    HEALTH = "health"
+    ATTESTATION = "attestation"
+    NEWER_PROCESS = "newer_process"
+    MODEL = "model"
+    GENERATION = "generation"
+    KV_ROLE = "kv_role"
+    FINAL_HEALTH = "final_health"
+    # Not a step: an operator drain or maintenance began while the chain ran,
+    # and a readmission must not clear a hold the operator asked for after it.
+    OPERATOR_HOLD = "operator_hold"
+
+
+# The chain in order; NEWER_PROCESS runs only for an engine under maintenance.
+CHAIN: tuple[Check, ...] = (Check.HEALTH, Check.ATTESTATION, Check.NEWER_PROCESS, Check.MODEL,
+                            Check.GENERATION, Check.KV_ROLE, Check.FINAL_HEALTH)
+
+
+class ReadmissionResult(msgspec.Struct, frozen=True, kw_only=True):
+    """One readmission attempt: who, whether it passed, and which check refused it and why."""
+
+    engine: str
+    outcome: Literal["readmitted", "refused"]
+    # The check that failed; None when readmitted.
+    check: str | None
+    reason: str
+    operator: bool
+    passed: list[str]
+    # Wall-clock unix seconds when the attempt began, and how long it took.
+    at: float
+    duration_s: float
+
+    @property
+    def readmitted(self) -> bool:
+        return self.outcome == "readmitted"
+
+
+class _ModelCard(msgspec.Struct):
+    id: str
+
+
+class _ModelList(msgspec.Struct):
+    data: list[_ModelCard]
+
+
+class _Refused(Exception):
+    """A check failed; ``reason`` is the operator-facing why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclasses.dataclass
+class _Attempt:
+    """What one run of the chain has learnt so far."""
+
+    spec: EngineSpec
+    # Wall-clock start of the engine's maintenance, None when not under maintenance.
+    maintenance_started_at: float | None
+    identity: EngineIdentity | None = None
+    current: Check = Check.HEALTH
+    passed: list[str] = dataclasses.field(default_factory=list)
+
+
+def _iso(wall: float) -> str:
+    """Unix seconds as UTC ISO-8601, for reasons an operator reads."""
+    if not math.isfinite(wall):
+        return repr(wall)
+    return datetime.datetime.fromtimestamp(wall, datetime.UTC).isoformat(timespec="milliseconds").replace(
+        "+00:00", "Z")
+
+
+def _sign(key: bytes, engine_id: str, nonce: str, generation: str) -> str:
+    return hmac.new(key, f"{engine_id}|{nonce}|{generation}".encode(), hashlib.sha256).hexdigest()
+
+
+class Readmitter:
+    """Runs the readmission chain for the operator and on schedule, and applies operator drains."""
+
+    def __init__(self, *, config: Config, fleet: Fleet, control_pool: Any, in_flight: InFlight,
+                 metrics: RouterMetrics, clock: Callable[[], float] = trio.current_time,
+                 wall_clock: Callable[[], float] = time.time, attestation_key: bytes | None) -> None:
+        """``clock`` is trio's (monotonic, the fleet's time base); ``wall_clock`` unix seconds."""
+        self.config = config
+        self.fleet = fleet
+        self.control_pool = control_pool
+        self.in_flight = in_flight
+        self.metrics = metrics
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self._key = attestation_key
+        self._interval_s = config.recovery.probe_interval_s
+        self._specs: dict[str, EngineSpec] = {spec.name: spec for spec in config.engines}
+        self._locks: dict[str, trio.Lock] = {name: trio.Lock() for name in self._specs}
+        self._last: dict[str, ReadmissionResult] = {}
+        # Monotonic start of each engine's latest attempt: the schedule's anchor.
+        self._last_started: dict[str, float] = {}
+        self._scheduled: set[str] = set()
+        self._nursery: trio.Nursery | None = None
+
+    def __repr__(self) -> str:
+        last = ", ".join(f"{name} {result.outcome}" + (f" {result.check}" if result.check else "")
+                         for name, result in self._last.items())
+        running = ", ".join(sorted(name for name, lock in self._locks.items() if lock.locked()))
+        return f"<Readmitter [running: {running or '-'} | last: {last or '-'}]>"
+
+    def knows(self, name: str) -> bool:
+        """Whether ``name`` is a configured engine."""
+        return name in self._specs
+
+    # ----- drains ----------------------------------------------------------------------
+
+    def drain(self, name: str, now: float) -> None:
+        """Stop new placements on ``name`` (an operator_drain hold); in-flight requests finish."""
+        self._spec(name)
+        self.fleet.add_hold(name, HoldKind.OPERATOR_DRAIN, "operator drain", now)
+        log_event("engine_drain_requested", engine=name, in_flight=self.in_flight[name])
+
+    def maintenance(self, name: str, now: float) -> float:
+        """Drain ``name`` for planned maintenance; returns the maintenance start (unix seconds).
+
+        The start is the maintenance hold's own ``since``, which the handoff saves,
+        so it survives a resume or takeover. Asking again keeps the first start.
+        """
+        self._spec(name)
+        self.fleet.add_hold(name, HoldKind.MAINTENANCE, "planned maintenance", now)
+        started_at = self.maintenance_started_at(name)
+        assert started_at is not None  # the hold was just added
+        log_event("engine_maintenance_started", engine=name, started_at=started_at,
+                  in_flight=self.in_flight[name])
+        return started_at
+
+    def maintenance_started_at(self, name: str) -> float | None:
+        """When ``name``'s maintenance began (unix seconds), or None when it is not under maintenance."""
+        now = self.clock()
+        hold = next((h for h in self.fleet.view(name, now).holds if h.kind is HoldKind.MAINTENANCE), None)
+        if hold is None:
+            return None
+        return self.wall_clock() - (now - hold.since)
+
+    def drained(self, name: str) -> bool:
+        """True when ``name`` is under a drain or maintenance hold and has nothing in flight."""
+        view = self.fleet.view(name, self.clock())
+        return any(hold.kind in DRAIN_HOLDS for hold in view.holds) and self.in_flight[name] == 0
+
+    # ----- the admin view ---------------------------------------------------------------
+
+    def last_result(self, name: str) -> ReadmissionResult | None:
+        """The latest readmission attempt for ``name``, or None."""
+        return self._last.get(name)
+
+    def engine_extras(self, name: str) -> dict[str, Any]:
+        """What ``/admin/engines`` adds per engine: drained, last readmission, maintenance start."""
+        last = self._last.get(name)
+        return {
+            "drained": self.drained(name),
+            "maintenance_started_at": self.maintenance_started_at(name),
+            "readmission_running": self._locks[name].locked(),
+            "last_readmission": None if last is None else msgspec.to_builtins(last),
+        }
+
+    # ----- the chain -----------------------------------------------------------------------
+
+    async def readmit(self, name: str, *, operator: bool) -> ReadmissionResult:
+        """Run the chain for ``name`` (waiting for any attempt already running); KeyError if unknown.
+
+        On success the engine returns to placement, its drains and holds cleared;
+        on failure nothing changes and the result names the check and why.
+        """
+        spec = self._spec(name)
+        async with self._locks[name]:
+            return await self._attempt(spec, operator=operator)
+
+    async def _attempt(self, spec: EngineSpec, *, operator: bool) -> ReadmissionResult:
+        started = self.clock()
+        started_wall = self.wall_clock()
+        self._last_started[spec.name] = started
+        held_before = self._drain_kinds(spec.name, started)
+        attempt = _Attempt(spec, self.maintenance_started_at(spec.name))
+        check: str | None = None
+        try:
+            await self._run_chain(attempt)
+        except _Refused as refused:
+            check, reason = str(attempt.current), refused.reason
+        except Exception as exc:  # noqa: BLE001 - a broken check is a refusal, never a readmission
+            check, reason = str(attempt.current), f"internal error: {type(exc).__name__}: {exc}"
+            log_event("readmission_error", level=logging.ERROR, engine=spec.name, check=check,
+                      **{"class": type(exc).__name__}, message=str(exc))
+        else:
+            now = self.clock()
+            late = self._drain_kinds(spec.name, now) - held_before
+            if late:
+                check = str(Check.OPERATOR_HOLD)
+                reason = (f"{' and '.join(sorted(late))} began while this readmission ran; "
+                          f"ask for readmission again to clear it")
+            else:
+                self.fleet.readmit(spec.name, now)
+                reason = "every check passed"
+        result = ReadmissionResult(
+            engine=spec.name, outcome="refused" if check else "readmitted", check=check, reason=reason,
+            operator=operator, passed=attempt.passed, at=started_wall, duration_s=self.clock() - started)
+        self._record(result)
+        return result
+
+    async def _run_chain(self, attempt: _Attempt) -> None:
+        steps: dict[Check, Callable[[_Attempt], Awaitable[None]]] = {
+            Check.HEALTH: self._check_health,
+            Check.ATTESTATION: self._check_attestation,
+            Check.NEWER_PROCESS: self._check_newer_process,
+            Check.MODEL: self._check_model,
+            Check.GENERATION: self._check_generation,
+            Check.KV_ROLE: self._check_kv_role,
+            Check.FINAL_HEALTH: self._check_health,
+        }
+        for check in CHAIN:
+            if check is Check.NEWER_PROCESS and attempt.maintenance_started_at is None:
+                continue
+            attempt.current = check
+            try:
+                await steps[check](attempt)
+            except EngineFailure as exc:
+                raise _Refused(f"{exc.failure_class}: {exc.message}") from exc
+            except PoolSaturated as exc:
+                raise _Refused(f"control pool saturated: {exc}") from exc
+            attempt.passed.append(str(check))
+
+    async def _get_ok(self, spec: EngineSpec, path: str) -> bytes:
+        response = await self.control_pool.get(spec, path)
+        if response.status != 200:
+            raise _Refused(f"GET {path} answered HTTP {response.status}")
+        return response.body
+
+    async def _check_health(self, attempt: _Attempt) -> None:
+        await self._get_ok(attempt.spec, "/health")
+
+    async def _check_attestation(self, attempt: _Attempt) -> None:
+        if self._key is None:
+            raise _Refused("no fleet attestation key configured: set [fleet] attestation_key "
+                           "or attestation_key_file")
+        raw = await self._get_ok(attempt.spec, "/narwhal/identity")
+        try:
+            identity = msgspec.json.decode(raw, type=EngineIdentity)
+        except msgspec.DecodeError as exc:
+            raise _Refused(f"GET /narwhal/identity: unreadable identity: {exc}") from None
+        attempt.identity = identity
+        nonce = secrets.token_hex(16)
+        response = await self.control_pool.post_json(attempt.spec, "/narwhal/attest",
+                                                     msgspec.json.encode(AttestRequest(nonce)))
+        if response.status != 200:
+            raise _Refused(f"POST /narwhal/attest answered HTTP {response.status}")
+        try:
+            answer = msgspec.json.decode(response.body, type=AttestResponse)
+        except msgspec.DecodeError as exc:
+            raise _Refused(f"POST /narwhal/attest: unreadable answer: {exc}") from None
+        if not hmac.compare_digest(answer.nonce.encode(), nonce.encode()):
+            raise _Refused("attestation did not echo our nonce (a replayed or stale answer)")
+        if answer.engine_id != identity.engine_id:
+            raise _Refused(f"attestation answered for engine_id {answer.engine_id!r}, "
+                           f"identity names {identity.engine_id!r}")
+        expected = _sign(self._key, identity.engine_id, nonce, identity.generation)
+        if not hmac.compare_digest(answer.signature.encode(), expected.encode()):
+            raise _Refused("attestation signature does not verify with the fleet attestation key")
+
+    async def _check_newer_process(self, attempt: _Attempt) -> None:
+        assert attempt.identity is not None and attempt.maintenance_started_at is not None
+        started = attempt.identity.process_started_at
+        # Written so that a NaN start is refused too.
+        if not started > attempt.maintenance_started_at:
+            raise _Refused(f"engine process started at {_iso(started)}, "
+                           f"not after maintenance began at {_iso(attempt.maintenance_started_at)}: "
+                           f"restart the engine, then readmit it")
+
+    async def _check_model(self, attempt: _Attempt) -> None:
+        assert attempt.identity is not None
+        model = self.config.fleet.model
+        if attempt.identity.model != model:
+            raise _Refused(f"/narwhal/identity names model {attempt.identity.model!r}; "
+                           f"fleet.model is {model!r}")
+        raw = await self._get_ok(attempt.spec, "/v1/models")
+        try:
+            ids = [card.id for card in msgspec.json.decode(raw, type=_ModelList).data]
+        except msgspec.DecodeError as exc:
+            raise _Refused(f"GET /v1/models: unreadable model list: {exc}") from None
+        if model not in ids:
+            raise _Refused(f"/v1/models lists {ids}; fleet.model {model!r} is not among them")
+
+    async def _check_generation(self, attempt: _Attempt) -> None:
+        assert attempt.identity is not None
+        generation = self.config.fleet.generation
+        if attempt.identity.generation != generation:
+            raise _Refused(f"engine reports generation {attempt.identity.generation!r}; "
+                           f"fleet.generation is {generation!r}")
+
+    async def _check_kv_role(self, attempt: _Attempt) -> None:
+        assert attempt.identity is not None
+        needed = _KV_ROLE_FOR[attempt.spec.role]
+        if needed not in attempt.identity.kv_roles:
+            raise _Refused(f"a {attempt.spec.role} engine needs KV role {needed!r}; "
+                           f"engine reports kv_roles {attempt.identity.kv_roles}")
+
+    def _record(self, result: ReadmissionResult) -> None:
+        self._last[result.engine] = result
+        self.metrics.readmissions.inc(result.engine, result.outcome, result.check or "none")
+        level = logging.INFO if result.readmitted else logging.WARNING
+        log_event("readmission", level=level, engine=result.engine, outcome=result.outcome,
+                  check=result.check, reason=result.reason, operator=result.operator,
+                  passed=result.passed, duration_s=round(result.duration_s, 6))
+
+    # ----- the schedule --------------------------------------------------------------------
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Own the nursery that scheduled attempts run in, until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            try:
+                task_status.started()
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None
+
+    async def readmit_due(self) -> None:
+        """Start an attempt for every ejected engine whose retry is due; returns at once.
+
+        Called on every monitor pass; the attempts run in ``run``'s nursery, so a
+        slow engine never holds up the monitor's readmission stage.
+        """
+        if self._nursery is None:
+            raise RuntimeError("readmitter is not running: start Readmitter.run first")
+        now = self.clock()
+        for view in self.fleet.views(now):
+            if self._due(view, now):
+                # Anchor the schedule now, so the next pass does not start it again.
+                self._last_started[view.name] = now
+                self._scheduled.add(view.name)
+                self._nursery.start_soon(self._scheduled_attempt, view.name,
+                                         name=f"readmission {view.name}")
+
+    def next_attempt_at(self, view: EngineView) -> float | None:
+        """When ``view``'s engine is next due for an automatic attempt (monotonic), or None."""
+        if not view.ejected or any(hold.kind in DRAIN_HOLDS for hold in view.holds):
+            return None
+        ejected_at = view.ejected_at if view.ejected_at is not None else -math.inf
+        last = self._last_started.get(view.name)
+        anchor = last if last is not None and last >= ejected_at else ejected_at
+        return anchor + self._interval_s
+
+    def _due(self, view: EngineView, now: float) -> bool:
+        due_at = self.next_attempt_at(view)
+        return (due_at is not None and due_at <= now and view.readmission_allowed
+                and view.name not in self._scheduled and not self._locks[view.name].locked())
+
+    async def _scheduled_attempt(self, name: str) -> None:
+        try:
+            async with self._locks[name]:
+                # The operator may have readmitted or drained it while this waited for the lock.
+                view = self.fleet.view(name, self.clock())
+                if not view.ejected or any(hold.kind in DRAIN_HOLDS for hold in view.holds):
+                    return
+                await self._attempt(self._specs[name], operator=False)
+        finally:
+            self._scheduled.discard(name)
+
+    def _spec(self, name: str) -> EngineSpec:
+        return self._specs[name]  # KeyError for an unknown engine: the API's 404
+
+    def _drain_kinds(self, name: str, now: float) -> set[HoldKind]:
+        return {hold.kind for hold in self.fleet.view(name, now).holds if hold.kind in DRAIN_HOLDS}
