@@ -134,7 +134,9 @@ class Supervisor:
             kind = fields.pop("kind").value
             level = logging.WARNING if kind in ("ejected", "probe_failed") else logging.INFO
             self._count(kind, fields)
-            log_event(f"engine_{kind}", level=level, **{k: getattr(v, "value", v) for k, v in fields.items()})
+            # "at" is monotonic (meaningless to operators; "ts" says when), and nulls are noise.
+            log_event(f"engine_{kind}", level=level,
+                      **{k: getattr(v, "value", v) for k, v in fields.items() if v is not None and k != "at"})
 
     def _count(self, kind: str, fields: dict[str, Any]) -> None:
         engine = fields.get("engine", "")

@@ -148,6 +148,7 @@ class EngineTraffic(msgspec.Struct, frozen=True, kw_only=True):
     connections_opened: int
     requests: int
     connections_per_request: float | None
+    cpu_utilization: float | None = None
 
 
 class RunReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -235,6 +236,7 @@ def _rows(run: RunReport) -> list[tuple[str, str]]:
         rows.append(("load generator CPU cores busy", _fmt(run.load_generator.cpu_utilization, 2)))
     for engine in run.engines:
         rows.append((f"{engine.name} new connections / request", _fmt(engine.connections_per_request, 3)))
+        rows.append((f"{engine.name} CPU cores busy", _fmt(engine.cpu_utilization, 2)))
     errors = ", ".join(f"{k} {v}" for k, v in load.errors_by_kind.items()) or "none"
     rows.append(("errors by kind", errors))
     if load.errors_by_status:

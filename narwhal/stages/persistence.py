@@ -85,14 +85,16 @@ class PersistenceStage:
     def document(self, pass_number: int) -> HandoffDocument:
         """The handoff for this pass, from the fleet's state now and ``extra()``."""
         extra = msgspec.convert(self.extra() if self.extra is not None else {}, _Extra)
+        # One instant for the snapshot and the stamp, on both clocks.
+        now, wall_now = self.clock(), self.wall_clock()
         return HandoffDocument(
             schema=HANDOFF_SCHEMA,
             router_id=self.router_id,
             pid=os.getpid(),
             pass_number=pass_number,
-            written_at=self.wall_clock(),
+            written_at=wall_now,
             engine_set=list(self.engine_set),
-            engines=self.fleet.snapshot(self.clock(), self.wall_clock()),
+            engines=self.fleet.snapshot(now, wall_now),
             consolidation_risk=extra.consolidation_risk,
             lease=extra.lease,
             drained=extra.drained,

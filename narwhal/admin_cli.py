@@ -1,0 +1,174 @@
+"""``python -m narwhal admin engines|drain NAME|maintenance NAME|readmit NAME``: the operator's commands.
+
+Each talks to a running router's admin API (``--url``, default
+http://127.0.0.1:8000; ``--token``, default ``$NARWHAL_ADMIN_TOKEN``), prints
+the fleet as a table or the action's result, and exits 1 with one line on
+stderr when the router cannot be reached or says no (401, 404, a refused
+readmission's 409 with the failed check and why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import urllib.parse
+from typing import Any, TextIO
+
+import httpx
+
+__all__ = ["add_parser", "format_engines", "run_admin"]
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+TOKEN_ENV = "NARWHAL_ADMIN_TOKEN"
+# A readmission runs up to six engine calls, each bounded by engine.health_timeout_s.
+_TIMEOUT_S = 120.0
+_DRAIN_KINDS = ("operator_drain", "maintenance")
+
+
+class _AdminError(Exception):
+    """Why an admin command failed, as the one line to print."""
+
+
+def _add_connection_options(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
+    # On the sub-actions the defaults are suppressed, so options given before the
+    # action are not overwritten by the action parser's defaults.
+    parser.add_argument("--url", default=DEFAULT_URL if defaults else argparse.SUPPRESS,
+                        help=f"the router's admin address (default {DEFAULT_URL})")
+    parser.add_argument("--token", default=None if defaults else argparse.SUPPRESS,
+                        help=f"bearer token for [admin] token (default ${TOKEN_ENV})")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``admin`` and its actions on the top-level CLI; sets ``run`` for dispatch."""
+    admin = subparsers.add_parser(
+        "admin", help="inspect engines, drain, maintain and readmit them",
+        description="Operate a running router through its admin API.")
+    _add_connection_options(admin, defaults=True)
+    actions = admin.add_subparsers(dest="action", required=True, metavar="ACTION")
+    engines = actions.add_parser("engines", help="show every engine: role, state, holds, streaks, in flight")
+    _add_connection_options(engines, defaults=False)
+    for action, text in (("drain", "stop new placements on NAME; requests in flight finish"),
+                         ("maintenance", "drain NAME for planned maintenance and record the start"),
+                         ("readmit", "verify NAME and return it to placement (clears drains)")):
+        parser = actions.add_parser(action, help=text, description=text)
+        parser.add_argument("name", metavar="NAME", help="engine name from the config")
+        _add_connection_options(parser, defaults=False)
+    admin.set_defaults(run=run_admin)
+
+
+def run_admin(args: argparse.Namespace, *, transport: httpx.BaseTransport | None = None,
+              out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Carry out one admin action; 0 on success, 1 (with one line on stderr) on failure."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV)
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    try:
+        with httpx.Client(base_url=args.url.rstrip("/"), headers=headers, timeout=_TIMEOUT_S,
+                          transport=transport, trust_env=False) as client:
+            if args.action == "engines":
+                out.write(format_engines(_call(client, "GET", "/admin/engines")["engines"]))
+            else:
+                path = f"/admin/engines/{urllib.parse.quote(args.name, safe='')}/{args.action}"
+                out.write(_format_action(_call(client, "POST", path)))
+    except _AdminError as exc:
+        err.write(f"narwhal admin: {exc}\n")
+        return 1
+    return 0
+
+
+def _call(client: httpx.Client, method: str, path: str) -> dict[str, Any]:
+    try:
+        response = client.request(method, path)
+    except httpx.HTTPError as exc:
+        raise _AdminError(f"cannot reach {client.base_url}: {exc or type(exc).__name__}") from None
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if response.status_code == 200 and isinstance(body, dict):
+        return body
+    message = body.get("error", {}).get("message") if isinstance(body, dict) else None
+    message = message or response.text.strip()[:200] or response.reason_phrase
+    if response.status_code == 401:
+        message += f" (pass --token or set {TOKEN_ENV})"
+    raise _AdminError(f"HTTP {response.status_code}: {message}")
+
+
+def _when(wall: float | None) -> str:
+    if wall is None:
+        return "-"
+    return datetime.datetime.fromtimestamp(wall, datetime.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def _state(engine: dict[str, Any]) -> str:
+    if engine.get("ejected"):
+        return "ejected"
+    held = [h["kind"] for h in engine.get("holds", []) if not h.get("deferred")]
+    if any(kind in _DRAIN_KINDS for kind in held):
+        return "drained" if engine.get("drained") else "draining"
+    if held or not engine.get("eligible", True):
+        return "held"
+    return "eligible"
+
+
+def _holds(engine: dict[str, Any]) -> str:
+    holds = [h["kind"] + (" (deferred)" if h.get("deferred") else "") for h in engine.get("holds", [])]
+    return ", ".join(holds) or "-"
+
+
+def _streaks(engine: dict[str, Any]) -> str:
+    streaks = [f"{cls}={n}" for cls, n in engine.get("evidence", {}).items() if n]
+    if engine.get("liveness_misses"):
+        streaks.append(f"liveness={engine['liveness_misses']}")
+    return ", ".join(streaks) or "-"
+
+
+def format_engines(engines: list[dict[str, Any]]) -> str:
+    """The fleet as a table, then one line per engine that is out or has a readmission to report."""
+    header = ("NAME", "ROLE", "STATE", "HOLDS", "STREAKS", "IN FLIGHT")
+    rows = [(e["name"], e["role"], _state(e), _holds(e), _streaks(e), str(e.get("in_flight", 0)))
+            for e in engines]
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
+             for row in (header, *rows)]
+    notes: list[str] = []
+    for engine in engines:
+        if engine.get("ejected"):
+            notes.append(f"{engine['name']}: ejected: {engine.get('ejected_reason') or 'no reason recorded'}")
+        for hold in engine.get("holds", []):
+            notes.append(f"{engine['name']}: {hold['kind']}: {hold.get('reason', '')}")
+        if engine.get("maintenance_started_at") is not None:
+            notes.append(f"{engine['name']}: maintenance since {_when(engine['maintenance_started_at'])}")
+        last = engine.get("last_readmission")
+        if last:
+            notes.append(f"{engine['name']}: last readmission {_describe_readmission(last)}")
+    if notes:
+        lines += ["", *notes]
+    return "\n".join(lines) + "\n"
+
+
+def _describe_readmission(result: dict[str, Any]) -> str:
+    who = "operator" if result.get("operator") else "automatic"
+    if result.get("outcome") == "readmitted":
+        return f"readmitted at {_when(result.get('at'))} ({who})"
+    return (f"refused at {_when(result.get('at'))} ({who}) by check {result.get('check')}: "
+            f"{result.get('reason')}")
+
+
+def _format_action(body: dict[str, Any]) -> str:
+    engine = body["engine"]
+    name = engine["name"]
+    action = body["action"]
+    if action == "readmit":
+        passed = ", ".join(body["readmission"].get("passed", []))
+        return f"{name}: readmitted (passed: {passed}); state {_state(engine)}\n"
+    in_flight = engine.get("in_flight", 0)
+    settled = ("drained: nothing in flight" if engine.get("drained")
+               else f"draining: {in_flight} request(s) in flight will finish")
+    if action == "maintenance":
+        return (f"{name}: maintenance started {_when(body.get('maintenance_started_at'))}; {settled}; "
+                f"restart the engine, then run: narwhal admin readmit {name}\n")
+    return f"{name}: drain requested; {settled}; undo with: narwhal admin readmit {name}\n"

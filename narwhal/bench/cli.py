@@ -1,0 +1,164 @@
+"""``python -m narwhal bench``: options, then one run from fleet start to report.
+
+With no arguments it starts 1 prefill + 1 decode mock engine and Narwhal in
+front of them, loads it with 2,000 streamed 32-token requests at concurrency
+16 (or 20 s, whichever ends first), prints the table and stops everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import trio
+
+from .runner import BenchSettings, run_bench
+
+__all__ = ["build_parser", "run_from_args", "settings_from_args"]
+
+_DEFAULT_REQUESTS = 2000
+_DEFAULT_DURATION_S = 20.0
+_FAULTS_DURATION_S = 20.0
+
+
+def build_parser(parser: argparse.ArgumentParser) -> None:
+    """Add the benchmark's options to ``parser`` (the ``bench`` subcommand)."""
+    fleet = parser.add_argument_group("mock fleet (started here unless --target)")
+    fleet.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill mock engines (default 1)")
+    fleet.add_argument("--decode", type=int, default=None, metavar="N",
+                       help="decode mock engines (default 1; 3 with --scenario faults)")
+    fleet.add_argument("--tokens", type=int, default=32, help="tokens per response (default 32)")
+    fleet.add_argument("--token-delay-s", type=float, default=0.0,
+                       help="the mock's pause before each token (default 0)")
+    fleet.add_argument("--prompt-words", type=int, default=16,
+                       help="prompt length in words; the mock counts a word as a token (default 16)")
+
+    load = parser.add_argument_group("load")
+    load.add_argument("--concurrency", type=int, default=16, help="requests in flight at once (default 16)")
+    load.add_argument("--requests", type=int, default=None,
+                      help=f"stop issuing after this many requests (default {_DEFAULT_REQUESTS} when "
+                           f"--duration-s is not given either)")
+    load.add_argument("--duration-s", type=float, default=None,
+                      help=f"stop issuing after this long (default {_DEFAULT_DURATION_S:g} s when --requests "
+                           f"is not given either; {_FAULTS_DURATION_S:g} s with --scenario faults)")
+    load.add_argument("--no-stream", dest="stream", action="store_false",
+                      help="ask for whole JSON responses instead of SSE streams")
+    load.add_argument("--new-connections", dest="keep_alive", action="store_false",
+                      help="open a new client connection per request (default: keep-alive)")
+    load.add_argument("--warmup", type=int, default=None, metavar="N",
+                      help="unmeasured requests before the load (default 2 x concurrency)")
+    load.add_argument("--timeout-s", type=float, default=60.0, help="per-request timeout (default 60)")
+
+    router = parser.add_argument_group("router")
+    router.add_argument("--count-tokens", choices=("on", "off"), default="on",
+                        help="Narwhal's serving.count_tokens (default on, the router's default)")
+    router.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="another Narwhal config value, e.g. --set recovery.eject_after=2 (repeatable)")
+    router.add_argument("--router-cmd", metavar="TEMPLATE",
+                        help="start this router instead of Narwhal, e.g. 'vllm-router --vllm-pd-disaggregation "
+                             "{prefill_flags} {decode_flags} --port {port} --prometheus-port {metrics_port}' "
+                             "(placeholders: see docs/benchmarks.md)")
+    router.add_argument("--target", metavar="URL", help="load a router already running at URL; start no fleet")
+    router.add_argument("--target-pid", type=int, metavar="PID",
+                        help="with --target: the pid whose CPU to measure (default: the process listening "
+                             "on the target's port, when it is on this host)")
+    router.add_argument("--profile-router", metavar="FILE",
+                        help="record the router with py-spy during the load (speedscope JSON to FILE)")
+
+    run = parser.add_argument_group("run")
+    run.add_argument("--baseline", choices=("direct",),
+                     help="also run the same load straight at one decode mock and print the ratio")
+    run.add_argument("--scenario", choices=("load", "faults"), default="load",
+                     help="faults: kill a decode engine and restart it, make another answer 5xx, during the load")
+    run.add_argument("--fault-downtime-s", type=float, default=4.0,
+                     help="faults: how long the killed engine stays down (default 4)")
+    run.add_argument("--fault-5xx-s", type=float, default=4.0,
+                     help="faults: how long the other engine answers 5xx (default 4)")
+    run.add_argument("--fault-status", type=int, default=500, help="faults: the 5xx status (default 500)")
+    run.add_argument("--json", metavar="FILE", help="write every figure to FILE as JSON")
+    run.add_argument("--label", help="name of the run in the table (default: the router's name)")
+    run.add_argument("--quiet", action="store_true", help="no progress line")
+
+
+def _parse_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
+    """``section.key=value`` pairs; the value is read as TOML would read it, else kept as a string."""
+    import tomllib
+
+    sections: dict[str, dict[str, Any]] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not sep or not dot or not section or not name:
+            raise ValueError(f"--set expects SECTION.KEY=VALUE, got {item!r}")
+        try:
+            value = tomllib.loads(f"v = {raw.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw.strip()
+        sections.setdefault(section, {})[name] = value
+    return sections
+
+
+def settings_from_args(args: argparse.Namespace) -> BenchSettings:
+    """Validate the options and resolve their defaults; ValueError names the bad option."""
+    faults = args.scenario == "faults"
+    requests, duration_s = args.requests, args.duration_s
+    if requests is None and duration_s is None:
+        if faults:
+            duration_s = _FAULTS_DURATION_S
+        else:
+            requests, duration_s = _DEFAULT_REQUESTS, _DEFAULT_DURATION_S
+    decode = args.decode if args.decode is not None else (3 if faults else 1)
+    if args.prefill < 1 or decode < 1:
+        raise ValueError("--prefill and --decode must be at least 1")
+    if faults and decode < 2:
+        raise ValueError("--scenario faults needs at least 2 decode engines (one is killed)")
+    if faults and args.target:
+        raise ValueError("--scenario faults needs a fleet started here; it cannot run with --target")
+    if args.target and args.router_cmd:
+        raise ValueError("--target and --router-cmd exclude each other")
+    if args.baseline and args.target:
+        raise ValueError("--baseline direct needs a fleet started here; it cannot run with --target")
+    if args.tokens < 1 or args.prompt_words < 1 or args.concurrency < 1:
+        raise ValueError("--tokens, --prompt-words and --concurrency must be at least 1")
+    if args.token_delay_s < 0 or args.timeout_s <= 0:
+        raise ValueError("--token-delay-s must be >= 0 and --timeout-s > 0")
+    if requests is not None and requests < 1:
+        raise ValueError("--requests must be at least 1")
+    if duration_s is not None and duration_s <= 0:
+        raise ValueError("--duration-s must be positive")
+    if not 500 <= args.fault_status <= 599:
+        raise ValueError("--fault-status must be 500-599")
+    warmup = args.warmup if args.warmup is not None else 2 * args.concurrency
+    return BenchSettings(
+        prefill=args.prefill, decode=decode, tokens=args.tokens, token_delay_s=args.token_delay_s,
+        prompt_words=args.prompt_words, concurrency=args.concurrency, requests=requests, duration_s=duration_s,
+        stream=args.stream, keep_alive=args.keep_alive, warmup=max(0, warmup), timeout_s=args.timeout_s,
+        count_tokens=args.count_tokens == "on", overrides=_parse_overrides(args.overrides),
+        router_cmd=args.router_cmd, target=args.target, target_pid=args.target_pid,
+        profile_router=args.profile_router, baseline=args.baseline, scenario=args.scenario,
+        fault_downtime_s=args.fault_downtime_s, fault_5xx_s=args.fault_5xx_s, fault_status=args.fault_status,
+        label=args.label, progress=not args.quiet)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run the benchmark the options describe; prints the table, returns the exit status."""
+    try:
+        settings = settings_from_args(args)
+    except ValueError as exc:
+        print(f"narwhal bench: {exc}", file=sys.stderr)
+        return 2
+    try:
+        report = trio.run(run_bench, settings)
+    except (RuntimeError, OSError, ValueError) as exc:
+        print(f"narwhal bench: {exc}", file=sys.stderr)
+        return 1
+    from .report import format_report
+
+    print(format_report(report))
+    if args.json:
+        Path(args.json).write_bytes(msgspec.json.format(msgspec.json.encode(report)) + b"\n")
+        print(f"figures written to {args.json}", file=sys.stderr)
+    return 0

@@ -1,0 +1,266 @@
+"""What the benchmark loads: a mock fleet of local processes and the router in front of it.
+
+The router is one of three targets: Narwhal started here with a generated
+config, any other router started here from a command template (``--router-cmd``,
+for vllm-router and sglang-router), or a router already running (``--target``).
+Everything started here is stopped here: SIGTERM to its process group, then
+SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+from ..local_fleet import LocalProcess, render_config, start_mock_engine, start_router
+from .procstat import listening_pid
+
+__all__ = [
+    "ATTESTATION_KEY",
+    "BenchFleet",
+    "CommandTemplateError",
+    "Target",
+    "command_for",
+    "external_target",
+    "free_port",
+    "make_workdir",
+    "narwhal_sections",
+    "probe_completion",
+    "start_command_router",
+    "start_fleet",
+    "start_narwhal",
+    "wait_until_serving",
+]
+
+# The mock engine's default attestation key: the router needs it to readmit engines.
+ATTESTATION_KEY = "narwhal-dev-key"
+
+
+class BenchFleet:
+    """The mock engines, by name (``p1``, ``d1``, ...), with the arguments to restart them alike."""
+
+    def __init__(self, engines: dict[str, LocalProcess], roles: dict[str, str], mock_args: Sequence[str]) -> None:
+        self.engines = engines
+        self.roles = roles
+        self.mock_args = list(mock_args)
+        # Killed processes, reaped at stop.
+        self.retired: list[LocalProcess] = []
+
+    def names(self, role: str) -> list[str]:
+        return [name for name, r in self.roles.items() if r == role]
+
+    def urls(self, role: str) -> list[str]:
+        return [self.engines[name].url for name in self.names(role)]
+
+    def described(self) -> list[tuple[str, str, str]]:
+        """(name, url, role) per engine, the shape ``render_config`` takes."""
+        return [(name, self.engines[name].url, role) for name, role in self.roles.items()]
+
+    async def restart(self, nursery: trio.Nursery, name: str) -> LocalProcess:
+        """Start ``name`` again on its old port (after it was killed), as a new process."""
+        old = self.engines[name]
+        self.retired.append(old)
+        engine = await start_mock_engine(nursery, self.roles[name], engine_id=name, args=self.mock_args,
+                                         port=old.port)
+        self.engines[name] = engine
+        return engine
+
+    async def stop(self) -> None:
+        for engine in [*self.engines.values(), *self.retired]:
+            await engine.stop(grace_s=5.0)
+
+
+async def start_fleet(nursery: trio.Nursery, *, prefill: int, decode: int,
+                      mock_args: Sequence[str]) -> BenchFleet:
+    """Start ``prefill`` + ``decode`` mock engines; each announces its own port."""
+    engines: dict[str, LocalProcess] = {}
+    roles: dict[str, str] = {}
+    fleet = BenchFleet(engines, roles, mock_args)
+    try:
+        for role, count in (("prefill", prefill), ("decode", decode)):
+            for i in range(1, count + 1):
+                name = f"{role[0]}{i}"
+                engines[name] = await start_mock_engine(nursery, role, engine_id=name, args=mock_args)
+                roles[name] = role
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await fleet.stop()
+        raise
+    return fleet
+
+
+class Target:
+    """A router to load: its URL, the pid whose CPU is measured, and how to stop it."""
+
+    def __init__(self, *, kind: str, url: str, pid: int | None, process: LocalProcess | trio.Process | None = None,
+                 command: list[str] | None = None, log_path: Path | None = None) -> None:
+        self.kind = kind
+        self.url = url.rstrip("/")
+        parsed = httpx.URL(self.url)
+        self.host = parsed.host
+        self.port = parsed.port or 80
+        self.pid = pid
+        self.process = process
+        self.command = command
+        self.log_path = log_path
+
+    @property
+    def is_narwhal(self) -> bool:
+        return self.kind == "narwhal"
+
+    @property
+    def log_lines(self) -> list[dict[str, Any]]:
+        """The JSON lines a Narwhal router started here has logged so far."""
+        return self.process.lines if isinstance(self.process, LocalProcess) else []
+
+    async def stop(self) -> None:
+        if isinstance(self.process, LocalProcess):
+            await self.process.stop(grace_s=10.0)
+        elif isinstance(self.process, trio.Process):
+            await _stop_group(self.process, grace_s=10.0)
+
+
+async def _stop_group(process: trio.Process, grace_s: float) -> None:
+    """SIGTERM the process group this benchmark started, then SIGKILL it if it outstays ``grace_s``."""
+    if process.returncode is None:
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        with trio.move_on_after(grace_s):
+            await process.wait()
+        if process.returncode is None:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    await process.wait()
+
+
+def narwhal_sections(workdir: Path, *, count_tokens: bool,
+                     overrides: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+    """The config sections of a benchmarked Narwhal router; ``overrides`` (from ``--set``) win."""
+    sections: dict[str, dict[str, Any]] = {
+        "serving": {"count_tokens": count_tokens, "shutdown_grace_s": 2.0},
+        "fleet": {"attestation_key": ATTESTATION_KEY},
+        "handoff": {"path": str(workdir / "handoff.json")},
+    }
+    for section, values in (overrides or {}).items():
+        sections.setdefault(section, {}).update(values)
+    return sections
+
+
+async def start_narwhal(nursery: trio.Nursery, fleet: BenchFleet, workdir: Path,
+                        sections: Mapping[str, Mapping[str, Any]]) -> Target:
+    """Write a config for ``fleet`` and start ``python -m narwhal serve`` on a free port."""
+    config_path = workdir / "narwhal.toml"
+    config_path.write_text(render_config(fleet.described(), sections))
+    router = await start_router(nursery, str(config_path))
+    return Target(kind="narwhal", url=router.url, pid=router.pid, process=router,
+                  command=[sys.executable, "-m", "narwhal", "serve", "--config", str(config_path)])
+
+
+def free_port() -> int:
+    """A port that was free a moment ago, for routers that cannot bind port 0 and report it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class CommandTemplateError(ValueError):
+    """A ``--router-cmd`` template names a placeholder the benchmark does not fill."""
+
+
+def command_for(template: str, fleet: BenchFleet, *, port: int, metrics_port: int) -> list[str]:
+    """Fill a ``--router-cmd`` template and split it into argv.
+
+    Placeholders: ``{port}``, ``{metrics_port}``, ``{prefill_flags}`` (``--prefill URL``
+    per prefill engine), ``{prefill_flags_bootstrap}`` (``--prefill URL 8998``, for
+    sglang-router), ``{decode_flags}``, ``{prefill_urls}``, ``{decode_urls}``, and
+    ``{prefill[0]}``/``{decode[0]}`` for single engines.
+    """
+    prefill, decode = fleet.urls("prefill"), fleet.urls("decode")
+    values = {
+        "port": port, "metrics_port": metrics_port, "prefill": prefill, "decode": decode,
+        "prefill_urls": " ".join(prefill), "decode_urls": " ".join(decode),
+        "prefill_flags": " ".join(f"--prefill {url}" for url in prefill),
+        "prefill_flags_bootstrap": " ".join(f"--prefill {url} 8998" for url in prefill),
+        "decode_flags": " ".join(f"--decode {url}" for url in decode),
+    }
+    try:
+        return shlex.split(template.format(**values))
+    except (KeyError, IndexError) as exc:
+        raise CommandTemplateError(f"--router-cmd: unknown placeholder {exc}") from None
+
+
+async def start_command_router(nursery: trio.Nursery, template: str, fleet: BenchFleet, workdir: Path) -> Target:
+    """Start another router from a command template; its output goes to ``router.log`` in ``workdir``."""
+    port, metrics_port = free_port(), free_port()
+    argv = command_for(template, fleet, port=port, metrics_port=metrics_port)
+    log_path = workdir / "router.log"
+    with open(log_path, "wb") as log:
+        process = await trio.lowlevel.open_process(argv, stdout=log, stderr=subprocess.STDOUT,
+                                                   stdin=subprocess.DEVNULL, start_new_session=True)
+    return Target(kind="command", url=f"http://127.0.0.1:{port}", pid=process.pid, process=process,
+                  command=argv, log_path=log_path)
+
+
+def external_target(url: str, pid: int | None) -> Target:
+    """A router already running at ``url``; its CPU is measured when its pid is given or found by port."""
+    target = Target(kind="external", url=url, pid=None)
+    if pid is None and target.host in ("127.0.0.1", "localhost"):
+        pid = listening_pid(target.port)
+    target.pid = pid
+    return target
+
+
+async def probe_completion(client: httpx.AsyncClient, url: str, *, body: bytes) -> bool:
+    """One streamed completion through ``url``; True when it ended with ``data: [DONE]``."""
+    try:
+        async with client.stream("POST", url + "/v1/completions", content=body,
+                                 headers={"content-type": "application/json"}) as response:
+            if response.status_code != 200:
+                await response.aread()
+                return False
+            text = b"".join([chunk async for chunk in response.aiter_bytes()])
+    except httpx.HTTPError:
+        return False
+    return text.rstrip().endswith(b"data: [DONE]")
+
+
+async def wait_until_serving(client: httpx.AsyncClient, target: Target, *, probe_body: bytes,
+                             timeout_s: float = 60.0) -> None:
+    """Wait until ``target`` serves: ``/ready`` 200 for Narwhal, then a streamed completion for any router."""
+    with trio.move_on_after(timeout_s) as scope:
+        if target.is_narwhal:
+            while True:
+                try:
+                    if (await client.get(target.url + "/ready")).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                await trio.sleep(0.1)
+        while not await probe_completion(client, target.url, body=probe_body):
+            if isinstance(target.process, trio.Process) and target.process.returncode is not None:
+                raise RuntimeError(f"the router exited with status {target.process.returncode} "
+                                   f"before serving; see {target.log_path}")
+            await trio.sleep(0.2)
+    if scope.cancelled_caught:
+        where = f"; see {target.log_path}" if target.log_path else ""
+        raise RuntimeError(f"the router at {target.url} did not serve a completion within {timeout_s:g} s{where}")
+
+
+def make_workdir() -> tempfile.TemporaryDirectory[str]:
+    """A scratch directory for the config, the handoff and router logs."""
+    return tempfile.TemporaryDirectory(prefix="narwhal-bench-")

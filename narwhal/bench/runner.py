@@ -1,0 +1,232 @@
+"""One benchmark run from start to report: fleet, router, warm-up, load (or faults), baseline, stop.
+
+``run_bench`` owns one nursery: the mock engines, the router and their log
+readers live in it, and everything started is stopped (shielded from
+cancellation) before it returns, whatever happened.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import trio
+
+from .fleet import (
+    BenchFleet,
+    Target,
+    external_target,
+    make_workdir,
+    narwhal_sections,
+    start_command_router,
+    start_fleet,
+    start_narwhal,
+    wait_until_serving,
+)
+from .load import LoadSpec, completion_body, run_load
+from .measure import EngineRef, measured_load
+from .report import BenchReport, RunReport
+from .scenario import FaultScenario
+
+__all__ = ["BenchSettings", "run_bench"]
+
+# What a decode engine needs to stream without a prefill: a readable (fake) KV handoff.
+_DIRECT_KV = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "bench",
+              "remote_block_ids": [1], "remote_host": "127.0.0.1", "remote_port": 1, "tp_size": 1}
+
+
+class BenchSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """Every choice of one run, resolved from the command line (and written to the JSON)."""
+
+    prefill: int = 1
+    decode: int = 1
+    tokens: int = 32
+    token_delay_s: float = 0.0
+    prompt_words: int = 16
+    concurrency: int = 16
+    requests: int | None = 2000
+    duration_s: float | None = 20.0
+    stream: bool = True
+    keep_alive: bool = True
+    warmup: int = 32
+    timeout_s: float = 60.0
+    count_tokens: bool = True
+    overrides: dict[str, dict[str, Any]] = {}
+    router_cmd: str | None = None
+    target: str | None = None
+    target_pid: int | None = None
+    profile_router: str | None = None
+    baseline: str | None = None
+    scenario: str = "load"
+    fault_downtime_s: float = 4.0
+    fault_5xx_s: float = 4.0
+    fault_status: int = 500
+    label: str | None = None
+    progress: bool = True
+
+    @property
+    def mock_args(self) -> list[str]:
+        return ["--tokens", str(self.tokens), "--token-delay-s", repr(self.token_delay_s)]
+
+
+def _spec(settings: BenchSettings, host: str, port: int, body: bytes, *, requests: int | None,
+          duration_s: float | None) -> LoadSpec:
+    return LoadSpec(host=host, port=port, body=body, concurrency=settings.concurrency, requests=requests,
+                    duration_s=duration_s, keep_alive=settings.keep_alive, stream=settings.stream,
+                    timeout_s=settings.timeout_s)
+
+
+def _engine_refs(fleet: BenchFleet | None) -> list[EngineRef]:
+    if fleet is None:
+        return []
+    return [(name, role, fleet.engines[name].url, fleet.engines[name].pid) for name, role in fleet.roles.items()]
+
+
+def _label(settings: BenchSettings, target: Target) -> str:
+    if settings.label:
+        return settings.label
+    if target.kind == "command" and target.command:
+        return Path(target.command[0]).name
+    return "narwhal" if target.is_narwhal else "target"
+
+
+async def _start_profiler(pid: int, out: str) -> trio.Process:
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(py_spy).exists():
+        raise RuntimeError("--profile-router needs py-spy on PATH (pip install py-spy)")
+    return await trio.lowlevel.open_process(
+        [py_spy, "record", "--pid", str(pid), "--nonblocking", "--rate", "250", "--format", "speedscope",
+         "--output", out], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+async def _stop_profiler(process: trio.Process) -> None:
+    # py-spy writes its output when interrupted.
+    process.send_signal(signal.SIGINT)
+    with trio.move_on_after(30):
+        await process.wait()
+    if process.returncode is None:
+        process.kill()
+        await process.wait()
+
+
+def _ratios(run: RunReport, direct: RunReport) -> dict[str, float | None]:
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a is not None and b else None
+
+    routed, base = run.load, direct.load
+    return {
+        "requests_per_s": ratio(routed.requests_per_s, base.requests_per_s),
+        "tokens_per_s": ratio(routed.tokens_per_s, base.tokens_per_s),
+        "ttft_p50": ratio(routed.ttft.p50_ms if routed.ttft else None, base.ttft.p50_ms if base.ttft else None),
+        "ttft_p99": ratio(routed.ttft.p99_ms if routed.ttft else None, base.ttft.p99_ms if base.ttft else None),
+        "total_p50": ratio(routed.total.p50_ms if routed.total else None,
+                           base.total.p50_ms if base.total else None),
+    }
+
+
+async def _start_target(nursery: trio.Nursery, settings: BenchSettings, fleet: BenchFleet | None,
+                        workdir: Path) -> Target:
+    if settings.target:
+        return external_target(settings.target, settings.target_pid)
+    assert fleet is not None
+    if settings.router_cmd:
+        return await start_command_router(nursery, settings.router_cmd, fleet, workdir)
+    overrides = dict(settings.overrides)
+    if settings.scenario == "faults":
+        # Retrying on another engine is what lets a router lose only the streams cut by a death.
+        overrides = {**overrides, "serving": {"policy": "bounded", **overrides.get("serving", {})}}
+    sections = narwhal_sections(workdir, count_tokens=settings.count_tokens, overrides=overrides)
+    return await start_narwhal(nursery, fleet, workdir, sections)
+
+
+async def _measure(nursery: trio.Nursery, settings: BenchSettings, fleet: BenchFleet | None, target: Target,
+                   client: httpx.AsyncClient, body: bytes) -> tuple[RunReport, Any]:
+    label = _label(settings, target)
+    spec = _spec(settings, target.host, target.port, body, requests=settings.requests,
+                 duration_s=settings.duration_s)
+    scenario = None
+    if settings.scenario == "faults":
+        assert fleet is not None
+        probe_interval_s = float(settings.overrides.get("recovery", {}).get("probe_interval_s", 5.0))
+        scenario = FaultScenario(nursery=nursery, fleet=fleet, target=target, client=client,
+                                 downtime_s=settings.fault_downtime_s, fault_5xx_s=settings.fault_5xx_s,
+                                 status=settings.fault_status, load_duration_s=settings.duration_s,
+                                 probe_interval_s=probe_interval_s)
+    profiler = None
+    if settings.profile_router and target.pid:
+        profiler = await _start_profiler(target.pid, settings.profile_router)
+        await trio.sleep(0.5)
+    try:
+        run, result = await measured_load(spec, label=label, target=target.url, client=client,
+                                          router_pid=target.pid, engines=_engine_refs(fleet),
+                                          progress=settings.progress,
+                                          alongside=scenario.run if scenario else None)
+    finally:
+        if profiler is not None:
+            with trio.CancelScope(shield=True):
+                await _stop_profiler(profiler)
+    return run, (scenario.report(result) if scenario else None)
+
+
+async def _direct_baseline(settings: BenchSettings, fleet: BenchFleet, client: httpx.AsyncClient) -> RunReport:
+    """The same load straight at the first decode mock, with a decode-shaped body: the machine's limit."""
+    name = fleet.names("decode")[0]
+    engine = fleet.engines[name]
+    body = completion_body(prompt_words=settings.prompt_words, max_tokens=settings.tokens,
+                           stream=settings.stream, kv_transfer_params=_DIRECT_KV)
+    spec = _spec(settings, "127.0.0.1", engine.port, body, requests=settings.requests,
+                 duration_s=settings.duration_s)
+    if settings.warmup:
+        await run_load(msgspec.structs.replace(spec, requests=settings.warmup, duration_s=None))
+    run, _ = await measured_load(spec, label=f"direct ({name})", target=engine.url, client=client,
+                                 router_pid=None, engines=[(name, "decode", engine.url, engine.pid)],
+                                 progress=settings.progress)
+    return run
+
+
+def _settings_record(settings: BenchSettings, target: Target) -> dict[str, Any]:
+    record: dict[str, Any] = msgspec.structs.asdict(settings)
+    record["router_command"] = target.command
+    record["mock_args"] = settings.mock_args
+    record["python"] = sys.version.split()[0]
+    return record
+
+
+async def run_bench(settings: BenchSettings) -> BenchReport:
+    """Run the benchmark ``settings`` describe and return its report."""
+    body = completion_body(prompt_words=settings.prompt_words, max_tokens=settings.tokens, stream=settings.stream)
+    probe_body = completion_body(prompt_words=4, max_tokens=2, stream=True)
+    with make_workdir() as workdir_name:
+        workdir = Path(workdir_name)
+        async with httpx.AsyncClient(timeout=10.0) as client, trio.open_nursery() as nursery:
+            fleet: BenchFleet | None = None
+            target: Target | None = None
+            try:
+                if not settings.target:
+                    fleet = await start_fleet(nursery, prefill=settings.prefill, decode=settings.decode,
+                                              mock_args=settings.mock_args)
+                target = await _start_target(nursery, settings, fleet, workdir)
+                await wait_until_serving(client, target, probe_body=probe_body)
+                if settings.warmup:
+                    await run_load(_spec(settings, target.host, target.port, body, requests=settings.warmup,
+                                         duration_s=None))
+                run, faults = await _measure(nursery, settings, fleet, target, client, body)
+                baseline = None
+                if settings.baseline == "direct":
+                    assert fleet is not None
+                    baseline = await _direct_baseline(settings, fleet, client)
+            finally:
+                with trio.CancelScope(shield=True):
+                    if target is not None:
+                        await target.stop()
+                    if fleet is not None:
+                        await fleet.stop()
+                nursery.cancel_scope.cancel()
+            return BenchReport(settings=_settings_record(settings, target), run=run, baseline=baseline,
+                               router_vs_direct=_ratios(run, baseline) if baseline else None, faults=faults)
