@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+from pathlib import Path
 import sys
 from collections.abc import Sequence
 
@@ -106,7 +107,7 @@ def _serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     from .router import Router
 
-    router = Router(config, listen=args.listen, resume=args.resume)
+    router = Router(config, listen=args.listen, resume=args.resume, config_dir=Path(args.config).parent)
     try:
         trio.run(run_until_signal, router)
     except OSError as exc:

@@ -46,6 +46,8 @@ async def _demo(args: argparse.Namespace) -> None:
                 config_path.write_text(render_config(
                     [(e.name, e.url, "prefill" if e.name.startswith("p") else "decode") for e in engines],
                     {"serving": {"listen": args.listen},
+                     # The mock engines sign attestations with this key by default.
+                     "fleet": {"attestation_key": "narwhal-dev-key"},
                      "handoff": {"path": str(Path(workdir) / "handoff.json")}},
                 ))
                 router = await start_router(nursery, str(config_path), listen=args.listen, echo=sys.stderr)

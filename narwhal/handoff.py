@@ -145,8 +145,8 @@ def read_document(path: str | os.PathLike[str]) -> HandoffDocument:
         data = Path(path).read_bytes()
     except FileNotFoundError:
         raise HandoffMissing(f"no handoff at {os.fspath(path)}") from None
-    except OSError as exc:
-        raise HandoffUnreadable(f"cannot read {os.fspath(path)}: {exc.strerror or exc}") from None
+    except (OSError, ValueError) as exc:  # ValueError: a path the OS cannot take (NUL byte)
+        raise HandoffUnreadable(f"cannot read {os.fspath(path)}: {getattr(exc, 'strerror', None) or exc}") from None
     return decode_document(data)
 
 

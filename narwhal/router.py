@@ -11,10 +11,12 @@ from __future__ import annotations
 import os
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 import trio
 
+from .admin_api import register_admin_routes
 from .admission import Admission
 from .app import create_app
 from .config import Config, parse_listen
@@ -26,6 +28,7 @@ from .monitor import Monitor
 from .placement import InFlight
 from .pools.control import ControlPool
 from .pools.data import DataPool
+from .readmission import Readmitter
 from .request_core import COMPLETION_ROUTES, RequestCore
 from .resume import apply_resume, plan_resume
 from .router_metrics import RouterMetrics
@@ -43,7 +46,8 @@ _NOT_ALLOWED = error_json("completion routes accept POST only", "invalid_request
 class Router:
     """One Narwhal router: data plane, control app and control plane over one fleet."""
 
-    def __init__(self, config: Config, *, listen: str | None = None, resume: bool = False) -> None:
+    def __init__(self, config: Config, *, listen: str | None = None, resume: bool = False,
+                 config_dir: Path | None = None) -> None:
         self.config = config
         self.listen = listen or config.serving.listen
         self.resume = resume
@@ -73,7 +77,9 @@ class Router:
                                 telemetry=self.telemetry)
         self.persistence = PersistenceStage(path=config.handoff.path, router_id=self.router_id,
                                             fleet=self.fleet, config=config)
-        self.readmitter: Any = None
+        self.readmitter = Readmitter(config=config, fleet=self.fleet, control_pool=self.control_pool,
+                                     in_flight=self.in_flight, metrics=self.metrics,
+                                     attestation_key=config.attestation_key_bytes(config_dir))
         self.stages = build_stages(config=config, supervisor=self.supervisor, control_pool=self.control_pool,
                                    telemetry=self.telemetry, in_flight=self.in_flight,
                                    persistence_stage=self.persistence, readmission=self.readmitter)
@@ -86,6 +92,7 @@ class Router:
                                failure_limit=controller.monitor_failure_limit,
                                admission=self.admission, metrics=self.metrics)
         self.app = create_app(self)
+        register_admin_routes(self.app, self)
         serving = config.serving
         self.server = HTTPServer(self.handle, max_header_bytes=serving.max_header_bytes,
                                  max_body_bytes=serving.max_body_bytes, idle_timeout_s=serving.idle_timeout_s)
@@ -122,13 +129,11 @@ class Router:
                 "evidence": {str(k): v for k, v in view.evidence.items()},
                 "liveness_misses": view.liveness_misses,
                 "in_flight": self.in_flight[view.name],
-                "drained": view.name in self.drain.drained,
                 "next_probe_at": view.next_probe_at,
                 "counters": {"ejections": view.counters.ejections, "probes": dict(view.counters.probes),
                              "failures": {str(k): v for k, v in view.counters.failures.items()}},
             })
-            if self.readmitter is not None:
-                engines[-1].update(self.readmitter.engine_extras(view.name))
+            engines[-1].update(self.readmitter.engine_extras(view.name))
         return {"engines": engines, "consolidation_risk": self.controller.consolidation_risk(),
                 "monitor": {"failure_streak": self.monitor.failure_streak,
                             "degraded": self.monitor.degraded_reason, "passes": self.monitor.passes}}
@@ -182,6 +187,7 @@ class Router:
                 await nursery.start(self.supervisor.run)
                 if self.resume:
                     self._resume()
+                await nursery.start(self.readmitter.run)
                 await nursery.start(self.monitor.run)
                 if self.config.admin.listen:
                     await nursery.start(self._serve_admin)
@@ -190,8 +196,10 @@ class Router:
                           engines=len(self.config.engines), pid=os.getpid())
                 task_status.started(self.bound_port)
         finally:
-            await self.data_pool.aclose()
-            await self.control_pool.aclose()
+            # Close sockets even when cancelled: leaked engine connections outlive the router.
+            with trio.CancelScope(shield=True):
+                await self.data_pool.aclose()
+                await self.control_pool.aclose()
             log_event("router_stopped", router_id=self.router_id)
 
     def _resume(self) -> None:

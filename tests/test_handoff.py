@@ -390,9 +390,10 @@ async def test_stuck_write_makes_later_passes_fail_and_never_lands_last(
     assert entered.is_set()
     with pytest.raises(HandoffWriteInProgress):
         await stage.run(2)
+    assert stage.write_in_progress
     release.set()
     for _ in range(200):  # the abandoned worker finishes on its own
-        if path.exists():
+        if not stage.write_in_progress:
             break
         await trio.sleep(0.01)
     assert read_document(path).pass_number == 1

@@ -211,7 +211,7 @@ async def test_monitor_times_out_a_stuck_write_without_blocking(
     release.set()
     monkeypatch.undo()
     for _ in range(200):
-        if destination.exists():
+        if not stage.write_in_progress:
             break
         await trio.sleep(0.01)
     assert read_document(destination).pass_number == 1

@@ -14,6 +14,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +24,7 @@ import pytest
 import trio
 from trio.testing import MockClock
 
-from narwhal.config import Config, EngineSpec, FleetConfig, RecoveryConfig
+from narwhal.config import Config, EngineConfig, EngineSpec, FleetConfig, RecoveryConfig
 from narwhal.failures import SuccessKind
 from narwhal.fleet import EngineRecord, Fleet, HoldKind
 from narwhal.placement import InFlight
@@ -34,11 +35,6 @@ from narwhal.router_metrics import RouterMetrics
 KEY = b"fleet-key"
 WALL_BASE = 1_700_000_000.0
 FULL_CHAIN = ["health", "attestation", "model", "generation", "kv_role", "final_health"]
-
-
-@pytest.fixture
-def autojump_clock() -> MockClock:
-    return MockClock(autojump_threshold=0)
 
 
 class FakeEngine:
@@ -110,6 +106,7 @@ class World:
         by_port = {9001 + i: engine for i, engine in enumerate(self.engines.values())}
         self.config = Config(
             fleet=FleetConfig(model="m1", generation="g1"),
+            engine=EngineConfig(health_timeout_s=30.0),
             recovery=RecoveryConfig(probe_interval_s=probe_interval_s, failure_quarantine_s=quarantine_s),
             engines=[EngineSpec(name=name, url=f"http://127.0.0.1:{port}", role=engine.role)
                      for port, (name, engine) in zip(by_port, self.engines.items())])
@@ -124,13 +121,9 @@ class World:
                            probe_interval_s=probe_interval_s)
         self.in_flight = InFlight(self.engines)
         self.metrics = RouterMetrics()
-        self.readmitter = self.make_readmitter(self.fleet, key=key)
-
-    def make_readmitter(self, fleet: Fleet, *, key: bytes | None = KEY,
-                        wall_offset: float = WALL_BASE) -> Readmitter:
-        return Readmitter(config=self.config, fleet=fleet, control_pool=self.pool, in_flight=self.in_flight,
-                          metrics=self.metrics, wall_clock=lambda: wall_offset + trio.current_time(),
-                          attestation_key=key)
+        self.readmitter = Readmitter(config=self.config, fleet=self.fleet, control_pool=self.pool,
+                                     in_flight=self.in_flight, metrics=self.metrics, wall_clock=self.wall,
+                                     attestation_key=key)
 
     def now(self) -> float:
         return trio.current_time()
@@ -156,7 +149,8 @@ def events(caplog: pytest.LogCaptureFixture) -> Callable[[], list[dict[str, Any]
 # ----- the chain ----------------------------------------------------------------------------
 
 
-async def test_every_check_passing_returns_an_ejected_engine_to_placement(events) -> None:
+async def test_every_check_passing_returns_an_ejected_engine_to_placement(
+        autojump_clock: MockClock, events) -> None:
     world = World()
     world.fleet.eject("d1", "connection streak", world.now())
     assert "d1" not in world.fleet.eligible("decode", world.now())
@@ -244,7 +238,8 @@ CASES = [
      ["health", "attestation", "model"]),
     ("d1", _decode_not_consumer, "kv_role", "needs KV role 'consumer'",
      ["health", "attestation", "model", "generation"]),
-    ("p1", _prefill_not_producer, "kv_role", "needs KV role 'producer'", ["health", "attestation", "model", "generation"]),
+    ("p1", _prefill_not_producer, "kv_role", "needs KV role 'producer'",
+     ["health", "attestation", "model", "generation"]),
     ("d1", _health_final, "final_health", "GET /health answered HTTP 503",
      ["health", "attestation", "model", "generation", "kv_role"]),
 ]
@@ -253,8 +248,8 @@ CASES = [
 @pytest.mark.parametrize(("name", "fault", "check", "words", "passed"), CASES,
                          ids=[f"{c[0]}-{c[2]}-{i}" for i, c in enumerate(CASES)])
 async def test_each_check_failing_alone_keeps_the_engine_out_with_its_reason(
-        events, name: str, fault: Callable[[FakeEngine], None], check: str, words: str,
-        passed: list[str]) -> None:
+        autojump_clock: MockClock, events, name: str, fault: Callable[[FakeEngine], None], check: str,
+        words: str, passed: list[str]) -> None:
     world = World()
     world.fleet.eject(name, "liveness", world.now())
     fault(world.engines[name])
@@ -277,7 +272,7 @@ async def test_each_check_failing_alone_keeps_the_engine_out_with_its_reason(
     assert (last["outcome"], last["check"], last["reason"]) == ("refused", check, result.reason)
 
 
-async def test_without_an_attestation_key_nothing_is_readmitted() -> None:
+async def test_without_an_attestation_key_nothing_is_readmitted(autojump_clock: MockClock) -> None:
     world = World(key=None)
     world.fleet.eject("d1", "liveness", world.now())
     result = await world.readmitter.readmit("d1", operator=True)
@@ -286,7 +281,7 @@ async def test_without_an_attestation_key_nothing_is_readmitted() -> None:
     assert ("POST", "/narwhal/attest") not in world.engines["d1"].calls
 
 
-async def test_each_attestation_uses_a_fresh_nonce() -> None:
+async def test_each_attestation_uses_a_fresh_nonce(autojump_clock: MockClock) -> None:
     world = World()
     nonces: list[str] = []
     engine = world.engines["d1"]
@@ -303,7 +298,7 @@ async def test_each_attestation_uses_a_fresh_nonce() -> None:
     assert len(set(nonces)) == 3 and all(len(n) == 32 for n in nonces)
 
 
-async def test_unknown_engine_is_a_key_error() -> None:
+async def test_unknown_engine_is_a_key_error(autojump_clock: MockClock) -> None:
     world = World()
     assert not world.readmitter.knows("nope")
     with pytest.raises(KeyError):
@@ -320,7 +315,7 @@ def test_the_chain_order_is_the_specs_with_newer_process_after_attestation() -> 
 # ----- operator drains -----------------------------------------------------------------------
 
 
-async def test_a_drain_stops_new_placements_and_settles_at_zero_in_flight() -> None:
+async def test_a_drain_stops_new_placements_and_settles_at_zero_in_flight(autojump_clock: MockClock) -> None:
     world = World()
     world.in_flight.acquire("d1")
     world.in_flight.acquire("d1")
@@ -336,7 +331,7 @@ async def test_a_drain_stops_new_placements_and_settles_at_zero_in_flight() -> N
     assert world.readmitter.drained("d2") is False  # idle but not drained
 
 
-async def test_a_drain_survives_health_successes_and_probe_success() -> None:
+async def test_a_drain_survives_health_successes_and_probe_success(autojump_clock: MockClock) -> None:
     world = World()
     world.readmitter.drain("d1", world.now())
     await trio.sleep(1)
@@ -349,7 +344,8 @@ async def test_a_drain_survives_health_successes_and_probe_success() -> None:
     assert "d1" not in world.fleet.eligible("decode", world.now())
 
 
-async def test_a_failed_readmit_leaves_the_drain_and_says_why_a_successful_one_clears_it() -> None:
+async def test_a_failed_readmit_leaves_the_drain_and_says_why_a_successful_one_clears_it(
+        autojump_clock: MockClock) -> None:
     world = World()
     world.readmitter.drain("d1", world.now())
     world.engines["d1"].generation = "g0"
@@ -365,7 +361,7 @@ async def test_a_failed_readmit_leaves_the_drain_and_says_why_a_successful_one_c
     assert "d1" in world.fleet.eligible("decode", world.now())
 
 
-async def test_a_drain_added_while_a_readmission_runs_is_not_cleared_by_it() -> None:
+async def test_a_drain_added_while_a_readmission_runs_is_not_cleared_by_it(autojump_clock: MockClock) -> None:
     world = World()
     world.fleet.eject("d1", "liveness", world.now())
     world.engines["d1"].health_delay_s = 1.0
@@ -388,7 +384,8 @@ async def test_a_drain_added_while_a_readmission_runs_is_not_cleared_by_it() -> 
 # ----- planned maintenance -----------------------------------------------------------------
 
 
-async def test_maintenance_refuses_an_engine_that_was_not_restarted_and_accepts_a_newer_process() -> None:
+async def test_maintenance_refuses_an_engine_that_was_not_restarted_and_accepts_a_newer_process(
+        autojump_clock: MockClock) -> None:
     world = World()
     await trio.sleep(100)
     started_at = world.readmitter.maintenance("d1", world.now())
@@ -416,14 +413,14 @@ async def test_maintenance_refuses_an_engine_that_was_not_restarted_and_accepts_
     assert world.readmitter.engine_extras("d1")["maintenance_started_at"] is None
 
 
-async def test_asking_for_maintenance_again_keeps_the_first_start() -> None:
+async def test_asking_for_maintenance_again_keeps_the_first_start(autojump_clock: MockClock) -> None:
     world = World()
     first = world.readmitter.maintenance("d1", world.now())
     await trio.sleep(50)
     assert world.readmitter.maintenance("d1", world.now()) == first
 
 
-async def test_maintenance_and_drain_survive_a_resume_into_another_process() -> None:
+async def test_maintenance_and_drain_survive_a_resume_into_another_process(autojump_clock: MockClock) -> None:
     world = World()
     await trio.sleep(10)
     started_at = world.readmitter.maintenance("d1", world.now())
@@ -455,22 +452,21 @@ async def test_maintenance_and_drain_survive_a_resume_into_another_process() -> 
 # ----- the schedule -----------------------------------------------------------------------------
 
 
-async def monitor_passes(world: World, seconds: float) -> None:
-    """Call ``readmit_due`` once a second for ``seconds``, as the monitor's readmission stage does."""
-    t0 = trio.current_time()
-    for k in range(1, int(seconds) + 1):
-        await trio.sleep_until(t0 + k)
-        await world.readmitter.readmit_due()
-
-
 async def run_schedule(world: World, seconds: float) -> None:
+    """Call ``readmit_due`` on every whole second for ``seconds``, as the monitor's readmission stage
+    does once a pass, then give the attempts started by the last pass half a second to finish."""
+    first = math.floor(trio.current_time()) + 1
     async with trio.open_nursery() as nursery:
         await nursery.start(world.readmitter.run)
-        await monitor_passes(world, seconds)
+        for k in range(int(seconds)):
+            await trio.sleep_until(first + k)
+            await world.readmitter.readmit_due()
+        await trio.sleep(0.5)
         nursery.cancel_scope.cancel()
 
 
-async def test_an_ejected_engine_is_retried_every_probe_interval_and_never_given_up() -> None:
+async def test_an_ejected_engine_is_retried_every_probe_interval_and_never_given_up(
+        autojump_clock: MockClock) -> None:
     world = World(probe_interval_s=5.0)
     t0 = trio.current_time()
     world.fleet.eject("d1", "connection streak", t0)
@@ -493,7 +489,7 @@ async def test_an_ejected_engine_is_retried_every_probe_interval_and_never_given
     assert world.engines["p1"].calls == [] and world.engines["d2"].calls == []
 
 
-async def test_retries_respect_the_quarantine_deadline() -> None:
+async def test_retries_respect_the_quarantine_deadline(autojump_clock: MockClock) -> None:
     world = World(quarantine_s=12.0, probe_interval_s=5.0)
     t0 = trio.current_time()
     world.fleet.eject("d1", "connection streak", t0)
@@ -504,7 +500,7 @@ async def test_retries_respect_the_quarantine_deadline() -> None:
     assert world.engines["d1"].health_times == [t0 + 12, t0 + 17, t0 + 22]
 
 
-async def test_drained_and_maintained_engines_wait_for_the_operator() -> None:
+async def test_drained_and_maintained_engines_wait_for_the_operator(autojump_clock: MockClock) -> None:
     world = World(probe_interval_s=5.0)
     now = trio.current_time()
     world.fleet.eject("d1", "liveness", now)
@@ -521,7 +517,8 @@ async def test_drained_and_maintained_engines_wait_for_the_operator() -> None:
     assert world.fleet.is_eligible("d1", trio.current_time())
 
 
-async def test_attempts_run_concurrently_across_engines_and_one_at_a_time_per_engine() -> None:
+async def test_attempts_run_concurrently_across_engines_and_one_at_a_time_per_engine(
+        autojump_clock: MockClock) -> None:
     world = World(probe_interval_s=5.0)
     t0 = trio.current_time()
     for name in ("d1", "d2"):
@@ -536,7 +533,8 @@ async def test_attempts_run_concurrently_across_engines_and_one_at_a_time_per_en
         assert world.engines[name].max_running == 1
 
 
-async def test_an_operator_readmit_waits_for_the_automatic_attempt_in_progress() -> None:
+async def test_an_operator_readmit_waits_for_the_automatic_attempt_in_progress(
+        autojump_clock: MockClock) -> None:
     world = World(probe_interval_s=5.0)
     t0 = trio.current_time()
     world.fleet.eject("d1", "liveness", t0)
@@ -555,7 +553,7 @@ async def test_an_operator_readmit_waits_for_the_automatic_attempt_in_progress()
     assert world.engines["d1"].max_running == 1
 
 
-async def test_an_operator_readmit_does_not_wait_for_the_quarantine() -> None:
+async def test_an_operator_readmit_does_not_wait_for_the_quarantine(autojump_clock: MockClock) -> None:
     # The chain's health check is a successful health check, which the spec lets end a quarantine.
     world = World(quarantine_s=300.0)
     world.fleet.eject("d1", "liveness", world.now())
@@ -563,7 +561,7 @@ async def test_an_operator_readmit_does_not_wait_for_the_quarantine() -> None:
     assert world.fleet.view("d1", world.now()).holds == []
 
 
-async def test_readmit_due_needs_the_running_readmitter() -> None:
+async def test_readmit_due_needs_the_running_readmitter(autojump_clock: MockClock) -> None:
     world = World()
     with pytest.raises(RuntimeError, match="Readmitter.run"):
         await world.readmitter.readmit_due()

@@ -82,6 +82,11 @@ class PersistenceStage:
         state = "paused" if self.paused else "active"
         return f"<PersistenceStage {self.path!r} [{state} | last pass written: {self.last_written_pass}]>"
 
+    @property
+    def write_in_progress(self) -> bool:
+        """True while a worker thread is writing (possibly one a stage timeout abandoned)."""
+        return self._writing.locked()
+
     def document(self, pass_number: int) -> HandoffDocument:
         """The handoff for this pass, from the fleet's state now and ``extra()``."""
         extra = msgspec.convert(self.extra() if self.extra is not None else {}, _Extra)

@@ -58,6 +58,7 @@ async def start_fleet(nursery, tmp_path):
             "serving": {"shutdown_grace_s": 5.0},
             "engine": {"connect_timeout_s": 1.0, "request_timeout_s": 10.0},
             "handoff": {"path": str(tmp_path / "handoff.json")},
+            "fleet": {"attestation_key": "narwhal-dev-key"},
         }
         for section, values in (sections or {}).items():
             merged.setdefault(section, {}).update(values)

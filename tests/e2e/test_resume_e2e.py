@@ -37,10 +37,10 @@ def handoff_of(fleet) -> dict:
     return json.loads(path.read_bytes())
 
 
-async def test_ejection_survives_a_restart_with_resume(start_fleet, nursery):
+async def test_ejection_survives_a_restart_with_resume(start_fleet, nursery, tmp_path):
     fleet = await start_fleet(prefill=1, decode=2, sections=FAST)
-    # d2 refuses connections for a while: the old router ejects it.
-    await fleet.set_fault("d2", "refuse", duration_s=2.0)
+    # d2 refuses connections from now on: the old router ejects it.
+    await fleet.set_fault("d2", "refuse", duration_s=60.0)
 
     async def d2_ejected_in_handoff() -> bool:
         records = {record["name"]: record for record in handoff_of(fleet)["engines"]}
@@ -50,18 +50,21 @@ async def test_ejection_survives_a_restart_with_resume(start_fleet, nursery):
     old_reason = (await engines_view(fleet, fleet.url))["d2"]["ejected_reason"]
     await fleet.router.stop()
 
-    async def d2_healthy() -> bool:
-        try:
-            return (await fleet.client.get(f"{fleet.engines['d2'].url}/health")).status_code == 200
-        except Exception:  # noqa: BLE001 - refused while the window lasts
-            return False
-
-    # d2 is healthy again before the new router starts: only the handoff can keep it out.
-    await wait_for(d2_healthy)
-    resumed = await start_router(nursery, str(fleet.config_path), args=["--resume"])
+    # The same engines, but evidence so slow to act that a new router could not
+    # eject d2 by itself within this test, nor readmit it while it refuses: only
+    # the handoff can keep it out.
+    patient = tmp_path / "patient.toml"
+    patient.write_text(render_config(
+        [(name, engine.url, "prefill" if name.startswith("p") else "decode")
+         for name, engine in fleet.engines.items()],
+        {"controller": {"monitor_interval_s": 0.2}, "engine": {"health_timeout_s": 0.5},
+         "recovery": {"eject_after": 1000, "liveness_misses": 1000, "failure_quarantine_s": 120.0},
+         "handoff": {"path": str(tmp_path / "handoff.json")}}))
+    resumed = await start_router(nursery, str(patient), args=["--resume"])
     try:
         [applied] = resumed.events("handoff_applied")
         assert applied["ejected"] == ["d2"]
+        await trio.sleep(0.5)  # a few monitor passes
         d2 = (await engines_view(fleet, resumed.url))["d2"]
         assert d2["ejected"] and not d2["eligible"]
         assert d2["ejected_reason"] == old_reason
@@ -73,9 +76,10 @@ async def test_ejection_survives_a_restart_with_resume(start_fleet, nursery):
         await resumed.stop()
 
     # Without --resume the same router starts fresh.
-    fresh = await start_router(nursery, str(fleet.config_path))
+    fresh = await start_router(nursery, str(patient))
     try:
         assert not fresh.events("handoff_applied") and not fresh.events("handoff_not_applied")
+        await trio.sleep(0.5)
         assert not (await engines_view(fleet, fresh.url))["d2"]["ejected"]
     finally:
         await fresh.stop()

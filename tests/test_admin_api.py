@@ -1,0 +1,251 @@
+"""The admin API for drains, maintenance and readmission, through the real app of a real Router.
+
+Mock engines run in this process on 127.0.0.1 (real sockets, real clock);
+the router is built from a config naming them (construction does no I/O) and
+its quart app is driven with quart's test client. ``MockFleet`` and
+``admin_router`` are shared with ``test_admin_cli``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from narwhal.admin_api import register_admin_routes
+from narwhal.config import AdminConfig, Config, EngineSpec, FleetConfig, HandoffConfig
+from narwhal.mock.engine import MockService, MockSettings, serve_mock
+from narwhal.mock.faults import FaultRequest
+from narwhal.readmission import Readmitter
+from narwhal.router import Router
+
+ATTESTATION_KEY = "narwhal-dev-key"  # the mock engine's default key
+TOKEN = "s3cret-token"
+
+
+class MockFleet:
+    """Mock engines served in this process, each restartable as a new process on its own port."""
+
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self.nursery = nursery
+        self.services: dict[str, MockService] = {}
+        self._stopped: dict[str, trio.Event] = {}
+
+    async def start(self, name: str, role: str, *, port: int = 0, **settings: Any) -> MockService:
+        stopped = trio.Event()
+        mock_settings = MockSettings(role=role, engine_id=name, port=port, **settings)  # type: ignore[arg-type]
+
+        async def serve(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+            try:
+                await serve_mock(mock_settings, task_status=task_status)
+            finally:
+                stopped.set()
+
+        self.services[name] = await self.nursery.start(serve)
+        self._stopped[name] = stopped
+        return self.services[name]
+
+    async def restart(self, name: str) -> MockService:
+        """Stop ``name`` and start a new process on the same port, started now."""
+        old = self.services[name]
+        old.stop(0)
+        await self._stopped[name].wait()
+        return await self.start(name, old.engine.settings.role, port=old.engine.port,
+                                process_started_at=time.time())
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.services[name].engine.port}"
+
+    def stop_all(self) -> None:
+        for service in self.services.values():
+            service.stop(0)
+
+
+async def start_mock_fleet(nursery: trio.Nursery) -> MockFleet:
+    fleet = MockFleet(nursery)
+    for name, role in (("p1", "prefill"), ("d1", "decode"), ("d2", "decode")):
+        await fleet.start(name, role)
+    return fleet
+
+
+def fleet_config(mocks: MockFleet, tmp_path: Path, *, token: str | None = None) -> Config:
+    return Config(
+        fleet=FleetConfig(attestation_key=ATTESTATION_KEY),
+        admin=AdminConfig(token=token),
+        handoff=HandoffConfig(path=str(tmp_path / "handoff.json")),
+        engines=[EngineSpec(name=name, url=mocks.url(name), role=service.engine.settings.role)
+                 for name, service in mocks.services.items()])
+
+
+def admin_router(config: Config, **kwargs: Any) -> Router:
+    """A Router with the readmitter and its admin routes (wired here only if the Router does not yet)."""
+    router = Router(config, **kwargs)
+    if getattr(router, "readmitter", None) is None:
+        router.readmitter = Readmitter(config=config, fleet=router.fleet, control_pool=router.control_pool,
+                                       in_flight=router.in_flight, metrics=router.metrics,
+                                       attestation_key=config.attestation_key_bytes())
+        register_admin_routes(router.app, router)
+    return router
+
+
+class Harness:
+    def __init__(self, mocks: MockFleet, router: Router) -> None:
+        self.mocks = mocks
+        self.router = router
+        self.client = router.app.test_client()
+
+    async def post(self, path: str, **kwargs: Any) -> tuple[int, Any]:
+        response = await self.client.post(path, **kwargs)
+        return response.status_code, await response.get_json()
+
+    async def get(self, path: str, **kwargs: Any) -> tuple[int, Any]:
+        response = await self.client.get(path, **kwargs)
+        return response.status_code, await response.get_json()
+
+    def eligible(self, role: str) -> list[str]:
+        return self.router.fleet.eligible(role, trio.current_time())
+
+    def hold_kinds(self, name: str) -> list[str]:
+        return [str(hold.kind) for hold in self.router.fleet.view(name, trio.current_time()).holds]
+
+
+@pytest.fixture
+async def harness(nursery: trio.Nursery, tmp_path: Path):
+    """``await harness(token=None)``: mock engines p1, d1, d2 and a router over them."""
+    mocks = await start_mock_fleet(nursery)
+    routers: list[Router] = []
+
+    async def make(*, token: str | None = None) -> Harness:
+        router = admin_router(fleet_config(mocks, tmp_path, token=token))
+        routers.append(router)
+        return Harness(mocks, router)
+
+    yield make
+    for router in routers:
+        await router.control_pool.aclose()
+        await router.data_pool.aclose()
+    mocks.stop_all()
+
+
+async def test_drain_stops_new_placements_and_reports_drained_once_nothing_is_in_flight(harness) -> None:
+    h = await harness()
+    h.router.in_flight.acquire("d1")
+
+    status, body = await h.post("/admin/engines/d1/drain")
+    assert status == 200
+    assert body["action"] == "drain"
+    engine = body["engine"]
+    assert (engine["name"], engine["eligible"], engine["drained"]) == ("d1", False, False)
+    assert [hold["kind"] for hold in engine["holds"]] == ["operator_drain"]
+    assert h.eligible("decode") == ["d2"]
+
+    h.router.in_flight.release("d1")
+    status, body = await h.get("/admin/engines/d1")
+    assert status == 200 and body["engine"]["drained"] is True
+    status, body = await h.get("/admin/engines")
+    [d1] = [e for e in body["engines"] if e["name"] == "d1"]
+    assert d1["drained"] is True and d1["last_readmission"] is None
+
+
+async def test_readmit_runs_the_chain_and_clears_the_drain(harness) -> None:
+    h = await harness()
+    await h.post("/admin/engines/d1/drain")
+
+    status, body = await h.post("/admin/engines/d1/readmit")
+    assert status == 200, body
+    assert body["readmission"]["outcome"] == "readmitted"
+    assert body["readmission"]["passed"] == ["health", "attestation", "model", "generation", "kv_role",
+                                             "final_health"]
+    assert body["engine"]["eligible"] is True and body["engine"]["holds"] == []
+    assert sorted(h.eligible("decode")) == ["d1", "d2"]
+    assert body["engine"]["last_readmission"]["outcome"] == "readmitted"
+
+
+async def test_a_refused_readmit_is_409_with_the_check_and_why_and_the_drain_stays(harness) -> None:
+    h = await harness()
+    await h.post("/admin/engines/d1/drain")
+    h.mocks.services["d1"].engine.add_fault(FaultRequest(mode="generation", value="g9"))
+
+    status, body = await h.post("/admin/engines/d1/readmit")
+    assert status == 409
+    assert body["error"]["code"] == "readmission_refused"
+    assert "generation" in body["error"]["message"] and "'g9'" in body["error"]["message"]
+    assert (body["readmission"]["outcome"], body["readmission"]["check"]) == ("refused", "generation")
+    assert "engine reports generation 'g9'" in body["readmission"]["reason"]
+    assert h.hold_kinds("d1") == ["operator_drain"]
+    assert h.eligible("decode") == ["d2"]
+    status, body = await h.get("/admin/engines/d1")
+    assert body["engine"]["last_readmission"]["check"] == "generation"
+
+
+async def test_maintenance_readmit_is_refused_until_the_engine_restarts(harness) -> None:
+    h = await harness()
+    before = time.time()
+    status, body = await h.post("/admin/engines/d1/maintenance")
+    assert status == 200
+    assert before <= body["maintenance_started_at"] <= time.time()
+    assert body["engine"]["maintenance_started_at"] == pytest.approx(body["maintenance_started_at"])
+    assert h.hold_kinds("d1") == ["maintenance"]
+
+    status, body = await h.post("/admin/engines/d1/readmit")
+    assert status == 409
+    assert body["readmission"]["check"] == "newer_process"
+    assert "restart the engine" in body["readmission"]["reason"]
+    assert h.hold_kinds("d1") == ["maintenance"]
+
+    await trio.sleep(0.01)
+    await h.mocks.restart("d1")
+    status, body = await h.post("/admin/engines/d1/readmit")
+    assert status == 200, body
+    assert "newer_process" in body["readmission"]["passed"]
+    assert h.hold_kinds("d1") == [] and "d1" in h.eligible("decode")
+
+
+@pytest.mark.parametrize(("method", "path"), [
+    ("GET", "/admin/engines/nope"),
+    ("POST", "/admin/engines/nope/drain"),
+    ("POST", "/admin/engines/nope/maintenance"),
+    ("POST", "/admin/engines/nope/readmit"),
+])
+async def test_an_unknown_engine_is_a_404_json_error(harness, method: str, path: str) -> None:
+    h = await harness()
+    response = await h.client.open(path, method=method)
+    assert response.status_code == 404
+    assert response.content_type == "application/json"
+    error = (await response.get_json())["error"]
+    assert error == {"message": "no engine named 'nope'", "type": "invalid_request_error",
+                     "code": "engine_not_found"}
+
+
+ADMIN_CALLS = [
+    ("GET", "/admin/engines"),
+    ("GET", "/admin/engines/d1"),
+    ("POST", "/admin/engines/d1/drain"),
+    ("POST", "/admin/engines/d1/maintenance"),
+    ("POST", "/admin/engines/d1/readmit"),
+]
+
+
+@pytest.mark.parametrize(("method", "path"), ADMIN_CALLS)
+async def test_with_a_token_configured_every_admin_call_needs_it(harness, method: str, path: str) -> None:
+    h = await harness(token=TOKEN)
+    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": TOKEN},
+                    {"authorization": f"Basic {TOKEN}"}):
+        response = await h.client.open(path, method=method, headers=headers)
+        assert response.status_code == 401, headers
+        assert (await response.get_json())["error"]["type"] == "authentication_error"
+        assert response.headers["www-authenticate"].startswith("Bearer")
+    # Refused calls changed nothing.
+    assert h.hold_kinds("d1") == []
+    response = await h.client.open(path, method=method, headers={"authorization": f"Bearer {TOKEN}"})
+    assert response.status_code == 200
+
+
+async def test_drain_routes_accept_post_only(harness) -> None:
+    h = await harness()
+    response = await h.client.get("/admin/engines/d1/drain")
+    assert response.status_code == 405
+    assert h.hold_kinds("d1") == []
