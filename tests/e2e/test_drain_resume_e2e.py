@@ -1,0 +1,56 @@
+"""End to end: an operator drain survives a router restart with --resume, and only readmission clears it."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from narwhal.local_fleet import start_router
+
+pytestmark = pytest.mark.e2e
+
+FAST = {"controller": {"monitor_interval_s": 0.2}, "engine": {"health_timeout_s": 0.5}}
+
+
+async def views(client, url: str) -> dict[str, dict]:
+    body = (await client.get(f"{url}/admin/engines")).json()
+    return {engine["name"]: engine for engine in body["engines"]}
+
+
+async def test_drain_survives_health_successes_and_resume_until_readmitted(start_fleet, nursery):
+    fleet = await start_fleet(decode=2, sections=FAST)
+    response = await fleet.client.post(f"{fleet.url}/admin/engines/d2/drain")
+    assert response.status_code == 200, response.text
+
+    async def drained_and_saved() -> bool:
+        view = (await views(fleet.client, fleet.url))["d2"]
+        return view["drained"] and fleet.router.events("engine_drained") != []
+
+    with trio.fail_after(10):
+        while not await drained_and_saved():
+            await trio.sleep(0.05)
+    # Several monitor passes of health 200 later, the drain still holds.
+    await trio.sleep(0.6)
+    view = (await views(fleet.client, fleet.url))["d2"]
+    assert not view["eligible"] and any(h["kind"] == "operator_drain" for h in view["holds"])
+
+    assert await fleet.router.stop() == 0
+    resumed = await start_router(nursery, str(fleet.config_path), args=["--resume"])
+    try:
+        assert resumed.events("handoff_applied")
+        view = (await views(fleet.client, resumed.url))["d2"]
+        assert not view["eligible"] and any(h["kind"] == "operator_drain" for h in view["holds"])
+        # Monitor-failure counters start fresh after a restart, even with --resume.
+        body = (await fleet.client.get(f"{resumed.url}/admin/engines")).json()
+        assert body["monitor"]["failure_streak"] == 0
+        for _ in range(5):
+            response = await fleet.client.post(f"{resumed.url}/v1/completions",
+                                               json={"model": "mock-model", "prompt": "x", "max_tokens": 2})
+            assert response.status_code == 200
+        assert (await fleet.engine_stats("d2"))["decode"] == 0
+        readmit = await fleet.client.post(f"{resumed.url}/admin/engines/d2/readmit")
+        assert readmit.status_code == 200, readmit.text
+        view = (await views(fleet.client, resumed.url))["d2"]
+        assert view["eligible"] and not view["holds"]
+    finally:
+        await resumed.stop()
