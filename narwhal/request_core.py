@@ -34,7 +34,7 @@ from .logs import log_event
 from .placement import InFlight, pick_least_outstanding
 from .router_metrics import RouterMetrics
 from .telemetry import Telemetry
-from .wire import error_json, extract_handoff
+from .wire import PREFILL_KV_REQUEST, error_json, extract_handoff
 
 __all__ = ["COMPLETION_ROUTES", "RequestCore", "Sink"]
 
@@ -42,14 +42,6 @@ COMPLETION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
-_PREFILL_KV = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 _DATA = b"data: "
 _DONE = b"data: [DONE]"
 # Bounded policy: how often a queued request looks for capacity again.
@@ -391,7 +383,7 @@ class RequestCore:
             body["max_completion_tokens"] = 1
         body["stream"] = False
         body.pop("stream_options", None)
-        body["kv_transfer_params"] = _PREFILL_KV
+        body["kv_transfer_params"] = PREFILL_KV_REQUEST
         _, raw = await self._engine_call("prefill", self.data_pool.post_json(
             prefill, route, _encode_json.encode(body), request_id=rid))
         kv = extract_handoff(raw)

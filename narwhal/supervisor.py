@@ -21,19 +21,11 @@ from .fleet import Action, ActionKind, Fleet, FleetEventKind
 from .logs import log_event
 from .router_metrics import RouterMetrics
 from .stages.health import health_failure_class
-from .wire import extract_handoff
+from .wire import PREFILL_KV_REQUEST, extract_handoff
 
 __all__ = ["Supervisor"]
 
 _PROBE_PROMPT = "narwhal inference probe"
-_PROBE_KV = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 _encode_json = msgspec.json.Encoder()
 
 
@@ -212,7 +204,7 @@ class Supervisor:
     async def _probe_prefill(self, engine: EngineSpec, *, suspect_leg: bool) -> dict[str, Any]:
         body = _encode_json.encode({
             "model": self.config.fleet.model, "prompt": _PROBE_PROMPT, "max_tokens": 1,
-            "stream": False, "kv_transfer_params": _PROBE_KV,
+            "stream": False, "kv_transfer_params": PREFILL_KV_REQUEST,
         })
         problem, raw = await self._probe_call(engine, "/v1/completions", body)
         kv = None

@@ -13,9 +13,20 @@ __all__ = [
     "ErrorBody",
     "ErrorDetail",
     "KVTransferParams",
+    "PREFILL_KV_REQUEST",
     "error_json",
     "extract_handoff",
 ]
+
+# What a prefill request carries: "keep the KV for a remote decode" (vLLM's P/D flow).
+PREFILL_KV_REQUEST: dict[str, object] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 
 class KVTransferParams(msgspec.Struct, kw_only=True):

@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 import trio
 
+from tests.e2e.waiting import wait_until
+
 pytestmark = pytest.mark.e2e
 
 FAST: dict[str, dict[str, Any]] = {
@@ -31,14 +33,6 @@ REQUEST = {"model": "mock-model", "prompt": "hello", "max_tokens": 4, "stream": 
 async def engines(fleet) -> dict[str, dict[str, Any]]:
     response = await fleet.client.get(f"{fleet.url}/admin/engines")
     return {engine["name"]: engine for engine in response.json()["engines"]}
-
-
-async def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition") -> None:
-    with trio.move_on_after(timeout_s):
-        while not await predicate():
-            await trio.sleep(0.05)
-        return
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 async def complete(fleet) -> tuple[int, str]:

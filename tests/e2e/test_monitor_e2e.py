@@ -9,17 +9,11 @@ import httpx
 import pytest
 import trio
 
+from tests.e2e.waiting import wait_until
+
 pytestmark = pytest.mark.e2e
 
 REQUEST = {"model": "mock-model", "prompt": "hello", "max_tokens": 4, "stream": True}
-
-
-async def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition") -> None:
-    with trio.move_on_after(timeout_s):
-        while not await predicate():
-            await trio.sleep(0.05)
-        return
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 async def test_persistence_failure_degrades_readiness_and_one_clean_pass_recovers(start_fleet, tmp_path):
