@@ -164,6 +164,11 @@ async def test_control_routes(start_fleet):
     for engine in engines:
         assert set(engine) >= {"name", "role", "url", "eligible", "ejected", "holds", "evidence",
                                "liveness_misses", "in_flight"}
+    # One engine per role: each role is at "critical" consolidation risk.
+    body = (await fleet.client.get(f"{fleet.url}/admin/engines")).json()
+    assert body["consolidation_risk"] == {"prefill": "critical", "decode": "critical"}
+    telemetry = await fleet.client.get(f"{fleet.url}/admin/telemetry")
+    assert telemetry.status_code == 200 and "interval_s" in telemetry.json()
     missing = await fleet.client.get(f"{fleet.url}/nope")
     assert missing.status_code == 404 and missing.json()["error"]
     wrong_method = await fleet.client.get(f"{fleet.url}/v1/completions")
@@ -184,6 +189,8 @@ async def test_metrics_parse_with_prometheus_client(start_fleet):
     assert "narwhal_inter_token_seconds" in families
     assert "narwhal_requests_in_flight" in families
     assert "narwhal_pool_connections" in families
+    risk = {s.labels["role"]: s.value for s in families["narwhal_consolidation_risk"].samples}
+    assert risk == {"prefill": 2, "decode": 2}
 
 
 async def test_request_log_line_per_finished_request(start_fleet):
