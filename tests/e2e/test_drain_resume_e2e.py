@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import trio
 
@@ -34,6 +36,12 @@ async def test_drain_survives_health_successes_and_resume_until_readmitted(start
     view = (await views(fleet.client, fleet.url))["d2"]
     assert not view["eligible"] and any(h["kind"] == "operator_drain" for h in view["holds"])
 
+    handoff = json.loads((fleet.config_path.parent / "handoff.json").read_bytes())
+    assert handoff["drained"] == ["d2"]
+    # d2 drained: 1 of 2 decode engines eligible is "critical" (one or none).
+    assert handoff["consolidation_risk"] == {"prefill": "critical", "decode": "critical"}
+    record = {r["name"]: r for r in handoff["engines"]}["d2"]
+    assert [h["kind"] for h in record["holds"]] == ["operator_drain"]
     assert await fleet.router.stop() == 0
     resumed = await start_router(nursery, str(fleet.config_path), args=["--resume"])
     try:
