@@ -54,7 +54,7 @@ import msgspec
 import trio
 
 from .config import Config, EngineSpec
-from .failures import EngineFailure, PoolSaturated
+from .failures import EngineFailure, PoolSaturated, SuccessKind
 from .fleet import EngineView, Fleet, HoldKind
 from .logs import log_event
 from .placement import InFlight
@@ -306,6 +306,8 @@ class Readmitter:
 
     async def _check_health(self, attempt: _Attempt) -> None:
         await self._get_ok(attempt.spec, "/health")
+        # "Any successful health response" counts: it clears its row (liveness included).
+        self.fleet.record_success(attempt.spec.name, SuccessKind.HEALTH_200, self.clock())
 
     async def _check_attestation(self, attempt: _Attempt) -> None:
         if self._key is None:

@@ -338,7 +338,6 @@ class RequestCore:
         """The one place engine outcomes become evidence and client-facing errors."""
         if isinstance(exc, EngineFailure):
             self.supervisor.record_failure(exc.engine, exc.failure_class)
-            self.metrics.engine_failures.inc(exc.engine, exc.failure_class.value)
             log_event("engine_failure", level=logging.WARNING, engine=exc.engine, stage=leg,
                       **{"class": exc.failure_class.value}, cause=exc.cause, message=exc.message)
             raise _AttemptFailed(_failure_error(exc, leg), exc.engine, exc.failure_class.value) from None

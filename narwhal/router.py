@@ -64,7 +64,9 @@ class Router:
             failure_quarantine_s=recovery.failure_quarantine_s,
             probe_interval_s=recovery.probe_interval_s,
         )
-        self.data_pool = DataPool(max_connections=config.serving.max_connections, engine_config=config.engine)
+        # Only bounded serving may queue; the default policy reports saturation at once.
+        self.data_pool = DataPool(max_connections=config.serving.max_connections, engine_config=config.engine,
+                                  wait_for_slot=config.serving.policy == "bounded")
         self.control_pool = ControlPool(control_connections=config.engine.control_connections,
                                         engine_config=config.engine)
         self.supervisor = Supervisor(config=config, fleet=self.fleet, control_pool=self.control_pool,

@@ -30,8 +30,9 @@ class RouterMetrics:
                                        "Gap between successive decode reads relayed to a client.")
         self.engine_failures = r.counter("narwhal_engine_failures",
                                          "Engine failures by engine and failure class.", ("engine", "class"))
-        self.engine_ejections = r.counter("narwhal_engine_ejections", "Engine ejections.",
-                                          ("engine", "reason"))
+        self.engine_ejections = r.counter("narwhal_engine_ejections",
+                                          "Engine ejections by cause (a failure class, liveness, probe or other).",
+                                          ("engine", "cause"))
         self.holds_applied = r.counter("narwhal_engine_holds_applied", "Holds applied by kind.",
                                        ("engine", "kind"))
         self.probes = r.counter("narwhal_probes", "Suspect verification probes by kind and outcome.",

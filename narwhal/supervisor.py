@@ -9,7 +9,7 @@ every event the fleet reports. It owns no policy of its own.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import msgspec
@@ -65,6 +65,7 @@ class Supervisor:
         return self.fleet.capacity_problem(self.clock())
 
     def record_failure(self, engine: str, failure_class: FailureClass) -> None:
+        self.metrics.engine_failures.inc(engine, failure_class.value)
         self._apply(self.fleet.record_failure(engine, failure_class, self.clock()))
 
     def record_success(self, engine: str, kind: SuccessKind) -> None:
@@ -74,8 +75,8 @@ class Supervisor:
         else:
             self._log_fleet_events()
 
-    def record_health_sweep(self, results: Mapping[str, bool]) -> None:
-        self._apply(self.fleet.record_health_sweep(results, self.clock()))
+    def record_health_sweep(self, results: Mapping[str, bool], *, unchecked: Collection[str] = ()) -> None:
+        self._apply(self.fleet.record_health_sweep(results, self.clock(), unchecked=unchecked))
 
     # -- actions -------------------------------------------------------------------
 
@@ -133,7 +134,7 @@ class Supervisor:
     def _count(self, kind: str, fields: dict[str, Any]) -> None:
         engine = fields.get("engine", "")
         if kind == "ejected":
-            self.metrics.engine_ejections.inc(engine, str(fields.get("reason", "")))
+            self.metrics.engine_ejections.inc(engine, _ejection_cause(fields))
         elif kind == "hold_added":
             hold_kind = fields.get("hold_kind") or fields.get("hold")
             self.metrics.holds_applied.inc(engine, str(getattr(hold_kind, "value", hold_kind)))
@@ -249,3 +250,16 @@ class _SuspectLegFailed(Exception):
         self.leg = leg
         self.reason = reason
 
+
+
+def _ejection_cause(fields: dict[str, Any]) -> str:
+    """A bounded label for why an engine was ejected (the free-text reason goes to the log)."""
+    failure_class = fields.get("failure_class")
+    if failure_class is not None:
+        return str(getattr(failure_class, "value", failure_class))
+    reason = str(fields.get("reason", ""))
+    if "silent health sweeps" in reason:
+        return "liveness"
+    if "probe leg" in reason:
+        return "probe"
+    return "other"

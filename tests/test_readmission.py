@@ -565,3 +565,13 @@ async def test_readmit_due_needs_the_running_readmitter(autojump_clock: MockCloc
     world = World()
     with pytest.raises(RuntimeError, match="Readmitter.run"):
         await world.readmitter.readmit_due()
+
+
+async def test_a_readmission_health_200_counts_as_a_successful_health_response(autojump_clock: MockClock) -> None:
+    # Spec: "Any successful health response resets that counter" — the chain's own included.
+    world = World(key=None)
+    world.fleet.record_health_sweep({}, world.now())
+    assert world.fleet.view("d1", world.now()).liveness_misses == 1
+    result = await world.readmitter.readmit("d1", operator=True)
+    assert result.passed == ["health"]
+    assert world.fleet.view("d1", world.now()).liveness_misses == 0

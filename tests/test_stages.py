@@ -140,8 +140,21 @@ async def test_no_control_slot_is_no_answer_but_no_evidence_against_the_engine(a
     rig = Rig(FakeControlPool(d1=PoolSaturated("no free control pool connection before the request deadline")))
     async with running(rig.supervisor):
         await rig.health.run(1)
-        assert rig.health.sweep.results["d1"] is False
+        assert "d1" not in rig.health.sweep.results
+        assert rig.health.sweep.unchecked == {"d1"}
         assert not any(rig.view("d1").evidence.values())
+
+
+async def test_a_full_control_pool_never_counts_as_engine_silence(autojump_clock: MockClock) -> None:
+    # Hung engines can hold every control slot; the healthy engine left without a slot
+    # must not be ejected for a silence that was ours.
+    rig = Rig(FakeControlPool(d1=PoolSaturated("no free control pool connection")))
+    async with running(rig.supervisor):
+        for number in range(1, LIVENESS_MISSES + 2):
+            await rig.health.run(number)
+            await rig.liveness.run(number)
+        view = rig.view("d1")
+        assert view.liveness_misses == 0 and not view.ejected and view.eligible
 
 
 def test_health_statuses_map_to_the_failure_table() -> None:

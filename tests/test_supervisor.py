@@ -188,3 +188,28 @@ async def test_success_rows_flow_through(world):
     supervisor.record_failure("d1", FailureClass.CONNECTION)
     supervisor.record_success("d1", SuccessKind.DECODE_TERMINAL)
     assert fleet.view("d1", trio.current_time()).evidence[FailureClass.CONNECTION] == 0
+
+
+async def test_failed_decode_peer_leg_is_inconclusive_for_a_suspect_prefill(world):
+    supervisor, fleet, engines = world
+    engines.behaviour["d1"] = engines.behaviour["d2"] = "500"
+    supervisor.record_failure("p1", FailureClass.KV_HANDOFF)
+    supervisor.record_failure("p1", FailureClass.KV_HANDOFF)
+    await settle()
+    view = fleet.view("p1", trio.current_time())
+    # The suspect's own leg passed; the peer failed: no verdict, the hold stays, a re-probe is due.
+    assert not view.ejected and not view.eligible and view.next_probe_at is not None
+    assert supervisor.metrics.probes.get("p1", "inference", "inconclusive") == 1
+    assert ("p1", "/v1/completions") in engines.calls
+
+
+async def test_health_sweep_and_probe_failures_are_counted_by_engine_and_class(world):
+    supervisor, _, engines = world
+    engines.behaviour["d1"] = "refuse"
+    supervisor.record_failure("d1", FailureClass.TIMEOUT)
+    supervisor.record_failure("d1", FailureClass.TIMEOUT)
+    await settle()
+    failures = supervisor.metrics.engine_failures
+    assert failures.get("d1", "timeout") == 2
+    # The health probe the streak asked for failed to connect: counted as well.
+    assert failures.get("d1", "connection") == 1

@@ -77,7 +77,7 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import msgspec
 
@@ -247,13 +247,20 @@ class Fleet:
             self._refresh_if_stale(now)
         return []
 
-    def record_health_sweep(self, results: Mapping[str, bool], now: float) -> list[Action]:
-        """Apply one health sweep: True is a health 200, False or absent is a liveness miss."""
-        unknown = results.keys() - self._engines.keys()
+    def record_health_sweep(self, results: Mapping[str, bool], now: float, *,
+                            unchecked: Collection[str] = ()) -> list[Action]:
+        """Apply one health sweep: True is a health 200, False or absent is a liveness miss.
+
+        Engines in ``unchecked`` were not asked (the router's own pool was full):
+        their counters are left as they are, since the silence was not theirs.
+        """
+        unknown = (results.keys() | set(unchecked)) - self._engines.keys()
         if unknown:
             raise KeyError(f"health sweep names unknown engines: {sorted(unknown)}")
         actions: list[Action] = []
         for engine in self._engines.values():
+            if engine.name in unchecked:
+                continue
             if results.get(engine.name, False):
                 self.record_success(engine.name, SuccessKind.HEALTH_200, now)
                 continue

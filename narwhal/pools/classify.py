@@ -132,12 +132,17 @@ SATURATION_MARGIN_S = 0.05
 
 
 @contextlib.asynccontextmanager
-async def pool_slot(limiter: trio.CapacityLimiter, pool: str) -> AsyncIterator[None]:
-    """Hold one slot of ``limiter``; raise PoolSaturated if none frees up before the caller's deadline."""
+async def pool_slot(limiter: trio.CapacityLimiter, pool: str, *, wait: bool = True) -> AsyncIterator[None]:
+    """Hold one slot of ``limiter``; raise PoolSaturated if none frees up before the caller's deadline.
+
+    With ``wait=False`` a full pool raises PoolSaturated at once (no queueing).
+    """
     token = object()  # one per call: a task may hold several slots (e.g. decode plus a token count)
     try:
         limiter.acquire_on_behalf_of_nowait(token)
     except trio.WouldBlock:
+        if not wait:
+            raise PoolSaturated(f"no free {pool} pool connection") from None
         with trio.move_on_at(trio.current_effective_deadline() - SATURATION_MARGIN_S) as scope:
             await limiter.acquire_on_behalf_of(token)
         if scope.cancelled_caught:

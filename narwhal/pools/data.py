@@ -131,8 +131,10 @@ class UpstreamStream:
 class DataPool:
     """Keep-alive engine connections for prefill, decode and token counting."""
 
-    def __init__(self, *, max_connections: int, engine_config: EngineConfig) -> None:
+    def __init__(self, *, max_connections: int, engine_config: EngineConfig, wait_for_slot: bool = True) -> None:
+        """``wait_for_slot=False``: a full pool raises PoolSaturated at once instead of queueing."""
         self._config = engine_config
+        self._wait = wait_for_slot
         self._limiter = trio.CapacityLimiter(max_connections)
         self._connections = EngineConnections(idle_s=engine_config.pool_idle_s,
                                               connect_timeout_s=engine_config.connect_timeout_s,
@@ -143,7 +145,7 @@ class DataPool:
         """POST a JSON body; (status, body) for 2xx, otherwise the classified failure is raised."""
         request = _post_request(engine, path, body, request_id, b"application/json")
         read_timeout_s = self._config.request_timeout_s
-        async with classify.pool_slot(self._limiter, "data"):
+        async with classify.pool_slot(self._limiter, "data", wait=self._wait):
             conn, head = await self._request(engine, request)
             try:
                 response_body = await conn.read_body_to_end(read_timeout_s=read_timeout_s)
@@ -164,7 +166,7 @@ class DataPool:
         """
         request = _post_request(engine, path, body, request_id, b"text/event-stream")
         first_token_s = self._config.first_token_deadline_s
-        async with classify.pool_slot(self._limiter, "data"):
+        async with classify.pool_slot(self._limiter, "data", wait=self._wait):
             conn, head = await self._request(engine, request, head_deadline_s=first_token_s,
                                              head_deadline_message=_first_token_message(first_token_s))
             try:

@@ -32,6 +32,8 @@ class HealthSweep(msgspec.Struct, frozen=True, kw_only=True):
 
     pass_number: int
     results: dict[str, bool]
+    # Engines not checked because our own control pool had no slot: no verdict either way.
+    unchecked: frozenset[str] = frozenset()
 
 
 def health_failure_class(status: int) -> FailureClass | None:
@@ -65,12 +67,13 @@ class HealthStage:
     async def run(self, pass_number: int) -> None:
         """Check every engine; publish the sweep only when all checks finished."""
         results: dict[str, bool] = {}
+        unchecked: set[str] = set()
         async with trio.open_nursery() as nursery:
             for spec in self.engines:
-                nursery.start_soon(self._check, spec, results)
-        self.sweep = HealthSweep(pass_number=pass_number, results=results)
+                nursery.start_soon(self._check, spec, results, unchecked)
+        self.sweep = HealthSweep(pass_number=pass_number, results=results, unchecked=frozenset(unchecked))
 
-    async def _check(self, spec: EngineSpec, results: dict[str, bool]) -> None:
+    async def _check(self, spec: EngineSpec, results: dict[str, bool], unchecked: set[str]) -> None:
         failure: FailureClass | None = None
         healthy = False
         detail = ""
@@ -80,8 +83,10 @@ class HealthStage:
             except EngineFailure as exc:
                 failure, detail = exc.failure_class, exc.message
             except PoolSaturated as exc:
-                # Our own pool had no slot: no evidence against the engine, but no answer either.
-                detail = str(exc)
+                # Our own pool had no slot: no evidence against the engine, and no liveness miss.
+                unchecked.add(spec.name)
+                log_event("health_check_skipped", level=logging.WARNING, engine=spec.name, reason=str(exc))
+                return
             else:
                 healthy = response.status == 200
                 if not healthy:

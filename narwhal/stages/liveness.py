@@ -44,5 +44,5 @@ class LivenessStage:
             log_event("liveness_skipped", level=logging.WARNING, reason="no complete health sweep in this pass",
                       **{"pass": pass_number})
             return
-        self.supervisor.record_health_sweep(sweep.results)
+        self.supervisor.record_health_sweep(sweep.results, unchecked=sweep.unchecked)
         self.sweeps_applied += 1

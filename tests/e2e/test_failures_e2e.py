@@ -120,47 +120,61 @@ async def test_inference_failures_pause_then_a_passing_probe_clears(start_fleet,
     assert (await complete(fleet))[0] == 200
 
 
-async def test_persistent_stream_failure_fails_the_probe_and_ejects(start_fleet):
-    fleet = await start_fleet(decode=2, sections=FAST)
-    await fleet.set_fault("d2", "no_done", legs=["decode"])
-    # Send until d2 has failed twice; placement spreads requests over both decoders.
+async def served_by(fleet, name: str) -> int:
+    stats = await fleet.engine_stats(name)
+    return stats["prefill"] if name.startswith("p") else stats["decode"]
+
+
+async def recover_and_serve_again(fleet, name: str) -> None:
+    """Clear the engine's faults; readmission must return it, and placement must use it again."""
+    await fleet.clear_faults(name)
+
+    async def eligible() -> bool:
+        return (await engines(fleet))[name]["eligible"]
+
+    await wait_until(eligible, what=f"{name} readmitted")
+    assert events(fleet, "readmission", engine=name, outcome="readmitted")
+    before = await served_by(fleet, name)
+    for _ in range(12):
+        assert (await complete(fleet))[0] == 200
+    assert await served_by(fleet, name) > before
+
+
+@pytest.mark.parametrize(("mode", "engine"), [("status_5xx", "d2"), ("no_done", "d2"), ("stall", "d2"),
+                                              ("bad_kv", "p2")])
+async def test_persistent_failure_ejects_peers_keep_serving_and_the_recovered_engine_serves_again(
+        start_fleet, mode, engine):
+    fleet = await start_fleet(prefill=2, decode=2, sections=FAST)
+    await fleet.set_fault(engine, mode)
+    # Send until the engine is out; placement spreads requests over both engines of the role.
     for _ in range(40):
         await complete(fleet)
-        if (await engines(fleet))["d2"]["ejected"]:
+        if (await engines(fleet))[engine]["ejected"]:
             break
         await trio.sleep(0.02)
 
     async def ejected() -> bool:
-        return (await engines(fleet))["d2"]["ejected"]
+        return (await engines(fleet))[engine]["ejected"]
 
-    await wait_until(ejected, what="d2 ejected after its probe leg failed")
-    assert events(fleet, "probe_result", engine="d2", probe="inference", outcome="failed")
-    for _ in range(5):
+    await wait_until(ejected, what=f"{engine} ejected after its probe leg failed")
+    assert events(fleet, "probe_result", engine=engine, probe="inference", outcome="failed")
+    # While it is out, every request succeeds on the peers.
+    for _ in range(8):
         status, text = await complete(fleet)
         assert status == 200 and ended_with_done(text)
+    await recover_and_serve_again(fleet, engine)
 
 
-async def test_unreadable_handoff_is_blamed_on_prefill_and_probed(start_fleet):
-    fleet = await start_fleet(prefill=2, sections=FAST)
-    await fleet.set_fault("p1", "bad_kv")
-    decodes_before = (await fleet.engine_stats("d1"))["decode"]
-    for _ in range(40):
-        await complete(fleet)
-        if (await engines(fleet))["p1"]["ejected"]:
-            break
-        await trio.sleep(0.02)
-
-    async def ejected() -> bool:
-        return (await engines(fleet))["p1"]["ejected"]
-
-    await wait_until(ejected, what="p1 ejected")
-    assert events(fleet, "engine_failure", engine="p1", **{"class": "kv_handoff"})
-    # Nothing with a bad handoff was sent to decode: every decode had a good prefill.
-    stats = await fleet.engine_stats("d1")
-    assert stats["last_kv_transfer_params"]["remote_engine_id"] == "p2"
-    assert stats["decode"] - decodes_before <= 40
-    for _ in range(5):
-        assert (await complete(fleet))[0] == 200
+async def test_unreadable_handoff_is_blamed_on_prefill_and_never_sent_to_decode(start_fleet):
+    fleet = await start_fleet(prefill=2, sections=SLOW_MONITOR)
+    await fleet.set_fault("p1", "bad_kv", count=1)
+    await fleet.set_fault("p2", "bad_kv", count=1)
+    statuses = [(await complete(fleet))[0] for _ in range(2)]
+    assert statuses == [502, 502]
+    failures = events(fleet, "engine_failure", **{"class": "kv_handoff"})
+    assert sorted(e["engine"] for e in failures) == ["p1", "p2"]
+    assert all(e["stage"] == "prefill" for e in failures)
+    assert (await fleet.engine_stats("d1"))["decode"] == 0
 
 
 async def test_liveness_misses_eject_an_engine_that_stops_answering_health(start_fleet):

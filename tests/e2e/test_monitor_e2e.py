@@ -9,6 +9,7 @@ import httpx
 import pytest
 import trio
 
+from narwhal.local_fleet import start_router
 from tests.e2e.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
@@ -159,3 +160,39 @@ async def test_a_drift_hold_never_removes_the_last_eligible_decode_engine(start_
     assert (await fleet.client.get(f"{fleet.url}/ready")).status_code == 200
     response = await fleet.client.post(f"{fleet.url}/v1/completions", json=REQUEST)
     assert response.status_code == 200
+
+
+async def test_a_restarted_router_starts_with_fresh_monitor_failure_counters(start_fleet, tmp_path, nursery):
+    state = tmp_path / "state"
+    state.mkdir()
+    fleet = await start_fleet(sections={
+        "handoff": {"path": str(state / "handoff.json")},
+        "controller": {"monitor_interval_s": 0.2, "monitor_failure_limit": 2, "stage_timeout_s": 1.5}})
+
+    async def saved() -> bool:
+        return (state / "handoff.json").exists()
+
+    await wait_until(saved, what="first handoff")
+    saved_bytes = (state / "handoff.json").read_bytes()
+    (state / "handoff.json").unlink()
+    state.rmdir()
+    state.write_text("not a directory")
+
+    async def degraded() -> bool:
+        body = (await fleet.client.get(f"{fleet.url}/admin/engines")).json()
+        return body["monitor"]["failure_streak"] >= 2
+
+    await wait_until(degraded, what="degraded router")
+    fleet.router.kill()
+    await fleet.router.process.wait()
+    state.unlink()
+    state.mkdir()
+    (state / "handoff.json").write_bytes(saved_bytes)
+    resumed = await start_router(nursery, str(fleet.config_path), args=["--resume"])
+    try:
+        assert resumed.events("handoff_applied")
+        body = (await fleet.client.get(f"{resumed.url}/admin/engines")).json()
+        assert body["monitor"]["failure_streak"] == 0 and body["monitor"]["degraded"] is None
+        assert (await fleet.client.get(f"{resumed.url}/ready")).status_code == 200
+    finally:
+        await resumed.stop()

@@ -1,0 +1,48 @@
+"""The router wires each config bound to the right part (no I/O: construction only)."""
+
+import pytest
+import trio
+
+from narwhal.config import parse_config
+from narwhal.failures import PoolSaturated
+from narwhal.pools.classify import pool_slot
+from narwhal.router import Router
+
+CONFIG = """
+[serving]
+max_connections = 7
+policy = "{policy}"
+[engine]
+control_connections = 3
+[[engines]]
+name = "p1"
+url = "http://127.0.0.1:9001"
+role = "prefill"
+[[engines]]
+name = "d1"
+url = "http://127.0.0.1:9002"
+role = "decode"
+"""
+
+
+def router(policy: str = "saturate") -> Router:
+    return Router(parse_config(CONFIG.format(policy=policy)))
+
+
+def test_data_pool_is_bounded_by_serving_max_connections_and_control_pool_by_control_connections():
+    built = router()
+    assert built.data_pool.statistics().max_connections == 7
+    assert built.control_pool.statistics().control_connections == 3
+
+
+@pytest.mark.parametrize(("policy", "queues"), [("saturate", False), ("bounded", True)])
+async def test_only_bounded_serving_queues_for_a_data_connection(autojump_clock, policy, queues):
+    pool = router(policy).data_pool
+    limiter = trio.CapacityLimiter(1)
+    await limiter.acquire()
+    with trio.move_on_after(10):
+        with pytest.raises(PoolSaturated):
+            async with pool_slot(limiter, "data", wait=pool._wait):
+                pass
+    # The default policy reports saturation at once; bounded waits until its deadline.
+    assert trio.current_time() == (pytest.approx(10 - 0.05) if queues else 0)
