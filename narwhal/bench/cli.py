@@ -22,6 +22,7 @@ __all__ = ["build_parser", "run_from_args", "settings_from_args"]
 _DEFAULT_REQUESTS = 2000
 _DEFAULT_DURATION_S = 20.0
 _FAULTS_DURATION_S = 20.0
+_FAULTS_TOKEN_DELAY_S = 0.01
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
@@ -31,8 +32,9 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     fleet.add_argument("--decode", type=int, default=None, metavar="N",
                        help="decode mock engines (default 1; 3 with --scenario faults)")
     fleet.add_argument("--tokens", type=int, default=32, help="tokens per response (default 32)")
-    fleet.add_argument("--token-delay-s", type=float, default=0.0,
-                       help="the mock's pause before each token (default 0)")
+    fleet.add_argument("--token-delay-s", type=float, default=None,
+                       help=f"the mock's pause before each token (default 0; {_FAULTS_TOKEN_DELAY_S:g} with "
+                            f"--scenario faults, so streams are in flight when an engine dies)")
     fleet.add_argument("--prompt-words", type=int, default=16,
                        help="prompt length in words; the mock counts a word as a token (default 16)")
 
@@ -66,7 +68,8 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
                         help="with --target: the pid whose CPU to measure (default: the process listening "
                              "on the target's port, when it is on this host)")
     router.add_argument("--profile-router", metavar="FILE",
-                        help="record the router with py-spy during the load (speedscope JSON to FILE)")
+                        help="record the router with py-spy during the load: FILE.txt collapsed stacks "
+                             "(for bench/profile_top.py), FILE.svg a flame graph, else speedscope JSON")
 
     run = parser.add_argument_group("run")
     run.add_argument("--baseline", choices=("direct",),
@@ -111,6 +114,8 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         else:
             requests, duration_s = _DEFAULT_REQUESTS, _DEFAULT_DURATION_S
     decode = args.decode if args.decode is not None else (3 if faults else 1)
+    token_delay_s = args.token_delay_s if args.token_delay_s is not None else (
+        _FAULTS_TOKEN_DELAY_S if faults else 0.0)
     if args.prefill < 1 or decode < 1:
         raise ValueError("--prefill and --decode must be at least 1")
     if faults and decode < 2:
@@ -123,7 +128,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         raise ValueError("--baseline direct needs a fleet started here; it cannot run with --target")
     if args.tokens < 1 or args.prompt_words < 1 or args.concurrency < 1:
         raise ValueError("--tokens, --prompt-words and --concurrency must be at least 1")
-    if args.token_delay_s < 0 or args.timeout_s <= 0:
+    if token_delay_s < 0 or args.timeout_s <= 0:
         raise ValueError("--token-delay-s must be >= 0 and --timeout-s > 0")
     if requests is not None and requests < 1:
         raise ValueError("--requests must be at least 1")
@@ -133,7 +138,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         raise ValueError("--fault-status must be 500-599")
     warmup = args.warmup if args.warmup is not None else 2 * args.concurrency
     return BenchSettings(
-        prefill=args.prefill, decode=decode, tokens=args.tokens, token_delay_s=args.token_delay_s,
+        prefill=args.prefill, decode=decode, tokens=args.tokens, token_delay_s=token_delay_s,
         prompt_words=args.prompt_words, concurrency=args.concurrency, requests=requests, duration_s=duration_s,
         stream=args.stream, keep_alive=args.keep_alive, warmup=max(0, warmup), timeout_s=args.timeout_s,
         count_tokens=args.count_tokens == "on", overrides=_parse_overrides(args.overrides),
@@ -143,6 +148,14 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         label=args.label, progress=not args.quiet)
 
 
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    """The exceptions inside a (nested) exception group, for one line each."""
+    found: list[BaseException] = []
+    for exc in group.exceptions:
+        found.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return found
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     """Run the benchmark the options describe; prints the table, returns the exit status."""
     try:
@@ -150,10 +163,14 @@ def run_from_args(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"narwhal bench: {exc}", file=sys.stderr)
         return 2
+    failures: list[BaseException] = []
     try:
         report = trio.run(run_bench, settings)
-    except (RuntimeError, OSError, ValueError) as exc:
-        print(f"narwhal bench: {exc}", file=sys.stderr)
+    except* (RuntimeError, OSError, ValueError) as group:
+        failures = _leaves(group)
+    if failures:
+        for exc in failures:
+            print(f"narwhal bench: {exc}", file=sys.stderr)
         return 1
     from .report import format_report
 

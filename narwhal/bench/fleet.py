@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import trio
 
-from ..local_fleet import LocalProcess, render_config, start_mock_engine, start_router
+from ..local_fleet import LocalProcess, render_config, start_mock_engine
 from .procstat import listening_pid
 
 __all__ = [
@@ -42,6 +43,8 @@ __all__ = [
     "start_narwhal",
     "wait_until_serving",
 ]
+
+_decode_json = msgspec.json.Decoder().decode
 
 # The mock engine's default attestation key: the router needs it to readmit engines.
 ATTESTATION_KEY = "narwhal-dev-key"
@@ -103,17 +106,20 @@ async def start_fleet(nursery: trio.Nursery, *, prefill: int, decode: int,
 class Target:
     """A router to load: its URL, the pid whose CPU is measured, and how to stop it."""
 
-    def __init__(self, *, kind: str, url: str, pid: int | None, process: LocalProcess | trio.Process | None = None,
+    def __init__(self, *, kind: str, url: str, pid: int | None, process: trio.Process | None = None,
                  command: list[str] | None = None, log_path: Path | None = None) -> None:
         self.kind = kind
-        self.url = url.rstrip("/")
-        parsed = httpx.URL(self.url)
-        self.host = parsed.host
-        self.port = parsed.port or 80
+        self.set_url(url)
         self.pid = pid
         self.process = process
         self.command = command
         self.log_path = log_path
+
+    def set_url(self, url: str) -> None:
+        self.url = url.rstrip("/")
+        parsed = httpx.URL(self.url)
+        self.host = parsed.host
+        self.port = parsed.port or 80
 
     @property
     def is_narwhal(self) -> bool:
@@ -121,13 +127,21 @@ class Target:
 
     @property
     def log_lines(self) -> list[dict[str, Any]]:
-        """The JSON lines a Narwhal router started here has logged so far."""
-        return self.process.lines if isinstance(self.process, LocalProcess) else []
+        """The JSON lines a Narwhal router started here has logged so far (read from its log file)."""
+        if not self.is_narwhal or self.log_path is None or not self.log_path.exists():
+            return []
+        lines = []
+        for raw in self.log_path.read_bytes().splitlines():
+            try:
+                line = _decode_json(raw)
+            except msgspec.DecodeError:
+                continue
+            if isinstance(line, dict):
+                lines.append(line)
+        return lines
 
     async def stop(self) -> None:
-        if isinstance(self.process, LocalProcess):
-            await self.process.stop(grace_s=10.0)
-        elif isinstance(self.process, trio.Process):
+        if self.process is not None:
             await _stop_group(self.process, grace_s=10.0)
 
 
@@ -162,13 +176,32 @@ def narwhal_sections(workdir: Path, *, count_tokens: bool,
 
 
 async def start_narwhal(nursery: trio.Nursery, fleet: BenchFleet, workdir: Path,
-                        sections: Mapping[str, Mapping[str, Any]]) -> Target:
-    """Write a config for ``fleet`` and start ``python -m narwhal serve`` on a free port."""
+                        sections: Mapping[str, Mapping[str, Any]], *, timeout_s: float = 30.0) -> Target:
+    """Write a config for ``fleet`` and start ``python -m narwhal serve`` on a free port.
+
+    Its logs go to ``router.log`` in ``workdir``, not to a pipe: a pipe read by
+    this process would cost the load generator CPU, and a full one would stall
+    the router's event loop on its own log writes.
+    """
     config_path = workdir / "narwhal.toml"
     config_path.write_text(render_config(fleet.described(), sections))
-    router = await start_router(nursery, str(config_path))
-    return Target(kind="narwhal", url=router.url, pid=router.pid, process=router,
-                  command=[sys.executable, "-m", "narwhal", "serve", "--config", str(config_path)])
+    log_path = workdir / "router.log"
+    argv = [sys.executable, "-m", "narwhal", "serve", "--config", str(config_path), "--listen", "127.0.0.1:0"]
+    with open(log_path, "wb") as log:
+        process = await trio.lowlevel.open_process(argv, stdout=subprocess.DEVNULL, stderr=log,
+                                                   stdin=subprocess.DEVNULL, start_new_session=True)
+    target = Target(kind="narwhal", url="http://127.0.0.1:0", pid=process.pid, process=process,
+                    command=argv, log_path=log_path)
+    with trio.move_on_after(timeout_s):
+        while process.returncode is None:
+            started = next((line for line in target.log_lines if line.get("event") == "router_started"), None)
+            if started is not None:
+                target.set_url("http://" + str(started["listen"]))
+                return target
+            await trio.sleep(0.05)
+    await _stop_group(process, grace_s=2.0)
+    raise RuntimeError(f"the router did not start within {timeout_s:g} s (exit status {process.returncode})"
+                       f"{_log_tail(target)}")
 
 
 def free_port() -> int:
@@ -252,13 +285,20 @@ async def wait_until_serving(client: httpx.AsyncClient, target: Target, *, probe
                     pass
                 await trio.sleep(0.1)
         while not await probe_completion(client, target.url, body=probe_body):
-            if isinstance(target.process, trio.Process) and target.process.returncode is not None:
-                raise RuntimeError(f"the router exited with status {target.process.returncode} "
-                                   f"before serving; see {target.log_path}")
+            if target.process is not None and target.process.returncode is not None:
+                raise RuntimeError(f"the router exited with status {target.process.returncode} before serving"
+                                   f"{_log_tail(target)}")
             await trio.sleep(0.2)
     if scope.cancelled_caught:
-        where = f"; see {target.log_path}" if target.log_path else ""
-        raise RuntimeError(f"the router at {target.url} did not serve a completion within {timeout_s:g} s{where}")
+        raise RuntimeError(f"the router at {target.url} did not serve a completion within {timeout_s:g} s"
+                           f"{_log_tail(target)}")
+
+
+def _log_tail(target: Target, max_chars: int = 3000) -> str:
+    """The end of a router's log, for an error message (the log's directory is about to go)."""
+    if target.log_path is None or not target.log_path.exists():
+        return ""
+    return "; the end of its log:\n" + target.log_path.read_text(errors="replace")[-max_chars:]
 
 
 def make_workdir() -> tempfile.TemporaryDirectory[str]:

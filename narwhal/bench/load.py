@@ -50,7 +50,6 @@ ERROR_KINDS = {
 }
 
 _READ_SIZE = 65536
-_EVENT = b"data: "
 _DONE = b"data: [DONE]"
 _ERROR_EVENT = b'data: {"error"'
 # Longer than every pattern, so counting in (tail + body) minus tail finds the ones across reads.
@@ -150,8 +149,8 @@ class _Exchange:
     socket read carries that read's arrival time.
     """
 
-    __slots__ = ("parser", "stream", "now", "status", "complete", "keep_alive", "tail",
-                 "arrivals", "done", "error_events", "body")
+    __slots__ = ("parser", "stream", "now", "status", "complete", "keep_alive", "tail", "ends", "dones",
+                 "error_events", "counted", "arrivals", "body")
 
     def __init__(self, stream: bool) -> None:
         self.parser = httptools.HttpResponseParser(self)
@@ -161,11 +160,18 @@ class _Exchange:
         self.complete = False
         self.keep_alive = False
         self.tail = b""
-        # (arrival time, token events) per read that carried tokens.
-        self.arrivals: list[tuple[float, int]] = []
-        self.done = False
+        # Running totals: event ends (blank lines), [DONE] markers, error events, token events counted.
+        self.ends = 0
+        self.dones = 0
         self.error_events = 0
+        self.counted = 0
+        # (arrival time, token events) per read that completed any.
+        self.arrivals: list[tuple[float, int]] = []
         self.body: list[bytes] = []
+
+    @property
+    def done(self) -> bool:
+        return self.dones > 0
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
@@ -176,16 +182,17 @@ class _Exchange:
             return
         tail = self.tail
         joined = tail + body
-        events = joined.count(_EVENT) - tail.count(_EVENT)
-        if events:
-            done = joined.count(_DONE) - tail.count(_DONE)
-            errors = joined.count(_ERROR_EVENT) - tail.count(_ERROR_EVENT)
-            if done:
-                self.done = True
-            self.error_events += errors
-            tokens = events - done - errors
-            if tokens > 0:
-                self.arrivals.append((self.now, tokens))
+        # An event is counted when its blank line arrives; its [DONE] or error marker always came first,
+        # so a token is never counted for an event that turns out to be one of those.
+        self.dones += joined.count(_DONE) - tail.count(_DONE)
+        self.error_events += joined.count(_ERROR_EVENT) - tail.count(_ERROR_EVENT)
+        ends = joined.count(b"\n\n") - tail.count(b"\n\n") + joined.count(b"\r\n\r\n") - tail.count(b"\r\n\r\n")
+        if ends:
+            self.ends += ends
+            tokens = self.ends - self.dones - self.error_events
+            if tokens > self.counted:
+                self.arrivals.append((self.now, tokens - self.counted))
+                self.counted = tokens
         self.tail = joined[-_TAIL:]
 
     def on_message_complete(self) -> None:

@@ -8,6 +8,7 @@ fault scenario) runs during the load and is cancelled when the load ends.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -65,7 +66,7 @@ async def measured_load(spec: LoadSpec, *, label: str, target: str, client: http
     started = trio.current_time()
     async with trio.open_nursery() as nursery:
         if progress:
-            nursery.start_soon(lambda: show_progress(state, label=label, total=spec.requests))
+            nursery.start_soon(functools.partial(show_progress, state, label=label, total=spec.requests))
         if alongside is not None:
             nursery.start_soon(alongside, state)
         result = await run_load(spec, state=state, on_record=on_record)

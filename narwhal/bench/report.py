@@ -186,6 +186,9 @@ class FaultReport(msgspec.Struct, frozen=True, kw_only=True):
     failing_engine_requests_during_fault: int | None
     failing_engine_last_request_s: float | None
     failing_engine_ineligible_s: float | None
+    failing_engine_eligible_again_s: float | None = None
+    failed_requests: list[dict[str, object]] = []
+    router_failures: list[dict[str, object]] = []
     notes: list[str] = []
 
 
@@ -283,6 +286,7 @@ def _fault_lines(faults: FaultReport) -> list[str]:
         f"{'-' if faults.failing_engine_requests_during_fault is None else faults.failing_engine_requests_during_fault}",
         f"  5xx engine: last request after fault set  {secs(faults.failing_engine_last_request_s)}",
         f"  5xx engine: ineligible after fault set    {secs(faults.failing_engine_ineligible_s)}",
+        f"  5xx engine: eligible after fault cleared  {secs(faults.failing_engine_eligible_again_s)}",
     ]
     lines += [f"  note: {note}" for note in faults.notes]
     return lines

@@ -31,7 +31,7 @@ from .fleet import (
 )
 from .load import LoadSpec, completion_body, run_load
 from .measure import EngineRef, measured_load
-from .report import BenchReport, RunReport
+from .report import BenchReport, FaultReport, RunReport
 from .scenario import FaultScenario
 
 __all__ = ["BenchSettings", "run_bench"]
@@ -96,12 +96,17 @@ def _label(settings: BenchSettings, target: Target) -> str:
     return "narwhal" if target.is_narwhal else "target"
 
 
+_PROFILE_FORMATS = {".svg": "flamegraph", ".txt": "raw"}
+
+
 async def _start_profiler(pid: int, out: str) -> trio.Process:
+    """py-spy on the router: ``.svg`` a flame graph, ``.txt`` collapsed stacks, anything else speedscope."""
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(py_spy).exists():
         raise RuntimeError("--profile-router needs py-spy on PATH (pip install py-spy)")
+    profile_format = _PROFILE_FORMATS.get(Path(out).suffix, "speedscope")
     return await trio.lowlevel.open_process(
-        [py_spy, "record", "--pid", str(pid), "--nonblocking", "--rate", "250", "--format", "speedscope",
+        [py_spy, "record", "--pid", str(pid), "--nonblocking", "--rate", "250", "--format", profile_format,
          "--output", out], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -146,7 +151,7 @@ async def _start_target(nursery: trio.Nursery, settings: BenchSettings, fleet: B
 
 
 async def _measure(nursery: trio.Nursery, settings: BenchSettings, fleet: BenchFleet | None, target: Target,
-                   client: httpx.AsyncClient, body: bytes) -> tuple[RunReport, Any]:
+                   client: httpx.AsyncClient, body: bytes) -> tuple[RunReport, FaultReport | None]:
     label = _label(settings, target)
     spec = _spec(settings, target.host, target.port, body, requests=settings.requests,
                  duration_s=settings.duration_s)
@@ -212,7 +217,9 @@ async def run_bench(settings: BenchSettings) -> BenchReport:
                     fleet = await start_fleet(nursery, prefill=settings.prefill, decode=settings.decode,
                                               mock_args=settings.mock_args)
                 target = await _start_target(nursery, settings, fleet, workdir)
-                await wait_until_serving(client, target, probe_body=probe_body)
+                # A router started here may take a while to come up; one already running should answer now.
+                await wait_until_serving(client, target, probe_body=probe_body,
+                                         timeout_s=10.0 if target.kind == "external" else 60.0)
                 if settings.warmup:
                     await run_load(_spec(settings, target.host, target.port, body, requests=settings.warmup,
                                          duration_s=None))

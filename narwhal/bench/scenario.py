@@ -32,6 +32,8 @@ _GAP_BEFORE_5XX_S = 1.0
 _POLL_S = 0.05
 _COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 _CUT_KINDS = ("sse_error", "truncated", "no_done")
+# The report lists at most this many failed requests and router failure lines.
+_LISTED = 50
 
 
 def _iso_to_epoch(ts: str) -> float | None:
@@ -183,6 +185,23 @@ class FaultScenario:
             return 0, None
         return len(times), round(max(times) - self.kill_wall, 3)
 
+    def _router_failures(self) -> list[dict[str, Any]]:
+        """Narwhal's log lines for requests that failed and for engine failures, with seconds from the kill."""
+        if not self.target.is_narwhal or self.kill_wall is None:
+            return []
+        found = []
+        for line in self.target.log_lines:
+            event = line.get("event")
+            failed_request = event == "request" and (line.get("status") != 200 or line.get("error"))
+            if not (failed_request or event in ("engine_failure", "engine_ejected", "engine_readmitted",
+                                                "engine_hold_added", "engine_hold_cleared")):
+                continue
+            at = _iso_to_epoch(str(line.get("ts")))
+            entry = {"after_kill_s": round(at - self.kill_wall, 3) if at is not None else None}
+            entry.update({k: v for k, v in line.items() if k not in ("ts", "level")})
+            found.append(entry)
+        return found[:_LISTED * 2]
+
     def report(self, result: LoadResult) -> FaultReport:
         records = result.records
         total = len(records)
@@ -225,4 +244,8 @@ class FaultScenario:
             failing_engine_last_request_s=(round(self.failing_last_request_at, 3)
                                            if self.failing_last_request_at is not None else None),
             failing_engine_ineligible_s=self._first_change(self.failing, False, self.fault_at),
+            failing_engine_eligible_again_s=self._first_change(self.failing, True, self.fault_cleared_at),
+            failed_requests=[{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.as_dict().items()}
+                             for r in failed[:_LISTED]],
+            router_failures=self._router_failures(),
             notes=notes)

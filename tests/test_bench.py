@@ -1,0 +1,362 @@
+"""The benchmark: its figures (percentiles, /proc parsing, the table), the load generator
+against an in-process mock engine, and the command line end to end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+import trio
+
+from narwhal.bench import procstat
+from narwhal.bench.cli import build_parser, settings_from_args
+from narwhal.bench.fleet import BenchFleet, CommandTemplateError, command_for
+from narwhal.bench.load import LoadSpec, LoadState, _Exchange, completion_body, run_load
+from narwhal.bench.progress import progress_line
+from narwhal.bench.report import (
+    BenchReport,
+    FaultReport,
+    RunReport,
+    distribution,
+    format_report,
+    percentile,
+    process_usage,
+    summarize_load,
+)
+from narwhal.mock.engine import MockSettings, serve_mock
+from narwhal.mock.faults import FaultRequest
+
+REPO = Path(__file__).resolve().parent.parent
+DECODE_KV = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p1",
+             "remote_block_ids": [1], "remote_host": "127.0.0.1", "remote_port": 9, "tp_size": 1}
+
+
+# ----- percentiles and summaries --------------------------------------------------------
+
+@pytest.mark.parametrize(("values", "q", "expected"), [
+    ([1.0, 2.0, 3.0, 4.0], 50, 2.5),
+    ([1.0, 2.0, 3.0, 4.0], 90, 3.7),
+    ([1.0, 2.0, 3.0, 4.0], 0, 1.0),
+    ([1.0, 2.0, 3.0, 4.0], 100, 4.0),
+    ([7.0], 99, 7.0),
+    ([float(i) for i in range(1, 101)], 99, 99.01),
+])
+def test_percentile_interpolates_between_ranks(values: list[float], q: float, expected: float) -> None:
+    assert percentile(values, q) == pytest.approx(expected)
+
+
+def test_percentile_refuses_no_values_and_bad_q() -> None:
+    with pytest.raises(ValueError):
+        percentile([], 50)
+    with pytest.raises(ValueError):
+        percentile([1.0], 101)
+
+
+def test_distribution_is_in_milliseconds() -> None:
+    dist = distribution([0.004, 0.001, 0.002, 0.003])
+    assert dist is not None
+    assert (dist.count, dist.mean_ms, dist.p50_ms, dist.max_ms) == (4, 2.5, 2.5, 4.0)
+    assert distribution([]) is None
+
+
+def test_summary_counts_errors_by_kind_and_status() -> None:
+    summary = summarize_load(
+        kinds=["ok", "ok", "status", "status", "refused", "sse_error"],
+        statuses=[200, 200, 502, 503, 0, 200],
+        ttft_s=[0.01, 0.03], total_s=[0.02, 0.04], gaps_s=[0.0, 0.001], tokens=64, duration_s=2.0)
+    assert (summary.requests, summary.ok, summary.errors) == (6, 2, 4)
+    assert summary.requests_per_s == 1.0 and summary.tokens_per_s == 32.0
+    assert summary.errors_by_kind == {"refused": 1, "sse_error": 1, "status": 2}
+    assert summary.errors_by_status == {"200": 1, "502": 1, "503": 1, "none": 1}
+    assert summary.ttft is not None and summary.ttft.p50_ms == 20.0
+
+
+def test_process_usage_per_request_and_per_thousand_tokens() -> None:
+    usage = process_usage(pids=[1], cpu_s=1.5, wall_s=3.0, requests=3000, tokens=96000, peak_rss_kb=51200)
+    assert usage.cpu_ms_per_request == 0.5
+    assert usage.cpu_ms_per_1k_tokens == pytest.approx(15.625, abs=1e-3)
+    assert (usage.cpu_utilization, usage.peak_rss_mb) == (0.5, 50.0)
+    assert process_usage(pids=[], cpu_s=0.0, wall_s=0.0, requests=0, tokens=0,
+                         peak_rss_kb=0).cpu_ms_per_request is None
+
+
+# ----- /proc ----------------------------------------------------------------------------
+
+def test_parse_stat_counts_fields_after_the_last_parenthesis() -> None:
+    # A command name may hold spaces and parentheses.
+    line = "4242 (my (odd) proc) S 17 4242 4242 0 -1 4194560 900 0 0 0 123 45 6 7 20 0 1 0 100 0 0"
+    stat = procstat.parse_stat(line)
+    assert (stat.pid, stat.comm, stat.state, stat.ppid) == (4242, "my (odd) proc", "S", 17)
+    assert (stat.utime, stat.stime, stat.cpu_ticks) == (123, 45, 168)
+
+
+def test_parse_vm_hwm() -> None:
+    text = "Name:\tpython\nVmPeak:\t  200000 kB\nVmHWM:\t   51234 kB\nVmRSS:\t   50000 kB\n"
+    assert procstat.parse_vm_hwm_kb(text) == 51234
+    assert procstat.parse_vm_hwm_kb("Name:\tkthreadd\n") is None
+
+
+def test_cpu_between_samples_counts_new_processes_from_zero() -> None:
+    before = procstat.TreeSample(ticks={10: 100, 11: 50}, peak_rss_kb=0)
+    after = procstat.TreeSample(ticks={10: 300, 12: 100}, peak_rss_kb=0)
+    assert procstat.cpu_seconds_between(before, after) == 300 / procstat.CLOCK_TICKS_PER_S
+
+
+def test_sample_tree_sees_a_child_process() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
+    try:
+        sample = procstat.sample_tree(os.getpid())
+        assert os.getpid() in sample.ticks and child.pid in sample.ticks
+        assert child.pid in procstat.descendants(os.getpid())
+        assert sample.peak_rss_kb > 0
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_listening_pid_finds_this_process() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        assert procstat.listening_pid(sock.getsockname()[1]) == os.getpid()
+
+
+# ----- the response watcher ---------------------------------------------------------------
+
+def _chunked(*pieces: bytes) -> bytes:
+    body = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces)
+    return b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + body + b"0\r\n\r\n"
+
+
+def _feed_bytewise(response: bytes) -> _Exchange:
+    exchange = _Exchange(stream=True)
+    for i in range(len(response)):
+        exchange.now = float(i)
+        exchange.parser.feed_data(response[i:i + 1])
+    return exchange
+
+
+def test_events_split_across_reads_are_counted_once() -> None:
+    exchange = _feed_bytewise(_chunked(b'data: {"t":1}\n\ndata: {"t":2}\n\n', b"data: [DONE]\n\n"))
+    assert exchange.complete and exchange.keep_alive and exchange.done
+    assert sum(n for _, n in exchange.arrivals) == 2 and exchange.error_events == 0
+
+
+def test_an_sse_error_event_is_seen() -> None:
+    exchange = _feed_bytewise(_chunked(b'data: {"t":1}\n\n', b'data: {"error":{"message":"gone"}}\n\n'))
+    assert exchange.error_events == 1 and not exchange.done
+    assert sum(n for _, n in exchange.arrivals) == 1
+
+
+# ----- the load generator against an in-process mock ---------------------------------------
+
+@pytest.fixture
+async def decode_mock(nursery):
+    service = await nursery.start(serve_mock, MockSettings(role="decode", engine_id="d1", tokens=8))
+    yield service
+    service.stop(0)
+
+
+def _spec(port: int, **changes: object) -> LoadSpec:
+    body = completion_body(prompt_words=4, max_tokens=8, stream=True, kv_transfer_params=DECODE_KV)
+    spec = LoadSpec(host="127.0.0.1", port=port, body=body, concurrency=4, requests=20, duration_s=None,
+                    timeout_s=5.0)
+    return msgspec.structs.replace(spec, **changes)
+
+
+async def test_load_counts_requests_tokens_and_reuses_connections(decode_mock) -> None:
+    state = LoadState()
+    result = await run_load(_spec(decode_mock.engine.port), state=state)
+    summary = result.summary()
+    assert (summary.requests, summary.ok, summary.errors, summary.tokens) == (20, 20, 0, 160)
+    assert summary.ttft is not None and summary.ttft.count == 20
+    assert summary.inter_token is not None and summary.inter_token.count == 20 * 7
+    assert result.connections_opened == 4
+    assert (state.done, state.errors, state.tokens) == (20, 0, 160)
+    assert decode_mock.engine.stats.decode == 20
+
+
+async def test_new_connection_per_request(decode_mock) -> None:
+    result = await run_load(_spec(decode_mock.engine.port, keep_alive=False, requests=10))
+    assert result.ok == 10 and result.connections_opened == 10
+
+
+async def test_non_streamed_responses_count_usage_tokens(decode_mock) -> None:
+    body = completion_body(prompt_words=4, max_tokens=5, stream=False, kv_transfer_params=DECODE_KV)
+    result = await run_load(_spec(decode_mock.engine.port, body=body, stream=False, requests=6))
+    assert result.ok == 6 and result.tokens == 30
+
+
+async def test_errors_are_classified_by_kind_and_status(decode_mock) -> None:
+    engine = decode_mock.engine
+    engine.add_fault(FaultRequest(mode="no_done", count=3))
+    no_done = (await run_load(_spec(engine.port, concurrency=1, requests=5))).summary()
+    assert no_done.errors_by_kind == {"no_done": 3} and no_done.errors_by_status == {"200": 3}
+    assert no_done.ok == 2 and no_done.tokens == 16
+    engine.add_fault(FaultRequest(mode="status_5xx", status=503, count=2))
+    status = (await run_load(_spec(engine.port, concurrency=1, requests=5))).summary()
+    assert status.errors_by_kind == {"status": 2} and status.errors_by_status == {"503": 2}
+    assert status.ok == 3
+
+
+_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+_TOKEN = b'data: {"t":1}\n\n'
+
+
+@pytest.mark.parametrize(argnames=("response", "kind"), ids=["sse_error", "truncated", "reset"], argvalues=[
+    # The stream ends with an SSE error event, properly terminated.
+    (_HEAD + b"%x\r\n%s\r\n0\r\n\r\n" % (len(_TOKEN + b'data: {"error":{}}\n\n'),
+                                            _TOKEN + b'data: {"error":{}}\n\n'), "sse_error"),
+    # The connection closes mid-body.
+    (_HEAD + b"%x\r\n%s\r\n" % (len(_TOKEN), _TOKEN), "truncated"),
+    # The connection closes before a response head.
+    (b"", "reset"),
+])
+async def test_broken_streams_are_classified(nursery, response: bytes, kind: str) -> None:
+    async def answer_then_close(stream: trio.SocketStream) -> None:
+        await stream.receive_some(65536)
+        if response:
+            await stream.send_all(response)
+        await stream.aclose()
+
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, answer_then_close, 0, host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+    result = await run_load(_spec(port, requests=2, concurrency=1))
+    assert [r.kind for r in result.records] == [kind, kind]
+    assert result.summary().ok == 0
+
+
+async def test_refused_connections_are_counted() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    result = await run_load(_spec(port, requests=3, concurrency=1))
+    assert [r.kind for r in result.records] == ["refused"] * 3
+
+
+async def test_duration_bounds_the_load(decode_mock) -> None:
+    result = await run_load(_spec(decode_mock.engine.port, requests=None, duration_s=0.3, concurrency=2))
+    assert result.ok > 0 and result.duration_s < 2.0
+
+
+def test_load_spec_needs_a_bound() -> None:
+    with pytest.raises(ValueError):
+        LoadSpec(host="127.0.0.1", port=1, body=b"{}", requests=None, duration_s=None)
+
+
+# ----- table, progress, options ----------------------------------------------------------------
+
+def _run_report(label: str) -> RunReport:
+    load = summarize_load(kinds=["ok", "sse_error"], statuses=[200, 200], ttft_s=[0.01], total_s=[0.02],
+                          gaps_s=[0.0], tokens=32, duration_s=1.0)
+    return RunReport(label=label, target="http://x", load=load,
+                     router=process_usage(pids=[1], cpu_s=0.5, wall_s=1.0, requests=1, tokens=32,
+                                          peak_rss_kb=1024))
+
+
+def test_format_report_lays_runs_side_by_side_with_faults() -> None:
+    faults = FaultReport(
+        killed_engine="d1", failing_engine="d2", failing_status=500, timeline=[], goodput=0.99,
+        requests_lost=2, lost_by_kind={"sse_error": 2}, streams_cut=2, cut_with_error_event=2, cut_silently=0,
+        attempts_on_dead_engine=3, dead_engine_last_attempt_s=0.01, dead_engine_ineligible_s=0.02,
+        restarted_engine_eligible_s=None, restarted_engine_first_served_s=1.5,
+        failing_engine_requests_during_fault=4, failing_engine_last_request_s=0.1,
+        failing_engine_ineligible_s=0.1)
+    report = BenchReport(settings={}, run=_run_report("narwhal"), baseline=_run_report("direct"),
+                         router_vs_direct={"requests_per_s": 0.5}, faults=faults)
+    text = format_report(report)
+    assert "narwhal" in text and "direct" in text and "router CPU ms / request" in text
+    assert "errors by kind" in text and "sse_error 1" in text
+    assert "router / direct: requests_per_s 0.50" in text
+    assert "2 with an SSE error event, 0 silently" in text and "not seen" in text
+    json.loads(msgspec.json.encode(report))
+
+
+def test_progress_line() -> None:
+    state = LoadState()
+    state.done, state.tokens, state.errors, state.errors_by_kind = 100, 3200, 2, {"refused": 2}
+    line = progress_line(state, label="narwhal", elapsed_s=2.0, total=2000)
+    assert "done 100/2000" in line and "50.0 req/s" in line and "errors 2 (refused 2)" in line
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    build_parser(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_defaults_and_fault_defaults() -> None:
+    settings = settings_from_args(_args())
+    assert (settings.prefill, settings.decode, settings.tokens, settings.concurrency) == (1, 1, 32, 16)
+    assert (settings.requests, settings.duration_s, settings.token_delay_s) == (2000, 20.0, 0.0)
+    only_time = settings_from_args(_args("--duration-s", "5"))
+    assert (only_time.requests, only_time.duration_s) == (None, 5.0)
+    faults = settings_from_args(_args("--scenario", "faults"))
+    assert (faults.decode, faults.requests, faults.duration_s, faults.token_delay_s) == (3, None, 20.0, 0.01)
+    overrides = settings_from_args(_args("--set", "recovery.eject_after=2", "--set", "serving.policy=bounded"))
+    assert overrides.overrides == {"recovery": {"eject_after": 2}, "serving": {"policy": "bounded"}}
+
+
+@pytest.mark.parametrize("argv", [
+    ("--scenario", "faults", "--decode", "1"),
+    ("--target", "http://127.0.0.1:1", "--baseline", "direct"),
+    ("--target", "http://127.0.0.1:1", "--router-cmd", "x"),
+    ("--set", "nodot=1"),
+    ("--concurrency", "0"),
+])
+def test_bad_option_combinations(argv: tuple[str, ...]) -> None:
+    with pytest.raises(ValueError):
+        settings_from_args(_args(*argv))
+
+
+def test_router_command_template() -> None:
+    class Engine:
+        def __init__(self, port: int) -> None:
+            self.url = f"http://127.0.0.1:{port}"
+
+    fleet = BenchFleet({"p1": Engine(1), "d1": Engine(2), "d2": Engine(3)},  # type: ignore[dict-item]
+                       {"p1": "prefill", "d1": "decode", "d2": "decode"}, [])
+    argv = command_for("r --pd {prefill_flags_bootstrap} {decode_flags} --port {port} --m {metrics_port} "
+                       "--one {decode[1]}", fleet, port=9, metrics_port=10)
+    assert argv == ["r", "--pd", "--prefill", "http://127.0.0.1:1", "8998", "--decode", "http://127.0.0.1:2",
+                    "--decode", "http://127.0.0.1:3", "--port", "9", "--m", "10", "--one", "http://127.0.0.1:3"]
+    with pytest.raises(CommandTemplateError):
+        command_for("r {nope}", fleet, port=1, metrics_port=2)
+
+
+# ----- the command line ----------------------------------------------------------------------------
+
+def test_bench_help() -> None:
+    done = subprocess.run([sys.executable, "-m", "narwhal", "bench", "--help"], cwd=REPO, capture_output=True,
+                          text=True, timeout=30)
+    assert done.returncode == 0
+    for option in ("--concurrency", "--baseline", "--target", "--scenario", "--json", "--router-cmd"):
+        assert option in done.stdout
+
+
+@pytest.mark.e2e
+def test_bench_end_to_end_writes_every_figure(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    done = subprocess.run([sys.executable, "-m", "narwhal", "bench", "--requests", "50", "--concurrency", "4",
+                           "--json", str(out), "--quiet"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "router CPU ms / request" in done.stdout
+    report = json.loads(out.read_text())
+    load = report["run"]["load"]
+    assert (load["requests"], load["ok"], load["errors"]) == (50, 50, 0)
+    assert load["tokens"] == 50 * 32 and load["requests_per_s"] > 0
+    for figure in ("ttft", "inter_token", "total"):
+        assert set(load[figure]) >= {"p50_ms", "p90_ms", "p99_ms"}
+    router = report["run"]["router"]
+    assert router["cpu_s"] >= 0 and router["peak_rss_mb"] > 0 and router["pids"]
+    assert {e["name"] for e in report["run"]["engines"]} == {"p1", "d1"}
+    assert report["settings"]["router_command"][1:4] == ["-m", "narwhal", "serve"]
