@@ -240,13 +240,17 @@ class RequestCore:
             self.metrics.saturations.inc("admission_closed")
             raise ClientError(503, closed, "service_unavailable", "admission_closed")
         request = self._validate(route, body)
+        # Engines that failed this request: a retry goes elsewhere while it can.
+        failed_engines: set[str] = set()
         while True:
             try:
-                await self._attempt(route, request, rid, rid_header, sink, started_at, outcome)
+                await self._attempt(route, request, rid, rid_header, sink, started_at, outcome, failed_engines)
                 return
             except _AttemptFailed as failed:
                 outcome.error_class = failed.failure_class
                 outcome.error_engine = failed.engine
+                if failed.engine is not None:
+                    failed_engines.add(failed.engine)
                 queued = failed.failure_class in _QUEUEABLE
                 if not self._bounded or sink.started or (not queued and outcome.attempts >= self._max_attempts):
                     raise failed.error from None
@@ -296,8 +300,12 @@ class RequestCore:
         request.pop("kv_transfer_params", None)
         return request
 
-    def _place(self, role: str) -> str:
-        name = pick_least_outstanding(self.supervisor.eligible(role), self.in_flight, self.rng)
+    def _place(self, role: str, avoid: set[str]) -> str:
+        candidates = self.supervisor.eligible(role)
+        if avoid:
+            # Fall back to an engine that failed this request only when no other is eligible.
+            candidates = [name for name in candidates if name not in avoid] or candidates
+        name = pick_least_outstanding(candidates, self.in_flight, self.rng)
         if name is None:
             self.metrics.saturations.inc(f"no_{role}")
             problem = self.supervisor.capacity_problem() or f"serving capacity exhausted: no eligible {role} engine"
@@ -306,9 +314,9 @@ class RequestCore:
         return name
 
     async def _attempt(self, route: str, request: dict[str, Any], rid: str, rid_header: tuple[bytes, bytes],
-                       sink: Sink, started_at: float, outcome: _Outcome) -> None:
-        prefill_name = self._place("prefill")
-        decode_name = self._place("decode")
+                       sink: Sink, started_at: float, outcome: _Outcome, avoid: set[str]) -> None:
+        prefill_name = self._place("prefill", avoid)
+        decode_name = self._place("decode", avoid)
         outcome.prefill, outcome.decode = prefill_name, decode_name
         prefill = self.engines[prefill_name]
         decode = self.engines[decode_name]

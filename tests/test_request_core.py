@@ -461,3 +461,25 @@ async def test_least_outstanding_placement_avoids_the_busy_decode_engine():
     for _ in range(5):
         await core.handle("/v1/completions", body(), None, Sink())
     assert {c[0] for c in pool.calls[1::2]} == {"d2"}
+
+
+async def test_bounded_retry_avoids_the_engine_that_just_failed():
+    core, _, pool, _ = make_core(policy="bounded")
+    # d2 is busier, so least-outstanding placement prefers d1 every time...
+    core.in_flight.acquire("d2")
+    pool.decode.append(EngineFailure("d1", FailureClass.CONNECTION, "refused"))
+    sink = Sink()
+    await core.handle("/v1/completions", body(), None, sink)
+    assert sink.status == 200
+    # ...but the retry after d1 failed goes to d2.
+    assert [c[0] for c in pool.calls if c[0].startswith("d")] == ["d1", "d2"]
+
+
+async def test_bounded_retry_falls_back_to_a_failed_engine_when_it_is_the_only_one():
+    core, supervisor, pool, _ = make_core(policy="bounded")
+    supervisor.roles["decode"] = ["d1"]
+    pool.decode.append(EngineFailure("d1", FailureClass.CONNECTION, "refused"))
+    sink = Sink()
+    await core.handle("/v1/completions", body(), None, sink)
+    assert sink.status == 200
+    assert [c[0] for c in pool.calls if c[0].startswith("d")] == ["d1", "d1"]
