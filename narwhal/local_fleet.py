@@ -55,8 +55,18 @@ class LocalProcess:
         if self.process.returncode is None:
             self.process.kill()
 
-    def events(self, name: str) -> list[dict[str, Any]]:
-        return [line for line in self.lines if line.get("event") == name]
+    def events(self, name: str, **match: Any) -> list[dict[str, Any]]:
+        """The JSON lines logged so far with ``event == name`` and the given field values."""
+        return [line for line in self.lines
+                if line.get("event") == name and all(line.get(k) == v for k, v in match.items())]
+
+    async def wait_event(self, name: str, *, timeout_s: float = 5.0, **match: Any) -> list[dict[str, Any]]:
+        """Wait until a matching line has been logged (lines are batched for up to ~100 ms)."""
+        with trio.move_on_after(timeout_s):
+            while not (found := self.events(name, **match)):
+                await trio.sleep(0.02)
+            return found
+        return []
 
 
 async def _read_lines(stream: trio.abc.ReceiveStream, sink: list[dict[str, Any]],

@@ -6,14 +6,16 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import sys
-from typing import Any
+import time
+from typing import Any, TextIO
 
 import msgspec
 
-__all__ = ["configure_logging", "log_event"]
+__all__ = ["configure_logging", "flush_logs", "log_event"]
 
 _encoder = msgspec.json.Encoder()
 _logger = logging.getLogger("narwhal.events")
@@ -50,11 +52,66 @@ class _JSONLineFormatter(logging.Formatter):
         return _encoder.encode(fields).decode()
 
 
+class _BatchingHandler(logging.StreamHandler):
+    """Writes lines in batches: at most ``max_delay_s`` late, warnings and worse at once.
+
+    One ``request`` line per request made two write(2) calls per request; the
+    router's hot path does not need them. ``flush_if_due`` (called periodically
+    by the router) and ``flush`` (at exit) make sure no line waits long.
+    """
+
+    def __init__(self, stream: TextIO, max_delay_s: float = 0.05) -> None:
+        super().__init__(stream)
+        self._pending: list[str] = []
+        self._max_delay_s = max_delay_s
+        self._last_flush = time.monotonic()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._pending.append(self.format(record))
+        except Exception:
+            self.handleError(record)
+            return
+        if record.levelno >= logging.WARNING or time.monotonic() - self._last_flush >= self._max_delay_s:
+            self.flush()
+
+    def flush(self) -> None:
+        self.acquire()
+        try:
+            self._last_flush = time.monotonic()
+            if self._pending:
+                lines, self._pending = self._pending, []
+                self.stream.write("\n".join(lines) + "\n")
+            self.stream.flush()
+        finally:
+            self.release()
+
+    def flush_if_due(self) -> None:
+        if self._pending and time.monotonic() - self._last_flush >= self._max_delay_s:
+            self.flush()
+
+
+_batching: _BatchingHandler | None = None
+
+
 def configure_logging(level: str = "info") -> None:
-    """Send every log record to stderr as JSON lines."""
-    handler = logging.StreamHandler(sys.stderr)
+    """Send every log record to stderr as JSON lines (batched; see ``flush_logs``)."""
+    global _batching
+    # Process, thread and multiprocessing names are never logged: skip their lookups per record.
+    logging.logProcesses = logging.logThreads = logging.logMultiprocessing = False
+    handler = _batching = _BatchingHandler(sys.stderr)
     handler.setFormatter(_JSONLineFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING)
     _logger.setLevel(getattr(logging, level.upper(), logging.INFO))
+    atexit.register(handler.flush)
+
+
+def flush_logs(*, only_if_due: bool = False) -> None:
+    """Write out batched log lines (all of them, or only once they are due)."""
+    if _batching is not None:
+        if only_if_due:
+            _batching.flush_if_due()
+        else:
+            _batching.flush()

@@ -23,7 +23,7 @@ from .config import Config, parse_listen
 from .fleet import Fleet
 from .http1.asgi import ASGILifespan, call_asgi
 from .http1.server import HTTPServer, Request, Responder
-from .logs import log_event
+from .logs import flush_logs, log_event
 from .monitor import Monitor
 from .placement import InFlight
 from .pools.control import ControlPool
@@ -186,6 +186,7 @@ class Router:
         try:
             async with ASGILifespan(self.app), trio.open_nursery() as nursery:
                 self._nursery = nursery
+                nursery.start_soon(self._flush_logs_periodically)
                 await nursery.start(self.supervisor.run)
                 if self.resume:
                     self._resume()
@@ -203,6 +204,13 @@ class Router:
                 await self.data_pool.aclose()
                 await self.control_pool.aclose()
             log_event("router_stopped", router_id=self.router_id)
+            flush_logs()
+
+    async def _flush_logs_periodically(self) -> None:
+        # Log lines are batched for the hot path; none waits more than about 100 ms.
+        while True:
+            await trio.sleep(0.1)
+            flush_logs(only_if_due=True)
 
     def _resume(self) -> None:
         """Apply the saved handoff when its schema and engine set match; say plainly when not."""

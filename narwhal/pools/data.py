@@ -10,6 +10,8 @@ shape and the terminal marker.
 from __future__ import annotations
 
 import contextlib
+import functools
+import urllib.parse
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -40,18 +42,21 @@ class DataPoolStatistics(msgspec.Struct, frozen=True, kw_only=True):
     idle_connections: int
 
 
-def _host_header(engine: EngineSpec) -> bytes:
-    host = engine.host
-    if ":" in host:
-        host = f"[{host}]"
-    return f"{host}:{engine.port}".encode("ascii")
+@functools.lru_cache(maxsize=1024)
+def _endpoint(url: str) -> tuple[str, int, bytes]:
+    """(host, port, Host header) of an engine URL, parsed once, not on every request."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    port = parts.port or 80
+    shown = f"[{host}]" if ":" in host else host
+    return host, port, f"{shown}:{port}".encode("ascii")
 
 
 def _post_request(engine: EngineSpec, path: str, body: bytes, request_id: str, accept: bytes) -> bytes:
     if any(c in request_id for c in "\r\n") or not path.startswith("/") or " " in path:
         raise ValueError(f"unsafe request line or request id: {path!r} {request_id!r}")
     return b"".join((
-        b"POST ", path.encode("ascii"), b" HTTP/1.1\r\nhost: ", _host_header(engine),
+        b"POST ", path.encode("ascii"), b" HTTP/1.1\r\nhost: ", _endpoint(engine.url)[2],
         b"\r\ncontent-type: application/json\r\naccept: ", accept,
         b"\r\ncontent-length: ", str(len(body)).encode("ascii"),
         b"\r\nx-request-id: ", request_id.encode("latin-1"), b"\r\n\r\n", body,
@@ -203,8 +208,9 @@ class DataPool:
 
     async def _request(self, engine: EngineSpec, request: bytes, *, head_deadline_s: float = float("inf"),
                        head_deadline_message: str = "") -> tuple[EngineConnection, HTTPResponseHead]:
+        host, port, _ = _endpoint(engine.url)
         try:
-            return await self._connections.request(engine.host, engine.port, request,
+            return await self._connections.request(host, port, request,
                                                    read_timeout_s=self._config.request_timeout_s,
                                                    head_deadline_s=head_deadline_s,
                                                    head_deadline_message=head_deadline_message)

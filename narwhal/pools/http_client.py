@@ -42,6 +42,9 @@ __all__ = [
     "WriteTimeout",
 ]
 
+# Idle connections younger than this are reused without a liveness poll (see _take_idle).
+_RECENTLY_IDLE_S = 1.0
+
 _READ_SIZE = 65536
 _INF = math.inf
 
@@ -340,7 +343,8 @@ class EngineConnections:
         stack = self._idle.get(key)
         if not stack:
             return None
-        cutoff = trio.current_time() - self.idle_s
+        now = trio.current_time()
+        cutoff = now - self.idle_s
         while stack:
             conn = stack.pop()
             if conn.idle_since <= cutoff:
@@ -350,7 +354,9 @@ class EngineConnections:
                     older.close()
                 stack.clear()
                 return None
-            if not conn.dropped_while_idle():
+            # A connection idle for under a second is almost never closed by the engine;
+            # the poll(2) is skipped for it, and the retry-once-on-a-fresh-connection covers the rare case.
+            if now - conn.idle_since < _RECENTLY_IDLE_S or not conn.dropped_while_idle():
                 return conn
             conn.close()
         return None

@@ -41,7 +41,12 @@ async def complete(fleet) -> tuple[int, str]:
 
 
 def events(fleet, name: str, **match: Any) -> list[dict[str, Any]]:
-    return [e for e in fleet.router.events(name) if all(e.get(k) == v for k, v in match.items())]
+    return fleet.router.events(name, **match)
+
+
+async def logged(fleet, name: str, **match: Any) -> list[dict[str, Any]]:
+    """Matching log lines, waiting for them: the router batches its log writes."""
+    return await fleet.router.wait_event(name, **match)
 
 
 async def test_connection_failures_eject_and_peers_keep_serving(start_fleet):
@@ -54,7 +59,7 @@ async def test_connection_failures_eject_and_peers_keep_serving(start_fleet):
     await wait_until(ejected, what="d2 ejected")
     view = (await engines(fleet))["d2"]
     assert not view["eligible"]
-    assert events(fleet, "engine_ejected", engine="d2")
+    assert await logged(fleet, "engine_ejected", engine="d2")
     for _ in range(10):
         status, text = await complete(fleet)
         assert status == 200 and text.rstrip().endswith("data: [DONE]")
@@ -92,7 +97,7 @@ async def test_overload_streak_runs_a_health_probe_that_clears_it(start_fleet):
         return (await engines(fleet))["d1"]["evidence"]["overload"] == 0
 
     await wait_until(cleared, what="overload evidence cleared by health 200")
-    assert events(fleet, "probe_result", engine="d1", probe="health")
+    assert await logged(fleet, "probe_result", engine="d1", probe="health")
     assert (await complete(fleet))[0] == 200
 
 
@@ -112,8 +117,8 @@ async def test_inference_failures_pause_then_a_passing_probe_clears(start_fleet,
         return bool(events(fleet, "probe_result", engine="d1", probe="inference"))
 
     await wait_until(probed, what="inference probe of d1")
-    assert events(fleet, "engine_hold_added", engine="d1", hold_kind="inference_verification")
-    assert events(fleet, "probe_result", engine="d1", probe="inference", outcome="success")
+    assert await logged(fleet, "engine_hold_added", engine="d1", hold_kind="inference_verification")
+    assert await logged(fleet, "probe_result", engine="d1", probe="inference", outcome="success")
     view = (await engines(fleet))["d1"]
     assert view["eligible"] and not view["holds"]
     assert view["evidence"]["stream"] == 0 and view["evidence"]["inference_status"] == 0
@@ -133,7 +138,7 @@ async def recover_and_serve_again(fleet, name: str) -> None:
         return (await engines(fleet))[name]["eligible"]
 
     await wait_until(eligible, what=f"{name} readmitted")
-    assert events(fleet, "readmission", engine=name, outcome="readmitted")
+    assert await logged(fleet, "readmission", engine=name, outcome="readmitted")
     before = await served_by(fleet, name)
     for _ in range(12):
         assert (await complete(fleet))[0] == 200
@@ -157,7 +162,7 @@ async def test_persistent_failure_ejects_peers_keep_serving_and_the_recovered_en
         return (await engines(fleet))[engine]["ejected"]
 
     await wait_until(ejected, what=f"{engine} ejected after its probe leg failed")
-    assert events(fleet, "probe_result", engine=engine, probe="inference", outcome="failed")
+    assert await logged(fleet, "probe_result", engine=engine, probe="inference", outcome="failed")
     # While it is out, every request succeeds on the peers.
     for _ in range(8):
         status, text = await complete(fleet)
@@ -166,14 +171,17 @@ async def test_persistent_failure_ejects_peers_keep_serving_and_the_recovered_en
 
 
 async def test_unreadable_handoff_is_blamed_on_prefill_and_never_sent_to_decode(start_fleet):
-    fleet = await start_fleet(prefill=2, sections=SLOW_MONITOR)
-    await fleet.set_fault("p1", "bad_kv", count=1)
-    await fleet.set_fault("p2", "bad_kv", count=1)
+    fleet = await start_fleet(sections=SLOW_MONITOR)
+    await fleet.set_fault("p1", "bad_kv", count=2)
     statuses = [(await complete(fleet))[0] for _ in range(2)]
     assert statuses == [502, 502]
+
+    async def both_logged() -> bool:
+        return len(events(fleet, "engine_failure", **{"class": "kv_handoff"})) == 2
+
+    await wait_until(both_logged, what="two kv_handoff failures logged")
     failures = events(fleet, "engine_failure", **{"class": "kv_handoff"})
-    assert sorted(e["engine"] for e in failures) == ["p1", "p2"]
-    assert all(e["stage"] == "prefill" for e in failures)
+    assert [(e["engine"], e["stage"]) for e in failures] == [("p1", "prefill")] * 2
     assert (await fleet.engine_stats("d1"))["decode"] == 0
 
 

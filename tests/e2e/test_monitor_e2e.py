@@ -60,7 +60,7 @@ async def test_persistence_failure_degrades_readiness_and_one_clean_pass_recover
     # The request admitted before degradation ran to completion.
     assert in_flight[0].status_code == 200
     assert "data: [DONE]" in in_flight[0].text.split("\n")
-    errors = [e for e in fleet.router.events("stage_error") if e["stage"] == "persistence"]
+    errors = await fleet.router.wait_event("stage_error", stage="persistence")
     assert errors and errors[0]["class"] == "NotADirectoryError"
     assert {"event", "stage", "class", "pass", "message", "ts"} <= set(errors[0])
 
@@ -71,7 +71,7 @@ async def test_persistence_failure_degrades_readiness_and_one_clean_pass_recover
         return (await ready_status())[0] == 200
 
     await wait_until(recovered, what="recovery after one clean pass")
-    assert fleet.router.events("monitor_recovered")
+    assert await fleet.router.wait_event("monitor_recovered")
     assert (await fleet.client.post(f"{fleet.url}/v1/completions", json=REQUEST)).status_code == 200
 
 
@@ -113,7 +113,7 @@ async def test_slow_decode_engine_gets_a_drift_hold_and_loses_it_after_recovery(
 
         await wait_until(lifted, timeout_s=15, what="drift hold lifted")
         stop.set()
-    added = [e for e in fleet.router.events("engine_hold_added") if e.get("hold_kind") == "performance_drift"]
+    added = await fleet.router.wait_event("engine_hold_added", hold_kind="performance_drift")
     assert [e["engine"] for e in added] == ["d3"]
 
 
