@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import trio
 
+from .admin_cli import add_parser as add_admin_parser
 from .config import ConfigError, load_config, parse_listen
 from .logs import configure_logging, log_event
 
@@ -51,12 +52,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     for name, help_text in _DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
-    try:
-        from .admin_cli import add_parser as add_admin
-    except ImportError:
-        pass
-    else:
-        add_admin(sub)
+    add_admin_parser(sub)
     return parser
 
 
