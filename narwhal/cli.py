@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 import trio
 
-from .admin_cli import add_parser as add_admin_parser
-from .config import ConfigError, load_config, parse_listen
-from .logs import configure_logging, log_event
+from narwhal.tools.admin_cli import add_parser as add_admin_parser
+from narwhal.config import ConfigError, load_config, parse_listen
+from narwhal.obs.logs import configure_logging, log_event
 
 __all__ = ["main", "serve_main"]
 
@@ -58,10 +58,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _run_delegated(command: str, argv: list[str]) -> int:
     if command == "mock-engine":
-        from .mock.engine import main as mock_main
+        from narwhal.tools.mock.engine import main as mock_main
 
         return mock_main(argv)
-    from .bench.cli import build_parser, run_from_args
+    from narwhal.tools.bench.cli import build_parser, run_from_args
 
     parser = argparse.ArgumentParser(prog="narwhal bench",
                                      description="Measure router overhead and fault handling against a mock fleet.")
@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         return _serve(args)
     if args.command == "demo":
-        from .demo import run_demo
+        from narwhal.tools.demo import run_demo
 
         return run_demo(args)
     return args.run(args)
@@ -101,7 +101,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"narwhal: --listen: {exc}", file=sys.stderr)
         return 2
     configure_logging(args.log_level)
-    from .router import Router
+    from narwhal.router import Router
 
     router = Router(config, listen=args.listen, resume=args.resume, config_dir=Path(args.config).parent)
     try:

@@ -16,27 +16,27 @@ from typing import Any
 
 import trio
 
-from .admin_api import register_admin_routes
-from .admission import Admission
-from .app import create_app
-from .config import Config, parse_listen
-from .fleet import Fleet
-from .http1.asgi import ASGILifespan, call_asgi
-from .http1.server import HTTPServer, Request, Responder
-from .logs import flush_logs, log_event
-from .monitor import Monitor
-from .placement import InFlight
-from .pools.control import ControlPool
-from .pools.data import DataPool
-from .readmission import Readmitter
-from .request_core import COMPLETION_ROUTES, RequestCore
-from .resume import apply_resume, plan_resume
-from .router_metrics import RouterMetrics
-from .stages import build_stages
-from .stages.persistence import PersistenceStage
-from .supervisor import Supervisor
-from .telemetry import Telemetry
-from .wire import error_json
+from narwhal.app.admin_routes import register_admin_routes
+from narwhal.fleet.admission import Admission
+from narwhal.app.control_app import create_app
+from narwhal.config import Config, parse_listen
+from narwhal.fleet import Fleet
+from narwhal.http1.asgi import ASGILifespan, call_asgi
+from narwhal.http1.server import HTTPServer, Request, Responder
+from narwhal.obs.logs import flush_logs, log_event
+from narwhal.control.monitor import Monitor
+from narwhal.fleet.placement import InFlight
+from narwhal.pools.control import ControlPool
+from narwhal.pools.data import DataPool
+from narwhal.control.readmission import Readmitter
+from narwhal.serving.request_core import COMPLETION_ROUTES, RequestCore
+from narwhal.state.resume import apply_resume, plan_resume
+from narwhal.obs.router_metrics import RouterMetrics
+from narwhal.stages import build_stages
+from narwhal.stages.persistence import PersistenceStage
+from narwhal.control.supervisor import Supervisor
+from narwhal.fleet.telemetry import Telemetry
+from narwhal.wire import error_json
 
 __all__ = ["Router"]
 
@@ -72,7 +72,7 @@ class Router:
         self.supervisor = Supervisor(config=config, fleet=self.fleet, control_pool=self.control_pool,
                                      metrics=self.metrics)
         roles = [(spec.name, spec.role) for spec in config.engines]
-        self.telemetry = Telemetry(roles, interval_s=config.telemetry.interval_s,
+        self.telemetry = Telemetry(roles, clock=trio.current_time, interval_s=config.telemetry.interval_s,
                                    keep_intervals=config.telemetry.keep_intervals)
         self.core = RequestCore(config=config, supervisor=self.supervisor, data_pool=self.data_pool,
                                 in_flight=self.in_flight, admission=self.admission, metrics=self.metrics,

@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 import trio
 
-from narwhal.admin_api import register_admin_routes
+from narwhal.app.admin_routes import register_admin_routes
 from narwhal.config import AdminConfig, Config, EngineSpec, FleetConfig, HandoffConfig
-from narwhal.mock.engine import MockService, MockSettings, serve_mock
-from narwhal.mock.faults import FaultRequest
-from narwhal.readmission import Readmitter
+from narwhal.tools.mock.engine import MockService, MockSettings, serve_mock
+from narwhal.tools.mock.faults import FaultRequest
+from narwhal.control.readmission import Readmitter
 from narwhal.router import Router
 
 ATTESTATION_KEY = "narwhal-dev-key"  # the mock engine's default key

@@ -22,7 +22,7 @@ import pytest
 import trio
 from test_admin_api import TOKEN, MockFleet, admin_router, fleet_config, start_mock_fleet
 
-from narwhal.admin_cli import TOKEN_ENV, add_parser, format_engines
+from narwhal.tools.admin_cli import TOKEN_ENV, add_parser, format_engines
 from narwhal.router import Router
 
 

@@ -17,12 +17,12 @@ import msgspec
 import pytest
 import trio
 
-from narwhal.bench import procstat
-from narwhal.bench.cli import build_parser, settings_from_args
-from narwhal.bench.fleet import BenchFleet, CommandTemplateError, command_for
-from narwhal.bench.load import LoadSpec, LoadState, _Exchange, completion_body, run_load
-from narwhal.bench.progress import progress_line
-from narwhal.bench.report import (
+from narwhal.tools.bench import procstat
+from narwhal.tools.bench.cli import build_parser, settings_from_args
+from narwhal.tools.bench.fleet import BenchFleet, CommandTemplateError, command_for
+from narwhal.tools.bench.load import LoadSpec, LoadState, _Exchange, completion_body, run_load
+from narwhal.tools.bench.progress import progress_line
+from narwhal.tools.bench.report import (
     BenchReport,
     FaultReport,
     RunReport,
@@ -32,8 +32,8 @@ from narwhal.bench.report import (
     process_usage,
     summarize_load,
 )
-from narwhal.mock.engine import MockSettings, serve_mock
-from narwhal.mock.faults import FaultRequest
+from narwhal.tools.mock.engine import MockSettings, serve_mock
+from narwhal.tools.mock.faults import FaultRequest
 
 REPO = Path(__file__).resolve().parent.parent
 DECODE_KV = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p1",

@@ -7,9 +7,9 @@ import httpx
 import pytest
 import trio
 
-from narwhal.failures import EngineFailure, FailureClass, PoolSaturated, UpstreamClientError
+from narwhal.errors import EngineFailure, FailureClass, PoolSaturated, UpstreamClientError
 from narwhal.pools import classify
-from narwhal.pools.http_client import (
+from narwhal.http1.client import (
     ConnectFailed,
     ConnectionClosed,
     ConnectTimeout,

@@ -11,11 +11,11 @@ import logging
 
 import pytest
 
-from narwhal.drift import DriftTracker, Risk, Verdict, consolidation_risk, judge_interval, risk_by_role
+from narwhal.fleet.drift import DriftTracker, Risk, Verdict, consolidation_risk, judge_interval, risk_by_role
 from narwhal.fleet import Fleet, HoldKind
-from narwhal.router_metrics import RouterMetrics
+from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.stages.controller import ControllerStage
-from narwhal.telemetry import EngineInterval, Interval
+from narwhal.fleet.telemetry import EngineInterval, Interval
 
 DRIFT_FACTOR = 3.0
 DRIFT_INTERVALS = 3

@@ -18,7 +18,7 @@ import trio
 from trio.testing import MockClock
 
 import narwhal.fleet
-from narwhal.failures import FailureClass, SuccessKind
+from narwhal.errors import FailureClass, SuccessKind
 from narwhal.fleet import (
     ACTION_POOL,
     INFERENCE_FAILURES,

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from narwhal.failures import FailureClass, SuccessKind
+from narwhal.errors import FailureClass, SuccessKind
 from narwhal.fleet import (
     EVIDENCE_CLEARED,
     FAILURE_ACTIONS,

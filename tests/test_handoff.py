@@ -13,11 +13,11 @@ import msgspec
 import pytest
 import trio
 
-import narwhal.handoff as handoff
+import narwhal.state.handoff as handoff
 from narwhal.config import Config, EngineSpec
-from narwhal.failures import FailureClass
+from narwhal.errors import FailureClass
 from narwhal.fleet import EngineCounters, EngineRecord, Fleet, HoldKind, HoldRecord
-from narwhal.handoff import (
+from narwhal.state.handoff import (
     HANDOFF_SCHEMA,
     EngineSetEntry,
     HandoffDocument,
@@ -348,9 +348,9 @@ async def test_slow_disk_does_not_block_the_event_loop(tmp_path: Path, monkeypat
 
 
 async def test_monitor_pass_persists_what_its_other_stages_did(tmp_path: Path) -> None:
-    from narwhal.admission import Admission
-    from narwhal.monitor import Monitor
-    from narwhal.router_metrics import RouterMetrics
+    from narwhal.fleet.admission import Admission
+    from narwhal.control.monitor import Monitor
+    from narwhal.obs.router_metrics import RouterMetrics
 
     clocks, fleet = Clocks(), make_fleet()
 

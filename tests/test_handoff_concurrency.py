@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from narwhal.handoff import HandoffDocument, HandoffUnreadable, read_document
+from narwhal.state.handoff import HandoffDocument, HandoffUnreadable, read_document
 
 REPO = Path(__file__).resolve().parent.parent
 ENGINES_PER_DOCUMENT = 200  # ~40 KB: a torn or interleaved write would be visible
@@ -22,7 +22,7 @@ ENGINES_PER_DOCUMENT = 200  # ~40 KB: a torn or interleaved write would be visib
 WRITER = f"""
 import os, sys
 from narwhal.fleet import EngineRecord
-from narwhal.handoff import HANDOFF_SCHEMA, EngineSetEntry, HandoffDocument, encode_document, write_atomic
+from narwhal.state.handoff import HANDOFF_SCHEMA, EngineSetEntry, HandoffDocument, encode_document, write_atomic
 
 path, name, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
 engine_set = [EngineSetEntry(name=f"e{{i}}", url=f"http://127.0.0.1:{{9000 + i}}", role="prefill")

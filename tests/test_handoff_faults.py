@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import trio
 
-import narwhal.handoff as handoff
-from narwhal.admission import Admission
+import narwhal.state.handoff as handoff
+from narwhal.fleet.admission import Admission
 from narwhal.config import Config, EngineSpec
 from narwhal.fleet import Fleet
-from narwhal.handoff import read_document, write_atomic
-from narwhal.monitor import Monitor
-from narwhal.router_metrics import RouterMetrics
+from narwhal.state.handoff import read_document, write_atomic
+from narwhal.control.monitor import Monitor
+from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.stages.persistence import PersistenceStage
 
 ERRNOS = [errno.ENOSPC, errno.EIO, errno.EXDEV]

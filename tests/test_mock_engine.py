@@ -22,8 +22,8 @@ import pytest
 import trio
 
 from narwhal.http1.server import ClientDisconnected
-from narwhal.mock.engine import MockEngine, MockSettings, main, serve_mock, tokenize
-from narwhal.mock.faults import FaultError, FaultRequest, FaultTable, Leg, Mode, Operation, parse_fault_spec
+from narwhal.tools.mock.engine import MockEngine, MockSettings, main, serve_mock, tokenize
+from narwhal.tools.mock.faults import FaultError, FaultRequest, FaultTable, Leg, Mode, Operation, parse_fault_spec
 from narwhal.wire import KVTransferParams
 
 PREFILL_KV = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -590,7 +590,7 @@ async def test_socket_client_gone_mid_stream_and_during_hang(served: Any) -> Non
 
 def test_subprocess_prints_ready_line_and_stops_on_sigterm() -> None:
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    command = [sys.executable, "-m", "narwhal.mock", "--role", "prefill", "--port", "0",
+    command = [sys.executable, "-m", "narwhal.tools.mock", "--role", "prefill", "--port", "0",
                "--fault", "unhealthy:count=1"]
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True) as process:
         assert process.stdout is not None and process.stderr is not None

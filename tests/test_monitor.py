@@ -14,9 +14,9 @@ import pytest
 import trio
 from trio.testing import MockClock
 
-from narwhal.admission import Admission
-from narwhal.monitor import RUNS_AFTER, STAGE_NAMES, STAGE_TIMEOUT_CLASS, Monitor, StageError
-from narwhal.router_metrics import RouterMetrics
+from narwhal.fleet.admission import Admission
+from narwhal.control.monitor import RUNS_AFTER, STAGE_NAMES, STAGE_TIMEOUT_CLASS, Monitor, StageError
+from narwhal.obs.router_metrics import RouterMetrics
 
 STAGE_TIMEOUT_S = 2.0
 INTERVAL_S = 1.0

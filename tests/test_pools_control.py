@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from narwhal.config import EngineConfig, EngineSpec
-from narwhal.failures import EngineFailure, FailureClass, PoolSaturated
+from narwhal.errors import EngineFailure, FailureClass, PoolSaturated
 from narwhal.pools.control import ControlPool, ControlResponse
 from narwhal.pools.data import DataPool
 

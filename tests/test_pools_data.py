@@ -17,7 +17,7 @@ import pytest
 import trio
 
 from narwhal.config import EngineConfig, EngineSpec
-from narwhal.failures import EngineFailure, FailureClass, PoolSaturated, UpstreamClientError
+from narwhal.errors import EngineFailure, FailureClass, PoolSaturated, UpstreamClientError
 from narwhal.pools.data import DataPool
 
 FAST = EngineConfig(connect_timeout_s=0.5, request_timeout_s=0.5, first_token_deadline_s=0.3,

@@ -25,12 +25,12 @@ import trio
 from trio.testing import MockClock
 
 from narwhal.config import Config, EngineConfig, EngineSpec, FleetConfig, RecoveryConfig
-from narwhal.failures import SuccessKind
+from narwhal.errors import SuccessKind
 from narwhal.fleet import EngineRecord, Fleet, HoldKind
-from narwhal.placement import InFlight
+from narwhal.fleet.placement import InFlight
 from narwhal.pools.control import ControlPool
-from narwhal.readmission import CHAIN, Readmitter
-from narwhal.router_metrics import RouterMetrics
+from narwhal.control.readmission import CHAIN, Readmitter
+from narwhal.obs.router_metrics import RouterMetrics
 
 KEY = b"fleet-key"
 WALL_BASE = 1_700_000_000.0

@@ -4,7 +4,7 @@ import pytest
 import trio
 
 from narwhal.config import parse_config
-from narwhal.failures import PoolSaturated
+from narwhal.errors import PoolSaturated
 from narwhal.pools.classify import pool_slot
 from narwhal.router import Router
 

@@ -17,14 +17,14 @@ import pytest
 import trio
 from trio.testing import MockClock
 
-from narwhal.admission import Admission
+from narwhal.fleet.admission import Admission
 from narwhal.config import Config, ControllerConfig, EngineConfig, EngineSpec, TelemetryConfig
-from narwhal.failures import EngineFailure, FailureClass, PoolSaturated
+from narwhal.errors import EngineFailure, FailureClass, PoolSaturated
 from narwhal.fleet import Fleet, HoldKind
-from narwhal.monitor import STAGE_NAMES, Monitor
-from narwhal.placement import InFlight
+from narwhal.control.monitor import STAGE_NAMES, Monitor
+from narwhal.fleet.placement import InFlight
 from narwhal.pools.control import ControlResponse
-from narwhal.router_metrics import RouterMetrics
+from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.stages import build_stages, health_check_timeout_s
 from narwhal.stages.drain import DrainStage
 from narwhal.stages.health import HealthStage, health_failure_class
@@ -32,8 +32,8 @@ from narwhal.stages.liveness import LivenessStage
 from narwhal.stages.readmission import ReadmissionStage
 from narwhal.stages.rollover import RolloverStage
 from narwhal.stages.telemetry import TelemetryStage
-from narwhal.supervisor import Supervisor
-from narwhal.telemetry import Telemetry
+from narwhal.control.supervisor import Supervisor
+from narwhal.fleet.telemetry import Telemetry
 
 NAMES = [("p1", "prefill"), ("p2", "prefill"), ("d1", "decode"), ("d2", "decode"), ("d3", "decode")]
 CHECK_TIMEOUT_S = 1.5
@@ -237,7 +237,7 @@ async def test_a_drain_settles_once_nothing_is_in_flight(autojump_clock: MockClo
 
 
 async def test_rollover_closes_intervals_and_telemetry_publishes_them(autojump_clock: MockClock) -> None:
-    telemetry = Telemetry(NAMES, interval_s=10.0, keep_intervals=3)
+    telemetry = Telemetry(NAMES, interval_s=10.0, keep_intervals=3, clock=trio.current_time)
     metrics = RouterMetrics()
     rollover = RolloverStage(telemetry=telemetry)
     publisher = TelemetryStage(telemetry=telemetry, metrics=metrics)
@@ -308,7 +308,7 @@ def build(pool: FakeControlPool, config: Config) -> tuple[list[Any], Supervisor,
     fleet = Fleet([(spec.name, spec.role) for spec in config.engines], eject_after=3,
                   liveness_misses=LIVENESS_MISSES, failure_quarantine_s=None, probe_interval_s=5.0)
     supervisor = Supervisor(config=config, fleet=fleet, control_pool=pool, metrics=RouterMetrics())
-    telemetry = Telemetry([(s.name, s.role) for s in config.engines], interval_s=config.telemetry.interval_s,
+    telemetry = Telemetry([(s.name, s.role) for s in config.engines], clock=trio.current_time, interval_s=config.telemetry.interval_s,
                           keep_intervals=config.telemetry.keep_intervals)
     stages = build_stages(config=config, supervisor=supervisor, control_pool=pool, telemetry=telemetry,
                           in_flight=InFlight([s.name for s in config.engines]),

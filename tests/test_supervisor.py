@@ -9,11 +9,11 @@ import pytest
 import trio
 
 from narwhal.config import parse_config
-from narwhal.failures import FailureClass, SuccessKind
+from narwhal.errors import FailureClass, SuccessKind
 from narwhal.fleet import Fleet, HoldKind
 from narwhal.pools.control import ControlPool
-from narwhal.router_metrics import RouterMetrics
-from narwhal.supervisor import Supervisor
+from narwhal.obs.router_metrics import RouterMetrics
+from narwhal.control.supervisor import Supervisor
 
 CONFIG = """
 [recovery]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from narwhal.telemetry import EngineInterval, Telemetry, percentile
+from narwhal.fleet.telemetry import EngineInterval, Telemetry, percentile
 
 ENGINES = [("p1", "prefill"), ("p2", "prefill"), ("d1", "decode")]
 
@@ -119,6 +119,6 @@ def test_as_json_is_plain_json_for_the_admin_api() -> None:
 
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError):
-        Telemetry(ENGINES, interval_s=0.0, keep_intervals=1)
+        Telemetry(ENGINES, interval_s=0.0, keep_intervals=1, clock=lambda: 0.0)
     with pytest.raises(ValueError):
-        Telemetry(ENGINES, interval_s=1.0, keep_intervals=0)
+        Telemetry(ENGINES, interval_s=1.0, keep_intervals=0, clock=lambda: 0.0)

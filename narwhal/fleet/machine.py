@@ -81,7 +81,7 @@ from collections.abc import Collection, Mapping, Sequence
 
 import msgspec
 
-from narwhal.failures import FailureClass, SuccessKind
+from narwhal.errors import FailureClass, SuccessKind
 from narwhal.fleet.model import (
     PROBE_OUTCOMES,
     ROLES,

@@ -12,7 +12,7 @@ from typing import Literal
 
 import msgspec
 
-from narwhal.failures import FailureClass
+from narwhal.errors import FailureClass
 
 __all__ = [
     "ROLES",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Final, Literal
 
-from narwhal.failures import FailureClass, SuccessKind
+from narwhal.errors import FailureClass, SuccessKind
 from narwhal.fleet.model import ActionKind, HoldKind
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""The data plane's HTTP/1.1 front: a trio + httptools server and an ASGI adapter.
+"""HTTP/1.1 on trio + httptools: the data-plane server, the keep-alive engine client, and an ASGI adapter.
 
 The server is generic: it parses requests, hands each one with a ``Responder``
 to a handler, and knows nothing of routes. ``call_asgi`` lets a handler pass a

@@ -35,7 +35,7 @@ import httptools
 import msgspec
 import trio
 
-from narwhal.logs import log_event
+from narwhal.obs.logs import log_event
 from narwhal.wire import error_json
 
 __all__ = [

@@ -4,8 +4,8 @@ the control pool (health, verification, readmission), each with its own bound.
 ``classify`` is the one place where their errors become failure classes.
 """
 
-from .control import ControlPool, ControlPoolStatistics, ControlResponse
-from .data import DataPool, DataPoolStatistics, UpstreamStream
+from narwhal.pools.control import ControlPool, ControlPoolStatistics, ControlResponse
+from narwhal.pools.data import DataPool, DataPoolStatistics, UpstreamStream
 
 __all__ = [
     "ControlPool",

@@ -26,8 +26,8 @@ from collections.abc import AsyncIterator
 import httpx
 import trio
 
-from ..failures import EngineFailure, FailureClass, PoolSaturated, UpstreamClientError
-from .http_client import (
+from narwhal.errors import EngineFailure, FailureClass, PoolSaturated, UpstreamClientError
+from narwhal.http1.client import (
     ConnectFailed,
     ConnectionClosed,
     ConnectTimeout,

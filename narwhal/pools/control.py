@@ -13,8 +13,8 @@ import httpx
 import msgspec
 import trio
 
-from ..config import EngineConfig, EngineSpec
-from . import classify
+from narwhal.config import EngineConfig, EngineSpec
+from narwhal.pools import classify
 
 __all__ = ["ControlPool", "ControlPoolStatistics", "ControlResponse"]
 

@@ -17,9 +17,9 @@ from collections.abc import AsyncIterator
 import msgspec
 import trio
 
-from ..config import EngineConfig, EngineSpec
-from . import classify
-from .http_client import (
+from narwhal.config import EngineConfig, EngineSpec
+from narwhal.pools import classify
+from narwhal.http1.client import (
     ConnectionClosed,
     EngineConnection,
     EngineConnections,

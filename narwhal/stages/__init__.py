@@ -1,7 +1,7 @@
 """The monitor's stages, one module each, and ``build_stages`` that wires them from the config.
 
 Order of the returned list is the spec's: controller, health, drain, rollover,
-readmission, liveness, telemetry, persistence. ``narwhal.monitor`` decides which
+readmission, liveness, telemetry, persistence. ``narwhal.control.monitor`` decides which
 of them wait for which within a pass (``RUNS_AFTER``).
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from narwhal.config import Config
-from narwhal.monitor import Stage
-from narwhal.placement import InFlight
+from narwhal.control.monitor import Stage
+from narwhal.fleet.placement import InFlight
 from narwhal.stages.controller import ControllerStage
 from narwhal.stages.drain import DrainStage
 from narwhal.stages.health import HealthStage
@@ -19,7 +19,7 @@ from narwhal.stages.liveness import LivenessStage
 from narwhal.stages.readmission import ReadmissionStage
 from narwhal.stages.rollover import RolloverStage
 from narwhal.stages.telemetry import TelemetryStage
-from narwhal.telemetry import Telemetry
+from narwhal.fleet.telemetry import Telemetry
 
 __all__ = ["HEALTH_SHARE_OF_STAGE_TIMEOUT", "build_stages", "health_check_timeout_s"]
 
@@ -37,7 +37,7 @@ def health_check_timeout_s(config: Config) -> float:
 
 def build_stages(*, config: Config, supervisor: Any, control_pool: Any, telemetry: Telemetry,
                  in_flight: InFlight, persistence_stage: Stage, readmission: Any = None) -> list[Stage]:
-    """The eight stages in spec order; ``supervisor`` is a ``narwhal.supervisor.Supervisor``."""
+    """The eight stages in spec order; ``supervisor`` is a ``narwhal.control.supervisor.Supervisor``."""
     fleet = supervisor.fleet
     clock = supervisor.clock
     controller = config.controller

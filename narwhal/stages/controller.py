@@ -1,6 +1,6 @@
 """Controller stage: performance-drift holds and consolidation risk, from closed telemetry intervals.
 
-Each interval that rollover closed is judged by ``narwhal.drift``: an engine
+Each interval that rollover closed is judged by ``narwhal.fleet.drift``: an engine
 slower than ``drift_factor`` x its role's peers for ``drift_intervals``
 consecutive intervals gets a ``performance_drift`` hold, lifted after as many
 intervals back within bounds. The fleet defers a drift hold on the last
@@ -15,11 +15,11 @@ from collections.abc import Callable
 
 import trio
 
-from narwhal.drift import DriftDecision, DriftTracker, Risk, consolidation_risk
+from narwhal.fleet.drift import DriftDecision, DriftTracker, Risk, consolidation_risk
 from narwhal.fleet import ROLES, Fleet, HoldKind
-from narwhal.logs import log_event
-from narwhal.router_metrics import RouterMetrics
-from narwhal.telemetry import Interval, Telemetry
+from narwhal.obs.logs import log_event
+from narwhal.obs.router_metrics import RouterMetrics
+from narwhal.fleet.telemetry import Interval, Telemetry
 
 __all__ = ["ControllerStage", "RISK_LEVEL"]
 

@@ -16,8 +16,8 @@ import msgspec
 import trio
 
 from narwhal.config import EngineSpec
-from narwhal.failures import EngineFailure, FailureClass, PoolSaturated, SuccessKind
-from narwhal.logs import log_event
+from narwhal.errors import EngineFailure, FailureClass, PoolSaturated, SuccessKind
+from narwhal.obs.logs import log_event
 
 __all__ = ["HealthStage", "HealthSweep", "health_failure_class"]
 

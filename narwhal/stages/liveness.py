@@ -12,7 +12,7 @@ import logging
 from collections.abc import Mapping
 from typing import Protocol
 
-from narwhal.logs import log_event
+from narwhal.obs.logs import log_event
 from narwhal.stages.health import HealthStage
 
 __all__ = ["LivenessStage"]

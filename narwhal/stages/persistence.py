@@ -19,7 +19,7 @@ import trio
 
 from narwhal.config import Config
 from narwhal.fleet import EngineRecord
-from narwhal.handoff import (
+from narwhal.state.handoff import (
     HANDOFF_SCHEMA,
     ConsolidationRisk,
     EngineSetEntry,

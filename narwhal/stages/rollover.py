@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import trio
 
-from narwhal.telemetry import Telemetry
+from narwhal.fleet.telemetry import Telemetry
 
 __all__ = ["RolloverStage"]
 

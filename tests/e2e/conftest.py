@@ -10,7 +10,7 @@ import httpx
 import pytest
 import trio
 
-from narwhal.local_fleet import LocalProcess, render_config, start_mock_engine, start_router
+from narwhal.tools.local_fleet import LocalProcess, render_config, start_mock_engine, start_router
 
 
 class LocalFleet:

@@ -7,7 +7,7 @@ import json
 import pytest
 import trio
 
-from narwhal.local_fleet import start_router
+from narwhal.tools.local_fleet import start_router
 
 pytestmark = pytest.mark.e2e
 

@@ -9,7 +9,7 @@ import httpx
 import pytest
 import trio
 
-from narwhal.local_fleet import start_router
+from narwhal.tools.local_fleet import start_router
 from tests.e2e.waiting import wait_until
 
 pytestmark = pytest.mark.e2e

@@ -2,7 +2,7 @@
 
 The real router and mock engines run as processes. These tests need the
 Readmitter wired into the router (``Router.readmitter``, the admin routes of
-``narwhal.admin_api``, ``Readmitter.run`` in the router's nursery and the
+``narwhal.app.admin_routes``, ``Readmitter.run`` in the router's nursery and the
 monitor's readmission stage calling ``readmit_due``); the second one also
 needs the monitor's health and liveness stages to eject an engine that stops.
 """
@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import trio
 
-from narwhal.admin_cli import TOKEN_ENV
-from narwhal.local_fleet import LocalProcess, start_mock_engine
+from narwhal.tools.admin_cli import TOKEN_ENV
+from narwhal.tools.local_fleet import LocalProcess, start_mock_engine
 
 pytestmark = pytest.mark.e2e
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from narwhal.local_fleet import render_config, start_router
+from narwhal.tools.local_fleet import render_config, start_router
 
 pytestmark = pytest.mark.e2e
 

@@ -11,7 +11,7 @@ from typing import TextIO
 
 import trio
 
-from .load import LoadState
+from narwhal.tools.bench.load import LoadState
 
 __all__ = ["progress_line", "show_progress"]
 

@@ -15,10 +15,10 @@ import msgspec
 from quart import Response, request
 from quart_trio import QuartTrio
 
-from .wire import error_json
+from narwhal.wire import error_json
 
 if TYPE_CHECKING:
-    from .router import Router
+    from narwhal.router import Router
 
 __all__ = ["create_app"]
 

@@ -15,13 +15,13 @@ from typing import Any
 import msgspec
 import trio
 
-from .config import Config, EngineSpec
-from .failures import EngineFailure, FailureClass, SuccessKind
-from .fleet import Action, ActionKind, Fleet, FleetEventKind
-from .logs import log_event
-from .router_metrics import RouterMetrics
-from .stages.health import health_failure_class
-from .wire import PREFILL_KV_REQUEST, extract_handoff
+from narwhal.config import Config, EngineSpec
+from narwhal.errors import EngineFailure, FailureClass, SuccessKind
+from narwhal.fleet import Action, ActionKind, Fleet, FleetEventKind
+from narwhal.obs.logs import log_event
+from narwhal.obs.router_metrics import RouterMetrics
+from narwhal.stages.health import health_failure_class
+from narwhal.wire import PREFILL_KV_REQUEST, extract_handoff
 
 __all__ = ["Supervisor"]
 

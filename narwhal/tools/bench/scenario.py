@@ -21,9 +21,9 @@ from typing import Any
 import httpx
 import trio
 
-from .fleet import BenchFleet, Target
-from .load import LoadResult, LoadState
-from .report import FaultReport
+from narwhal.tools.bench.fleet import BenchFleet, Target
+from narwhal.tools.bench.load import LoadResult, LoadState
+from narwhal.tools.bench.report import FaultReport
 
 __all__ = ["FaultScenario"]
 

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 
 import msgspec
 
-from narwhal.telemetry import EngineInterval, Interval
+from narwhal.fleet.telemetry import EngineInterval, Interval
 
 __all__ = [
     "DriftDecision",

@@ -16,7 +16,6 @@ import math
 from collections.abc import Callable, Sequence
 
 import msgspec
-import trio
 
 __all__ = ["EngineInterval", "Interval", "Telemetry", "percentile"]
 
@@ -81,7 +80,7 @@ class Telemetry:
     """The open interval being recorded into, plus the last ``keep_intervals`` closed ones."""
 
     def __init__(self, engines: Sequence[tuple[str, str]], *, interval_s: float, keep_intervals: int,
-                 clock: Callable[[], float] = trio.current_time) -> None:
+                 clock: Callable[[], float]) -> None:
         """Track ``engines`` given as (name, role) pairs; the first ``roll`` opens the first interval."""
         if interval_s <= 0 or keep_intervals < 1:
             raise ValueError("interval_s must be > 0 and keep_intervals >= 1")

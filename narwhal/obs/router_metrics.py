@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .metrics import Registry
+from narwhal.obs.metrics import Registry
 
 __all__ = ["RouterMetrics"]
 

@@ -53,13 +53,13 @@ from typing import Any, Literal
 import msgspec
 import trio
 
-from .config import Config, EngineSpec
-from .failures import EngineFailure, PoolSaturated, SuccessKind
-from .fleet import EngineView, Fleet, HoldKind
-from .logs import log_event
-from .placement import InFlight
-from .router_metrics import RouterMetrics
-from .wire import AttestRequest, AttestResponse, EngineIdentity
+from narwhal.config import Config, EngineSpec
+from narwhal.errors import EngineFailure, PoolSaturated, SuccessKind
+from narwhal.fleet import EngineView, Fleet, HoldKind
+from narwhal.obs.logs import log_event
+from narwhal.fleet.placement import InFlight
+from narwhal.obs.router_metrics import RouterMetrics
+from narwhal.wire import AttestRequest, AttestResponse, EngineIdentity
 
 __all__ = ["CHAIN", "DRAIN_HOLDS", "Check", "ReadmissionResult", "Readmitter"]
 

@@ -15,10 +15,10 @@ from collections.abc import Awaitable, Callable, Sequence
 import httpx
 import trio
 
-from . import procstat
-from .load import LoadResult, LoadSpec, LoadState, RequestRecord, run_load
-from .progress import show_progress
-from .report import EngineTraffic, RunReport, process_usage
+from narwhal.tools.bench import procstat
+from narwhal.tools.bench.load import LoadResult, LoadSpec, LoadState, RequestRecord, run_load
+from narwhal.tools.bench.progress import show_progress
+from narwhal.tools.bench.report import EngineTraffic, RunReport, process_usage
 
 __all__ = ["EngineRef", "measured_load", "reset_engine_stats"]
 

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 import trio
 
-from .runner import BenchSettings, run_bench
+from narwhal.tools.bench.runner import BenchSettings, run_bench
 
 __all__ = ["build_parser", "run_from_args", "settings_from_args"]
 
@@ -172,7 +172,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         for exc in failures:
             print(f"narwhal bench: {exc}", file=sys.stderr)
         return 1
-    from .report import format_report
+    from narwhal.tools.bench.report import format_report
 
     print(format_report(report))
     if args.json:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import trio
 
-from .config import parse_listen
-from .local_fleet import LocalProcess, render_config, start_mock_engine, start_router
+from narwhal.config import parse_listen
+from narwhal.tools.local_fleet import LocalProcess, render_config, start_mock_engine, start_router
 
 __all__ = ["run_demo"]
 

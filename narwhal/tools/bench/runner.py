@@ -18,7 +18,7 @@ import httpx
 import msgspec
 import trio
 
-from .fleet import (
+from narwhal.tools.bench.fleet import (
     BenchFleet,
     Target,
     external_target,
@@ -29,10 +29,10 @@ from .fleet import (
     start_narwhal,
     wait_until_serving,
 )
-from .load import LoadSpec, completion_body, run_load
-from .measure import EngineRef, measured_load
-from .report import BenchReport, FaultReport, RunReport
-from .scenario import FaultScenario
+from narwhal.tools.bench.load import LoadSpec, completion_body, run_load
+from narwhal.tools.bench.measure import EngineRef, measured_load
+from narwhal.tools.bench.report import BenchReport, FaultReport, RunReport
+from narwhal.tools.bench.scenario import FaultScenario
 
 __all__ = ["BenchSettings", "run_bench"]
 

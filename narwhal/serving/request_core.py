@@ -27,14 +27,14 @@ from typing import Any, NoReturn, Protocol
 import msgspec
 import trio
 
-from .admission import Admission
-from .config import Config, EngineSpec
-from .failures import EngineFailure, FailureClass, PoolSaturated, SuccessKind, UpstreamClientError
-from .logs import log_event
-from .placement import InFlight, pick_least_outstanding
-from .router_metrics import RouterMetrics
-from .telemetry import Telemetry
-from .wire import PREFILL_KV_REQUEST, error_json, extract_handoff
+from narwhal.fleet.admission import Admission
+from narwhal.config import Config, EngineSpec
+from narwhal.errors import EngineFailure, FailureClass, PoolSaturated, SuccessKind, UpstreamClientError
+from narwhal.obs.logs import log_event
+from narwhal.fleet.placement import InFlight, pick_least_outstanding
+from narwhal.obs.router_metrics import RouterMetrics
+from narwhal.fleet.telemetry import Telemetry
+from narwhal.wire import PREFILL_KV_REQUEST, error_json, extract_handoff
 
 __all__ = ["COMPLETION_ROUTES", "RequestCore", "Sink"]
 

@@ -7,7 +7,7 @@
                                             naming the check that failed and why
 
 Unknown engines get 404 with an OpenAI-style JSON error. The bearer-token check
-for every ``/admin/`` path is the app's (``narwhal.app``), not repeated here.
+for every ``/admin/`` path is the app's (``narwhal.app.control_app``), not repeated here.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import msgspec
 from quart import Response
 from quart_trio import QuartTrio
 
-from .readmission import Readmitter
-from .wire import error_json
+from narwhal.control.readmission import Readmitter
+from narwhal.wire import error_json
 
 __all__ = ["register_admin_routes"]
 

@@ -42,9 +42,9 @@ from typing import Any, Protocol
 import msgspec
 import trio
 
-from .admission import Admission
-from .logs import log_event
-from .router_metrics import RouterMetrics
+from narwhal.fleet.admission import Admission
+from narwhal.obs.logs import log_event
+from narwhal.obs.router_metrics import RouterMetrics
 
 __all__ = ["RUNS_AFTER", "STAGE_NAMES", "STAGE_TIMEOUT_CLASS", "Monitor", "PassResult", "Stage", "StageError"]
 

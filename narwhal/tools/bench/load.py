@@ -23,7 +23,7 @@ import httptools
 import msgspec
 import trio
 
-from .report import LoadSummary, summarize_load
+from narwhal.tools.bench.report import LoadSummary, summarize_load
 
 __all__ = [
     "ERROR_KINDS",

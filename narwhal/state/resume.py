@@ -17,7 +17,7 @@ import msgspec
 
 from narwhal.config import Config, EngineSpec
 from narwhal.fleet import Fleet
-from narwhal.handoff import (
+from narwhal.state.handoff import (
     EngineSetEntry,
     HandoffDocument,
     HandoffMissing,

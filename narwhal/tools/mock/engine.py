@@ -2,14 +2,14 @@
 
 ``MockEngine.handle`` answers one parsed HTTP request through a ``Responder``;
 ``serve_mock`` runs it on the project's HTTP/1.1 server; ``main`` is the CLI
-(``python -m narwhal mock-engine`` / ``python -m narwhal.mock``).
+(``python -m narwhal mock-engine`` / ``python -m narwhal.tools.mock``).
 
 Tokenizer: a token is a whitespace-separated word of the prompt (a prompt given
 as a list of ints is taken as tokens); a chat request adds one token per message
 for its role. Token ids are ``crc32(word) % 32000``. Generated token ``i`` is the
 text ``" tok{i}"``.
 
-Fault injection (``narwhal.mock.faults``) is set with ``--fault`` or at run time
+Fault injection (``narwhal.tools.mock.faults``) is set with ``--fault`` or at run time
 through ``/mock/faults``; ``/mock/stats`` reports what the engine saw.
 """
 
@@ -36,8 +36,8 @@ import msgspec
 import trio
 
 from narwhal.http1.server import ClientDisconnected, HTTPServer
-from narwhal.logs import configure_logging, log_event
-from narwhal.mock.faults import Applied, Fault, FaultError, FaultRequest, FaultTable, Mode, Operation, parse_fault_spec
+from narwhal.obs.logs import configure_logging, log_event
+from narwhal.tools.mock.faults import Applied, Fault, FaultError, FaultRequest, FaultTable, Mode, Operation, parse_fault_spec
 from narwhal.wire import AttestRequest, AttestResponse, EngineIdentity, KVTransferParams, error_json
 
 if TYPE_CHECKING:

@@ -1,0 +1,1 @@
+"""The control shell around the pure fleet: supervisor (evidence in, probes out), readmission, the monitor."""

@@ -1,6 +1,0 @@
-"""A mock vLLM engine for tests and benchmarks: P/D handoffs, identity, fault injection.
-
-Run it with ``python -m narwhal mock-engine`` (or ``python -m narwhal.mock``);
-see ``narwhal.mock.engine`` for the API it serves and ``narwhal.mock.faults``
-for the fault modes.
-"""

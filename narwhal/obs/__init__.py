@@ -1,0 +1,1 @@
+"""Observability: JSON-line logs and Prometheus metrics."""

@@ -1,0 +1,1 @@
+"""The request path: validation, admission, placement, the two legs and the relay, framework-free."""

@@ -1,0 +1,1 @@
+"""Durable control-plane state: the versioned handoff document and ``--resume``."""

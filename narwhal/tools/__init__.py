@@ -1,0 +1,1 @@
+"""Operator and developer tools: the mock engine, the benchmark, the local fleet, the demo, the admin CLI."""
