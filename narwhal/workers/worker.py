@@ -1,0 +1,216 @@
+"""One data-plane worker process: the front and the data pool, serving from the controller's snapshots.
+
+It accepts on the listening socket it inherited from the controller, serves
+the two completion routes itself, answers ``/health`` and ``/ready`` from its
+snapshot, and forwards every other route to the controller. It exits when
+told to stop, or by itself when the controller goes away: a worker without a
+controller would place requests on a fleet nobody watches.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+from typing import Any
+
+import trio
+
+from narwhal.config import Config
+from narwhal.fleet.placement import InFlight
+from narwhal.http1.server import HTTPServer, Request, Responder
+from narwhal.obs.logs import flush_logs, log_event, set_log_fields
+from narwhal.obs.router_metrics import RouterMetrics
+from narwhal.pools.data import DataPool
+from narwhal.serving.request_core import COMPLETION_ROUTES, RequestCore
+from narwhal.wire import error_json
+from narwhal.workers.link import LinkClosed, StreamLink
+from narwhal.workers.metrics_sum import export_state
+from narwhal.workers.protocol import ControllerMessage, Forward, ForwardReply, Hello, Report, Snapshot, Stop, Welcome
+from narwhal.workers.view import TelemetryRelay, WorkerView
+
+__all__ = ["run_worker"]
+
+# How often a worker reports in-flight counts, metrics and telemetry; at most
+# this late, a drain settles or /metrics shows a finished request.
+REPORT_INTERVAL_S = 0.1
+# A worker that hears nothing of its controller this long after starting gives up.
+WELCOME_TIMEOUT_S = 30.0
+FORWARD_TIMEOUT_S = 30.0
+_JSON = [(b"content-type", b"application/json")]
+_TEXT = [(b"content-type", b"text/plain; charset=utf-8")]
+_NOT_ALLOWED = error_json("completion routes accept POST only", "invalid_request_error", "method_not_allowed")
+_CONTROLLER_GONE = error_json("the router's controller is not answering", "server_error", "controller_unavailable")
+
+
+class Worker:
+    """The parts of one worker, built once the controller's ``Welcome`` arrived."""
+
+    def __init__(self, index: int, config: Config, link: StreamLink) -> None:
+        self.index = index
+        self.config = config
+        self.link = link
+        self.view = WorkerView(self._send_evidence)
+        self.in_flight = InFlight([spec.name for spec in config.engines])
+        self.metrics = RouterMetrics()
+        self.telemetry = TelemetryRelay()
+        self.data_pool = DataPool(max_connections=config.serving.max_connections, engine_config=config.engine,
+                                  wait_for_slot=config.serving.policy == "bounded")
+        self.core = RequestCore(config=config, supervisor=self.view, data_pool=self.data_pool,
+                                in_flight=self.in_flight, admission=self.view,  # type: ignore[arg-type]
+                                metrics=self.metrics, telemetry=self.telemetry)  # type: ignore[arg-type]
+        serving = config.serving
+        self.server = HTTPServer(self.handle, max_header_bytes=serving.max_header_bytes,
+                                 max_body_bytes=serving.max_body_bytes, idle_timeout_s=serving.idle_timeout_s)
+        self._forward_ids = itertools.count(1)
+        self._forwards: dict[int, tuple[trio.Event, list[ForwardReply]]] = {}
+        self._stopping = False
+
+    def _send_evidence(self, message: Any) -> None:
+        try:
+            self.link.send(message)
+        except LinkClosed:
+            # The controller is gone; the worker is already closing admission.
+            pass
+
+    # -- messages from the controller -------------------------------------------------------
+
+    def on_message(self, message: object) -> None:
+        if isinstance(message, Snapshot):
+            self.view.apply(message)
+        elif isinstance(message, ForwardReply):
+            waiter = self._forwards.get(message.id)
+            if waiter is not None:
+                waiter[1].append(message)
+                waiter[0].set()
+        elif isinstance(message, Stop):
+            self.stop("shutting down", message.grace_s)
+
+    def stop(self, reason: str, grace_s: float) -> None:
+        """Refuse new requests, let those in flight finish within ``grace_s``."""
+        self.view.close_locally(reason)
+        if not self._stopping:
+            self._stopping = True
+            log_event("worker_stopping", reason=reason, grace_s=grace_s)
+        self.server.shutdown(grace_s)
+
+    # -- the front ----------------------------------------------------------------------------
+
+    async def handle(self, request: Request, responder: Responder) -> None:
+        path = request.path
+        if path in COMPLETION_ROUTES:
+            if request.method == b"POST":
+                await self.core.handle(path, request.body, request.get_header(b"x-request-id"), responder)
+            else:
+                await responder.respond(405, [*_JSON, (b"allow", b"POST")], _NOT_ALLOWED)
+            return
+        if request.method in (b"GET", b"HEAD"):
+            if path == "/health":
+                await responder.respond(200, _JSON, b'{"status":"ok"}')
+                return
+            if path == "/ready":
+                reason = self.view.readiness()
+                if reason is None:
+                    await responder.respond(200, _TEXT, b"ready\n")
+                else:
+                    await responder.respond(503, _TEXT, reason.encode() + b"\n")
+                return
+        await self._forward(request, responder)
+
+    async def _forward(self, request: Request, responder: Responder) -> None:
+        forward_id = next(self._forward_ids)
+        waiter: tuple[trio.Event, list[ForwardReply]] = (trio.Event(), [])
+        self._forwards[forward_id] = waiter
+        try:
+            self.link.send(Forward(id=forward_id, method=request.method, target=request.target,
+                                   headers=request.headers, body=request.body, client=request.client))
+            with trio.move_on_after(FORWARD_TIMEOUT_S):
+                await waiter[0].wait()
+        except LinkClosed:
+            pass
+        finally:
+            del self._forwards[forward_id]
+        if not waiter[1]:
+            await responder.respond(503, _JSON, _CONTROLLER_GONE)
+            return
+        reply = waiter[1][0]
+        await responder.respond(reply.status, reply.headers, reply.body)
+
+    # -- reports --------------------------------------------------------------------------------
+
+    async def report_loop(self) -> None:
+        """Send in-flight counts, metrics and samples; often while busy, once a second when idle."""
+        last_requests = -1.0
+        quiet = 0
+        while True:
+            await trio.sleep(REPORT_INTERVAL_S)
+            requests = sum(self.metrics.requests.values.values())
+            busy = self.in_flight.total() > 0 or requests != last_requests
+            quiet = 0 if busy else quiet + 1
+            if not busy and quiet % 10:
+                continue
+            last_requests = requests
+            try:
+                self.link.send(Report(snapshot_seq=self.view.snapshot.seq, in_flight=dict(self.in_flight.counts),
+                                      requests_in_flight=self.server.statistics().requests_in_flight,
+                                      metrics=export_state(self.metrics.registry), samples=self.telemetry.take()))
+            except LinkClosed:
+                return
+            flush_logs(only_if_due=True)
+
+
+async def run_worker(index: int, control_fd: int, listen_fd: int, *, grace_s: float | None = None) -> None:
+    """Serve as worker ``index`` until stopped or orphaned."""
+    set_log_fields(worker=index)
+    control = trio.SocketStream(trio.socket.from_stdlib_socket(socket.socket(fileno=control_fd)))
+    listener = trio.SocketListener(trio.socket.from_stdlib_socket(socket.socket(fileno=listen_fd)))
+    welcome: list[Welcome] = []
+    welcomed = trio.Event()
+    worker: Worker | None = None
+    link = StreamLink(control, ControllerMessage)
+
+    def on_message(message: object) -> None:
+        if worker is not None:
+            worker.on_message(message)
+        elif isinstance(message, Welcome):
+            welcome.append(message)
+            welcomed.set()
+
+    async with trio.open_nursery() as nursery:
+
+        async def control_link() -> None:
+            await link.run(on_message)
+            # The controller is gone: stop taking requests and leave within the grace period.
+            log_event("worker_orphaned", level=logging.WARNING, reason=link.close_reason)
+            if worker is None:
+                nursery.cancel_scope.cancel()
+            else:
+                worker.stop("controller gone", worker.config.serving.shutdown_grace_s)
+
+        nursery.start_soon(control_link)
+        link.send(Hello(worker=index, pid=os.getpid()))
+        with trio.move_on_after(WELCOME_TIMEOUT_S):
+            await welcomed.wait()
+        if not welcome:
+            log_event("worker_failed", level=logging.ERROR, reason="no welcome from the controller")
+            nursery.cancel_scope.cancel()
+            return
+        worker = Worker(index, welcome[0].config, link)
+        nursery.start_soon(worker.report_loop)
+        try:
+            await worker.server.serve_listeners([listener])
+        finally:
+            with trio.CancelScope(shield=True):
+                await worker.data_pool.aclose()
+                # A last report, so the controller counts what this worker finished.
+                try:
+                    link.send(Report(snapshot_seq=worker.view.snapshot.seq, in_flight={}, requests_in_flight=0,
+                                     metrics=export_state(worker.metrics.registry), samples=worker.telemetry.take()))
+                    with trio.move_on_after(1.0):
+                        await link.flush()
+                except LinkClosed:
+                    pass
+            log_event("worker_stopped")
+            flush_logs()
+            nursery.cancel_scope.cancel()
