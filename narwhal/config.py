@@ -62,6 +62,10 @@ class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     pass
 
 
+# More workers than this is a typo, not a machine.
+MAX_WORKERS = 256
+
+
 class ServingConfig(_Section, frozen=True):
     listen: str = "127.0.0.1:8000"
     # The data pool: prefill, decode and token counting share this bound.
@@ -75,9 +79,14 @@ class ServingConfig(_Section, frozen=True):
     policy: Literal["saturate", "bounded"] = "saturate"
     # Bounded policy only: attempts per request, all within request_deadline_s.
     max_attempts: int = 3
+    # Data-plane processes. 1: one process does everything. N > 1: this process
+    # is the controller and N workers serve the data plane on the same port.
+    workers: int = 1
 
     def __post_init__(self) -> None:
         parse_listen(self.listen)
+        if not 1 <= self.workers <= MAX_WORKERS:
+            raise ValueError(f"workers must be between 1 and {MAX_WORKERS}")
         for name in ("max_connections", "request_deadline_s", "max_body_bytes",
                      "max_header_bytes", "idle_timeout_s", "max_attempts"):
             _positive(name, getattr(self, name))

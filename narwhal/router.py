@@ -37,6 +37,9 @@ from narwhal.stages import build_stages
 from narwhal.stages.persistence import PersistenceStage
 from narwhal.state.resume import apply_resume, plan_resume
 from narwhal.wire import error_json
+from narwhal.workers.hub import WorkerHub, monotonic_offset
+from narwhal.workers.process import WorkerSet
+from narwhal.workers.view import WorkerView
 
 __all__ = ["Router"]
 
@@ -74,9 +77,25 @@ class Router:
         roles = [(spec.name, spec.role) for spec in config.engines]
         self.telemetry = Telemetry(roles, clock=trio.current_time, interval_s=config.telemetry.interval_s,
                                    keep_intervals=config.telemetry.keep_intervals)
-        self.core = RequestCore(config=config, supervisor=self.supervisor, data_pool=self.data_pool,
-                                in_flight=self.in_flight, admission=self.admission, metrics=self.metrics,
-                                telemetry=self.telemetry)
+        # The request path reads snapshots and sends evidence as messages, in
+        # memory here or over a socket from worker processes: one code path.
+        self.worker_count = config.serving.workers
+        in_memory = self.worker_count == 1
+        self.hub = WorkerHub(self.supervisor, self.admission, engines=names, clock=trio.current_time,
+                             to_link_clock=None if in_memory else monotonic_offset(trio.current_time),
+                             record_sample=self.telemetry.record_request)
+        self.workers: WorkerSet | None = None
+        if in_memory:
+            self.view = WorkerView(lambda message: self.hub.receive(0, message), clock=trio.current_time,
+                                   refresh=self.hub.refresh_if_fleet_changed)
+            self.hub.attach(0, self.view.apply)
+            # In one process admission and in-flight counts are read directly, not reported.
+            self.core = RequestCore(config=config, supervisor=self.view, data_pool=self.data_pool,
+                                    in_flight=self.in_flight, admission=self.admission, metrics=self.metrics,
+                                    telemetry=self.telemetry)
+        else:
+            self.in_flight = self.hub.in_flight  # type: ignore[assignment]
+            self.hub.metrics.attach_to(self.metrics.registry)
         self.persistence = PersistenceStage(path=config.handoff.path, router_id=self.router_id,
                                             fleet=self.fleet, config=config)
         self.readmitter = Readmitter(config=config, fleet=self.fleet, control_pool=self.control_pool,
@@ -98,6 +117,10 @@ class Router:
         serving = config.serving
         self.server = HTTPServer(self.handle, max_header_bytes=serving.max_header_bytes,
                                  max_body_bytes=serving.max_body_bytes, idle_timeout_s=serving.idle_timeout_s)
+        if not in_memory:
+            host, port = parse_listen(self.listen)
+            self.workers = WorkerSet(count=self.worker_count, config=config, hub=self.hub, app=self.app,
+                                     host=host, port=port)
         self.bound_port: int | None = None
         self._nursery: trio.Nursery | None = None
         self._register_gauges()
@@ -163,6 +186,25 @@ class Router:
                     ("engine", "role"), eligibility)
         m.add_gauge("narwhal_ready", "1 when /ready answers 200.", (),
                     lambda: {(): float(self.readiness() is None)})
+        if self.worker_count > 1:
+            self._register_worker_gauges()
+
+    def _register_worker_gauges(self) -> None:
+        m = self.metrics
+        hub = self.hub
+
+        def up() -> dict[tuple[str, ...], float]:
+            live = set(hub.workers)
+            return {(str(i),): float(i in live) for i in range(self.worker_count)}
+
+        m.add_gauge("narwhal_worker_up", "1 while the worker process is connected to the controller.",
+                    ("worker",), up)
+        m.add_gauge("narwhal_worker_restarts", "Times the controller restarted the worker.", ("worker",),
+                    lambda: {(str(i),): float(n) for i, n in (self.workers.restarts if self.workers else {}).items()})
+        m.add_gauge("narwhal_worker_requests_in_flight", "Client requests in flight per worker.", ("worker",),
+                    lambda: {(str(i),): float(s.requests_in_flight) for i, s in hub.workers.items()})
+        m.add_gauge("narwhal_worker_requests_finished", "Client requests each live worker finished since it started.",
+                    ("worker",), lambda: {(str(i),): n for i, n in hub.metrics.per_worker("narwhal_requests")})
 
     # -- the front ---------------------------------------------------------------------
 
@@ -194,9 +236,12 @@ class Router:
                 await nursery.start(self.monitor.run)
                 if self.config.admin.listen:
                     await nursery.start(self._serve_admin, self.config.admin.listen)
-                self.bound_port = await nursery.start(self._serve_then_stop, nursery, host, port)
+                if self.workers is not None:
+                    self.bound_port = await nursery.start(self._run_workers_then_stop, nursery)
+                else:
+                    self.bound_port = await nursery.start(self._serve_then_stop, nursery, host, port)
                 log_event("router_started", router_id=self.router_id, listen=f"{host}:{self.bound_port}",
-                          engines=len(self.config.engines), pid=os.getpid())
+                          engines=len(self.config.engines), pid=os.getpid(), workers=self.worker_count)
                 task_status.started(self.bound_port)
         finally:
             # Close sockets even when cancelled: leaked engine connections outlive the router.
@@ -227,12 +272,23 @@ class Router:
         await self.server.serve(host, port, task_status=task_status)
         nursery.cancel_scope.cancel()
 
+    async def _run_workers_then_stop(self, nursery: trio.Nursery, *,
+                                     task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        # The worker set returns once every worker has stopped; the controller stops with them.
+        assert self.workers is not None
+        await self.workers.run(task_status=task_status)
+        nursery.cancel_scope.cancel()
+
     def shutdown(self, grace_s: float | None = None) -> None:
         """Stop taking requests; in-flight ones get ``grace_s`` to finish."""
         grace = self.config.serving.shutdown_grace_s if grace_s is None else grace_s
         self.admission.close("shutdown", "shutting down")
         log_event("router_shutdown", grace_s=grace)
-        self.server.shutdown(grace)
+        if self.workers is not None:
+            self.hub.publish()
+            self.workers.shutdown(grace)
+        else:
+            self.server.shutdown(grace)
 
     async def _serve_admin(self, admin_listen: str, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         from hypercorn.config import Config as HypercornConfig

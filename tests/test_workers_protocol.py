@@ -186,6 +186,7 @@ def test_a_streak_counts_across_workers_and_every_worker_gets_the_ejection() -> 
     inbox: dict[int, list[Snapshot]] = {0: [], 1: []}
     hub.attach(0, inbox[0].append)
     hub.attach(1, inbox[1].append)
+    hub.publish()
     assert inbox[0][-1].eligible["decode"] == ["d1", "d2"]
     hub.receive(0, Evidence(engine="d1", failure_class="connection"))
     hub.receive(1, Evidence(engine="d1", failure_class="connection"))
@@ -200,6 +201,7 @@ def test_unchanged_state_publishes_nothing_and_admission_changes_publish() -> No
     hub, admission, _ = _hub()
     inbox: list[Snapshot] = []
     hub.attach(0, inbox.append)
+    hub.publish(force_to=0)
     hub.receive(0, Evidence(engine="d1", success_kind="decode_terminal"))
     assert len(inbox) == 1
     admission.closed = "monitoring degraded: health TimeoutError"

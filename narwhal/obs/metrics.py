@@ -115,12 +115,13 @@ class Histogram:
         series = self.series
         if self.external is not None:
             series = dict(series)
-            for labels, (counts, total) in self.external().items():
+            for labels, (ext_counts, ext_sum) in self.external().items():
                 own = series.get(labels)
                 if own is None:
-                    series[labels] = (counts, [total])
+                    series[labels] = (ext_counts, [ext_sum])
                 else:
-                    series[labels] = ([a + b for a, b in zip(own[0], counts)], [own[1][0] + total])
+                    series[labels] = ([a + b for a, b in zip(own[0], ext_counts, strict=True)],
+                                      [own[1][0] + ext_sum])
         for values, (counts, total) in series.items():
             running = 0
             for bound, count in zip((*self.bounds, math.inf), counts, strict=True):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 from narwhal.errors import FailureClass, SuccessKind
 from narwhal.fleet.model import ROLES
@@ -111,9 +111,8 @@ class WorkerHub:
     # -- workers ---------------------------------------------------------------------------
 
     def attach(self, worker: int, send: Callable[[Snapshot], None]) -> None:
-        """A worker connected: it gets the current snapshot at once."""
+        """A worker connected; ``publish(force_to=worker)`` gives it the current snapshot."""
         self.workers[worker] = _WorkerState(send)
-        self.publish(force_to=worker)
 
     def detach(self, worker: int) -> None:
         """A worker is gone: its in-flight counts go, its metrics stay counted."""
@@ -179,8 +178,14 @@ class WorkerHub:
             try:
                 state.send(snapshot)
             except Exception as exc:  # a dead link is noticed and handled by the process layer
-                log_event("worker_snapshot_failed", worker=worker, **{"class": type(exc).__name__},
-                          message=str(exc))
+                fields: dict[str, Any] = {"worker": worker, "class": type(exc).__name__, "message": str(exc)}
+                log_event("worker_snapshot_failed", **fields)
+
+    def refresh_if_fleet_changed(self) -> None:
+        """In one process: republish when eligibility changed (admission is read there directly)."""
+        key = self._published_key
+        if key is None or self._control.state_version() != key[0]:
+            self.publish()
 
     def due(self) -> float | None:
         """When the current snapshot stops being exact (control clock), for the publish timer."""

@@ -56,7 +56,7 @@ class MetricsSum:
             for entry in hseries:
                 key = tuple(entry.labels)
                 counts, total = hinto.get(key, ([0] * len(entry.counts), 0.0))
-                hinto[key] = ([a + b for a, b in zip(counts, entry.counts)], total + entry.total)
+                hinto[key] = ([a + b for a, b in zip(counts, entry.counts, strict=True)], total + entry.total)
 
     def counter(self, name: str) -> dict[tuple[str, ...], float]:
         """Counter ``name`` summed over live and retired workers."""
@@ -76,7 +76,7 @@ class MetricsSum:
                 key = tuple(entry.labels)
                 if key in out:
                     counts, total = out[key]
-                    out[key] = ([a + b for a, b in zip(counts, entry.counts)], total + entry.total)
+                    out[key] = ([a + b for a, b in zip(counts, entry.counts, strict=True)], total + entry.total)
                 else:
                     out[key] = (list(entry.counts), entry.total)
         return out

@@ -183,6 +183,7 @@ class WorkerSet:
                     elif isinstance(message, Hello):
                         link.send(Welcome(worker=index, config=self.config))
                         self.hub.attach(index, link.send)
+                        self.hub.publish(force_to=index)
                         if self._stopping:
                             link.send(Stop(grace_s=self._grace_s))
                     else:

@@ -44,7 +44,7 @@ MAX_FRAME_BYTES = 16 * 1024 * 1024
 _LENGTH = struct.Struct(">I")
 
 
-class _Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+class _Message(msgspec.Struct, kw_only=True, tag_field="type"):
     pass
 
 
@@ -186,7 +186,7 @@ class FrameDecoder:
         self._buffer = bytearray()
         self._max = max_frame_bytes
 
-    def feed(self, data: bytes) -> list[object]:
+    def feed(self, data: bytes | bytearray) -> list[object]:
         self._buffer += data
         messages: list[object] = []
         buffer = self._buffer

@@ -30,7 +30,8 @@ class WorkerView:
                  refresh: Callable[[], None] | None = None) -> None:
         self._send = send
         self._clock = clock
-        # In one process the controller can recompute on demand once a snapshot goes stale.
+        # In one process the hub is asked before each read whether the fleet
+        # changed (one cheap comparison), so placement is as current as the fleet.
         self._refresh = refresh
         self.snapshot = EMPTY_SNAPSHOT
         self._local_reason: str | None = None
@@ -46,11 +47,9 @@ class WorkerView:
             self._local_reason = reason
 
     def _current(self) -> Snapshot:
-        snapshot = self.snapshot
-        if self._refresh is not None and snapshot.valid_until is not None and self._clock() >= snapshot.valid_until:
+        if self._refresh is not None:
             self._refresh()
-            snapshot = self.snapshot
-        return snapshot
+        return self.snapshot
 
     # -- the request core's Supervisor protocol ------------------------------------------
 

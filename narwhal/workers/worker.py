@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import signal
 import socket
 from typing import Any
 
@@ -160,7 +161,17 @@ class Worker:
             flush_logs(only_if_due=True)
 
 
-async def run_worker(index: int, control_fd: int, listen_fd: int, *, grace_s: float | None = None) -> None:
+async def _stop_on_signal(current: Any) -> None:
+    # Ctrl-C reaches the whole process group: a worker drains like its controller, never dies mid-stream.
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            worker = current()
+            log_event("signal", signal=signal.Signals(signum).name)
+            if worker is not None:
+                worker.stop("shutting down", worker.config.serving.shutdown_grace_s)
+
+
+async def run_worker(index: int, control_fd: int, listen_fd: int) -> None:
     """Serve as worker ``index`` until stopped or orphaned."""
     set_log_fields(worker=index)
     control = trio.SocketStream(trio.socket.from_stdlib_socket(socket.socket(fileno=control_fd)))
@@ -170,12 +181,17 @@ async def run_worker(index: int, control_fd: int, listen_fd: int, *, grace_s: fl
     worker: Worker | None = None
     link = StreamLink(control, ControllerMessage)
 
+    early: list[object] = []
+
     def on_message(message: object) -> None:
         if worker is not None:
             worker.on_message(message)
         elif isinstance(message, Welcome):
             welcome.append(message)
             welcomed.set()
+        else:
+            # The first snapshot follows the welcome at once, before the worker is built.
+            early.append(message)
 
     async with trio.open_nursery() as nursery:
 
@@ -189,6 +205,7 @@ async def run_worker(index: int, control_fd: int, listen_fd: int, *, grace_s: fl
                 worker.stop("controller gone", worker.config.serving.shutdown_grace_s)
 
         nursery.start_soon(control_link)
+        nursery.start_soon(_stop_on_signal, lambda: worker)
         link.send(Hello(worker=index, pid=os.getpid()))
         with trio.move_on_after(WELCOME_TIMEOUT_S):
             await welcomed.wait()
@@ -197,6 +214,9 @@ async def run_worker(index: int, control_fd: int, listen_fd: int, *, grace_s: fl
             nursery.cancel_scope.cancel()
             return
         worker = Worker(index, welcome[0].config, link)
+        for message in early:
+            worker.on_message(message)
+        early.clear()
         nursery.start_soon(worker.report_loop)
         try:
             await worker.server.serve_listeners([listener])
