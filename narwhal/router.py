@@ -171,8 +171,14 @@ class Router:
         def pools() -> dict[tuple[str, ...], float]:
             data = self.data_pool.statistics()
             control = self.control_pool.statistics()
-            return {("data", "in_use"): float(data.in_use), ("data", "capacity"): float(data.max_connections),
-                    ("data", "waiting"): float(data.waiting),
+            in_use, waiting, capacity = float(data.in_use), float(data.waiting), float(data.max_connections)
+            if self.workers is not None:
+                # Each worker has its own data pool: the figures are sums over workers.
+                workers = self.hub.workers.values()
+                in_use = float(sum(w.data_in_use for w in workers))
+                waiting = float(sum(w.data_waiting for w in workers))
+                capacity *= self.worker_count
+            return {("data", "in_use"): in_use, ("data", "capacity"): capacity, ("data", "waiting"): waiting,
                     ("control", "in_use"): float(control.in_use),
                     ("control", "capacity"): float(control.control_connections)}
 

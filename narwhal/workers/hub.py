@@ -43,13 +43,16 @@ class _Gate(Protocol):
 
 
 class _WorkerState:
-    __slots__ = ("in_flight", "metrics", "requests_in_flight", "send", "snapshot_seq")
+    __slots__ = ("data_in_use", "data_waiting", "in_flight", "metrics", "requests_in_flight", "send",
+                 "snapshot_seq")
 
     def __init__(self, send: Callable[[Snapshot], None]) -> None:
         self.send = send
         self.snapshot_seq = 0
         self.in_flight: dict[str, int] = {}
         self.requests_in_flight = 0
+        self.data_in_use = 0
+        self.data_waiting = 0
         self.metrics = MetricsState()
 
 
@@ -136,6 +139,8 @@ class WorkerHub:
             state.snapshot_seq = message.snapshot_seq
             state.in_flight = message.in_flight
             state.requests_in_flight = message.requests_in_flight
+            state.data_in_use = message.data_in_use
+            state.data_waiting = message.data_waiting
             self.metrics.update(worker, message.metrics)
             if self._record_sample is not None:
                 for sample in message.samples:
@@ -161,7 +166,8 @@ class WorkerHub:
                 admission_reason=admission_reason,
                 admit_until=None if admit_until is None else self._to_link_clock(admit_until),
                 valid_until=None if valid_until is None or math.isinf(valid_until)
-                else self._to_link_clock(valid_until))
+                else self._to_link_clock(valid_until),
+                published_at=self._to_link_clock(self._clock()))
             placeable = {name for names in eligible.values() for name in names}
             for name in self._engines:
                 if name in placeable:

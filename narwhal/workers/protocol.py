@@ -78,6 +78,8 @@ class Snapshot(_Message, tag="snapshot"):
     # The snapshot stops being exact at this instant (a hold deadline): the
     # controller sends a new one by then.
     valid_until: float | None = None
+    # When the controller published it: a worker measures the delivery delay.
+    published_at: float | None = None
 
 
 class ForwardReply(_Message, tag="forward_reply"):
@@ -145,6 +147,9 @@ class Report(_Message, tag="report"):
     requests_in_flight: int
     metrics: MetricsState
     samples: list[RequestSample] = []
+    # The worker's data pool: connections in use and requests waiting for one.
+    data_in_use: int = 0
+    data_waiting: int = 0
 
 
 class Forward(_Message, tag="forward"):

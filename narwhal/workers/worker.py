@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import socket
+import time
 from typing import Any
 
 import trio
@@ -80,6 +81,8 @@ class Worker:
     def on_message(self, message: object) -> None:
         if isinstance(message, Snapshot):
             self.view.apply(message)
+            if message.published_at is not None:
+                self.metrics.snapshot_lag.observe(max(0.0, time.monotonic() - message.published_at))
         elif isinstance(message, ForwardReply):
             waiter = self._forwards.get(message.id)
             if waiter is not None:
@@ -152,10 +155,12 @@ class Worker:
             if not busy and quiet % 10:
                 continue
             last_requests = requests
+            pool = self.data_pool.statistics()
             try:
                 self.link.send(Report(snapshot_seq=self.view.snapshot.seq, in_flight=dict(self.in_flight.counts),
                                       requests_in_flight=self.server.statistics().requests_in_flight,
-                                      metrics=export_state(self.metrics.registry), samples=self.telemetry.take()))
+                                      metrics=export_state(self.metrics.registry), samples=self.telemetry.take(),
+                                      data_in_use=pool.in_use, data_waiting=pool.waiting))
             except LinkClosed:
                 return
             flush_logs(only_if_due=True)
