@@ -22,6 +22,7 @@ from narwhal.fleet.tables import PROBE_LEG_INCONCLUSIVE
 from narwhal.obs.logs import log_event
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.pools import classify
+from narwhal.pools.control import ControlCalls
 from narwhal.wire import PREFILL_KV_REQUEST, extract_handoff
 
 __all__ = ["Supervisor"]
@@ -37,7 +38,7 @@ class _LegInconclusive(Exception):
 class Supervisor:
     """Feeds the fleet, carries out its actions, and logs what it reports."""
 
-    def __init__(self, *, config: Config, fleet: Fleet, control_pool: Any, metrics: RouterMetrics,
+    def __init__(self, *, config: Config, fleet: Fleet, control_pool: ControlCalls, metrics: RouterMetrics,
                  clock: Callable[[], float] = trio.current_time) -> None:
         self.config = config
         self.fleet = fleet
@@ -217,7 +218,6 @@ class Supervisor:
             "stream": False, "kv_transfer_params": PREFILL_KV_REQUEST,
         })
         problem, raw = await self._probe_call(engine, "/v1/completions", body)
-        kv = None
         if problem is None:
             kv = extract_handoff(raw)
             if kv is None:

@@ -132,7 +132,8 @@ def _cause(name: str | None) -> Cause | None:
     """A saved hold's cause, None when absent or unknown (the cautious reading)."""
     if name == LIVENESS:
         return LIVENESS
-    return FailureClass(name) if name in FailureClass.__members__.values() else None
+    known = {cls.value: cls for cls in FailureClass}
+    return known.get(name) if name is not None else None
 
 
 class _Engine:
