@@ -6,8 +6,9 @@ nothing above the pools sees an httpx, socket or httptools exception::
     what happened                                           result
     ------------------------------------------------------  --------------------------
     refused, DNS, reset/closed before any response byte     EngineFailure(connection)
-    connect, read or write timeout                          EngineFailure(timeout)
-    first-token deadline, mid-stream silence, body cut off,
+    connect, read or write timeout before the status line   EngineFailure(timeout)
+    first-token deadline, mid-stream silence, body cut off
+      (control calls too: a timeout or cut after the status line),
       end without `data: [DONE]`, not SSE, malformed HTTP   EngineFailure(stream)
     HTTP 408, 429                                           EngineFailure(overload)
     other 5xx (and any other non-2xx, non-4xx status)       EngineFailure(inference_status)
@@ -87,11 +88,19 @@ def transport_failure(engine: str, exc: HTTPTransportError) -> EngineFailure:
     return EngineFailure(engine, failure_class, str(exc), cause=exc.cause)
 
 
-def httpx_failure(engine: str, exc: httpx.HTTPError) -> EngineFailure | PoolSaturated:
-    """The failure for an httpx error raised by a control-pool call."""
+def httpx_failure(engine: str, exc: httpx.HTTPError, *,
+                  response_started: bool = False) -> EngineFailure | PoolSaturated:
+    """The failure for an httpx error raised by a control-pool call.
+
+    After the response began, a timeout or a cut is the body's: ``stream``
+    (mid-stream silence, body cut off), as the data pool classifies it.
+    """
     if isinstance(exc, httpx.PoolTimeout):
         return PoolSaturated(f"no free control connection to {engine}")
     message = str(exc) or type(exc).__name__
+    if response_started and isinstance(exc, httpx.TransportError):
+        return EngineFailure(engine, FailureClass.STREAM, f"response body failed: {message}",
+                             cause=type(exc).__name__)
     for kind, failure_class in _HTTPX_CLASSES:
         if isinstance(exc, kind):
             return EngineFailure(engine, failure_class, message, cause=type(exc).__name__)
@@ -128,8 +137,14 @@ def raise_for_status(engine: str, status: int, body: bytes) -> None:
         raise failure
 
 
-def call_timeout(engine: str, timeout_s: float) -> EngineFailure:
-    """A whole control call overran its timeout (each read may have been quick)."""
+def call_timeout(engine: str, timeout_s: float, *, response_started: bool = False) -> EngineFailure:
+    """A whole control call overran its timeout (each read may have been quick).
+
+    With the response begun, the body stalled or dripped: ``stream``, not ``timeout``.
+    """
+    if response_started:
+        return EngineFailure(engine, FailureClass.STREAM, f"response body incomplete after {timeout_s:g} s",
+                             cause="CallTimeout")
     return EngineFailure(engine, FailureClass.TIMEOUT, f"no complete response within {timeout_s:g} s",
                          cause="CallTimeout")
 
