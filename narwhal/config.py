@@ -8,8 +8,10 @@ message names the key and the problem; the CLI prints it and exits non-zero.
 
 from __future__ import annotations
 
+import os
 import re
 import urllib.parse
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -156,8 +158,33 @@ class RecoveryConfig(_Section, frozen=True):
             _positive("failure_quarantine_s", self.failure_quarantine_s)
 
 
+HANDOFF_FILE = "narwhal-handoff.json"
+
+
+def default_handoff_path(env: Mapping[str, str] | None = None) -> Path:
+    """``$XDG_STATE_HOME/narwhal/narwhal-handoff.json``, else under ``~/.local/state``.
+
+    Never relative to the working directory: a router started from a source
+    tree must not leave its state there. A relative ``XDG_STATE_HOME`` is
+    ignored, as the XDG base directory spec says.
+    """
+    env = os.environ if env is None else env
+    state = env.get("XDG_STATE_HOME", "")
+    if state and Path(state).is_absolute():
+        base = Path(state)
+    else:
+        home = env.get("HOME")
+        base = (Path(home) if home else Path.home()) / ".local" / "state"
+    return base / "narwhal" / HANDOFF_FILE
+
+
 class HandoffConfig(_Section, frozen=True):
-    path: str = "narwhal-handoff.json"
+    # None: default_handoff_path(); a relative path is relative to the config file's directory.
+    path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.path is not None and not self.path.strip():
+            raise ValueError("path must not be empty (leave it out for the state directory)")
 
 
 class LeaseConfig(_Section, frozen=True):
@@ -247,6 +274,15 @@ class Config(_Section, frozen=True):
             if spec.name == name:
                 return spec
         raise KeyError(name)
+
+    def handoff_path(self, config_dir: Path | None = None, env: Mapping[str, str] | None = None) -> Path:
+        """Where the handoff lives: ``[handoff] path`` (relative to ``config_dir``), else the state directory."""
+        if self.handoff.path is None:
+            return default_handoff_path(env)
+        path = Path(self.handoff.path).expanduser()
+        if not path.is_absolute() and config_dir is not None:
+            path = config_dir / path
+        return path
 
     def attestation_key_bytes(self, base_dir: Path | None = None) -> bytes | None:
         """The fleet's HMAC key, read from the file when one is named."""

@@ -77,7 +77,8 @@ class Router:
         self.core = RequestCore(config=config, supervisor=self.supervisor, data_pool=self.data_pool,
                                 in_flight=self.in_flight, admission=self.admission, metrics=self.metrics,
                                 telemetry=self.telemetry)
-        self.persistence = PersistenceStage(path=config.handoff.path, router_id=self.router_id,
+        self.handoff_path = config.handoff_path(config_dir)
+        self.persistence = PersistenceStage(path=self.handoff_path, router_id=self.router_id,
                                             fleet=self.fleet, config=config)
         self.readmitter = Readmitter(config=config, fleet=self.fleet, control_pool=self.control_pool,
                                      in_flight=self.in_flight, metrics=self.metrics,
@@ -184,6 +185,7 @@ class Router:
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until ``shutdown`` completes; ``task_status.started(port)`` once listening."""
         host, port = parse_listen(self.listen)
+        self._make_handoff_directory()
         try:
             async with ASGILifespan(self.app), trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -197,7 +199,7 @@ class Router:
                     await nursery.start(self._serve_admin, self.config.admin.listen)
                 self.bound_port = await nursery.start(self._serve_then_stop, nursery, host, port)
                 log_event("router_started", router_id=self.router_id, listen=f"{host}:{self.bound_port}",
-                          engines=len(self.config.engines), pid=os.getpid())
+                          engines=len(self.config.engines), pid=os.getpid(), handoff=str(self.handoff_path))
                 task_status.started(self.bound_port)
         finally:
             # Close sockets even when cancelled: leaked engine connections outlive the router.
@@ -213,9 +215,18 @@ class Router:
             await trio.sleep(0.1)
             flush_logs(only_if_due=True)
 
+    def _make_handoff_directory(self) -> None:
+        """Create the handoff's directory (the state directory by default) before the first pass writes."""
+        directory = self.handoff_path.parent
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot create the handoff directory {str(directory)!r}: "
+                                     f"{exc.strerror or exc}") from exc
+
     def _resume(self) -> None:
         """Apply the saved handoff when its schema and engine set match; say plainly when not."""
-        plan = plan_resume(self.config.handoff.path, self.config)
+        plan = plan_resume(self.handoff_path, self.config)
         if plan.applied:
             apply_resume(plan, self.fleet, trio.current_time(), time.time())
             log_event("handoff_applied", **plan.event_fields())
