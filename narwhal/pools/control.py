@@ -4,7 +4,9 @@ Bounded by ``engine.control_connections`` through its own CapacityLimiter, apart
 from the data pool, so a saturated data path never starves health checks. It
 uses httpx: control calls are rare, so convenience beats the data pool's CPU
 budget. Every status comes back to the caller; transport errors become
-``EngineFailure`` through ``classify``.
+``EngineFailure`` through ``classify``. Bodies are read as a stream and bounded
+by ``engine.max_response_bytes``; past it the connection is dropped and the
+call fails as a bad answer (``inference_status``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from narwhal.pools import classify
 
 __all__ = ["ControlPool", "ControlPoolStatistics", "ControlResponse"]
 
-_JSON_HEADERS = {"content-type": "application/json"}
+# identity: a compressed body would expand in memory before the bound could see it.
+_GET_HEADERS = {"accept-encoding": "identity"}
+_JSON_HEADERS = {"content-type": "application/json", "accept-encoding": "identity"}
 
 
 class ControlResponse(msgspec.Struct, frozen=True):
@@ -78,15 +82,39 @@ class ControlPool:
         if timeout_s is None:
             timeout_s = self._config.health_timeout_s
         timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, self._config.connect_timeout_s))
-        headers = _JSON_HEADERS if body is not None else None
+        headers = _JSON_HEADERS if body is not None else _GET_HEADERS
+        max_bytes = self._config.max_response_bytes
         async with classify.pool_slot(self._limiter, "control"):
             # httpx times each read; this bounds the whole call, so a slow drip cannot stretch it.
             with trio.move_on_after(timeout_s) as scope:
                 try:
-                    response = await self._client.request(method, engine.base_url + path, content=body,
-                                                          headers=headers, timeout=timeout)
+                    async with self._client.stream(method, engine.base_url + path, content=body,
+                                                   headers=headers, timeout=timeout) as response:
+                        status = response.status_code
+                        parts: list[bytes] = []
+                        size = 0
+                        # Leaving the block unread closes the connection: an endless body ends here.
+                        too_large = False
+                        try:
+                            async for chunk in response.aiter_bytes():
+                                if too_large:
+                                    continue
+                                size += len(chunk)
+                                if size > max_bytes:
+                                    # Close the connection, then let httpx's generators end on
+                                    # their own (breaking out would leave them to the GC).
+                                    too_large = True
+                                    await response.aclose()
+                                else:
+                                    parts.append(chunk)
+                        except httpx.HTTPError:
+                            if not too_large:
+                                raise
+                        if too_large:
+                            raise classify.response_too_large(engine.name, f"{method} {path} response body",
+                                                              max_bytes)
                 except httpx.HTTPError as exc:
                     raise classify.httpx_failure(engine.name, exc) from exc
             if scope.cancelled_caught:
                 raise classify.call_timeout(engine.name, timeout_s)
-        return ControlResponse(status=response.status_code, body=response.content)
+        return ControlResponse(status=status, body=b"".join(parts))

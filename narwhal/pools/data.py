@@ -143,7 +143,10 @@ class DataPool:
         self._limiter = trio.CapacityLimiter(max_connections)
         self._connections = EngineConnections(idle_s=engine_config.pool_idle_s,
                                               connect_timeout_s=engine_config.connect_timeout_s,
-                                              write_timeout_s=engine_config.request_timeout_s)
+                                              write_timeout_s=engine_config.request_timeout_s,
+                                              max_head_bytes=engine_config.max_response_header_bytes)
+        # Every body this pool buffers (prefill, token count, non-streamed decode, errors) is bounded.
+        self._max_body = engine_config.max_response_bytes
 
     async def post_json(self, engine: EngineSpec, path: str, body: bytes, *,
                         request_id: str) -> tuple[int, bytes]:
@@ -153,7 +156,8 @@ class DataPool:
         async with classify.pool_slot(self._limiter, "data", wait=self._wait):
             conn, head = await self._request(engine, request)
             try:
-                response_body = await conn.read_body_to_end(read_timeout_s=read_timeout_s)
+                response_body = await conn.read_body_to_end(read_timeout_s=read_timeout_s,
+                                                            max_bytes=self._max_body)
             except HTTPTransportError as exc:
                 raise classify.transport_failure(engine.name, exc) from exc
             finally:
@@ -177,7 +181,8 @@ class DataPool:
             try:
                 if not 200 <= head.status < 300:
                     try:
-                        error_body = await conn.read_body_to_end(read_timeout_s=self._config.request_timeout_s)
+                        error_body = await conn.read_body_to_end(read_timeout_s=self._config.request_timeout_s,
+                                                                 max_bytes=self._max_body)
                     except HTTPTransportError as exc:
                         raise classify.transport_failure(engine.name, exc) from exc
                     classify.raise_for_status(engine.name, head.status, error_body)

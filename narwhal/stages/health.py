@@ -16,7 +16,7 @@ import msgspec
 import trio
 
 from narwhal.config import EngineSpec
-from narwhal.errors import EngineFailure, FailureClass, PoolSaturated, SuccessKind
+from narwhal.errors import EngineFailure, FailureClass, LocalResourceExhausted, PoolSaturated, SuccessKind
 from narwhal.obs.logs import log_event
 
 __all__ = ["HealthStage", "HealthSweep", "health_failure_class"]
@@ -83,8 +83,12 @@ class HealthStage:
             except EngineFailure as exc:
                 failure, detail = exc.failure_class, exc.message
             except PoolSaturated as exc:
-                # Our own pool had no slot: no evidence against the engine, and no liveness miss.
+                # Our own pool had no slot (or our process no fd): no evidence against the engine,
+                # and no liveness miss.
                 unchecked.add(spec.name)
+                if isinstance(exc, LocalResourceExhausted):
+                    log_event("local_resource_exhausted", level=logging.ERROR, engine=spec.name, stage="health",
+                              errno=exc.errno_name, message=str(exc))
                 log_event("health_check_skipped", level=logging.WARNING, engine=spec.name, reason=str(exc))
                 return
             else:
