@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["EngineFailure", "FailureClass", "LocalResourceExhausted", "PoolSaturated", "SuccessKind",
-           "UpstreamClientError"]
+__all__ = ["EngineFailure", "FailureClass", "LocalResourceExhausted", "PoolSaturated", "StartupError",
+           "SuccessKind", "UpstreamClientError"]
 
 
 class FailureClass(enum.StrEnum):
@@ -72,3 +72,7 @@ class LocalResourceExhausted(PoolSaturated):
         super().__init__(message)
         self.engine = engine
         self.errno_name = errno_name
+
+
+class StartupError(Exception):
+    """The router cannot start; the message is one line naming the cause (the CLI exits 2)."""

@@ -44,8 +44,12 @@ class ControlPool:
     """httpx-based engine calls for the control plane, bounded apart from the data pool."""
 
     def __init__(self, *, control_connections: int, engine_config: EngineConfig,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None, via: str | None = None) -> None:
+        """``via``, when given, is sent as the ``via`` header of every call (loop detection)."""
         self._config = engine_config
+        extra = {"via": via} if via is not None else {}
+        self._get_headers = {**_GET_HEADERS, **extra}
+        self._json_headers = {**_JSON_HEADERS, **extra}
         self._limiter = trio.CapacityLimiter(control_connections)
         limits = httpx.Limits(max_connections=control_connections,
                               max_keepalive_connections=control_connections,
@@ -82,7 +86,7 @@ class ControlPool:
         if timeout_s is None:
             timeout_s = self._config.health_timeout_s
         timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, self._config.connect_timeout_s))
-        headers = _JSON_HEADERS if body is not None else _GET_HEADERS
+        headers = self._json_headers if body is not None else self._get_headers
         max_bytes = self._config.max_response_bytes
         async with classify.pool_slot(self._limiter, "control"):
             # httpx times each read; this bounds the whole call, so a slow drip cannot stretch it.
