@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import argparse
 import signal
-from pathlib import Path
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import trio
 
-from narwhal.tools.admin_cli import add_parser as add_admin_parser
 from narwhal.config import ConfigError, load_config, parse_listen
 from narwhal.errors import StartupError
 from narwhal.obs.logs import configure_logging, flush_logs, log_event
+from narwhal.tools.admin_cli import add_parser as add_admin_parser
 
 __all__ = ["main", "serve_main"]
 
@@ -111,12 +112,14 @@ def _serve(args: argparse.Namespace) -> int:
         startup = _startup_error(exc)
         if startup is None:
             raise
-        log_event("router_failed", **{"class": "StartupError"}, message=str(startup))
+        failed: dict[str, Any] = {"class": "StartupError", "message": str(startup)}
+        log_event("router_failed", **failed)
         flush_logs()
         print(f"narwhal: cannot start: {startup}", file=sys.stderr)
         return 2
     except OSError as exc:
-        log_event("router_failed", **{"class": type(exc).__name__}, message=str(exc))
+        failure: dict[str, Any] = {"class": type(exc).__name__, "message": str(exc)}
+        log_event("router_failed", **failure)
         print(f"narwhal: {exc}", file=sys.stderr)
         return 1
     return 0
@@ -128,9 +131,10 @@ def _startup_error(exc: BaseException) -> StartupError | None:
         return exc
     if isinstance(exc, BaseExceptionGroup):
         matched, _ = exc.split(StartupError)
-        while isinstance(matched, BaseExceptionGroup):
-            matched = matched.exceptions[0]
-        return matched if isinstance(matched, StartupError) else None
+        found: BaseException | None = matched
+        while isinstance(found, BaseExceptionGroup):
+            found = found.exceptions[0]
+        return found if isinstance(found, StartupError) else None
     return None
 
 

@@ -20,26 +20,26 @@ from typing import Any
 import trio
 
 from narwhal.app.admin_routes import register_admin_routes
-from narwhal.fleet.admission import Admission
 from narwhal.app.control_app import create_app
 from narwhal.config import Config, parse_listen
+from narwhal.control.monitor import Monitor
+from narwhal.control.readmission import Readmitter
+from narwhal.control.supervisor import Supervisor
 from narwhal.errors import StartupError
 from narwhal.fleet import Fleet
+from narwhal.fleet.admission import Admission
+from narwhal.fleet.placement import InFlight
+from narwhal.fleet.telemetry import Telemetry
 from narwhal.http1.asgi import ASGILifespan, call_asgi
 from narwhal.http1.server import HTTPServer, Request, Responder
 from narwhal.obs.logs import flush_logs, log_event
-from narwhal.control.monitor import Monitor
-from narwhal.fleet.placement import InFlight
+from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.pools.control import ControlPool
 from narwhal.pools.data import DataPool
-from narwhal.control.readmission import Readmitter
 from narwhal.serving.request_core import COMPLETION_ROUTES, RequestCore
-from narwhal.state.resume import apply_resume, plan_resume
-from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.stages import build_stages
 from narwhal.stages.persistence import PersistenceStage
-from narwhal.control.supervisor import Supervisor
-from narwhal.fleet.telemetry import Telemetry
+from narwhal.state.resume import apply_resume, plan_resume
 from narwhal.wire import error_json
 
 __all__ = ["Router"]
@@ -141,15 +141,16 @@ class Router:
                                             fleet=self.fleet, config=config)
         self.readmitter = Readmitter(config=config, fleet=self.fleet, control_pool=self.control_pool,
                                      in_flight=self.in_flight, metrics=self.metrics,
-                                     attestation_key=config.attestation_key_bytes(config_dir))
+                                     attestation_key=config.attestation_key_bytes(config_dir),
+                                     inference_check=self.supervisor.inference_probe)
         self.stages = build_stages(config=config, supervisor=self.supervisor, control_pool=self.control_pool,
                                    telemetry=self.telemetry, in_flight=self.in_flight,
                                    persistence_stage=self.persistence, readmission=self.readmitter)
-        self.controller = self.stages[0]
-        self.drain = self.stages[2]
+        self.controller = self.stages.controller
+        self.drain = self.stages.drain
         self.persistence.extra = self._handoff_extra
         controller = config.controller
-        self.monitor = Monitor(self.stages, interval_s=controller.monitor_interval_s,
+        self.monitor = Monitor(self.stages.in_spec_order(), interval_s=controller.monitor_interval_s,
                                stage_timeout_s=controller.stage_timeout_s,
                                failure_limit=controller.monitor_failure_limit,
                                admission=self.admission, metrics=self.metrics)

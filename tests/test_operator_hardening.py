@@ -142,7 +142,8 @@ def test_a_missing_handoff_directory_is_refused(tmp_path: Path):
 def test_an_unwritable_handoff_directory_is_refused():
     # /proc takes no new files, whoever we run as (chmod would not stop root).
     config = parse_config(config_text('[handoff]\npath = "/proc/narwhal-handoff.json"\n'))
-    with pytest.raises(StartupError, match="handoff.path /proc/narwhal-handoff.json: directory '/proc' is not writable"):
+    expected = "handoff.path /proc/narwhal-handoff.json: directory '/proc' is not writable"
+    with pytest.raises(StartupError, match=expected):
         preflight(config, "127.0.0.1:0")
 
 

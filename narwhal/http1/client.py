@@ -424,7 +424,7 @@ class EngineConnections:
         try:
             try:
                 await conn.send_request(request, timeout_s=self.write_timeout_s)
-            except ConnectionClosed as exc:
+            except ConnectionClosed:
                 head = await self._early_response(conn, read_timeout_s)
                 if head is None:
                     raise

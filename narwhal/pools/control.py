@@ -11,6 +11,8 @@ call fails as a bad answer (``inference_status``).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import httpx
 import msgspec
 import trio
@@ -18,7 +20,7 @@ import trio
 from narwhal.config import EngineConfig, EngineSpec
 from narwhal.pools import classify
 
-__all__ = ["ControlPool", "ControlPoolStatistics", "ControlResponse"]
+__all__ = ["ControlCalls", "ControlPool", "ControlPoolStatistics", "ControlResponse"]
 
 # identity: a compressed body would expand in memory before the bound could see it.
 _GET_HEADERS = {"accept-encoding": "identity"}
@@ -30,6 +32,15 @@ class ControlResponse(msgspec.Struct, frozen=True):
 
     status: int
     body: bytes
+
+
+class ControlCalls(Protocol):
+    """The control pool's calls, as the control plane makes them (tests pass fakes)."""
+
+    async def get(self, engine: EngineSpec, path: str, *, timeout_s: float | None = None) -> ControlResponse: ...
+
+    async def post_json(self, engine: EngineSpec, path: str, body: bytes, *,
+                        timeout_s: float | None = None) -> ControlResponse: ...
 
 
 class ControlPoolStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -87,38 +98,49 @@ class ControlPool:
             timeout_s = self._config.health_timeout_s
         timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, self._config.connect_timeout_s))
         headers = self._json_headers if body is not None else self._get_headers
-        max_bytes = self._config.max_response_bytes
+        request = self._client.build_request(method, engine.base_url + path, content=body, headers=headers,
+                                             timeout=timeout)
+        response: httpx.Response | None = None
+        content: bytes | None = b""
         async with classify.pool_slot(self._limiter, "control"):
             # httpx times each read; this bounds the whole call, so a slow drip cannot stretch it.
             with trio.move_on_after(timeout_s) as scope:
                 try:
-                    async with self._client.stream(method, engine.base_url + path, content=body,
-                                                   headers=headers, timeout=timeout) as response:
-                        status = response.status_code
-                        parts: list[bytes] = []
-                        size = 0
-                        # Leaving the block unread closes the connection: an endless body ends here.
-                        too_large = False
-                        try:
-                            async for chunk in response.aiter_bytes():
-                                if too_large:
-                                    continue
-                                size += len(chunk)
-                                if size > max_bytes:
-                                    # Close the connection, then let httpx's generators end on
-                                    # their own (breaking out would leave them to the GC).
-                                    too_large = True
-                                    await response.aclose()
-                                else:
-                                    parts.append(chunk)
-                        except httpx.HTTPError:
-                            if not too_large:
-                                raise
-                        if too_large:
-                            raise classify.response_too_large(engine.name, f"{method} {path} response body",
-                                                              max_bytes)
+                    response = await self._client.send(request, stream=True)
+                    try:
+                        content = await _read_bounded(response, self._config.max_response_bytes)
+                    finally:
+                        await response.aclose()
                 except httpx.HTTPError as exc:
-                    raise classify.httpx_failure(engine.name, exc) from exc
+                    # Once the status line arrived, silence or a cut is the body's (stream), as on the data path.
+                    raise classify.httpx_failure(engine.name, exc, response_started=response is not None) from exc
             if scope.cancelled_caught:
-                raise classify.call_timeout(engine.name, timeout_s)
-        return ControlResponse(status=status, body=b"".join(parts))
+                raise classify.call_timeout(engine.name, timeout_s, response_started=response is not None)
+        assert response is not None
+        if content is None:
+            raise classify.response_too_large(engine.name, f"{method} {path} response body",
+                                              self._config.max_response_bytes)
+        return ControlResponse(status=response.status_code, body=content)
+
+
+async def _read_bounded(response: httpx.Response, max_bytes: int) -> bytes | None:
+    """The whole body, or None (with the connection closed) once it passes ``max_bytes``."""
+    parts: list[bytes] = []
+    size = 0
+    too_large = False
+    try:
+        async for chunk in response.aiter_bytes():
+            if too_large:
+                continue
+            size += len(chunk)
+            if size > max_bytes:
+                # Close the connection, then let httpx's generators end on their own
+                # (breaking out would leave them unfinished to the garbage collector).
+                too_large = True
+                await response.aclose()
+            else:
+                parts.append(chunk)
+    except httpx.HTTPError:
+        if not too_large:
+            raise
+    return None if too_large else b"".join(parts)
