@@ -219,7 +219,7 @@ class Supervisor:
         })
         problem, raw = await self._probe_call(engine, "/v1/completions", body)
         if problem is None:
-            kv = extract_handoff(raw)
+            kv = extract_handoff(raw, max_bytes=self.config.engine.max_handoff_bytes)
             if kv is None:
                 problem = _LegProblem(FailureClass.KV_HANDOFF,
                                       "kv_handoff: prefill response carries no readable kv_transfer_params")
