@@ -41,7 +41,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import enum
-import hashlib
 import hmac
 import logging
 import math
@@ -53,6 +52,7 @@ from typing import Any, Literal
 import msgspec
 import trio
 
+from narwhal import attestation
 from narwhal.config import Config, EngineSpec
 from narwhal.errors import EngineFailure, PoolSaturated, SuccessKind
 from narwhal.fleet import EngineView, Fleet, HoldKind
@@ -142,10 +142,6 @@ def _iso(wall: float) -> str:
         return repr(wall)
     return datetime.datetime.fromtimestamp(wall, datetime.UTC).isoformat(timespec="milliseconds").replace(
         "+00:00", "Z")
-
-
-def _sign(key: bytes, engine_id: str, nonce: str, generation: str) -> str:
-    return hmac.new(key, f"{engine_id}|{nonce}|{generation}".encode(), hashlib.sha256).hexdigest()
 
 
 class Readmitter:
@@ -333,8 +329,7 @@ class Readmitter:
         if answer.engine_id != identity.engine_id:
             raise _Refused(f"attestation answered for engine_id {answer.engine_id!r}, "
                            f"identity names {identity.engine_id!r}")
-        expected = _sign(self._key, identity.engine_id, nonce, identity.generation)
-        if not hmac.compare_digest(answer.signature.encode(), expected.encode()):
+        if not attestation.verify(self._key, identity.engine_id, nonce, identity.generation, answer.signature):
             raise _Refused("attestation signature does not verify with the fleet attestation key")
 
     async def _check_newer_process(self, attempt: _Attempt) -> None:
