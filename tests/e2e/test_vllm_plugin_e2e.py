@@ -244,3 +244,84 @@ async def test_a_killed_vllm_engine_is_readmitted_automatically_after_it_restart
         last = (await fleet.engine("d2"))["last_readmission"]
         assert (last["outcome"], last["operator"]) == ("readmitted", False)
         assert last["passed"] == ["health", "attestation", "model", "generation", "kv_role", "final_health"]
+
+
+# ----- engine-check against FastAPI "vLLM" engines -------------------------------------------------
+
+async def engine_check(*argv: str) -> tuple[int, str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NARWHAL_")}
+    result = await trio.run_process([sys.executable, "-m", "narwhal", "engine-check", *argv],
+                                    capture_stdout=True, capture_stderr=True, check=False, env=env)
+    return result.returncode, result.stdout.decode(), result.stderr.decode()
+
+
+def table(out: str) -> dict[str, tuple[str, str]]:
+    """engine-check's rows as {check: (result, detail)}."""
+    rows: dict[str, tuple[str, str]] = {}
+    for line in out.splitlines()[2:-1]:
+        check, rest = line.split(None, 1)
+        result, detail = (rest.split(None, 1) + [""])[:2] if not rest.startswith("not run") else (
+            "not run", rest[len("not run"):].strip())
+        rows[check] = (result, detail)
+    return rows
+
+
+async def test_engine_check_passes_a_good_engine_and_names_a_wrong_key_a_wrong_role_and_a_dead_url(
+        nursery, processes, tmp_path: Path, key_file: Path) -> None:
+    prefill = await start_fake_vllm(nursery, "p1", key_file=key_file, kv_role="kv_producer")
+    decode = await start_fake_vllm(nursery, "d1", key_file=key_file, kv_role="kv_consumer")
+    processes.extend([prefill, decode])
+
+    # A good prefill engine, with the one-token P/D probe through a decode peer.
+    code, out, err = await engine_check(prefill.url, "--role", "prefill", "--key-file", str(key_file),
+                                        "--peer", decode.url, "--model", SERVED, "--generation", GENERATION)
+    assert code == 0, out + err
+    rows = table(out)
+    assert list(rows) == ["health", "models", "identity", "attestation", "model", "generation", "kv_role",
+                          "pd_probe"]
+    assert {result for result, _ in rows.values()} == {"pass"}
+    assert out.splitlines()[-1] == "8 of 8 checks passed"
+    assert "engine_id 'p1'" in rows["identity"][1]
+
+    # The same decode engine checked from the router's own config.
+    config = tmp_path / "narwhal.toml"
+    config.write_text(render_config([("p1", prefill.url, "prefill"), ("d1", decode.url, "decode")],
+                                    {"fleet": {"model": SERVED, "generation": GENERATION,
+                                               "attestation_key_file": str(key_file)}}))
+    code, out, err = await engine_check(decode.url, "--role", "decode", "--config", str(config),
+                                        "--peer", prefill.url)
+    assert code == 0, out + err
+
+    # A wrong key: attestation fails, the rest still passes.
+    wrong = tmp_path / "wrong.key"
+    wrong.write_text("not-the-fleet-key")
+    code, out, _ = await engine_check(prefill.url, "--role", "prefill", "--key-file", str(wrong))
+    assert code == 1
+    rows = table(out)
+    assert rows["attestation"] == ("FAIL", "attestation signature does not verify with the fleet attestation key")
+    assert [c for c, (r, _) in rows.items() if r != "pass"] == ["attestation"]
+
+    # A wrong role: a KV consumer checked as a prefill engine fails kv_role and the P/D probe.
+    code, out, _ = await engine_check(decode.url, "--role", "prefill", "--key-file", str(key_file),
+                                      "--peer", prefill.url)
+    assert code == 1
+    rows = table(out)
+    assert rows["kv_role"][0] == "FAIL" and "needs KV role 'producer'" in rows["kv_role"][1]
+    assert rows["pd_probe"][0] == "FAIL" and "HTTP 400" in rows["pd_probe"][1]
+    assert rows["attestation"][0] == "pass"
+
+    # A dead URL: health fails for the connection, nothing else runs.
+    dead = trio.socket.socket()
+    await dead.bind(("127.0.0.1", 0))
+    dead_port = dead.getsockname()[1]
+    dead.close()
+    code, out, _ = await engine_check(f"http://127.0.0.1:{dead_port}", "--key-file", str(key_file))
+    assert code == 1
+    rows = table(out)
+    assert rows["health"][0] == "FAIL" and rows["health"][1].startswith("connection:")
+    assert {result for check, (result, _) in rows.items() if check != "health"} == {"not run"}
+
+    # Bad arguments: exit 2 with one line.
+    code, out, err = await engine_check(prefill.url, "--peer", decode.url)
+    assert (code, out) == (2, "") and err == "narwhal engine-check: --peer needs --role: the role of URL " \
+                                            "(the peer has the other one)\n"
