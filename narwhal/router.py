@@ -187,6 +187,7 @@ class Router:
             async with ASGILifespan(self.app), trio.open_nursery() as nursery:
                 self._nursery = nursery
                 nursery.start_soon(self._flush_logs_periodically)
+                await nursery.start(self.data_pool.run)
                 await nursery.start(self.supervisor.run)
                 if self.resume:
                     self._resume()

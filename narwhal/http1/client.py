@@ -22,6 +22,7 @@ Every socket and parser problem leaves this module as one of its own errors;
 from __future__ import annotations
 
 import math
+import os
 import select
 
 import httptools
@@ -47,6 +48,11 @@ _RECENTLY_IDLE_S = 1.0
 
 _READ_SIZE = 65536
 _INF = math.inf
+# A relay whose reads never block yields to the scheduler after this many reads in a row.
+_UNBLOCKED_READS_PER_CHECKPOINT = 16
+# Module-level names for the raw syscalls: the fast path's only I/O, and what tests replace.
+_read = os.read
+_write = os.write
 
 
 class HTTPTransportError(Exception):
@@ -116,11 +122,18 @@ class EngineConnection:
     It is also the httptools protocol object: the parser calls its ``on_*`` methods.
     """
 
-    def __init__(self, stream: trio.SocketStream, key: tuple[str, int]) -> None:
+    def __init__(self, stream: trio.abc.Stream, key: tuple[str, int]) -> None:
         self.key = key
         self.idle_since = 0.0
         self.sent_at = 0.0
+        # While the relay waits for the engine: when that wait began (for the silence watchdog).
+        self.waiting_since = _INF
         self._stream = stream
+        # Plain sockets get the syscall fast path; any other trio Stream (TLS) the generic one.
+        self._fd = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else -1
+        # True when the last read was short: the socket is drained, so wait before reading again.
+        self._drained = True
+        self._unblocked = 0
         self._parser: httptools.HttpResponseParser | None = None
         self._headers: list[tuple[bytes, bytes]] = []
         self._head: HTTPResponseHead | None = None
@@ -157,12 +170,13 @@ class EngineConnection:
         """Close the socket now; synchronous so release paths need no checkpoint."""
         self._broken = True
         self._parser = None
-        self._stream.socket.close()
+        self._fd = -1
+        _socket_of(self._stream).close()
 
     def dropped_while_idle(self) -> bool:
         """True when an idle connection has something to read: EOF, a reset, or stray bytes."""
         poller = select.poll()
-        poller.register(self._stream.socket.fileno(), select.POLLIN)
+        poller.register(_socket_of(self._stream).fileno(), select.POLLIN)
         return bool(poller.poll(0))
 
     # I/O ------------------------------------------------------------------
@@ -173,16 +187,33 @@ class EngineConnection:
         self._head = None
         self._body = []
         self._response_started = self._complete = self._keep_alive = False
-        with trio.move_on_after(timeout_s) as scope:
+        # Nothing of the response can be there yet: the first read waits for it.
+        self._drained = True
+        rest: bytes | memoryview = request
+        fd = self._fd
+        if fd >= 0:
+            # The kernel almost always takes a whole request at once: then no scope and no trip
+            # through the scheduler (P2 in docs/benchmarks.md).
             try:
-                await self._stream.send_all(request)
-            except trio.BrokenResourceError as exc:
+                sent = _write(fd, request)
+            except BlockingIOError:
+                sent = 0
+            except OSError as exc:
                 self._broken = True
                 raise ConnectionClosed("connection closed while sending the request",
-                                       cause=_cause_name(exc), response_started=False) from exc
-        if scope.cancelled_caught:
-            self._broken = True
-            raise WriteTimeout(f"request not sent within {timeout_s:g} s", cause="WriteTimeout")
+                                       cause=type(exc).__name__, response_started=False) from exc
+            rest = memoryview(request)[sent:] if sent else request
+        if rest:
+            with trio.move_on_after(timeout_s) as scope:
+                try:
+                    await self._stream.send_all(rest)
+                except trio.BrokenResourceError as exc:
+                    self._broken = True
+                    raise ConnectionClosed("connection closed while sending the request",
+                                           cause=_cause_name(exc), response_started=False) from exc
+            if scope.cancelled_caught:
+                self._broken = True
+                raise WriteTimeout(f"request not sent within {timeout_s:g} s", cause="WriteTimeout")
         self.sent_at = trio.current_time()
 
     async def read_head(self, *, read_timeout_s: float, deadline: float = _INF,
@@ -210,22 +241,88 @@ class EngineConnection:
             parts.append(data)
         return b"".join(parts)
 
-    async def _receive(self, read_timeout_s: float, deadline: float, deadline_message: str) -> None:
-        read_by = trio.current_time() + read_timeout_s
-        data = b""
-        with trio.move_on_at(min(read_by, deadline)) as scope:
-            try:
-                data = await self._stream.receive_some(_READ_SIZE)
-            except trio.BrokenResourceError as exc:
-                self._broken = True
-                raise ConnectionClosed("connection reset by the engine", cause=_cause_name(exc),
-                                       response_started=self._response_started) from exc
-        if scope.cancelled_caught:
+    async def read_relay_body(self) -> bytes:
+        """The body bytes of the next read(s), b"" at its end; for a relay whose deadlines a watchdog keeps.
+
+        No cancel scope and no deadline per read: the caller's scope is cancelled
+        from outside when the engine is silent too long (``waiting_since`` says
+        since when it has been waited for). The socket is read first and waited
+        for only after a short read; every few reads that did not wait, it yields.
+        """
+        body = self._body
+        fd = self._fd
+        while not body:
+            if self._complete:
+                return b""
+            if fd < 0:
+                self.waiting_since = trio.current_time()
+                try:
+                    await self._receive(_INF, _INF, "")
+                finally:
+                    self.waiting_since = _INF
+                continue
+            if self._drained:
+                self.waiting_since = trio.current_time()
+                try:
+                    await trio.lowlevel.wait_readable(fd)
+                finally:
+                    self.waiting_since = _INF
+                self._unblocked = 0
+            else:
+                self._unblocked += 1
+                if self._unblocked >= _UNBLOCKED_READS_PER_CHECKPOINT:
+                    self._unblocked = 0
+                    await trio.lowlevel.checkpoint()
+            data = self._read_now()
+            if data is not None:
+                self._parse(data)
+        data = body[0] if len(body) == 1 else b"".join(body)
+        body.clear()
+        return data
+
+    def _read_now(self) -> bytes | None:
+        """One non-blocking read; None when there was nothing to read after all."""
+        try:
+            data = _read(self._fd, _READ_SIZE)
+        except BlockingIOError:
+            self._drained = True
+            return None
+        except OSError as exc:
             self._broken = True
-            if deadline <= read_by:
-                raise DeadlineExpired(deadline_message or "response deadline passed",
-                                      cause="DeadlineExpired")
-            raise ReadTimeout(f"no response bytes within {read_timeout_s:g} s", cause="ReadTimeout")
+            raise ConnectionClosed("connection reset by the engine", cause=type(exc).__name__,
+                                   response_started=self._response_started) from exc
+        self._drained = len(data) < _READ_SIZE
+        return data
+
+    async def _receive(self, read_timeout_s: float, deadline: float, deadline_message: str) -> None:
+        fd = self._fd
+        data: bytes | None = None
+        if fd >= 0 and not self._drained:
+            data = self._read_now()
+        if data is None:
+            read_by = trio.current_time() + read_timeout_s if read_timeout_s < _INF else _INF
+            with trio.move_on_at(min(read_by, deadline)) as scope:
+                try:
+                    if fd >= 0:
+                        while data is None:
+                            await trio.lowlevel.wait_readable(fd)
+                            data = self._read_now()
+                    else:
+                        data = await self._stream.receive_some(_READ_SIZE)
+                except trio.BrokenResourceError as exc:
+                    self._broken = True
+                    raise ConnectionClosed("connection reset by the engine", cause=_cause_name(exc),
+                                           response_started=self._response_started) from exc
+            if scope.cancelled_caught:
+                self._broken = True
+                if deadline <= read_by:
+                    raise DeadlineExpired(deadline_message or "response deadline passed",
+                                          cause="DeadlineExpired")
+                raise ReadTimeout(f"no response bytes within {read_timeout_s:g} s", cause="ReadTimeout")
+        assert data is not None
+        self._parse(data)
+
+    def _parse(self, data: bytes) -> None:
         if not data:
             self._end_of_file()
             return
@@ -258,6 +355,13 @@ class EngineConnection:
             if name == b"content-length" or (name == b"transfer-encoding" and b"chunked" in value.lower()):
                 return False
         return True
+
+
+def _socket_of(stream: trio.abc.Stream) -> trio.socket.SocketType:
+    """The TCP socket under ``stream`` (a SocketStream, or a wrapper such as SSLStream over one)."""
+    while not isinstance(stream, trio.SocketStream):
+        stream = stream.transport_stream  # type: ignore[attr-defined]
+    return stream.socket
 
 
 class EngineConnections:
