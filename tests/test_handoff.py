@@ -17,6 +17,7 @@ import narwhal.state.handoff as handoff
 from narwhal.config import Config, EngineSpec
 from narwhal.errors import FailureClass
 from narwhal.fleet import EngineCounters, EngineRecord, Fleet, HoldKind, HoldRecord
+from narwhal.stages.persistence import HandoffWriteInProgress, PersistenceStage
 from narwhal.state.handoff import (
     HANDOFF_SCHEMA,
     EngineSetEntry,
@@ -30,7 +31,6 @@ from narwhal.state.handoff import (
     read_document,
     write_atomic,
 )
-from narwhal.stages.persistence import HandoffWriteInProgress, PersistenceStage
 
 ENGINES = [("p1", "http://127.0.0.1:9001", "prefill"), ("d1", "http://127.0.0.1:9002", "decode")]
 
@@ -348,8 +348,8 @@ async def test_slow_disk_does_not_block_the_event_loop(tmp_path: Path, monkeypat
 
 
 async def test_monitor_pass_persists_what_its_other_stages_did(tmp_path: Path) -> None:
-    from narwhal.fleet.admission import Admission
     from narwhal.control.monitor import Monitor
+    from narwhal.fleet.admission import Admission
     from narwhal.obs.router_metrics import RouterMetrics
 
     clocks, fleet = Clocks(), make_fleet()

@@ -25,12 +25,12 @@ import trio
 from trio.testing import MockClock
 
 from narwhal.config import Config, EngineConfig, EngineSpec, FleetConfig, RecoveryConfig
+from narwhal.control.readmission import CHAIN, Readmitter
 from narwhal.errors import SuccessKind
 from narwhal.fleet import EngineRecord, Fleet, HoldKind
 from narwhal.fleet.placement import InFlight
-from narwhal.pools.control import ControlPool
-from narwhal.control.readmission import CHAIN, Readmitter
 from narwhal.obs.router_metrics import RouterMetrics
+from narwhal.pools.control import ControlPool
 
 KEY = b"fleet-key"
 WALL_BASE = 1_700_000_000.0
@@ -109,7 +109,7 @@ class World:
             engine=EngineConfig(health_timeout_s=30.0),
             recovery=RecoveryConfig(probe_interval_s=probe_interval_s, failure_quarantine_s=quarantine_s),
             engines=[EngineSpec(name=name, url=f"http://127.0.0.1:{port}", role=engine.role)
-                     for port, (name, engine) in zip(by_port, self.engines.items())])
+                     for port, (name, engine) in zip(by_port, self.engines.items(), strict=True)])
 
         async def route(request: httpx.Request) -> httpx.Response:
             return await by_port[request.url.port].handle(request)

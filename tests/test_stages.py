@@ -17,23 +17,24 @@ import pytest
 import trio
 from trio.testing import MockClock
 
-from narwhal.fleet.admission import Admission
 from narwhal.config import Config, ControllerConfig, EngineConfig, EngineSpec, TelemetryConfig
+from narwhal.control.monitor import STAGE_NAMES, Monitor
+from narwhal.control.supervisor import Supervisor
 from narwhal.errors import EngineFailure, FailureClass, PoolSaturated
 from narwhal.fleet import Fleet, HoldKind
-from narwhal.control.monitor import STAGE_NAMES, Monitor
+from narwhal.fleet.admission import Admission
 from narwhal.fleet.placement import InFlight
-from narwhal.pools.control import ControlResponse
+from narwhal.fleet.telemetry import Telemetry
 from narwhal.obs.router_metrics import RouterMetrics
+from narwhal.pools.control import ControlResponse
 from narwhal.stages import build_stages, health_check_timeout_s
+from narwhal.stages.controller import ControllerStage
 from narwhal.stages.drain import DrainStage
 from narwhal.stages.health import HealthStage, health_failure_class
 from narwhal.stages.liveness import LivenessStage
 from narwhal.stages.readmission import ReadmissionStage
 from narwhal.stages.rollover import RolloverStage
 from narwhal.stages.telemetry import TelemetryStage
-from narwhal.control.supervisor import Supervisor
-from narwhal.fleet.telemetry import Telemetry
 
 NAMES = [("p1", "prefill"), ("p2", "prefill"), ("d1", "decode"), ("d2", "decode"), ("d3", "decode")]
 CHECK_TIMEOUT_S = 1.5
@@ -308,18 +309,37 @@ def build(pool: FakeControlPool, config: Config) -> tuple[list[Any], Supervisor,
     fleet = Fleet([(spec.name, spec.role) for spec in config.engines], eject_after=3,
                   liveness_misses=LIVENESS_MISSES, failure_quarantine_s=None, probe_interval_s=5.0)
     supervisor = Supervisor(config=config, fleet=fleet, control_pool=pool, metrics=RouterMetrics())
-    telemetry = Telemetry([(s.name, s.role) for s in config.engines], clock=trio.current_time, interval_s=config.telemetry.interval_s,
+    telemetry = Telemetry([(s.name, s.role) for s in config.engines], clock=trio.current_time,
+                          interval_s=config.telemetry.interval_s,
                           keep_intervals=config.telemetry.keep_intervals)
     stages = build_stages(config=config, supervisor=supervisor, control_pool=pool, telemetry=telemetry,
                           in_flight=InFlight([s.name for s in config.engines]),
                           persistence_stage=FakePersistence())
-    return stages, supervisor, telemetry
+    return stages.in_spec_order(), supervisor, telemetry
 
 
 def test_build_stages_returns_the_eight_in_spec_order() -> None:
     stages, _, _ = build(FakeControlPool(), make_config())
     assert tuple(stage.name for stage in stages) == STAGE_NAMES
     assert isinstance(stages[-1], FakePersistence)
+
+
+def test_build_stages_names_each_stage_by_its_job() -> None:
+    config = make_config()
+    pool = FakeControlPool()
+    fleet = Fleet([(spec.name, spec.role) for spec in config.engines], eject_after=3,
+                  liveness_misses=LIVENESS_MISSES, failure_quarantine_s=None, probe_interval_s=5.0)
+    supervisor = Supervisor(config=config, fleet=fleet, control_pool=pool, metrics=RouterMetrics())
+    telemetry = Telemetry([(s.name, s.role) for s in config.engines], clock=trio.current_time,
+                          interval_s=config.telemetry.interval_s, keep_intervals=config.telemetry.keep_intervals)
+    persistence = FakePersistence()
+    stages = build_stages(config=config, supervisor=supervisor, control_pool=pool, telemetry=telemetry,
+                          in_flight=InFlight([s.name for s in config.engines]), persistence_stage=persistence)
+    for name in STAGE_NAMES:
+        assert getattr(stages, name).name == name
+    assert isinstance(stages.controller, ControllerStage) and isinstance(stages.drain, DrainStage)
+    assert stages.persistence is persistence
+    assert stages.liveness.health is stages.health
 
 
 def test_health_checks_are_capped_inside_the_stage_timeout() -> None:

@@ -9,11 +9,11 @@ import pytest
 import trio
 
 from narwhal.config import parse_config
+from narwhal.control.supervisor import Supervisor
 from narwhal.errors import FailureClass, SuccessKind
 from narwhal.fleet import Fleet, HoldKind
-from narwhal.pools.control import ControlPool
 from narwhal.obs.router_metrics import RouterMetrics
-from narwhal.control.supervisor import Supervisor
+from narwhal.pools.control import ControlPool
 
 CONFIG = """
 [recovery]

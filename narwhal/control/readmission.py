@@ -56,9 +56,10 @@ import trio
 from narwhal.config import Config, EngineSpec
 from narwhal.errors import EngineFailure, PoolSaturated, SuccessKind
 from narwhal.fleet import EngineView, Fleet, HoldKind
-from narwhal.obs.logs import log_event
 from narwhal.fleet.placement import InFlight
+from narwhal.obs.logs import log_event
 from narwhal.obs.router_metrics import RouterMetrics
+from narwhal.pools.control import ControlCalls
 from narwhal.wire import AttestRequest, AttestResponse, EngineIdentity
 
 __all__ = ["CHAIN", "DRAIN_HOLDS", "Check", "ReadmissionResult", "Readmitter"]
@@ -151,7 +152,7 @@ def _sign(key: bytes, engine_id: str, nonce: str, generation: str) -> str:
 class Readmitter:
     """Runs the readmission chain for the operator and on schedule, and applies operator drains."""
 
-    def __init__(self, *, config: Config, fleet: Fleet, control_pool: Any, in_flight: InFlight,
+    def __init__(self, *, config: Config, fleet: Fleet, control_pool: ControlCalls, in_flight: InFlight,
                  metrics: RouterMetrics, clock: Callable[[], float] = trio.current_time,
                  wall_clock: Callable[[], float] = time.time, attestation_key: bytes | None) -> None:
         """``clock`` is trio's (monotonic, the fleet's time base); ``wall_clock`` unix seconds."""

@@ -20,6 +20,7 @@ from narwhal.errors import EngineFailure, FailureClass, SuccessKind
 from narwhal.fleet import Action, ActionKind, Fleet, FleetEventKind
 from narwhal.obs.logs import log_event
 from narwhal.obs.router_metrics import RouterMetrics
+from narwhal.pools.control import ControlCalls
 from narwhal.stages.health import health_failure_class
 from narwhal.wire import PREFILL_KV_REQUEST, extract_handoff
 
@@ -36,7 +37,7 @@ class _LegInconclusive(Exception):
 class Supervisor:
     """Feeds the fleet, carries out its actions, and logs what it reports."""
 
-    def __init__(self, *, config: Config, fleet: Fleet, control_pool: Any, metrics: RouterMetrics,
+    def __init__(self, *, config: Config, fleet: Fleet, control_pool: ControlCalls, metrics: RouterMetrics,
                  clock: Callable[[], float] = trio.current_time) -> None:
         self.config = config
         self.fleet = fleet
@@ -208,16 +209,14 @@ class Supervisor:
             "stream": False, "kv_transfer_params": PREFILL_KV_REQUEST,
         })
         problem, raw = await self._probe_call(engine, "/v1/completions", body)
-        kv = None
         if problem is None:
             kv = extract_handoff(raw)
-            if kv is None:
-                problem = "kv_handoff: prefill response carries no readable kv_transfer_params"
-        if problem is not None:
-            if suspect_leg:
-                raise _SuspectLegFailed("prefill", problem)
-            raise _LegInconclusive(f"peer {engine.name} prefill failed: {problem}")
-        return kv
+            if kv is not None:
+                return kv
+            problem = "kv_handoff: prefill response carries no readable kv_transfer_params"
+        if suspect_leg:
+            raise _SuspectLegFailed("prefill", problem)
+        raise _LegInconclusive(f"peer {engine.name} prefill failed: {problem}")
 
     async def _probe_decode(self, engine: EngineSpec, kv: dict[str, Any], *, suspect_leg: bool) -> None:
         body = _encode_json.encode({

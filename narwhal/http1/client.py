@@ -308,7 +308,7 @@ class EngineConnection:
                             await trio.lowlevel.wait_readable(fd)
                             data = self._read_now()
                     else:
-                        data = await self._stream.receive_some(_READ_SIZE)
+                        data = bytes(await self._stream.receive_some(_READ_SIZE))
                 except trio.BrokenResourceError as exc:
                     self._broken = True
                     raise ConnectionClosed("connection reset by the engine", cause=_cause_name(exc),

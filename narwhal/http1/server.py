@@ -36,9 +36,9 @@ import os
 import select
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from email.utils import formatdate
-from typing import Any
+from typing import Any, Protocol
 
 import httptools
 import msgspec
@@ -51,6 +51,7 @@ __all__ = [
     "ClientDisconnected",
     "HTTPServer",
     "Handler",
+    "Listener",
     "Request",
     "Responder",
     "ServerStatistics",
@@ -67,6 +68,14 @@ _ACCEPT_CAPACITY_ERRNOS = frozenset(
     code for code in (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS) if code is not None
 )
 _ACCEPT_BACKOFF_S = 0.1
+
+
+class Listener(Protocol):
+    """What the server accepts from: trio's ``SocketListener`` or a wrapper closed through its ``socket``."""
+
+    socket: trio.socket.SocketType
+
+    async def accept(self) -> trio.SocketStream: ...
 
 _STATUS_LINES = {
     status.value: b"HTTP/1.1 %d %b\r\n" % (status.value, status.phrase.encode("latin-1"))
@@ -485,7 +494,7 @@ class _Connection:
         fd = self._fd
         if fd < 0:
             try:
-                return await self.stream.receive_some(_RECEIVE_SIZE)
+                return bytes(await self.stream.receive_some(_RECEIVE_SIZE))
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return b""
         while True:
@@ -611,7 +620,8 @@ class _Connection:
         )
         try:
             await self.stream.send_all(head + body)
-            await self.stream.send_eof()
+            if isinstance(self.stream, trio.abc.HalfCloseableStream):
+                await self.stream.send_eof()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return
         with trio.move_on_after(_LINGER_S):
@@ -708,7 +718,7 @@ class HTTPServer:
         await self._serve(listeners, lambda: task_status.started(bound_port))
 
     async def serve_listeners(
-        self, listeners: list[trio.SocketListener], *, task_status: Any = trio.TASK_STATUS_IGNORED
+        self, listeners: Sequence[Listener], *, task_status: Any = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Serve on listeners the caller opened; ``task_status`` reports them back."""
         await self._serve(listeners, lambda: task_status.started(listeners))
@@ -725,7 +735,7 @@ class HTTPServer:
         for conn in self._connections:
             conn.wake_for_shutdown()
 
-    async def _serve(self, listeners: list[trio.SocketListener], started: Callable[[], None]) -> None:
+    async def _serve(self, listeners: Sequence[Listener], started: Callable[[], None]) -> None:
         epoll = self._epoll = select.epoll()
         try:
             async with trio.open_nursery() as watcher:
@@ -754,7 +764,7 @@ class HTTPServer:
             self._epoll = None
             epoll.close()
 
-    async def _accept_loop(self, listener: trio.SocketListener, connections: trio.Nursery) -> None:
+    async def _accept_loop(self, listener: Listener, connections: trio.Nursery) -> None:
         while True:
             try:
                 stream = await listener.accept()

@@ -9,6 +9,8 @@ budget. Every status comes back to the caller; transport errors become
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import httpx
 import msgspec
 import trio
@@ -16,7 +18,7 @@ import trio
 from narwhal.config import EngineConfig, EngineSpec
 from narwhal.pools import classify
 
-__all__ = ["ControlPool", "ControlPoolStatistics", "ControlResponse"]
+__all__ = ["ControlCalls", "ControlPool", "ControlPoolStatistics", "ControlResponse"]
 
 _JSON_HEADERS = {"content-type": "application/json"}
 
@@ -26,6 +28,15 @@ class ControlResponse(msgspec.Struct, frozen=True):
 
     status: int
     body: bytes
+
+
+class ControlCalls(Protocol):
+    """The control pool's calls, as the control plane makes them (tests pass fakes)."""
+
+    async def get(self, engine: EngineSpec, path: str, *, timeout_s: float | None = None) -> ControlResponse: ...
+
+    async def post_json(self, engine: EngineSpec, path: str, body: bytes, *,
+                        timeout_s: float | None = None) -> ControlResponse: ...
 
 
 class ControlPoolStatistics(msgspec.Struct, frozen=True, kw_only=True):

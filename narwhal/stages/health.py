@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import msgspec
 import trio
@@ -18,6 +18,7 @@ import trio
 from narwhal.config import EngineSpec
 from narwhal.errors import EngineFailure, FailureClass, PoolSaturated, SuccessKind
 from narwhal.obs.logs import log_event
+from narwhal.pools.control import ControlCalls
 
 __all__ = ["HealthStage", "HealthSweep", "health_failure_class"]
 
@@ -51,9 +52,8 @@ class HealthStage:
 
     name = "health"
 
-    def __init__(self, *, supervisor: _Supervisor, control_pool: Any, engines: Sequence[EngineSpec],
+    def __init__(self, *, supervisor: _Supervisor, control_pool: ControlCalls, engines: Sequence[EngineSpec],
                  check_timeout_s: float) -> None:
-        """``control_pool`` needs ``async get(engine_spec, path, *, timeout_s)`` -> (status, body)."""
         self.supervisor = supervisor
         self.control_pool = control_pool
         self.engines = list(engines)

@@ -9,7 +9,7 @@ cut) gives no liveness evidence: the silence is ours, not the engines'.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Protocol
 
 from narwhal.obs.logs import log_event
@@ -19,7 +19,7 @@ __all__ = ["LivenessStage"]
 
 
 class _Supervisor(Protocol):
-    def record_health_sweep(self, results: Mapping[str, bool]) -> None: ...
+    def record_health_sweep(self, results: Mapping[str, bool], *, unchecked: Collection[str] = ()) -> None: ...
 
 
 class LivenessStage:

@@ -142,7 +142,8 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     warmup = args.warmup if args.warmup is not None else 2 * args.concurrency
     return BenchSettings(
         prefill=args.prefill, decode=decode, tokens=args.tokens, token_delay_s=token_delay_s,
-        mock_writes=args.mock_writes, prompt_words=args.prompt_words, concurrency=args.concurrency, requests=requests, duration_s=duration_s,
+        mock_writes=args.mock_writes, prompt_words=args.prompt_words, concurrency=args.concurrency,
+        requests=requests, duration_s=duration_s,
         stream=args.stream, keep_alive=args.keep_alive, warmup=max(0, warmup), timeout_s=args.timeout_s,
         count_tokens=args.count_tokens == "on", overrides=_parse_overrides(args.overrides),
         router_cmd=args.router_cmd, target=args.target, target_pid=args.target_pid,
@@ -172,8 +173,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     except* (RuntimeError, OSError, ValueError) as group:
         failures = _leaves(group)
     if failures:
-        for exc in failures:
-            print(f"narwhal bench: {exc}", file=sys.stderr)
+        for failure in failures:
+            print(f"narwhal bench: {failure}", file=sys.stderr)
         return 1
     from narwhal.tools.bench.report import format_report
 
