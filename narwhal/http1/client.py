@@ -29,6 +29,8 @@ import httptools
 import msgspec
 import trio
 
+from narwhal.http1.sockets import socket_of
+
 __all__ = [
     "ConnectFailed",
     "ConnectTimeout",
@@ -171,12 +173,12 @@ class EngineConnection:
         self._broken = True
         self._parser = None
         self._fd = -1
-        _socket_of(self._stream).close()
+        socket_of(self._stream).close()
 
     def dropped_while_idle(self) -> bool:
         """True when an idle connection has something to read: EOF, a reset, or stray bytes."""
         poller = select.poll()
-        poller.register(_socket_of(self._stream).fileno(), select.POLLIN)
+        poller.register(socket_of(self._stream).fileno(), select.POLLIN)
         return bool(poller.poll(0))
 
     # I/O ------------------------------------------------------------------
@@ -355,13 +357,6 @@ class EngineConnection:
             if name == b"content-length" or (name == b"transfer-encoding" and b"chunked" in value.lower()):
                 return False
         return True
-
-
-def _socket_of(stream: trio.abc.Stream) -> trio.socket.SocketType:
-    """The TCP socket under ``stream`` (a SocketStream, or a wrapper such as SSLStream over one)."""
-    while not isinstance(stream, trio.SocketStream):
-        stream = stream.transport_stream  # type: ignore[attr-defined]
-    return stream.socket
 
 
 class EngineConnections:

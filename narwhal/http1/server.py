@@ -44,6 +44,7 @@ import httptools
 import msgspec
 import trio
 
+from narwhal.http1.sockets import socket_of
 from narwhal.obs.logs import log_event
 from narwhal.wire import error_json
 
@@ -312,7 +313,7 @@ class _Connection:
     def __init__(self, server: HTTPServer, stream: trio.abc.Stream) -> None:
         self.server = server
         self.stream = stream
-        self.sock = _socket_of(stream)
+        self.sock = socket_of(stream)
         # Plain sockets get the syscall fast path; any other trio Stream (TLS) the generic one.
         self._fd = self.sock.fileno() if isinstance(stream, trio.SocketStream) else -1
         self._client: tuple[str, int] | None = None
@@ -634,13 +635,6 @@ class _Connection:
                 if not data:
                     return
                 drained += len(data)
-
-
-def _socket_of(stream: trio.abc.Stream) -> trio.socket.SocketType:
-    """The TCP socket under ``stream`` (a SocketStream, or a wrapper such as SSLStream over one)."""
-    while not isinstance(stream, trio.SocketStream):
-        stream = stream.transport_stream  # type: ignore[attr-defined]
-    return stream.socket
 
 
 def _unwrap(group: ExceptionGroup) -> Exception:
