@@ -56,14 +56,16 @@ def _endpoint(url: str) -> tuple[str, int, bytes]:
     return host, port, f"{shown}:{port}".encode("ascii")
 
 
-def _post_request(engine: EngineSpec, path: str, body: bytes, request_id: str, accept: bytes) -> bytes:
+def _post_request(engine: EngineSpec, path: str, body: bytes, request_id: str, accept: bytes,
+                  via: bytes = b"") -> bytes:
+    """``via`` is a whole header line (``b"\\r\\nvia: ..."``) or empty."""
     if any(c in request_id for c in "\r\n") or not path.startswith("/") or " " in path:
         raise ValueError(f"unsafe request line or request id: {path!r} {request_id!r}")
     return b"".join((
         b"POST ", path.encode("ascii"), b" HTTP/1.1\r\nhost: ", _endpoint(engine.url)[2],
         b"\r\ncontent-type: application/json\r\naccept: ", accept,
         b"\r\ncontent-length: ", str(len(body)).encode("ascii"),
-        b"\r\nx-request-id: ", request_id.encode("latin-1"), b"\r\n\r\n", body,
+        b"\r\nx-request-id: ", request_id.encode("latin-1"), via, b"\r\n\r\n", body,
     ))
 
 
@@ -74,6 +76,14 @@ def watchdog_tick(config: EngineConfig) -> float:
     """
     smallest = min(config.first_token_deadline_s, config.stream_silence_s)
     return max(_MIN_TICK_S, min(_MAX_TICK_S, smallest / 20))
+
+
+def _via_line(via: str | None) -> bytes:
+    if via is None:
+        return b""
+    if not via.isascii() or any(c in via for c in "\r\n"):
+        raise ValueError(f"unsafe via header: {via!r}")
+    return b"\r\nvia: " + via.encode("ascii")
 
 
 def _first_token_message(first_token_s: float) -> str:
@@ -173,9 +183,14 @@ class UpstreamStream:
 class DataPool:
     """Keep-alive engine connections for prefill, decode and token counting."""
 
-    def __init__(self, *, max_connections: int, engine_config: EngineConfig, wait_for_slot: bool = True) -> None:
-        """``wait_for_slot=False``: a full pool raises PoolSaturated at once instead of queueing."""
+    def __init__(self, *, max_connections: int, engine_config: EngineConfig, wait_for_slot: bool = True,
+                 via: str | None = None) -> None:
+        """``wait_for_slot=False``: a full pool raises PoolSaturated at once instead of queueing.
+
+        ``via``, when given, is sent as the ``via`` header of every request (loop detection).
+        """
         self._config = engine_config
+        self._via = _via_line(via)
         self._wait = wait_for_slot
         # Live decode streams, for the deadline watchdog (``run``).
         self._streams: set[UpstreamStream] = set()
@@ -184,17 +199,21 @@ class DataPool:
         self._limiter = trio.CapacityLimiter(max_connections)
         self._connections = EngineConnections(idle_s=engine_config.pool_idle_s,
                                               connect_timeout_s=engine_config.connect_timeout_s,
-                                              write_timeout_s=engine_config.request_timeout_s)
+                                              write_timeout_s=engine_config.request_timeout_s,
+                                              max_head_bytes=engine_config.max_response_header_bytes)
+        # Every body this pool buffers (prefill, token count, non-streamed decode, errors) is bounded.
+        self._max_body = engine_config.max_response_bytes
 
     async def post_json(self, engine: EngineSpec, path: str, body: bytes, *,
                         request_id: str) -> tuple[int, bytes]:
         """POST a JSON body; (status, body) for 2xx, otherwise the classified failure is raised."""
-        request = _post_request(engine, path, body, request_id, b"application/json")
+        request = _post_request(engine, path, body, request_id, b"application/json", self._via)
         read_timeout_s = self._config.request_timeout_s
         async with classify.pool_slot(self._limiter, "data", wait=self._wait):
             conn, head = await self._request(engine, request)
             try:
-                response_body = await conn.read_body_to_end(read_timeout_s=read_timeout_s)
+                response_body = await conn.read_body_to_end(read_timeout_s=read_timeout_s,
+                                                            max_bytes=self._max_body)
             except HTTPTransportError as exc:
                 raise classify.transport_failure(engine.name, exc) from exc
             finally:
@@ -212,7 +231,7 @@ class DataPool:
         """
         if not self._watchdog_running:
             raise RuntimeError("DataPool.run() is not running: stream deadlines would never fire")
-        request = _post_request(engine, path, body, request_id, b"text/event-stream")
+        request = _post_request(engine, path, body, request_id, b"text/event-stream", self._via)
         first_token_s = self._config.first_token_deadline_s
         async with classify.pool_slot(self._limiter, "data", wait=self._wait):
             conn, head = await self._request(engine, request, head_deadline_s=first_token_s,
@@ -220,7 +239,8 @@ class DataPool:
             try:
                 if not 200 <= head.status < 300:
                     try:
-                        error_body = await conn.read_body_to_end(read_timeout_s=self._config.request_timeout_s)
+                        error_body = await conn.read_body_to_end(read_timeout_s=self._config.request_timeout_s,
+                                                                 max_bytes=self._max_body)
                     except HTTPTransportError as exc:
                         raise classify.transport_failure(engine.name, exc) from exc
                     classify.raise_for_status(engine.name, head.status, error_body)

@@ -28,13 +28,20 @@ import msgspec
 import trio
 
 from narwhal.config import Config, EngineSpec
-from narwhal.errors import EngineFailure, FailureClass, PoolSaturated, SuccessKind, UpstreamClientError
+from narwhal.errors import (
+    EngineFailure,
+    FailureClass,
+    LocalResourceExhausted,
+    PoolSaturated,
+    SuccessKind,
+    UpstreamClientError,
+)
 from narwhal.fleet.admission import Admission
 from narwhal.fleet.placement import InFlight, pick_least_outstanding
 from narwhal.fleet.telemetry import Telemetry
 from narwhal.obs.logs import log_event
 from narwhal.obs.router_metrics import RouterMetrics
-from narwhal.wire import PREFILL_KV_REQUEST, error_json, extract_handoff
+from narwhal.wire import PREFILL_KV_REQUEST, HandoffRejected, error_json, read_handoff
 
 __all__ = ["COMPLETION_ROUTES", "RequestCore", "Sink"]
 
@@ -48,7 +55,8 @@ _DONE = b"data: [DONE]"
 _QUEUE_POLL_S = 0.05
 # A client's X-Request-Id longer than this (or not ASCII) is replaced by our own.
 _MAX_REQUEST_ID = 128
-_QUEUEABLE = frozenset({"no_capacity", "pool_saturated"})
+_MAX_UPSTREAM_MESSAGE = 2048
+_QUEUEABLE = frozenset({"no_capacity", "pool_saturated", "local_resource_exhausted"})
 
 _decode_json = msgspec.json.Decoder()
 _encode_json = msgspec.json.Encoder()
@@ -167,6 +175,7 @@ class RequestCore:
         self._bounded = config.serving.policy == "bounded"
         self._max_attempts = config.serving.max_attempts if self._bounded else 1
         self._count_tokens = config.serving.count_tokens
+        self._max_handoff_bytes = config.engine.max_handoff_bytes
         self._ids = itertools.count(1)
         self._id_prefix = os.urandom(4).hex()
 
@@ -355,6 +364,14 @@ class RequestCore:
             self.supervisor.record_success(exc.engine, SuccessKind.CLIENT_4XX)
             raise ClientError(exc.status, _upstream_message(exc), "invalid_request_error",
                               "upstream_rejected") from None
+        if isinstance(exc, LocalResourceExhausted):
+            # Our process is short of fds or memory: the engine did nothing wrong.
+            log_event("local_resource_exhausted", level=logging.ERROR, engine=exc.engine, stage=leg,
+                      errno=exc.errno_name, message=str(exc))
+            self.metrics.saturations.inc("local_resources")
+            raise _AttemptFailed(ClientError(503, f"router out of local resources ({exc.errno_name}); "
+                                             "try again later", "service_unavailable", "local_resource_exhausted"),
+                                 None, "local_resource_exhausted") from None
         self.metrics.saturations.inc("pool")
         raise _AttemptFailed(ClientError(503, "router saturated: no free data connection",
                                          "service_unavailable", "pool_saturated"),
@@ -370,7 +387,7 @@ class RequestCore:
             prefill, "/tokenize", _encode_json.encode(query), request_id=rid))
         try:
             counted = msgspec.json.decode(raw, type=_TokenizeResult)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             # A tokenizer answer we cannot read is no reason to refuse the request.
             return
         limit = counted.max_model_len
@@ -395,10 +412,12 @@ class RequestCore:
         body["kv_transfer_params"] = PREFILL_KV_REQUEST
         _, raw = await self._engine_call("prefill", self.data_pool.post_json(
             prefill, route, _encode_json.encode(body), request_id=rid))
-        kv = extract_handoff(raw)
-        if kv is None:
-            self._translate("prefill", EngineFailure(
-                prefill.name, FailureClass.KV_HANDOFF, "prefill response carries no readable kv_transfer_params"))
+        try:
+            kv = read_handoff(raw, max_bytes=self._max_handoff_bytes)
+        except HandoffRejected as exc:
+            # Found here, at the prefill leg: a bad handoff is never the decode engine's fault.
+            self._translate("prefill", EngineFailure(prefill.name, FailureClass.KV_HANDOFF, str(exc),
+                                                     cause="HandoffRejected"))
         self.supervisor.record_success(prefill.name, SuccessKind.PREFILL_HANDOFF)
         return kv
 
@@ -415,7 +434,7 @@ class RequestCore:
             outcome.ttft_s = self.clock() - started_at
             try:
                 usage = msgspec.json.decode(raw, type=_UsageOnly).usage
-            except msgspec.DecodeError:
+            except (msgspec.DecodeError, RecursionError):
                 usage = None
             outcome.tokens = usage.completion_tokens if usage else 0
             outcome.status = 200
@@ -473,7 +492,8 @@ def _upstream_message(exc: UpstreamClientError) -> str:
         detail = _decode_json.decode(exc.body)
         message = detail["error"]["message"] if isinstance(detail.get("error"), dict) else detail.get("message")
         if isinstance(message, str):
-            return message
-    except (msgspec.DecodeError, AttributeError, KeyError, TypeError):
+            # An engine's message is relayed, but not at any length.
+            return message[:_MAX_UPSTREAM_MESSAGE]
+    except (msgspec.DecodeError, RecursionError, AttributeError, KeyError, TypeError):
         pass
     return f"engine {exc.engine} rejected the request with HTTP {exc.status}"
