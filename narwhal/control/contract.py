@@ -23,7 +23,6 @@ __all__ = [
     "check_identity_model",
     "check_kv_role",
     "check_listed_model",
-    "decode_stream_complete",
     "listed_models",
     "probe_decode_body",
     "probe_prefill_body",
@@ -149,8 +148,3 @@ def probe_decode_body(model: str, kv: dict[str, Any]) -> bytes:
     """A one-token streamed decode of the probe prompt from the prefill's handoff ``kv``."""
     return _encode({"model": model, "prompt": PROBE_PROMPT, "max_tokens": 1, "stream": True,
                     "kv_transfer_params": kv})
-
-
-def decode_stream_complete(body: bytes) -> bool:
-    """Whether a streamed decode reached its terminal marker."""
-    return body.rstrip().endswith(b"data: [DONE]")

@@ -42,6 +42,7 @@ from narwhal import attestation
 from narwhal.config import ConfigError, EngineConfig, EngineSpec, load_config
 from narwhal.control import contract
 from narwhal.errors import EngineFailure, FailureClass
+from narwhal.pools import classify
 from narwhal.pools.control import ControlPool, ControlResponse
 from narwhal.wire import AttestRequest, EngineIdentity, extract_handoff
 
@@ -234,8 +235,9 @@ class _Checker:
                     "kv_handoff: prefill response carries no readable kv_transfer_params")
             leg = "decode"
             body = await self.ok("POST", "/v1/completions", contract.probe_decode_body(model, kv), decode)
-            if not contract.decode_stream_complete(body):
-                raise contract.ContractViolation("stream: decode stream ended without data: [DONE]")
+            failure = classify.sse_body_failure(decode.name, body)
+            if failure is not None:
+                raise contract.ContractViolation(f"{failure.failure_class}: {failure.message}")
         except contract.ContractViolation as exc:
             self.row("pd_probe", "FAIL", f"{leg} on {(prefill if leg == 'prefill' else decode).url}: {exc.reason}")
         else:
