@@ -3,11 +3,13 @@
 Ownership: ``Router.run`` opens the nursery that owns the supervisor (probes),
 the monitor, the optional hypercorn admin listener and the data-plane server.
 ``shutdown`` closes admission, stops accepting, lets in-flight requests finish
-within the grace period, then cancels the rest.
+within the grace period, then cancels the rest. ``reload_tls`` (SIGHUP) reads
+the certificates again and swaps the contexts of every listener and pool.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -19,7 +21,7 @@ import trio
 from narwhal.app.admin_routes import register_admin_routes
 from narwhal.fleet.admission import Admission
 from narwhal.app.control_app import create_app
-from narwhal.config import Config, parse_listen
+from narwhal.config import Config, ConfigError, parse_listen
 from narwhal.fleet import Fleet
 from narwhal.http1.asgi import ASGILifespan, call_asgi
 from narwhal.http1.server import HTTPServer, Request, Responder
@@ -36,6 +38,7 @@ from narwhal.stages import build_stages
 from narwhal.stages.persistence import PersistenceStage
 from narwhal.control.supervisor import Supervisor
 from narwhal.fleet.telemetry import Telemetry
+from narwhal.tls import TLSContexts
 from narwhal.wire import error_json
 
 __all__ = ["Router"]
@@ -64,11 +67,13 @@ class Router:
             failure_quarantine_s=recovery.failure_quarantine_s,
             probe_interval_s=recovery.probe_interval_s,
         )
+        # Certificates are read here: a problem is a ConfigError naming the key.
+        self.tls = TLSContexts(config, config_dir)
         # Only bounded serving may queue; the default policy reports saturation at once.
         self.data_pool = DataPool(max_connections=config.serving.max_connections, engine_config=config.engine,
-                                  wait_for_slot=config.serving.policy == "bounded")
+                                  wait_for_slot=config.serving.policy == "bounded", ssl_context=self.tls.engine)
         self.control_pool = ControlPool(control_connections=config.engine.control_connections,
-                                        engine_config=config.engine)
+                                        engine_config=config.engine, ssl_context=self.tls.engine)
         self.supervisor = Supervisor(config=config, fleet=self.fleet, control_pool=self.control_pool,
                                      metrics=self.metrics)
         roles = [(spec.name, spec.role) for spec in config.engines]
@@ -97,7 +102,8 @@ class Router:
         register_admin_routes(self.app, self)
         serving = config.serving
         self.server = HTTPServer(self.handle, max_header_bytes=serving.max_header_bytes,
-                                 max_body_bytes=serving.max_body_bytes, idle_timeout_s=serving.idle_timeout_s)
+                                 max_body_bytes=serving.max_body_bytes, idle_timeout_s=serving.idle_timeout_s,
+                                 ssl_context=self.tls.server)
         self.bound_port: int | None = None
         self._nursery: trio.Nursery | None = None
         self._register_gauges()
@@ -196,7 +202,7 @@ class Router:
                     await nursery.start(self._serve_admin)
                 self.bound_port = await nursery.start(self._serve_then_stop, nursery, host, port)
                 log_event("router_started", router_id=self.router_id, listen=f"{host}:{self.bound_port}",
-                          engines=len(self.config.engines), pid=os.getpid())
+                          engines=len(self.config.engines), pid=os.getpid(), tls=self.tls.server is not None)
                 task_status.started(self.bound_port)
         finally:
             # Close sockets even when cancelled: leaked engine connections outlive the router.
@@ -227,6 +233,25 @@ class Router:
         await self.server.serve(host, port, task_status=task_status)
         nursery.cancel_scope.cancel()
 
+    async def reload_tls(self) -> bool:
+        """Read every certificate and key again and swap them in; connections open stay as they are.
+
+        On a problem the old contexts stay in use and ``tls_reload_failed`` names the key.
+        """
+        if not self.tls.configured:
+            log_event("tls_reload_skipped", reason="no TLS configured")
+            return False
+        try:
+            self.tls.reload()
+        except ConfigError as exc:
+            log_event("tls_reload_failed", level=logging.ERROR, message=str(exc))
+            return False
+        self.server.ssl_context = self.tls.server
+        self.data_pool.set_ssl_context(self.tls.engine)
+        await self.control_pool.set_ssl_context(self.tls.engine)
+        log_event("tls_reloaded", server=self.tls.server is not None, engines=self.tls.engine is not None)
+        return True
+
     def shutdown(self, grace_s: float | None = None) -> None:
         """Stop taking requests; in-flight ones get ``grace_s`` to finish."""
         grace = self.config.serving.shutdown_grace_s if grace_s is None else grace_s
@@ -238,7 +263,18 @@ class Router:
         from hypercorn.config import Config as HypercornConfig
         from hypercorn.trio import serve
 
-        hconfig = HypercornConfig()
+        tls = self.tls
+
+        class AdminConfig(HypercornConfig):
+            # hypercorn builds its context once; ours follows reloads (see TLSContexts).
+            @property
+            def ssl_enabled(self) -> bool:
+                return tls.server is not None
+
+            def create_ssl_context(self) -> Any:
+                return tls.follower_server_context()
+
+        hconfig = AdminConfig()
         hconfig.bind = [self.config.admin.listen]
         hconfig.accesslog = None
         hconfig.errorlog = None

@@ -14,6 +14,12 @@ Theory of operation: each connection runs two tasks in one nursery.
   queue one at a time, runs the handler in its own cancel scope, makes sure a
   response went out, and decides whether the connection goes on.
 
+With an ``ssl_context`` every accepted connection is wrapped in a
+``trio.SSLStream`` and must finish its handshake within the idle timeout; a
+plain-HTTP client on that port fails the handshake and is closed unanswered.
+Connections speak the generic trio ``Stream`` API; only a plain
+``SocketStream`` (``_Connection.plain``) may take shortcuts through its socket.
+
 The server's ``shutdown()`` stops the accept loops, wakes idle connections so
 they close, and puts a deadline on the nursery that holds the connections, so
 requests in flight may finish within the grace period and are cut after it.
@@ -25,6 +31,7 @@ import errno
 import http
 import logging
 import socket
+import ssl
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -36,6 +43,7 @@ import msgspec
 import trio
 
 from narwhal.obs.logs import log_event
+from narwhal.tls import tls_reason
 from narwhal.wire import error_json
 
 __all__ = [
@@ -156,6 +164,11 @@ class Responder:
         """True once the client is known to be gone."""
         return self._conn.disconnected
 
+    @property
+    def secure(self) -> bool:
+        """True when the request came over TLS."""
+        return not self._conn.plain
+
     async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         """Send a complete response (head and body in one write)."""
         self._begin()
@@ -263,18 +276,20 @@ class _Connection:
         "_url",
         "client",
         "disconnected",
+        "plain",
         "server",
+        "socket",
         "stream",
     )
 
-    def __init__(self, server: HTTPServer, stream: trio.SocketStream) -> None:
+    def __init__(self, server: HTTPServer, stream: trio.abc.Stream, raw: trio.SocketStream) -> None:
         self.server = server
         self.stream = stream
-        try:
-            peer = stream.socket.getpeername()
-            self.client: tuple[str, int] | None = (peer[0], peer[1])
-        except OSError:
-            self.client = None
+        # The branch point for socket-level shortcuts: a TLS stream's bytes are
+        # records, so it only ever goes through the Stream API.
+        self.plain = stream is raw
+        self.socket = raw.socket
+        self.client = _peer(raw)
         self.disconnected = False
         self._parser = httptools.HttpRequestParser(self)
         self._queue: deque[Request] = deque()
@@ -428,7 +443,12 @@ class _Connection:
 
     async def _wait_for_queue_space(self) -> None:
         """Read nothing more while requests are queued, but notice EOF if it is next."""
-        sock = self.stream.socket
+        if not self.plain:
+            # Decrypted bytes may already sit in the TLS buffer with nothing left on
+            # the socket: waiting on the socket could stall. Wait for the dispatcher.
+            await self._reader_lot.park()
+            return
+        sock = self.socket
         try:
             await trio.lowlevel.wait_readable(sock)
             if len(self._queue) <= 1:
@@ -559,7 +579,8 @@ class _Connection:
         )
         try:
             await self.stream.send_all(head + body)
-            await self.stream.send_eof()
+            if isinstance(self.stream, trio.abc.HalfCloseableStream):
+                await self.stream.send_eof()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return
         with trio.move_on_after(_LINGER_S):
@@ -575,6 +596,41 @@ class _Connection:
 
     def wake_for_shutdown(self) -> None:
         self._dispatcher_lot.unpark()
+
+
+async def _send_alert(stream: trio.SSLStream[trio.SocketStream], raw: trio.SocketStream) -> None:
+    """Send the TLS alert OpenSSL wrote for a failed handshake, then close gently.
+
+    trio marks the stream broken without sending it; without the alert a client
+    refused for its certificate sees only a reset and cannot tell why. The
+    attribute is trio's private outgoing buffer, hence the guard. The linger
+    keeps unread client bytes from turning the close into a reset that would
+    destroy the alert.
+    """
+    outgoing = getattr(stream, "_outgoing", None)
+    alert = outgoing.read() if isinstance(outgoing, ssl.MemoryBIO) else b""
+    if not alert:
+        return
+    with trio.move_on_after(_LINGER_S):
+        try:
+            await raw.send_all(alert)
+            await raw.send_eof()
+            drained = 0
+            while drained < _LINGER_MAX_BYTES:
+                data = await raw.receive_some(_RECEIVE_SIZE)
+                if not data:
+                    return
+                drained += len(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return
+
+
+def _peer(raw: trio.SocketStream) -> tuple[str, int] | None:
+    try:
+        peer = raw.socket.getpeername()
+    except OSError:
+        return None
+    return (peer[0], peer[1])
 
 
 def _unwrap(group: ExceptionGroup) -> Exception:
@@ -611,8 +667,12 @@ class HTTPServer:
         max_body_bytes: int = 4 * 1024 * 1024,
         idle_timeout_s: float = 60.0,
         server_name: bytes = b"narwhal",
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self._handler = handler
+        # Read once per accepted connection: assigning a new context (a TLS reload)
+        # changes new handshakes only.
+        self.ssl_context = ssl_context
         self._max_header_bytes = max_header_bytes
         self._max_body_bytes = max_body_bytes
         self._idle_timeout_s = idle_timeout_s
@@ -699,14 +759,20 @@ class HTTPServer:
                 continue
             connections.start_soon(self._serve_connection, stream)
 
-    async def _serve_connection(self, stream: trio.SocketStream) -> None:
+    async def _serve_connection(self, raw: trio.SocketStream) -> None:
         # trio already sets TCP_NODELAY on accepted streams; say so explicitly, the
         # hot path depends on it.
         try:
-            stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
         except OSError:
             pass
-        conn = _Connection(self, stream)
+        stream: trio.abc.Stream = raw
+        context = self.ssl_context
+        if context is not None:
+            stream = await self._handshake(raw, context)
+            if stream is None:
+                return
+        conn = _Connection(self, stream, raw)
         self._connections.add(conn)
         try:
             async with trio.open_nursery() as nursery:
@@ -721,6 +787,34 @@ class HTTPServer:
         finally:
             self._connections.discard(conn)
             await trio.aclose_forcefully(stream)
+
+    async def _handshake(self, raw: trio.SocketStream, context: ssl.SSLContext) -> trio.SSLStream | None:
+        """The TLS stream once its handshake is done within the idle timeout; None (closed) otherwise."""
+        stream = trio.SSLStream(raw, context, server_side=True, https_compatible=True)
+        failure: BaseException | None = None
+        done = False
+        try:
+            with trio.move_on_after(self._idle_timeout_s):
+                try:
+                    await stream.do_handshake()
+                    done = True
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    failure = exc
+            if done:
+                return stream
+            peer = _peer(raw)
+            # Plain HTTP, an untrusted client certificate or a silent client: closed, never served.
+            log_event("tls_handshake_failed", level=logging.WARNING,
+                      client=f"{peer[0]}:{peer[1]}" if peer else None,
+                      reason=(tls_reason(failure) or str(failure) or type(failure).__name__) if failure
+                      else f"no handshake within {self._idle_timeout_s:g} s")
+            if failure is not None:
+                await _send_alert(stream, raw)
+            return None
+        finally:
+            if not done:
+                # Also when cancelled (shutdown): the socket must not outlive the task.
+                raw.socket.close()
 
     def _common_head_lines(self) -> bytes:
         """The server and date headers; the date is formatted at most once a second."""

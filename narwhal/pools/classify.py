@@ -6,6 +6,8 @@ nothing above the pools sees an httpx, socket or httptools exception::
     what happened                                           result
     ------------------------------------------------------  --------------------------
     refused, DNS, reset/closed before any response byte     EngineFailure(connection)
+    TLS: untrusted/expired certificate, wrong host name,
+      handshake refused, alert (e.g. no client certificate)  EngineFailure(connection), TLS reason in message
     connect, read or write timeout                          EngineFailure(timeout)
     first-token deadline, mid-stream silence, body cut off,
       end without `data: [DONE]`, not SSE, malformed HTTP   EngineFailure(stream)
@@ -35,8 +37,10 @@ from narwhal.http1.client import (
     HTTPTransportError,
     MalformedResponse,
     ReadTimeout,
+    TLSFailed,
     WriteTimeout,
 )
+from narwhal.tls import tls_reason
 
 __all__ = [
     "SSEWatch",
@@ -52,6 +56,8 @@ __all__ = [
 # ConnectionClosed is absent: its class depends on whether the response had started.
 _TRANSPORT_CLASSES: dict[type[HTTPTransportError], FailureClass] = {
     ConnectFailed: FailureClass.CONNECTION,
+    # The engine is unreachable to us as configured (trust, name, client certificate).
+    TLSFailed: FailureClass.CONNECTION,
     ConnectTimeout: FailureClass.TIMEOUT,
     WriteTimeout: FailureClass.TIMEOUT,
     ReadTimeout: FailureClass.TIMEOUT,
@@ -86,6 +92,9 @@ def httpx_failure(engine: str, exc: httpx.HTTPError) -> EngineFailure | PoolSatu
     if isinstance(exc, httpx.PoolTimeout):
         return PoolSaturated(f"no free control connection to {engine}")
     message = str(exc) or type(exc).__name__
+    reason = tls_reason(exc)
+    if reason is not None and reason not in message:
+        message = f"{message} (TLS: {reason})"
     for kind, failure_class in _HTTPX_CLASSES:
         if isinstance(exc, kind):
             return EngineFailure(engine, failure_class, message, cause=type(exc).__name__)

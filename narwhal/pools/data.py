@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import ssl
 import urllib.parse
 from collections.abc import AsyncIterator
 
@@ -47,7 +48,7 @@ def _endpoint(url: str) -> tuple[str, int, bytes]:
     """(host, port, Host header) of an engine URL, parsed once, not on every request."""
     parts = urllib.parse.urlsplit(url)
     host = parts.hostname or ""
-    port = parts.port or 80
+    port = parts.port or (443 if parts.scheme == "https" else 80)
     shown = f"[{host}]" if ":" in host else host
     return host, port, f"{shown}:{port}".encode("ascii")
 
@@ -136,14 +137,23 @@ class UpstreamStream:
 class DataPool:
     """Keep-alive engine connections for prefill, decode and token counting."""
 
-    def __init__(self, *, max_connections: int, engine_config: EngineConfig, wait_for_slot: bool = True) -> None:
-        """``wait_for_slot=False``: a full pool raises PoolSaturated at once instead of queueing."""
+    def __init__(self, *, max_connections: int, engine_config: EngineConfig, wait_for_slot: bool = True,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
+        """``wait_for_slot=False``: a full pool raises PoolSaturated at once instead of queueing.
+
+        ``ssl_context`` verifies ``https://`` engines (and holds the client certificate).
+        """
         self._config = engine_config
         self._wait = wait_for_slot
         self._limiter = trio.CapacityLimiter(max_connections)
         self._connections = EngineConnections(idle_s=engine_config.pool_idle_s,
                                               connect_timeout_s=engine_config.connect_timeout_s,
-                                              write_timeout_s=engine_config.request_timeout_s)
+                                              write_timeout_s=engine_config.request_timeout_s,
+                                              ssl_context=ssl_context)
+
+    def set_ssl_context(self, context: ssl.SSLContext | None) -> None:
+        """Use ``context`` for new engine connections; pooled ones keep theirs until they expire."""
+        self._connections.ssl_context = context
 
     async def post_json(self, engine: EngineSpec, path: str, body: bytes, *,
                         request_id: str) -> tuple[int, bytes]:
@@ -213,6 +223,7 @@ class DataPool:
             return await self._connections.request(host, port, request,
                                                    read_timeout_s=self._config.request_timeout_s,
                                                    head_deadline_s=head_deadline_s,
-                                                   head_deadline_message=head_deadline_message)
+                                                   head_deadline_message=head_deadline_message,
+                                                   tls=engine.tls)
         except HTTPTransportError as exc:
             raise classify.transport_failure(engine.name, exc) from exc
