@@ -21,11 +21,16 @@ Every socket and parser problem leaves this module as one of its own errors;
     |                        TLS 1.3); ``response_started`` says whether any
     |                        response byte had arrived
     +-- MalformedResponse    the engine's bytes are not HTTP/1.1
+    +-- ResponseTooLarge     the head or a buffered body passed its bound
+    +-- LocalResourceError   our own process ran out of fds, memory or buffers
+                             while connecting (EMFILE, ENFILE, ENOMEM, ENOBUFS)
 """
 
 from __future__ import annotations
 
+import errno
 import math
+import os
 import select
 import ssl
 
@@ -33,6 +38,7 @@ import httptools
 import msgspec
 import trio
 
+from narwhal.http1.sockets import socket_of
 from narwhal.tls import tls_reason
 
 __all__ = [
@@ -44,10 +50,13 @@ __all__ = [
     "EngineConnections",
     "HTTPResponseHead",
     "HTTPTransportError",
+    "LocalResourceError",
     "MalformedResponse",
     "ReadTimeout",
+    "ResponseTooLarge",
     "TLSFailed",
     "WriteTimeout",
+    "local_errno_name",
 ]
 
 # Idle connections younger than this are reused without a liveness poll (see _take_idle).
@@ -55,6 +64,15 @@ _RECENTLY_IDLE_S = 1.0
 
 _READ_SIZE = 65536
 _INF = math.inf
+# A relay whose reads never block yields to the scheduler after this many reads in a row.
+_UNBLOCKED_READS_PER_CHECKPOINT = 16
+# Module-level names for the raw syscalls: the fast path's only I/O, and what tests replace.
+_read = os.read
+_write = os.write
+# Default bound on a response's status line and headers (engine.max_response_header_bytes).
+DEFAULT_MAX_HEAD_BYTES = 64 * 1024
+# Errors of our own process, not of the engine we were connecting to.
+_LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 
 
 class HTTPTransportError(Exception):
@@ -101,6 +119,18 @@ class MalformedResponse(HTTPTransportError):
     """The engine sent bytes that do not parse as an HTTP/1.1 response."""
 
 
+class ResponseTooLarge(HTTPTransportError):
+    """The response head or a body the caller buffers passed its size bound; the connection is dropped."""
+
+
+class LocalResourceError(HTTPTransportError):
+    """Connecting failed for lack of our own resources; ``errno_name`` says which (EMFILE, ...)."""
+
+    def __init__(self, message: str, *, cause: str, errno_name: str) -> None:
+        super().__init__(message, cause=cause)
+        self.errno_name = errno_name
+
+
 class HTTPResponseHead(msgspec.Struct, frozen=True):
     """Status and headers of a response; header names are lower-case."""
 
@@ -114,7 +144,7 @@ def _cause_name(exc: BaseException) -> str:
 
 
 def _closed_message(plain: str, exc: BaseException) -> str:
-    """``plain``, or the TLS reason when the engine ended the connection with a TLS alert."""
+    """``plain``, or with the TLS reason when the engine ended the connection with a TLS alert."""
     reason = tls_reason(exc)
     return f"{plain} (TLS: {reason})" if reason else plain
 
@@ -128,22 +158,42 @@ def _first_attempt_error(exc: OSError) -> BaseException:
     return exc
 
 
+def local_errno_name(exc: BaseException) -> str | None:
+    """EMFILE, ENFILE, ENOMEM or ENOBUFS when ``exc`` is our own process running short, else None."""
+    seen: BaseException | None = exc
+    # Through wrappers (httpx, httpcore, trio's "all attempts failed" and its group); bounded.
+    for _ in range(16):
+        if seen is None:
+            return None
+        if isinstance(seen, OSError) and seen.errno in _LOCAL_ERRNOS:
+            return errno.errorcode[seen.errno]
+        if isinstance(seen, BaseExceptionGroup) and seen.exceptions:
+            seen = seen.exceptions[0]
+        else:
+            seen = seen.__cause__ or seen.__context__
+    return None
+
+
 class EngineConnection:
-    """One TCP (or TLS) connection to an engine and the response currently being read on it.
+    """One TCP connection to an engine and the response currently being read on it.
 
     It is also the httptools protocol object: the parser calls its ``on_*`` methods.
-    ``stream`` is a plain ``SocketStream`` or a ``trio.SSLStream`` over ``raw``; I/O
-    goes through the Stream API, and only closing and the idle poll touch the socket.
     """
 
-    def __init__(self, stream: trio.abc.Stream, key: tuple[str, int], raw: trio.SocketStream | None = None) -> None:
+    def __init__(self, stream: trio.abc.Stream, key: tuple[str, int], *,
+                 max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES) -> None:
         self.key = key
+        self.max_head_bytes = max_head_bytes
         self.idle_since = 0.0
         self.sent_at = 0.0
+        # While the relay waits for the engine: when that wait began (for the silence watchdog).
+        self.waiting_since = _INF
         self._stream = stream
-        raw_stream = raw if raw is not None else stream
-        assert isinstance(raw_stream, trio.SocketStream)
-        self._socket = raw_stream.socket
+        # Plain sockets get the syscall fast path; any other trio Stream (TLS) the generic one.
+        self._fd = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else -1
+        # True when the last read was short: the socket is drained, so wait before reading again.
+        self._drained = True
+        self._unblocked = 0
         self._parser: httptools.HttpResponseParser | None = None
         self._headers: list[tuple[bytes, bytes]] = []
         self._head: HTTPResponseHead | None = None
@@ -152,10 +202,15 @@ class EngineConnection:
         self._complete = False
         self._keep_alive = False
         self._broken = False
+        # Bytes received for the current response: the head bound reads it before the head is parsed.
+        self._received = 0
+        self._wire_limit: float = _INF
 
     # httptools callbacks -------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.append((name.lower(), value))
+        # Trailers (after the head) are dropped: nothing reads them, and they must not grow a list.
+        if self._head is None:
+            self._headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
         assert self._parser is not None
@@ -180,12 +235,13 @@ class EngineConnection:
         """Close the socket now; synchronous so release paths need no checkpoint."""
         self._broken = True
         self._parser = None
-        self._socket.close()
+        self._fd = -1
+        socket_of(self._stream).close()
 
     def dropped_while_idle(self) -> bool:
         """True when an idle connection has something to read: EOF, a reset, or stray bytes."""
         poller = select.poll()
-        poller.register(self._socket.fileno(), select.POLLIN)
+        poller.register(socket_of(self._stream).fileno(), select.POLLIN)
         return bool(poller.poll(0))
 
     # I/O ------------------------------------------------------------------
@@ -195,17 +251,38 @@ class EngineConnection:
         self._headers = []
         self._head = None
         self._body = []
+        self._received = 0
         self._response_started = self._complete = self._keep_alive = False
-        with trio.move_on_after(timeout_s) as scope:
+        # Nothing of the response can be there yet: the first read waits for it.
+        self._drained = True
+        rest: bytes | memoryview = request
+        fd = self._fd
+        if fd >= 0:
+            # The kernel almost always takes a whole request at once: then no scope and no trip
+            # through the scheduler (P2 in docs/benchmarks.md).
             try:
-                await self._stream.send_all(request)
-            except trio.BrokenResourceError as exc:
+                sent = _write(fd, request)
+            except BlockingIOError:
+                sent = 0
+            except OSError as exc:
                 self._broken = True
-                raise ConnectionClosed(_closed_message("connection closed while sending the request", exc),
-                                       cause=_cause_name(exc), response_started=False) from exc
-        if scope.cancelled_caught:
-            self._broken = True
-            raise WriteTimeout(f"request not sent within {timeout_s:g} s", cause="WriteTimeout")
+                # The engine may have answered before closing (413 for a body over its limit).
+                self.sent_at = trio.current_time()
+                raise ConnectionClosed("connection closed while sending the request",
+                                       cause=type(exc).__name__, response_started=False) from exc
+            rest = memoryview(request)[sent:] if sent else request
+        if rest:
+            with trio.move_on_after(timeout_s) as scope:
+                try:
+                    await self._stream.send_all(rest)
+                except trio.BrokenResourceError as exc:
+                    self._broken = True
+                    self.sent_at = trio.current_time()
+                    raise ConnectionClosed(_closed_message("connection closed while sending the request", exc),
+                                           cause=_cause_name(exc), response_started=False) from exc
+            if scope.cancelled_caught:
+                self._broken = True
+                raise WriteTimeout(f"request not sent within {timeout_s:g} s", cause="WriteTimeout")
         self.sent_at = trio.current_time()
 
     async def read_head(self, *, read_timeout_s: float, deadline: float = _INF,
@@ -226,33 +303,132 @@ class EngineConnection:
         self._body.clear()
         return data
 
-    async def read_body_to_end(self, *, read_timeout_s: float) -> bytes:
-        """The whole remaining body."""
+    async def read_body_to_end(self, *, read_timeout_s: float, max_bytes: float = _INF) -> bytes:
+        """The whole remaining body; ResponseTooLarge (connection dropped) past ``max_bytes``.
+
+        A declared content-length over the bound fails before any body byte is read;
+        chunked and close-delimited bodies fail at the read that crosses it. The
+        wire bytes are bounded too (8x the body bound), so endless trailers or
+        one-byte chunks cannot run on under a small body.
+        """
+        declared = self.content_length()
+        if declared is not None and declared > max_bytes:
+            self.close()
+            raise ResponseTooLarge(f"response body of {declared} bytes is over the {max_bytes} byte bound",
+                                   cause="ResponseTooLarge")
+        # Checked by _receive: trailers and chunk framing carry no body bytes to count here.
+        self._wire_limit = self._received + 8 * max_bytes + self.max_head_bytes
         parts = []
-        while data := await self.read_body(read_timeout_s=read_timeout_s):
-            parts.append(data)
+        size = 0
+        try:
+            while data := await self.read_body(read_timeout_s=read_timeout_s):
+                size += len(data)
+                if size > max_bytes:
+                    self.close()
+                    raise ResponseTooLarge(f"response body over the {max_bytes} byte bound",
+                                           cause="ResponseTooLarge")
+                parts.append(data)
+        finally:
+            self._wire_limit = _INF
         return b"".join(parts)
 
-    async def _receive(self, read_timeout_s: float, deadline: float, deadline_message: str) -> None:
-        read_by = trio.current_time() + read_timeout_s
-        data = b""
-        with trio.move_on_at(min(read_by, deadline)) as scope:
-            try:
-                data = await self._stream.receive_some(_READ_SIZE)
-            except trio.BrokenResourceError as exc:
-                self._broken = True
-                raise ConnectionClosed(_closed_message("connection reset by the engine", exc),
-                                       cause=_cause_name(exc), response_started=self._response_started) from exc
-        if scope.cancelled_caught:
+    def content_length(self) -> int | None:
+        """The response's declared content-length, if any."""
+        for name, value in self._headers:
+            if name == b"content-length":
+                try:
+                    return int(value)
+                except ValueError:
+                    return None
+        return None
+
+    async def read_relay_body(self) -> bytes:
+        """The body bytes of the next read(s), b"" at its end; for a relay whose deadlines a watchdog keeps.
+
+        No cancel scope and no deadline per read: the caller's scope is cancelled
+        from outside when the engine is silent too long (``waiting_since`` says
+        since when it has been waited for). The socket is read first and waited
+        for only after a short read; every few reads that did not wait, it yields.
+        """
+        body = self._body
+        fd = self._fd
+        while not body:
+            if self._complete:
+                return b""
+            if fd < 0:
+                self.waiting_since = trio.current_time()
+                try:
+                    await self._receive(_INF, _INF, "")
+                finally:
+                    self.waiting_since = _INF
+                continue
+            if self._drained:
+                self.waiting_since = trio.current_time()
+                try:
+                    await trio.lowlevel.wait_readable(fd)
+                finally:
+                    self.waiting_since = _INF
+                self._unblocked = 0
+            else:
+                self._unblocked += 1
+                if self._unblocked >= _UNBLOCKED_READS_PER_CHECKPOINT:
+                    self._unblocked = 0
+                    await trio.lowlevel.checkpoint()
+            data = self._read_now()
+            if data is not None:
+                self._parse(data)
+        data = body[0] if len(body) == 1 else b"".join(body)
+        body.clear()
+        return data
+
+    def _read_now(self) -> bytes | None:
+        """One non-blocking read; None when there was nothing to read after all."""
+        try:
+            data = _read(self._fd, _READ_SIZE)
+        except BlockingIOError:
+            self._drained = True
+            return None
+        except OSError as exc:
             self._broken = True
-            if deadline <= read_by:
-                raise DeadlineExpired(deadline_message or "response deadline passed",
-                                      cause="DeadlineExpired")
-            raise ReadTimeout(f"no response bytes within {read_timeout_s:g} s", cause="ReadTimeout")
+            raise ConnectionClosed("connection reset by the engine", cause=type(exc).__name__,
+                                   response_started=self._response_started) from exc
+        self._drained = len(data) < _READ_SIZE
+        return data
+
+    async def _receive(self, read_timeout_s: float, deadline: float, deadline_message: str) -> None:
+        fd = self._fd
+        data: bytes | None = None
+        if fd >= 0 and not self._drained:
+            data = self._read_now()
+        if data is None:
+            read_by = trio.current_time() + read_timeout_s if read_timeout_s < _INF else _INF
+            with trio.move_on_at(min(read_by, deadline)) as scope:
+                try:
+                    if fd >= 0:
+                        while data is None:
+                            await trio.lowlevel.wait_readable(fd)
+                            data = self._read_now()
+                    else:
+                        data = bytes(await self._stream.receive_some(_READ_SIZE))
+                except trio.BrokenResourceError as exc:
+                    self._broken = True
+                    raise ConnectionClosed(_closed_message("connection reset by the engine", exc),
+                                           cause=_cause_name(exc), response_started=self._response_started) from exc
+            if scope.cancelled_caught:
+                self._broken = True
+                if deadline <= read_by:
+                    raise DeadlineExpired(deadline_message or "response deadline passed",
+                                          cause="DeadlineExpired")
+                raise ReadTimeout(f"no response bytes within {read_timeout_s:g} s", cause="ReadTimeout")
+        assert data is not None
+        self._parse(data)
+
+    def _parse(self, data: bytes) -> None:
         if not data:
             self._end_of_file()
             return
         self._response_started = True
+        self._received += len(data)
         assert self._parser is not None
         try:
             self._parser.feed_data(data)
@@ -262,6 +438,15 @@ class EngineConnection:
                 # Our response is whole; the junk after it only makes the connection unusable.
                 return
             raise MalformedResponse(f"malformed HTTP response: {exc}", cause=type(exc).__name__) from exc
+        if self._received > self._wire_limit:
+            self.close()
+            raise ResponseTooLarge(f"response (trailers, chunk framing) over its {self._wire_limit:g} byte wire bound",
+                                   cause="ResponseTooLarge")
+        if self._head is None and self._received > self.max_head_bytes:
+            # Every byte so far belongs to the head; httptools would buffer an endless one.
+            self.close()
+            raise ResponseTooLarge(f"response head over the {self.max_head_bytes} byte bound",
+                                   cause="ResponseTooLarge")
 
     def _end_of_file(self) -> None:
         self._broken = True
@@ -293,11 +478,13 @@ class EngineConnections:
     """
 
     def __init__(self, *, idle_s: float = 4.0, connect_timeout_s: float = 2.0,
-                 write_timeout_s: float = 60.0, ssl_context: ssl.SSLContext | None = None) -> None:
+                 write_timeout_s: float = 60.0, max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.idle_s = idle_s
         # For ``tls=True`` requests; read at each new connection, so assigning a new
         # context (a reload) changes new handshakes only.
         self.ssl_context = ssl_context
+        self.max_head_bytes = max_head_bytes
         self.connect_timeout_s = connect_timeout_s
         self.write_timeout_s = write_timeout_s
         self.connections_opened = 0
@@ -357,7 +544,15 @@ class EngineConnections:
                         head_deadline_s: float, head_deadline_message: str) -> HTTPResponseHead:
         done = False
         try:
-            await conn.send_request(request, timeout_s=self.write_timeout_s)
+            try:
+                await conn.send_request(request, timeout_s=self.write_timeout_s)
+            except ConnectionClosed:
+                head = await self._early_response(conn, read_timeout_s)
+                if head is None:
+                    raise
+                # The engine refused the request before reading it all: its answer is what counts.
+                done = True
+                return head
             head = await conn.read_head(read_timeout_s=read_timeout_s, deadline=conn.sent_at + head_deadline_s,
                                         deadline_message=head_deadline_message)
             done = True
@@ -365,6 +560,19 @@ class EngineConnections:
         finally:
             if not done:
                 conn.close()
+
+    @staticmethod
+    async def _early_response(conn: EngineConnection, read_timeout_s: float) -> HTTPResponseHead | None:
+        """After a failed write: the head of a response the engine sent first, or None.
+
+        The kernel keeps bytes that arrived before a reset, so the answer (often a
+        413 sent before closing) is still readable; no answer leaves the write
+        error to stand, with its retry-on-a-fresh-connection rule.
+        """
+        try:
+            return await conn.read_head(read_timeout_s=read_timeout_s)
+        except HTTPTransportError:
+            return None
 
     def _take_idle(self, key: tuple[str, int]) -> EngineConnection | None:
         stack = self._idle.get(key)
@@ -408,6 +616,10 @@ class EngineConnections:
                 stream = await trio.open_tcp_stream(host, port)
             except OSError as exc:
                 first = _first_attempt_error(exc)
+                local = local_errno_name(first)
+                if local is not None:
+                    raise LocalResourceError(f"cannot open a connection to {host}:{port}: {first}",
+                                             cause=type(first).__name__, errno_name=local) from exc
                 raise ConnectFailed(f"cannot connect to {host}:{port}: {first}", cause=type(first).__name__) from exc
             if tls:
                 secure = await self._handshake(stream, host, port)
@@ -419,9 +631,8 @@ class EngineConnections:
                                  cause="ConnectTimeout")
         assert stream is not None
         self.connections_opened += 1
-        if secure is not None:
-            return EngineConnection(secure, key, stream)
-        return EngineConnection(stream, key)
+        # A TLS connection is an SSLStream: EngineConnection keeps it off the plain-socket fast path.
+        return EngineConnection(secure if secure is not None else stream, key, max_head_bytes=self.max_head_bytes)
 
     async def _handshake(self, stream: trio.SocketStream, host: str, port: int) -> trio.SSLStream[trio.SocketStream]:
         context = self.ssl_context

@@ -39,9 +39,18 @@ import trio
 
 from narwhal.config import ConfigError
 from narwhal.http1.server import ClientDisconnected, HTTPServer
-from narwhal.tls import server_context_from_files
 from narwhal.obs.logs import configure_logging, log_event
-from narwhal.tools.mock.faults import Applied, Fault, FaultError, FaultRequest, FaultTable, Mode, Operation, parse_fault_spec
+from narwhal.tls import server_context_from_files
+from narwhal.tools.mock.faults import (
+    Applied,
+    Fault,
+    FaultError,
+    FaultRequest,
+    FaultTable,
+    Mode,
+    Operation,
+    parse_fault_spec,
+)
 from narwhal.wire import AttestRequest, AttestResponse, EngineIdentity, KVTransferParams, error_json
 
 if TYPE_CHECKING:
@@ -157,6 +166,10 @@ class MockSettings(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int = 4096
     tokens: int = 16
     token_delay_s: float = 0.0
+    # "batched": head + first token, then the rest in one write (the least the relay can be given);
+    # "per-event": every SSE event, [DONE] and the chunked terminator in writes of their own, as vLLM's
+    # uvicorn sends them, so a relay sees one upstream read per event.
+    sse_writes: Literal["batched", "per-event"] = "batched"
     # Empty = from the role: prefill produces KV, decode consumes it.
     kv_roles: tuple[str, ...] = ()
     process_started_at: float = PROCESS_STARTED_AT
@@ -586,6 +599,9 @@ class MockEngine:
             tail = shape.usage_head + _encode(_usage(job.prompt_tokens, n)) + b"}\n\n" if job.include_usage else b""
             if not applied.get(Mode.NO_DONE):
                 tail += _DONE
+        if self.settings.sse_writes == "per-event" and not stall:
+            await self._stream_per_event(responder, events, tail, token_delay_s, first_delay_s)
+            return
         # events[:split] go out one write each; the rest goes with the terminator in the last write.
         if stall:
             split = len(events)
@@ -610,6 +626,24 @@ class MockEngine:
         if token_delay_s and split < len(events):
             await trio.sleep(token_delay_s)
         await responder.end_stream(b"".join(events[split:]) + tail)
+
+    async def _stream_per_event(self, responder: Responder, events: list[bytes], tail: bytes,
+                                token_delay_s: float, first_delay_s: float | None) -> None:
+        """One write per SSE event as vLLM does: the head alone, each event, usage, [DONE], the terminator."""
+        await responder.start_stream(200, _SSE)
+        if first_delay_s is not None:
+            await trio.sleep(first_delay_s)
+        for event in events:
+            if token_delay_s:
+                await trio.sleep(token_delay_s)
+            await responder.write(event)
+        # The tail is the usage event and [DONE] (or garbage that is not SSE): one write per event.
+        *whole, rest = tail.split(b"\n\n")
+        for part in whole:
+            await responder.write(part + b"\n\n")
+        if rest:
+            await responder.write(rest)
+        await responder.end_stream()
 
     # ----- /mock control ---------------------------------------------------------------
 
@@ -732,7 +766,7 @@ class MockService:
                 self._server = HTTPServer(engine.handle, idle_timeout_s=engine.settings.idle_timeout_s,
                                           server_name=b"narwhal-mock", ssl_context=self._ssl_context)
                 try:
-                    await self._server.serve_listeners([_MockListener(l, engine) for l in listeners])
+                    await self._server.serve_listeners([_MockListener(listener, engine) for listener in listeners])
                 finally:
                     self._server = None
             else:
@@ -769,10 +803,14 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--tokens", type=int, default=16, help="tokens per decode without max_tokens (default 16)")
     parser.add_argument("--token-delay-s", type=float, default=0.0, help="pause before each token (default 0)")
+    parser.add_argument("--sse-writes", choices=("batched", "per-event"), default="batched",
+                        help="batched: head and first token, then the rest in one write (default); "
+                             "per-event: every SSE event, [DONE] and the terminator in its own write, as vLLM does")
     parser.add_argument("--kv-roles", help="comma-separated KV roles, e.g. producer,consumer (default: from role)")
     parser.add_argument("--idle-timeout-s", type=float, default=5.0,
                         help="close idle keep-alive connections after this long, as vLLM's uvicorn does")
-    parser.add_argument("--tls-cert-file", metavar="PEM", help="serve HTTPS with this certificate (needs --tls-key-file)")
+    parser.add_argument("--tls-cert-file", metavar="PEM",
+                        help="serve HTTPS with this certificate (needs --tls-key-file)")
     parser.add_argument("--tls-key-file", metavar="PEM", help="the certificate's private key")
     parser.add_argument("--tls-client-ca-file", metavar="PEM",
                         help="require client certificates signed by this CA (mutual TLS)")
@@ -796,8 +834,8 @@ def _settings_from_args(args: argparse.Namespace) -> MockSettings:
         role=args.role, host=args.host, port=args.port, engine_id=args.engine_id, model=args.model,
         generation=args.generation, attestation_key=args.attestation_key, max_model_len=args.max_model_len,
         tokens=args.tokens, token_delay_s=args.token_delay_s, kv_roles=kv_roles, faults=tuple(args.fault),
-        idle_timeout_s=args.idle_timeout_s, tls_cert_file=args.tls_cert_file, tls_key_file=args.tls_key_file,
-        tls_client_ca_file=args.tls_client_ca_file)
+        idle_timeout_s=args.idle_timeout_s, sse_writes=args.sse_writes, tls_cert_file=args.tls_cert_file,
+        tls_key_file=args.tls_key_file, tls_client_ca_file=args.tls_client_ca_file)
 
 
 async def _run(settings: MockSettings) -> None:
