@@ -107,7 +107,12 @@ def _serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     from narwhal.router import Router
 
-    router = Router(config, listen=args.listen, resume=args.resume, config_dir=Path(args.config).parent)
+    try:
+        router = Router(config, listen=args.listen, resume=args.resume, config_dir=Path(args.config).parent)
+    except ConfigError as exc:
+        # A certificate that changed between reading the config and starting.
+        print(f"narwhal: config error: {args.config}: {exc}", file=sys.stderr)
+        return 2
     try:
         trio.run(run_until_signal, router)
     except (StartupError, BaseExceptionGroup) as exc:
@@ -141,15 +146,18 @@ def _startup_error(exc: BaseException) -> StartupError | None:
 
 
 async def run_until_signal(router) -> None:
-    """Run ``router``; the first SIGTERM/SIGINT drains it, a second one stops at once."""
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    """Run ``router``; the first SIGTERM/SIGINT drains it, a second one stops at once; SIGHUP reloads TLS files."""
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async with trio.open_nursery() as nursery:
 
             async def watch() -> None:
                 count = 0
                 async for signum in signals:
-                    count += 1
                     log_event("signal", signal=signal.Signals(signum).name)
+                    if signum == signal.SIGHUP:
+                        await router.reload_tls()
+                        continue
+                    count += 1
                     if count == 1:
                         router.shutdown()
                     else:
