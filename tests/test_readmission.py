@@ -26,7 +26,7 @@ from trio.testing import MockClock
 
 from narwhal.config import Config, EngineConfig, EngineSpec, FleetConfig, RecoveryConfig
 from narwhal.control.readmission import CHAIN, Readmitter
-from narwhal.errors import SuccessKind
+from narwhal.errors import FailureClass, SuccessKind
 from narwhal.fleet import EngineRecord, Fleet, HoldKind
 from narwhal.fleet.placement import InFlight
 from narwhal.obs.router_metrics import RouterMetrics
@@ -56,6 +56,8 @@ class FakeEngine:
         self.nonce_suffix = ""
         self.attest_engine_id: str | None = None
         self.identity_status = 200
+        # An OpenAI-style 503 from /narwhal/identity with this message (the vLLM plugin's "not configured").
+        self.identity_error: str | None = None
         self.calls: list[tuple[str, str]] = []
         self.health_times: list[float] = []
         self.running = 0
@@ -81,6 +83,9 @@ class FakeEngine:
             status = self.health.pop(0) if len(self.health) > 1 else self.health[0]
             return httpx.Response(status)
         if path == "/narwhal/identity":
+            if self.identity_error is not None:
+                return httpx.Response(503, json={"error": {"message": self.identity_error,
+                                                           "type": "ServiceUnavailable", "code": 503}})
             if self.identity_status != 200:
                 return httpx.Response(self.identity_status)
             return httpx.Response(200, json={
@@ -272,6 +277,19 @@ async def test_each_check_failing_alone_keeps_the_engine_out_with_its_reason(
     assert (last["outcome"], last["check"], last["reason"]) == ("refused", check, result.reason)
 
 
+async def test_an_engines_own_error_message_is_part_of_the_reason(autojump_clock: MockClock) -> None:
+    world = World()
+    world.fleet.eject("d1", "liveness", world.now())
+    world.engines["d1"].identity_error = "narwhal identity plugin is not configured: NARWHAL_GENERATION is not set"
+    result = await world.readmitter.readmit("d1", operator=True)
+    assert (result.check, result.reason) == (
+        "attestation", "GET /narwhal/identity answered HTTP 503: narwhal identity plugin is not configured: "
+                       "NARWHAL_GENERATION is not set")
+    world.engines["d1"].identity_error = "x" * 1000
+    result = await world.readmitter.readmit("d1", operator=True)
+    assert result.reason == "GET /narwhal/identity answered HTTP 503: " + "x" * 200 + "..."
+
+
 async def test_without_an_attestation_key_nothing_is_readmitted(autojump_clock: MockClock) -> None:
     world = World(key=None)
     world.fleet.eject("d1", "liveness", world.now())
@@ -309,7 +327,7 @@ async def test_unknown_engine_is_a_key_error(autojump_clock: MockClock) -> None:
 
 def test_the_chain_order_is_the_specs_with_newer_process_after_attestation() -> None:
     assert [str(c) for c in CHAIN] == ["health", "attestation", "newer_process", "model", "generation",
-                                       "kv_role", "final_health"]
+                                       "kv_role", "final_health", "inference"]
 
 
 # ----- operator drains -----------------------------------------------------------------------
@@ -556,9 +574,63 @@ async def test_an_operator_readmit_waits_for_the_automatic_attempt_in_progress(
 async def test_an_operator_readmit_does_not_wait_for_the_quarantine(autojump_clock: MockClock) -> None:
     # The chain's health check is a successful health check, which the spec lets end a quarantine.
     world = World(quarantine_s=300.0)
-    world.fleet.eject("d1", "liveness", world.now())
+    world.fleet.eject("d1", "refused", world.now(), FailureClass.CONNECTION)
     assert (await world.readmitter.readmit("d1", operator=True)).readmitted
     assert world.fleet.view("d1", world.now()).holds == []
+
+
+class FakeProbe:
+    """Stands in for the supervisor's inference probe: answers in order, the last repeats."""
+
+    def __init__(self, world: World, *outcomes: str) -> None:
+        self.world = world
+        self.outcomes = list(outcomes)
+        self.calls: list[tuple[str, float]] = []
+
+    async def __call__(self, name: str) -> str:
+        self.calls.append((name, trio.current_time()))
+        outcome = self.outcomes.pop(0) if len(self.outcomes) > 1 else self.outcomes[0]
+        # The real probe reports to the fleet; a success clears the quarantine.
+        self.world.fleet.record_probe(name, outcome, trio.current_time())  # type: ignore[arg-type]
+        return outcome
+
+
+async def test_an_inference_caused_quarantine_is_cleared_only_by_the_chain_ending_in_a_probe(
+        autojump_clock: MockClock, nursery: trio.Nursery) -> None:
+    world = World(quarantine_s=300.0, probe_interval_s=5.0)
+    probe = FakeProbe(world, "failed", "failed", "success")
+    world.readmitter = Readmitter(config=world.config, fleet=world.fleet, control_pool=world.pool,
+                                  in_flight=world.in_flight, metrics=world.metrics, wall_clock=world.wall,
+                                  attestation_key=KEY, inference_check=probe)
+    await nursery.start(world.readmitter.run)
+    world.fleet.eject("d1", "decode probe leg failed: HTTP 500", world.now(), FailureClass.INFERENCE_STATUS)
+    # Health answers 200 all along; it must not end this quarantine.
+    world.fleet.record_success("d1", SuccessKind.HEALTH_200, world.now())
+    for _ in range(4):
+        await trio.sleep(5.0)
+        await world.readmitter.readmit_due()
+        await trio.sleep(0.1)
+    # Attempts every probe_interval_s, each ending in a probe; the third probe passed.
+    assert [t for _, t in probe.calls] == pytest.approx([5.0, 10.1, 15.2])
+    assert world.count("d1", "refused", "inference") == 2
+    view = world.fleet.view("d1", world.now())
+    assert not view.ejected and view.holds == []
+
+
+async def test_without_a_probe_an_inference_caused_quarantine_waits_for_its_deadline(
+        autojump_clock: MockClock, nursery: trio.Nursery) -> None:
+    world = World(quarantine_s=30.0, probe_interval_s=5.0)
+    await nursery.start(world.readmitter.run)
+    world.fleet.eject("d1", "decode failed", world.now(), FailureClass.STREAM)
+    for _ in range(5):
+        await trio.sleep(5.0)
+        world.fleet.record_success("d1", SuccessKind.HEALTH_200, world.now())
+        await world.readmitter.readmit_due()
+    assert world.fleet.view("d1", world.now()).ejected
+    await trio.sleep(10.0)
+    await world.readmitter.readmit_due()
+    await trio.sleep(0.1)
+    assert not world.fleet.view("d1", world.now()).ejected
 
 
 async def test_readmit_due_needs_the_running_readmitter(autojump_clock: MockClock) -> None:

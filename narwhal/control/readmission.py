@@ -14,6 +14,8 @@ The chain, run in this order on the control pool and stopped at the first failur
     generation     identity generation is fleet.generation
     kv_role        identity kv_roles has "producer" (prefill) or "consumer" (decode)
     final_health   GET /health answers 200 again
+    inference      (only while a failure quarantine stands that a health 200 may not
+                   clear) an inference probe through the engine succeeds
 
 Why this order. Identity is read once, in the attestation step, because the
 signature binds the engine_id it names; the signature covers the generation
@@ -23,9 +25,17 @@ newer-process requirement comes first among the identity facts: an engine that
 was never restarted answers every later question about its old process, and
 "restart it" is what the operator needs to hear.
 
+The inference step. A quarantine caused by stream, inference_status or
+kv_handoff evidence ends only at its deadline or by a successful inference
+check (``narwhal.fleet.tables.QUARANTINE_CLEARED_BY_HEALTH``): the identity
+checks prove nothing about decodes that fail. So while such a quarantine
+stands, the chain ends with an inference probe (``inference_check``, the
+supervisor's), whose success clears the quarantine before the readmission.
+
 Schedule. An ejected engine is tried ``recovery.probe_interval_s`` after its
 ejection and then every ``probe_interval_s`` after its previous attempt began,
-never giving up, but never while its failure quarantine is unexpired. Engines
+never giving up, but never while its failure quarantine is unexpired, unless
+that quarantine is one the inference step may clear. Engines
 under an operator drain or maintenance are left to the operator's readmit.
 Attempts for different engines run concurrently, in ``Readmitter.run``'s
 nursery; each engine has at most one attempt at a time.
@@ -41,8 +51,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import enum
-import hashlib
-import hmac
 import logging
 import math
 import secrets
@@ -54,20 +62,19 @@ import msgspec
 import trio
 
 from narwhal.config import Config, EngineSpec
+from narwhal.control import contract
+from narwhal.control.fleet_writer import FleetWriter
 from narwhal.errors import EngineFailure, PoolSaturated, SuccessKind
-from narwhal.fleet import EngineView, Fleet, HoldKind
+from narwhal.fleet import DRAIN_HOLDS, EngineView, HoldKind
 from narwhal.fleet.placement import InFlight
+from narwhal.fleet.tables import drained
 from narwhal.obs.logs import log_event
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.pools.control import ControlCalls
-from narwhal.wire import AttestRequest, AttestResponse, EngineIdentity
+from narwhal.wire import AttestRequest, EngineIdentity
 
 __all__ = ["CHAIN", "DRAIN_HOLDS", "Check", "ReadmissionResult", "Readmitter"]
 
-DRAIN_HOLDS: frozenset[HoldKind] = frozenset({HoldKind.OPERATOR_DRAIN, HoldKind.MAINTENANCE})
-
-# The KV role an engine's kv_roles must allow for it to serve its placement role.
-_KV_ROLE_FOR: dict[str, str] = {"prefill": "producer", "decode": "consumer"}
 
 
 class Check(enum.StrEnum):
@@ -80,6 +87,7 @@ class Check(enum.StrEnum):
     GENERATION = "generation"
     KV_ROLE = "kv_role"
     FINAL_HEALTH = "final_health"
+    INFERENCE = "inference"
     # Not a step: an operator drain or maintenance began while the chain ran,
     # and a readmission must not clear a hold the operator asked for after it.
     OPERATOR_HOLD = "operator_hold"
@@ -87,7 +95,7 @@ class Check(enum.StrEnum):
 
 # The chain in order; NEWER_PROCESS runs only for an engine under maintenance.
 CHAIN: tuple[Check, ...] = (Check.HEALTH, Check.ATTESTATION, Check.NEWER_PROCESS, Check.MODEL,
-                            Check.GENERATION, Check.KV_ROLE, Check.FINAL_HEALTH)
+                            Check.GENERATION, Check.KV_ROLE, Check.FINAL_HEALTH, Check.INFERENCE)
 
 
 class ReadmissionResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -109,20 +117,8 @@ class ReadmissionResult(msgspec.Struct, frozen=True, kw_only=True):
         return self.outcome == "readmitted"
 
 
-class _ModelCard(msgspec.Struct):
-    id: str
-
-
-class _ModelList(msgspec.Struct):
-    data: list[_ModelCard]
-
-
-class _Refused(Exception):
-    """A check failed; ``reason`` is the operator-facing why."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
+# A check failed; ``reason`` is the operator-facing why (the contract's own verdicts raise it too).
+_Refused = contract.ContractViolation
 
 
 @dataclasses.dataclass
@@ -132,6 +128,8 @@ class _Attempt:
     spec: EngineSpec
     # Wall-clock start of the engine's maintenance, None when not under maintenance.
     maintenance_started_at: float | None
+    # An inference-caused quarantine stands: the chain must end with an inference probe.
+    needs_inference: bool = False
     identity: EngineIdentity | None = None
     current: Check = Check.HEALTH
     passed: list[str] = dataclasses.field(default_factory=list)
@@ -145,17 +143,19 @@ def _iso(wall: float) -> str:
         "+00:00", "Z")
 
 
-def _sign(key: bytes, engine_id: str, nonce: str, generation: str) -> str:
-    return hmac.new(key, f"{engine_id}|{nonce}|{generation}".encode(), hashlib.sha256).hexdigest()
-
-
 class Readmitter:
     """Runs the readmission chain for the operator and on schedule, and applies operator drains."""
 
-    def __init__(self, *, config: Config, fleet: Fleet, control_pool: ControlCalls, in_flight: InFlight,
+    def __init__(self, *, config: Config, fleet: FleetWriter, control_pool: ControlCalls, in_flight: InFlight,
                  metrics: RouterMetrics, clock: Callable[[], float] = trio.current_time,
-                 wall_clock: Callable[[], float] = time.time, attestation_key: bytes | None) -> None:
-        """``clock`` is trio's (monotonic, the fleet's time base); ``wall_clock`` unix seconds."""
+                 wall_clock: Callable[[], float] = time.time, attestation_key: bytes | None,
+                 inference_check: Callable[[str], Awaitable[str]] | None = None) -> None:
+        """``clock`` is trio's (monotonic, the fleet's time base); ``wall_clock`` unix seconds.
+
+        ``inference_check(name)`` runs an inference probe and returns its outcome
+        ("success", "failed", "inconclusive"); without it, an inference-caused
+        quarantine waits for its deadline.
+        """
         self.config = config
         self.fleet = fleet
         self.control_pool = control_pool
@@ -164,6 +164,7 @@ class Readmitter:
         self.clock = clock
         self.wall_clock = wall_clock
         self._key = attestation_key
+        self._inference_check = inference_check
         self._interval_s = config.recovery.probe_interval_s
         self._specs: dict[str, EngineSpec] = {spec.name: spec for spec in config.engines}
         self._locks: dict[str, trio.Lock] = {name: trio.Lock() for name in self._specs}
@@ -216,7 +217,7 @@ class Readmitter:
     def drained(self, name: str) -> bool:
         """True when ``name`` is under a drain or maintenance hold and has nothing in flight."""
         view = self.fleet.view(name, self.clock())
-        return any(hold.kind in DRAIN_HOLDS for hold in view.holds) and self.in_flight[name] == 0
+        return drained((hold.kind for hold in view.holds), self.in_flight[name])
 
     # ----- the admin view ---------------------------------------------------------------
 
@@ -251,7 +252,8 @@ class Readmitter:
         started_wall = self.wall_clock()
         self._last_started[spec.name] = started
         held_before = self._drain_kinds(spec.name, started)
-        attempt = _Attempt(spec, self.maintenance_started_at(spec.name))
+        attempt = _Attempt(spec, self.maintenance_started_at(spec.name),
+                           needs_inference=self.fleet.quarantine_needs_inference_check(spec.name, started))
         check: str | None = None
         try:
             await self._run_chain(attempt)
@@ -286,9 +288,12 @@ class Readmitter:
             Check.GENERATION: self._check_generation,
             Check.KV_ROLE: self._check_kv_role,
             Check.FINAL_HEALTH: self._check_health,
+            Check.INFERENCE: self._check_inference,
         }
         for check in CHAIN:
             if check is Check.NEWER_PROCESS and attempt.maintenance_started_at is None:
+                continue
+            if check is Check.INFERENCE and not attempt.needs_inference:
                 continue
             attempt.current = check
             try:
@@ -302,7 +307,7 @@ class Readmitter:
     async def _get_ok(self, spec: EngineSpec, path: str) -> bytes:
         response = await self.control_pool.get(spec, path)
         if response.status != 200:
-            raise _Refused(f"GET {path} answered HTTP {response.status}")
+            raise _Refused(contract.status_reason("GET", path, response.status, response.body))
         return response.body
 
     async def _check_health(self, attempt: _Attempt) -> None:
@@ -310,33 +315,26 @@ class Readmitter:
         # "Any successful health response" counts: it clears its row (liveness included).
         self.fleet.record_success(attempt.spec.name, SuccessKind.HEALTH_200, self.clock())
 
+    async def _check_inference(self, attempt: _Attempt) -> None:
+        if self._inference_check is None:
+            raise _Refused("a quarantine caused by failed inference stands, and no inference probe "
+                           "is available to clear it: wait for its deadline")
+        outcome = await self._inference_check(attempt.spec.name)
+        if outcome != "success":
+            raise _Refused(f"inference probe {outcome} (see its probe_result event)")
+
     async def _check_attestation(self, attempt: _Attempt) -> None:
         if self._key is None:
             raise _Refused("no fleet attestation key configured: set [fleet] attestation_key "
                            "or attestation_key_file")
-        raw = await self._get_ok(attempt.spec, "/narwhal/identity")
-        try:
-            identity = msgspec.json.decode(raw, type=EngineIdentity)
-        except msgspec.DecodeError as exc:
-            raise _Refused(f"GET /narwhal/identity: unreadable identity: {exc}") from None
+        identity = contract.read_identity(await self._get_ok(attempt.spec, "/narwhal/identity"))
         attempt.identity = identity
         nonce = secrets.token_hex(16)
         response = await self.control_pool.post_json(attempt.spec, "/narwhal/attest",
                                                      msgspec.json.encode(AttestRequest(nonce)))
         if response.status != 200:
-            raise _Refused(f"POST /narwhal/attest answered HTTP {response.status}")
-        try:
-            answer = msgspec.json.decode(response.body, type=AttestResponse)
-        except msgspec.DecodeError as exc:
-            raise _Refused(f"POST /narwhal/attest: unreadable answer: {exc}") from None
-        if not hmac.compare_digest(answer.nonce.encode(), nonce.encode()):
-            raise _Refused("attestation did not echo our nonce (a replayed or stale answer)")
-        if answer.engine_id != identity.engine_id:
-            raise _Refused(f"attestation answered for engine_id {answer.engine_id!r}, "
-                           f"identity names {identity.engine_id!r}")
-        expected = _sign(self._key, identity.engine_id, nonce, identity.generation)
-        if not hmac.compare_digest(answer.signature.encode(), expected.encode()):
-            raise _Refused("attestation signature does not verify with the fleet attestation key")
+            raise _Refused(contract.status_reason("POST", "/narwhal/attest", response.status, response.body))
+        contract.verify_attestation(self._key, identity, nonce, response.body)
 
     async def _check_newer_process(self, attempt: _Attempt) -> None:
         assert attempt.identity is not None and attempt.maintenance_started_at is not None
@@ -350,30 +348,17 @@ class Readmitter:
     async def _check_model(self, attempt: _Attempt) -> None:
         assert attempt.identity is not None
         model = self.config.fleet.model
-        if attempt.identity.model != model:
-            raise _Refused(f"/narwhal/identity names model {attempt.identity.model!r}; "
-                           f"fleet.model is {model!r}")
-        raw = await self._get_ok(attempt.spec, "/v1/models")
-        try:
-            ids = [card.id for card in msgspec.json.decode(raw, type=_ModelList).data]
-        except msgspec.DecodeError as exc:
-            raise _Refused(f"GET /v1/models: unreadable model list: {exc}") from None
-        if model not in ids:
-            raise _Refused(f"/v1/models lists {ids}; fleet.model {model!r} is not among them")
+        contract.check_identity_model(attempt.identity, model)
+        # vLLM's own answer too: a plugin claiming the fleet's model cannot pass for an engine serving another.
+        contract.check_listed_model(contract.listed_models(await self._get_ok(attempt.spec, "/v1/models")), model)
 
     async def _check_generation(self, attempt: _Attempt) -> None:
         assert attempt.identity is not None
-        generation = self.config.fleet.generation
-        if attempt.identity.generation != generation:
-            raise _Refused(f"engine reports generation {attempt.identity.generation!r}; "
-                           f"fleet.generation is {generation!r}")
+        contract.check_generation(attempt.identity, self.config.fleet.generation)
 
     async def _check_kv_role(self, attempt: _Attempt) -> None:
         assert attempt.identity is not None
-        needed = _KV_ROLE_FOR[attempt.spec.role]
-        if needed not in attempt.identity.kv_roles:
-            raise _Refused(f"a {attempt.spec.role} engine needs KV role {needed!r}; "
-                           f"engine reports kv_roles {attempt.identity.kv_roles}")
+        contract.check_kv_role(attempt.spec.role, attempt.identity)
 
     def _record(self, result: ReadmissionResult) -> None:
         self._last[result.engine] = result
@@ -423,7 +408,9 @@ class Readmitter:
 
     def _due(self, view: EngineView, now: float) -> bool:
         due_at = self.next_attempt_at(view)
-        return (due_at is not None and due_at <= now and view.readmission_allowed
+        allowed = view.readmission_allowed or (
+            self._inference_check is not None and self.fleet.quarantine_needs_inference_check(view.name, now))
+        return (due_at is not None and due_at <= now and allowed
                 and view.name not in self._scheduled and not self._locks[view.name].locked())
 
     async def _scheduled_attempt(self, name: str) -> None:

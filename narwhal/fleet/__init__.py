@@ -22,20 +22,24 @@ from narwhal.fleet.model import (
 )
 from narwhal.fleet.tables import (
     ACTION_POOL,
+    DRAIN_HOLDS,
     EVIDENCE_CLEARED,
     FAILURE_ACTIONS,
     INFERENCE_FAILURES,
     LIVENESS,
     PROTECTED_HOLDS,
+    QUARANTINE_CLEARED_BY_HEALTH,
 )
 
 __all__ = [
     "ACTION_POOL",
+    "DRAIN_HOLDS",
     "EVIDENCE_CLEARED",
     "FAILURE_ACTIONS",
     "INFERENCE_FAILURES",
     "LIVENESS",
     "PROTECTED_HOLDS",
+    "QUARANTINE_CLEARED_BY_HEALTH",
     "ROLES",
     "Action",
     "ActionKind",

@@ -1,6 +1,6 @@
 """The controller's worker processes: start them, keep them running, stop them gracefully.
 
-The controller binds the serving socket once and every worker inherits it, so
+The router binds the serving socket once and every worker inherits it, so
 the kernel spreads new connections over the workers that wait in accept(), a
 port of 0 works, and "address in use" is reported once, by the controller.
 Each worker gets one end of a socket pair as its control link.
@@ -17,6 +17,7 @@ import logging
 import socket
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -27,7 +28,7 @@ from narwhal.http1.server import Request
 from narwhal.obs.logs import log_event
 from narwhal.workers.hub import WorkerHub
 from narwhal.workers.link import LinkClosed, StreamLink
-from narwhal.workers.protocol import Forward, ForwardReply, Hello, Stop, Welcome, WorkerMessage
+from narwhal.workers.protocol import Forward, ForwardReply, Hello, ReloadTLS, Stop, Welcome, WorkerMessage
 
 __all__ = ["WorkerSet"]
 
@@ -86,31 +87,30 @@ class _CollectingResponder:
 class WorkerSet:
     """N worker processes on one inherited listening socket, supervised by the controller."""
 
-    def __init__(self, *, count: int, config: Config, hub: WorkerHub, app: Any, host: str, port: int,
-                 python: str = sys.executable) -> None:
+    def __init__(self, *, count: int, config: Config, config_dir: Path | None, hub: WorkerHub, app: Any,
+                 via_token: str, python: str = sys.executable) -> None:
         self.count = count
         self.config = config
+        self.config_dir = None if config_dir is None else str(config_dir.resolve())
         self.hub = hub
         self.app = app
-        self.host = host
-        self.port = port
+        self.via_token = via_token
         self.python = python
         self.pids: dict[int, int] = {}
         self.restarts: dict[int, int] = {i: 0 for i in range(count)}
         self._links: dict[int, StreamLink] = {}
         self._stopping = False
         self._grace_s = config.serving.shutdown_grace_s
-        self._listener: socket.socket | None = None
+        self._listen_fds: list[int] = []
 
     def __repr__(self) -> str:
         return f"<WorkerSet [{len(self.pids)}/{self.count} running | restarts {sum(self.restarts.values())}]>"
 
-    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """Bind, start every worker, report the bound port; return once all workers have stopped."""
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        listener = socket.create_server((self.host, self.port), family=family, backlog=4096)
-        self._listener = listener
-        bound_port = listener.getsockname()[1]
+    async def run(self, listeners: list[trio.SocketListener], *,
+                  task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Start every worker on ``listeners`` (bound by the router), report the port; return once all stopped."""
+        self._listen_fds = [listener.socket.fileno() for listener in listeners]
+        bound_port = listeners[0].socket.getsockname()[1]
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._publish_loop)
@@ -120,7 +120,16 @@ class WorkerSet:
                     task_status.started(bound_port)
                 nursery.cancel_scope.cancel()
         finally:
-            listener.close()
+            for listener in listeners:
+                listener.socket.close()
+
+    def reload_tls(self) -> None:
+        """Tell every worker to read its certificates and keys again."""
+        for link in list(self._links.values()):
+            try:
+                link.send(ReloadTLS())
+            except LinkClosed:
+                pass
 
     def shutdown(self, grace_s: float | None = None) -> None:
         """Stop every worker gracefully: no new connections, streams in flight get ``grace_s``."""
@@ -159,13 +168,13 @@ class WorkerSet:
             task_status.started()
 
     async def _run_worker(self, index: int, task_status: Any) -> int:
-        assert self._listener is not None
         ours, theirs = socket.socketpair()
-        listen_fd = self._listener.fileno()
         command = [self.python, "-m", "narwhal", "worker", "--index", str(index),
-                   "--control-fd", str(theirs.fileno()), "--listen-fd", str(listen_fd)]
+                   "--control-fd", str(theirs.fileno())]
+        for fd in self._listen_fds:
+            command += ["--listen-fd", str(fd)]
         try:
-            process = await trio.lowlevel.open_process(command, pass_fds=(listen_fd, theirs.fileno()),
+            process = await trio.lowlevel.open_process(command, pass_fds=(*self._listen_fds, theirs.fileno()),
                                                        stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
@@ -181,7 +190,8 @@ class WorkerSet:
                     if isinstance(message, Forward):
                         nursery.start_soon(self._answer_forward, link, message)
                     elif isinstance(message, Hello):
-                        link.send(Welcome(worker=index, config=self.config))
+                        link.send(Welcome(worker=index, config=self.config, config_dir=self.config_dir,
+                                          via_token=self.via_token))
                         self.hub.attach(index, link.send)
                         self.hub.publish(force_to=index)
                         if self._stopping:

@@ -32,6 +32,7 @@ __all__ = [
     "HistogramSeries",
     "MetricsState",
     "Report",
+    "ReloadTLS",
     "RequestSample",
     "Snapshot",
     "Stop",
@@ -56,6 +57,10 @@ class Welcome(_Message, tag="welcome"):
 
     worker: int
     config: Config
+    # Where relative certificate and key paths of the config are resolved.
+    config_dir: str | None
+    # The router's loop-detection token: a request carrying it came back through an engine URL.
+    via_token: str
 
 
 class Snapshot(_Message, tag="snapshot"):
@@ -87,6 +92,10 @@ class ForwardReply(_Message, tag="forward_reply"):
     status: int
     headers: list[tuple[bytes, bytes]]
     body: bytes
+
+
+class ReloadTLS(_Message, tag="reload_tls"):
+    """Read the certificates and keys again (the controller got SIGHUP)."""
 
 
 class Stop(_Message, tag="stop"):
@@ -164,7 +173,7 @@ class Forward(_Message, tag="forward"):
     client: tuple[str, int] | None = None
 
 
-ControllerMessage = Welcome | Snapshot | ForwardReply | Stop
+ControllerMessage = Welcome | Snapshot | ForwardReply | ReloadTLS | Stop
 WorkerMessage = Hello | Evidence | Report | Forward
 
 

@@ -15,21 +15,34 @@ import os
 import signal
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 import trio
 
-from narwhal.config import Config
+from narwhal.config import ConfigError
 from narwhal.fleet.placement import InFlight
 from narwhal.http1.server import HTTPServer, Request, Responder
 from narwhal.obs.logs import flush_logs, log_event, set_log_fields
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.pools.data import DataPool
-from narwhal.serving.request_core import COMPLETION_ROUTES, RequestCore
+from narwhal.serving.front import Front
+from narwhal.serving.request_core import RequestCore
+from narwhal.tls import TLSContexts
 from narwhal.wire import error_json
 from narwhal.workers.link import LinkClosed, StreamLink
 from narwhal.workers.metrics_sum import export_state
-from narwhal.workers.protocol import ControllerMessage, Forward, ForwardReply, Hello, Report, Snapshot, Stop, Welcome
+from narwhal.workers.protocol import (
+    ControllerMessage,
+    Forward,
+    ForwardReply,
+    Hello,
+    ReloadTLS,
+    Report,
+    Snapshot,
+    Stop,
+    Welcome,
+)
 from narwhal.workers.view import TelemetryRelay, WorkerView
 
 __all__ = ["run_worker"]
@@ -42,14 +55,14 @@ WELCOME_TIMEOUT_S = 30.0
 FORWARD_TIMEOUT_S = 30.0
 _JSON = [(b"content-type", b"application/json")]
 _TEXT = [(b"content-type", b"text/plain; charset=utf-8")]
-_NOT_ALLOWED = error_json("completion routes accept POST only", "invalid_request_error", "method_not_allowed")
 _CONTROLLER_GONE = error_json("the router's controller is not answering", "server_error", "controller_unavailable")
 
 
 class Worker:
     """The parts of one worker, built once the controller's ``Welcome`` arrived."""
 
-    def __init__(self, index: int, config: Config, link: StreamLink) -> None:
+    def __init__(self, index: int, welcome: Welcome, link: StreamLink) -> None:
+        config = welcome.config
         self.index = index
         self.config = config
         self.link = link
@@ -57,14 +70,20 @@ class Worker:
         self.in_flight = InFlight([spec.name for spec in config.engines])
         self.metrics = RouterMetrics()
         self.telemetry = TelemetryRelay()
+        # The controller read these files a moment ago; a worker reads its own copies.
+        self.tls = TLSContexts(config, None if welcome.config_dir is None else Path(welcome.config_dir))
         self.data_pool = DataPool(max_connections=config.serving.max_connections, engine_config=config.engine,
-                                  wait_for_slot=config.serving.policy == "bounded")
+                                  wait_for_slot=config.serving.policy == "bounded", via=f"1.1 {welcome.via_token}",
+                                  ssl_context=self.tls.engine)
         self.core = RequestCore(config=config, supervisor=self.view, data_pool=self.data_pool,
                                 in_flight=self.in_flight, admission=self.view,  # type: ignore[arg-type]
                                 metrics=self.metrics, telemetry=self.telemetry)  # type: ignore[arg-type]
+        self.front = Front(self.core, via_token=welcome.via_token, admin_elsewhere=config.admin.listen is not None,
+                           rest=self._serve_rest)
         serving = config.serving
-        self.server = HTTPServer(self.handle, max_header_bytes=serving.max_header_bytes,
-                                 max_body_bytes=serving.max_body_bytes, idle_timeout_s=serving.idle_timeout_s)
+        self.server = HTTPServer(self.front.handle, max_header_bytes=serving.max_header_bytes,
+                                 max_body_bytes=serving.max_body_bytes, idle_timeout_s=serving.idle_timeout_s,
+                                 ssl_context=self.tls.server)
         self._forward_ids = itertools.count(1)
         self._forwards: dict[int, tuple[trio.Event, list[ForwardReply]]] = {}
         self._stopping = False
@@ -90,6 +109,19 @@ class Worker:
                 waiter[0].set()
         elif isinstance(message, Stop):
             self.stop("shutting down", message.grace_s)
+        elif isinstance(message, ReloadTLS):
+            self.reload_tls()
+
+    def reload_tls(self) -> None:
+        """Read certificates and keys again; on a problem the old ones stay in use."""
+        try:
+            self.tls.reload()
+        except ConfigError as exc:
+            log_event("tls_reload_failed", level=logging.ERROR, message=str(exc))
+            return
+        self.server.ssl_context = self.tls.server
+        self.data_pool.set_ssl_context(self.tls.engine)
+        log_event("tls_reloaded", server=self.tls.server is not None, engines=self.tls.engine is not None)
 
     def stop(self, reason: str, grace_s: float) -> None:
         """Refuse new requests, let those in flight finish within ``grace_s``."""
@@ -101,19 +133,13 @@ class Worker:
 
     # -- the front ----------------------------------------------------------------------------
 
-    async def handle(self, request: Request, responder: Responder) -> None:
-        path = request.path
-        if path in COMPLETION_ROUTES:
-            if request.method == b"POST":
-                await self.core.handle(path, request.body, request.get_header(b"x-request-id"), responder)
-            else:
-                await responder.respond(405, [*_JSON, (b"allow", b"POST")], _NOT_ALLOWED)
-            return
+    async def _serve_rest(self, request: Request, responder: Responder) -> None:
+        # /health and /ready from the snapshot (the text the controller would give); the rest from the controller.
         if request.method in (b"GET", b"HEAD"):
-            if path == "/health":
+            if request.path == "/health":
                 await responder.respond(200, _JSON, b'{"status":"ok"}')
                 return
-            if path == "/ready":
+            if request.path == "/ready":
                 reason = self.view.readiness()
                 if reason is None:
                     await responder.respond(200, _TEXT, b"ready\n")
@@ -176,11 +202,11 @@ async def _stop_on_signal(current: Any) -> None:
                 worker.stop("shutting down", worker.config.serving.shutdown_grace_s)
 
 
-async def run_worker(index: int, control_fd: int, listen_fd: int) -> None:
+async def run_worker(index: int, control_fd: int, listen_fds: list[int]) -> None:
     """Serve as worker ``index`` until stopped or orphaned."""
     set_log_fields(worker=index)
     control = trio.SocketStream(trio.socket.from_stdlib_socket(socket.socket(fileno=control_fd)))
-    listener = trio.SocketListener(trio.socket.from_stdlib_socket(socket.socket(fileno=listen_fd)))
+    listeners = [trio.SocketListener(trio.socket.from_stdlib_socket(socket.socket(fileno=fd))) for fd in listen_fds]
     welcome: list[Welcome] = []
     welcomed = trio.Event()
     worker: Worker | None = None
@@ -218,13 +244,20 @@ async def run_worker(index: int, control_fd: int, listen_fd: int) -> None:
             log_event("worker_failed", level=logging.ERROR, reason="no welcome from the controller")
             nursery.cancel_scope.cancel()
             return
-        worker = Worker(index, welcome[0].config, link)
+        try:
+            worker = Worker(index, welcome[0], link)
+        except ConfigError as exc:
+            # A certificate that changed under the controller: exit, and the controller retries with backoff.
+            log_event("worker_failed", level=logging.ERROR, reason=str(exc))
+            nursery.cancel_scope.cancel()
+            return
         for message in early:
             worker.on_message(message)
         early.clear()
         nursery.start_soon(worker.report_loop)
+        await nursery.start(worker.data_pool.run)
         try:
-            await worker.server.serve_listeners([listener])
+            await worker.server.serve_listeners(listeners)
         finally:
             with trio.CancelScope(shield=True):
                 await worker.data_pool.aclose()
