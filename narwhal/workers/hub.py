@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
+import msgspec
+
 from narwhal.errors import FailureClass, SuccessKind
 from narwhal.fleet.model import ROLES
 from narwhal.obs.logs import log_event
@@ -177,6 +179,8 @@ class WorkerHub:
             targets = list(self.workers.items())
         elif force_to is not None and force_to in self.workers:
             targets = [(force_to, self.workers[force_to])]
+            # A late joiner gets the current snapshot; its delivery delay counts from now.
+            self.snapshot = msgspec.structs.replace(self.snapshot, published_at=self._to_link_clock(self._clock()))
         else:
             return
         snapshot = self.snapshot

@@ -47,7 +47,8 @@ PUBLISH_TICK_S = 0.005
 class _CollectingResponder:
     """A responder for the control app's answer to a forwarded request: gathers it whole."""
 
-    def __init__(self) -> None:
+    def __init__(self, secure: bool) -> None:
+        self.secure = secure
         self.started = False
         self.finished = False
         self.client_disconnected = False
@@ -223,9 +224,9 @@ class WorkerSet:
             process.kill()
 
     async def _answer_forward(self, link: StreamLink, message: Forward) -> None:
-        responder = _CollectingResponder()
+        responder = _CollectingResponder(message.secure)
         request = Request(message.method, message.target, headers=message.headers, body=message.body,
-                          client=message.client)
+                          http_version=message.http_version, client=message.client)
         try:
             with trio.fail_after(_FORWARD_TIMEOUT_S):
                 await call_asgi(self.app, request, responder)  # type: ignore[arg-type]

@@ -171,6 +171,9 @@ class Forward(_Message, tag="forward"):
     headers: list[tuple[bytes, bytes]]
     body: bytes
     client: tuple[str, int] | None = None
+    # The client's connection was TLS (the app sees scheme "https").
+    secure: bool = False
+    http_version: str = "1.1"
 
 
 ControllerMessage = Welcome | Snapshot | ForwardReply | ReloadTLS | Stop

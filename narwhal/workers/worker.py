@@ -154,7 +154,8 @@ class Worker:
         self._forwards[forward_id] = waiter
         try:
             self.link.send(Forward(id=forward_id, method=request.method, target=request.target,
-                                   headers=request.headers, body=request.body, client=request.client))
+                                   headers=request.headers, body=request.body, client=request.client,
+                                   secure=responder.secure, http_version=request.http_version))
             with trio.move_on_after(FORWARD_TIMEOUT_S):
                 await waiter[0].wait()
         except LinkClosed:
