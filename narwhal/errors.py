@@ -1,4 +1,34 @@
-"""The vocabulary of engine failure: classes, successes, and the one exception.
+"""Narwhal's exceptions under one root, and the vocabulary of engine failure.
+
+Every exception Narwhal raises on purpose derives from ``NarwhalError``
+(``tests/test_errors.py`` checks each module), so a caller can tell ours from a
+library's or a bug. The tree, with the module each class lives in:
+
+    NarwhalError
+    ├── ConfigError ................. config: a bad config, one line naming the key (exit status 2)
+    ├── EngineFailure ............... an engine call failed; ``failure_class`` says how, ``engine`` who
+    ├── UpstreamClientError ......... an engine answered 4xx (not 408/429): the client's request was at fault
+    ├── PoolSaturated ............... no slot in our own pool before the deadline: saturation, not failure
+    ├── ClientError ................. serving.request_core: a request refused with its status and JSON error
+    ├── ClientDisconnected .......... http1.server: the client went away before the response was written
+    ├── HTTPTransportError .......... http1.client: engine-connection trouble, before the pools classify it
+    │   ├── ConnectFailed
+    │   ├── ConnectTimeout
+    │   ├── WriteTimeout
+    │   ├── ReadTimeout
+    │   ├── DeadlineExpired
+    │   ├── ConnectionClosed
+    │   └── MalformedResponse
+    ├── HandoffError ................ state.handoff: a handoff document that cannot be used
+    │   ├── HandoffMissing
+    │   ├── HandoffUnreadable
+    │   └── HandoffSchemaMismatch
+    ├── HandoffWriteInProgress ...... stages.persistence: the previous pass's write has not finished
+    ├── FaultError (ValueError) ..... tools.mock.faults: a mock-engine fault that cannot be applied
+    └── CommandTemplateError (ValueError)  tools.bench.fleet: a bench --router-cmd template that cannot run
+
+Modules also keep private subclasses for their own control flow (a probe leg
+that cannot decide, a refused readmission check); they derive from the root too.
 
 Pools are the only place that turn transport errors, status codes and stream
 anomalies into an ``EngineFailure``; everything above them reasons in these
@@ -9,7 +39,18 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["EngineFailure", "FailureClass", "PoolSaturated", "SuccessKind", "UpstreamClientError"]
+__all__ = [
+    "EngineFailure",
+    "FailureClass",
+    "NarwhalError",
+    "PoolSaturated",
+    "SuccessKind",
+    "UpstreamClientError",
+]
+
+
+class NarwhalError(Exception):
+    """The root of every exception Narwhal raises on purpose."""
 
 
 class FailureClass(enum.StrEnum):
@@ -32,7 +73,7 @@ class SuccessKind(enum.StrEnum):
     DECODE_TERMINAL = "decode_terminal"
 
 
-class EngineFailure(Exception):
+class EngineFailure(NarwhalError):
     """An engine call failed; ``failure_class`` says how, ``engine`` says who."""
 
     def __init__(self, engine: str, failure_class: FailureClass, message: str,
@@ -46,7 +87,7 @@ class EngineFailure(Exception):
         self.cause = cause
 
 
-class UpstreamClientError(Exception):
+class UpstreamClientError(NarwhalError):
     """The engine answered 4xx (not 408/429): the client's request was at fault."""
 
     def __init__(self, engine: str, status: int, body: bytes) -> None:
@@ -56,5 +97,5 @@ class UpstreamClientError(Exception):
         self.body = body
 
 
-class PoolSaturated(Exception):
+class PoolSaturated(NarwhalError):
     """No slot in our own pool before the deadline: saturation, not engine failure."""

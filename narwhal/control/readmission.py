@@ -54,7 +54,7 @@ import msgspec
 import trio
 
 from narwhal.config import Config, EngineSpec
-from narwhal.errors import EngineFailure, PoolSaturated, SuccessKind
+from narwhal.errors import EngineFailure, NarwhalError, PoolSaturated, SuccessKind
 from narwhal.fleet import EngineView, Fleet, HoldKind
 from narwhal.fleet.placement import InFlight
 from narwhal.obs.logs import log_event
@@ -117,7 +117,7 @@ class _ModelList(msgspec.Struct):
     data: list[_ModelCard]
 
 
-class _Refused(Exception):
+class _Refused(NarwhalError):
     """A check failed; ``reason`` is the operator-facing why."""
 
     def __init__(self, reason: str) -> None:

@@ -16,7 +16,7 @@ import msgspec
 import trio
 
 from narwhal.config import Config, EngineSpec
-from narwhal.errors import EngineFailure, FailureClass, SuccessKind
+from narwhal.errors import EngineFailure, FailureClass, NarwhalError, SuccessKind
 from narwhal.fleet import Action, ActionKind, Fleet, FleetEventKind
 from narwhal.obs.logs import log_event
 from narwhal.obs.router_metrics import RouterMetrics
@@ -30,7 +30,7 @@ _PROBE_PROMPT = "narwhal inference probe"
 _encode_json = msgspec.json.Encoder()
 
 
-class _LegInconclusive(Exception):
+class _LegInconclusive(NarwhalError):
     """A probe leg could not decide about the suspect (peer failed, no peer)."""
 
 
@@ -243,7 +243,7 @@ class Supervisor:
         return None, response.body
 
 
-class _SuspectLegFailed(Exception):
+class _SuspectLegFailed(NarwhalError):
     def __init__(self, leg: str, reason: str) -> None:
         super().__init__(reason)
         self.leg = leg

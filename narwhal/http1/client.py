@@ -28,6 +28,8 @@ import httptools
 import msgspec
 import trio
 
+from narwhal.errors import NarwhalError
+
 __all__ = [
     "ConnectFailed",
     "ConnectTimeout",
@@ -49,7 +51,7 @@ _READ_SIZE = 65536
 _INF = math.inf
 
 
-class HTTPTransportError(Exception):
+class HTTPTransportError(NarwhalError):
     """A transport problem on an engine connection; ``cause`` names the original error."""
 
     def __init__(self, message: str, *, cause: str) -> None:

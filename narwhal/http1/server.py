@@ -35,6 +35,7 @@ import httptools
 import msgspec
 import trio
 
+from narwhal.errors import NarwhalError
 from narwhal.obs.logs import log_event
 from narwhal.wire import error_json
 
@@ -80,7 +81,7 @@ _JSON_HEADERS = [(b"content-type", b"application/json")]
 _CHUNK_TERMINATOR = b"0\r\n\r\n"
 
 
-class ClientDisconnected(Exception):
+class ClientDisconnected(NarwhalError):
     """The client closed or reset the connection before the response was written."""
 
 
@@ -242,7 +243,7 @@ class Responder:
         return b"".join(lines)
 
 
-class _ProtocolViolation(Exception):
+class _ProtocolViolation(NarwhalError):
     """Raised inside a parser callback to stop parsing; the reason is on the connection."""
 
 

@@ -28,7 +28,7 @@ import msgspec
 import trio
 
 from narwhal.config import Config, EngineSpec
-from narwhal.errors import EngineFailure, FailureClass, PoolSaturated, SuccessKind, UpstreamClientError
+from narwhal.errors import EngineFailure, FailureClass, NarwhalError, PoolSaturated, SuccessKind, UpstreamClientError
 from narwhal.fleet.admission import Admission
 from narwhal.fleet.placement import InFlight, pick_least_outstanding
 from narwhal.fleet.telemetry import Telemetry
@@ -79,7 +79,7 @@ class DataPool(Protocol):
     def stream(self, engine: EngineSpec, path: str, body: bytes, *, request_id: str) -> Any: ...
 
 
-class ClientError(Exception):
+class ClientError(NarwhalError):
     """A request the router refuses before or instead of serving it."""
 
     def __init__(self, status: int, message: str, type_: str, code: str | None = None) -> None:
@@ -93,7 +93,7 @@ class ClientError(Exception):
         return error_json(self.message, self.type, self.code)
 
 
-class _AttemptFailed(Exception):
+class _AttemptFailed(NarwhalError):
     """One prefill/decode attempt failed before anything reached the client."""
 
     def __init__(self, error: ClientError, engine: str | None, failure_class: str) -> None:

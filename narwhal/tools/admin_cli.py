@@ -18,6 +18,8 @@ from typing import Any, TextIO
 
 import httpx
 
+from narwhal.errors import NarwhalError
+
 __all__ = ["add_parser", "format_engines", "run_admin"]
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -27,7 +29,7 @@ _TIMEOUT_S = 120.0
 _DRAIN_KINDS = ("operator_drain", "maintenance")
 
 
-class _AdminError(Exception):
+class _AdminError(NarwhalError):
     """Why an admin command failed, as the one line to print."""
 
 

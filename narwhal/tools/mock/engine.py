@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import msgspec
 import trio
 
+from narwhal.errors import NarwhalError
 from narwhal.http1.server import ClientDisconnected, HTTPServer
 from narwhal.obs.logs import configure_logging, log_event
 from narwhal.tools.mock.faults import (
@@ -100,7 +101,7 @@ class _CompletionBody(msgspec.Struct):
     kv_transfer_params: dict[str, Any] | None = None
 
 
-class _BadRequest(Exception):
+class _BadRequest(NarwhalError):
     def __init__(self, status: int, message: str, type_: str = "BadRequestError") -> None:
         super().__init__(message)
         self.status = status
