@@ -19,6 +19,7 @@ import trio
 from narwhal.app.admin_routes import register_admin_routes
 from narwhal.app.control_app import create_app
 from narwhal.config import Config, parse_listen
+from narwhal.control.engine_view import EngineViewer
 from narwhal.control.monitor import Monitor
 from narwhal.control.readmission import Readmitter
 from narwhal.control.supervisor import Supervisor
@@ -26,21 +27,19 @@ from narwhal.fleet import Fleet
 from narwhal.fleet.admission import Admission
 from narwhal.fleet.placement import InFlight
 from narwhal.fleet.telemetry import Telemetry
-from narwhal.http1.asgi import ASGILifespan, call_asgi
-from narwhal.http1.server import HTTPServer, Request, Responder
+from narwhal.http1.asgi import ASGILifespan
+from narwhal.http1.server import HTTPServer
 from narwhal.obs.logs import flush_logs, log_event
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.pools.control import ControlPool
 from narwhal.pools.data import DataPool
-from narwhal.serving.request_core import COMPLETION_ROUTES, RequestCore
+from narwhal.serving.front import Front
+from narwhal.serving.request_core import RequestCore
 from narwhal.stages import build_stages
 from narwhal.stages.persistence import PersistenceStage
 from narwhal.state.resume import apply_resume, plan_resume
-from narwhal.wire import error_json
 
 __all__ = ["Router"]
-
-_NOT_ALLOWED = error_json("completion routes accept POST only", "invalid_request_error", "method_not_allowed")
 
 
 class Router:
@@ -93,10 +92,13 @@ class Router:
                                stage_timeout_s=controller.stage_timeout_s,
                                failure_limit=controller.monitor_failure_limit,
                                admission=self.admission, metrics=self.metrics)
+        self.engine_view = EngineViewer(config=config, fleet=self.fleet, in_flight=self.in_flight,
+                                        readmitter=self.readmitter, controller=self.controller, monitor=self.monitor)
         self.app = create_app(self)
         register_admin_routes(self.app, self)
         serving = config.serving
-        self.server = HTTPServer(self.handle, max_header_bytes=serving.max_header_bytes,
+        self.front = Front(self.core, self.app)
+        self.server = HTTPServer(self.front.handle, max_header_bytes=serving.max_header_bytes,
                                  max_body_bytes=serving.max_body_bytes, idle_timeout_s=serving.idle_timeout_s)
         self.bound_port: int | None = None
         self._nursery: trio.Nursery | None = None
@@ -113,32 +115,6 @@ class Router:
 
     def _handoff_extra(self) -> dict[str, Any]:
         return {"consolidation_risk": self.controller.consolidation_risk(), "drained": sorted(self.drain.drained)}
-
-    def engines_view(self) -> dict[str, Any]:
-        now = trio.current_time()
-        engines = []
-        for view in self.fleet.views(now):
-            spec = self.config.engine_spec(view.name)
-            engines.append({
-                "name": view.name,
-                "role": view.role,
-                "url": spec.url,
-                "eligible": view.eligible,
-                "ejected": view.ejected,
-                "ejected_reason": view.ejected_reason,
-                "holds": [{"kind": str(hold.kind), "reason": hold.reason, "since": hold.since,
-                           "deadline": hold.deadline, "deferred": hold.deferred} for hold in view.holds],
-                "evidence": {str(k): v for k, v in view.evidence.items()},
-                "liveness_misses": view.liveness_misses,
-                "in_flight": self.in_flight[view.name],
-                "next_probe_at": view.next_probe_at,
-                "counters": {"ejections": view.counters.ejections, "probes": dict(view.counters.probes),
-                             "failures": {str(k): v for k, v in view.counters.failures.items()}},
-            })
-            engines[-1].update(self.readmitter.engine_extras(view.name))
-        return {"engines": engines, "consolidation_risk": self.controller.consolidation_risk(),
-                "monitor": {"failure_streak": self.monitor.failure_streak,
-                            "degraded": self.monitor.degraded_reason, "passes": self.monitor.passes}}
 
     def _register_gauges(self) -> None:
         m = self.metrics
@@ -163,20 +139,6 @@ class Router:
                     ("engine", "role"), eligibility)
         m.add_gauge("narwhal_ready", "1 when /ready answers 200.", (),
                     lambda: {(): float(self.readiness() is None)})
-
-    # -- the front ---------------------------------------------------------------------
-
-    async def handle(self, request: Request, responder: Responder) -> None:
-        """The data-plane front: completion routes to the core, the rest to the app."""
-        if request.path in COMPLETION_ROUTES:
-            if request.method == b"POST":
-                await self.core.handle(request.path, request.body, request.get_header(b"x-request-id"),
-                                       responder)
-            else:
-                await responder.respond(405, [(b"content-type", b"application/json"), (b"allow", b"POST")],
-                                        _NOT_ALLOWED)
-            return
-        await call_asgi(self.app, request, responder)
 
     # -- lifetime ----------------------------------------------------------------------
 

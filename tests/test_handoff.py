@@ -16,7 +16,7 @@ import trio
 import narwhal.state.handoff as handoff
 from narwhal.config import Config, EngineSpec
 from narwhal.errors import FailureClass
-from narwhal.fleet import EngineCounters, EngineRecord, Fleet, HoldKind, HoldRecord
+from narwhal.fleet import EjectionCause, EngineCounters, EngineRecord, Fleet, HoldKind, HoldRecord
 from narwhal.stages.persistence import HandoffWriteInProgress, PersistenceStage
 from narwhal.state.handoff import (
     HANDOFF_SCHEMA,
@@ -50,7 +50,7 @@ def full_document() -> HandoffDocument:
                       deadline_wall=1030.5, deferred=True)
     record = EngineRecord(
         name="p1", role="prefill", ejected=True, ejected_reason="connection streak reached 2",
-        ejected_at_wall=1000.5,
+        ejected_cause=EjectionCause.CONNECTION, ejected_at_wall=1000.5,
         holds=[hold, HoldRecord(kind=HoldKind.PERFORMANCE_DRIFT, reason="3x median latency", since_wall=990.0,
                                 deadline_wall=1090.0, deferred=True)],
         streaks={FailureClass.CONNECTION: 2, FailureClass.STREAM: 1},

@@ -17,7 +17,7 @@ import trio
 
 from narwhal.config import Config, EngineSpec
 from narwhal.errors import EngineFailure, FailureClass, NarwhalError, SuccessKind
-from narwhal.fleet import Action, ActionKind, Fleet, FleetEventKind
+from narwhal.fleet import Action, ActionKind, EjectionCause, Fleet, FleetEvent, FleetEventKind
 from narwhal.obs.logs import log_event
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.pools.control import ControlCalls
@@ -127,18 +127,16 @@ class Supervisor:
             fields = msgspec.structs.asdict(event)
             kind = fields.pop("kind").value
             level = logging.WARNING if kind in ("ejected", "probe_failed") else logging.INFO
-            self._count(kind, fields)
+            self._count(event)
             # "at" is monotonic (meaningless to operators; "ts" says when), and nulls are noise.
             log_event(f"engine_{kind}", level=level,
                       **{k: getattr(v, "value", v) for k, v in fields.items() if v is not None and k != "at"})
 
-    def _count(self, kind: str, fields: dict[str, Any]) -> None:
-        engine = fields.get("engine", "")
-        if kind == "ejected":
-            self.metrics.engine_ejections.inc(engine, _ejection_cause(fields))
-        elif kind == "hold_added":
-            hold_kind = fields.get("hold_kind") or fields.get("hold")
-            self.metrics.holds_applied.inc(engine, str(getattr(hold_kind, "value", hold_kind)))
+    def _count(self, event: FleetEvent) -> None:
+        if event.kind is FleetEventKind.EJECTED:
+            self.metrics.engine_ejections.inc(event.engine, str(event.cause or EjectionCause.OTHER))
+        elif event.kind is FleetEventKind.HOLD_ADDED and event.hold_kind is not None:
+            self.metrics.holds_applied.inc(event.engine, str(event.hold_kind))
 
     # -- probes ----------------------------------------------------------------------
 
@@ -248,17 +246,3 @@ class _SuspectLegFailed(NarwhalError):
         super().__init__(reason)
         self.leg = leg
         self.reason = reason
-
-
-
-def _ejection_cause(fields: dict[str, Any]) -> str:
-    """A bounded label for why an engine was ejected (the free-text reason goes to the log)."""
-    failure_class = fields.get("failure_class")
-    if failure_class is not None:
-        return str(getattr(failure_class, "value", failure_class))
-    reason = str(fields.get("reason", ""))
-    if "silent health sweeps" in reason:
-        return "liveness"
-    if "probe leg" in reason:
-        return "probe"
-    return "other"
