@@ -293,6 +293,14 @@ async def test_stage_refuses_invalid_extras(tmp_path: Path) -> None:
     assert not path.exists()
 
 
+# Lease fencing hooks. ``PersistenceStage.paused`` and the ``proceed`` check of
+# ``write_atomic`` are real behaviour of the stage (these tests fail if a paused
+# stage writes, or if a fence during the write still renames), but no production
+# code sets ``paused`` yet: the lease (issue 11, i11-lease) is its caller. When the
+# lease lands, it gets an end-to-end test that a fenced router leaves the file
+# alone; these stay as the stage's unit tests.
+
+
 async def test_paused_stage_writes_nothing(tmp_path: Path) -> None:
     # Only the active router writes: a fenced or standby router leaves the file alone.
     path = tmp_path / "handoff.json"
