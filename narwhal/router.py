@@ -80,7 +80,8 @@ class Router:
                                             fleet=self.fleet, config=config)
         self.readmitter = Readmitter(config=config, fleet=self.fleet, control_pool=self.control_pool,
                                      in_flight=self.in_flight, metrics=self.metrics,
-                                     attestation_key=config.attestation_key_bytes(config_dir))
+                                     attestation_key=config.attestation_key_bytes(config_dir),
+                                     inference_check=self.supervisor.inference_probe)
         self.stages = build_stages(config=config, supervisor=self.supervisor, control_pool=self.control_pool,
                                    telemetry=self.telemetry, in_flight=self.in_flight,
                                    persistence_stage=self.persistence, readmission=self.readmitter)

@@ -27,7 +27,7 @@ def make_fleet(quarantine_s: float | None = None) -> Fleet:
 
 
 def ejected_events(fleet: Fleet) -> list[tuple[str, EjectionCause | None]]:
-    return [(e.engine, e.cause) for e in fleet.drain_events() if e.kind is FleetEventKind.EJECTED]
+    return [(e.engine, e.ejection_cause) for e in fleet.drain_events() if e.kind is FleetEventKind.EJECTED]
 
 
 # -- the cause is a typed field, set where the fleet decides, never parsed from the reason --

@@ -47,12 +47,12 @@ def make_fleet() -> Fleet:
 def full_document() -> HandoffDocument:
     """A document in which every field, at every level, differs from its default."""
     hold = HoldRecord(kind=HoldKind.FAILURE_QUARANTINE, reason="ejected: connection", since_wall=1000.5,
-                      deadline_wall=1030.5, deferred=True)
+                      deadline_wall=1030.5, deferred=True, cause="connection")
     record = EngineRecord(
         name="p1", role="prefill", ejected=True, ejected_reason="connection streak reached 2",
         ejected_cause=EjectionCause.CONNECTION, ejected_at_wall=1000.5,
         holds=[hold, HoldRecord(kind=HoldKind.PERFORMANCE_DRIFT, reason="3x median latency", since_wall=990.0,
-                                deadline_wall=1090.0, deferred=True)],
+                                deadline_wall=1090.0, deferred=True, cause="stream")],
         streaks={FailureClass.CONNECTION: 2, FailureClass.STREAM: 1},
         liveness_misses=1, next_probe_at_wall=1005.0,
         counters=EngineCounters(ejections=3, probes={"success": 1, "failed": 2},

@@ -30,7 +30,7 @@ from narwhal.pools.control import ControlResponse
 from narwhal.stages import build_stages, health_check_timeout_s
 from narwhal.stages.controller import ControllerStage
 from narwhal.stages.drain import DrainStage
-from narwhal.stages.health import HealthStage, health_failure_class
+from narwhal.stages.health import HealthStage
 from narwhal.stages.liveness import LivenessStage
 from narwhal.stages.readmission import ReadmissionStage
 from narwhal.stages.rollover import RolloverStage
@@ -158,10 +158,41 @@ async def test_a_full_control_pool_never_counts_as_engine_silence(autojump_clock
         assert view.liveness_misses == 0 and not view.ejected and view.eligible
 
 
-def test_health_statuses_map_to_the_failure_table() -> None:
-    assert health_failure_class(408) == health_failure_class(429) == FailureClass.OVERLOAD
-    assert health_failure_class(500) == health_failure_class(503) == FailureClass.INFERENCE_STATUS
-    assert health_failure_class(404) is None
+# One table for every status (narwhal.pools.classify): the health stage used to have its
+# own rule, which disagreed on 1xx/3xx (no evidence) and 204 (not a success).
+@pytest.mark.parametrize(("status", "healthy", "evidence"), [
+    (200, True, {"inference_status": 1}),     # health 200 does not clear inference_status
+    (204, True, {"inference_status": 1}),
+    (101, False, {"inference_status": 2}),
+    (302, False, {"inference_status": 2}),
+    (404, False, {}),                        # the clearing table's 4xx row clears inference_status
+    (408, False, {"inference_status": 1, "overload": 1}),
+    (429, False, {"inference_status": 1, "overload": 1}),
+    (500, False, {"inference_status": 2}),
+    (503, False, {"inference_status": 2}),
+])
+async def test_health_statuses_are_classified_by_the_one_table(
+        autojump_clock: MockClock, status: int, healthy: bool, evidence: dict[str, int]) -> None:
+    rig = Rig(FakeControlPool(d1=status))
+    async with running(rig.supervisor):
+        rig.supervisor.record_failure("d1", FailureClass.INFERENCE_STATUS)
+        await rig.health.run(1)
+        assert rig.health.sweep is not None
+        assert rig.health.sweep.results["d1"] is healthy
+        assert {str(k): v for k, v in rig.view("d1").evidence.items() if v} == evidence
+        # Whatever the status, the engine answered: it is not silent.
+        assert ("d1" in rig.health.sweep.answered) is (not healthy)
+
+
+async def test_an_engine_that_answers_5xx_is_not_silent_and_never_ejected_for_liveness(
+        autojump_clock: MockClock) -> None:
+    rig = Rig(FakeControlPool(d1=503, d2="hang"))
+    async with running(rig.supervisor):
+        for number in range(1, 2 * LIVENESS_MISSES):
+            await rig.health.run(number)
+            await rig.liveness.run(number)
+        assert rig.view("d1").liveness_misses == 0 and not rig.view("d1").ejected
+        assert rig.view("d2").ejected  # no HTTP answer within the timeout: silent
 
 
 async def test_a_health_200_clears_its_row_of_the_evidence_table(autojump_clock: MockClock) -> None:

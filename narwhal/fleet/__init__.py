@@ -28,6 +28,7 @@ from narwhal.fleet.tables import (
     INFERENCE_FAILURES,
     LIVENESS,
     PROTECTED_HOLDS,
+    QUARANTINE_CLEARED_BY_HEALTH,
 )
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "INFERENCE_FAILURES",
     "LIVENESS",
     "PROTECTED_HOLDS",
+    "QUARANTINE_CLEARED_BY_HEALTH",
     "ROLES",
     "Action",
     "ActionKind",
