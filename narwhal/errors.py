@@ -9,6 +9,8 @@ library's or a bug. The tree, with the module each class lives in:
     ├── EngineFailure ............... an engine call failed; ``failure_class`` says how, ``engine`` who
     ├── UpstreamClientError ......... an engine answered 4xx (not 408/429): the client's request was at fault
     ├── PoolSaturated ............... no slot in our own pool before the deadline: saturation, not failure
+    │   └── LocalResourceExhausted .. our own process ran out of fds/memory/buffers reaching an engine
+    ├── StartupError ................ the router cannot start: one line naming the cause (exit status 2)
     ├── ClientError ................. serving.request_core: a request refused with its status and JSON error
     ├── ClientDisconnected .......... http1.server: the client went away before the response was written
     ├── HTTPTransportError .......... http1.client: engine-connection trouble, before the pools classify it
@@ -18,12 +20,18 @@ library's or a bug. The tree, with the module each class lives in:
     │   ├── ReadTimeout
     │   ├── DeadlineExpired
     │   ├── ConnectionClosed
-    │   └── MalformedResponse
+    │   ├── MalformedResponse
+    │   ├── ResponseTooLarge ........ a response head or buffered body passed its size bound
+    │   ├── TLSFailed ............... the TLS handshake with the engine failed
+    │   └── LocalResourceError ...... connecting failed for lack of our own fds/memory/buffers
     ├── HandoffError ................ state.handoff: a handoff document that cannot be used
     │   ├── HandoffMissing
     │   ├── HandoffUnreadable
     │   └── HandoffSchemaMismatch
     ├── HandoffWriteInProgress ...... stages.persistence: the previous pass's write has not finished
+    ├── ContractViolation ........... control.contract: an engine's answer breaks the engine contract
+    ├── HandoffRejected (ValueError)  wire: a prefill's kv_transfer_params that must not reach a decode
+    ├── FleetKeyError ............... attestation: the fleet key cannot be had
     ├── FaultError (ValueError) ..... tools.mock.faults: a mock-engine fault that cannot be applied
     └── CommandTemplateError (ValueError)  tools.bench.fleet: a bench --router-cmd template that cannot run
 
@@ -42,8 +50,10 @@ import enum
 __all__ = [
     "EngineFailure",
     "FailureClass",
+    "LocalResourceExhausted",
     "NarwhalError",
     "PoolSaturated",
+    "StartupError",
     "SuccessKind",
     "UpstreamClientError",
 ]
@@ -99,3 +109,20 @@ class UpstreamClientError(NarwhalError):
 
 class PoolSaturated(NarwhalError):
     """No slot in our own pool before the deadline: saturation, not engine failure."""
+
+
+class LocalResourceExhausted(PoolSaturated):
+    """Our own process ran out of fds, memory or socket buffers while reaching an engine.
+
+    Like saturation it is no evidence against the engine; ``errno_name`` says which
+    (EMFILE, ENFILE, ENOMEM, ENOBUFS) and ``engine`` which engine we were reaching.
+    """
+
+    def __init__(self, message: str, *, engine: str, errno_name: str) -> None:
+        super().__init__(message)
+        self.engine = engine
+        self.errno_name = errno_name
+
+
+class StartupError(NarwhalError):
+    """The router cannot start; the message is one line naming the cause (the CLI exits 2)."""
