@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["EngineFailure", "FailureClass", "PoolSaturated", "SuccessKind", "UpstreamClientError"]
+__all__ = ["ClientGone", "EngineFailure", "FailureClass", "PoolSaturated", "SuccessKind", "UpstreamClientError"]
 
 
 class FailureClass(enum.StrEnum):
@@ -58,3 +58,11 @@ class UpstreamClientError(Exception):
 
 class PoolSaturated(Exception):
     """No slot in our own pool before the deadline: saturation, not engine failure."""
+
+
+class ClientGone(Exception):
+    """The client went away or stopped reading; ``reason`` is ``client_disconnected`` or ``client_stalled``."""
+
+    def __init__(self, message: str = "the client has gone", *, reason: str = "client_disconnected") -> None:
+        super().__init__(message)
+        self.reason = reason

@@ -22,7 +22,7 @@ from narwhal.app.control_app import create_app
 from narwhal.config import Config, parse_listen
 from narwhal.fleet import Fleet
 from narwhal.http1.asgi import ASGILifespan, call_asgi
-from narwhal.http1.server import HTTPServer, Request, Responder
+from narwhal.http1.server import HTTPServer, Request, Responder, client_connection_budget
 from narwhal.obs.logs import flush_logs, log_event
 from narwhal.control.monitor import Monitor
 from narwhal.fleet.placement import InFlight
@@ -96,8 +96,13 @@ class Router:
         self.app = create_app(self)
         register_admin_routes(self.app, self)
         serving = config.serving
+        client_cap = serving.max_client_connections or client_connection_budget(
+            serving.max_connections + config.engine.control_connections)
         self.server = HTTPServer(self.handle, max_header_bytes=serving.max_header_bytes,
-                                 max_body_bytes=serving.max_body_bytes, idle_timeout_s=serving.idle_timeout_s)
+                                 max_body_bytes=serving.max_body_bytes, idle_timeout_s=serving.idle_timeout_s,
+                                 header_timeout_s=serving.header_timeout_s, body_timeout_s=serving.body_timeout_s,
+                                 client_write_timeout_s=serving.client_write_timeout_s,
+                                 max_client_connections=client_cap)
         self.bound_port: int | None = None
         self._nursery: trio.Nursery | None = None
         self._register_gauges()

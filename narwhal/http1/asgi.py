@@ -7,6 +7,7 @@ runs the app's lifespan protocol around the server's life.
 from __future__ import annotations
 
 import contextlib
+import urllib.parse
 from typing import Any
 
 import trio
@@ -39,8 +40,10 @@ class _HTTPCall:
         if not self._body_delivered:
             self._body_delivered = True
             return {"type": "http.request", "body": self._request.body, "more_body": False}
-        if self._responder.finished or self._responder.client_disconnected:
+        if self._responder.client_disconnected:
             return {"type": "http.disconnect"}
+        # Not on ``finished``: the responder sets it before its write, and quart
+        # cancels its own response (mid-write) as soon as receive() says disconnect.
         # The server cancels the whole handler, this included, when the client
         # goes away; until then there is nothing more to receive.
         await trio.sleep_forever()
@@ -91,7 +94,8 @@ async def call_asgi(
         "http_version": request.http_version,
         "method": request.method.decode("ascii"),
         "scheme": "http",
-        "path": request.path,
+        # ASGI's path is percent-decoded (UTF-8); raw_path keeps the bytes as sent.
+        "path": urllib.parse.unquote_to_bytes(raw_path).decode("utf-8", "replace"),
         "raw_path": raw_path,
         "query_string": request.query,
         "root_path": "",

@@ -14,6 +14,22 @@ Theory of operation: each connection runs two tasks in one nursery.
   queue one at a time, runs the handler in its own cancel scope, makes sure a
   response went out, and decides whether the connection goes on.
 
+Bounds against hostile clients: a request's head must arrive within
+``header_timeout_s`` of its first byte (of the accept, for a connection's first
+request) and its body within ``body_timeout_s`` of the head, however slowly the
+bytes trickle in (answered 408). Every write to a client carries
+``client_write_timeout_s``: a watchdog closes the socket of a client that stops
+reading, which fails the pending write with ``ClientDisconnected`` (reason
+``client_stalled``). Past ``max_client_connections``, a few more connections
+are accepted that may only ask for the ``overflow_paths`` (``/health``); all
+else gets 503 and close. ``Upgrade`` and ``CONNECT`` are refused (400) so that
+bytes after a head are never parsed as another request.
+
+A client's EOF is read as a half-close (``half_close=True``): the requests it
+sent are still answered, then the connection closes. A client that really went
+away is noticed when a write to it fails. With ``half_close=False`` (the mock
+engine, like uvicorn) EOF cancels the running handler at once.
+
 The server's ``shutdown()`` stops the accept loops, wakes idle connections so
 they close, and puts a deadline on the nursery that holds the connections, so
 requests in flight may finish within the grace period and are cut after it.
@@ -25,6 +41,8 @@ import errno
 import http
 import logging
 import socket
+import math
+import resource
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -35,6 +53,7 @@ import httptools
 import msgspec
 import trio
 
+from narwhal.errors import ClientGone
 from narwhal.obs.logs import log_event
 from narwhal.wire import error_json
 
@@ -45,6 +64,7 @@ __all__ = [
     "Request",
     "Responder",
     "ServerStatistics",
+    "client_connection_budget",
 ]
 
 _RECEIVE_SIZE = 65536
@@ -58,6 +78,17 @@ _ACCEPT_CAPACITY_ERRNOS = frozenset(
     code for code in (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS) if code is not None
 )
 _ACCEPT_BACKOFF_S = 0.1
+# After an early 413 the rest of the upload is read and dropped, up to this many
+# times max_body_bytes and within body_timeout_s, so that the client reads the
+# 413 instead of a reset caused by unread bytes.
+_DRAIN_413_FACTOR = 4
+# Connections accepted past max_client_connections that may still ask for /health.
+OVERFLOW_CONNECTIONS = 16
+# The file descriptors kept for everything but client connections (listeners,
+# the admin listener, logs, handoff writes) when the cap is sized from the fd limit.
+_FD_HEADROOM = 64
+# How often the watchdog looks for writes to clients that stopped reading.
+_WATCHDOG_MAX_TICK_S = 1.0
 
 _STATUS_LINES = {
     status.value: b"HTTP/1.1 %d %b\r\n" % (status.value, status.phrase.encode("latin-1"))
@@ -69,10 +100,12 @@ _KEEP_ALIVE_HEADER = b"connection: keep-alive\r\n"
 _CHUNKED_HEADER = b"transfer-encoding: chunked\r\n"
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 _CHUNK_TERMINATOR = b"0\r\n\r\n"
+_TOO_MANY_CONNECTIONS = error_json("too many client connections; only /health is served now",
+                                   type_="service_unavailable", code="too_many_connections")
 
 
-class ClientDisconnected(Exception):
-    """The client closed or reset the connection before the response was written."""
+class ClientDisconnected(ClientGone):
+    """The client closed or reset the connection (or stopped reading) before the response was written."""
 
 
 class ServerStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -81,6 +114,8 @@ class ServerStatistics(msgspec.Struct, frozen=True, kw_only=True):
     connections_open: int
     requests_in_flight: int
     requests_total: int
+    connections_refused: int = 0
+    clients_stalled: int = 0
 
 
 class Request:
@@ -206,7 +241,7 @@ class Responder:
         if self.started:
             raise RuntimeError("the response has already started")
         if self._conn.disconnected:
-            raise ClientDisconnected("the client has gone")
+            raise self._conn.gone_error()
         self.started = True
 
     def _head(self, status: int, headers: list[tuple[bytes, bytes]], framing: bytes, payload: bytes) -> bytes:
@@ -247,8 +282,11 @@ class _Connection:
         "_continue_pending",
         "_dispatcher_idle",
         "_dispatcher_lot",
+        "_eof",
+        "_expect",
         "_expect_continue",
         "_fatal",
+        "_gone_reason",
         "_handler_scope",
         "_head_bytes",
         "_head_fed",
@@ -259,23 +297,38 @@ class _Connection:
         "_messages_begun",
         "_parser",
         "_queue",
+        "_read_scope",
         "_reader_lot",
+        "_upgrade",
         "_url",
         "client",
         "disconnected",
+        "overflow",
         "server",
         "stream",
+        "write_since",
     )
 
-    def __init__(self, server: HTTPServer, stream: trio.SocketStream) -> None:
+    def __init__(self, server: HTTPServer, stream: trio.SocketStream, *, overflow: bool = False) -> None:
         self.server = server
         self.stream = stream
-        try:
-            peer = stream.socket.getpeername()
-            self.client: tuple[str, int] | None = (peer[0], peer[1])
-        except OSError:
-            self.client = None
+        # Past the connection cap: only the overflow paths are served, one request.
+        self.overflow = overflow
+        self.client: tuple[str, int] | None = None
+        sock = _raw_socket(stream)
+        if sock is not None:
+            try:
+                peer = sock.getpeername()
+                self.client = (peer[0], peer[1])
+            except OSError:
+                pass
         self.disconnected = False
+        self._gone_reason = "client_disconnected"
+        # The reader will read no more (EOF, a timeout): answer what is queued, then close.
+        self._eof = False
+        # When the pending write to the client began (inf: none pending); the watchdog reads it.
+        self.write_since = math.inf
+        self._read_scope: trio.CancelScope | None = None
         self._parser = httptools.HttpRequestParser(self)
         self._queue: deque[Request] = deque()
         self._fatal: tuple[int, str, str] | None = None
@@ -295,7 +348,9 @@ class _Connection:
         self._body_parts: list[bytes] = []
         self._body_size = 0
         self._content_length: bytes | None = None
+        self._expect: bytes | None = None
         self._expect_continue = False
+        self._upgrade = False
 
     # ---- httptools callbacks: synchronous, called from feed_data ----
 
@@ -310,7 +365,12 @@ class _Connection:
         self._body_parts = []
         self._body_size = 0
         self._content_length = None
+        self._expect = None
         self._expect_continue = False
+        self._upgrade = False
+        if self._messages_begun > 1 and self._read_scope is not None:
+            # The first request's head is timed from the accept; later ones from their first byte.
+            self._read_scope.deadline = trio.current_time() + self.server._header_timeout_s
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -327,15 +387,33 @@ class _Connection:
         if name == b"content-length":
             self._content_length = value
         elif name == b"expect":
-            self._expect_continue = value.lower() == b"100-continue"
+            self._expect = value.lower()
+        elif name == b"upgrade":
+            self._upgrade = True
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        if self._expect_continue and self._parser.get_http_version() != "1.1":
-            self._expect_continue = False  # HTTP/1.0 clients never get an interim response
+        parser = self._parser
+        version = parser.get_http_version()
+        if not version.startswith("1."):
+            self._violation(505, f"HTTP version {version} is not supported; use HTTP/1.1",
+                            "http_version_not_supported")
+        # httptools stops at the head of an upgrade or CONNECT and would leave the
+        # bytes after it to be parsed as the next request: refuse both outright.
+        if self._upgrade:
+            self._violation(400, "protocol upgrades are not supported", "upgrade_not_supported")
+        if parser.get_method() == b"CONNECT":
+            self._violation(400, "CONNECT is not supported", "method_not_supported")
+        if self._expect is not None:
+            if self._expect != b"100-continue":
+                self._violation(417, "only 'Expect: 100-continue' is supported", "expectation_failed")
+            # HTTP/1.0 clients never get an interim response.
+            self._expect_continue = version == "1.1"
         # llhttp has already rejected a malformed or duplicated content-length.
         if self._content_length is not None and int(self._content_length) > self.server._max_body_bytes:
             self._violation(413, "request body too large", "request_too_large")
+        if self._read_scope is not None:
+            self._read_scope.deadline = trio.current_time() + self.server._body_timeout_s
 
     def on_body(self, body: bytes) -> None:
         self._body_size += len(body)
@@ -361,6 +439,8 @@ class _Connection:
         )
         self._in_message = False
         self._in_head = False
+        if self._read_scope is not None:
+            self._read_scope.deadline = math.inf
         # The client sent the body without waiting: no interim response is due.
         self._expect_continue = False
         self._continue_pending = False
@@ -374,14 +454,18 @@ class _Connection:
         begun = self._messages_begun
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade as upgrade:
-            # Upgrades are not supported: the request was an ordinary one, and
-            # whatever follows it is parsed as the next request.
-            self._feed(data[upgrade.args[0] :])
+        except httptools.HttpParserUpgrade:
+            # on_headers_complete refuses upgrades; this is the parser's own view
+            # of one. Nothing after it is ever parsed as a request.
+            if self._fatal is None:
+                self._fatal = (400, "protocol upgrades are not supported", "upgrade_not_supported")
             return
         except httptools.HttpParserError as exc:
             if self._fatal is None:
-                self._fatal = (400, f"malformed HTTP request: {exc}", "malformed_request")
+                if "HTTP version" in str(exc):
+                    self._fatal = (505, "HTTP version not supported; use HTTP/1.1", "http_version_not_supported")
+                else:
+                    self._fatal = (400, f"malformed HTTP request: {exc}", "malformed_request")
             return
         if self._in_head and self._messages_begun == begun:
             # The whole chunk belonged to one unfinished head; this also bounds a
@@ -393,7 +477,26 @@ class _Connection:
     # ---- the reader task ----
 
     async def read_loop(self) -> None:
-        """Receive and parse until EOF, a protocol error, or cancellation."""
+        """Receive and parse until EOF, a protocol error, a head or body timeout, or cancellation."""
+        server = self.server
+        # One scope for the reader's life whose deadline the parser callbacks move:
+        # the head's deadline while a head arrives, the body's while a body does.
+        with trio.CancelScope(deadline=trio.current_time() + server._header_timeout_s) as scope:
+            self._read_scope = scope
+            await self._read()
+        self._read_scope = None
+        if scope.cancelled_caught:
+            self._eof = True
+            if self._in_message and self._fatal is None:
+                if self._in_head:
+                    self._fatal = (408, f"request head not received within {server._header_timeout_s:g} s",
+                                   "header_timeout")
+                else:
+                    self._fatal = (408, f"request body not received within {server._body_timeout_s:g} s",
+                                   "body_timeout")
+            self._dispatcher_lot.unpark()
+
+    async def _read(self) -> None:
         receive_some = self.stream.receive_some
         server = self.server
         while True:
@@ -405,9 +508,10 @@ class _Connection:
             try:
                 data = await receive_some(_RECEIVE_SIZE)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
-                data = b""
-            if not data:
                 self._client_gone()
+                return
+            if not data:
+                self._client_eof()
                 return
             if self._idle_scope is not None:
                 self._idle_scope.deadline = trio.current_time() + server._idle_timeout_s
@@ -428,24 +532,49 @@ class _Connection:
 
     async def _wait_for_queue_space(self) -> None:
         """Read nothing more while requests are queued, but notice EOF if it is next."""
-        sock = self.stream.socket
+        sock = _raw_socket(self.stream)
+        scope = self._read_scope
+        # Time spent waiting for our own dispatcher is not the client's slowness.
+        deadline, waited_from = (scope.deadline, trio.current_time()) if scope is not None else (math.inf, 0.0)
+        if scope is not None:
+            scope.deadline = math.inf
+        try:
+            await self._wait_readable_or_queue_space(sock)
+        finally:
+            if scope is not None and deadline != math.inf:
+                scope.deadline = deadline + (trio.current_time() - waited_from)
+
+    async def _wait_readable_or_queue_space(self, sock: Any) -> None:
+        if sock is None:
+            # A stream without a socket (tests' memory streams): no EOF peeking.
+            await self._reader_lot.park()
+            return
         try:
             await trio.lowlevel.wait_readable(sock)
             if len(self._queue) <= 1:
                 return
             peeked = await sock.recv(1, socket.MSG_PEEK)
         except OSError:
-            peeked = b""
-        if not peeked:
             self._client_gone()
+            return
+        if not peeked:
+            self._client_eof()
             return
         # Unread requests sit before any EOF: wait until the dispatcher catches up.
         await self._reader_lot.park()
 
     async def _send_continue(self) -> None:
         try:
-            await self.stream.send_all(_CONTINUE)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            await self.send(_CONTINUE)
+        except ClientDisconnected:
+            pass
+
+    def _client_eof(self) -> None:
+        if self.server._half_close:
+            # A half-close: the client has said all it will, and may still read.
+            self._eof = True
+            self._dispatcher_lot.unpark()
+        else:
             self._client_gone()
 
     def _client_gone(self) -> None:
@@ -454,17 +583,39 @@ class _Connection:
             self._handler_scope.cancel()
         self._dispatcher_lot.unpark()
 
+    async def stalled(self) -> None:
+        """The watchdog's verdict: the client stopped reading; close its stream to fail the pending write."""
+        self._gone_reason = "client_stalled"
+        self.server._clients_stalled += 1
+        log_event("http_client_stalled", level=logging.WARNING,
+                  client=None if self.client is None else f"{self.client[0]}:{self.client[1]}",
+                  timeout_s=self.server._client_write_timeout_s)
+        self.disconnected = True
+        # Closing wakes the blocked send with ClosedResourceError (trio's notify_closing),
+        # so the handler sees ClientDisconnected with this reason rather than a bare cancel.
+        await trio.aclose_forcefully(self.stream)
+        self._client_gone()
+
+    def gone_error(self) -> ClientDisconnected:
+        """The exception for a write to a client known to be gone, carrying why it is gone."""
+        if self._gone_reason == "client_stalled":
+            return ClientDisconnected("the client stopped reading its response", reason="client_stalled")
+        return ClientDisconnected("the client has gone")
+
     # ---- sending (dispatcher and responders) ----
 
     async def send(self, data: bytes) -> None:
-        """One socket write; ClientDisconnected if the client is gone."""
+        """One socket write, watched by the write timeout; ClientDisconnected if the client is gone."""
         if self.disconnected:
-            raise ClientDisconnected("the client has gone")
+            raise self.gone_error()
+        self.write_since = trio.current_time()
         try:
             await self.stream.send_all(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             self._client_gone()
-            raise ClientDisconnected("the client has gone") from exc
+            raise self.gone_error() from exc
+        finally:
+            self.write_since = math.inf
 
     # ---- the dispatcher ----
 
@@ -479,7 +630,7 @@ class _Connection:
                 if self._fatal is not None:
                     await self._send_fatal()
                     return
-                if server._closing and not self._in_message:
+                if self._eof or (server._closing and not self._in_message):
                     return
                 if self._continue_pending:
                     self._continue_pending = False
@@ -504,6 +655,15 @@ class _Connection:
         """Run the handler for one request; True when the connection may go on."""
         server = self.server
         responder = Responder(self, request)
+        if self.overflow:
+            # Past the connection cap: one request, and only a health check is served.
+            request.keep_alive = False
+            if request.path not in server._overflow_paths:
+                try:
+                    await responder.respond(503, _JSON_HEADERS, _TOO_MANY_CONNECTIONS)
+                except ClientDisconnected:
+                    pass
+                return False
         server._requests_in_flight += 1
         server._requests_total += 1
         failure: Exception | None = None
@@ -558,13 +718,19 @@ class _Connection:
             ]
         )
         try:
-            await self.stream.send_all(head + body)
+            await self.send(head + body)
             await self.stream.send_eof()
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
+        except (ClientDisconnected, trio.BrokenResourceError, trio.ClosedResourceError):
             return
-        with trio.move_on_after(_LINGER_S):
+        linger_s, linger_bytes = _LINGER_S, _LINGER_MAX_BYTES
+        if status == 413:
+            # Read the rest of an oversized upload (bounded), so the client sees the 413, not a reset.
+            server = self.server
+            linger_s = server._body_timeout_s
+            linger_bytes = max(_LINGER_MAX_BYTES, _DRAIN_413_FACTOR * server._max_body_bytes)
+        with trio.move_on_after(linger_s):
             drained = 0
-            while drained < _LINGER_MAX_BYTES:
+            while drained < linger_bytes:
                 try:
                     data = await self.stream.receive_some(_RECEIVE_SIZE)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -575,6 +741,14 @@ class _Connection:
 
     def wake_for_shutdown(self) -> None:
         self._dispatcher_lot.unpark()
+
+
+def _raw_socket(stream: Any) -> Any:
+    """The socket under ``stream`` (through a TLS wrapper too), or None for a memory stream."""
+    sock = getattr(stream, "socket", None)
+    if sock is None:
+        sock = getattr(getattr(stream, "transport_stream", None), "socket", None)
+    return sock
 
 
 def _unwrap(group: ExceptionGroup) -> Exception:
@@ -610,12 +784,28 @@ class HTTPServer:
         max_header_bytes: int = 16384,
         max_body_bytes: int = 4 * 1024 * 1024,
         idle_timeout_s: float = 60.0,
+        header_timeout_s: float = 10.0,
+        body_timeout_s: float = 30.0,
+        client_write_timeout_s: float = 30.0,
+        max_client_connections: int | None = None,
+        overflow_paths: frozenset[str] = frozenset({"/health"}),
+        half_close: bool = True,
         server_name: bytes = b"narwhal",
     ) -> None:
         self._handler = handler
         self._max_header_bytes = max_header_bytes
         self._max_body_bytes = max_body_bytes
         self._idle_timeout_s = idle_timeout_s
+        self._header_timeout_s = header_timeout_s
+        self._body_timeout_s = body_timeout_s
+        self._client_write_timeout_s = client_write_timeout_s
+        self._max_client_connections = max_client_connections
+        self._overflow_paths = overflow_paths
+        self._half_close = half_close
+        self._overflow_open = 0
+        self._connections_refused = 0
+        self._clients_stalled = 0
+        self._refusals_logged_at = -math.inf
         self._server_header = b"server: " + server_name + b"\r\n"
         self._common_head = b""
         self._common_head_second = -1
@@ -640,6 +830,8 @@ class HTTPServer:
             connections_open=len(self._connections),
             requests_in_flight=self._requests_in_flight,
             requests_total=self._requests_total,
+            connections_refused=self._connections_refused,
+            clients_stalled=self._clients_stalled,
         )
 
     async def serve(self, host: str, port: int, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -677,6 +869,7 @@ class HTTPServer:
                         accepting.cancel_scope.cancel()
                     for listener in listeners:
                         accepting.start_soon(self._accept_loop, listener, connections)
+                    accepting.start_soon(self._watchdog)
                     started()
                 # Close at once so that new connects are refused while requests drain.
                 for listener in listeners:
@@ -699,14 +892,45 @@ class HTTPServer:
                 continue
             connections.start_soon(self._serve_connection, stream)
 
+    async def _watchdog(self) -> None:
+        """Close the sockets of clients whose pending write outlived ``client_write_timeout_s``.
+
+        One coarse tick for all connections instead of a cancel scope per write:
+        the hot path pays one clock read per write, not a scope's entry and exit.
+        """
+        timeout_s = self._client_write_timeout_s
+        tick_s = min(_WATCHDOG_MAX_TICK_S, timeout_s / 10)
+        while True:
+            await trio.sleep(tick_s)
+            expired_before = trio.current_time() - timeout_s
+            for conn in list(self._connections):
+                if conn.write_since <= expired_before and not conn.disconnected:
+                    await conn.stalled()
+
+    async def serve_stream(self, stream: trio.abc.Stream) -> None:
+        """Serve one accepted stream until it closes (tests drive the front over memory streams this way)."""
+        await self._serve_connection(stream)  # type: ignore[arg-type]
+
+    async def run_watchdog(self) -> None:
+        """The client write timeout's watchdog, for callers of ``serve_stream``; ``serve`` runs its own."""
+        await self._watchdog()
+
     async def _serve_connection(self, stream: trio.SocketStream) -> None:
         # trio already sets TCP_NODELAY on accepted streams; say so explicitly, the
         # hot path depends on it.
         try:
             stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
-        except OSError:
-            pass
-        conn = _Connection(self, stream)
+        except (OSError, AttributeError):
+            pass  # AttributeError: a memory stream in tests
+        cap = self._max_client_connections
+        overflow = cap is not None and len(self._connections) - self._overflow_open >= cap
+        if overflow and self._overflow_open >= OVERFLOW_CONNECTIONS:
+            await self._refuse(stream)
+            return
+        conn = _Connection(self, stream, overflow=overflow)
+        if overflow:
+            self._overflow_open += 1
+            self._note_refusal()
         self._connections.add(conn)
         try:
             async with trio.open_nursery() as nursery:
@@ -720,7 +944,32 @@ class HTTPServer:
             )
         finally:
             self._connections.discard(conn)
+            if overflow:
+                self._overflow_open -= 1
             await trio.aclose_forcefully(stream)
+
+    async def _refuse(self, stream: trio.SocketStream) -> None:
+        """Past the cap and its overflow: 503 without reading, then close."""
+        self._note_refusal()
+        body = _TOO_MANY_CONNECTIONS
+        response = b"".join([_STATUS_LINES[503], b"content-type: application/json\r\n", self._common_head_lines(),
+                             b"content-length: %d\r\n" % len(body), _CLOSE_HEADER, b"\r\n", body])
+        with trio.move_on_after(1.0):
+            try:
+                await stream.send_all(response)
+                await stream.send_eof()
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+        await trio.aclose_forcefully(stream)
+
+    def _note_refusal(self) -> None:
+        """Count a connection past the cap; log at most one event per 10 s, not one per connection."""
+        self._connections_refused += 1
+        now = trio.current_time()
+        if now - self._refusals_logged_at >= 10.0:
+            self._refusals_logged_at = now
+            log_event("http_connections_capped", level=logging.WARNING, cap=self._max_client_connections,
+                      open=len(self._connections), refused_total=self._connections_refused)
 
     def _common_head_lines(self) -> bytes:
         """The server and date headers; the date is formatted at most once a second."""
@@ -729,3 +978,15 @@ class HTTPServer:
             self._common_head_second = now
             self._common_head = self._server_header + b"date: " + formatdate(now, usegmt=True).encode() + b"\r\n"
         return self._common_head
+
+
+def client_connection_budget(other_fds: int) -> int:
+    """A default for ``max_client_connections``: the fd limit less ``other_fds`` and a headroom.
+
+    Each client connection holds one descriptor; ``other_fds`` is what the
+    engine pools may hold. The overflow connections for /health come on top.
+    """
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(16, soft - other_fds - _FD_HEADROOM - OVERFLOW_CONNECTIONS)

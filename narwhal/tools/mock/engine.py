@@ -711,8 +711,9 @@ class MockService:
                 task_status.started(engine)
                 reported = True
             if self._reopen_at is None:
+                # Like uvicorn in front of vLLM, EOF from the router cancels the engine's work at once.
                 self._server = HTTPServer(engine.handle, idle_timeout_s=engine.settings.idle_timeout_s,
-                                          server_name=b"narwhal-mock")
+                                          half_close=False, server_name=b"narwhal-mock")
                 try:
                     await self._server.serve_listeners([_MockListener(l, engine) for l in listeners])
                 finally:
