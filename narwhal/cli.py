@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import argparse
 import signal
-from pathlib import Path
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import trio
 
-from narwhal.tools.admin_cli import add_parser as add_admin_parser
 from narwhal.config import ConfigError, load_config, parse_listen
-from narwhal.obs.logs import configure_logging, log_event
+from narwhal.errors import StartupError
+from narwhal.obs.logs import configure_logging, flush_logs, log_event
+from narwhal.tools.admin_cli import add_parser as add_admin_parser
 
 __all__ = ["main", "serve_main"]
 
@@ -103,26 +105,57 @@ def _serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     from narwhal.router import Router
 
-    router = Router(config, listen=args.listen, resume=args.resume, config_dir=Path(args.config).parent)
+    try:
+        router = Router(config, listen=args.listen, resume=args.resume, config_dir=Path(args.config).parent)
+    except ConfigError as exc:
+        # A certificate that changed between reading the config and starting.
+        print(f"narwhal: config error: {args.config}: {exc}", file=sys.stderr)
+        return 2
     try:
         trio.run(run_until_signal, router)
+    except (StartupError, BaseExceptionGroup) as exc:
+        startup = _startup_error(exc)
+        if startup is None:
+            raise
+        failed: dict[str, Any] = {"class": "StartupError", "message": str(startup)}
+        log_event("router_failed", **failed)
+        flush_logs()
+        print(f"narwhal: cannot start: {startup}", file=sys.stderr)
+        return 2
     except OSError as exc:
-        log_event("router_failed", **{"class": type(exc).__name__}, message=str(exc))
+        failure: dict[str, Any] = {"class": type(exc).__name__, "message": str(exc)}
+        log_event("router_failed", **failure)
         print(f"narwhal: {exc}", file=sys.stderr)
         return 1
     return 0
 
 
+def _startup_error(exc: BaseException) -> StartupError | None:
+    """The StartupError in ``exc``, unwrapping the exception groups nurseries add around it."""
+    if isinstance(exc, StartupError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        matched, _ = exc.split(StartupError)
+        found: BaseException | None = matched
+        while isinstance(found, BaseExceptionGroup):
+            found = found.exceptions[0]
+        return found if isinstance(found, StartupError) else None
+    return None
+
+
 async def run_until_signal(router) -> None:
-    """Run ``router``; the first SIGTERM/SIGINT drains it, a second one stops at once."""
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    """Run ``router``; the first SIGTERM/SIGINT drains it, a second one stops at once; SIGHUP reloads TLS files."""
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async with trio.open_nursery() as nursery:
 
             async def watch() -> None:
                 count = 0
                 async for signum in signals:
-                    count += 1
                     log_event("signal", signal=signal.Signals(signum).name)
+                    if signum == signal.SIGHUP:
+                        await router.reload_tls()
+                        continue
+                    count += 1
                     if count == 1:
                         router.shutdown()
                     else:

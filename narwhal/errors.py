@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["ClientGone", "EngineFailure", "FailureClass", "PoolSaturated", "SuccessKind", "UpstreamClientError"]
+__all__ = ["ClientGone", "EngineFailure", "FailureClass", "LocalResourceExhausted", "PoolSaturated",
+           "StartupError", "SuccessKind", "UpstreamClientError"]
 
 
 class FailureClass(enum.StrEnum):
@@ -58,6 +59,23 @@ class UpstreamClientError(Exception):
 
 class PoolSaturated(Exception):
     """No slot in our own pool before the deadline: saturation, not engine failure."""
+
+
+class LocalResourceExhausted(PoolSaturated):
+    """Our own process ran out of fds, memory or socket buffers while reaching an engine.
+
+    Like saturation it is no evidence against the engine; ``errno_name`` says which
+    (EMFILE, ENFILE, ENOMEM, ENOBUFS) and ``engine`` which engine we were reaching.
+    """
+
+    def __init__(self, message: str, *, engine: str, errno_name: str) -> None:
+        super().__init__(message)
+        self.engine = engine
+        self.errno_name = errno_name
+
+
+class StartupError(Exception):
+    """The router cannot start; the message is one line naming the cause (the CLI exits 2)."""
 
 
 class ClientGone(Exception):

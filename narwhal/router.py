@@ -3,44 +3,110 @@
 Ownership: ``Router.run`` opens the nursery that owns the supervisor (probes),
 the monitor, the optional hypercorn admin listener and the data-plane server.
 ``shutdown`` closes admission, stops accepting, lets in-flight requests finish
-within the grace period, then cancels the rest.
+within the grace period, then cancels the rest. ``reload_tls`` (SIGHUP) reads
+the certificates again and swaps the contexts of every listener and pool.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import secrets
 import socket
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
 import trio
 
 from narwhal.app.admin_routes import register_admin_routes
-from narwhal.fleet.admission import Admission
 from narwhal.app.control_app import create_app
-from narwhal.config import Config, parse_listen
+from narwhal.config import Config, ConfigError, parse_listen
+from narwhal.control.monitor import Monitor
+from narwhal.control.readmission import Readmitter
+from narwhal.control.supervisor import Supervisor
+from narwhal.errors import StartupError
 from narwhal.fleet import Fleet
+from narwhal.fleet.admission import Admission
+from narwhal.fleet.placement import InFlight
+from narwhal.fleet.telemetry import Telemetry
 from narwhal.http1.asgi import ASGILifespan, call_asgi
 from narwhal.http1.server import HTTPServer, Request, Responder, client_connection_budget
 from narwhal.obs.logs import flush_logs, log_event
-from narwhal.control.monitor import Monitor
-from narwhal.fleet.placement import InFlight
+from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.pools.control import ControlPool
 from narwhal.pools.data import DataPool
-from narwhal.control.readmission import Readmitter
 from narwhal.serving.request_core import COMPLETION_ROUTES, RequestCore
-from narwhal.state.resume import apply_resume, plan_resume
-from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.stages import build_stages
 from narwhal.stages.persistence import PersistenceStage
-from narwhal.control.supervisor import Supervisor
-from narwhal.fleet.telemetry import Telemetry
+from narwhal.state.resume import apply_resume, plan_resume
+from narwhal.tls import TLSContexts
 from narwhal.wire import error_json
 
 __all__ = ["Router"]
 
 _NOT_ALLOWED = error_json("completion routes accept POST only", "invalid_request_error", "method_not_allowed")
+_JSON = [(b"content-type", b"application/json")]
+_WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
+_LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+def _same_address(a: tuple[str, int], b: tuple[str, int]) -> bool:
+    """Would a connection to ``b`` reach a listener on ``a``? Port 0 (any free port) matches nothing."""
+    (host_a, port_a), (host_b, port_b) = a, b
+    if port_a == 0 or port_a != port_b:
+        return False
+    if host_a == host_b or host_a in _WILDCARD_HOSTS or host_b in _WILDCARD_HOSTS:
+        return True
+    return host_a in _LOOPBACK_HOSTS and host_b in _LOOPBACK_HOSTS
+
+
+def _is_admin_path(path: str) -> bool:
+    # As the app will route it: percent-decoded, leading slashes collapsed.
+    if "%" in path:
+        path = urllib.parse.unquote(path)
+    path = "/" + path.lstrip("/")
+    return path == "/admin" or path.startswith("/admin/")
+
+
+def preflight(config: Config, listen: str, handoff_path: Path | None = None) -> None:
+    """Refuse to start, with one line naming the cause, on what would fail later or loop.
+
+    The admin listener on the serving address, an engine URL that is this
+    router, and a handoff directory that is missing or not writable (every
+    monitor pass would fail and /ready answer 503 for good). The default state
+    directory is created; a configured path's directory must exist already (a
+    typo should not create a tree). ``handoff_path`` defaults to
+    ``config.handoff_path()``.
+    """
+    serving = parse_listen(listen)
+    if config.admin.listen is not None and _same_address(serving, parse_listen(config.admin.listen)):
+        raise StartupError(f"admin.listen {config.admin.listen} is the serving address {listen}: "
+                           "give the admin API a port of its own")
+    for i, spec in enumerate(config.engines):
+        if _same_address(serving, (spec.host, spec.port)):
+            raise StartupError(f"engines[{i}] ({spec.name}): url {spec.url} is this router's own serving "
+                               f"address {listen}: requests would loop back into the router")
+    path = config.handoff_path() if handoff_path is None else handoff_path
+    key = f"handoff.path {config.handoff.path}" if config.handoff.path is not None else f"handoff (default {path})"
+    directory = path.parent
+    if config.handoff.path is None:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StartupError(f"{key}: cannot create the state directory {str(directory)!r}: "
+                               f"{exc.strerror or exc}") from None
+    if not directory.is_dir():
+        raise StartupError(f"{key}: directory {str(directory)!r} does not exist")
+    probe = directory / f".narwhal-write-check.{os.getpid()}.{secrets.token_hex(4)}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise StartupError(f"{key}: directory {str(directory)!r} is not writable: "
+                           f"{exc.strerror or exc}") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 class Router:
@@ -64,11 +130,21 @@ class Router:
             failure_quarantine_s=recovery.failure_quarantine_s,
             probe_interval_s=recovery.probe_interval_s,
         )
+        # Every engine request says it came from this router: one arriving back here is a loop.
+        self.via_token = f"narwhal-{secrets.token_hex(8)}"
+        via = f"1.1 {self.via_token}"
+        # Certificates are read here: a problem is a ConfigError naming the key.
+        self.tls = TLSContexts(config, config_dir)
         # Only bounded serving may queue; the default policy reports saturation at once.
         self.data_pool = DataPool(max_connections=config.serving.max_connections, engine_config=config.engine,
-                                  wait_for_slot=config.serving.policy == "bounded")
+                                  wait_for_slot=config.serving.policy == "bounded", via=via,
+                                  ssl_context=self.tls.engine)
         self.control_pool = ControlPool(control_connections=config.engine.control_connections,
-                                        engine_config=config.engine)
+                                        engine_config=config.engine, via=via, ssl_context=self.tls.engine)
+        self._loop_error = error_json(
+            f"request loop detected: this router ({self.via_token}) sent this request itself; "
+            "an [[engines]] url points back at a router", "server_error", "loop_detected")
+        self._admin_elsewhere = config.admin.listen is not None
         self.supervisor = Supervisor(config=config, fleet=self.fleet, control_pool=self.control_pool,
                                      metrics=self.metrics)
         roles = [(spec.name, spec.role) for spec in config.engines]
@@ -77,19 +153,21 @@ class Router:
         self.core = RequestCore(config=config, supervisor=self.supervisor, data_pool=self.data_pool,
                                 in_flight=self.in_flight, admission=self.admission, metrics=self.metrics,
                                 telemetry=self.telemetry)
-        self.persistence = PersistenceStage(path=config.handoff.path, router_id=self.router_id,
+        self.handoff_path = config.handoff_path(config_dir)
+        self.persistence = PersistenceStage(path=self.handoff_path, router_id=self.router_id,
                                             fleet=self.fleet, config=config)
         self.readmitter = Readmitter(config=config, fleet=self.fleet, control_pool=self.control_pool,
                                      in_flight=self.in_flight, metrics=self.metrics,
-                                     attestation_key=config.attestation_key_bytes(config_dir))
+                                     attestation_key=config.attestation_key_bytes(config_dir),
+                                     inference_check=self.supervisor.inference_probe)
         self.stages = build_stages(config=config, supervisor=self.supervisor, control_pool=self.control_pool,
                                    telemetry=self.telemetry, in_flight=self.in_flight,
                                    persistence_stage=self.persistence, readmission=self.readmitter)
-        self.controller = self.stages[0]
-        self.drain = self.stages[2]
+        self.controller = self.stages.controller
+        self.drain = self.stages.drain
         self.persistence.extra = self._handoff_extra
         controller = config.controller
-        self.monitor = Monitor(self.stages, interval_s=controller.monitor_interval_s,
+        self.monitor = Monitor(self.stages.in_spec_order(), interval_s=controller.monitor_interval_s,
                                stage_timeout_s=controller.stage_timeout_s,
                                failure_limit=controller.monitor_failure_limit,
                                admission=self.admission, metrics=self.metrics)
@@ -102,7 +180,8 @@ class Router:
                                  max_body_bytes=serving.max_body_bytes, idle_timeout_s=serving.idle_timeout_s,
                                  header_timeout_s=serving.header_timeout_s, body_timeout_s=serving.body_timeout_s,
                                  client_write_timeout_s=serving.client_write_timeout_s,
-                                 max_client_connections=client_cap)
+                                 max_client_connections=client_cap,
+                                 ssl_context=self.tls.server)
         self.bound_port: int | None = None
         self._nursery: trio.Nursery | None = None
         self._register_gauges()
@@ -173,6 +252,11 @@ class Router:
 
     async def handle(self, request: Request, responder: Responder) -> None:
         """The data-plane front: completion routes to the core, the rest to the app."""
+        via = request.get_header(b"via")
+        if via is not None and self.via_token.encode() in via:
+            log_event("request_loop", level=logging.ERROR, path=request.path, via=via.decode("latin-1")[:200])
+            await responder.respond(508, _JSON, self._loop_error)
+            return
         if request.path in COMPLETION_ROUTES:
             if request.method == b"POST":
                 await self.core.handle(request.path, request.body, request.get_header(b"x-request-id"),
@@ -181,6 +265,11 @@ class Router:
                 await responder.respond(405, [(b"content-type", b"application/json"), (b"allow", b"POST")],
                                         _NOT_ALLOWED)
             return
+        if self._admin_elsewhere and _is_admin_path(request.path):
+            # [admin] listen moves the admin API off the traffic port entirely.
+            await responder.respond(404, _JSON, error_json(f"no route for {request.method.decode('latin-1')} "
+                                                           f"{request.path}", "invalid_request_error", "not_found"))
+            return
         await call_asgi(self.app, request, responder)
 
     # -- lifetime ----------------------------------------------------------------------
@@ -188,22 +277,37 @@ class Router:
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until ``shutdown`` completes; ``task_status.started(port)`` once listening."""
         host, port = parse_listen(self.listen)
+        listeners: list[trio.SocketListener] = []
+        admin_fd: int | None = None
         try:
+            preflight(self.config, self.listen, self.handoff_path)
+            # Bound before anything starts: a taken port is a one-line startup error, not a failed task.
+            listeners = await self._bind(host, port)
+            admin_fd = self._bind_admin() if self.config.admin.listen else None
             async with ASGILifespan(self.app), trio.open_nursery() as nursery:
                 self._nursery = nursery
                 nursery.start_soon(self._flush_logs_periodically)
+                await nursery.start(self.data_pool.run)
                 await nursery.start(self.supervisor.run)
                 if self.resume:
                     self._resume()
                 await nursery.start(self.readmitter.run)
                 await nursery.start(self.monitor.run)
-                if self.config.admin.listen:
-                    await nursery.start(self._serve_admin)
-                self.bound_port = await nursery.start(self._serve_then_stop, nursery, host, port)
+                if admin_fd is not None:
+                    await nursery.start(self._serve_admin, admin_fd)
+                    admin_fd = None
+                self.bound_port = await nursery.start(self._serve_then_stop, nursery, listeners)
+                listeners = []
                 log_event("router_started", router_id=self.router_id, listen=f"{host}:{self.bound_port}",
-                          engines=len(self.config.engines), pid=os.getpid())
+                          engines=len(self.config.engines), pid=os.getpid(), handoff=str(self.handoff_path),
+                          tls=self.tls.server is not None)
+                self._warn_if_admin_open(f"{host}:{self.bound_port}")
                 task_status.started(self.bound_port)
         finally:
+            for listener in listeners:
+                listener.socket.close()
+            if admin_fd is not None:
+                os.close(admin_fd)
             # Close sockets even when cancelled: leaked engine connections outlive the router.
             with trio.CancelScope(shield=True):
                 await self.data_pool.aclose()
@@ -219,18 +323,68 @@ class Router:
 
     def _resume(self) -> None:
         """Apply the saved handoff when its schema and engine set match; say plainly when not."""
-        plan = plan_resume(self.config.handoff.path, self.config)
+        plan = plan_resume(self.handoff_path, self.config)
         if plan.applied:
             apply_resume(plan, self.fleet, trio.current_time(), time.time())
             log_event("handoff_applied", **plan.event_fields())
         else:
             log_event("handoff_not_applied", **plan.event_fields())
 
-    async def _serve_then_stop(self, nursery: trio.Nursery, host: str, port: int, *,
+    async def _bind(self, host: str, port: int) -> list[trio.SocketListener]:
+        try:
+            return await trio.open_tcp_listeners(port, host=host)
+        except OSError as exc:
+            raise StartupError(f"serving.listen: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+    def _bind_admin(self) -> int:
+        """The admin listener's socket, bound and listening; its fd is handed to hypercorn."""
+        address = self.config.admin.listen
+        assert address is not None
+        host, port = parse_listen(address)
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(128)
+        except OSError as exc:
+            sock.close()
+            raise StartupError(f"admin.listen: cannot listen on {address}: {exc.strerror or exc}") from None
+        return sock.detach()
+
+    def _warn_if_admin_open(self, serving: str) -> None:
+        if self.config.admin.token is not None:
+            return
+        where = self.config.admin.listen or f"the serving address {serving}"
+        log_event("admin_unauthenticated", level=logging.WARNING, listen=where,
+                  message=f"the admin API on {where} has no [admin] token: anyone who can reach it can drain, "
+                          "put into maintenance and readmit engines; set [admin] token (and [admin] listen "
+                          "on a private address)")
+
+    async def _serve_then_stop(self, nursery: trio.Nursery, listeners: list[trio.SocketListener], *,
                                task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         # The server returns once shutdown has drained it; everything else stops with it.
-        await self.server.serve(host, port, task_status=task_status)
+        bound_port = listeners[0].socket.getsockname()[1]
+        await self.server.serve_listeners(listeners, task_status=_Reported(task_status, bound_port))
         nursery.cancel_scope.cancel()
+
+    async def reload_tls(self) -> bool:
+        """Read every certificate and key again and swap them in; connections open stay as they are.
+
+        On a problem the old contexts stay in use and ``tls_reload_failed`` names the key.
+        """
+        if not self.tls.configured:
+            log_event("tls_reload_skipped", reason="no TLS configured")
+            return False
+        try:
+            self.tls.reload()
+        except ConfigError as exc:
+            log_event("tls_reload_failed", level=logging.ERROR, message=str(exc))
+            return False
+        self.server.ssl_context = self.tls.server
+        self.data_pool.set_ssl_context(self.tls.engine)
+        await self.control_pool.set_ssl_context(self.tls.engine)
+        log_event("tls_reloaded", server=self.tls.server is not None, engines=self.tls.engine is not None)
+        return True
 
     def shutdown(self, grace_s: float | None = None) -> None:
         """Stop taking requests; in-flight ones get ``grace_s`` to finish."""
@@ -239,13 +393,35 @@ class Router:
         log_event("router_shutdown", grace_s=grace)
         self.server.shutdown(grace)
 
-    async def _serve_admin(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async def _serve_admin(self, fd: int, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         from hypercorn.config import Config as HypercornConfig
         from hypercorn.trio import serve
 
-        hconfig = HypercornConfig()
-        hconfig.bind = [self.config.admin.listen]
+        tls = self.tls
+
+        class AdminConfig(HypercornConfig):
+            # hypercorn builds its context once; ours follows reloads (see TLSContexts).
+            @property
+            def ssl_enabled(self) -> bool:
+                return tls.server is not None
+
+            def create_ssl_context(self) -> Any:
+                return tls.follower_server_context()
+
+        hconfig = AdminConfig()
+        hconfig.bind = [f"fd://{fd}"]
         hconfig.accesslog = None
         hconfig.errorlog = None
         task_status.started()
         await serve(self.app, hconfig, mode="asgi")
+
+
+class _Reported:
+    """Passes ``started(value)`` on to ``task_status`` as ``started(report)``: the port, not the listeners."""
+
+    def __init__(self, task_status: Any, report: Any) -> None:
+        self._task_status = task_status
+        self._report = report
+
+    def started(self, value: Any = None) -> None:
+        self._task_status.started(self._report)

@@ -14,7 +14,6 @@ import contextlib
 import json
 import logging
 import socket
-import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,6 +21,8 @@ import httptools
 import pytest
 import trio
 import trio.testing
+from test_request_core import CONFIG as CORE_CONFIG
+from test_request_core import FakePool, FakeSupervisor, Sink
 
 from narwhal.config import parse_config
 from narwhal.errors import ClientGone
@@ -32,8 +33,6 @@ from narwhal.http1.server import OVERFLOW_CONNECTIONS, ClientDisconnected, HTTPS
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.router import Router
 from narwhal.serving.request_core import RequestCore
-from test_request_core import CONFIG as CORE_CONFIG
-from test_request_core import FakePool, FakeSupervisor, Sink
 
 JSON = [(b"content-type", b"application/json")]
 
@@ -348,15 +347,13 @@ async def test_a_client_that_never_reads_is_cut_at_the_write_timeout(autojump_cl
 
 
 class EndlessStream:
+    """A decode stream that never ends: an event every 10 ms."""
+
     saw_terminal = False
 
-    def __aiter__(self) -> Any:
-        return self._gen()
-
-    async def _gen(self) -> Any:
-        while True:
-            yield b'data: {"choices":[{"text":"' + b"t" * 4096 + b'"}]}\n\n'
-            await trio.sleep(0.01)
+    async def read(self) -> bytes:
+        await trio.sleep(0.01)
+        return b'data: {"choices":[{"text":"' + b"t" * 4096 + b'"}]}\n\n'
 
 
 class EndlessPool(FakePool):

@@ -6,15 +6,24 @@ nothing above the pools sees an httpx, socket or httptools exception::
     what happened                                           result
     ------------------------------------------------------  --------------------------
     refused, DNS, reset/closed before any response byte     EngineFailure(connection)
-    connect, read or write timeout                          EngineFailure(timeout)
-    first-token deadline, mid-stream silence, body cut off,
+    TLS: untrusted/expired certificate, wrong host name,
+      handshake refused, alert (e.g. no client certificate)  EngineFailure(connection), TLS reason in message
+    connect, read or write timeout before the status line   EngineFailure(timeout)
+    first-token deadline, mid-stream silence, body cut off
+      (control calls too: a timeout or cut after the status line),
       end without `data: [DONE]`, not SSE, malformed HTTP   EngineFailure(stream)
     HTTP 408, 429                                           EngineFailure(overload)
     other 5xx (and any other non-2xx, non-4xx status)       EngineFailure(inference_status)
+    response head or buffered body over its bound           EngineFailure(inference_status)
     other 4xx                                               UpstreamClientError
     no slot in our own limiter before the caller's deadline PoolSaturated
+    EMFILE/ENFILE/ENOMEM/ENOBUFS of our own while connecting LocalResourceExhausted (a PoolSaturated)
 
 ``kv_handoff`` is decided by the request core, which reads the prefill body.
+The health stage and the supervisor's probes read statuses through the same
+table (``health_answer``: 2xx is a successful health response, another 4xx the
+clearing table's "4xx" row, the rest a failure of its class) and decode
+streams through the same ``SSEWatch`` as the data path (``sse_body_failure``).
 """
 
 from __future__ import annotations
@@ -26,24 +35,39 @@ from collections.abc import AsyncIterator
 import httpx
 import trio
 
-from narwhal.errors import EngineFailure, FailureClass, PoolSaturated, UpstreamClientError
+from narwhal.errors import (
+    EngineFailure,
+    FailureClass,
+    LocalResourceExhausted,
+    PoolSaturated,
+    SuccessKind,
+    UpstreamClientError,
+)
 from narwhal.http1.client import (
     ConnectFailed,
     ConnectionClosed,
     ConnectTimeout,
     DeadlineExpired,
     HTTPTransportError,
+    LocalResourceError,
     MalformedResponse,
     ReadTimeout,
+    ResponseTooLarge,
+    TLSFailed,
     WriteTimeout,
+    local_errno_name,
 )
+from narwhal.tls import tls_reason
 
 __all__ = [
     "SSEWatch",
     "call_timeout",
+    "health_answer",
     "httpx_failure",
     "pool_slot",
     "raise_for_status",
+    "response_too_large",
+    "sse_body_failure",
     "status_failure",
     "stream_failure",
     "transport_failure",
@@ -52,11 +76,15 @@ __all__ = [
 # ConnectionClosed is absent: its class depends on whether the response had started.
 _TRANSPORT_CLASSES: dict[type[HTTPTransportError], FailureClass] = {
     ConnectFailed: FailureClass.CONNECTION,
+    # The engine is unreachable to us as configured (trust, name, client certificate).
+    TLSFailed: FailureClass.CONNECTION,
     ConnectTimeout: FailureClass.TIMEOUT,
     WriteTimeout: FailureClass.TIMEOUT,
     ReadTimeout: FailureClass.TIMEOUT,
     DeadlineExpired: FailureClass.STREAM,
     MalformedResponse: FailureClass.STREAM,
+    # An engine that answers more than any answer may be gave a bad answer.
+    ResponseTooLarge: FailureClass.INFERENCE_STATUS,
 }
 
 # First match wins; httpx.PoolTimeout is handled before this table (our saturation).
@@ -72,8 +100,10 @@ _OVERLOAD_STATUSES = frozenset({408, 429})
 _BODY_SNIPPET_BYTES = 200
 
 
-def transport_failure(engine: str, exc: HTTPTransportError) -> EngineFailure:
-    """The failure for a data-pool transport error."""
+def transport_failure(engine: str, exc: HTTPTransportError) -> EngineFailure | LocalResourceExhausted:
+    """The failure for a data-pool transport error (our own resource shortage is not the engine's)."""
+    if isinstance(exc, LocalResourceError):
+        return LocalResourceExhausted(str(exc), engine=engine, errno_name=exc.errno_name)
     if isinstance(exc, ConnectionClosed):
         failure_class = FailureClass.STREAM if exc.response_started else FailureClass.CONNECTION
     else:
@@ -81,11 +111,26 @@ def transport_failure(engine: str, exc: HTTPTransportError) -> EngineFailure:
     return EngineFailure(engine, failure_class, str(exc), cause=exc.cause)
 
 
-def httpx_failure(engine: str, exc: httpx.HTTPError) -> EngineFailure | PoolSaturated:
-    """The failure for an httpx error raised by a control-pool call."""
+def httpx_failure(engine: str, exc: httpx.HTTPError, *,
+                  response_started: bool = False) -> EngineFailure | PoolSaturated:
+    """The failure for an httpx error raised by a control-pool call.
+
+    After the response began, a timeout or a cut is the body's: ``stream``
+    (mid-stream silence, body cut off), as the data pool classifies it.
+    """
     if isinstance(exc, httpx.PoolTimeout):
         return PoolSaturated(f"no free control connection to {engine}")
+    local = local_errno_name(exc)
+    if local is not None:
+        return LocalResourceExhausted(f"cannot open a connection to {engine}: {local}", engine=engine,
+                                      errno_name=local)
     message = str(exc) or type(exc).__name__
+    reason = tls_reason(exc)
+    if reason is not None and reason not in message:
+        message = f"{message} (TLS: {reason})"
+    if response_started and isinstance(exc, httpx.TransportError):
+        return EngineFailure(engine, FailureClass.STREAM, f"response body failed: {message}",
+                             cause=type(exc).__name__)
     for kind, failure_class in _HTTPX_CLASSES:
         if isinstance(exc, kind):
             return EngineFailure(engine, failure_class, message, cause=type(exc).__name__)
@@ -105,6 +150,16 @@ def status_failure(engine: str, status: int, body: bytes) -> EngineFailure | Ups
     return EngineFailure(engine, FailureClass.INFERENCE_STATUS, message, status=status)
 
 
+def health_answer(engine: str, status: int) -> SuccessKind | EngineFailure:
+    """What an engine's answer to ``GET /health`` is evidence of, by the status table above."""
+    failure = status_failure(engine, status, b"")
+    if failure is None:
+        return SuccessKind.HEALTH_200
+    if isinstance(failure, UpstreamClientError):
+        return SuccessKind.CLIENT_4XX
+    return failure
+
+
 def raise_for_status(engine: str, status: int, body: bytes) -> None:
     """Raise the failure for a non-2xx status; return for 2xx."""
     failure = status_failure(engine, status, body)
@@ -112,8 +167,20 @@ def raise_for_status(engine: str, status: int, body: bytes) -> None:
         raise failure
 
 
-def call_timeout(engine: str, timeout_s: float) -> EngineFailure:
-    """A whole control call overran its timeout (each read may have been quick)."""
+def response_too_large(engine: str, what: str, max_bytes: int) -> EngineFailure:
+    """A control-pool answer over its bound: a bad answer, so a failed check."""
+    return EngineFailure(engine, FailureClass.INFERENCE_STATUS, f"{what} over the {max_bytes} byte bound",
+                         cause="ResponseTooLarge")
+
+
+def call_timeout(engine: str, timeout_s: float, *, response_started: bool = False) -> EngineFailure:
+    """A whole control call overran its timeout (each read may have been quick).
+
+    With the response begun, the body stalled or dripped: ``stream``, not ``timeout``.
+    """
+    if response_started:
+        return EngineFailure(engine, FailureClass.STREAM, f"response body incomplete after {timeout_s:g} s",
+                             cause="CallTimeout")
     return EngineFailure(engine, FailureClass.TIMEOUT, f"no complete response within {timeout_s:g} s",
                          cause="CallTimeout")
 
@@ -121,6 +188,16 @@ def call_timeout(engine: str, timeout_s: float) -> EngineFailure:
 def stream_failure(engine: str, message: str, *, cause: str | None = None) -> EngineFailure:
     """A stream anomaly the data pool detected itself (no [DONE], not SSE, wrong type)."""
     return EngineFailure(engine, FailureClass.STREAM, message, cause=cause)
+
+
+def sse_body_failure(engine: str, body: bytes) -> EngineFailure | None:
+    """None when a complete SSE body ends with the terminal marker, else its stream failure."""
+    watch = SSEWatch()
+    if not watch.feed(body) or not watch.valid:
+        return stream_failure(engine, "decode response is not an event stream", cause="NotSSE")
+    if not watch.finish():
+        return stream_failure(engine, "decode stream ended without its terminal marker", cause="NoDone")
+    return None
 
 
 # The caller's own cancel scope has the same deadline. If both expire in the same

@@ -4,7 +4,8 @@ Each talks to a running router's admin API (``--url``, default
 http://127.0.0.1:8000; ``--token``, default ``$NARWHAL_ADMIN_TOKEN``), prints
 the fleet as a table or the action's result, and exits 1 with one line on
 stderr when the router cannot be reached or says no (401, 404, a refused
-readmission's 409 with the failed check and why).
+readmission's 409 with the failed check and why); a token that cannot travel
+in an HTTP header (not printable ASCII) exits 2 before any request.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import urllib.parse
 from typing import Any, TextIO
 
 import httpx
+
+from narwhal.config import admin_token_problem
 
 __all__ = ["add_parser", "format_engines", "run_admin"]
 
@@ -64,6 +67,12 @@ def run_admin(args: argparse.Namespace, *, transport: httpx.BaseTransport | None
     out = out or sys.stdout
     err = err or sys.stderr
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV)
+    if token:
+        problem = admin_token_problem(token)
+        if problem is not None:
+            source = "--token" if args.token is not None else f"${TOKEN_ENV}"
+            err.write(f"narwhal admin: {source}: the token {problem}\n")
+            return 2
     headers = {"authorization": f"Bearer {token}"} if token else {}
     try:
         with httpx.Client(base_url=args.url.rstrip("/"), headers=headers, timeout=_TIMEOUT_S,
@@ -132,7 +141,7 @@ def format_engines(engines: list[dict[str, Any]]) -> str:
     rows = [(e["name"], e["role"], _state(e), _holds(e), _streaks(e), str(e.get("in_flight", 0)))
             for e in engines]
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
              for row in (header, *rows)]
     notes: list[str] = []
     for engine in engines:

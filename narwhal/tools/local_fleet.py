@@ -32,10 +32,12 @@ class LocalProcess:
         self.port = port
         self.name = name
         self.lines: list[dict[str, Any]] = []
+        # From the ready line's ``tls`` field: the process serves HTTPS.
+        self.tls = False
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     @property
     def pid(self) -> int:
@@ -107,6 +109,8 @@ async def _start(nursery: trio.Nursery, argv: Sequence[str], *, ready: str, from
         start_new_session=True,
     )
     stream = process.stderr if from_stderr else process.stdout
+    if stream is None:
+        raise RuntimeError(f"{name}: no pipe to read its events from")
     found = trio.Event()
     found_line: list[dict[str, Any]] = []
     local = LocalProcess(process, 0, name)
@@ -119,6 +123,7 @@ async def _start(nursery: trio.Nursery, argv: Sequence[str], *, ready: str, from
         raise RuntimeError(f"{name} did not report {ready!r} within {timeout_s} s "
                            f"(exit code {process.returncode})")
     line = found_line[0]
+    local.tls = bool(line.get("tls", False))
     if "port" in line:
         local.port = int(line["port"])
     else:
