@@ -23,6 +23,7 @@ import trio
 from narwhal.app.admin_routes import register_admin_routes
 from narwhal.app.control_app import create_app
 from narwhal.config import Config, ConfigError, parse_listen
+from narwhal.control.fleet_writer import FleetWriter
 from narwhal.control.monitor import Monitor
 from narwhal.control.readmission import Readmitter
 from narwhal.control.supervisor import Supervisor
@@ -123,13 +124,14 @@ class Router:
         names = [spec.name for spec in config.engines]
         self.in_flight = InFlight(names)
         recovery = config.recovery
-        self.fleet = Fleet(
+        # The one writer: every part that changes the fleet gets this, never the bare Fleet.
+        self.fleet = FleetWriter(Fleet(
             [(spec.name, spec.role) for spec in config.engines],
             eject_after=recovery.eject_after,
             liveness_misses=recovery.liveness_misses,
             failure_quarantine_s=recovery.failure_quarantine_s,
             probe_interval_s=recovery.probe_interval_s,
-        )
+        ), self.metrics)
         # Every engine request says it came from this router: one arriving back here is a loop.
         self.via_token = f"narwhal-{secrets.token_hex(8)}"
         via = f"1.1 {self.via_token}"

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import hmac
 import itertools
 import logging
 import secrets
@@ -37,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import msgspec
 import trio
 
+from narwhal import attestation
 from narwhal.config import ConfigError
 from narwhal.http1.server import ClientDisconnected, HTTPServer
 from narwhal.obs.logs import configure_logging, log_event
@@ -447,8 +447,8 @@ class MockEngine:
 
     def signature(self, nonce: str, generation: str | None = None) -> str:
         """The attestation signature: hex HMAC-SHA256 over ``engine_id|nonce|generation``."""
-        message = f"{self.engine_id}|{nonce}|{generation or self.settings.generation}".encode()
-        return hmac.new(self.settings.attestation_key.encode(), message, hashlib.sha256).hexdigest()
+        return attestation.sign(self.settings.attestation_key.encode(), self.engine_id, nonce,
+                                generation or self.settings.generation)
 
     async def _attest(self, request: Request, responder: Responder) -> None:
         nonce = _decode_body(request.body, AttestRequest).nonce
