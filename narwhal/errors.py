@@ -12,7 +12,8 @@ library's or a bug. The tree, with the module each class lives in:
     │   └── LocalResourceExhausted .. our own process ran out of fds/memory/buffers reaching an engine
     ├── StartupError ................ the router cannot start: one line naming the cause (exit status 2)
     ├── ClientError ................. serving.request_core: a request refused with its status and JSON error
-    ├── ClientDisconnected .......... http1.server: the client went away before the response was written
+    ├── ClientGone .................. the client went away or stopped reading (``reason`` says which)
+    │   └── ClientDisconnected ...... http1.server: the client went away before the response was written
     ├── HTTPTransportError .......... http1.client: engine-connection trouble, before the pools classify it
     │   ├── ConnectFailed
     │   ├── ConnectTimeout
@@ -48,6 +49,7 @@ from __future__ import annotations
 import enum
 
 __all__ = [
+    "ClientGone",
     "EngineFailure",
     "FailureClass",
     "LocalResourceExhausted",
@@ -126,3 +128,11 @@ class LocalResourceExhausted(PoolSaturated):
 
 class StartupError(NarwhalError):
     """The router cannot start; the message is one line naming the cause (the CLI exits 2)."""
+
+
+class ClientGone(NarwhalError):
+    """The client went away or stopped reading; ``reason`` is ``client_disconnected`` or ``client_stalled``."""
+
+    def __init__(self, message: str = "the client has gone", *, reason: str = "client_disconnected") -> None:
+        super().__init__(message)
+        self.reason = reason

@@ -12,6 +12,7 @@ from narwhal.app.admin_routes import register_admin_routes
 from narwhal.app.control_app import create_app
 from narwhal.config import Config, EngineSpec, FleetConfig
 from narwhal.control.engine_view import EngineEntry, EnginesView, EngineViewer
+from narwhal.control.fleet_writer import FleetWriter
 from narwhal.control.readmission import ReadmissionResult, ReadmissionState
 from narwhal.control.supervisor import Supervisor
 from narwhal.errors import FailureClass
@@ -77,8 +78,9 @@ def test_the_ejections_metric_is_labelled_with_the_typed_cause() -> None:
     config = Config(fleet=FleetConfig(model="m"), engines=[
         EngineSpec(name=name, url=f"http://127.0.0.1:{9000 + i}", role=role) for i, (name, role) in enumerate(ENGINES)])
     fleet = make_fleet()
-    supervisor = Supervisor(config=config, fleet=fleet, control_pool=_NoProbes(), metrics=RouterMetrics(),
-                            clock=lambda: 1.0)
+    metrics = RouterMetrics()
+    supervisor = Supervisor(config=config, fleet=FleetWriter(fleet, metrics), control_pool=_NoProbes(),
+                            metrics=metrics, clock=lambda: 1.0)
     for _ in range(2):
         supervisor.record_health_sweep({"p1": True, "d1": False, "d2": True})
     supervisor.record_failure("p1", FailureClass.CONNECTION)

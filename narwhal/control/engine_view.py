@@ -17,7 +17,7 @@ import trio
 from narwhal.config import Config
 from narwhal.control.readmission import ReadmissionResult, ReadmissionState
 from narwhal.errors import FailureClass
-from narwhal.fleet import EjectionCause, EngineView, Fleet, HoldKind
+from narwhal.fleet import EjectionCause, EngineView, HoldKind
 from narwhal.fleet.placement import InFlight
 
 __all__ = [
@@ -87,6 +87,11 @@ class EnginesView(msgspec.Struct, frozen=True, kw_only=True):
     monitor: MonitorEntry
 
 
+class _FleetViews(Protocol):
+    def view(self, name: str, now: float) -> EngineView: ...
+    def views(self, now: float) -> list[EngineView]: ...
+
+
 class _Readmitter(Protocol):
     def admin_state(self, name: str) -> ReadmissionState: ...
 
@@ -107,7 +112,7 @@ class _Monitor(Protocol):
 class EngineViewer:
     """Builds ``EnginesView`` from the fleet and the shell's parts, at the current time."""
 
-    def __init__(self, *, config: Config, fleet: Fleet, in_flight: InFlight, readmitter: _Readmitter,
+    def __init__(self, *, config: Config, fleet: _FleetViews, in_flight: InFlight, readmitter: _Readmitter,
                  controller: _Controller, monitor: _Monitor, clock: Callable[[], float] = trio.current_time) -> None:
         self.config = config
         self.fleet = fleet

@@ -23,6 +23,7 @@ from narwhal.fleet.model import (
 )
 from narwhal.fleet.tables import (
     ACTION_POOL,
+    DRAIN_HOLDS,
     EVIDENCE_CLEARED,
     FAILURE_ACTIONS,
     INFERENCE_FAILURES,
@@ -33,6 +34,7 @@ from narwhal.fleet.tables import (
 
 __all__ = [
     "ACTION_POOL",
+    "DRAIN_HOLDS",
     "EVIDENCE_CLEARED",
     "FAILURE_ACTIONS",
     "INFERENCE_FAILURES",
