@@ -9,6 +9,7 @@ the certificates again and swaps the contexts of every listener and pool.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
@@ -22,6 +23,7 @@ import trio
 from narwhal.app.admin_routes import register_admin_routes
 from narwhal.app.control_app import create_app
 from narwhal.config import Config, ConfigError, parse_listen
+from narwhal.control.engine_view import EngineViewer
 from narwhal.control.fleet_writer import FleetWriter
 from narwhal.control.monitor import Monitor
 from narwhal.control.readmission import Readmitter
@@ -37,7 +39,7 @@ from narwhal.obs.logs import flush_logs, log_event
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.pools.control import ControlPool
 from narwhal.pools.data import DataPool
-from narwhal.serving.front import Front
+from narwhal.serving.front import Front, build_front_server
 from narwhal.serving.request_core import RequestCore
 from narwhal.stages import build_stages
 from narwhal.stages.persistence import PersistenceStage
@@ -177,18 +179,18 @@ class Router:
                                stage_timeout_s=controller.stage_timeout_s,
                                failure_limit=controller.monitor_failure_limit,
                                admission=self.admission, metrics=self.metrics)
+        self.engine_view = EngineViewer(config=config, fleet=self.fleet, in_flight=self.in_flight,
+                                        readmitter=self.readmitter, controller=self.controller, monitor=self.monitor)
         self.app = create_app(self)
         register_admin_routes(self.app, self)
-        serving = config.serving
         # One process serves the data plane itself; a controller leaves it to its workers.
         self.server: HTTPServer | None = None
         self.front: Front | None = None
         if in_memory:
-            self.front = Front(self.core, via_token=self.via_token,
-                               admin_elsewhere=config.admin.listen is not None, rest=self._call_app)
-            self.server = HTTPServer(self.handle, max_header_bytes=serving.max_header_bytes,
-                                     max_body_bytes=serving.max_body_bytes, idle_timeout_s=serving.idle_timeout_s,
-                                     ssl_context=self.tls.server)
+            # With [admin] listen the admin API is off the traffic port entirely.
+            self.front = Front(self.core, functools.partial(call_asgi, self.app), via_token=self.via_token,
+                               admin_elsewhere=config.admin.listen is not None)
+            self.server = build_front_server(config, self.front, self.tls.server)
         else:
             self.workers = WorkerSet(count=self.worker_count, config=config, config_dir=config_dir, hub=self.hub,
                                      app=self.app, via_token=self.via_token)
@@ -207,32 +209,6 @@ class Router:
 
     def _handoff_extra(self) -> dict[str, Any]:
         return {"consolidation_risk": self.controller.consolidation_risk(), "drained": sorted(self.drain.drained)}
-
-    def engines_view(self) -> dict[str, Any]:
-        now = trio.current_time()
-        engines = []
-        for view in self.fleet.views(now):
-            spec = self.config.engine_spec(view.name)
-            engines.append({
-                "name": view.name,
-                "role": view.role,
-                "url": spec.url,
-                "eligible": view.eligible,
-                "ejected": view.ejected,
-                "ejected_reason": view.ejected_reason,
-                "holds": [{"kind": str(hold.kind), "reason": hold.reason, "since": hold.since,
-                           "deadline": hold.deadline, "deferred": hold.deferred} for hold in view.holds],
-                "evidence": {str(k): v for k, v in view.evidence.items()},
-                "liveness_misses": view.liveness_misses,
-                "in_flight": self.in_flight[view.name],
-                "next_probe_at": view.next_probe_at,
-                "counters": {"ejections": view.counters.ejections, "probes": dict(view.counters.probes),
-                             "failures": {str(k): v for k, v in view.counters.failures.items()}},
-            })
-            engines[-1].update(self.readmitter.engine_extras(view.name))
-        return {"engines": engines, "consolidation_risk": self.controller.consolidation_risk(),
-                "monitor": {"failure_streak": self.monitor.failure_streak,
-                            "degraded": self.monitor.degraded_reason, "passes": self.monitor.passes}}
 
     def _register_gauges(self) -> None:
         m = self.metrics
@@ -289,9 +265,6 @@ class Router:
         """The data-plane front: completion routes to the core, the rest to the app."""
         assert self.front is not None, "a controller with workers serves no requests itself"
         await self.front.handle(request, responder)
-
-    async def _call_app(self, request: Request, responder: Responder) -> None:
-        await call_asgi(self.app, request, responder)
 
     # -- lifetime ----------------------------------------------------------------------
 

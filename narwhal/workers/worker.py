@@ -22,11 +22,11 @@ import trio
 
 from narwhal.config import ConfigError
 from narwhal.fleet.placement import InFlight
-from narwhal.http1.server import HTTPServer, Request, Responder
+from narwhal.http1.server import Request, Responder
 from narwhal.obs.logs import flush_logs, log_event, set_log_fields
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.pools.data import DataPool
-from narwhal.serving.front import Front
+from narwhal.serving.front import Front, build_front_server
 from narwhal.serving.request_core import RequestCore
 from narwhal.tls import TLSContexts
 from narwhal.wire import error_json
@@ -78,12 +78,9 @@ class Worker:
         self.core = RequestCore(config=config, supervisor=self.view, data_pool=self.data_pool,
                                 in_flight=self.in_flight, admission=self.view,  # type: ignore[arg-type]
                                 metrics=self.metrics, telemetry=self.telemetry)  # type: ignore[arg-type]
-        self.front = Front(self.core, via_token=welcome.via_token, admin_elsewhere=config.admin.listen is not None,
-                           rest=self._serve_rest)
-        serving = config.serving
-        self.server = HTTPServer(self.front.handle, max_header_bytes=serving.max_header_bytes,
-                                 max_body_bytes=serving.max_body_bytes, idle_timeout_s=serving.idle_timeout_s,
-                                 ssl_context=self.tls.server)
+        self.front = Front(self.core, self._serve_rest, via_token=welcome.via_token,
+                           admin_elsewhere=config.admin.listen is not None)
+        self.server = build_front_server(config, self.front, self.tls.server)
         self._forward_ids = itertools.count(1)
         self._forwards: dict[int, tuple[trio.Event, list[ForwardReply]]] = {}
         self._stopping = False
