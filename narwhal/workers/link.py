@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 import trio
 
+from narwhal.errors import NarwhalError
 from narwhal.workers.protocol import FrameDecoder, FrameError, encode_frame
 
 __all__ = ["LinkClosed", "StreamLink"]
@@ -24,7 +25,7 @@ _READ_BYTES = 256 * 1024
 _MAX_PENDING_BYTES = 64 * 1024 * 1024
 
 
-class LinkClosed(Exception):
+class LinkClosed(NarwhalError):
     """The other end is gone (EOF, a broken pipe, or it stopped reading)."""
 
 

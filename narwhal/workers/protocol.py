@@ -19,6 +19,7 @@ import struct
 import msgspec
 
 from narwhal.config import Config
+from narwhal.errors import NarwhalError
 
 __all__ = [
     "MAX_FRAME_BYTES",
@@ -180,7 +181,7 @@ ControllerMessage = Welcome | Snapshot | ForwardReply | ReloadTLS | Stop
 WorkerMessage = Hello | Evidence | Report | Forward
 
 
-class FrameError(Exception):
+class FrameError(NarwhalError):
     """A frame that no peer of ours would send (too long, undecodable)."""
 
 
