@@ -318,24 +318,53 @@ async def core_over(hostile):
 REQUEST = b'{"model": "mock-model", "prompt": "hi", "max_tokens": 2}'
 
 
-async def test_a_prefill_answering_without_end_gets_the_client_a_502_json_and_blames_the_prefill(core_over):
+PREFILL_ANSWER = json_answer(msgspec.json.encode({"kv_transfer_params": KV}))
+REQUEST_WHOLE = b'{"model": "mock-model", "prompt": "hi", "max_tokens": 2, "stream": false}'
+
+
+async def test_a_decode_answering_without_end_gets_the_client_a_502_json_and_blames_the_decode(core_over):
+    core, supervisor, p, d = await core_over(PREFILL_ANSWER, chunked_forever(), limit=LIMIT)
+    sink = Sink()
+    with trio.fail_after(10):
+        await core.handle("/v1/completions", REQUEST_WHOLE, None, sink)
+    assert sink.status == 502
+    error = json.loads(sink.body)["error"]
+    assert error["code"] == "inference_status" and "bound" in error["message"]
+    assert supervisor.failures == [("d1", FailureClass.INFERENCE_STATUS)]
+
+
+async def test_a_decode_error_body_without_end_is_inference_status(core_over):
+    core, supervisor, p, d = await core_over(PREFILL_ANSWER, chunked_forever(500), limit=LIMIT)
+    sink = Sink()
+    with trio.fail_after(10):
+        await core.handle("/v1/completions", REQUEST, None, sink)
+    assert sink.status == 502
+    assert supervisor.failures == [("d1", FailureClass.INFERENCE_STATUS)]
+
+
+async def test_a_prefill_200_too_large_to_read_is_an_unreadable_handoff_on_the_prefill(core_over):
     core, supervisor, p, d = await core_over(chunked_forever(), limit=LIMIT)
     sink = Sink()
     with trio.fail_after(10):
         await core.handle("/v1/completions", REQUEST, None, sink)
     assert sink.status == 502
     error = json.loads(sink.body)["error"]
-    assert error["code"] == "inference_status" and "bound" in error["message"]
-    assert supervisor.failures == [("p1", FailureClass.INFERENCE_STATUS)]
+    assert error["code"] == "kv_handoff" and "too large" in error["message"]
+    assert supervisor.failures == [("p1", FailureClass.KV_HANDOFF)]
     assert d.heads == []
 
 
 # -- 2. the prefill's handoff, bounded at the prefill leg ---------------------------------------------
 
 
-@pytest.mark.parametrize("junk", ["big", "deep-document", "deep-handoff"])
+@pytest.mark.parametrize("junk", ["30MB-nested", "big", "deep-document", "deep-handoff"])
 async def test_a_hostile_handoff_is_kv_handoff_on_the_prefill_and_never_reaches_decode(core_over, junk):
-    if junk == "big":
+    if junk == "30MB-nested":
+        # The case: 30 MB of nested junk, over every bound, with the default bounds.
+        junk_value: Any = [[{"k": ["v" * 64] * 8}] * 8] * 7500
+        answer = msgspec.json.encode({"kv_transfer_params": {**KV, "junk": junk_value}})
+        assert len(answer) > 30_000_000
+    elif junk == "big":
         # 2 MB of junk: under the response bound (8 MiB), over the handoff bound (1 MiB).
         kv = {**KV, "junk": [{"k": "v" * 100}] * 20000}
         answer = msgspec.json.encode({"kv_transfer_params": kv})
