@@ -98,8 +98,9 @@ async def hostile(nursery: trio.Nursery) -> Callable[[Handler], Awaitable[Hostil
 
 
 @pytest.fixture
-async def data_pool():
+async def data_pool(nursery: trio.Nursery):
     pool = DataPool(max_connections=8, engine_config=FAST)
+    await nursery.start(pool.run)
     yield pool
     await pool.aclose()
 
@@ -294,7 +295,7 @@ DECODE_ANSWER = json_answer(b'{"choices": [{"text": "ok"}], "usage": {"completio
 
 
 @pytest.fixture
-async def core_over(hostile):
+async def core_over(hostile, nursery: trio.Nursery):
     pools: list[DataPool] = []
 
     async def build(prefill: Handler, decode: Handler = DECODE_ANSWER, *, limit: int = 8 * 1024 * 1024,
@@ -304,6 +305,7 @@ async def core_over(hostile):
         config = parse_config(CORE_CONFIG.format(limit=limit, handoff=handoff, prefill_port=p.port,
                                                  decode_port=d.port))
         pool = DataPool(max_connections=8, engine_config=config.engine)
+        await nursery.start(pool.run)
         pools.append(pool)
         supervisor = RecordingSupervisor()
         core = RequestCore(config=config, supervisor=supervisor, data_pool=pool,

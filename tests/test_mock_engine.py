@@ -250,6 +250,19 @@ async def test_plain_request_is_served_like_a_normal_engine() -> None:
     assert mock.stats.plain == 1 and mock.stats.prefill == 0
 
 
+async def test_per_event_writes_put_every_event_in_a_write_of_its_own() -> None:
+    mock = engine(sse_writes="per-event")
+    answer = await call(mock, "POST", "/v1/completions",
+                        completion(DECODE_KV, max_tokens=3, stream=True, stream_options={"include_usage": True}))
+    # The head alone, three tokens, the usage event, [DONE], then the bare terminator, as vLLM writes them.
+    parts = [data for _, data in answer.writes]
+    assert parts[0] == b"" and parts[-1] == b""
+    events = parts[1:-1]
+    assert len(events) == 5 and all(e.startswith(b"data: ") and e.count(b"\n\n") == 1 and e.endswith(b"\n\n")
+                                     for e in events)
+    assert events[-1] == b"data: [DONE]\n\n" and answer.events()[-1] == "[DONE]" and answer.ended
+
+
 async def test_token_delay_paces_one_write_per_token(autojump_clock: Any) -> None:
     mock = engine(token_delay_s=0.25)
     answer = await call(mock, "POST", "/v1/completions", completion(DECODE_KV, max_tokens=3, stream=True))

@@ -64,22 +64,26 @@ class FakeSupervisor:
 
 
 class FakeStream:
+    """Scripted reads; like the pool's stream, ``saw_terminal`` is set by the read that carries [DONE]."""
+
     def __init__(self, chunks: list[Any]) -> None:
-        self.chunks = chunks
+        self.chunks = list(chunks)
         self.saw_terminal = False
 
-    def __aiter__(self):
-        return self._gen()
-
-    async def _gen(self):
-        for chunk in self.chunks:
-            if isinstance(chunk, BaseException):
-                raise chunk
-            if chunk == "hang":
-                await trio.sleep_forever()
-            yield chunk
-            if b"data: [DONE]" in chunk:
-                self.saw_terminal = True
+    async def read(self) -> bytes:
+        await trio.lowlevel.checkpoint()
+        if not self.chunks:
+            if not self.saw_terminal:
+                raise EngineFailure("d1", FailureClass.STREAM, "stream ended without data: [DONE]")
+            return b""
+        chunk = self.chunks.pop(0)
+        if isinstance(chunk, BaseException):
+            raise chunk
+        if chunk == "hang":
+            await trio.sleep_forever()
+        if b"data: [DONE]" in chunk:
+            self.saw_terminal = True
+        return chunk
 
 
 class FakePool:
@@ -129,10 +133,11 @@ class Sink:
     async def respond(self, status, headers, body):
         self.status, self.headers, self.body = status, headers, body
 
-    async def start_stream(self, status, headers, first=b""):
+    async def start_stream(self, status, headers, first=b"", end=False):
         self.started = True
         self.status, self.headers = status, headers
         self.writes.append(first)
+        self.ended = end
 
     async def write(self, data):
         self.writes.append(data)
@@ -141,6 +146,7 @@ class Sink:
         if last:
             self.writes.append(last)
         self.ended = True
+        self.ended_with = last
 
     def json(self) -> Any:
         return json.loads(self.body)
@@ -215,6 +221,22 @@ async def test_stream_is_relayed_chunk_for_chunk_without_reencoding():
     assert (b"content-type", b"text/event-stream") in sink.headers
     assert sink.writes == SSE
     assert sink.ended
+
+
+async def test_the_read_carrying_done_goes_out_with_the_terminator():
+    core, _, pool, _ = make_core()
+    sink = Sink()
+    await core.handle("/v1/completions", body(stream=True), None, sink)
+    # SSE[1] ends with [DONE]: held back and written by end_stream together with the chunked terminator.
+    assert sink.ended_with == SSE[1]
+
+
+async def test_a_stream_in_one_read_is_head_body_and_terminator_in_one_write():
+    core, _, pool, _ = make_core()
+    pool.decode.append([b"".join(SSE)])
+    sink = Sink()
+    await core.handle("/v1/completions", body(stream=True), None, sink)
+    assert sink.writes == [b"".join(SSE)] and sink.ended and not hasattr(sink, "ended_with")
 
 
 async def test_non_streaming_decode_body_is_returned_as_is():

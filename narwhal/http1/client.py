@@ -10,11 +10,15 @@ Every socket and parser problem leaves this module as one of its own errors;
 
     HTTPTransportError
     +-- ConnectFailed        refused, unreachable, DNS
-    +-- ConnectTimeout       no connection within connect_timeout_s
+    +-- ConnectTimeout       no connection (TCP and TLS handshake) within connect_timeout_s
+    +-- TLSFailed            the TLS handshake failed: untrusted or expired certificate,
+    |                        wrong host name, handshake refused
     +-- WriteTimeout         sending the request took longer than its timeout
     +-- ReadTimeout          one read took longer than the per-read timeout
     +-- DeadlineExpired      the caller's response deadline passed (first token, silence)
-    +-- ConnectionClosed     EOF or reset; ``response_started`` says whether any
+    +-- ConnectionClosed     EOF or reset (or a TLS alert after the handshake, as
+    |                        when an engine rejects our client certificate under
+    |                        TLS 1.3); ``response_started`` says whether any
     |                        response byte had arrived
     +-- MalformedResponse    the engine's bytes are not HTTP/1.1
     +-- ResponseTooLarge     the head or a buffered body passed its bound
@@ -26,11 +30,16 @@ from __future__ import annotations
 
 import errno
 import math
+import os
 import select
+import ssl
 
 import httptools
 import msgspec
 import trio
+
+from narwhal.http1.sockets import socket_of
+from narwhal.tls import tls_reason
 
 __all__ = [
     "ConnectFailed",
@@ -45,6 +54,7 @@ __all__ = [
     "MalformedResponse",
     "ReadTimeout",
     "ResponseTooLarge",
+    "TLSFailed",
     "WriteTimeout",
     "local_errno_name",
 ]
@@ -54,6 +64,11 @@ _RECENTLY_IDLE_S = 1.0
 
 _READ_SIZE = 65536
 _INF = math.inf
+# A relay whose reads never block yields to the scheduler after this many reads in a row.
+_UNBLOCKED_READS_PER_CHECKPOINT = 16
+# Module-level names for the raw syscalls: the fast path's only I/O, and what tests replace.
+_read = os.read
+_write = os.write
 # Default bound on a response's status line and headers (engine.max_response_header_bytes).
 DEFAULT_MAX_HEAD_BYTES = 64 * 1024
 # Errors of our own process, not of the engine we were connecting to.
@@ -74,6 +89,10 @@ class ConnectFailed(HTTPTransportError):
 
 class ConnectTimeout(HTTPTransportError):
     """The TCP connection was not open within the connect timeout."""
+
+
+class TLSFailed(HTTPTransportError):
+    """The TLS handshake with the engine failed; the message carries the TLS reason."""
 
 
 class WriteTimeout(HTTPTransportError):
@@ -124,6 +143,12 @@ def _cause_name(exc: BaseException) -> str:
     return type(exc.__cause__ or exc).__name__
 
 
+def _closed_message(plain: str, exc: BaseException) -> str:
+    """``plain``, or with the TLS reason when the engine ended the connection with a TLS alert."""
+    reason = tls_reason(exc)
+    return f"{plain} (TLS: {reason})" if reason else plain
+
+
 def _first_attempt_error(exc: OSError) -> BaseException:
     # trio raises a generic OSError "all attempts ... failed" caused by a group of the
     # per-address errors; the first of those (ConnectionRefusedError, ...) says what happened.
@@ -155,13 +180,20 @@ class EngineConnection:
     It is also the httptools protocol object: the parser calls its ``on_*`` methods.
     """
 
-    def __init__(self, stream: trio.SocketStream, key: tuple[str, int], *,
+    def __init__(self, stream: trio.abc.Stream, key: tuple[str, int], *,
                  max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES) -> None:
         self.key = key
         self.max_head_bytes = max_head_bytes
         self.idle_since = 0.0
         self.sent_at = 0.0
+        # While the relay waits for the engine: when that wait began (for the silence watchdog).
+        self.waiting_since = _INF
         self._stream = stream
+        # Plain sockets get the syscall fast path; any other trio Stream (TLS) the generic one.
+        self._fd = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else -1
+        # True when the last read was short: the socket is drained, so wait before reading again.
+        self._drained = True
+        self._unblocked = 0
         self._parser: httptools.HttpResponseParser | None = None
         self._headers: list[tuple[bytes, bytes]] = []
         self._head: HTTPResponseHead | None = None
@@ -203,12 +235,13 @@ class EngineConnection:
         """Close the socket now; synchronous so release paths need no checkpoint."""
         self._broken = True
         self._parser = None
-        self._stream.socket.close()
+        self._fd = -1
+        socket_of(self._stream).close()
 
     def dropped_while_idle(self) -> bool:
         """True when an idle connection has something to read: EOF, a reset, or stray bytes."""
         poller = select.poll()
-        poller.register(self._stream.socket.fileno(), select.POLLIN)
+        poller.register(socket_of(self._stream).fileno(), select.POLLIN)
         return bool(poller.poll(0))
 
     # I/O ------------------------------------------------------------------
@@ -220,18 +253,36 @@ class EngineConnection:
         self._body = []
         self._received = 0
         self._response_started = self._complete = self._keep_alive = False
-        with trio.move_on_after(timeout_s) as scope:
+        # Nothing of the response can be there yet: the first read waits for it.
+        self._drained = True
+        rest: bytes | memoryview = request
+        fd = self._fd
+        if fd >= 0:
+            # The kernel almost always takes a whole request at once: then no scope and no trip
+            # through the scheduler (P2 in docs/benchmarks.md).
             try:
-                await self._stream.send_all(request)
-            except trio.BrokenResourceError as exc:
+                sent = _write(fd, request)
+            except BlockingIOError:
+                sent = 0
+            except OSError as exc:
                 self._broken = True
                 # The engine may have answered before closing (413 for a body over its limit).
                 self.sent_at = trio.current_time()
                 raise ConnectionClosed("connection closed while sending the request",
-                                       cause=_cause_name(exc), response_started=False) from exc
-        if scope.cancelled_caught:
-            self._broken = True
-            raise WriteTimeout(f"request not sent within {timeout_s:g} s", cause="WriteTimeout")
+                                       cause=type(exc).__name__, response_started=False) from exc
+            rest = memoryview(request)[sent:] if sent else request
+        if rest:
+            with trio.move_on_after(timeout_s) as scope:
+                try:
+                    await self._stream.send_all(rest)
+                except trio.BrokenResourceError as exc:
+                    self._broken = True
+                    self.sent_at = trio.current_time()
+                    raise ConnectionClosed(_closed_message("connection closed while sending the request", exc),
+                                           cause=_cause_name(exc), response_started=False) from exc
+            if scope.cancelled_caught:
+                self._broken = True
+                raise WriteTimeout(f"request not sent within {timeout_s:g} s", cause="WriteTimeout")
         self.sent_at = trio.current_time()
 
     async def read_head(self, *, read_timeout_s: float, deadline: float = _INF,
@@ -291,22 +342,88 @@ class EngineConnection:
                     return None
         return None
 
-    async def _receive(self, read_timeout_s: float, deadline: float, deadline_message: str) -> None:
-        read_by = trio.current_time() + read_timeout_s
-        data = b""
-        with trio.move_on_at(min(read_by, deadline)) as scope:
-            try:
-                data = await self._stream.receive_some(_READ_SIZE)
-            except trio.BrokenResourceError as exc:
-                self._broken = True
-                raise ConnectionClosed("connection reset by the engine", cause=_cause_name(exc),
-                                       response_started=self._response_started) from exc
-        if scope.cancelled_caught:
+    async def read_relay_body(self) -> bytes:
+        """The body bytes of the next read(s), b"" at its end; for a relay whose deadlines a watchdog keeps.
+
+        No cancel scope and no deadline per read: the caller's scope is cancelled
+        from outside when the engine is silent too long (``waiting_since`` says
+        since when it has been waited for). The socket is read first and waited
+        for only after a short read; every few reads that did not wait, it yields.
+        """
+        body = self._body
+        fd = self._fd
+        while not body:
+            if self._complete:
+                return b""
+            if fd < 0:
+                self.waiting_since = trio.current_time()
+                try:
+                    await self._receive(_INF, _INF, "")
+                finally:
+                    self.waiting_since = _INF
+                continue
+            if self._drained:
+                self.waiting_since = trio.current_time()
+                try:
+                    await trio.lowlevel.wait_readable(fd)
+                finally:
+                    self.waiting_since = _INF
+                self._unblocked = 0
+            else:
+                self._unblocked += 1
+                if self._unblocked >= _UNBLOCKED_READS_PER_CHECKPOINT:
+                    self._unblocked = 0
+                    await trio.lowlevel.checkpoint()
+            data = self._read_now()
+            if data is not None:
+                self._parse(data)
+        data = body[0] if len(body) == 1 else b"".join(body)
+        body.clear()
+        return data
+
+    def _read_now(self) -> bytes | None:
+        """One non-blocking read; None when there was nothing to read after all."""
+        try:
+            data = _read(self._fd, _READ_SIZE)
+        except BlockingIOError:
+            self._drained = True
+            return None
+        except OSError as exc:
             self._broken = True
-            if deadline <= read_by:
-                raise DeadlineExpired(deadline_message or "response deadline passed",
-                                      cause="DeadlineExpired")
-            raise ReadTimeout(f"no response bytes within {read_timeout_s:g} s", cause="ReadTimeout")
+            raise ConnectionClosed("connection reset by the engine", cause=type(exc).__name__,
+                                   response_started=self._response_started) from exc
+        self._drained = len(data) < _READ_SIZE
+        return data
+
+    async def _receive(self, read_timeout_s: float, deadline: float, deadline_message: str) -> None:
+        fd = self._fd
+        data: bytes | None = None
+        if fd >= 0 and not self._drained:
+            data = self._read_now()
+        if data is None:
+            read_by = trio.current_time() + read_timeout_s if read_timeout_s < _INF else _INF
+            with trio.move_on_at(min(read_by, deadline)) as scope:
+                try:
+                    if fd >= 0:
+                        while data is None:
+                            await trio.lowlevel.wait_readable(fd)
+                            data = self._read_now()
+                    else:
+                        data = bytes(await self._stream.receive_some(_READ_SIZE))
+                except trio.BrokenResourceError as exc:
+                    self._broken = True
+                    raise ConnectionClosed(_closed_message("connection reset by the engine", exc),
+                                           cause=_cause_name(exc), response_started=self._response_started) from exc
+            if scope.cancelled_caught:
+                self._broken = True
+                if deadline <= read_by:
+                    raise DeadlineExpired(deadline_message or "response deadline passed",
+                                          cause="DeadlineExpired")
+                raise ReadTimeout(f"no response bytes within {read_timeout_s:g} s", cause="ReadTimeout")
+        assert data is not None
+        self._parse(data)
+
+    def _parse(self, data: bytes) -> None:
         if not data:
             self._end_of_file()
             return
@@ -361,8 +478,12 @@ class EngineConnections:
     """
 
     def __init__(self, *, idle_s: float = 4.0, connect_timeout_s: float = 2.0,
-                 write_timeout_s: float = 60.0, max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES) -> None:
+                 write_timeout_s: float = 60.0, max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.idle_s = idle_s
+        # For ``tls=True`` requests; read at each new connection, so assigning a new
+        # context (a reload) changes new handshakes only.
+        self.ssl_context = ssl_context
         self.max_head_bytes = max_head_bytes
         self.connect_timeout_s = connect_timeout_s
         self.write_timeout_s = write_timeout_s
@@ -375,12 +496,13 @@ class EngineConnections:
         return sum(len(stack) for stack in self._idle.values())
 
     async def request(self, host: str, port: int, request: bytes, *, read_timeout_s: float,
-                      head_deadline_s: float = _INF,
-                      head_deadline_message: str = "") -> tuple[EngineConnection, HTTPResponseHead]:
+                      head_deadline_s: float = _INF, head_deadline_message: str = "",
+                      tls: bool = False) -> tuple[EngineConnection, HTTPResponseHead]:
         """Send ``request`` and read the response head; the caller must ``release`` the connection.
 
         ``head_deadline_s`` bounds the wait for the head, counted from when the
-        request was sent; each read is also bounded by ``read_timeout_s``.
+        request was sent; each read is also bounded by ``read_timeout_s``. With
+        ``tls`` a new connection is TLS, verified against ``host``.
         """
         key = (host, port)
         conn = self._take_idle(key)
@@ -395,7 +517,7 @@ class EngineConnections:
                 # connection as we reused it. Fall through to one fresh attempt.
             else:
                 return conn, head
-        conn = await self._open(key)
+        conn = await self._open(key, tls)
         head = await self._exchange(conn, request, read_timeout_s, head_deadline_s, head_deadline_message)
         return conn, head
 
@@ -484,8 +606,11 @@ class EngineConnections:
             if expired:
                 del stack[:expired]
 
-    async def _open(self, key: tuple[str, int]) -> EngineConnection:
+    async def _open(self, key: tuple[str, int], tls: bool = False) -> EngineConnection:
         host, port = key
+        stream: trio.SocketStream | None = None
+        secure: trio.SSLStream[trio.SocketStream] | None = None
+        # One deadline for the TCP connect and the TLS handshake together.
         with trio.move_on_after(self.connect_timeout_s) as scope:
             try:
                 stream = await trio.open_tcp_stream(host, port)
@@ -496,8 +621,34 @@ class EngineConnections:
                     raise LocalResourceError(f"cannot open a connection to {host}:{port}: {first}",
                                              cause=type(first).__name__, errno_name=local) from exc
                 raise ConnectFailed(f"cannot connect to {host}:{port}: {first}", cause=type(first).__name__) from exc
+            if tls:
+                secure = await self._handshake(stream, host, port)
         if scope.cancelled_caught:
-            raise ConnectTimeout(f"no connection to {host}:{port} within {self.connect_timeout_s:g} s",
+            if stream is not None:
+                stream.socket.close()
+            what = "TLS handshake" if stream is not None and tls else "connection"
+            raise ConnectTimeout(f"no {what} with {host}:{port} within {self.connect_timeout_s:g} s",
                                  cause="ConnectTimeout")
+        assert stream is not None
         self.connections_opened += 1
-        return EngineConnection(stream, key, max_head_bytes=self.max_head_bytes)
+        # A TLS connection is an SSLStream: EngineConnection keeps it off the plain-socket fast path.
+        return EngineConnection(secure if secure is not None else stream, key, max_head_bytes=self.max_head_bytes)
+
+    async def _handshake(self, stream: trio.SocketStream, host: str, port: int) -> trio.SSLStream[trio.SocketStream]:
+        context = self.ssl_context
+        if context is None:
+            stream.socket.close()
+            raise TLSFailed(f"no TLS context for https://{host}:{port}", cause="NoTLSContext")
+        # server_hostname is the URL's host: check_hostname verifies the certificate against it.
+        secure = trio.SSLStream(stream, context, server_hostname=host, https_compatible=True)
+        try:
+            await secure.do_handshake()
+        except trio.BrokenResourceError as exc:
+            stream.socket.close()
+            reason = tls_reason(exc) or str(exc.__cause__ or exc)
+            raise TLSFailed(f"TLS handshake with {host}:{port} failed: {reason}",
+                            cause=_cause_name(exc)) from exc
+        except BaseException:
+            stream.socket.close()
+            raise
+        return secure

@@ -1,18 +1,31 @@
 """A small HTTP/1.1 server on trio streams, parsed by httptools.
 
-Theory of operation: each connection runs two tasks in one nursery.
+Theory of operation: each connection is served by one task.
 
-- The *reader* owns every receive on the socket. It feeds bytes to the
-  httptools parser, whose callbacks build ``Request`` objects into a queue
-  (pipelined requests queue up in order). It keeps reading while a handler
-  runs, so a client that goes away (EOF or reset) is seen at once: the reader
-  cancels the running handler's cancel scope. It stops reading while more than
-  one request is queued (then it only watches for EOF), and it stops for good
-  at the first protocol error, which it records for the dispatcher to answer.
-- The *dispatcher* owns every send, except the interim ``100 Continue`` that
-  the reader sends while the dispatcher is idle. It takes requests off the
-  queue one at a time, runs the handler in its own cancel scope, makes sure a
-  response went out, and decides whether the connection goes on.
+- While no request is being handled, the connection task owns every receive:
+  it feeds bytes to the httptools parser, whose callbacks build ``Request``
+  objects into a queue (pipelined requests queue up in order), and it sends
+  the interim ``100 Continue`` when a body is expected. It waits at most
+  ``idle_timeout_s`` for the next bytes.
+- It then takes requests off the queue one at a time, runs the handler in its
+  own cancel scope, makes sure a response went out, and decides whether the
+  connection goes on. Nothing is read while a handler runs: later pipelined
+  requests wait in the socket buffer.
+- While a handler runs, the connection's socket is in the server's disconnect
+  watch: one task per server owns an epoll set of the sockets with a request
+  in flight, waiting for the peer's close (EPOLLRDHUP) or a reset, and cancels
+  that handler's scope. A connection with no request in flight costs no task
+  and no watch; one with a request costs two ``epoll_ctl`` calls, no task.
+
+Sends to plain sockets are a non-blocking ``write`` first; only what the
+kernel did not take goes through trio's ``send_all`` (which waits until the
+socket is writable). Any other trio Stream (TLS) uses the stream's methods.
+
+With an ``ssl_context`` every accepted connection is wrapped in a
+``trio.SSLStream`` and must finish its handshake within the idle timeout; a
+plain-HTTP client on that port fails the handshake and is closed unanswered
+(after the TLS alert, if OpenSSL wrote one). The wrapped stream is not a
+``SocketStream``, so it never takes the plain-socket fast paths.
 
 The server's ``shutdown()`` stops the accept loops, wakes idle connections so
 they close, and puts a deadline on the nursery that holds the connections, so
@@ -24,7 +37,10 @@ from __future__ import annotations
 import errno
 import http
 import logging
-import socket
+import math
+import os
+import select
+import ssl
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -35,7 +51,9 @@ import httptools
 import msgspec
 import trio
 
+from narwhal.http1.sockets import socket_of
 from narwhal.obs.logs import log_event
+from narwhal.tls import tls_reason
 from narwhal.wire import error_json
 
 __all__ = [
@@ -78,6 +96,11 @@ _KEEP_ALIVE_HEADER = b"connection: keep-alive\r\n"
 _CHUNKED_HEADER = b"transfer-encoding: chunked\r\n"
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 _CHUNK_TERMINATOR = b"0\r\n\r\n"
+# The peer closed or reset: what the disconnect watch waits for (not EPOLLIN: pipelined bytes stay unread).
+_GONE_EVENTS = select.EPOLLRDHUP | select.EPOLLHUP | select.EPOLLERR
+_INF = math.inf
+# The raw send syscall of the fast path; a module-level name so tests can count or limit writes.
+_write = os.write
 
 
 class ClientDisconnected(Exception):
@@ -96,8 +119,9 @@ class Request:
     """One parsed request with its complete body."""
 
     __slots__ = (
+        "_client",
+        "_conn",
         "body",
-        "client",
         "headers",
         "http_version",
         "keep_alive",
@@ -116,6 +140,7 @@ class Request:
         http_version: str = "1.1",
         keep_alive: bool = True,
         client: tuple[str, int] | None = None,
+        conn: _Connection | None = None,
     ) -> None:
         self.method = method
         self.target = target
@@ -125,7 +150,15 @@ class Request:
         self.body = body
         self.http_version = http_version
         self.keep_alive = keep_alive
-        self.client = client
+        self._client = client
+        self._conn = conn
+
+    @property
+    def client(self) -> tuple[str, int] | None:
+        """The peer's (host, port); looked up only when asked for (a syscall the data path never needs)."""
+        if self._client is None and self._conn is not None:
+            self._client = self._conn.peer()
+        return self._client
 
     def get_header(self, name: bytes) -> bytes | None:
         """The value of the first header called ``name`` (lower-case), or None."""
@@ -165,6 +198,11 @@ class Responder:
         """True once the client is known to be gone."""
         return self._conn.disconnected
 
+    @property
+    def secure(self) -> bool:
+        """True when the request came over TLS."""
+        return isinstance(self._conn.stream, trio.SSLStream)
+
     async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         """Send a complete response (head and body in one write)."""
         self._begin()
@@ -176,12 +214,20 @@ class Responder:
         self.finished = True
         await self._conn.send(self._head(status, headers, framing, body))
 
-    async def start_stream(self, status: int, headers: list[tuple[bytes, bytes]], first: bytes = b"") -> None:
-        """Send the head of a streamed response, with ``first`` as its first chunk, in one write."""
+    async def start_stream(self, status: int, headers: list[tuple[bytes, bytes]], first: bytes = b"",
+                           end: bool = False) -> None:
+        """Send the head of a streamed response, with ``first`` as its first chunk, in one write.
+
+        ``end=True``: ``first`` is the whole body; the terminator goes in the same write.
+        """
         self._begin()
+        if end:
+            self.finished = True
         if self._request.http_version == "1.1":
             self._chunked = True
             chunk = b"%x\r\n%b\r\n" % (len(first), first) if first else b""
+            if end:
+                chunk += _CHUNK_TERMINATOR
             head = self._head(status, headers, _CHUNKED_HEADER, chunk)
         else:
             # HTTP/1.0 has no chunked coding: the body ends when the connection closes.
@@ -247,52 +293,53 @@ class _ProtocolViolation(Exception):
 
 
 class _Connection:
-    """One client connection: the parser's callbacks, the reader and the dispatcher."""
+    """One client connection: the parser's callbacks and the task that serves it."""
 
     __slots__ = (
         "_body_parts",
         "_body_size",
+        "_client",
         "_content_length",
         "_continue_pending",
-        "_dispatcher_idle",
-        "_dispatcher_lot",
+        "_drained",
         "_expect_continue",
         "_fatal",
+        "_fd",
         "_handler_scope",
         "_head_bytes",
         "_head_fed",
         "_headers",
-        "_idle_scope",
+        "_idle",
         "_in_head",
         "_in_message",
         "_messages_begun",
         "_parser",
         "_queue",
-        "_reader_lot",
+        "_scope",
         "_url",
-        "client",
         "disconnected",
         "server",
+        "sock",
         "stream",
     )
 
-    def __init__(self, server: HTTPServer, stream: trio.SocketStream) -> None:
+    def __init__(self, server: HTTPServer, stream: trio.abc.Stream) -> None:
         self.server = server
         self.stream = stream
-        try:
-            peer = stream.socket.getpeername()
-            self.client: tuple[str, int] | None = (peer[0], peer[1])
-        except OSError:
-            self.client = None
+        self.sock = socket_of(stream)
+        # Plain sockets get the syscall fast path; any other trio Stream (TLS) the generic one.
+        self._fd = self.sock.fileno() if isinstance(stream, trio.SocketStream) else -1
+        self._client: tuple[str, int] | None = None
         self.disconnected = False
         self._parser = httptools.HttpRequestParser(self)
         self._queue: deque[Request] = deque()
         self._fatal: tuple[int, str, str] | None = None
         self._handler_scope: trio.CancelScope | None = None
-        self._idle_scope: trio.CancelScope | None = None
-        self._dispatcher_idle = False
-        self._dispatcher_lot = trio.lowlevel.ParkingLot()
-        self._reader_lot = trio.lowlevel.ParkingLot()
+        # The connection's scope: its deadline is the idle timeout while idle, +inf while handling.
+        self._scope: trio.CancelScope | None = None
+        self._idle = False
+        # A new connection's request is usually there already: read before waiting.
+        self._drained = False
         self._continue_pending = False
         self._in_message = False
         self._in_head = False
@@ -305,6 +352,16 @@ class _Connection:
         self._body_size = 0
         self._content_length: bytes | None = None
         self._expect_continue = False
+
+    def peer(self) -> tuple[str, int] | None:
+        """The client's (host, port), or None when the socket cannot say."""
+        if self._client is None:
+            try:
+                peer = self.sock.getpeername()
+            except OSError:
+                return None
+            self._client = (peer[0], peer[1])
+        return self._client
 
     # ---- httptools callbacks: synchronous, called from feed_data ----
 
@@ -365,7 +422,8 @@ class _Connection:
                 body,
                 parser.get_http_version(),
                 parser.should_keep_alive(),
-                self.client,
+                None,
+                self,
             )
         )
         self._in_message = False
@@ -399,115 +457,120 @@ class _Connection:
             if self._head_fed > self.server._max_header_bytes:
                 self._fatal = (431, "request header fields too large", "request_header_fields_too_large")
 
-    # ---- the reader task ----
+    # ---- the connection task ----
 
-    async def read_loop(self) -> None:
-        """Receive and parse until EOF, a protocol error, or cancellation."""
-        receive_some = self.stream.receive_some
+    async def run(self) -> None:
+        """Read and answer requests in order until the connection should close."""
         server = self.server
-        while True:
-            if len(self._queue) > 1:
-                await self._wait_for_queue_space()
-                if self.disconnected:
+        queue = self._queue
+        with trio.CancelScope() as scope:
+            self._scope = scope
+            while True:
+                while not queue:
+                    if self.disconnected:
+                        return
+                    if self._fatal is not None:
+                        await self._send_fatal()
+                        return
+                    if server._closing and not self._in_message:
+                        return
+                    if self._continue_pending:
+                        self._continue_pending = False
+                        await self._send_continue()
+                        continue
+                    scope.deadline = trio.current_time() + server._idle_timeout_s
+                    self._idle = True
+                    data = await self._receive()
+                    self._idle = False
+                    if scope.cancel_called:
+                        # Idle too long or shut down, even if bytes arrived at that moment.
+                        return
+                    if not data:
+                        self.disconnected = True
+                        return
+                    self._feed(data)
+                    if self._expect_continue and self._in_message and self._fatal is None:
+                        self._expect_continue = False
+                        # The interim response may not overtake responses still due ahead of it.
+                        if queue:
+                            self._continue_pending = True
+                        else:
+                            await self._send_continue()
+                scope.deadline = _INF
+                request = queue.popleft()
+                if not await self._handle(request):
                     return
-                continue
-            try:
-                data = await receive_some(_RECEIVE_SIZE)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                data = b""
-            if not data:
-                self._client_gone()
-                return
-            if self._idle_scope is not None:
-                self._idle_scope.deadline = trio.current_time() + server._idle_timeout_s
-            self._feed(data)
-            if self._fatal is not None:
-                self._dispatcher_lot.unpark()
-                return
-            if self._queue:
-                self._dispatcher_lot.unpark()
-            if self._expect_continue and self._in_message:
-                self._expect_continue = False
-                # Only an idle connection may send the interim response now; else
-                # the dispatcher sends it once the responses ahead of it are out.
-                if self._dispatcher_idle and not self._queue:
-                    await self._send_continue()
-                else:
-                    self._continue_pending = True
+                # The response just went out: the client's next request comes later, so wait first.
+                self._drained = True
 
-    async def _wait_for_queue_space(self) -> None:
-        """Read nothing more while requests are queued, but notice EOF if it is next."""
-        sock = self.stream.socket
-        try:
-            await trio.lowlevel.wait_readable(sock)
-            if len(self._queue) <= 1:
-                return
-            peeked = await sock.recv(1, socket.MSG_PEEK)
-        except OSError:
-            peeked = b""
-        if not peeked:
-            self._client_gone()
-            return
-        # Unread requests sit before any EOF: wait until the dispatcher catches up.
-        await self._reader_lot.park()
+    async def _receive(self) -> bytes:
+        """The next bytes from the client; b"" on EOF or a reset."""
+        fd = self._fd
+        if fd < 0:
+            try:
+                return bytes(await self.stream.receive_some(_RECEIVE_SIZE))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return b""
+        while True:
+            if self._drained:
+                await trio.lowlevel.wait_readable(fd)
+            try:
+                data = os.read(fd, _RECEIVE_SIZE)
+            except BlockingIOError:
+                self._drained = True
+                continue
+            except OSError:
+                return b""
+            self._drained = len(data) < _RECEIVE_SIZE
+            return data
+
+    def wake_for_shutdown(self) -> None:
+        """Close now if idle; a connection handling a request closes after its response."""
+        if self._idle and self._scope is not None:
+            self._scope.cancel()
 
     async def _send_continue(self) -> None:
         try:
-            await self.stream.send_all(_CONTINUE)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            self._client_gone()
+            await self.send(_CONTINUE)
+        except ClientDisconnected:
+            pass
 
-    def _client_gone(self) -> None:
+    def client_gone(self) -> None:
+        """The client closed or reset: cancel the handler (if any); the connection ends."""
         self.disconnected = True
         if self._handler_scope is not None:
             self._handler_scope.cancel()
-        self._dispatcher_lot.unpark()
 
-    # ---- sending (dispatcher and responders) ----
+    # ---- sending (the connection task and responders) ----
 
     async def send(self, data: bytes) -> None:
         """One socket write; ClientDisconnected if the client is gone."""
         if self.disconnected:
             raise ClientDisconnected("the client has gone")
+        fd = self._fd
+        rest: bytes | memoryview = data
+        if fd >= 0:
+            # The kernel takes the bytes at once unless the socket buffer is full: then no
+            # trip through the scheduler at all (P2 in docs/benchmarks.md).
+            try:
+                sent = _write(fd, data)
+            except BlockingIOError:
+                sent = 0
+            except OSError as exc:
+                self.client_gone()
+                raise ClientDisconnected("the client has gone") from exc
+            if sent == len(data):
+                return
+            rest = memoryview(data)[sent:]
         try:
-            await self.stream.send_all(data)
+            await self.stream.send_all(rest)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            self._client_gone()
+            self.client_gone()
             raise ClientDisconnected("the client has gone") from exc
-
-    # ---- the dispatcher ----
-
-    async def dispatch_loop(self) -> None:
-        """Answer queued requests in order until the connection should close."""
-        server = self.server
-        queue = self._queue
-        while True:
-            while not queue:
-                if self.disconnected:
-                    return
-                if self._fatal is not None:
-                    await self._send_fatal()
-                    return
-                if server._closing and not self._in_message:
-                    return
-                if self._continue_pending:
-                    self._continue_pending = False
-                    await self._send_continue()
-                    continue
-                self._dispatcher_idle = True
-                with trio.move_on_after(server._idle_timeout_s) as idle_scope:
-                    self._idle_scope = idle_scope
-                    await self._dispatcher_lot.park()
-                self._idle_scope = None
-                self._dispatcher_idle = False
-                if idle_scope.cancelled_caught:
-                    return
-            if self.disconnected:
-                return
-            request = queue.popleft()
-            self._reader_lot.unpark()
-            if not await self._handle(request):
-                return
+        except BaseException:
+            # Cut mid-write (cancelled): part of a response may be out, so nothing more may follow.
+            self.disconnected = True
+            raise
 
     async def _handle(self, request: Request) -> bool:
         """Run the handler for one request; True when the connection may go on."""
@@ -516,6 +579,7 @@ class _Connection:
         server._requests_in_flight += 1
         server._requests_total += 1
         failure: Exception | None = None
+        watching = server._watch(self)
         try:
             with trio.CancelScope() as scope:
                 self._handler_scope = scope
@@ -525,6 +589,8 @@ class _Connection:
             # shutdown deadline) go on while the handler's own errors stop here.
             failure = _unwrap(group)
         finally:
+            if watching:
+                server._unwatch(self)
             self._handler_scope = None
             server._requests_in_flight -= 1
         if self.disconnected:
@@ -568,7 +634,8 @@ class _Connection:
         )
         try:
             await self.stream.send_all(head + body)
-            await self.stream.send_eof()
+            if isinstance(self.stream, trio.abc.HalfCloseableStream):
+                await self.stream.send_eof()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return
         with trio.move_on_after(_LINGER_S):
@@ -582,8 +649,40 @@ class _Connection:
                     return
                 drained += len(data)
 
-    def wake_for_shutdown(self) -> None:
-        self._dispatcher_lot.unpark()
+
+async def _send_alert(stream: trio.SSLStream[trio.SocketStream], raw: trio.SocketStream) -> None:
+    """Send the TLS alert OpenSSL wrote for a failed handshake, then close gently.
+
+    trio marks the stream broken without sending it; without the alert a client
+    refused for its certificate sees only a reset and cannot tell why. The
+    attribute is trio's private outgoing buffer, hence the guard. The linger
+    keeps unread client bytes from turning the close into a reset that would
+    destroy the alert.
+    """
+    outgoing = getattr(stream, "_outgoing", None)
+    alert = outgoing.read() if isinstance(outgoing, ssl.MemoryBIO) else b""
+    if not alert:
+        return
+    with trio.move_on_after(_LINGER_S):
+        try:
+            await raw.send_all(alert)
+            await raw.send_eof()
+            drained = 0
+            while drained < _LINGER_MAX_BYTES:
+                data = await raw.receive_some(_RECEIVE_SIZE)
+                if not data:
+                    return
+                drained += len(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return
+
+
+def _peer(raw: trio.SocketStream) -> tuple[str, int] | None:
+    try:
+        peer = raw.socket.getpeername()
+    except OSError:
+        return None
+    return (peer[0], peer[1])
 
 
 def _unwrap(group: ExceptionGroup) -> Exception:
@@ -620,8 +719,12 @@ class HTTPServer:
         max_body_bytes: int = 4 * 1024 * 1024,
         idle_timeout_s: float = 60.0,
         server_name: bytes = b"narwhal",
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self._handler = handler
+        # Read once per accepted connection: assigning a new context (a TLS reload)
+        # changes new handshakes only.
+        self.ssl_context = ssl_context
         self._max_header_bytes = max_header_bytes
         self._max_body_bytes = max_body_bytes
         self._idle_timeout_s = idle_timeout_s
@@ -635,6 +738,9 @@ class HTTPServer:
         self._connections: set[_Connection] = set()
         self._requests_in_flight = 0
         self._requests_total = 0
+        # The disconnect watch: sockets with a request in flight, by fd (see the module docstring).
+        self._epoll: select.epoll | None = None
+        self._watched: dict[int, _Connection] = {}
 
     def __repr__(self) -> str:
         state = "closing" if self._closing else "serving"
@@ -676,25 +782,33 @@ class HTTPServer:
             conn.wake_for_shutdown()
 
     async def _serve(self, listeners: Sequence[Listener], started: Callable[[], None]) -> None:
+        epoll = self._epoll = select.epoll()
         try:
-            async with trio.open_nursery() as connections:
-                self._connections_scope = connections.cancel_scope
-                connections.cancel_scope.deadline = self._shutdown_deadline
-                async with trio.open_nursery() as accepting:
-                    self._accept_scope = accepting.cancel_scope
-                    if self._closing:
-                        accepting.cancel_scope.cancel()
+            async with trio.open_nursery() as watcher:
+                # The disconnect watch outlives every connection and stops after the last one.
+                watcher.start_soon(self._watch_disconnects, epoll)
+                async with trio.open_nursery() as connections:
+                    self._connections_scope = connections.cancel_scope
+                    connections.cancel_scope.deadline = self._shutdown_deadline
+                    async with trio.open_nursery() as accepting:
+                        self._accept_scope = accepting.cancel_scope
+                        if self._closing:
+                            accepting.cancel_scope.cancel()
+                        for listener in listeners:
+                            accepting.start_soon(self._accept_loop, listener, connections)
+                        started()
+                    # Close at once so that new connects are refused while requests drain.
                     for listener in listeners:
-                        accepting.start_soon(self._accept_loop, listener, connections)
-                    started()
-                # Close at once so that new connects are refused while requests drain.
-                for listener in listeners:
-                    listener.socket.close()
+                        listener.socket.close()
+                watcher.cancel_scope.cancel()
         finally:
             for listener in listeners:
                 listener.socket.close()
             self._accept_scope = None
             self._connections_scope = None
+            self._watched.clear()
+            self._epoll = None
+            epoll.close()
 
     async def _accept_loop(self, listener: Listener, connections: trio.Nursery) -> None:
         while True:
@@ -708,28 +822,89 @@ class HTTPServer:
                 continue
             connections.start_soon(self._serve_connection, stream)
 
-    async def _serve_connection(self, stream: trio.SocketStream) -> None:
-        # trio already sets TCP_NODELAY on accepted streams; say so explicitly, the
-        # hot path depends on it.
-        try:
-            stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
-        except OSError:
-            pass
+    async def _serve_connection(self, stream: trio.abc.Stream) -> None:
+        # trio sets TCP_NODELAY on accepted sockets (the hot path depends on it; a test checks it).
+        context = self.ssl_context
+        if context is not None and isinstance(stream, trio.SocketStream):
+            secure = await self._handshake(stream, context)
+            if secure is None:
+                return
+            stream = secure
         conn = _Connection(self, stream)
         self._connections.add(conn)
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(conn.read_loop)
-                await conn.dispatch_loop()
-                nursery.cancel_scope.cancel()
-        except* Exception as group:
-            exc = _unwrap(group)
+            await conn.run()
+        except Exception as exc:
             log_event(
                 "http_connection_error", level=logging.ERROR, **{"class": type(exc).__name__}, message=str(exc)
             )
         finally:
             self._connections.discard(conn)
-            await trio.aclose_forcefully(stream)
+            # Synchronous: no checkpoint (and no nursery) to close a connection.
+            conn.sock.close()
+
+    async def _handshake(self, raw: trio.SocketStream, context: ssl.SSLContext) -> trio.SSLStream | None:
+        """The TLS stream once its handshake is done within the idle timeout; None (closed) otherwise."""
+        stream = trio.SSLStream(raw, context, server_side=True, https_compatible=True)
+        failure: BaseException | None = None
+        done = False
+        try:
+            with trio.move_on_after(self._idle_timeout_s):
+                try:
+                    await stream.do_handshake()
+                    done = True
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    failure = exc
+            if done:
+                return stream
+            peer = _peer(raw)
+            # Plain HTTP, an untrusted client certificate or a silent client: closed, never served.
+            log_event("tls_handshake_failed", level=logging.WARNING,
+                      client=f"{peer[0]}:{peer[1]}" if peer else None,
+                      reason=(tls_reason(failure) or str(failure) or type(failure).__name__) if failure
+                      else f"no handshake within {self._idle_timeout_s:g} s")
+            if failure is not None:
+                await _send_alert(stream, raw)
+            return None
+        finally:
+            if not done:
+                # Also when cancelled (shutdown): the socket must not outlive the task.
+                raw.socket.close()
+
+    def _watch(self, conn: _Connection) -> bool:
+        """Put a connection's socket in the disconnect watch while its request is in flight."""
+        epoll = self._epoll
+        if epoll is None:
+            return False
+        fd = conn.sock.fileno()
+        try:
+            epoll.register(fd, _GONE_EVENTS)
+        except OSError:
+            return False
+        self._watched[fd] = conn
+        return True
+
+    def _unwatch(self, conn: _Connection) -> None:
+        fd = conn.sock.fileno()
+        if self._watched.pop(fd, None) is not None and self._epoll is not None:
+            try:
+                self._epoll.unregister(fd)
+            except OSError:
+                pass
+
+    async def _watch_disconnects(self, epoll: select.epoll) -> None:
+        """The one task that sees clients go away mid-request, for every connection at once."""
+        watched = self._watched
+        while True:
+            await trio.lowlevel.wait_readable(epoll.fileno())
+            for fd, _events in epoll.poll(0):
+                conn = watched.pop(fd, None)
+                try:
+                    epoll.unregister(fd)
+                except OSError:
+                    pass
+                if conn is not None:
+                    conn.client_gone()
 
     def _common_head_lines(self) -> bytes:
         """The server and date headers; the date is formatted at most once a second."""

@@ -68,7 +68,8 @@ class Sink(Protocol):
     started: bool
 
     async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None: ...
-    async def start_stream(self, status: int, headers: list[tuple[bytes, bytes]], first: bytes = b"") -> None: ...
+    async def start_stream(self, status: int, headers: list[tuple[bytes, bytes]], first: bytes = b"",
+                           end: bool = False) -> None: ...
     async def write(self, data: bytes) -> None: ...
     async def end_stream(self, last: bytes = b"") -> None: ...
 
@@ -453,36 +454,46 @@ class RequestCore:
         tokens = 0
         try:
             async with self.data_pool.stream(decode, route, payload, request_id=rid) as upstream:
-                chunks = upstream.__aiter__()
-                try:
-                    first = await chunks.__anext__()
-                except StopAsyncIteration:
+                read = upstream.read
+                chunk = await read()
+                if not chunk:
                     raise EngineFailure(decode.name, FailureClass.STREAM,
-                                        "decode stream ended before its first event") from None
+                                        "decode stream ended before its first event")
                 first_at = last_at = clock()
                 outcome.ttft_s = first_at - started_at
                 outcome.status = 200
-                tokens = first.count(_DATA)
-                await sink.start_stream(200, [*_SSE_HEADERS, rid_header], first)
-                while True:
-                    try:
-                        chunk = await chunks.__anext__()
-                    except StopAsyncIteration:
-                        break
-                    now = clock()
-                    observe_gap(now - last_at)
-                    last_at = now
-                    tokens += chunk.count(_DATA)
-                    await sink.write(chunk)
-                terminal = upstream.saw_terminal
+                tokens = chunk.count(_DATA)
+                head = [*_SSE_HEADERS, rid_header]
+                # One client write per upstream read, except the read that carries [DONE]: it is
+                # held and goes out with the chunked terminator in one write (P5).
+                if not upstream.saw_terminal:
+                    await sink.start_stream(200, head, chunk)
+                    while True:
+                        chunk = await read()
+                        if not chunk:
+                            break
+                        now = clock()
+                        observe_gap(now - last_at)
+                        last_at = now
+                        tokens += chunk.count(_DATA)
+                        if upstream.saw_terminal:
+                            break
+                        await sink.write(chunk)
+                held = chunk
+                if held and await read():
+                    raise EngineFailure(decode.name, FailureClass.STREAM, "events after data: [DONE]")
                 if tokens > 2:
                     outcome.inter_token_s = (last_at - first_at) / (tokens - 2)
         except (EngineFailure, UpstreamClientError, PoolSaturated) as exc:
             outcome.tokens = tokens
             self._translate("decode", exc)
-        outcome.tokens = tokens - 1 if terminal and tokens else tokens
+        # Every stream that ends cleanly ended with [DONE] (the pool raises otherwise).
+        outcome.tokens = tokens - 1 if tokens else tokens
         self.supervisor.record_success(decode.name, SuccessKind.DECODE_TERMINAL)
-        await sink.end_stream()
+        if sink.started:
+            await sink.end_stream(held)
+        else:
+            await sink.start_stream(200, head, held, end=True)
 
 
 def _upstream_message(exc: UpstreamClientError) -> str:
