@@ -344,7 +344,7 @@ async def _read_body(receive: Receive, limit: int) -> bytes | None:
 def _nonce(body: bytes) -> tuple[str, str | None]:
     try:
         request = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: deeply nested arrays, hostile or broken
         return "", 'attest body must be JSON: {"nonce": "..."}'
     nonce = request.get("nonce") if isinstance(request, dict) else None
     if not isinstance(nonce, str) or not nonce:

@@ -251,6 +251,7 @@ async def test_an_unidentified_engine_answers_503_naming_what_is_missing() -> No
     ("POST", "/narwhal/identity", b"", 405, "use GET"),
     ("GET", "/narwhal/attest", b"", 405, "use POST"),
     ("POST", "/narwhal/attest", b"not json", 400, "must be JSON"),
+    ("POST", "/narwhal/attest", b"[" * 4000, 400, "must be JSON"),
     ("POST", "/narwhal/attest", b'{"nonce": ""}', 400, "non-empty string"),
     ("POST", "/narwhal/attest", b'{"nonce": 7}', 400, "non-empty string"),
     ("POST", "/narwhal/attest", b'["n"]', 400, "non-empty string"),
