@@ -33,6 +33,7 @@ from narwhal.errors import (
     EngineFailure,
     FailureClass,
     LocalResourceExhausted,
+    NarwhalError,
     PoolSaturated,
     SuccessKind,
     UpstreamClientError,
@@ -89,7 +90,7 @@ class DataPool(Protocol):
     def stream(self, engine: EngineSpec, path: str, body: bytes, *, request_id: str) -> Any: ...
 
 
-class ClientError(Exception):
+class ClientError(NarwhalError):
     """A request the router refuses before or instead of serving it."""
 
     def __init__(self, status: int, message: str, type_: str, code: str | None = None) -> None:
@@ -103,7 +104,7 @@ class ClientError(Exception):
         return error_json(self.message, self.type, self.code)
 
 
-class _AttemptFailed(Exception):
+class _AttemptFailed(NarwhalError):
     """One prefill/decode attempt failed before anything reached the client."""
 
     def __init__(self, error: ClientError, engine: str | None, failure_class: str) -> None:

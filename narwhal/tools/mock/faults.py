@@ -21,6 +21,8 @@ from typing import Any
 
 import msgspec
 
+from narwhal.errors import NarwhalError
+
 __all__ = [
     "BAD_KV_VARIANTS",
     "MODE_RULES",
@@ -37,7 +39,7 @@ __all__ = [
 ]
 
 
-class FaultError(ValueError):
+class FaultError(NarwhalError, ValueError):
     """A fault request that cannot be applied; the message says why."""
 
 
