@@ -20,6 +20,7 @@ from typing import Any, TextIO
 import httpx
 
 from narwhal.config import admin_token_problem
+from narwhal.errors import NarwhalError
 
 __all__ = ["add_parser", "format_engines", "run_admin"]
 
@@ -30,7 +31,7 @@ _TIMEOUT_S = 120.0
 _DRAIN_KINDS = ("operator_drain", "maintenance")
 
 
-class _AdminError(Exception):
+class _AdminError(NarwhalError):
     """Why an admin command failed, as the one line to print."""
 
 

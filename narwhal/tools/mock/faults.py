@@ -25,6 +25,8 @@ from typing import Any
 
 import msgspec
 
+from narwhal.errors import NarwhalError
+
 __all__ = [
     "BAD_KV_VARIANTS",
     "MODE_RULES",
@@ -41,7 +43,7 @@ __all__ = [
 ]
 
 
-class FaultError(ValueError):
+class FaultError(NarwhalError, ValueError):
     """A fault request that cannot be applied; the message says why."""
 
 
