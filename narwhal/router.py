@@ -41,7 +41,7 @@ from narwhal.pools.data import DataPool
 from narwhal.serving.front import Front
 from narwhal.serving.request_core import RequestCore
 from narwhal.stages import build_stages
-from narwhal.stages.persistence import PersistenceStage
+from narwhal.stages.persistence import HandoffExtra, PersistenceStage
 from narwhal.state.resume import apply_resume, plan_resume
 from narwhal.tls import TLSContexts
 
@@ -188,8 +188,9 @@ class Router:
             return reason
         return self.supervisor.capacity_problem()
 
-    def _handoff_extra(self) -> dict[str, Any]:
-        return {"consolidation_risk": self.controller.consolidation_risk(), "drained": sorted(self.drain.drained)}
+    def _handoff_extra(self) -> HandoffExtra:
+        return HandoffExtra(consolidation_risk=self.controller.consolidation_risk(),
+                            drained=sorted(self.drain.drained))
 
     def _register_gauges(self) -> None:
         m = self.metrics
