@@ -74,6 +74,14 @@ class Supervisor:
     def capacity_problem(self) -> str | None:
         return self.fleet.capacity_problem(self.clock())
 
+    def state_version(self) -> int:
+        """Changes whenever the eligible engines change: workers' snapshots are republished on it."""
+        return self.fleet.eligibility_version(self.clock())
+
+    def valid_until(self) -> float | None:
+        """The next hold deadline, when eligibility may change by itself."""
+        return self.fleet.next_deadline(self.clock())
+
     def record_failure(self, engine: str, failure_class: FailureClass) -> None:
         self.metrics.engine_failures.inc(engine, failure_class.value)
         self.fleet.record_failure(engine, failure_class, self.clock())
