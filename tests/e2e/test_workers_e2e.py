@@ -118,11 +118,13 @@ async def test_a_dead_engine_is_ejected_after_eject_after_failures_summed_over_w
             response = await client.post(f"{fleet.url}/v1/completions", json=body)
             if response.status_code != 200:
                 failures += 1
-    # Three connection failures eject d1 whichever worker saw them; a snapshot round trip
-    # may let a request or two more through before every worker has it.
-    assert 3 <= failures <= 5, failures
+    # Three connection failures eject d1 whichever worker (or health check) saw them; a
+    # snapshot round trip may let a request or two more through before every worker has it.
     ejections = fleet.router.events("engine_ejected", engine="d1")
-    assert len(ejections) == 1
+    assert len(ejections) == 1, ejections
+    assert 1 <= failures <= 5, (failures, ejections)
+    failure_lines = fleet.router.events("engine_failure", engine="d1")
+    assert {line.get("worker") for line in failure_lines} <= {0, 1, None}
 
 
 async def test_a_killed_worker_is_replaced_while_serving_continues(start_fleet) -> None:
