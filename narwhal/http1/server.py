@@ -11,11 +11,14 @@ Theory of operation: each connection is served by one task.
   own cancel scope, makes sure a response went out, and decides whether the
   connection goes on. Nothing is read while a handler runs: later pipelined
   requests wait in the socket buffer.
-- While a handler runs, the connection's socket is in the server's disconnect
-  watch: one task per server owns an epoll set of the sockets with a request
-  in flight, waiting for the peer's close (EPOLLRDHUP) or a reset, and cancels
-  that handler's scope. A connection with no request in flight costs no task
-  and no watch; one with a request costs two ``epoll_ctl`` calls, no task.
+- Every connection's socket is in the server's readiness set
+  (``narwhal/http1/readiness.py``): one task owns an edge-triggered epoll set
+  of all of them, wakes the connection task when bytes arrive (no
+  ``epoll_ctl`` per wait), and calls ``client_gone`` when the peer closes or
+  resets (EPOLLRDHUP, EPOLLHUP, EPOLLERR), which cancels a running handler's
+  scope. So a client leaving mid-request is seen at once, with no reader task.
+  (Should the set refuse a socket, that connection falls back to trio's waits
+  and a per-request disconnect watch.)
 
 Sends to plain sockets are a non-blocking ``write`` first; only what the
 kernel did not take goes through trio's ``send_all`` (which waits until the
@@ -44,6 +47,7 @@ import httptools
 import msgspec
 import trio
 
+from narwhal.http1.readiness import Readiness
 from narwhal.http1.sockets import socket_of
 from narwhal.obs.logs import log_event
 from narwhal.wire import error_json
@@ -304,6 +308,7 @@ class _Connection:
         "_queue",
         "_scope",
         "_url",
+        "_watch",
         "disconnected",
         "server",
         "sock",
@@ -316,6 +321,9 @@ class _Connection:
         self.sock = socket_of(stream)
         # Plain sockets get the syscall fast path; any other trio Stream (TLS) the generic one.
         self._fd = self.sock.fileno() if isinstance(stream, trio.SocketStream) else -1
+        # In the server's readiness set for the connection's whole life: it wakes this task when
+        # bytes arrive, and sees the client go away mid-request (any stream: the TCP socket under it).
+        self._watch = server._readiness.watch(self.sock.fileno(), self.client_gone)
         self._client: tuple[str, int] | None = None
         self.disconnected = False
         self._parser = httptools.HttpRequestParser(self)
@@ -498,9 +506,13 @@ class _Connection:
                 return bytes(await self.stream.receive_some(_RECEIVE_SIZE))
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return b""
+        watch = self._watch
         while True:
             if self._drained:
-                await trio.lowlevel.wait_readable(fd)
+                if watch is not None:
+                    await self.server._readiness.wait(watch)
+                else:
+                    await trio.lowlevel.wait_readable(fd)
             try:
                 data = os.read(fd, _RECEIVE_SIZE)
             except BlockingIOError:
@@ -562,11 +574,17 @@ class _Connection:
     async def _handle(self, request: Request) -> bool:
         """Run the handler for one request; True when the connection may go on."""
         server = self.server
+        if self._watch is not None and self._watch.gone:
+            # The client left before its request got here (the readiness set saw it).
+            self.disconnected = True
+        if self.disconnected:
+            return False
         responder = Responder(self, request)
         server._requests_in_flight += 1
         server._requests_total += 1
         failure: Exception | None = None
-        watching = server._watch(self)
+        # Not in the readiness set (it could not take the socket): watch for the client leaving only now.
+        watching = self._watch is None and server._watch(self)
         try:
             with trio.CancelScope() as scope:
                 self._handler_scope = scope
@@ -686,7 +704,9 @@ class HTTPServer:
         self._connections: set[_Connection] = set()
         self._requests_in_flight = 0
         self._requests_total = 0
-        # The disconnect watch: sockets with a request in flight, by fd (see the module docstring).
+        # Every connection's socket, for the task that reads it and to see clients leave mid-request.
+        self._readiness = Readiness()
+        # The fallback disconnect watch, for connections the readiness set could not take.
         self._epoll: select.epoll | None = None
         self._watched: dict[int, _Connection] = {}
 
@@ -735,6 +755,7 @@ class HTTPServer:
             async with trio.open_nursery() as watcher:
                 # The disconnect watch outlives every connection and stops after the last one.
                 watcher.start_soon(self._watch_disconnects, epoll)
+                await watcher.start(self._readiness.run)
                 async with trio.open_nursery() as connections:
                     self._connections_scope = connections.cancel_scope
                     connections.cancel_scope.deadline = self._shutdown_deadline
@@ -782,6 +803,8 @@ class HTTPServer:
             )
         finally:
             self._connections.discard(conn)
+            if conn._watch is not None:
+                self._readiness.forget(conn._watch)
             # Synchronous: no checkpoint (and no nursery) to close a connection.
             conn.sock.close()
 
