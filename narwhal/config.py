@@ -82,6 +82,16 @@ def parse_listen(value: str) -> tuple[str, int]:
     return host, port
 
 
+def _pair(first: str, first_value: str | None, second: str, second_value: str | None) -> None:
+    for name, value in ((first, first_value), (second, second_value)):
+        if value is not None and not value:
+            raise ValueError(f"{name} must not be empty")
+    if (first_value is None) != (second_value is None):
+        missing = second if first_value is not None else first
+        present = first if first_value is not None else second
+        raise ValueError(f"{missing} is required when {present} is set")
+
+
 def admin_token_problem(token: str) -> str | None:
     """Why ``token`` cannot be an HTTP bearer token (empty, not printable ASCII), or None."""
     if not token:
@@ -108,9 +118,18 @@ class ServingConfig(_Section, frozen=True):
     policy: Literal["saturate", "bounded"] = "saturate"
     # Bounded policy only: attempts per request, all within request_deadline_s.
     max_attempts: int = 3
+    # HTTPS on `listen` (both fronts; and [admin] listen) when both are set;
+    # a client CA makes callers present a certificate it signed.
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
 
     def __post_init__(self) -> None:
         parse_listen(self.listen)
+        _pair("tls_cert_file", self.tls_cert_file, "tls_key_file", self.tls_key_file)
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file (client certificates "
+                             "are only asked for over HTTPS)")
         for name in ("max_connections", "request_deadline_s", "max_body_bytes",
                      "max_header_bytes", "idle_timeout_s", "max_attempts"):
             _positive(name, getattr(self, name))
@@ -129,6 +148,11 @@ class EngineConfig(_Section, frozen=True):
     # Idle engine connections are closed before the engine's own keep-alive
     # (vLLM/uvicorn: 5 s) closes them under us.
     pool_idle_s: float = 4.0
+    # For https:// engines: the CA bundle that verifies them (the system store
+    # when unset) and the router's client certificate for engines requiring mTLS.
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
     # Bounds on what an engine sends back that the router holds in memory: every
     # buffered body (prefill, token count, non-streamed decode, error and control
     # answers) and every response head. Streamed decode bodies are relayed, not held.
@@ -138,6 +162,7 @@ class EngineConfig(_Section, frozen=True):
     max_handoff_bytes: int = 1024 * 1024
 
     def __post_init__(self) -> None:
+        _pair("tls_cert_file", self.tls_cert_file, "tls_key_file", self.tls_key_file)
         for name in ("control_connections", "connect_timeout_s", "request_timeout_s",
                      "first_token_deadline_s", "stream_silence_s", "health_timeout_s",
                      "pool_idle_s"):
@@ -264,8 +289,8 @@ class EngineSpec(_Section, frozen=True):
         if not self.name:
             raise ValueError("name must not be empty")
         parts = urllib.parse.urlsplit(self.url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"url must be http://HOST[:PORT], got {self.url!r}")
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"url must be http://HOST[:PORT] or https://HOST[:PORT], got {self.url!r}")
         try:
             _ = parts.port  # urlsplit parses the port lazily: reading it validates it
         except ValueError:
@@ -278,8 +303,13 @@ class EngineSpec(_Section, frozen=True):
         return urllib.parse.urlsplit(self.url).hostname or ""
 
     @property
+    def tls(self) -> bool:
+        """True for an ``https://`` engine."""
+        return self.url.startswith("https://")
+
+    @property
     def port(self) -> int:
-        return urllib.parse.urlsplit(self.url).port or 80
+        return urllib.parse.urlsplit(self.url).port or (443 if self.tls else 80)
 
     @property
     def base_url(self) -> str:
@@ -372,6 +402,13 @@ def parse_config(data: bytes | str, source: str = "<config>") -> Config:
             raise ConfigError(
                 f"{source}: fleet.attestation_key_file: cannot read {str(key_path)!r}: {exc.strerror}"
             ) from None
+    # Certificates and keys are read now, so a bad one stops startup with its key named.
+    from narwhal.tls import TLSContexts
+
+    try:
+        TLSContexts(config, None if source == "<config>" else Path(source).parent)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
     return config
 
 

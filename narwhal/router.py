@@ -3,7 +3,8 @@
 Ownership: ``Router.run`` opens the nursery that owns the supervisor (probes),
 the monitor, the optional hypercorn admin listener and the data-plane server.
 ``shutdown`` closes admission, stops accepting, lets in-flight requests finish
-within the grace period, then cancels the rest.
+within the grace period, then cancels the rest. ``reload_tls`` (SIGHUP) reads
+the certificates again and swaps the contexts of every listener and pool.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import trio
 
 from narwhal.app.admin_routes import register_admin_routes
 from narwhal.app.control_app import create_app
-from narwhal.config import Config, parse_listen
+from narwhal.config import Config, ConfigError, parse_listen
 from narwhal.control.monitor import Monitor
 from narwhal.control.readmission import Readmitter
 from narwhal.control.supervisor import Supervisor
@@ -40,6 +41,7 @@ from narwhal.serving.request_core import COMPLETION_ROUTES, RequestCore
 from narwhal.stages import build_stages
 from narwhal.stages.persistence import PersistenceStage
 from narwhal.state.resume import apply_resume, plan_resume
+from narwhal.tls import TLSContexts
 from narwhal.wire import error_json
 
 __all__ = ["Router"]
@@ -131,11 +133,14 @@ class Router:
         # Every engine request says it came from this router: one arriving back here is a loop.
         self.via_token = f"narwhal-{secrets.token_hex(8)}"
         via = f"1.1 {self.via_token}"
+        # Certificates are read here: a problem is a ConfigError naming the key.
+        self.tls = TLSContexts(config, config_dir)
         # Only bounded serving may queue; the default policy reports saturation at once.
         self.data_pool = DataPool(max_connections=config.serving.max_connections, engine_config=config.engine,
-                                  wait_for_slot=config.serving.policy == "bounded", via=via)
+                                  wait_for_slot=config.serving.policy == "bounded", via=via,
+                                  ssl_context=self.tls.engine)
         self.control_pool = ControlPool(control_connections=config.engine.control_connections,
-                                        engine_config=config.engine, via=via)
+                                        engine_config=config.engine, via=via, ssl_context=self.tls.engine)
         self._loop_error = error_json(
             f"request loop detected: this router ({self.via_token}) sent this request itself; "
             "an [[engines]] url points back at a router", "server_error", "loop_detected")
@@ -170,7 +175,8 @@ class Router:
         register_admin_routes(self.app, self)
         serving = config.serving
         self.server = HTTPServer(self.handle, max_header_bytes=serving.max_header_bytes,
-                                 max_body_bytes=serving.max_body_bytes, idle_timeout_s=serving.idle_timeout_s)
+                                 max_body_bytes=serving.max_body_bytes, idle_timeout_s=serving.idle_timeout_s,
+                                 ssl_context=self.tls.server)
         self.bound_port: int | None = None
         self._nursery: trio.Nursery | None = None
         self._register_gauges()
@@ -288,7 +294,8 @@ class Router:
                 self.bound_port = await nursery.start(self._serve_then_stop, nursery, listeners)
                 listeners = []
                 log_event("router_started", router_id=self.router_id, listen=f"{host}:{self.bound_port}",
-                          engines=len(self.config.engines), pid=os.getpid(), handoff=str(self.handoff_path))
+                          engines=len(self.config.engines), pid=os.getpid(), handoff=str(self.handoff_path),
+                          tls=self.tls.server is not None)
                 self._warn_if_admin_open(f"{host}:{self.bound_port}")
                 task_status.started(self.bound_port)
         finally:
@@ -355,6 +362,25 @@ class Router:
         await self.server.serve_listeners(listeners, task_status=_Reported(task_status, bound_port))
         nursery.cancel_scope.cancel()
 
+    async def reload_tls(self) -> bool:
+        """Read every certificate and key again and swap them in; connections open stay as they are.
+
+        On a problem the old contexts stay in use and ``tls_reload_failed`` names the key.
+        """
+        if not self.tls.configured:
+            log_event("tls_reload_skipped", reason="no TLS configured")
+            return False
+        try:
+            self.tls.reload()
+        except ConfigError as exc:
+            log_event("tls_reload_failed", level=logging.ERROR, message=str(exc))
+            return False
+        self.server.ssl_context = self.tls.server
+        self.data_pool.set_ssl_context(self.tls.engine)
+        await self.control_pool.set_ssl_context(self.tls.engine)
+        log_event("tls_reloaded", server=self.tls.server is not None, engines=self.tls.engine is not None)
+        return True
+
     def shutdown(self, grace_s: float | None = None) -> None:
         """Stop taking requests; in-flight ones get ``grace_s`` to finish."""
         grace = self.config.serving.shutdown_grace_s if grace_s is None else grace_s
@@ -366,7 +392,18 @@ class Router:
         from hypercorn.config import Config as HypercornConfig
         from hypercorn.trio import serve
 
-        hconfig = HypercornConfig()
+        tls = self.tls
+
+        class AdminConfig(HypercornConfig):
+            # hypercorn builds its context once; ours follows reloads (see TLSContexts).
+            @property
+            def ssl_enabled(self) -> bool:
+                return tls.server is not None
+
+            def create_ssl_context(self) -> Any:
+                return tls.follower_server_context()
+
+        hconfig = AdminConfig()
         hconfig.bind = [f"fd://{fd}"]
         hconfig.accesslog = None
         hconfig.errorlog = None

@@ -56,6 +56,8 @@ class FakeEngine:
         self.nonce_suffix = ""
         self.attest_engine_id: str | None = None
         self.identity_status = 200
+        # An OpenAI-style 503 from /narwhal/identity with this message (the vLLM plugin's "not configured").
+        self.identity_error: str | None = None
         self.calls: list[tuple[str, str]] = []
         self.health_times: list[float] = []
         self.running = 0
@@ -81,6 +83,9 @@ class FakeEngine:
             status = self.health.pop(0) if len(self.health) > 1 else self.health[0]
             return httpx.Response(status)
         if path == "/narwhal/identity":
+            if self.identity_error is not None:
+                return httpx.Response(503, json={"error": {"message": self.identity_error,
+                                                           "type": "ServiceUnavailable", "code": 503}})
             if self.identity_status != 200:
                 return httpx.Response(self.identity_status)
             return httpx.Response(200, json={
@@ -270,6 +275,19 @@ async def test_each_check_failing_alone_keeps_the_engine_out_with_its_reason(
     assert world.count(name, "refused", check) == 1
     last = world.readmitter.engine_extras(name)["last_readmission"]
     assert (last["outcome"], last["check"], last["reason"]) == ("refused", check, result.reason)
+
+
+async def test_an_engines_own_error_message_is_part_of_the_reason(autojump_clock: MockClock) -> None:
+    world = World()
+    world.fleet.eject("d1", "liveness", world.now())
+    world.engines["d1"].identity_error = "narwhal identity plugin is not configured: NARWHAL_GENERATION is not set"
+    result = await world.readmitter.readmit("d1", operator=True)
+    assert (result.check, result.reason) == (
+        "attestation", "GET /narwhal/identity answered HTTP 503: narwhal identity plugin is not configured: "
+                       "NARWHAL_GENERATION is not set")
+    world.engines["d1"].identity_error = "x" * 1000
+    result = await world.readmitter.readmit("d1", operator=True)
+    assert result.reason == "GET /narwhal/identity answered HTTP 503: " + "x" * 200 + "..."
 
 
 async def test_without_an_attestation_key_nothing_is_readmitted(autojump_clock: MockClock) -> None:

@@ -16,6 +16,7 @@ import msgspec
 import trio
 
 from narwhal.config import Config, EngineSpec
+from narwhal.control import contract
 from narwhal.errors import EngineFailure, FailureClass, PoolSaturated, SuccessKind, UpstreamClientError
 from narwhal.fleet import Action, ActionKind, Fleet, FleetEventKind
 from narwhal.fleet.tables import PROBE_LEG_INCONCLUSIVE
@@ -23,12 +24,10 @@ from narwhal.obs.logs import log_event
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.pools import classify
 from narwhal.pools.control import ControlCalls
-from narwhal.wire import PREFILL_KV_REQUEST, extract_handoff
+from narwhal.wire import extract_handoff
 
 __all__ = ["Supervisor"]
 
-_PROBE_PROMPT = "narwhal inference probe"
-_encode_json = msgspec.json.Encoder()
 
 
 class _LegInconclusive(Exception):
@@ -213,10 +212,7 @@ class Supervisor:
         return self.engines[partners[0]]
 
     async def _probe_prefill(self, engine: EngineSpec, *, suspect_leg: bool) -> dict[str, Any]:
-        body = _encode_json.encode({
-            "model": self.config.fleet.model, "prompt": _PROBE_PROMPT, "max_tokens": 1,
-            "stream": False, "kv_transfer_params": PREFILL_KV_REQUEST,
-        })
+        body = contract.probe_prefill_body(self.config.fleet.model)
         problem, raw = await self._probe_call(engine, "/v1/completions", body)
         if problem is None:
             kv = extract_handoff(raw, max_bytes=self.config.engine.max_handoff_bytes)
@@ -229,10 +225,7 @@ class Supervisor:
         return kv
 
     async def _probe_decode(self, engine: EngineSpec, kv: dict[str, Any], *, suspect_leg: bool) -> None:
-        body = _encode_json.encode({
-            "model": self.config.fleet.model, "prompt": _PROBE_PROMPT, "max_tokens": 1,
-            "stream": True, "kv_transfer_params": kv,
-        })
+        body = contract.probe_decode_body(self.config.fleet.model, kv)
         problem, _ = await self._probe_call(engine, "/v1/completions", body, stream=True)
         if problem is not None:
             self._leg_problem("decode", engine, problem, suspect_leg=suspect_leg)

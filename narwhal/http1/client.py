@@ -10,11 +10,15 @@ Every socket and parser problem leaves this module as one of its own errors;
 
     HTTPTransportError
     +-- ConnectFailed        refused, unreachable, DNS
-    +-- ConnectTimeout       no connection within connect_timeout_s
+    +-- ConnectTimeout       no connection (TCP and TLS handshake) within connect_timeout_s
+    +-- TLSFailed            the TLS handshake failed: untrusted or expired certificate,
+    |                        wrong host name, handshake refused
     +-- WriteTimeout         sending the request took longer than its timeout
     +-- ReadTimeout          one read took longer than the per-read timeout
     +-- DeadlineExpired      the caller's response deadline passed (first token, silence)
-    +-- ConnectionClosed     EOF or reset; ``response_started`` says whether any
+    +-- ConnectionClosed     EOF or reset (or a TLS alert after the handshake, as
+    |                        when an engine rejects our client certificate under
+    |                        TLS 1.3); ``response_started`` says whether any
     |                        response byte had arrived
     +-- MalformedResponse    the engine's bytes are not HTTP/1.1
     +-- ResponseTooLarge     the head or a buffered body passed its bound
@@ -28,6 +32,7 @@ import errno
 import math
 import os
 import select
+import ssl
 
 import httptools
 import msgspec
@@ -35,6 +40,7 @@ import trio
 
 from narwhal.http1.readiness import Readiness
 from narwhal.http1.sockets import socket_of
+from narwhal.tls import tls_reason
 
 __all__ = [
     "ConnectFailed",
@@ -49,6 +55,7 @@ __all__ = [
     "MalformedResponse",
     "ReadTimeout",
     "ResponseTooLarge",
+    "TLSFailed",
     "WriteTimeout",
     "local_errno_name",
 ]
@@ -83,6 +90,10 @@ class ConnectFailed(HTTPTransportError):
 
 class ConnectTimeout(HTTPTransportError):
     """The TCP connection was not open within the connect timeout."""
+
+
+class TLSFailed(HTTPTransportError):
+    """The TLS handshake with the engine failed; the message carries the TLS reason."""
 
 
 class WriteTimeout(HTTPTransportError):
@@ -131,6 +142,12 @@ class HTTPResponseHead(msgspec.Struct, frozen=True):
 def _cause_name(exc: BaseException) -> str:
     # trio wraps socket errors in BrokenResourceError; the OSError beneath says more.
     return type(exc.__cause__ or exc).__name__
+
+
+def _closed_message(plain: str, exc: BaseException) -> str:
+    """``plain``, or with the TLS reason when the engine ended the connection with a TLS alert."""
+    reason = tls_reason(exc)
+    return f"{plain} (TLS: {reason})" if reason else plain
 
 
 def _first_attempt_error(exc: OSError) -> BaseException:
@@ -281,7 +298,7 @@ class EngineConnection:
                 except trio.BrokenResourceError as exc:
                     self._broken = True
                     self.sent_at = trio.current_time()
-                    raise ConnectionClosed("connection closed while sending the request",
+                    raise ConnectionClosed(_closed_message("connection closed while sending the request", exc),
                                            cause=_cause_name(exc), response_started=False) from exc
             if scope.cancelled_caught:
                 self._broken = True
@@ -415,8 +432,8 @@ class EngineConnection:
                         data = bytes(await self._stream.receive_some(_READ_SIZE))
                 except trio.BrokenResourceError as exc:
                     self._broken = True
-                    raise ConnectionClosed("connection reset by the engine", cause=_cause_name(exc),
-                                           response_started=self._response_started) from exc
+                    raise ConnectionClosed(_closed_message("connection reset by the engine", exc),
+                                           cause=_cause_name(exc), response_started=self._response_started) from exc
             if scope.cancelled_caught:
                 self._broken = True
                 if deadline <= read_by:
@@ -482,9 +499,12 @@ class EngineConnections:
 
     def __init__(self, *, idle_s: float = 4.0, connect_timeout_s: float = 2.0,
                  write_timeout_s: float = 60.0, max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES,
-                 readiness: Readiness | None = None) -> None:
+                 ssl_context: ssl.SSLContext | None = None, readiness: Readiness | None = None) -> None:
         self.readiness = readiness
         self.idle_s = idle_s
+        # For ``tls=True`` requests; read at each new connection, so assigning a new
+        # context (a reload) changes new handshakes only.
+        self.ssl_context = ssl_context
         self.max_head_bytes = max_head_bytes
         self.connect_timeout_s = connect_timeout_s
         self.write_timeout_s = write_timeout_s
@@ -497,12 +517,13 @@ class EngineConnections:
         return sum(len(stack) for stack in self._idle.values())
 
     async def request(self, host: str, port: int, request: bytes, *, read_timeout_s: float,
-                      head_deadline_s: float = _INF,
-                      head_deadline_message: str = "") -> tuple[EngineConnection, HTTPResponseHead]:
+                      head_deadline_s: float = _INF, head_deadline_message: str = "",
+                      tls: bool = False) -> tuple[EngineConnection, HTTPResponseHead]:
         """Send ``request`` and read the response head; the caller must ``release`` the connection.
 
         ``head_deadline_s`` bounds the wait for the head, counted from when the
-        request was sent; each read is also bounded by ``read_timeout_s``.
+        request was sent; each read is also bounded by ``read_timeout_s``. With
+        ``tls`` a new connection is TLS, verified against ``host``.
         """
         key = (host, port)
         conn = self._take_idle(key)
@@ -517,7 +538,7 @@ class EngineConnections:
                 # connection as we reused it. Fall through to one fresh attempt.
             else:
                 return conn, head
-        conn = await self._open(key)
+        conn = await self._open(key, tls)
         head = await self._exchange(conn, request, read_timeout_s, head_deadline_s, head_deadline_message)
         return conn, head
 
@@ -608,8 +629,11 @@ class EngineConnections:
             if expired:
                 del stack[:expired]
 
-    async def _open(self, key: tuple[str, int]) -> EngineConnection:
+    async def _open(self, key: tuple[str, int], tls: bool = False) -> EngineConnection:
         host, port = key
+        stream: trio.SocketStream | None = None
+        secure: trio.SSLStream[trio.SocketStream] | None = None
+        # One deadline for the TCP connect and the TLS handshake together.
         with trio.move_on_after(self.connect_timeout_s) as scope:
             try:
                 stream = await trio.open_tcp_stream(host, port)
@@ -620,8 +644,35 @@ class EngineConnections:
                     raise LocalResourceError(f"cannot open a connection to {host}:{port}: {first}",
                                              cause=type(first).__name__, errno_name=local) from exc
                 raise ConnectFailed(f"cannot connect to {host}:{port}: {first}", cause=type(first).__name__) from exc
+            if tls:
+                secure = await self._handshake(stream, host, port)
         if scope.cancelled_caught:
-            raise ConnectTimeout(f"no connection to {host}:{port} within {self.connect_timeout_s:g} s",
+            if stream is not None:
+                stream.socket.close()
+            what = "TLS handshake" if stream is not None and tls else "connection"
+            raise ConnectTimeout(f"no {what} with {host}:{port} within {self.connect_timeout_s:g} s",
                                  cause="ConnectTimeout")
+        assert stream is not None
         self.connections_opened += 1
-        return EngineConnection(stream, key, max_head_bytes=self.max_head_bytes, readiness=self.readiness)
+        # A TLS connection is an SSLStream: EngineConnection keeps it off the plain-socket fast path.
+        return EngineConnection(secure if secure is not None else stream, key, max_head_bytes=self.max_head_bytes,
+                                readiness=self.readiness)
+
+    async def _handshake(self, stream: trio.SocketStream, host: str, port: int) -> trio.SSLStream[trio.SocketStream]:
+        context = self.ssl_context
+        if context is None:
+            stream.socket.close()
+            raise TLSFailed(f"no TLS context for https://{host}:{port}", cause="NoTLSContext")
+        # server_hostname is the URL's host: check_hostname verifies the certificate against it.
+        secure = trio.SSLStream(stream, context, server_hostname=host, https_compatible=True)
+        try:
+            await secure.do_handshake()
+        except trio.BrokenResourceError as exc:
+            stream.socket.close()
+            reason = tls_reason(exc) or str(exc.__cause__ or exc)
+            raise TLSFailed(f"TLS handshake with {host}:{port} failed: {reason}",
+                            cause=_cause_name(exc)) from exc
+        except BaseException:
+            stream.socket.close()
+            raise
+        return secure

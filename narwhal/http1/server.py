@@ -24,6 +24,12 @@ Sends to plain sockets are a non-blocking ``write`` first; only what the
 kernel did not take goes through trio's ``send_all`` (which waits until the
 socket is writable). Any other trio Stream (TLS) uses the stream's methods.
 
+With an ``ssl_context`` every accepted connection is wrapped in a
+``trio.SSLStream`` and must finish its handshake within the idle timeout; a
+plain-HTTP client on that port fails the handshake and is closed unanswered
+(after the TLS alert, if OpenSSL wrote one). The wrapped stream is not a
+``SocketStream``, so it never takes the plain-socket fast paths.
+
 The server's ``shutdown()`` stops the accept loops, wakes idle connections so
 they close, and puts a deadline on the nursery that holds the connections, so
 requests in flight may finish within the grace period and are cut after it.
@@ -37,6 +43,7 @@ import logging
 import math
 import os
 import select
+import ssl
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -50,6 +57,7 @@ import trio
 from narwhal.http1.readiness import Readiness
 from narwhal.http1.sockets import socket_of
 from narwhal.obs.logs import log_event
+from narwhal.tls import tls_reason
 from narwhal.wire import error_json
 
 __all__ = [
@@ -193,6 +201,11 @@ class Responder:
     def client_disconnected(self) -> bool:
         """True once the client is known to be gone."""
         return self._conn.disconnected
+
+    @property
+    def secure(self) -> bool:
+        """True when the request came over TLS."""
+        return isinstance(self._conn.stream, trio.SSLStream)
 
     async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         """Send a complete response (head and body in one write)."""
@@ -655,6 +668,41 @@ class _Connection:
                 drained += len(data)
 
 
+async def _send_alert(stream: trio.SSLStream[trio.SocketStream], raw: trio.SocketStream) -> None:
+    """Send the TLS alert OpenSSL wrote for a failed handshake, then close gently.
+
+    trio marks the stream broken without sending it; without the alert a client
+    refused for its certificate sees only a reset and cannot tell why. The
+    attribute is trio's private outgoing buffer, hence the guard. The linger
+    keeps unread client bytes from turning the close into a reset that would
+    destroy the alert.
+    """
+    outgoing = getattr(stream, "_outgoing", None)
+    alert = outgoing.read() if isinstance(outgoing, ssl.MemoryBIO) else b""
+    if not alert:
+        return
+    with trio.move_on_after(_LINGER_S):
+        try:
+            await raw.send_all(alert)
+            await raw.send_eof()
+            drained = 0
+            while drained < _LINGER_MAX_BYTES:
+                data = await raw.receive_some(_RECEIVE_SIZE)
+                if not data:
+                    return
+                drained += len(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return
+
+
+def _peer(raw: trio.SocketStream) -> tuple[str, int] | None:
+    try:
+        peer = raw.socket.getpeername()
+    except OSError:
+        return None
+    return (peer[0], peer[1])
+
+
 def _unwrap(group: ExceptionGroup) -> Exception:
     """The one exception that except* wrapped, or the group when there are several."""
     return group.exceptions[0] if len(group.exceptions) == 1 else group
@@ -689,8 +737,12 @@ class HTTPServer:
         max_body_bytes: int = 4 * 1024 * 1024,
         idle_timeout_s: float = 60.0,
         server_name: bytes = b"narwhal",
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self._handler = handler
+        # Read once per accepted connection: assigning a new context (a TLS reload)
+        # changes new handshakes only.
+        self.ssl_context = ssl_context
         self._max_header_bytes = max_header_bytes
         self._max_body_bytes = max_body_bytes
         self._idle_timeout_s = idle_timeout_s
@@ -793,6 +845,12 @@ class HTTPServer:
 
     async def _serve_connection(self, stream: trio.abc.Stream) -> None:
         # trio sets TCP_NODELAY on accepted sockets (the hot path depends on it; a test checks it).
+        context = self.ssl_context
+        if context is not None and isinstance(stream, trio.SocketStream):
+            secure = await self._handshake(stream, context)
+            if secure is None:
+                return
+            stream = secure
         conn = _Connection(self, stream)
         self._connections.add(conn)
         try:
@@ -807,6 +865,34 @@ class HTTPServer:
                 self._readiness.forget(conn._watch)
             # Synchronous: no checkpoint (and no nursery) to close a connection.
             conn.sock.close()
+
+    async def _handshake(self, raw: trio.SocketStream, context: ssl.SSLContext) -> trio.SSLStream | None:
+        """The TLS stream once its handshake is done within the idle timeout; None (closed) otherwise."""
+        stream = trio.SSLStream(raw, context, server_side=True, https_compatible=True)
+        failure: BaseException | None = None
+        done = False
+        try:
+            with trio.move_on_after(self._idle_timeout_s):
+                try:
+                    await stream.do_handshake()
+                    done = True
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    failure = exc
+            if done:
+                return stream
+            peer = _peer(raw)
+            # Plain HTTP, an untrusted client certificate or a silent client: closed, never served.
+            log_event("tls_handshake_failed", level=logging.WARNING,
+                      client=f"{peer[0]}:{peer[1]}" if peer else None,
+                      reason=(tls_reason(failure) or str(failure) or type(failure).__name__) if failure
+                      else f"no handshake within {self._idle_timeout_s:g} s")
+            if failure is not None:
+                await _send_alert(stream, raw)
+            return None
+        finally:
+            if not done:
+                # Also when cancelled (shutdown): the socket must not outlive the task.
+                raw.socket.close()
 
     def _watch(self, conn: _Connection) -> bool:
         """Put a connection's socket in the disconnect watch while its request is in flight."""

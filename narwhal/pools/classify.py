@@ -6,6 +6,8 @@ nothing above the pools sees an httpx, socket or httptools exception::
     what happened                                           result
     ------------------------------------------------------  --------------------------
     refused, DNS, reset/closed before any response byte     EngineFailure(connection)
+    TLS: untrusted/expired certificate, wrong host name,
+      handshake refused, alert (e.g. no client certificate)  EngineFailure(connection), TLS reason in message
     connect, read or write timeout before the status line   EngineFailure(timeout)
     first-token deadline, mid-stream silence, body cut off
       (control calls too: a timeout or cut after the status line),
@@ -51,9 +53,11 @@ from narwhal.http1.client import (
     MalformedResponse,
     ReadTimeout,
     ResponseTooLarge,
+    TLSFailed,
     WriteTimeout,
     local_errno_name,
 )
+from narwhal.tls import tls_reason
 
 __all__ = [
     "SSEWatch",
@@ -72,6 +76,8 @@ __all__ = [
 # ConnectionClosed is absent: its class depends on whether the response had started.
 _TRANSPORT_CLASSES: dict[type[HTTPTransportError], FailureClass] = {
     ConnectFailed: FailureClass.CONNECTION,
+    # The engine is unreachable to us as configured (trust, name, client certificate).
+    TLSFailed: FailureClass.CONNECTION,
     ConnectTimeout: FailureClass.TIMEOUT,
     WriteTimeout: FailureClass.TIMEOUT,
     ReadTimeout: FailureClass.TIMEOUT,
@@ -119,6 +125,9 @@ def httpx_failure(engine: str, exc: httpx.HTTPError, *,
         return LocalResourceExhausted(f"cannot open a connection to {engine}: {local}", engine=engine,
                                       errno_name=local)
     message = str(exc) or type(exc).__name__
+    reason = tls_reason(exc)
+    if reason is not None and reason not in message:
+        message = f"{message} (TLS: {reason})"
     if response_started and isinstance(exc, httpx.TransportError):
         return EngineFailure(engine, FailureClass.STREAM, f"response body failed: {message}",
                              cause=type(exc).__name__)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import ssl
 import urllib.parse
 from collections.abc import AsyncIterator
 from typing import Any
@@ -52,7 +53,7 @@ def _endpoint(url: str) -> tuple[str, int, bytes]:
     """(host, port, Host header) of an engine URL, parsed once, not on every request."""
     parts = urllib.parse.urlsplit(url)
     host = parts.hostname or ""
-    port = parts.port or 80
+    port = parts.port or (443 if parts.scheme == "https" else 80)
     shown = f"[{host}]" if ":" in host else host
     return host, port, f"{shown}:{port}".encode("ascii")
 
@@ -185,10 +186,11 @@ class DataPool:
     """Keep-alive engine connections for prefill, decode and token counting."""
 
     def __init__(self, *, max_connections: int, engine_config: EngineConfig, wait_for_slot: bool = True,
-                 via: str | None = None) -> None:
+                 via: str | None = None, ssl_context: ssl.SSLContext | None = None) -> None:
         """``wait_for_slot=False``: a full pool raises PoolSaturated at once instead of queueing.
 
         ``via``, when given, is sent as the ``via`` header of every request (loop detection).
+        ``ssl_context`` verifies ``https://`` engines (and holds the client certificate).
         """
         self._config = engine_config
         self._via = _via_line(via)
@@ -203,9 +205,14 @@ class DataPool:
         self._connections = EngineConnections(readiness=self._readiness, idle_s=engine_config.pool_idle_s,
                                               connect_timeout_s=engine_config.connect_timeout_s,
                                               write_timeout_s=engine_config.request_timeout_s,
-                                              max_head_bytes=engine_config.max_response_header_bytes)
+                                              max_head_bytes=engine_config.max_response_header_bytes,
+                                              ssl_context=ssl_context)
         # Every body this pool buffers (prefill, token count, non-streamed decode, errors) is bounded.
         self._max_body = engine_config.max_response_bytes
+
+    def set_ssl_context(self, context: ssl.SSLContext | None) -> None:
+        """Use ``context`` for new engine connections; pooled ones keep theirs until they expire."""
+        self._connections.ssl_context = context
 
     async def post_json(self, engine: EngineSpec, path: str, body: bytes, *,
                         request_id: str) -> tuple[int, bytes]:
@@ -312,6 +319,7 @@ class DataPool:
             return await self._connections.request(host, port, request,
                                                    read_timeout_s=self._config.request_timeout_s,
                                                    head_deadline_s=head_deadline_s,
-                                                   head_deadline_message=head_deadline_message)
+                                                   head_deadline_message=head_deadline_message,
+                                                   tls=engine.tls)
         except HTTPTransportError as exc:
             raise classify.transport_failure(engine.name, exc) from exc

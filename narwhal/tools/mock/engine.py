@@ -18,25 +18,29 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import hmac
 import itertools
 import logging
 import secrets
 import signal
 import socket
+import ssl
 import struct
 import sys
 import time
 import zlib
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import msgspec
 import trio
 
+from narwhal import attestation
+from narwhal.config import ConfigError
 from narwhal.http1.server import ClientDisconnected, HTTPServer
 from narwhal.obs.logs import configure_logging, log_event
+from narwhal.tls import server_context_from_files
 from narwhal.tools.mock.faults import (
     Applied,
     Fault,
@@ -173,6 +177,10 @@ class MockSettings(msgspec.Struct, frozen=True, kw_only=True):
     faults: tuple[str, ...] = ()
     # vLLM's uvicorn closes idle keep-alive connections after 5 s; so does the mock.
     idle_timeout_s: float = 5.0
+    # HTTPS with this certificate and key; a client CA makes callers present a certificate (mTLS).
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
 
     @property
     def effective_kv_roles(self) -> tuple[str, ...]:
@@ -439,8 +447,8 @@ class MockEngine:
 
     def signature(self, nonce: str, generation: str | None = None) -> str:
         """The attestation signature: hex HMAC-SHA256 over ``engine_id|nonce|generation``."""
-        message = f"{self.engine_id}|{nonce}|{generation or self.settings.generation}".encode()
-        return hmac.new(self.settings.attestation_key.encode(), message, hashlib.sha256).hexdigest()
+        return attestation.sign(self.settings.attestation_key.encode(), self.engine_id, nonce,
+                                generation or self.settings.generation)
 
     async def _attest(self, request: Request, responder: Responder) -> None:
         nonce = _decode_body(request.body, AttestRequest).nonce
@@ -702,11 +710,21 @@ class _MockListener(trio.abc.Listener[trio.SocketStream]):
         await self._inner.aclose()
 
 
+def _ssl_context(settings: MockSettings) -> ssl.SSLContext | None:
+    """The mock's HTTPS context, or None for plain HTTP; ConfigError names the bad option."""
+    if settings.tls_cert_file is None or settings.tls_key_file is None:
+        return None
+    client_ca = Path(settings.tls_client_ca_file) if settings.tls_client_ca_file else None
+    return server_context_from_files(Path(settings.tls_cert_file), Path(settings.tls_key_file), client_ca,
+                                     names=("--tls-cert-file", "--tls-key-file", "--tls-client-ca-file"))
+
+
 class MockService:
     """Serves one MockEngine; closes and reopens its listener for ``refuse`` windows."""
 
     def __init__(self, settings: MockSettings) -> None:
         self._server: HTTPServer | None = None
+        self._ssl_context = _ssl_context(settings)
         self._reopen_at: float | None = None
         self._window: trio.CancelScope | None = None
         self._stopping = False
@@ -746,7 +764,7 @@ class MockService:
                 reported = True
             if self._reopen_at is None:
                 self._server = HTTPServer(engine.handle, idle_timeout_s=engine.settings.idle_timeout_s,
-                                          server_name=b"narwhal-mock")
+                                          server_name=b"narwhal-mock", ssl_context=self._ssl_context)
                 try:
                     await self._server.serve_listeners([_MockListener(listener, engine) for listener in listeners])
                 finally:
@@ -791,6 +809,11 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--kv-roles", help="comma-separated KV roles, e.g. producer,consumer (default: from role)")
     parser.add_argument("--idle-timeout-s", type=float, default=5.0,
                         help="close idle keep-alive connections after this long, as vLLM's uvicorn does")
+    parser.add_argument("--tls-cert-file", metavar="PEM",
+                        help="serve HTTPS with this certificate (needs --tls-key-file)")
+    parser.add_argument("--tls-key-file", metavar="PEM", help="the certificate's private key")
+    parser.add_argument("--tls-client-ca-file", metavar="PEM",
+                        help="require client certificates signed by this CA (mutual TLS)")
     parser.add_argument("--fault", action="append", default=[], metavar="SPEC",
                         help="fault at start, MODE[:KEY=VALUE,...] (repeatable), e.g. status_500:count=3")
     return parser
@@ -803,11 +826,16 @@ def _settings_from_args(args: argparse.Namespace) -> MockSettings:
         raise ValueError(f"--kv-roles: unknown role(s) {', '.join(sorted(unknown))}")
     if args.tokens < 1 or args.max_model_len < 1 or args.token_delay_s < 0 or args.idle_timeout_s <= 0:
         raise ValueError("--tokens and --max-model-len must be >= 1, --token-delay-s >= 0, --idle-timeout-s > 0")
+    if (args.tls_cert_file is None) != (args.tls_key_file is None):
+        raise ValueError("--tls-cert-file and --tls-key-file go together")
+    if args.tls_client_ca_file is not None and args.tls_cert_file is None:
+        raise ValueError("--tls-client-ca-file needs --tls-cert-file and --tls-key-file")
     return MockSettings(
         role=args.role, host=args.host, port=args.port, engine_id=args.engine_id, model=args.model,
         generation=args.generation, attestation_key=args.attestation_key, max_model_len=args.max_model_len,
         tokens=args.tokens, token_delay_s=args.token_delay_s, kv_roles=kv_roles, faults=tuple(args.fault),
-        idle_timeout_s=args.idle_timeout_s, sse_writes=args.sse_writes)
+        idle_timeout_s=args.idle_timeout_s, sse_writes=args.sse_writes, tls_cert_file=args.tls_cert_file,
+        tls_key_file=args.tls_key_file, tls_client_ca_file=args.tls_client_ca_file)
 
 
 async def _run(settings: MockSettings) -> None:
@@ -816,7 +844,7 @@ async def _run(settings: MockSettings) -> None:
         async with trio.open_nursery() as nursery:
             engine = await nursery.start(service.run)
             ready = {"event": "mock_engine_ready", "port": engine.port, "engine_id": engine.engine_id,
-                     "role": settings.role, "model": settings.model}
+                     "role": settings.role, "model": settings.model, "tls": settings.tls_cert_file is not None}
             sys.stdout.write(_encode(ready).decode() + "\n")
             sys.stdout.flush()
             async for _ in signals:
@@ -831,10 +859,11 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         settings = _settings_from_args(args)
-        # Faults are checked before binding, so a typo fails at once.
+        # Faults and certificates are checked before binding, so a typo fails at once.
         for spec in settings.faults:
             FaultTable().validate(parse_fault_spec(spec))
-    except ValueError as exc:  # FaultError too
+        _ssl_context(settings)
+    except (ValueError, ConfigError) as exc:  # FaultError too
         parser.error(str(exc))
     configure_logging()
     try:
