@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["EngineFailure", "FailureClass", "LocalResourceExhausted", "PoolSaturated", "StartupError",
-           "SuccessKind", "UpstreamClientError"]
+__all__ = ["ClientGone", "EngineFailure", "FailureClass", "LocalResourceExhausted", "PoolSaturated",
+           "StartupError", "SuccessKind", "UpstreamClientError"]
 
 
 class FailureClass(enum.StrEnum):
@@ -76,3 +76,11 @@ class LocalResourceExhausted(PoolSaturated):
 
 class StartupError(Exception):
     """The router cannot start; the message is one line naming the cause (the CLI exits 2)."""
+
+
+class ClientGone(Exception):
+    """The client went away or stopped reading; ``reason`` is ``client_disconnected`` or ``client_stalled``."""
+
+    def __init__(self, message: str = "the client has gone", *, reason: str = "client_disconnected") -> None:
+        super().__init__(message)
+        self.reason = reason

@@ -23,6 +23,7 @@ import trio
 from narwhal.app.admin_routes import register_admin_routes
 from narwhal.app.control_app import create_app
 from narwhal.config import Config, ConfigError, parse_listen
+from narwhal.control.fleet_writer import FleetWriter
 from narwhal.control.monitor import Monitor
 from narwhal.control.readmission import Readmitter
 from narwhal.control.supervisor import Supervisor
@@ -32,7 +33,7 @@ from narwhal.fleet.admission import Admission
 from narwhal.fleet.placement import InFlight
 from narwhal.fleet.telemetry import Telemetry
 from narwhal.http1.asgi import ASGILifespan, call_asgi
-from narwhal.http1.server import HTTPServer, Request, Responder
+from narwhal.http1.server import HTTPServer, Request, Responder, client_connection_budget
 from narwhal.obs.logs import flush_logs, log_event
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.pools.control import ControlPool
@@ -123,13 +124,14 @@ class Router:
         names = [spec.name for spec in config.engines]
         self.in_flight = InFlight(names)
         recovery = config.recovery
-        self.fleet = Fleet(
+        # The one writer: every part that changes the fleet gets this, never the bare Fleet.
+        self.fleet = FleetWriter(Fleet(
             [(spec.name, spec.role) for spec in config.engines],
             eject_after=recovery.eject_after,
             liveness_misses=recovery.liveness_misses,
             failure_quarantine_s=recovery.failure_quarantine_s,
             probe_interval_s=recovery.probe_interval_s,
-        )
+        ), self.metrics)
         # Every engine request says it came from this router: one arriving back here is a loop.
         self.via_token = f"narwhal-{secrets.token_hex(8)}"
         via = f"1.1 {self.via_token}"
@@ -174,8 +176,13 @@ class Router:
         self.app = create_app(self)
         register_admin_routes(self.app, self)
         serving = config.serving
+        client_cap = serving.max_client_connections or client_connection_budget(
+            serving.max_connections + config.engine.control_connections)
         self.server = HTTPServer(self.handle, max_header_bytes=serving.max_header_bytes,
                                  max_body_bytes=serving.max_body_bytes, idle_timeout_s=serving.idle_timeout_s,
+                                 header_timeout_s=serving.header_timeout_s, body_timeout_s=serving.body_timeout_s,
+                                 client_write_timeout_s=serving.client_write_timeout_s,
+                                 max_client_connections=client_cap,
                                  ssl_context=self.tls.server)
         self.bound_port: int | None = None
         self._nursery: trio.Nursery | None = None

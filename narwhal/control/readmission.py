@@ -63,9 +63,11 @@ import trio
 
 from narwhal.config import Config, EngineSpec
 from narwhal.control import contract
+from narwhal.control.fleet_writer import FleetWriter
 from narwhal.errors import EngineFailure, PoolSaturated, SuccessKind
-from narwhal.fleet import EngineView, Fleet, HoldKind
+from narwhal.fleet import DRAIN_HOLDS, EngineView, HoldKind
 from narwhal.fleet.placement import InFlight
+from narwhal.fleet.tables import drained
 from narwhal.obs.logs import log_event
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.pools.control import ControlCalls
@@ -73,7 +75,6 @@ from narwhal.wire import AttestRequest, EngineIdentity
 
 __all__ = ["CHAIN", "DRAIN_HOLDS", "Check", "ReadmissionResult", "Readmitter"]
 
-DRAIN_HOLDS: frozenset[HoldKind] = frozenset({HoldKind.OPERATOR_DRAIN, HoldKind.MAINTENANCE})
 
 
 class Check(enum.StrEnum):
@@ -145,7 +146,7 @@ def _iso(wall: float) -> str:
 class Readmitter:
     """Runs the readmission chain for the operator and on schedule, and applies operator drains."""
 
-    def __init__(self, *, config: Config, fleet: Fleet, control_pool: ControlCalls, in_flight: InFlight,
+    def __init__(self, *, config: Config, fleet: FleetWriter, control_pool: ControlCalls, in_flight: InFlight,
                  metrics: RouterMetrics, clock: Callable[[], float] = trio.current_time,
                  wall_clock: Callable[[], float] = time.time, attestation_key: bytes | None,
                  inference_check: Callable[[str], Awaitable[str]] | None = None) -> None:
@@ -216,7 +217,7 @@ class Readmitter:
     def drained(self, name: str) -> bool:
         """True when ``name`` is under a drain or maintenance hold and has nothing in flight."""
         view = self.fleet.view(name, self.clock())
-        return any(hold.kind in DRAIN_HOLDS for hold in view.holds) and self.in_flight[name] == 0
+        return drained((hold.kind for hold in view.holds), self.in_flight[name])
 
     # ----- the admin view ---------------------------------------------------------------
 

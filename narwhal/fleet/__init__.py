@@ -22,6 +22,7 @@ from narwhal.fleet.model import (
 )
 from narwhal.fleet.tables import (
     ACTION_POOL,
+    DRAIN_HOLDS,
     EVIDENCE_CLEARED,
     FAILURE_ACTIONS,
     INFERENCE_FAILURES,
@@ -32,6 +33,7 @@ from narwhal.fleet.tables import (
 
 __all__ = [
     "ACTION_POOL",
+    "DRAIN_HOLDS",
     "EVIDENCE_CLEARED",
     "FAILURE_ACTIONS",
     "INFERENCE_FAILURES",

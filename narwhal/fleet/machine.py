@@ -449,6 +449,11 @@ class Fleet:
         return events
 
     @property
+    def has_events(self) -> bool:
+        """Whether ``drain_events`` would return anything (cheap: the request path asks)."""
+        return bool(self._events)
+
+    @property
     def events_dropped(self) -> int:
         """Events lost because the backlog was full (the shell drained too rarely)."""
         return self._events_dropped

@@ -27,20 +27,26 @@ import trio
 __all__ = ["Readiness", "Watch"]
 
 _EVENTS = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLET
-_GONE = select.EPOLLRDHUP | select.EPOLLHUP | select.EPOLLERR
+# The peer shut down its side (FIN) or the connection is gone: no edge will come again.
+_CLOSED = select.EPOLLRDHUP | select.EPOLLHUP | select.EPOLLERR
+# What calls ``on_gone`` unless the watch says otherwise.
+GONE_EVENTS = _CLOSED
 
 
 class Watch:
     """One socket in the set: who waits for it, and what the hub saw while nobody did."""
 
-    __slots__ = ("fd", "gone", "on_gone", "ready", "task")
+    __slots__ = ("closed", "fd", "gone", "gone_events", "on_gone", "ready", "task")
 
-    def __init__(self, fd: int, on_gone: Callable[[], None] | None) -> None:
+    def __init__(self, fd: int, on_gone: Callable[[], None] | None, gone_events: int) -> None:
         self.fd = fd
         self.on_gone = on_gone
+        self.gone_events = gone_events
         # An edge arrived while no task was waiting: the next wait returns at once.
         self.ready = False
-        # The peer closed or reset.
+        # The peer shut down its side or the connection broke: every later wait returns at once.
+        self.closed = False
+        # One of ``gone_events`` happened (and on_gone was called).
         self.gone = False
         self.task: trio.lowlevel.Task | None = None
 
@@ -53,15 +59,21 @@ class Readiness:
         self._watches: dict[int, Watch] = {}
         self.running = False
 
-    def watch(self, fd: int, on_gone: Callable[[], None] | None = None) -> Watch | None:
-        """Add a socket; None when the hub is not running (the caller then uses trio's waits)."""
+    def watch(self, fd: int, on_gone: Callable[[], None] | None = None,
+              gone_events: int = GONE_EVENTS) -> Watch | None:
+        """Add a socket; None when the hub is not running (the caller then uses trio's waits).
+
+        ``on_gone`` is called once, by the hub, at the first of ``gone_events``
+        (default: the peer's FIN, a hang-up or an error; a server that reads a FIN
+        as a half-close passes ``EPOLLHUP | EPOLLERR``).
+        """
         if not self.running:
             return None
         try:
             self._epoll.register(fd, _EVENTS)
         except OSError:
             return None
-        watch = self._watches[fd] = Watch(fd, on_gone)
+        watch = self._watches[fd] = Watch(fd, on_gone, gone_events)
         return watch
 
     def forget(self, watch: Watch) -> None:
@@ -78,7 +90,7 @@ class Readiness:
 
     async def wait(self, watch: Watch) -> None:
         """Until the socket has something to read (or its peer went away); at once if an edge is pending."""
-        if watch.ready or watch.gone:
+        if watch.ready or watch.closed:
             # After the peer's close no edge comes again: the EOF (or error) waits to be read.
             watch.ready = False
             return
@@ -110,10 +122,12 @@ class Readiness:
                     watch = watches.get(fd)
                     if watch is None:
                         continue
-                    if events & _GONE and not watch.gone:
-                        watch.gone = True
-                        if watch.on_gone is not None:
-                            watch.on_gone()
+                    if events & _CLOSED:
+                        watch.closed = True
+                        if events & watch.gone_events and not watch.gone:
+                            watch.gone = True
+                            if watch.on_gone is not None:
+                                watch.on_gone()
                     task = watch.task
                     if task is not None:
                         watch.task = None

@@ -29,6 +29,7 @@ import trio
 
 from narwhal.config import Config, EngineSpec
 from narwhal.errors import (
+    ClientGone,
     EngineFailure,
     FailureClass,
     LocalResourceExhausted,
@@ -190,21 +191,39 @@ class RequestCore:
             rid = f"nw-{self._id_prefix}-{next(self._ids)}"
         rid_header = (b"x-request-id", rid.encode("latin-1"))
         outcome = _Outcome()
+        answered = False
         try:
-            with trio.move_on_after(self._deadline_s) as deadline:
-                await self._serve(route, body, rid, rid_header, sink, started_at, outcome)
-            if deadline.cancelled_caught:
-                outcome.error_class = "deadline"
-                message = f"request deadline of {self._deadline_s:g} s exceeded"
-                await self._fail(sink, outcome, ClientError(504, message, "timeout", "deadline_exceeded"),
-                                 rid_header)
-        except ClientError as exc:
-            await self._fail(sink, outcome, exc, rid_header)
+            try:
+                with trio.move_on_after(self._deadline_s) as deadline:
+                    await self._serve(route, body, rid, rid_header, sink, started_at, outcome)
+                if deadline.cancelled_caught:
+                    outcome.error_class = "deadline"
+                    message = f"request deadline of {self._deadline_s:g} s exceeded"
+                    await self._fail(sink, outcome, ClientError(504, message, "timeout", "deadline_exceeded"),
+                                     rid_header)
+            except ClientError as exc:
+                await self._fail(sink, outcome, exc, rid_header)
+            answered = True
+        except Exception as exc:
+            gone = _client_gone(exc)
+            if gone is not None:
+                # The sink's write failed: the client went away or stopped reading (client_stalled).
+                outcome.status = 499
+                outcome.error_class = gone.reason
+            else:
+                # A bug of ours: the front answers 500, and the log must say 500, not blame the client.
+                outcome.status = 500
+                outcome.error_class = f"internal_error:{type(exc).__name__}"
+            raise
         finally:
-            if outcome.status == 0:
+            if not answered and outcome.status == 0:
                 # Cancelled from outside (client went away, router stopping).
                 outcome.status = 499
                 outcome.error_class = outcome.error_class or "client_disconnected"
+            elif not answered and outcome.status == 200:
+                # A stream the client cut is 499, though its head said 200.
+                outcome.status = 499
+                outcome.error_class = "client_disconnected"
             self._finish(route, rid, started_at, outcome)
 
     async def _fail(self, sink: Sink, outcome: _Outcome, error: ClientError,
@@ -277,6 +296,10 @@ class RequestCore:
             request = _decode_json.decode(body)
         except msgspec.DecodeError as exc:
             raise ClientError(400, f"request body is not valid JSON: {exc}", "invalid_request_error",
+                              "invalid_json") from None
+        except RecursionError:
+            # msgspec stops at the interpreter's recursion limit (~1,000 levels).
+            raise ClientError(400, "request body is nested too deeply", "invalid_request_error",
                               "invalid_json") from None
         if not isinstance(request, dict):
             raise ClientError(400, "request body must be a JSON object", "invalid_request_error",
@@ -485,6 +508,18 @@ class RequestCore:
             await sink.end_stream(held)
         else:
             await sink.start_stream(200, head, held, end=True)
+
+
+def _client_gone(exc: BaseException) -> ClientGone | None:
+    """The ClientGone in ``exc`` (alone or in an exception group), if any."""
+    if isinstance(exc, ClientGone):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _client_gone(inner)
+            if found is not None:
+                return found
+    return None
 
 
 def _upstream_message(exc: UpstreamClientError) -> str:

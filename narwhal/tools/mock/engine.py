@@ -763,8 +763,10 @@ class MockService:
                 task_status.started(engine)
                 reported = True
             if self._reopen_at is None:
+                # Like uvicorn in front of vLLM, EOF from the router cancels the engine's work at once.
                 self._server = HTTPServer(engine.handle, idle_timeout_s=engine.settings.idle_timeout_s,
-                                          server_name=b"narwhal-mock", ssl_context=self._ssl_context)
+                                          half_close=False, server_name=b"narwhal-mock",
+                                          ssl_context=self._ssl_context)
                 try:
                     await self._server.serve_listeners([_MockListener(listener, engine) for listener in listeners])
                 finally:
