@@ -18,6 +18,8 @@ from typing import Literal
 
 import msgspec
 
+from narwhal.errors import NarwhalError
+
 __all__ = [
     "AdminConfig",
     "Config",
@@ -38,7 +40,7 @@ __all__ = [
 ]
 
 
-class ConfigError(Exception):
+class ConfigError(NarwhalError):
     """A configuration problem, with a message fit to show an operator as is."""
 
 

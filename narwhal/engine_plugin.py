@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from narwhal import attestation
+from narwhal.errors import NarwhalError
 
 __all__ = [
     "ENGINE_ID_ENV",
@@ -320,7 +321,7 @@ def _route_path(scope: Scope) -> str:
     return path
 
 
-class _BodyTooLarge(Exception):
+class _BodyTooLarge(NarwhalError):
     pass
 
 
@@ -344,7 +345,7 @@ async def _read_body(receive: Receive, limit: int) -> bytes | None:
 def _nonce(body: bytes) -> tuple[str, str | None]:
     try:
         request = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: deeply nested arrays, hostile or broken
         return "", 'attest body must be JSON: {"nonce": "..."}'
     nonce = request.get("nonce") if isinstance(request, dict) else None
     if not isinstance(nonce, str) or not nonce:

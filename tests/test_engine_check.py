@@ -162,3 +162,33 @@ def test_the_key_comes_from_the_config_when_no_key_file_is_given(tmp_path: Path,
     monkeypatch.setenv("NARWHAL_FLEET_KEY", "from-env")
     assert _expectations(parse("http://127.0.0.1:1")).key == b"from-env"
     assert _expectations(parse("http://127.0.0.1:1", "--model", "x", "--config", str(config))).model == "x"
+
+
+async def test_https_engines_are_verified_with_the_routers_engine_tls_settings(tmp_path: Path, nursery) -> None:
+    import trustme
+
+    from narwhal.tools.engine_check import _expectations
+    from narwhal.tools.mock.engine import MockSettings, serve_mock
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    (tmp_path / "ca.pem").write_bytes(ca.cert_pem.bytes())
+    (tmp_path / "cert.pem").write_bytes(b"".join(blob.bytes() for blob in cert.cert_chain_pems))
+    (tmp_path / "key.pem").write_bytes(cert.private_key_pem.bytes())
+    service = await nursery.start(serve_mock, MockSettings(role="prefill", engine_id="p1",
+                                                           tls_cert_file=str(tmp_path / "cert.pem"),
+                                                           tls_key_file=str(tmp_path / "key.pem")))
+    url = f"https://127.0.0.1:{service.engine.port}"
+    config = tmp_path / "narwhal.toml"
+    config.write_text('[fleet]\nmodel = "mock-model"\nattestation_key = "narwhal-dev-key"\n'
+                      '[engine]\ntls_ca_file = "ca.pem"\n'
+                      f'[[engines]]\nname = "p1"\nurl = "{url}"\nrole = "prefill"\n'
+                      f'[[engines]]\nname = "d1"\nurl = "{url}"\nrole = "decode"\n')
+
+    rows = await check_engine(url, _expectations(parse(url, "--role", "prefill", "--config", str(config))))
+    assert [row.check for row in rows if row.failed] == []
+
+    # Without the router's CA the engine is not trusted: a connection failure, nothing else runs.
+    rows = await check_engine(url, Expectations(role="prefill", key=KEY, key_source="test"), timeout_s=5.0)
+    assert rows[0].check == "health" and rows[0].failed and "CERTIFICATE_VERIFY_FAILED" in rows[0].detail
+    assert {row.result for row in rows[1:]} == {"not run"}

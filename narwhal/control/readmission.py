@@ -73,7 +73,7 @@ from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.pools.control import ControlCalls
 from narwhal.wire import AttestRequest, EngineIdentity
 
-__all__ = ["CHAIN", "DRAIN_HOLDS", "Check", "ReadmissionResult", "Readmitter"]
+__all__ = ["CHAIN", "DRAIN_HOLDS", "Check", "ReadmissionResult", "ReadmissionState", "Readmitter"]
 
 
 
@@ -115,6 +115,15 @@ class ReadmissionResult(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def readmitted(self) -> bool:
         return self.outcome == "readmitted"
+
+
+class ReadmissionState(msgspec.Struct, frozen=True, kw_only=True):
+    """What the readmitter knows of one engine: drain settled, maintenance start, the latest attempt."""
+
+    drained: bool
+    maintenance_started_at: float | None
+    readmission_running: bool
+    last_readmission: ReadmissionResult | None
 
 
 # A check failed; ``reason`` is the operator-facing why (the contract's own verdicts raise it too).
@@ -225,15 +234,10 @@ class Readmitter:
         """The latest readmission attempt for ``name``, or None."""
         return self._last.get(name)
 
-    def engine_extras(self, name: str) -> dict[str, Any]:
-        """What ``/admin/engines`` adds per engine: drained, last readmission, maintenance start."""
-        last = self._last.get(name)
-        return {
-            "drained": self.drained(name),
-            "maintenance_started_at": self.maintenance_started_at(name),
-            "readmission_running": self._locks[name].locked(),
-            "last_readmission": None if last is None else msgspec.to_builtins(last),
-        }
+    def admin_state(self, name: str) -> ReadmissionState:
+        """What ``/admin/engines`` shows of ``name`` from here: drained, maintenance start, last attempt."""
+        return ReadmissionState(drained=self.drained(name), maintenance_started_at=self.maintenance_started_at(name),
+                                readmission_running=self._locks[name].locked(), last_readmission=self._last.get(name))
 
     # ----- the chain -----------------------------------------------------------------------
 

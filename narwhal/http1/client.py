@@ -38,6 +38,7 @@ import httptools
 import msgspec
 import trio
 
+from narwhal.errors import NarwhalError
 from narwhal.http1.readiness import Readiness
 from narwhal.http1.sockets import socket_of
 from narwhal.tls import tls_reason
@@ -76,7 +77,7 @@ DEFAULT_MAX_HEAD_BYTES = 64 * 1024
 _LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 
 
-class HTTPTransportError(Exception):
+class HTTPTransportError(NarwhalError):
     """A transport problem on an engine connection; ``cause`` names the original error."""
 
     def __init__(self, message: str, *, cause: str) -> None:

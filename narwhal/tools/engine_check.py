@@ -31,6 +31,7 @@ import functools
 import math
 import os
 import secrets
+import ssl
 import sys
 from pathlib import Path
 from typing import Any, TextIO
@@ -41,9 +42,10 @@ import trio
 from narwhal import attestation
 from narwhal.config import ConfigError, EngineConfig, EngineSpec, load_config
 from narwhal.control import contract
-from narwhal.errors import EngineFailure, FailureClass
+from narwhal.errors import EngineFailure, FailureClass, NarwhalError
 from narwhal.pools import classify
 from narwhal.pools.control import ControlPool, ControlResponse
+from narwhal.tls import engine_context
 from narwhal.wire import AttestRequest, EngineIdentity, extract_handoff
 
 __all__ = ["CheckRow", "add_parser", "check_engine", "format_table", "run_engine_check"]
@@ -75,6 +77,8 @@ class Expectations:
     # Where the key came from, for the table; or why there is none.
     key_source: str = ""
     peer: EngineSpec | None = None
+    # Verifies https:// engines: the router's [engine] TLS settings with --config, else the system store.
+    ssl_context: ssl.SSLContext | None = dataclasses.field(default=None, repr=False)
 
 
 class _Unreachable(contract.ContractViolation):
@@ -260,7 +264,8 @@ async def check_engine(url: str, expect: Expectations, *, timeout_s: float = _DE
     if pool is None:
         pool = ControlPool(control_connections=2,
                            engine_config=EngineConfig(connect_timeout_s=min(timeout_s, 5.0),
-                                                      health_timeout_s=timeout_s))
+                                                      health_timeout_s=timeout_s),
+                           ssl_context=expect.ssl_context)
     try:
         return await _Checker(pool, engine, expect, timeout_s).run()
     finally:
@@ -287,7 +292,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "engine-check", help="check one engine against the engine contract before adding it",
         description="Check one engine the way readmission would: health, /v1/models, identity, "
                     "attestation with a fresh nonce, KV role, and a one-token P/D probe with --peer.")
-    p.add_argument("url", metavar="URL", help="the engine, http://HOST:PORT")
+    p.add_argument("url", metavar="URL", help="the engine, http://HOST:PORT or https://HOST:PORT")
     p.add_argument("--role", choices=("prefill", "decode"), help="the role it will have in [[engines]]")
     p.add_argument("--key-file", metavar="F", help=f"the fleet key (default: --config's, else "
                                                   f"${attestation.KEY_FILE_ENV} or ${attestation.KEY_ENV})")
@@ -295,21 +300,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                                  "(needs --role)")
     p.add_argument("--model", help="the model it must serve (default: --config's fleet.model)")
     p.add_argument("--generation", help="the generation it must report (default: --config's fleet.generation)")
-    p.add_argument("--config", metavar="FILE", help="the router's narwhal.toml: fleet model, generation and key")
+    p.add_argument("--config", metavar="FILE",
+                   help="the router's narwhal.toml: fleet model, generation and key, and [engine] TLS for https://")
     p.add_argument("--timeout-s", type=float, default=_DEFAULT_TIMEOUT_S,
                    help=f"per call (default {_DEFAULT_TIMEOUT_S:g}; the P/D probe's legs too)")
     p.set_defaults(run=run_engine_check)
 
 
-class _UsageError(Exception):
+class _UsageError(NarwhalError):
     pass
 
 
 def _expectations(args: argparse.Namespace) -> Expectations:
-    model, generation, key, source = args.model, args.generation, None, ""
+    model, generation, key, source, context = args.model, args.generation, None, "", None
     if args.config:
         try:
             config = load_config(args.config)
+            context = engine_context(config.engine, Path(args.config).parent)
         except ConfigError as exc:
             raise _UsageError(f"config error: {exc}") from None
         model = model or config.fleet.model
@@ -336,7 +343,8 @@ def _expectations(args: argparse.Namespace) -> Expectations:
         peer = _spec("peer", args.peer, "decode" if args.role == "prefill" else "prefill")
     if not (args.timeout_s > 0 and math.isfinite(args.timeout_s)):
         raise _UsageError(f"--timeout-s must be a positive number, got {args.timeout_s}")
-    return Expectations(role=args.role, model=model, generation=generation, key=key, key_source=source, peer=peer)
+    return Expectations(role=args.role, model=model, generation=generation, key=key, key_source=source, peer=peer,
+                        ssl_context=context)
 
 
 def _spec(name: str, url: str, role: str) -> EngineSpec:

@@ -19,8 +19,8 @@ import pytest
 import trio
 
 from narwhal import attestation
-from narwhal.tools.admin_cli import TOKEN_ENV
 from narwhal.tools.local_fleet import LocalProcess, render_config, start_process, start_router
+from tests.e2e.test_readmission_e2e import TOKEN, admin, engine_state
 from tests.e2e.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
@@ -32,7 +32,6 @@ NIXL = {"kv_producer": '{"kv_connector":"NixlConnector","kv_role":"kv_producer"}
         "kv_both": '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'}
 SERVED = "tiny-llm"
 GENERATION = "g7"
-TOKEN = "e2e-admin-token"
 
 
 async def start_fake_vllm(nursery: trio.Nursery, engine_id: str, *, key_file: Path | None,
@@ -130,22 +129,22 @@ async def test_an_engine_without_a_fleet_key_refuses_to_attest_with_a_clear_503(
 # ----- the router with three FastAPI "vLLM" engines ------------------------------------------------
 
 class VllmFleet:
+    """The router and its engines; ``url`` and ``client`` as the readmission e2e helpers expect."""
+
     def __init__(self, router: LocalProcess, engines: dict[str, LocalProcess], client: httpx.AsyncClient) -> None:
         self.router = router
         self.engines = engines
         self.client = client
 
+    @property
+    def url(self) -> str:
+        return self.router.url
+
     async def admin(self, *argv: str) -> tuple[int, str, str]:
-        result = await trio.run_process(
-            [sys.executable, "-m", "narwhal", "admin", *argv, "--url", self.router.url],
-            capture_stdout=True, capture_stderr=True, check=False, env={**os.environ, TOKEN_ENV: TOKEN})
-        return result.returncode, result.stdout.decode(), result.stderr.decode()
+        return await admin(self, *argv)
 
     async def engine(self, name: str) -> dict[str, Any]:
-        response = await self.client.get(f"{self.router.url}/admin/engines/{name}",
-                                         headers={"authorization": f"Bearer {TOKEN}"})
-        assert response.status_code == 200, response.text
-        return response.json()["engine"]
+        return await engine_state(self, name)
 
 
 async def start_vllm_fleet(nursery: trio.Nursery, processes: list[LocalProcess], tmp_path: Path,
