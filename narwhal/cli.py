@@ -1,4 +1,4 @@
-"""Command line: ``python -m narwhal serve|mock-engine|demo|bench|admin``.
+"""Command line: ``python -m narwhal serve|mock-engine|demo|bench|admin|engine-check``.
 
 Every command exits non-zero with one plain line on stderr when its input is
 wrong (a bad config names the key and the problem; no traceback).
@@ -19,6 +19,7 @@ from narwhal.config import ConfigError, load_config, parse_listen
 from narwhal.errors import StartupError
 from narwhal.obs.logs import configure_logging, flush_logs, log_event
 from narwhal.tools.admin_cli import add_parser as add_admin_parser
+from narwhal.tools.engine_check import add_parser as add_engine_check_parser
 
 __all__ = ["main", "serve_main"]
 
@@ -55,6 +56,7 @@ def _build_parser() -> argparse.ArgumentParser:
     for name, help_text in _DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
     add_admin_parser(sub)
+    add_engine_check_parser(sub)
     return parser
 
 

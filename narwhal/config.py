@@ -18,6 +18,8 @@ from typing import Literal
 
 import msgspec
 
+from narwhal.errors import NarwhalError
+
 __all__ = [
     "AdminConfig",
     "Config",
@@ -38,7 +40,7 @@ __all__ = [
 ]
 
 
-class ConfigError(Exception):
+class ConfigError(NarwhalError):
     """A configuration problem, with a message fit to show an operator as is."""
 
 
@@ -113,6 +115,12 @@ class ServingConfig(_Section, frozen=True):
     max_body_bytes: int = 4 * 1024 * 1024
     max_header_bytes: int = 16 * 1024
     idle_timeout_s: float = 60.0
+    # Hostile clients: the whole head, the whole body and each write to the client are bounded.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    client_write_timeout_s: float = 30.0
+    # Unset: sized from the fd limit (RLIMIT_NOFILE) less what the engine pools need.
+    max_client_connections: int | None = None
     shutdown_grace_s: float = 30.0
     count_tokens: bool = True
     policy: Literal["saturate", "bounded"] = "saturate"
@@ -131,8 +139,11 @@ class ServingConfig(_Section, frozen=True):
             raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file (client certificates "
                              "are only asked for over HTTPS)")
         for name in ("max_connections", "request_deadline_s", "max_body_bytes",
-                     "max_header_bytes", "idle_timeout_s", "max_attempts"):
+                     "max_header_bytes", "idle_timeout_s", "max_attempts", "header_timeout_s",
+                     "body_timeout_s", "client_write_timeout_s"):
             _positive(name, getattr(self, name))
+        if self.max_client_connections is not None:
+            _positive("max_client_connections", self.max_client_connections)
         _at_least("shutdown_grace_s", self.shutdown_grace_s, 0)
 
 

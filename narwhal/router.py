@@ -14,7 +14,6 @@ import os
 import secrets
 import socket
 import time
-import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,8 @@ import trio
 from narwhal.app.admin_routes import register_admin_routes
 from narwhal.app.control_app import create_app
 from narwhal.config import Config, ConfigError, parse_listen
+from narwhal.control.engine_view import EngineViewer
+from narwhal.control.fleet_writer import FleetWriter
 from narwhal.control.monitor import Monitor
 from narwhal.control.readmission import Readmitter
 from narwhal.control.supervisor import Supervisor
@@ -31,23 +32,21 @@ from narwhal.fleet import Fleet
 from narwhal.fleet.admission import Admission
 from narwhal.fleet.placement import InFlight
 from narwhal.fleet.telemetry import Telemetry
-from narwhal.http1.asgi import ASGILifespan, call_asgi
-from narwhal.http1.server import HTTPServer, Request, Responder
+from narwhal.http1.asgi import ASGILifespan
+from narwhal.http1.server import HTTPServer, client_connection_budget
 from narwhal.obs.logs import flush_logs, log_event
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.pools.control import ControlPool
 from narwhal.pools.data import DataPool
-from narwhal.serving.request_core import COMPLETION_ROUTES, RequestCore
+from narwhal.serving.front import Front
+from narwhal.serving.request_core import RequestCore
 from narwhal.stages import build_stages
 from narwhal.stages.persistence import PersistenceStage
 from narwhal.state.resume import apply_resume, plan_resume
 from narwhal.tls import TLSContexts
-from narwhal.wire import error_json
 
 __all__ = ["Router"]
 
-_NOT_ALLOWED = error_json("completion routes accept POST only", "invalid_request_error", "method_not_allowed")
-_JSON = [(b"content-type", b"application/json")]
 _WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
 _LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
@@ -60,14 +59,6 @@ def _same_address(a: tuple[str, int], b: tuple[str, int]) -> bool:
     if host_a == host_b or host_a in _WILDCARD_HOSTS or host_b in _WILDCARD_HOSTS:
         return True
     return host_a in _LOOPBACK_HOSTS and host_b in _LOOPBACK_HOSTS
-
-
-def _is_admin_path(path: str) -> bool:
-    # As the app will route it: percent-decoded, leading slashes collapsed.
-    if "%" in path:
-        path = urllib.parse.unquote(path)
-    path = "/" + path.lstrip("/")
-    return path == "/admin" or path.startswith("/admin/")
 
 
 def preflight(config: Config, listen: str, handoff_path: Path | None = None) -> None:
@@ -123,13 +114,14 @@ class Router:
         names = [spec.name for spec in config.engines]
         self.in_flight = InFlight(names)
         recovery = config.recovery
-        self.fleet = Fleet(
+        # The one writer: every part that changes the fleet gets this, never the bare Fleet.
+        self.fleet = FleetWriter(Fleet(
             [(spec.name, spec.role) for spec in config.engines],
             eject_after=recovery.eject_after,
             liveness_misses=recovery.liveness_misses,
             failure_quarantine_s=recovery.failure_quarantine_s,
             probe_interval_s=recovery.probe_interval_s,
-        )
+        ), self.metrics)
         # Every engine request says it came from this router: one arriving back here is a loop.
         self.via_token = f"narwhal-{secrets.token_hex(8)}"
         via = f"1.1 {self.via_token}"
@@ -141,10 +133,6 @@ class Router:
                                   ssl_context=self.tls.engine)
         self.control_pool = ControlPool(control_connections=config.engine.control_connections,
                                         engine_config=config.engine, via=via, ssl_context=self.tls.engine)
-        self._loop_error = error_json(
-            f"request loop detected: this router ({self.via_token}) sent this request itself; "
-            "an [[engines]] url points back at a router", "server_error", "loop_detected")
-        self._admin_elsewhere = config.admin.listen is not None
         self.supervisor = Supervisor(config=config, fleet=self.fleet, control_pool=self.control_pool,
                                      metrics=self.metrics)
         roles = [(spec.name, spec.role) for spec in config.engines]
@@ -171,11 +159,21 @@ class Router:
                                stage_timeout_s=controller.stage_timeout_s,
                                failure_limit=controller.monitor_failure_limit,
                                admission=self.admission, metrics=self.metrics)
+        self.engine_view = EngineViewer(config=config, fleet=self.fleet, in_flight=self.in_flight,
+                                        readmitter=self.readmitter, controller=self.controller, monitor=self.monitor)
         self.app = create_app(self)
         register_admin_routes(self.app, self)
         serving = config.serving
-        self.server = HTTPServer(self.handle, max_header_bytes=serving.max_header_bytes,
+        client_cap = serving.max_client_connections or client_connection_budget(
+            serving.max_connections + config.engine.control_connections)
+        # With [admin] listen the admin API is off the traffic port entirely.
+        self.front = Front(self.core, self.app, via_token=self.via_token,
+                           admin_elsewhere=config.admin.listen is not None)
+        self.server = HTTPServer(self.front.handle, max_header_bytes=serving.max_header_bytes,
                                  max_body_bytes=serving.max_body_bytes, idle_timeout_s=serving.idle_timeout_s,
+                                 header_timeout_s=serving.header_timeout_s, body_timeout_s=serving.body_timeout_s,
+                                 client_write_timeout_s=serving.client_write_timeout_s,
+                                 max_client_connections=client_cap,
                                  ssl_context=self.tls.server)
         self.bound_port: int | None = None
         self._nursery: trio.Nursery | None = None
@@ -192,32 +190,6 @@ class Router:
 
     def _handoff_extra(self) -> dict[str, Any]:
         return {"consolidation_risk": self.controller.consolidation_risk(), "drained": sorted(self.drain.drained)}
-
-    def engines_view(self) -> dict[str, Any]:
-        now = trio.current_time()
-        engines = []
-        for view in self.fleet.views(now):
-            spec = self.config.engine_spec(view.name)
-            engines.append({
-                "name": view.name,
-                "role": view.role,
-                "url": spec.url,
-                "eligible": view.eligible,
-                "ejected": view.ejected,
-                "ejected_reason": view.ejected_reason,
-                "holds": [{"kind": str(hold.kind), "reason": hold.reason, "since": hold.since,
-                           "deadline": hold.deadline, "deferred": hold.deferred} for hold in view.holds],
-                "evidence": {str(k): v for k, v in view.evidence.items()},
-                "liveness_misses": view.liveness_misses,
-                "in_flight": self.in_flight[view.name],
-                "next_probe_at": view.next_probe_at,
-                "counters": {"ejections": view.counters.ejections, "probes": dict(view.counters.probes),
-                             "failures": {str(k): v for k, v in view.counters.failures.items()}},
-            })
-            engines[-1].update(self.readmitter.engine_extras(view.name))
-        return {"engines": engines, "consolidation_risk": self.controller.consolidation_risk(),
-                "monitor": {"failure_streak": self.monitor.failure_streak,
-                            "degraded": self.monitor.degraded_reason, "passes": self.monitor.passes}}
 
     def _register_gauges(self) -> None:
         m = self.metrics
@@ -242,30 +214,6 @@ class Router:
                     ("engine", "role"), eligibility)
         m.add_gauge("narwhal_ready", "1 when /ready answers 200.", (),
                     lambda: {(): float(self.readiness() is None)})
-
-    # -- the front ---------------------------------------------------------------------
-
-    async def handle(self, request: Request, responder: Responder) -> None:
-        """The data-plane front: completion routes to the core, the rest to the app."""
-        via = request.get_header(b"via")
-        if via is not None and self.via_token.encode() in via:
-            log_event("request_loop", level=logging.ERROR, path=request.path, via=via.decode("latin-1")[:200])
-            await responder.respond(508, _JSON, self._loop_error)
-            return
-        if request.path in COMPLETION_ROUTES:
-            if request.method == b"POST":
-                await self.core.handle(request.path, request.body, request.get_header(b"x-request-id"),
-                                       responder)
-            else:
-                await responder.respond(405, [(b"content-type", b"application/json"), (b"allow", b"POST")],
-                                        _NOT_ALLOWED)
-            return
-        if self._admin_elsewhere and _is_admin_path(request.path):
-            # [admin] listen moves the admin API off the traffic port entirely.
-            await responder.respond(404, _JSON, error_json(f"no route for {request.method.decode('latin-1')} "
-                                                           f"{request.path}", "invalid_request_error", "not_found"))
-            return
-        await call_asgi(self.app, request, responder)
 
     # -- lifetime ----------------------------------------------------------------------
 

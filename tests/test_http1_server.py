@@ -501,7 +501,7 @@ async def test_client_reset_cancels_the_handler() -> None:
     assert events == ["cancelled", "write raised ClientDisconnected"]
 
 
-async def test_eof_is_noticed_while_pipelined_requests_are_queued() -> None:
+async def test_eof_is_noticed_while_pipelined_requests_are_queued_when_half_close_is_off() -> None:
     cancelled = trio.Event()
     paths: list[str] = []
 
@@ -512,7 +512,7 @@ async def test_eof_is_noticed_while_pipelined_requests_are_queued() -> None:
         finally:
             cancelled.set()
 
-    async with running(handler) as (_server, port):
+    async with running(handler, half_close=False) as (_server, port):
         stream = await trio.open_tcp_stream("127.0.0.1", port)
         await stream.send_all(b"".join(b"GET /%d HTTP/1.1\r\nHost: x\r\n\r\n" % i for i in range(4)))
         await trio.sleep(0.05)

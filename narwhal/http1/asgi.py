@@ -7,6 +7,7 @@ runs the app's lifespan protocol around the server's life.
 from __future__ import annotations
 
 import contextlib
+import urllib.parse
 from typing import Any
 
 import trio
@@ -100,7 +101,8 @@ async def call_asgi(
         "http_version": request.http_version,
         "method": request.method.decode("ascii"),
         "scheme": "https" if responder.secure else "http",
-        "path": request.path,
+        # ASGI's path is percent-decoded (UTF-8); raw_path keeps the bytes as sent.
+        "path": urllib.parse.unquote_to_bytes(raw_path).decode("utf-8", "replace"),
         "raw_path": raw_path,
         "query_string": request.query,
         "root_path": "",

@@ -27,6 +27,23 @@ plain-HTTP client on that port fails the handshake and is closed unanswered
 (after the TLS alert, if OpenSSL wrote one). The wrapped stream is not a
 ``SocketStream``, so it never takes the plain-socket fast paths.
 
+Bounds against hostile clients: a request's head must arrive within
+``header_timeout_s`` of its first byte (of the accept, for a connection's first
+request) and its body within ``body_timeout_s`` of the head, however slowly the
+bytes trickle in (answered 408). A write that the kernel does not take at once
+is watched: a watchdog task closes the stream of a client whose write waited
+``client_write_timeout_s``, which fails that write with ``ClientDisconnected``
+(reason ``client_stalled``). Past ``max_client_connections``, a few more
+connections are accepted that may only ask for the ``overflow_paths``
+(``/health``); all else gets 503 and close. ``Upgrade`` and ``CONNECT`` are
+refused (400) so that bytes after a head are never parsed as another request.
+
+A client's FIN is read as a half-close (``half_close=True``): the disconnect
+watch then waits only for a reset or a hang-up (not EPOLLRDHUP), so the
+requests it sent are still answered; a client that really went away is noticed
+when a write to it fails. With ``half_close=False`` (the mock engine, like
+uvicorn) a FIN cancels the running handler at once.
+
 The server's ``shutdown()`` stops the accept loops, wakes idle connections so
 they close, and puts a deadline on the nursery that holds the connections, so
 requests in flight may finish within the grace period and are cut after it.
@@ -39,6 +56,7 @@ import http
 import logging
 import math
 import os
+import resource
 import select
 import ssl
 import time
@@ -51,6 +69,7 @@ import httptools
 import msgspec
 import trio
 
+from narwhal.errors import ClientGone, NarwhalError
 from narwhal.http1.sockets import socket_of
 from narwhal.obs.logs import log_event
 from narwhal.tls import tls_reason
@@ -64,6 +83,7 @@ __all__ = [
     "Request",
     "Responder",
     "ServerStatistics",
+    "client_connection_budget",
 ]
 
 _RECEIVE_SIZE = 65536
@@ -77,6 +97,17 @@ _ACCEPT_CAPACITY_ERRNOS = frozenset(
     code for code in (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS) if code is not None
 )
 _ACCEPT_BACKOFF_S = 0.1
+# After an early 413 the rest of the upload is read and dropped, up to this many
+# times max_body_bytes and within body_timeout_s, so that the client reads the
+# 413 instead of a reset caused by unread bytes.
+_DRAIN_413_FACTOR = 4
+# Connections accepted past max_client_connections that may still ask for /health.
+OVERFLOW_CONNECTIONS = 16
+# The file descriptors kept for everything but client connections (listeners,
+# the admin listener, logs, handoff writes) when the cap is sized from the fd limit.
+_FD_HEADROOM = 64
+# How often, at most, the watchdog looks for writes to clients that stopped reading.
+_WATCHDOG_MAX_TICK_S = 1.0
 
 
 class Listener(Protocol):
@@ -96,15 +127,19 @@ _KEEP_ALIVE_HEADER = b"connection: keep-alive\r\n"
 _CHUNKED_HEADER = b"transfer-encoding: chunked\r\n"
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 _CHUNK_TERMINATOR = b"0\r\n\r\n"
+_TOO_MANY_CONNECTIONS = error_json("too many client connections; only /health is served now",
+                                   type_="service_unavailable", code="too_many_connections")
 # The peer closed or reset: what the disconnect watch waits for (not EPOLLIN: pipelined bytes stay unread).
 _GONE_EVENTS = select.EPOLLRDHUP | select.EPOLLHUP | select.EPOLLERR
+# With half-close: a FIN is not "gone", only a reset or a full hang-up is.
+_RESET_EVENTS = select.EPOLLHUP | select.EPOLLERR
 _INF = math.inf
 # The raw send syscall of the fast path; a module-level name so tests can count or limit writes.
 _write = os.write
 
 
-class ClientDisconnected(Exception):
-    """The client closed or reset the connection before the response was written."""
+class ClientDisconnected(ClientGone):
+    """The client closed or reset the connection (or stopped reading) before the response was written."""
 
 
 class ServerStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -113,6 +148,8 @@ class ServerStatistics(msgspec.Struct, frozen=True, kw_only=True):
     connections_open: int
     requests_in_flight: int
     requests_total: int
+    connections_refused: int = 0
+    clients_stalled: int = 0
 
 
 class Request:
@@ -261,7 +298,7 @@ class Responder:
         if self.started:
             raise RuntimeError("the response has already started")
         if self._conn.disconnected:
-            raise ClientDisconnected("the client has gone")
+            raise self._conn.gone_error()
         self.started = True
 
     def _head(self, status: int, headers: list[tuple[bytes, bytes]], framing: bytes, payload: bytes) -> bytes:
@@ -288,7 +325,7 @@ class Responder:
         return b"".join(lines)
 
 
-class _ProtocolViolation(Exception):
+class _ProtocolViolation(NarwhalError):
     """Raised inside a parser callback to stop parsing; the reason is on the connection."""
 
 
@@ -302,9 +339,11 @@ class _Connection:
         "_content_length",
         "_continue_pending",
         "_drained",
+        "_expect",
         "_expect_continue",
         "_fatal",
         "_fd",
+        "_gone_reason",
         "_handler_scope",
         "_head_bytes",
         "_head_fed",
@@ -314,21 +353,34 @@ class _Connection:
         "_in_message",
         "_messages_begun",
         "_parser",
+        "_phase_deadline",
         "_queue",
         "_scope",
+        "_upgrade",
         "_url",
         "disconnected",
+        "overflow",
         "server",
         "sock",
         "stream",
+        "write_since",
     )
 
-    def __init__(self, server: HTTPServer, stream: trio.abc.Stream) -> None:
+    def __init__(self, server: HTTPServer, stream: trio.abc.Stream, *, overflow: bool = False) -> None:
         self.server = server
         self.stream = stream
-        self.sock = socket_of(stream)
+        # None for a stream with no socket under it (tests' memory streams).
+        self.sock: trio.socket.SocketType | None = _socket_or_none(stream)
         # Plain sockets get the syscall fast path; any other trio Stream (TLS) the generic one.
-        self._fd = self.sock.fileno() if isinstance(stream, trio.SocketStream) else -1
+        self._fd = self.sock.fileno() if isinstance(stream, trio.SocketStream) and self.sock else -1
+        # Past the connection cap: only the overflow paths are served, one request.
+        self.overflow = overflow
+        self._gone_reason = "client_disconnected"
+        # When the pending write to the client began (inf: none pending); the watchdog reads it.
+        self.write_since = _INF
+        # The head's deadline while a head arrives, the body's while a body does, +inf between
+        # requests. A connection's first head is timed from the accept.
+        self._phase_deadline = trio.current_time() + server._header_timeout_s
         self._client: tuple[str, int] | None = None
         self.disconnected = False
         self._parser = httptools.HttpRequestParser(self)
@@ -351,11 +403,13 @@ class _Connection:
         self._body_parts: list[bytes] = []
         self._body_size = 0
         self._content_length: bytes | None = None
+        self._expect: bytes | None = None
         self._expect_continue = False
+        self._upgrade = False
 
     def peer(self) -> tuple[str, int] | None:
         """The client's (host, port), or None when the socket cannot say."""
-        if self._client is None:
+        if self._client is None and self.sock is not None:
             try:
                 peer = self.sock.getpeername()
             except OSError:
@@ -376,7 +430,12 @@ class _Connection:
         self._body_parts = []
         self._body_size = 0
         self._content_length = None
+        self._expect = None
         self._expect_continue = False
+        self._upgrade = False
+        if self._messages_begun > 1:
+            # The first request's head is timed from the accept; later ones from their first byte.
+            self._phase_deadline = trio.current_time() + self.server._header_timeout_s
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -393,15 +452,32 @@ class _Connection:
         if name == b"content-length":
             self._content_length = value
         elif name == b"expect":
-            self._expect_continue = value.lower() == b"100-continue"
+            self._expect = value.lower()
+        elif name == b"upgrade":
+            self._upgrade = True
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        if self._expect_continue and self._parser.get_http_version() != "1.1":
-            self._expect_continue = False  # HTTP/1.0 clients never get an interim response
+        parser = self._parser
+        version = parser.get_http_version()
+        if not version.startswith("1."):
+            self._violation(505, f"HTTP version {version} is not supported; use HTTP/1.1",
+                            "http_version_not_supported")
+        # httptools stops at the head of an upgrade or CONNECT and would leave the
+        # bytes after it to be parsed as the next request: refuse both outright.
+        if self._upgrade:
+            self._violation(400, "protocol upgrades are not supported", "upgrade_not_supported")
+        if parser.get_method() == b"CONNECT":
+            self._violation(400, "CONNECT is not supported", "method_not_supported")
+        if self._expect is not None:
+            if self._expect != b"100-continue":
+                self._violation(417, "only 'Expect: 100-continue' is supported", "expectation_failed")
+            # HTTP/1.0 clients never get an interim response.
+            self._expect_continue = version == "1.1"
         # llhttp has already rejected a malformed or duplicated content-length.
         if self._content_length is not None and int(self._content_length) > self.server._max_body_bytes:
             self._violation(413, "request body too large", "request_too_large")
+        self._phase_deadline = trio.current_time() + self.server._body_timeout_s
 
     def on_body(self, body: bytes) -> None:
         self._body_size += len(body)
@@ -428,6 +504,7 @@ class _Connection:
         )
         self._in_message = False
         self._in_head = False
+        self._phase_deadline = _INF
         # The client sent the body without waiting: no interim response is due.
         self._expect_continue = False
         self._continue_pending = False
@@ -441,14 +518,18 @@ class _Connection:
         begun = self._messages_begun
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade as upgrade:
-            # Upgrades are not supported: the request was an ordinary one, and
-            # whatever follows it is parsed as the next request.
-            self._feed(data[upgrade.args[0] :])
+        except httptools.HttpParserUpgrade:
+            # on_headers_complete refuses upgrades; this is the parser's own view
+            # of one. Nothing after it is ever parsed as a request.
+            if self._fatal is None:
+                self._fatal = (400, "protocol upgrades are not supported", "upgrade_not_supported")
             return
         except httptools.HttpParserError as exc:
             if self._fatal is None:
-                self._fatal = (400, f"malformed HTTP request: {exc}", "malformed_request")
+                if "HTTP version" in str(exc):
+                    self._fatal = (505, "HTTP version not supported; use HTTP/1.1", "http_version_not_supported")
+                else:
+                    self._fatal = (400, f"malformed HTTP request: {exc}", "malformed_request")
             return
         if self._in_head and self._messages_begun == begun:
             # The whole chunk belonged to one unfinished head; this also bounds a
@@ -461,47 +542,70 @@ class _Connection:
 
     async def run(self) -> None:
         """Read and answer requests in order until the connection should close."""
-        server = self.server
-        queue = self._queue
         with trio.CancelScope() as scope:
             self._scope = scope
-            while True:
-                while not queue:
-                    if self.disconnected:
-                        return
-                    if self._fatal is not None:
-                        await self._send_fatal()
-                        return
-                    if server._closing and not self._in_message:
-                        return
-                    if self._continue_pending:
-                        self._continue_pending = False
-                        await self._send_continue()
-                        continue
-                    scope.deadline = trio.current_time() + server._idle_timeout_s
-                    self._idle = True
-                    data = await self._receive()
-                    self._idle = False
-                    if scope.cancel_called:
-                        # Idle too long or shut down, even if bytes arrived at that moment.
-                        return
-                    if not data:
-                        self.disconnected = True
-                        return
-                    self._feed(data)
-                    if self._expect_continue and self._in_message and self._fatal is None:
-                        self._expect_continue = False
-                        # The interim response may not overtake responses still due ahead of it.
-                        if queue:
-                            self._continue_pending = True
-                        else:
-                            await self._send_continue()
-                scope.deadline = _INF
-                request = queue.popleft()
-                if not await self._handle(request):
+            await self._serve_requests(scope)
+        if (scope.cancel_called and self._in_message and self._fatal is None and not self.disconnected
+                and not self.server._closing and self._phase_deadline <= trio.current_time()):
+            # A head or body too slow: answered outside the scope its deadline cancelled.
+            self._fatal = self._timeout_error()
+            await self._send_fatal()
+
+    async def _serve_requests(self, scope: trio.CancelScope) -> None:
+        server = self.server
+        queue = self._queue
+        while True:
+            while not queue:
+                if self.disconnected:
                     return
-                # The response just went out: the client's next request comes later, so wait first.
-                self._drained = True
+                if self._fatal is not None:
+                    scope.deadline = _INF
+                    await self._send_fatal()
+                    return
+                if server._closing and not self._in_message:
+                    return
+                if self._continue_pending:
+                    self._continue_pending = False
+                    await self._send_continue()
+                    continue
+                phase_deadline = self._phase_deadline
+                scope.deadline = (phase_deadline if phase_deadline != _INF
+                                  else trio.current_time() + server._idle_timeout_s)
+                self._idle = True
+                data = await self._receive()
+                self._idle = False
+                if scope.cancel_called:
+                    # Idle too long, a head or body too slow (answered by run()), or shut
+                    # down, even if bytes arrived at that moment.
+                    return
+                if not data:
+                    self.disconnected = True
+                    return
+                self._feed(data)
+                if self._expect_continue and self._in_message and self._fatal is None:
+                    self._expect_continue = False
+                    # The interim response may not overtake responses still due ahead of it.
+                    if queue:
+                        self._continue_pending = True
+                    else:
+                        await self._send_continue()
+            scope.deadline = _INF
+            request = queue.popleft()
+            if not await self._handle(request):
+                return
+            if self._in_message:
+                # A pipelined request begun meanwhile: nothing was read while we answered,
+                # so its head or body gets a whole window from now.
+                timeout_s = server._header_timeout_s if self._in_head else server._body_timeout_s
+                self._phase_deadline = trio.current_time() + timeout_s
+            # The response just went out: the client's next request comes later, so wait first.
+            self._drained = True
+
+    def _timeout_error(self) -> tuple[int, str, str]:
+        server = self.server
+        if self._in_head:
+            return (408, f"request head not received within {server._header_timeout_s:g} s", "header_timeout")
+        return (408, f"request body not received within {server._body_timeout_s:g} s", "body_timeout")
 
     async def _receive(self) -> bytes:
         """The next bytes from the client; b"" on EOF or a reset."""
@@ -541,12 +645,32 @@ class _Connection:
         if self._handler_scope is not None:
             self._handler_scope.cancel()
 
+    async def stalled(self) -> None:
+        """The watchdog's verdict: the client stopped reading; close its stream to fail the pending write."""
+        self._gone_reason = "client_stalled"
+        self.server._clients_stalled += 1
+        peer = self.peer()
+        log_event("http_client_stalled", level=logging.WARNING,
+                  client=None if peer is None else f"{peer[0]}:{peer[1]}",
+                  timeout_s=self.server._client_write_timeout_s)
+        self.disconnected = True
+        # Closing wakes the blocked send with ClosedResourceError (trio's notify_closing),
+        # so the handler sees ClientDisconnected with this reason rather than a bare cancel.
+        await trio.aclose_forcefully(self.stream)
+        self.client_gone()
+
+    def gone_error(self) -> ClientDisconnected:
+        """The exception for a write to a client known to be gone, carrying why it is gone."""
+        if self._gone_reason == "client_stalled":
+            return ClientDisconnected("the client stopped reading its response", reason="client_stalled")
+        return ClientDisconnected("the client has gone")
+
     # ---- sending (the connection task and responders) ----
 
     async def send(self, data: bytes) -> None:
-        """One socket write; ClientDisconnected if the client is gone."""
+        """One socket write, the slow part watched by the write timeout; ClientDisconnected if the client is gone."""
         if self.disconnected:
-            raise ClientDisconnected("the client has gone")
+            raise self.gone_error()
         fd = self._fd
         rest: bytes | memoryview = data
         if fd >= 0:
@@ -558,24 +682,37 @@ class _Connection:
                 sent = 0
             except OSError as exc:
                 self.client_gone()
-                raise ClientDisconnected("the client has gone") from exc
+                raise self.gone_error() from exc
             if sent == len(data):
                 return
             rest = memoryview(data)[sent:]
+        # Only a write that has to wait is watched (one clock read); the fast path above is not.
+        self.write_since = trio.current_time()
         try:
             await self.stream.send_all(rest)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             self.client_gone()
-            raise ClientDisconnected("the client has gone") from exc
+            raise self.gone_error() from exc
         except BaseException:
             # Cut mid-write (cancelled): part of a response may be out, so nothing more may follow.
             self.disconnected = True
             raise
+        finally:
+            self.write_since = _INF
 
     async def _handle(self, request: Request) -> bool:
         """Run the handler for one request; True when the connection may go on."""
         server = self.server
         responder = Responder(self, request)
+        if self.overflow:
+            # Past the connection cap: one request, and only a health check is served.
+            request.keep_alive = False
+            if request.path not in server._overflow_paths:
+                try:
+                    await responder.respond(503, _JSON_HEADERS, _TOO_MANY_CONNECTIONS)
+                except ClientDisconnected:
+                    pass
+                return False
         server._requests_in_flight += 1
         server._requests_total += 1
         failure: Exception | None = None
@@ -633,18 +770,27 @@ class _Connection:
             ]
         )
         try:
-            await self.stream.send_all(head + body)
+            await self.send(head + body)
             if isinstance(self.stream, trio.abc.HalfCloseableStream):
                 await self.stream.send_eof()
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
+        except (ClientDisconnected, trio.BrokenResourceError, trio.ClosedResourceError):
             return
-        with trio.move_on_after(_LINGER_S):
+        linger_s, linger_bytes = _LINGER_S, _LINGER_MAX_BYTES
+        if status == 413:
+            # Read the rest of an oversized upload (bounded), so the client sees the 413, not a
+            # reset; a client that stops sending for _LINGER_S is done.
+            server = self.server
+            linger_s = server._body_timeout_s
+            linger_bytes = max(_LINGER_MAX_BYTES, _DRAIN_413_FACTOR * server._max_body_bytes)
+        with trio.move_on_after(linger_s):
             drained = 0
-            while drained < _LINGER_MAX_BYTES:
-                try:
-                    data = await self.stream.receive_some(_RECEIVE_SIZE)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    return
+            while drained < linger_bytes:
+                data: bytes | bytearray = b""
+                with trio.move_on_after(_LINGER_S):
+                    try:
+                        data = await self.stream.receive_some(_RECEIVE_SIZE)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        return
                 if not data:
                     return
                 drained += len(data)
@@ -675,6 +821,13 @@ async def _send_alert(stream: trio.SSLStream[trio.SocketStream], raw: trio.Socke
                 drained += len(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return
+
+
+def _socket_or_none(stream: trio.abc.Stream) -> trio.socket.SocketType | None:
+    try:
+        return socket_of(stream)
+    except AttributeError:
+        return None
 
 
 def _peer(raw: trio.SocketStream) -> tuple[str, int] | None:
@@ -718,10 +871,28 @@ class HTTPServer:
         max_header_bytes: int = 16384,
         max_body_bytes: int = 4 * 1024 * 1024,
         idle_timeout_s: float = 60.0,
+        header_timeout_s: float = 10.0,
+        body_timeout_s: float = 30.0,
+        client_write_timeout_s: float = 30.0,
+        max_client_connections: int | None = None,
+        overflow_paths: frozenset[str] = frozenset({"/health"}),
+        half_close: bool = True,
         server_name: bytes = b"narwhal",
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self._handler = handler
+        self._header_timeout_s = header_timeout_s
+        self._body_timeout_s = body_timeout_s
+        self._client_write_timeout_s = client_write_timeout_s
+        self._max_client_connections = max_client_connections
+        self._overflow_paths = overflow_paths
+        self._gone_events = _RESET_EVENTS if half_close else _GONE_EVENTS
+        # Every connection from its accept (TLS handshakes included), and those past the cap.
+        self._accepted = 0
+        self._overflow_open = 0
+        self._connections_refused = 0
+        self._clients_stalled = 0
+        self._refusals_logged_at = -math.inf
         # Read once per accepted connection: assigning a new context (a TLS reload)
         # changes new handshakes only.
         self.ssl_context = ssl_context
@@ -755,6 +926,8 @@ class HTTPServer:
             connections_open=len(self._connections),
             requests_in_flight=self._requests_in_flight,
             requests_total=self._requests_total,
+            connections_refused=self._connections_refused,
+            clients_stalled=self._clients_stalled,
         )
 
     async def serve(self, host: str, port: int, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -787,6 +960,7 @@ class HTTPServer:
             async with trio.open_nursery() as watcher:
                 # The disconnect watch outlives every connection and stops after the last one.
                 watcher.start_soon(self._watch_disconnects, epoll)
+                watcher.start_soon(self._watchdog)
                 async with trio.open_nursery() as connections:
                     self._connections_scope = connections.cancel_scope
                     connections.cancel_scope.deadline = self._shutdown_deadline
@@ -822,15 +996,55 @@ class HTTPServer:
                 continue
             connections.start_soon(self._serve_connection, stream)
 
+    async def serve_stream(self, stream: trio.abc.Stream) -> None:
+        """Serve one accepted stream until it closes (tests drive the front over memory streams this way)."""
+        await self._serve_connection(stream)
+
+    async def run_watchdog(self) -> None:
+        """The client write timeout's watchdog, for callers of ``serve_stream``; ``serve`` runs its own."""
+        await self._watchdog()
+
+    async def _watchdog(self) -> None:
+        """Close the streams of clients whose pending write outlived ``client_write_timeout_s``.
+
+        One coarse tick for all connections instead of a cancel scope per write:
+        the hot path pays nothing unless a write has to wait.
+        """
+        timeout_s = self._client_write_timeout_s
+        tick_s = min(_WATCHDOG_MAX_TICK_S, timeout_s / 10)
+        while True:
+            await trio.sleep(tick_s)
+            expired_before = trio.current_time() - timeout_s
+            for conn in list(self._connections):
+                if conn.write_since <= expired_before and not conn.disconnected:
+                    await conn.stalled()
+
     async def _serve_connection(self, stream: trio.abc.Stream) -> None:
         # trio sets TCP_NODELAY on accepted sockets (the hot path depends on it; a test checks it).
+        cap = self._max_client_connections
+        overflow = cap is not None and self._accepted - self._overflow_open >= cap
+        if overflow and self._overflow_open >= OVERFLOW_CONNECTIONS:
+            await self._refuse(stream)
+            return
+        self._accepted += 1
+        if overflow:
+            self._overflow_open += 1
+            self._note_refusal()
+        try:
+            await self._serve_accepted(stream, overflow)
+        finally:
+            self._accepted -= 1
+            if overflow:
+                self._overflow_open -= 1
+
+    async def _serve_accepted(self, stream: trio.abc.Stream, overflow: bool) -> None:
         context = self.ssl_context
         if context is not None and isinstance(stream, trio.SocketStream):
             secure = await self._handshake(stream, context)
             if secure is None:
                 return
             stream = secure
-        conn = _Connection(self, stream)
+        conn = _Connection(self, stream, overflow=overflow)
         self._connections.add(conn)
         try:
             await conn.run()
@@ -840,8 +1054,37 @@ class HTTPServer:
             )
         finally:
             self._connections.discard(conn)
-            # Synchronous: no checkpoint (and no nursery) to close a connection.
-            conn.sock.close()
+            if conn.sock is not None:
+                # Synchronous: no checkpoint (and no nursery) to close a connection.
+                conn.sock.close()
+            else:
+                await trio.aclose_forcefully(stream)
+
+    async def _refuse(self, stream: trio.abc.Stream) -> None:
+        """Past the cap and its overflow: 503 without reading (plain HTTP only), then close."""
+        self._note_refusal()
+        if self.ssl_context is None:
+            body = _TOO_MANY_CONNECTIONS
+            response = b"".join([_STATUS_LINES[503], b"content-type: application/json\r\n",
+                                 self._common_head_lines(), b"content-length: %d\r\n" % len(body), _CLOSE_HEADER,
+                                 b"\r\n", body])
+            with trio.move_on_after(1.0):
+                try:
+                    await stream.send_all(response)
+                    if isinstance(stream, trio.abc.HalfCloseableStream):
+                        await stream.send_eof()
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+        await trio.aclose_forcefully(stream)
+
+    def _note_refusal(self) -> None:
+        """Count a connection past the cap; log at most one event per 10 s, not one per connection."""
+        self._connections_refused += 1
+        now = trio.current_time()
+        if now - self._refusals_logged_at >= 10.0:
+            self._refusals_logged_at = now
+            log_event("http_connections_capped", level=logging.WARNING, cap=self._max_client_connections,
+                      open=self._accepted, refused_total=self._connections_refused)
 
     async def _handshake(self, raw: trio.SocketStream, context: ssl.SSLContext) -> trio.SSLStream | None:
         """The TLS stream once its handshake is done within the idle timeout; None (closed) otherwise."""
@@ -874,17 +1117,19 @@ class HTTPServer:
     def _watch(self, conn: _Connection) -> bool:
         """Put a connection's socket in the disconnect watch while its request is in flight."""
         epoll = self._epoll
-        if epoll is None:
+        if epoll is None or conn.sock is None:
             return False
         fd = conn.sock.fileno()
         try:
-            epoll.register(fd, _GONE_EVENTS)
+            epoll.register(fd, self._gone_events)
         except OSError:
             return False
         self._watched[fd] = conn
         return True
 
     def _unwatch(self, conn: _Connection) -> None:
+        if conn.sock is None:
+            return
         fd = conn.sock.fileno()
         if self._watched.pop(fd, None) is not None and self._epoll is not None:
             try:
@@ -913,3 +1158,15 @@ class HTTPServer:
             self._common_head_second = now
             self._common_head = self._server_header + b"date: " + formatdate(now, usegmt=True).encode() + b"\r\n"
         return self._common_head
+
+
+def client_connection_budget(other_fds: int) -> int:
+    """A default for ``max_client_connections``: the fd limit less ``other_fds`` and a headroom.
+
+    Each client connection holds one descriptor; ``other_fds`` is what the
+    engine pools may hold. The overflow connections for /health come on top.
+    """
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(16, soft - other_fds - _FD_HEADROOM - OVERFLOW_CONNECTIONS)

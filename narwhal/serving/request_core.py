@@ -29,9 +29,11 @@ import trio
 
 from narwhal.config import Config, EngineSpec
 from narwhal.errors import (
+    ClientGone,
     EngineFailure,
     FailureClass,
     LocalResourceExhausted,
+    NarwhalError,
     PoolSaturated,
     SuccessKind,
     UpstreamClientError,
@@ -88,7 +90,7 @@ class DataPool(Protocol):
     def stream(self, engine: EngineSpec, path: str, body: bytes, *, request_id: str) -> Any: ...
 
 
-class ClientError(Exception):
+class ClientError(NarwhalError):
     """A request the router refuses before or instead of serving it."""
 
     def __init__(self, status: int, message: str, type_: str, code: str | None = None) -> None:
@@ -102,7 +104,7 @@ class ClientError(Exception):
         return error_json(self.message, self.type, self.code)
 
 
-class _AttemptFailed(Exception):
+class _AttemptFailed(NarwhalError):
     """One prefill/decode attempt failed before anything reached the client."""
 
     def __init__(self, error: ClientError, engine: str | None, failure_class: str) -> None:
@@ -190,21 +192,39 @@ class RequestCore:
             rid = f"nw-{self._id_prefix}-{next(self._ids)}"
         rid_header = (b"x-request-id", rid.encode("latin-1"))
         outcome = _Outcome()
+        answered = False
         try:
-            with trio.move_on_after(self._deadline_s) as deadline:
-                await self._serve(route, body, rid, rid_header, sink, started_at, outcome)
-            if deadline.cancelled_caught:
-                outcome.error_class = "deadline"
-                message = f"request deadline of {self._deadline_s:g} s exceeded"
-                await self._fail(sink, outcome, ClientError(504, message, "timeout", "deadline_exceeded"),
-                                 rid_header)
-        except ClientError as exc:
-            await self._fail(sink, outcome, exc, rid_header)
+            try:
+                with trio.move_on_after(self._deadline_s) as deadline:
+                    await self._serve(route, body, rid, rid_header, sink, started_at, outcome)
+                if deadline.cancelled_caught:
+                    outcome.error_class = "deadline"
+                    message = f"request deadline of {self._deadline_s:g} s exceeded"
+                    await self._fail(sink, outcome, ClientError(504, message, "timeout", "deadline_exceeded"),
+                                     rid_header)
+            except ClientError as exc:
+                await self._fail(sink, outcome, exc, rid_header)
+            answered = True
+        except Exception as exc:
+            gone = _client_gone(exc)
+            if gone is not None:
+                # The sink's write failed: the client went away or stopped reading (client_stalled).
+                outcome.status = 499
+                outcome.error_class = gone.reason
+            else:
+                # A bug of ours: the front answers 500, and the log must say 500, not blame the client.
+                outcome.status = 500
+                outcome.error_class = f"internal_error:{type(exc).__name__}"
+            raise
         finally:
-            if outcome.status == 0:
+            if not answered and outcome.status == 0:
                 # Cancelled from outside (client went away, router stopping).
                 outcome.status = 499
                 outcome.error_class = outcome.error_class or "client_disconnected"
+            elif not answered and outcome.status == 200:
+                # A stream the client cut is 499, though its head said 200.
+                outcome.status = 499
+                outcome.error_class = "client_disconnected"
             self._finish(route, rid, started_at, outcome)
 
     async def _fail(self, sink: Sink, outcome: _Outcome, error: ClientError,
@@ -277,6 +297,10 @@ class RequestCore:
             request = _decode_json.decode(body)
         except msgspec.DecodeError as exc:
             raise ClientError(400, f"request body is not valid JSON: {exc}", "invalid_request_error",
+                              "invalid_json") from None
+        except RecursionError:
+            # msgspec stops at the interpreter's recursion limit (~1,000 levels).
+            raise ClientError(400, "request body is nested too deeply", "invalid_request_error",
                               "invalid_json") from None
         if not isinstance(request, dict):
             raise ClientError(400, "request body must be a JSON object", "invalid_request_error",
@@ -410,8 +434,17 @@ class RequestCore:
         body["stream"] = False
         body.pop("stream_options", None)
         body["kv_transfer_params"] = PREFILL_KV_REQUEST
-        _, raw = await self._engine_call("prefill", self.data_pool.post_json(
-            prefill, route, _encode_json.encode(body), request_id=rid))
+        try:
+            _, raw = await self.data_pool.post_json(prefill, route, _encode_json.encode(body), request_id=rid)
+        except EngineFailure as exc:
+            if exc.cause == "ResponseTooLarge" and exc.status is not None and 200 <= exc.status < 300:
+                # A prefill that said 200 and sent more than can be held: its handoff is unreadable.
+                exc = EngineFailure(prefill.name, FailureClass.KV_HANDOFF,
+                                    f"prefill answer too large to read its handoff: {exc.message}",
+                                    status=exc.status, cause=exc.cause)
+            self._translate("prefill", exc)
+        except (UpstreamClientError, PoolSaturated) as exc:
+            self._translate("prefill", exc)
         try:
             kv = read_handoff(raw, max_bytes=self._max_handoff_bytes)
         except HandoffRejected as exc:
@@ -485,6 +518,18 @@ class RequestCore:
             await sink.end_stream(held)
         else:
             await sink.start_stream(200, head, held, end=True)
+
+
+def _client_gone(exc: BaseException) -> ClientGone | None:
+    """The ClientGone in ``exc`` (alone or in an exception group), if any."""
+    if isinstance(exc, ClientGone):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _client_gone(inner)
+            if found is not None:
+                return found
+    return None
 
 
 def _upstream_message(exc: UpstreamClientError) -> str:

@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 import trio
 
-__all__ = ["LocalProcess", "render_config", "start_mock_engine", "start_router"]
+__all__ = ["LocalProcess", "render_config", "start_mock_engine", "start_process", "start_router"]
 
 _decode_json = msgspec.json.Decoder()
 
@@ -129,6 +129,12 @@ async def _start(nursery: trio.Nursery, argv: Sequence[str], *, ready: str, from
     else:
         local.port = int(str(line["listen"]).rpartition(":")[2])
     return local
+
+
+async def start_process(nursery: trio.Nursery, argv: Sequence[str], *, ready: str, name: str,
+                        env: Mapping[str, str] | None = None, timeout_s: float = 20.0) -> LocalProcess:
+    """Start any process that prints a JSON ``ready`` event with its ``port`` on stdout; wait for it."""
+    return await _start(nursery, argv, ready=ready, from_stderr=False, name=name, timeout_s=timeout_s, env=env)
 
 
 async def start_mock_engine(nursery: trio.Nursery, role: str, *, engine_id: str | None = None,

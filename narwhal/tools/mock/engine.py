@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import hmac
 import itertools
 import logging
 import secrets
@@ -37,7 +36,9 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import msgspec
 import trio
 
+from narwhal import attestation
 from narwhal.config import ConfigError
+from narwhal.errors import NarwhalError
 from narwhal.http1.server import ClientDisconnected, HTTPServer
 from narwhal.obs.logs import configure_logging, log_event
 from narwhal.tls import server_context_from_files
@@ -104,7 +105,7 @@ class _CompletionBody(msgspec.Struct):
     kv_transfer_params: dict[str, Any] | None = None
 
 
-class _BadRequest(Exception):
+class _BadRequest(NarwhalError):
     def __init__(self, status: int, message: str, type_: str = "BadRequestError") -> None:
         super().__init__(message)
         self.status = status
@@ -447,8 +448,8 @@ class MockEngine:
 
     def signature(self, nonce: str, generation: str | None = None) -> str:
         """The attestation signature: hex HMAC-SHA256 over ``engine_id|nonce|generation``."""
-        message = f"{self.engine_id}|{nonce}|{generation or self.settings.generation}".encode()
-        return hmac.new(self.settings.attestation_key.encode(), message, hashlib.sha256).hexdigest()
+        return attestation.sign(self.settings.attestation_key.encode(), self.engine_id, nonce,
+                                generation or self.settings.generation)
 
     async def _attest(self, request: Request, responder: Responder) -> None:
         nonce = _decode_body(request.body, AttestRequest).nonce
@@ -763,8 +764,10 @@ class MockService:
                 task_status.started(engine)
                 reported = True
             if self._reopen_at is None:
+                # Like uvicorn in front of vLLM, EOF from the router cancels the engine's work at once.
                 self._server = HTTPServer(engine.handle, idle_timeout_s=engine.settings.idle_timeout_s,
-                                          server_name=b"narwhal-mock", ssl_context=self._ssl_context)
+                                          half_close=False, server_name=b"narwhal-mock",
+                                          ssl_context=self._ssl_context)
                 try:
                     await self._server.serve_listeners([_MockListener(listener, engine) for listener in listeners])
                 finally:
