@@ -12,6 +12,8 @@ import hmac
 import os
 from collections.abc import Mapping
 
+from narwhal.errors import NarwhalError
+
 __all__ = ["KEY_ENV", "KEY_FILE_ENV", "FleetKeyError", "key_from_environment", "read_key_file", "sign", "verify"]
 
 # Where an engine (or engine-check) finds the fleet key: a file, or the key itself.
@@ -22,7 +24,7 @@ KEY_ENV = "NARWHAL_FLEET_KEY"
 _MAX_KEY_FILE_BYTES = 64 * 1024
 
 
-class FleetKeyError(Exception):
+class FleetKeyError(NarwhalError):
     """The fleet key cannot be had; the message says why, fit to show an operator."""
 
 

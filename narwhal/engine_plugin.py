@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from narwhal import attestation
+from narwhal.errors import NarwhalError
 
 __all__ = [
     "ENGINE_ID_ENV",
@@ -320,7 +321,7 @@ def _route_path(scope: Scope) -> str:
     return path
 
 
-class _BodyTooLarge(Exception):
+class _BodyTooLarge(NarwhalError):
     pass
 
 

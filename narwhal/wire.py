@@ -6,6 +6,8 @@ from typing import Any
 
 import msgspec
 
+from narwhal.errors import NarwhalError
+
 __all__ = [
     "AttestRequest",
     "AttestResponse",
@@ -86,7 +88,7 @@ DEFAULT_MAX_HANDOFF_BYTES = 1024 * 1024
 MAX_HANDOFF_DEPTH = 16
 
 
-class HandoffRejected(ValueError):
+class HandoffRejected(NarwhalError, ValueError):
     """A prefill's kv_transfer_params that must not reach a decode engine; the message says why."""
 
 

@@ -624,3 +624,17 @@ def test_main_rejects_a_bad_fault_before_binding(capsys: pytest.CaptureFixture[s
     with pytest.raises(SystemExit) as exited:
         main(["--role", "decode", "--fault", "status_500:count=0"])
     assert exited.value.code == 2 and "count must be >= 1" in capsys.readouterr().err
+
+
+def test_first_n_of_one_fault_then_another_is_two_faults_set_in_order() -> None:
+    # "500 three times, then 429 until cleared" (docs/mock-engine.md; issue 10's overload test).
+    table = FaultTable()
+    table.add(table.validate(parse_fault_spec("status_500:count=3,legs=decode")))
+    table.add(table.validate(parse_fault_spec("status_429:legs=decode")))
+    seen = []
+    for _ in range(6):
+        terminal = table.take(Operation.DECODE, streamed=True).terminal
+        assert terminal is not None
+        seen.append(terminal.mode)
+    assert seen == [Mode.STATUS_5XX] * 3 + [Mode.STATUS_429] * 3
+    assert table.take(Operation.HEALTH).terminal is None

@@ -175,9 +175,9 @@ async def test_every_check_passing_returns_an_ejected_engine_to_placement(
     assert event["engine"] == "d1" and event["outcome"] == "readmitted" and event["check"] is None
     assert event["operator"] is True
     assert world.count("d1", "readmitted", "none") == 1
-    extras = world.readmitter.engine_extras("d1")
-    assert extras["last_readmission"]["outcome"] == "readmitted"
-    assert extras["last_readmission"]["at"] == world.wall()
+    last = world.readmitter.admin_state("d1").last_readmission
+    assert last is not None and last.outcome == "readmitted"
+    assert last.at == world.wall()
 
 
 def _health_first(e: FakeEngine) -> None:
@@ -273,8 +273,8 @@ async def test_each_check_failing_alone_keeps_the_engine_out_with_its_reason(
     assert event["engine"] == name and event["outcome"] == "refused"
     assert event["check"] == check and words in event["reason"]
     assert world.count(name, "refused", check) == 1
-    last = world.readmitter.engine_extras(name)["last_readmission"]
-    assert (last["outcome"], last["check"], last["reason"]) == ("refused", check, result.reason)
+    last = world.readmitter.admin_state(name).last_readmission
+    assert last is not None and (last.outcome, last.check, last.reason) == ("refused", check, result.reason)
 
 
 async def test_an_engines_own_error_message_is_part_of_the_reason(autojump_clock: MockClock) -> None:
@@ -345,7 +345,7 @@ async def test_a_drain_stops_new_placements_and_settles_at_zero_in_flight(autoju
     assert world.readmitter.drained("d1") is False
     world.in_flight.release("d1")
     assert world.readmitter.drained("d1") is True
-    assert world.readmitter.engine_extras("d1")["drained"] is True
+    assert world.readmitter.admin_state("d1").drained is True
     assert world.readmitter.drained("d2") is False  # idle but not drained
 
 
@@ -408,7 +408,7 @@ async def test_maintenance_refuses_an_engine_that_was_not_restarted_and_accepts_
     await trio.sleep(100)
     started_at = world.readmitter.maintenance("d1", world.now())
     assert started_at == WALL_BASE + 100
-    assert world.readmitter.engine_extras("d1")["maintenance_started_at"] == started_at
+    assert world.readmitter.admin_state("d1").maintenance_started_at == started_at
     assert "d1" not in world.fleet.eligible("decode", world.now())
     await trio.sleep(30)
 
@@ -428,7 +428,7 @@ async def test_maintenance_refuses_an_engine_that_was_not_restarted_and_accepts_
     assert accepted.passed == ["health", "attestation", "newer_process", "model", "generation", "kv_role",
                                "final_health"]
     assert world.fleet.view("d1", world.now()).holds == []
-    assert world.readmitter.engine_extras("d1")["maintenance_started_at"] is None
+    assert world.readmitter.admin_state("d1").maintenance_started_at is None
 
 
 async def test_asking_for_maintenance_again_keeps_the_first_start(autojump_clock: MockClock) -> None:
@@ -562,7 +562,7 @@ async def test_an_operator_readmit_waits_for_the_automatic_attempt_in_progress(
         await trio.sleep_until(t0 + 5)
         await world.readmitter.readmit_due()
         await trio.sleep(1)
-        assert world.readmitter.engine_extras("d1")["readmission_running"] is True
+        assert world.readmitter.admin_state("d1").readmission_running is True
         result = await world.readmitter.readmit("d1", operator=True)
         nursery.cancel_scope.cancel()
     # The automatic attempt readmitted it (5..9); the operator's chain ran after it, alone.
@@ -647,3 +647,17 @@ async def test_a_readmission_health_200_counts_as_a_successful_health_response(a
     result = await world.readmitter.readmit("d1", operator=True)
     assert result.passed == ["health"]
     assert world.fleet.view("d1", world.now()).liveness_misses == 0
+
+
+@pytest.mark.parametrize(("status", "readmitted"), [(200, True), (204, True), (302, False), (404, False),
+                                                    (429, False), (503, False)])
+async def test_the_chains_health_checks_use_the_one_status_table(
+        autojump_clock: MockClock, status: int, readmitted: bool) -> None:
+    # As the health stage: any 2xx is a successful health response (issue 10, rule 4).
+    world = World()
+    world.fleet.eject("d1", "refused", world.now(), FailureClass.CONNECTION)
+    world.engines["d1"].health = [status]
+    result = await world.readmitter.readmit("d1", operator=True)
+    assert result.readmitted is readmitted
+    if not readmitted:
+        assert result.check == "health" and str(status) in result.reason

@@ -77,6 +77,9 @@ class FakeStream:
                 raise EngineFailure("d1", FailureClass.STREAM, "stream ended without data: [DONE]")
             return b""
         chunk = self.chunks.pop(0)
+        if isinstance(chunk, trio.Event):
+            await chunk.wait()  # the engine pauses mid-stream until the test says
+            return await self.read()
         if isinstance(chunk, BaseException):
             raise chunk
         if chunk == "hang":
@@ -464,6 +467,35 @@ async def test_deadline_gives_504(autojump_clock):
     assert sink.status == 504
     assert trio.current_time() == pytest.approx(5.0)
     assert pool.closed_streams == 1
+
+
+async def test_bounded_retries_stop_at_the_original_deadline(autojump_clock):
+    # Each decode fails after 2 s; max_attempts would allow 10. The deadline is the
+    # request's, not each attempt's: attempts start at 0, 2 and 4 s and the third
+    # is cut at the original 5 s deadline with a 504.
+    config = parse_config(CONFIG.format(count_tokens="false", policy="bounded")
+                          .replace("request_deadline_s = 5.0", "request_deadline_s = 5.0\nmax_attempts = 10"))
+    supervisor, pool = FakeSupervisor(), FakePool()
+    core = RequestCore(config=config, supervisor=supervisor, data_pool=pool,
+                       in_flight=InFlight(e.name for e in config.engines), admission=Admission(),
+                       metrics=RouterMetrics())
+    scripted = pool.post_json
+    decode_started: list[float] = []
+
+    async def slow_failing_decode(engine, path, body, *, request_id):
+        if not json.loads(body)["kv_transfer_params"].get("do_remote_decode"):
+            decode_started.append(trio.current_time())
+            await trio.sleep(2.0)
+            raise EngineFailure(engine.name, FailureClass.INFERENCE_STATUS, "HTTP 500", status=500)
+        return await scripted(engine, path, body, request_id=request_id)
+
+    pool.post_json = slow_failing_decode
+    sink = Sink()
+    await core.handle("/v1/completions", body(), None, sink)
+    assert sink.status == 504 and sink.json()["error"]["code"] == "deadline_exceeded"
+    assert trio.current_time() == pytest.approx(5.0)
+    assert decode_started == [0.0, 2.0, 4.0]
+    assert core.in_flight.total() == 0
 
 
 async def test_client_cancellation_releases_in_flight_and_closes_the_upstream():

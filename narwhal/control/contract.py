@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 
 from narwhal import attestation
+from narwhal.errors import NarwhalError
 from narwhal.wire import PREFILL_KV_REQUEST, AttestResponse, EngineIdentity
 
 __all__ = [
@@ -40,7 +41,7 @@ PROBE_PROMPT = "narwhal inference probe"
 _MAX_QUOTED_CHARS = 200
 
 
-class ContractViolation(Exception):
+class ContractViolation(NarwhalError):
     """An engine's answer breaks the contract; ``reason`` says how."""
 
     def __init__(self, reason: str) -> None:

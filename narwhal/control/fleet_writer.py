@@ -22,6 +22,7 @@ from narwhal.errors import FailureClass, SuccessKind
 from narwhal.fleet import (
     Action,
     ActionKind,
+    EjectionCause,
     EngineRecord,
     EngineView,
     Fleet,
@@ -86,6 +87,20 @@ class FleetWriter:
         if self._fleet.has_events:
             self._publish()
         return problem
+
+    def eligibility_version(self, now: float) -> int:
+        """``Fleet.eligibility_version``."""
+        version = self._fleet.eligibility_version(now)
+        if self._fleet.has_events:
+            self._publish()
+        return version
+
+    def next_deadline(self, now: float) -> float | None:
+        """``Fleet.next_deadline``."""
+        deadline = self._fleet.next_deadline(now)
+        if self._fleet.has_events:
+            self._publish()
+        return deadline
 
     def view(self, name: str, now: float) -> EngineView:
         """``Fleet.view``."""
@@ -212,18 +227,7 @@ class FleetWriter:
 
     def _count(self, event: FleetEvent) -> None:
         if event.kind is FleetEventKind.EJECTED:
-            self.metrics.engine_ejections.inc(event.engine, _ejection_cause(event))
+            self.metrics.engine_ejections.inc(event.engine, str(event.ejection_cause or EjectionCause.OTHER))
         elif event.kind is FleetEventKind.HOLD_ADDED and event.hold_kind is not None:
             self.metrics.holds_applied.inc(event.engine, str(event.hold_kind))
-
-
-def _ejection_cause(event: FleetEvent) -> str:
-    """A bounded label for why an engine was ejected (the free-text reason goes to the log)."""
-    if event.failure_class is not None:
-        return str(event.failure_class)
-    if "silent health sweeps" in event.reason:
-        return "liveness"
-    if "probe leg" in event.reason:
-        return "probe"
-    return "other"
 

@@ -19,7 +19,7 @@ import trio
 from narwhal.config import Config, EngineSpec
 from narwhal.control import contract
 from narwhal.control.fleet_writer import FleetWriter
-from narwhal.errors import EngineFailure, FailureClass, PoolSaturated, SuccessKind, UpstreamClientError
+from narwhal.errors import EngineFailure, FailureClass, NarwhalError, PoolSaturated, SuccessKind, UpstreamClientError
 from narwhal.fleet import Action, ActionKind
 from narwhal.fleet.tables import PROBE_LEG_INCONCLUSIVE
 from narwhal.obs.logs import log_event
@@ -32,7 +32,7 @@ __all__ = ["Supervisor"]
 
 
 
-class _LegInconclusive(Exception):
+class _LegInconclusive(NarwhalError):
     """A probe leg could not decide about the suspect (peer failed, no peer)."""
 
 
@@ -73,6 +73,14 @@ class Supervisor:
 
     def capacity_problem(self) -> str | None:
         return self.fleet.capacity_problem(self.clock())
+
+    def state_version(self) -> int:
+        """Changes whenever the eligible engines change: workers' snapshots are republished on it."""
+        return self.fleet.eligibility_version(self.clock())
+
+    def valid_until(self) -> float | None:
+        """The next hold deadline, when eligibility may change by itself."""
+        return self.fleet.next_deadline(self.clock())
 
     def record_failure(self, engine: str, failure_class: FailureClass) -> None:
         self.metrics.engine_failures.inc(engine, failure_class.value)
@@ -253,7 +261,7 @@ class _LegProblem(msgspec.Struct, frozen=True):
     reason: str
 
 
-class _SuspectLegFailed(Exception):
+class _SuspectLegFailed(NarwhalError):
     def __init__(self, leg: str, reason: str, failure_class: FailureClass) -> None:
         super().__init__(reason)
         self.leg = leg

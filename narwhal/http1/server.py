@@ -69,7 +69,7 @@ import httptools
 import msgspec
 import trio
 
-from narwhal.errors import ClientGone
+from narwhal.errors import ClientGone, NarwhalError
 from narwhal.http1.sockets import socket_of
 from narwhal.obs.logs import log_event
 from narwhal.tls import tls_reason
@@ -325,7 +325,7 @@ class Responder:
         return b"".join(lines)
 
 
-class _ProtocolViolation(Exception):
+class _ProtocolViolation(NarwhalError):
     """Raised inside a parser callback to stop parsing; the reason is on the connection."""
 
 

@@ -26,6 +26,7 @@ from typing import Literal
 
 import msgspec
 
+from narwhal.errors import NarwhalError
 from narwhal.fleet import EngineRecord
 
 __all__ = [
@@ -52,7 +53,7 @@ HANDOFF_SCHEMA = 1
 ConsolidationRisk = Literal["none", "elevated", "critical"]
 
 
-class HandoffError(Exception):
+class HandoffError(NarwhalError):
     """A handoff could not be used; the message is fit to show an operator."""
 
 

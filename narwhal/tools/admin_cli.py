@@ -20,6 +20,7 @@ from typing import Any, TextIO
 import httpx
 
 from narwhal.config import admin_token_problem
+from narwhal.errors import NarwhalError
 
 __all__ = ["add_parser", "format_engines", "run_admin"]
 
@@ -30,7 +31,7 @@ _TIMEOUT_S = 120.0
 _DRAIN_KINDS = ("operator_drain", "maintenance")
 
 
-class _AdminError(Exception):
+class _AdminError(NarwhalError):
     """Why an admin command failed, as the one line to print."""
 
 
@@ -85,6 +86,9 @@ def run_admin(args: argparse.Namespace, *, transport: httpx.BaseTransport | None
     except _AdminError as exc:
         err.write(f"narwhal admin: {exc}\n")
         return 1
+    except httpx.InvalidURL as exc:
+        err.write(f"narwhal admin: --url {args.url!r}: {exc}\n")
+        return 2
     return 0
 
 

@@ -42,7 +42,7 @@ import trio
 from narwhal import attestation
 from narwhal.config import ConfigError, EngineConfig, EngineSpec, load_config
 from narwhal.control import contract
-from narwhal.errors import EngineFailure, FailureClass
+from narwhal.errors import EngineFailure, FailureClass, NarwhalError
 from narwhal.pools import classify
 from narwhal.pools.control import ControlPool, ControlResponse
 from narwhal.tls import engine_context
@@ -307,7 +307,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run_engine_check)
 
 
-class _UsageError(Exception):
+class _UsageError(NarwhalError):
     pass
 
 

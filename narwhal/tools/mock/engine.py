@@ -38,6 +38,7 @@ import trio
 
 from narwhal import attestation
 from narwhal.config import ConfigError
+from narwhal.errors import NarwhalError
 from narwhal.http1.server import ClientDisconnected, HTTPServer
 from narwhal.obs.logs import configure_logging, log_event
 from narwhal.tls import server_context_from_files
@@ -104,7 +105,7 @@ class _CompletionBody(msgspec.Struct):
     kv_transfer_params: dict[str, Any] | None = None
 
 
-class _BadRequest(Exception):
+class _BadRequest(NarwhalError):
     def __init__(self, status: int, message: str, type_: str = "BadRequestError") -> None:
         super().__init__(message)
         self.status = status
