@@ -511,3 +511,15 @@ def test_at_the_real_fd_limit_both_pools_say_local_resources_not_engine_failure(
     result = subprocess.run([sys.executable, "-c", _AT_THE_FD_LIMIT], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "EMFILE,EMFILE"
+
+
+async def test_an_engine_that_answers_413_then_neither_reads_nor_closes_is_answered_at_once(hostile, data_pool):
+    # Without watching for the answer, the router would wait out the write timeout and call it `timeout`.
+    async def handler(stream: trio.SocketStream, _: bytes) -> None:
+        await refuse_early()(stream, _)
+        await trio.sleep(30)
+
+    engine = await hostile(handler)
+    with trio.fail_after(FAST.request_timeout_s / 2), pytest.raises(UpstreamClientError) as caught:
+        await data_pool.post_json(engine.spec(), "/v1/completions", b"x" * (64 * 1024 * 1024), request_id="r1")
+    assert caught.value.status == 413
