@@ -23,6 +23,8 @@ from narwhal.config import Config, parse_listen
 from narwhal.fleet import Fleet
 from narwhal.http1.asgi import ASGILifespan, call_asgi
 from narwhal.http1.server import HTTPServer, Request, Responder
+from narwhal.lease import EtcdLeaseBackend, build_backend
+from narwhal.lease.service import LeaseService
 from narwhal.obs.logs import flush_logs, log_event
 from narwhal.control.monitor import Monitor
 from narwhal.fleet.placement import InFlight
@@ -39,6 +41,13 @@ from narwhal.fleet.telemetry import Telemetry
 from narwhal.wire import error_json
 
 __all__ = ["Router"]
+
+
+def _advertise_url(host: str, port: int) -> str:
+    """Where a standby reaches this router's /ready when lease.advertise_url is not set."""
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 _NOT_ALLOWED = error_json("completion routes accept POST only", "invalid_request_error", "method_not_allowed")
 
@@ -88,6 +97,24 @@ class Router:
         self.controller = self.stages[0]
         self.drain = self.stages[2]
         self.persistence.extra = self._handoff_extra
+        backend = build_backend(config)
+        # With a lease backend every router starts as a standby (the service closes admission).
+        self.lease: LeaseService | None = None
+        if backend is not None:
+            self.lease = LeaseService(config=config, router_id=self.router_id, backend=backend,
+                                      admission=self.admission, persistence=self.persistence, fleet=self.fleet,
+                                      metrics=self.metrics, own_readiness=self.own_readiness)
+            if isinstance(backend, EtcdLeaseBackend):
+                etcd = backend
+
+                async def publish(data: bytes) -> bool:
+                    lease = self.lease
+                    record = lease.record if lease is not None else None
+                    if lease is None or record is None or not lease.valid_threadsafe():
+                        return False
+                    return await etcd.write_handoff(data, record)
+
+                self.persistence.publish = publish
         controller = config.controller
         self.monitor = Monitor(self.stages, interval_s=controller.monitor_interval_s,
                                stage_timeout_s=controller.stage_timeout_s,
@@ -106,13 +133,27 @@ class Router:
 
     def readiness(self) -> str | None:
         """None when this router should get traffic, else the one-line reason."""
-        reason = self.admission.reason()
+        reason = self.admission.refusal(trio.current_time())
         if reason is not None:
             return reason
         return self.supervisor.capacity_problem()
 
+    def own_readiness(self) -> str | None:
+        """Readiness apart from the lease: what a takeover decision weighs (monitor, capacity)."""
+        return self.admission.held_by("monitor") or self.supervisor.capacity_problem()
+
+    def lease_view(self) -> dict[str, Any]:
+        """What /admin/lease shows: the lease record and this router's role."""
+        if self.lease is None:
+            return {"router_id": self.router_id, "backend": "none", "role": "active", "record": None}
+        return self.lease.view()
+
     def _handoff_extra(self) -> dict[str, Any]:
-        return {"consolidation_risk": self.controller.consolidation_risk(), "drained": sorted(self.drain.drained)}
+        extra: dict[str, Any] = {"consolidation_risk": self.controller.consolidation_risk(),
+                                 "drained": sorted(self.drain.drained)}
+        if self.lease is not None:
+            extra["lease"] = self.lease.ownership()
+        return extra
 
     def engines_view(self) -> dict[str, Any]:
         now = trio.current_time()
@@ -195,6 +236,10 @@ class Router:
                 if self.config.admin.listen:
                     await nursery.start(self._serve_admin)
                 self.bound_port = await nursery.start(self._serve_then_stop, nursery, host, port)
+                if self.lease is not None:
+                    if not self.lease.advertise_url:
+                        self.lease.advertise_url = _advertise_url(host, self.bound_port)
+                    await nursery.start(self.lease.run)
                 log_event("router_started", router_id=self.router_id, listen=f"{host}:{self.bound_port}",
                           engines=len(self.config.engines), pid=os.getpid())
                 task_status.started(self.bound_port)
@@ -232,6 +277,9 @@ class Router:
         grace = self.config.serving.shutdown_grace_s if grace_s is None else grace_s
         self.admission.close("shutdown", "shutting down")
         log_event("router_shutdown", grace_s=grace)
+        if self.lease is not None and self._nursery is not None:
+            # Hand the lease over now: the standby need not wait for it to expire.
+            self._nursery.start_soon(self.lease.release_for_shutdown)
         self.server.shutdown(grace)
 
     async def _serve_admin(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:

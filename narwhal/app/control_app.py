@@ -81,6 +81,10 @@ def create_app(router: Router) -> QuartTrio:
     async def admin_engines() -> Response:
         return _json(router.engines_view())
 
+    @app.get("/admin/lease")
+    async def admin_lease() -> Response:
+        return _json(router.lease_view())
+
     @app.get("/admin/telemetry")
     async def admin_telemetry() -> Response:
         return _json(router.telemetry.as_json())

@@ -43,6 +43,8 @@ class RouterMetrics:
         self.readmissions = r.counter("narwhal_readmission_attempts",
                                       "Readmission attempts by outcome and failed check.",
                                       ("engine", "outcome", "check"))
+        self.lease_renewals = r.counter("narwhal_lease_renewals",
+                                        "Lease renewals by result (ok, failed, lost, late).", ("result",))
         self.saturations = r.counter("narwhal_saturations", "Requests refused for saturation by reason.",
                                      ("reason",))
 
