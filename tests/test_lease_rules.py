@@ -181,3 +181,16 @@ def test_ttl_must_exceed_margin_plus_two_renewals(ttl: float, renew: float, marg
 def test_lease_keys_are_validated_naming_the_key(lease: str, expected: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(expected)):
         parse_config(f"[lease]\n{lease}\n" + ENGINES)
+
+
+def test_the_example_pair_is_a_pair() -> None:
+    from pathlib import Path
+
+    from narwhal.config import load_config
+
+    root = Path(__file__).resolve().parent.parent / "examples"
+    a, b = load_config(root / "standby-a.toml"), load_config(root / "standby-b.toml")
+    assert a.lease.backend == b.lease.backend == "file"
+    assert (a.lease.path, a.handoff.path, a.engines) == (b.lease.path, b.handoff.path, b.engines)
+    assert a.lease.router_id != b.lease.router_id
+    assert a.lease.advertise_url != b.lease.advertise_url
