@@ -80,11 +80,11 @@ def load_table(case: str, by_router: dict[str, list[dict[str, Any]]]) -> str:
     for router in _routers(by_router):
         reports = by_router[router]
         medians[router] = [_median([_get(r, path) for r in reports]) for _, path, _ in _LOAD_FIGURES]
-        cells = [_cell(v, d) for v, (_, _, d) in zip(medians[router], _LOAD_FIGURES)]
+        cells = [_cell(v, d) for v, (_, _, d) in zip(medians[router], _LOAD_FIGURES, strict=True)]
         lines.append(f"| {router} | {len(reports)} | " + " | ".join(cells) + " |")
     if "narwhal" in medians and "vllm-router" in medians:
         ratios = []
-        for ours, theirs in zip(medians["narwhal"], medians["vllm-router"]):
+        for ours, theirs in zip(medians["narwhal"], medians["vllm-router"], strict=True):
             ratios.append("-" if ours is None or not theirs else f"{ours / theirs:.2f}x")
         lines.append("| narwhal / vllm-router | | " + " | ".join(ratios) + " |")
     return "\n".join(lines)

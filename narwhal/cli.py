@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import argparse
 import signal
-from pathlib import Path
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import trio
 
-from narwhal.tools.admin_cli import add_parser as add_admin_parser
 from narwhal.config import ConfigError, load_config, parse_listen
 from narwhal.obs.logs import configure_logging, log_event
+from narwhal.tools.admin_cli import add_parser as add_admin_parser
 
 __all__ = ["main", "serve_main"]
 
@@ -107,7 +108,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         trio.run(run_until_signal, router)
     except OSError as exc:
-        log_event("router_failed", **{"class": type(exc).__name__}, message=str(exc))
+        failure: dict[str, Any] = {"class": type(exc).__name__, "message": str(exc)}
+        log_event("router_failed", **failure)
         print(f"narwhal: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -62,7 +62,7 @@ class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     pass
 
 
-class ServingConfig(_Section):
+class ServingConfig(_Section, frozen=True):
     listen: str = "127.0.0.1:8000"
     # The data pool: prefill, decode and token counting share this bound.
     max_connections: int = 256
@@ -85,7 +85,7 @@ class ServingConfig(_Section):
             raise ValueError("shutdown_grace_s must be >= 0")
 
 
-class EngineConfig(_Section):
+class EngineConfig(_Section, frozen=True):
     # The control pool: health checks, suspect verification, readmission.
     control_connections: int = 16
     connect_timeout_s: float = 2.0
@@ -105,7 +105,7 @@ class EngineConfig(_Section):
             _positive(name, getattr(self, name))
 
 
-class FleetConfig(_Section):
+class FleetConfig(_Section, frozen=True):
     model: str = "mock-model"
     generation: str = "g1"
     attestation_key: str | None = None
@@ -118,7 +118,7 @@ class FleetConfig(_Section):
             raise ValueError("set attestation_key or attestation_key_file, not both")
 
 
-class ControllerConfig(_Section):
+class ControllerConfig(_Section, frozen=True):
     monitor_interval_s: float = 1.0
     monitor_failure_limit: int = 3
     stage_timeout_s: float = 2.0
@@ -133,7 +133,7 @@ class ControllerConfig(_Section):
             raise ValueError(f"drift_factor must be > 1, got {self.drift_factor}")
 
 
-class TelemetryConfig(_Section):
+class TelemetryConfig(_Section, frozen=True):
     interval_s: float = 10.0
     keep_intervals: int = 30
 
@@ -142,7 +142,7 @@ class TelemetryConfig(_Section):
         _positive("keep_intervals", self.keep_intervals)
 
 
-class RecoveryConfig(_Section):
+class RecoveryConfig(_Section, frozen=True):
     eject_after: int = 3
     liveness_misses: int = 3
     failure_quarantine_s: float | None = None
@@ -156,11 +156,11 @@ class RecoveryConfig(_Section):
             _positive("failure_quarantine_s", self.failure_quarantine_s)
 
 
-class HandoffConfig(_Section):
+class HandoffConfig(_Section, frozen=True):
     path: str = "narwhal-handoff.json"
 
 
-class LeaseConfig(_Section):
+class LeaseConfig(_Section, frozen=True):
     backend: Literal["none", "file", "etcd"] = "none"
     router_id: str | None = None
     path: str | None = None
@@ -195,7 +195,7 @@ class LeaseConfig(_Section):
             raise ValueError(f"key must start with '/', got {self.key!r}")
 
 
-class AdminConfig(_Section):
+class AdminConfig(_Section, frozen=True):
     token: str | None = None
     listen: str | None = None
 
@@ -206,7 +206,7 @@ class AdminConfig(_Section):
             raise ValueError("token must not be empty when set")
 
 
-class EngineSpec(_Section):
+class EngineSpec(_Section, frozen=True):
     name: str
     url: str
     role: Literal["prefill", "decode"]
@@ -218,7 +218,7 @@ class EngineSpec(_Section):
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"url must be http://HOST[:PORT], got {self.url!r}")
         try:
-            parts.port
+            _ = parts.port  # urlsplit parses the port lazily: reading it validates it
         except ValueError:
             raise ValueError(f"url has a bad port: {self.url!r}") from None
         if parts.path not in ("", "/") or parts.query or parts.fragment:
@@ -237,7 +237,7 @@ class EngineSpec(_Section):
         return self.url.rstrip("/")
 
 
-class Config(_Section):
+class Config(_Section, frozen=True):
     serving: ServingConfig = ServingConfig()
     engine: EngineConfig = EngineConfig()
     fleet: FleetConfig = FleetConfig()

@@ -17,27 +17,27 @@ from typing import Any
 import trio
 
 from narwhal.app.admin_routes import register_admin_routes
-from narwhal.fleet.admission import Admission
 from narwhal.app.control_app import create_app
 from narwhal.config import Config, parse_listen
+from narwhal.control.monitor import Monitor
+from narwhal.control.readmission import Readmitter
+from narwhal.control.supervisor import Supervisor
 from narwhal.fleet import Fleet
+from narwhal.fleet.admission import Admission
+from narwhal.fleet.placement import InFlight
+from narwhal.fleet.telemetry import Telemetry
 from narwhal.http1.asgi import ASGILifespan, call_asgi
 from narwhal.http1.server import HTTPServer, Request, Responder
 from narwhal.lease import EtcdLeaseBackend, build_backend
 from narwhal.lease.service import LeaseService
 from narwhal.obs.logs import flush_logs, log_event
-from narwhal.control.monitor import Monitor
-from narwhal.fleet.placement import InFlight
+from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.pools.control import ControlPool
 from narwhal.pools.data import DataPool
-from narwhal.control.readmission import Readmitter
 from narwhal.serving.request_core import COMPLETION_ROUTES, RequestCore
-from narwhal.state.resume import apply_resume, plan_resume
-from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.stages import build_stages
 from narwhal.stages.persistence import PersistenceStage
-from narwhal.control.supervisor import Supervisor
-from narwhal.fleet.telemetry import Telemetry
+from narwhal.state.resume import apply_resume, plan_resume
 from narwhal.wire import error_json
 
 __all__ = ["Router"]
@@ -90,12 +90,13 @@ class Router:
                                             fleet=self.fleet, config=config)
         self.readmitter = Readmitter(config=config, fleet=self.fleet, control_pool=self.control_pool,
                                      in_flight=self.in_flight, metrics=self.metrics,
-                                     attestation_key=config.attestation_key_bytes(config_dir))
+                                     attestation_key=config.attestation_key_bytes(config_dir),
+                                     inference_check=self.supervisor.inference_probe)
         self.stages = build_stages(config=config, supervisor=self.supervisor, control_pool=self.control_pool,
                                    telemetry=self.telemetry, in_flight=self.in_flight,
                                    persistence_stage=self.persistence, readmission=self.readmitter)
-        self.controller = self.stages[0]
-        self.drain = self.stages[2]
+        self.controller = self.stages.controller
+        self.drain = self.stages.drain
         self.persistence.extra = self._handoff_extra
         backend = build_backend(config)
         # With a lease backend every router starts as a standby (the service closes admission).
@@ -116,7 +117,7 @@ class Router:
 
                 self.persistence.publish = publish
         controller = config.controller
-        self.monitor = Monitor(self.stages, interval_s=controller.monitor_interval_s,
+        self.monitor = Monitor(self.stages.in_spec_order(), interval_s=controller.monitor_interval_s,
                                stage_timeout_s=controller.stage_timeout_s,
                                failure_limit=controller.monitor_failure_limit,
                                admission=self.admission, metrics=self.metrics)
@@ -234,7 +235,7 @@ class Router:
                 await nursery.start(self.readmitter.run)
                 await nursery.start(self.monitor.run)
                 if self.config.admin.listen:
-                    await nursery.start(self._serve_admin)
+                    await nursery.start(self._serve_admin, self.config.admin.listen)
                 self.bound_port = await nursery.start(self._serve_then_stop, nursery, host, port)
                 if self.lease is not None:
                     if not self.lease.advertise_url:
@@ -282,12 +283,12 @@ class Router:
             self._nursery.start_soon(self.lease.release_for_shutdown)
         self.server.shutdown(grace)
 
-    async def _serve_admin(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async def _serve_admin(self, admin_listen: str, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         from hypercorn.config import Config as HypercornConfig
         from hypercorn.trio import serve
 
         hconfig = HypercornConfig()
-        hconfig.bind = [self.config.admin.listen]
+        hconfig.bind = [admin_listen]
         hconfig.accesslog = None
         hconfig.errorlog = None
         task_status.started()

@@ -17,10 +17,10 @@ import trio
 
 from narwhal.app.admin_routes import register_admin_routes
 from narwhal.config import AdminConfig, Config, EngineSpec, FleetConfig, HandoffConfig
-from narwhal.tools.mock.engine import MockService, MockSettings, serve_mock
-from narwhal.tools.mock.faults import FaultRequest
 from narwhal.control.readmission import Readmitter
 from narwhal.router import Router
+from narwhal.tools.mock.engine import MockService, MockSettings, serve_mock
+from narwhal.tools.mock.faults import FaultRequest
 
 ATTESTATION_KEY = "narwhal-dev-key"  # the mock engine's default key
 TOKEN = "s3cret-token"

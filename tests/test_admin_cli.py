@@ -22,8 +22,8 @@ import pytest
 import trio
 from test_admin_api import TOKEN, MockFleet, admin_router, fleet_config, start_mock_fleet
 
-from narwhal.tools.admin_cli import TOKEN_ENV, add_parser, format_engines
 from narwhal.router import Router
+from narwhal.tools.admin_cli import TOKEN_ENV, add_parser, format_engines
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -8,7 +8,6 @@ import pytest
 import trio
 
 from narwhal.errors import EngineFailure, FailureClass, PoolSaturated, UpstreamClientError
-from narwhal.pools import classify
 from narwhal.http1.client import (
     ConnectFailed,
     ConnectionClosed,
@@ -18,6 +17,7 @@ from narwhal.http1.client import (
     ReadTimeout,
     WriteTimeout,
 )
+from narwhal.pools import classify
 
 C = FailureClass
 

@@ -11,11 +11,11 @@ import logging
 
 import pytest
 
-from narwhal.fleet.drift import DriftTracker, Risk, Verdict, consolidation_risk, judge_interval, risk_by_role
 from narwhal.fleet import Fleet, HoldKind
+from narwhal.fleet.drift import DriftTracker, Risk, Verdict, consolidation_risk, judge_interval, risk_by_role
+from narwhal.fleet.telemetry import EngineInterval, Interval
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.stages.controller import ControllerStage
-from narwhal.fleet.telemetry import EngineInterval, Interval
 
 DRIFT_FACTOR = 3.0
 DRIFT_INTERVALS = 3
@@ -149,7 +149,7 @@ async def test_a_held_engine_without_traffic_counts_as_back_within_bounds() -> N
         telemetry.close(d1=FAST, d2=FAST, d3=SLOW)
     controller.step(NOW)
     assert drift_hold(fleet, "d3") is not None
-    for k in range(DRIFT_INTERVALS):
+    for _ in range(DRIFT_INTERVALS):
         assert drift_hold(fleet, "d3") is not None
         telemetry.close(d1=FAST, d2=FAST, d3=None)
         controller.step(NOW)

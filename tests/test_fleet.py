@@ -453,8 +453,8 @@ def test_no_quarantine_without_failure_quarantine_s() -> None:
 
 def test_successful_health_check_clears_the_quarantine_first() -> None:
     fleet = make_fleet(quarantine_s=QUARANTINE_S)
-    fleet.eject("d1", "dead", 0.0)                   # ejection quarantine
-    fail(fleet, "p1", FailureClass.OVERLOAD, 0.0)    # temporary quarantine
+    fleet.eject("d1", "dead", 0.0, FailureClass.CONNECTION)  # ejection quarantine
+    fail(fleet, "p1", FailureClass.OVERLOAD, 0.0)            # temporary quarantine
     assert hold_kinds(fleet, "p1", 0.0, deferred=False) == [HoldKind.FAILURE_QUARANTINE]
     assert not fleet.readmission_allowed("d1", 0.0)
     fleet.record_success("p1", SuccessKind.HEALTH_200, 1.0)  # the health probe's answer

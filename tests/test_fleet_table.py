@@ -11,6 +11,7 @@ from narwhal.fleet import (
     EVIDENCE_CLEARED,
     FAILURE_ACTIONS,
     LIVENESS,
+    QUARANTINE_CLEARED_BY_HEALTH,
     Action,
     ActionKind,
     Fleet,
@@ -171,3 +172,81 @@ def test_success_row_resets_the_count_toward_eject_after(success: SuccessKind, c
         fleet.record_success("d1", success, NOW)
         # Two more are not consecutive with the first two: still no action.
         assert fail(fleet, "d1", failure_class, 2) == []
+
+
+# ---------- what may clear a failure quarantine (issue 10, rule 1) ----------
+
+QUARANTINE_S = 60.0
+
+
+def quarantine_fleet() -> Fleet:
+    return Fleet(ENGINES, eject_after=1, liveness_misses=2, failure_quarantine_s=QUARANTINE_S,
+                 probe_interval_s=5.0)
+
+
+def quarantine_cause(fleet: Fleet, name: str, now: float) -> object:
+    [hold] = [h for h in fleet.view(name, now).holds if h.kind is HoldKind.FAILURE_QUARANTINE]
+    return hold.cause
+
+
+def test_a_health_200_clears_the_quarantines_the_health_row_names() -> None:
+    # The health 200 row of the clearing table, read for quarantines.
+    assert QUARANTINE_CLEARED_BY_HEALTH == {"connection", "timeout", "overload", "liveness"}
+    assert QUARANTINE_CLEARED_BY_HEALTH == set(EVIDENCE_CLEARED[SuccessKind.HEALTH_200])
+
+
+@pytest.mark.parametrize("failure_class", list(FailureClass))
+def test_an_ejection_quarantine_is_cleared_by_health_only_when_its_cause_is_on_the_health_row(
+        failure_class: FailureClass) -> None:
+    fleet = quarantine_fleet()
+    fleet.eject("d1", "confirmed failure", NOW, failure_class)
+    assert quarantine_cause(fleet, "d1", NOW) == failure_class
+    fleet.record_success("d1", SuccessKind.HEALTH_200, NOW + 1)
+    fleet.record_health_sweep({name: True for name, _ in ENGINES}, NOW + 2)
+    by_health = failure_class in EVIDENCE_CLEARED[SuccessKind.HEALTH_200]
+    assert fleet.readmission_allowed("d1", NOW + 2) is by_health
+    assert fleet.quarantine_needs_inference_check("d1", NOW + 2) is not by_health
+    # Whatever the cause, a successful inference check or the deadline ends it.
+    fleet.record_probe("d1", "success", NOW + 3)
+    assert fleet.readmission_allowed("d1", NOW + 3)
+    other = quarantine_fleet()
+    other.eject("d1", "confirmed failure", NOW, failure_class)
+    assert other.readmission_allowed("d1", NOW + QUARANTINE_S)
+
+
+@pytest.mark.parametrize("failure_class", [FailureClass.STREAM, FailureClass.INFERENCE_STATUS,
+                                           FailureClass.KV_HANDOFF])
+def test_a_failed_probe_leg_quarantines_with_the_legs_class_and_health_does_not_clear_it(
+        failure_class: FailureClass) -> None:
+    fleet = quarantine_fleet()
+    [action] = fleet.record_failure("d1", failure_class, NOW)
+    assert action.kind is ActionKind.INFERENCE_PROBE
+    fleet.record_probe("d1", "failed", NOW + 1, leg="decode", reason="HTTP 500", failure_class=failure_class)
+    assert fleet.view("d1", NOW + 1).ejected
+    assert quarantine_cause(fleet, "d1", NOW + 1) == failure_class
+    for t in range(2, 30):
+        fleet.record_health_sweep({name: True for name, _ in ENGINES}, NOW + t)
+    assert not fleet.readmission_allowed("d1", NOW + 29)
+    assert fleet.readmission_allowed("d1", NOW + 1 + QUARANTINE_S)
+
+
+def test_liveness_and_temporary_quarantines_record_their_cause_and_health_clears_them() -> None:
+    fleet = quarantine_fleet()
+    for t in (0.0, 1.0):
+        fleet.record_health_sweep({"d1": True, "p1": True, "p2": True}, NOW + t)  # d2 silent
+    assert fleet.view("d2", NOW + 1).ejected and quarantine_cause(fleet, "d2", NOW + 1) == LIVENESS
+    fleet.record_failure("p1", FailureClass.OVERLOAD, NOW + 1)
+    assert quarantine_cause(fleet, "p1", NOW + 1) == FailureClass.OVERLOAD
+    fleet.record_health_sweep({name: True for name, _ in ENGINES}, NOW + 2)
+    assert fleet.readmission_allowed("d2", NOW + 2)
+    assert [h.kind for h in fleet.view("p1", NOW + 2).holds] == []
+
+
+def test_the_quarantine_cause_survives_a_snapshot_and_restore() -> None:
+    fleet = quarantine_fleet()
+    fleet.eject("d1", "decode failed", NOW, FailureClass.INFERENCE_STATUS)
+    restored = quarantine_fleet()
+    restored.restore(fleet.snapshot(NOW, 5000.0), NOW + 1, 5001.0)
+    assert quarantine_cause(restored, "d1", NOW + 1) == FailureClass.INFERENCE_STATUS
+    restored.record_success("d1", SuccessKind.HEALTH_200, NOW + 2)
+    assert not restored.readmission_allowed("d1", NOW + 2)

@@ -17,6 +17,7 @@ import narwhal.state.handoff as handoff
 from narwhal.config import Config, EngineSpec
 from narwhal.errors import FailureClass
 from narwhal.fleet import EngineCounters, EngineRecord, Fleet, HoldKind, HoldRecord
+from narwhal.stages.persistence import HandoffWriteInProgress, PersistenceStage
 from narwhal.state.handoff import (
     HANDOFF_SCHEMA,
     EngineSetEntry,
@@ -30,7 +31,6 @@ from narwhal.state.handoff import (
     read_document,
     write_atomic,
 )
-from narwhal.stages.persistence import HandoffWriteInProgress, PersistenceStage
 
 ENGINES = [("p1", "http://127.0.0.1:9001", "prefill"), ("d1", "http://127.0.0.1:9002", "decode")]
 
@@ -47,12 +47,12 @@ def make_fleet() -> Fleet:
 def full_document() -> HandoffDocument:
     """A document in which every field, at every level, differs from its default."""
     hold = HoldRecord(kind=HoldKind.FAILURE_QUARANTINE, reason="ejected: connection", since_wall=1000.5,
-                      deadline_wall=1030.5, deferred=True)
+                      deadline_wall=1030.5, deferred=True, cause="connection")
     record = EngineRecord(
         name="p1", role="prefill", ejected=True, ejected_reason="connection streak reached 2",
         ejected_at_wall=1000.5,
         holds=[hold, HoldRecord(kind=HoldKind.PERFORMANCE_DRIFT, reason="3x median latency", since_wall=990.0,
-                                deadline_wall=1090.0, deferred=True)],
+                                deadline_wall=1090.0, deferred=True, cause="stream")],
         streaks={FailureClass.CONNECTION: 2, FailureClass.STREAM: 1},
         liveness_misses=1, next_probe_at_wall=1005.0,
         counters=EngineCounters(ejections=3, probes={"success": 1, "failed": 2},
@@ -348,8 +348,8 @@ async def test_slow_disk_does_not_block_the_event_loop(tmp_path: Path, monkeypat
 
 
 async def test_monitor_pass_persists_what_its_other_stages_did(tmp_path: Path) -> None:
-    from narwhal.fleet.admission import Admission
     from narwhal.control.monitor import Monitor
+    from narwhal.fleet.admission import Admission
     from narwhal.obs.router_metrics import RouterMetrics
 
     clocks, fleet = Clocks(), make_fleet()

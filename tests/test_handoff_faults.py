@@ -11,13 +11,13 @@ import pytest
 import trio
 
 import narwhal.state.handoff as handoff
-from narwhal.fleet.admission import Admission
 from narwhal.config import Config, EngineSpec
-from narwhal.fleet import Fleet
-from narwhal.state.handoff import read_document, write_atomic
 from narwhal.control.monitor import Monitor
+from narwhal.fleet import Fleet
+from narwhal.fleet.admission import Admission
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.stages.persistence import PersistenceStage
+from narwhal.state.handoff import read_document, write_atomic
 
 ERRNOS = [errno.ENOSPC, errno.EIO, errno.EXDEV]
 STEPS = ["write", "fsync", "replace"]

@@ -268,7 +268,8 @@ async def test_malformed_request_gets_400_and_close() -> None:
 
 async def test_error_after_good_pipelined_request_comes_after_its_response() -> None:
     async with running(echo) as (_server, port), raw_client(port) as client:
-        await client.send(b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\nPOST / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n")
+        await client.send(b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n"
+                          b"POST / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n")
         await client.read_to_eof()
     assert [r.status for r in client.responses] == [200, 400]
 

@@ -14,8 +14,8 @@ import pytest
 import trio
 from trio.testing import MockClock
 
-from narwhal.fleet.admission import Admission
 from narwhal.control.monitor import RUNS_AFTER, STAGE_NAMES, STAGE_TIMEOUT_CLASS, Monitor, StageError
+from narwhal.fleet.admission import Admission
 from narwhal.obs.router_metrics import RouterMetrics
 
 STAGE_TIMEOUT_S = 2.0

@@ -101,6 +101,31 @@ async def test_whole_call_is_bounded_by_its_timeout(make_pool, autojump_clock):
     assert trio.current_time() == 0.5
 
 
+class _StallingBody(httpx.AsyncByteStream):
+    """One SSE event, then silence (``stall``) or a read error (``cut``)."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    async def __aiter__(self):
+        yield b'data: {"choices": []}\n\n'
+        if self.how == "stall":
+            await trio.sleep(10)
+        raise httpx.ReadError("connection reset mid-body")
+
+
+@pytest.mark.parametrize("how", ["stall", "cut"])
+async def test_a_body_that_stalls_or_is_cut_after_the_status_line_is_stream(make_pool, autojump_clock, how):
+    # As on the data path: once the response began, silence or a cut is the stream's, not a timeout.
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, stream=_StallingBody(how))
+    pool = make_pool(handler)
+    with pytest.raises(EngineFailure) as caught:
+        await pool.post_json(ENGINE, "/v1/completions", b"{}", timeout_s=0.5)
+    assert caught.value.failure_class is FailureClass.STREAM
+    assert pool.statistics().in_use == 0
+
+
 async def test_slot_wait_past_the_deadline_is_saturation_and_statistics_show_it(make_pool, autojump_clock,
                                                                                  nursery):
     release = trio.Event()

@@ -25,12 +25,12 @@ import trio
 from trio.testing import MockClock
 
 from narwhal.config import Config, EngineConfig, EngineSpec, FleetConfig, RecoveryConfig
-from narwhal.errors import SuccessKind
+from narwhal.control.readmission import CHAIN, Readmitter
+from narwhal.errors import FailureClass, SuccessKind
 from narwhal.fleet import EngineRecord, Fleet, HoldKind
 from narwhal.fleet.placement import InFlight
-from narwhal.pools.control import ControlPool
-from narwhal.control.readmission import CHAIN, Readmitter
 from narwhal.obs.router_metrics import RouterMetrics
+from narwhal.pools.control import ControlPool
 
 KEY = b"fleet-key"
 WALL_BASE = 1_700_000_000.0
@@ -109,7 +109,7 @@ class World:
             engine=EngineConfig(health_timeout_s=30.0),
             recovery=RecoveryConfig(probe_interval_s=probe_interval_s, failure_quarantine_s=quarantine_s),
             engines=[EngineSpec(name=name, url=f"http://127.0.0.1:{port}", role=engine.role)
-                     for port, (name, engine) in zip(by_port, self.engines.items())])
+                     for port, (name, engine) in zip(by_port, self.engines.items(), strict=True)])
 
         async def route(request: httpx.Request) -> httpx.Response:
             return await by_port[request.url.port].handle(request)
@@ -309,7 +309,7 @@ async def test_unknown_engine_is_a_key_error(autojump_clock: MockClock) -> None:
 
 def test_the_chain_order_is_the_specs_with_newer_process_after_attestation() -> None:
     assert [str(c) for c in CHAIN] == ["health", "attestation", "newer_process", "model", "generation",
-                                       "kv_role", "final_health"]
+                                       "kv_role", "final_health", "inference"]
 
 
 # ----- operator drains -----------------------------------------------------------------------
@@ -556,9 +556,63 @@ async def test_an_operator_readmit_waits_for_the_automatic_attempt_in_progress(
 async def test_an_operator_readmit_does_not_wait_for_the_quarantine(autojump_clock: MockClock) -> None:
     # The chain's health check is a successful health check, which the spec lets end a quarantine.
     world = World(quarantine_s=300.0)
-    world.fleet.eject("d1", "liveness", world.now())
+    world.fleet.eject("d1", "refused", world.now(), FailureClass.CONNECTION)
     assert (await world.readmitter.readmit("d1", operator=True)).readmitted
     assert world.fleet.view("d1", world.now()).holds == []
+
+
+class FakeProbe:
+    """Stands in for the supervisor's inference probe: answers in order, the last repeats."""
+
+    def __init__(self, world: World, *outcomes: str) -> None:
+        self.world = world
+        self.outcomes = list(outcomes)
+        self.calls: list[tuple[str, float]] = []
+
+    async def __call__(self, name: str) -> str:
+        self.calls.append((name, trio.current_time()))
+        outcome = self.outcomes.pop(0) if len(self.outcomes) > 1 else self.outcomes[0]
+        # The real probe reports to the fleet; a success clears the quarantine.
+        self.world.fleet.record_probe(name, outcome, trio.current_time())  # type: ignore[arg-type]
+        return outcome
+
+
+async def test_an_inference_caused_quarantine_is_cleared_only_by_the_chain_ending_in_a_probe(
+        autojump_clock: MockClock, nursery: trio.Nursery) -> None:
+    world = World(quarantine_s=300.0, probe_interval_s=5.0)
+    probe = FakeProbe(world, "failed", "failed", "success")
+    world.readmitter = Readmitter(config=world.config, fleet=world.fleet, control_pool=world.pool,
+                                  in_flight=world.in_flight, metrics=world.metrics, wall_clock=world.wall,
+                                  attestation_key=KEY, inference_check=probe)
+    await nursery.start(world.readmitter.run)
+    world.fleet.eject("d1", "decode probe leg failed: HTTP 500", world.now(), FailureClass.INFERENCE_STATUS)
+    # Health answers 200 all along; it must not end this quarantine.
+    world.fleet.record_success("d1", SuccessKind.HEALTH_200, world.now())
+    for _ in range(4):
+        await trio.sleep(5.0)
+        await world.readmitter.readmit_due()
+        await trio.sleep(0.1)
+    # Attempts every probe_interval_s, each ending in a probe; the third probe passed.
+    assert [t for _, t in probe.calls] == pytest.approx([5.0, 10.1, 15.2])
+    assert world.count("d1", "refused", "inference") == 2
+    view = world.fleet.view("d1", world.now())
+    assert not view.ejected and view.holds == []
+
+
+async def test_without_a_probe_an_inference_caused_quarantine_waits_for_its_deadline(
+        autojump_clock: MockClock, nursery: trio.Nursery) -> None:
+    world = World(quarantine_s=30.0, probe_interval_s=5.0)
+    await nursery.start(world.readmitter.run)
+    world.fleet.eject("d1", "decode failed", world.now(), FailureClass.STREAM)
+    for _ in range(5):
+        await trio.sleep(5.0)
+        world.fleet.record_success("d1", SuccessKind.HEALTH_200, world.now())
+        await world.readmitter.readmit_due()
+    assert world.fleet.view("d1", world.now()).ejected
+    await trio.sleep(10.0)
+    await world.readmitter.readmit_due()
+    await trio.sleep(0.1)
+    assert not world.fleet.view("d1", world.now()).ejected
 
 
 async def test_readmit_due_needs_the_running_readmitter(autojump_clock: MockClock) -> None:

@@ -10,12 +10,12 @@ import msgspec
 import pytest
 import trio
 
-from narwhal.fleet.admission import Admission
 from narwhal.config import parse_config
 from narwhal.errors import EngineFailure, FailureClass, PoolSaturated, SuccessKind, UpstreamClientError
+from narwhal.fleet.admission import Admission
 from narwhal.fleet.placement import InFlight
-from narwhal.serving.request_core import RequestCore
 from narwhal.obs.router_metrics import RouterMetrics
+from narwhal.serving.request_core import RequestCore
 
 CONFIG = """
 [serving]

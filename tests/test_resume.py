@@ -11,9 +11,9 @@ import pytest
 from narwhal.config import Config, EngineSpec
 from narwhal.errors import FailureClass
 from narwhal.fleet import EngineRecord, Fleet, HoldKind
+from narwhal.stages.persistence import PersistenceStage
 from narwhal.state.handoff import EngineSetEntry, LeaseOwnership, encode_document, read_document, write_atomic
 from narwhal.state.resume import ResumePlan, apply_resume, engine_set_difference, plan_resume
-from narwhal.stages.persistence import PersistenceStage
 
 ENGINES = [("p1", 9001, "prefill"), ("p2", 9002, "prefill"), ("p3", 9003, "prefill"),
            ("d1", 9011, "decode"), ("d2", 9012, "decode")]

@@ -17,23 +17,24 @@ import pytest
 import trio
 from trio.testing import MockClock
 
-from narwhal.fleet.admission import Admission
 from narwhal.config import Config, ControllerConfig, EngineConfig, EngineSpec, TelemetryConfig
+from narwhal.control.monitor import STAGE_NAMES, Monitor
+from narwhal.control.supervisor import Supervisor
 from narwhal.errors import EngineFailure, FailureClass, PoolSaturated
 from narwhal.fleet import Fleet, HoldKind
-from narwhal.control.monitor import STAGE_NAMES, Monitor
+from narwhal.fleet.admission import Admission
 from narwhal.fleet.placement import InFlight
-from narwhal.pools.control import ControlResponse
+from narwhal.fleet.telemetry import Telemetry
 from narwhal.obs.router_metrics import RouterMetrics
+from narwhal.pools.control import ControlResponse
 from narwhal.stages import build_stages, health_check_timeout_s
+from narwhal.stages.controller import ControllerStage
 from narwhal.stages.drain import DrainStage
-from narwhal.stages.health import HealthStage, health_failure_class
+from narwhal.stages.health import HealthStage
 from narwhal.stages.liveness import LivenessStage
 from narwhal.stages.readmission import ReadmissionStage
 from narwhal.stages.rollover import RolloverStage
 from narwhal.stages.telemetry import TelemetryStage
-from narwhal.control.supervisor import Supervisor
-from narwhal.fleet.telemetry import Telemetry
 
 NAMES = [("p1", "prefill"), ("p2", "prefill"), ("d1", "decode"), ("d2", "decode"), ("d3", "decode")]
 CHECK_TIMEOUT_S = 1.5
@@ -157,10 +158,41 @@ async def test_a_full_control_pool_never_counts_as_engine_silence(autojump_clock
         assert view.liveness_misses == 0 and not view.ejected and view.eligible
 
 
-def test_health_statuses_map_to_the_failure_table() -> None:
-    assert health_failure_class(408) == health_failure_class(429) == FailureClass.OVERLOAD
-    assert health_failure_class(500) == health_failure_class(503) == FailureClass.INFERENCE_STATUS
-    assert health_failure_class(404) is None
+# One table for every status (narwhal.pools.classify): the health stage used to have its
+# own rule, which disagreed on 1xx/3xx (no evidence) and 204 (not a success).
+@pytest.mark.parametrize(("status", "healthy", "evidence"), [
+    (200, True, {"inference_status": 1}),     # health 200 does not clear inference_status
+    (204, True, {"inference_status": 1}),
+    (101, False, {"inference_status": 2}),
+    (302, False, {"inference_status": 2}),
+    (404, False, {}),                        # the clearing table's 4xx row clears inference_status
+    (408, False, {"inference_status": 1, "overload": 1}),
+    (429, False, {"inference_status": 1, "overload": 1}),
+    (500, False, {"inference_status": 2}),
+    (503, False, {"inference_status": 2}),
+])
+async def test_health_statuses_are_classified_by_the_one_table(
+        autojump_clock: MockClock, status: int, healthy: bool, evidence: dict[str, int]) -> None:
+    rig = Rig(FakeControlPool(d1=status))
+    async with running(rig.supervisor):
+        rig.supervisor.record_failure("d1", FailureClass.INFERENCE_STATUS)
+        await rig.health.run(1)
+        assert rig.health.sweep is not None
+        assert rig.health.sweep.results["d1"] is healthy
+        assert {str(k): v for k, v in rig.view("d1").evidence.items() if v} == evidence
+        # Whatever the status, the engine answered: it is not silent.
+        assert ("d1" in rig.health.sweep.answered) is (not healthy)
+
+
+async def test_an_engine_that_answers_5xx_is_not_silent_and_never_ejected_for_liveness(
+        autojump_clock: MockClock) -> None:
+    rig = Rig(FakeControlPool(d1=503, d2="hang"))
+    async with running(rig.supervisor):
+        for number in range(1, 2 * LIVENESS_MISSES):
+            await rig.health.run(number)
+            await rig.liveness.run(number)
+        assert rig.view("d1").liveness_misses == 0 and not rig.view("d1").ejected
+        assert rig.view("d2").ejected  # no HTTP answer within the timeout: silent
 
 
 async def test_a_health_200_clears_its_row_of_the_evidence_table(autojump_clock: MockClock) -> None:
@@ -308,18 +340,37 @@ def build(pool: FakeControlPool, config: Config) -> tuple[list[Any], Supervisor,
     fleet = Fleet([(spec.name, spec.role) for spec in config.engines], eject_after=3,
                   liveness_misses=LIVENESS_MISSES, failure_quarantine_s=None, probe_interval_s=5.0)
     supervisor = Supervisor(config=config, fleet=fleet, control_pool=pool, metrics=RouterMetrics())
-    telemetry = Telemetry([(s.name, s.role) for s in config.engines], clock=trio.current_time, interval_s=config.telemetry.interval_s,
+    telemetry = Telemetry([(s.name, s.role) for s in config.engines], clock=trio.current_time,
+                          interval_s=config.telemetry.interval_s,
                           keep_intervals=config.telemetry.keep_intervals)
     stages = build_stages(config=config, supervisor=supervisor, control_pool=pool, telemetry=telemetry,
                           in_flight=InFlight([s.name for s in config.engines]),
                           persistence_stage=FakePersistence())
-    return stages, supervisor, telemetry
+    return stages.in_spec_order(), supervisor, telemetry
 
 
 def test_build_stages_returns_the_eight_in_spec_order() -> None:
     stages, _, _ = build(FakeControlPool(), make_config())
     assert tuple(stage.name for stage in stages) == STAGE_NAMES
     assert isinstance(stages[-1], FakePersistence)
+
+
+def test_build_stages_names_each_stage_by_its_job() -> None:
+    config = make_config()
+    pool = FakeControlPool()
+    fleet = Fleet([(spec.name, spec.role) for spec in config.engines], eject_after=3,
+                  liveness_misses=LIVENESS_MISSES, failure_quarantine_s=None, probe_interval_s=5.0)
+    supervisor = Supervisor(config=config, fleet=fleet, control_pool=pool, metrics=RouterMetrics())
+    telemetry = Telemetry([(s.name, s.role) for s in config.engines], clock=trio.current_time,
+                          interval_s=config.telemetry.interval_s, keep_intervals=config.telemetry.keep_intervals)
+    persistence = FakePersistence()
+    stages = build_stages(config=config, supervisor=supervisor, control_pool=pool, telemetry=telemetry,
+                          in_flight=InFlight([s.name for s in config.engines]), persistence_stage=persistence)
+    for name in STAGE_NAMES:
+        assert getattr(stages, name).name == name
+    assert isinstance(stages.controller, ControllerStage) and isinstance(stages.drain, DrainStage)
+    assert stages.persistence is persistence
+    assert stages.liveness.health is stages.health
 
 
 def test_health_checks_are_capped_inside_the_stage_timeout() -> None:

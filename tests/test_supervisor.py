@@ -9,11 +9,11 @@ import pytest
 import trio
 
 from narwhal.config import parse_config
+from narwhal.control.supervisor import Supervisor
 from narwhal.errors import FailureClass, SuccessKind
 from narwhal.fleet import Fleet, HoldKind
-from narwhal.pools.control import ControlPool
 from narwhal.obs.router_metrics import RouterMetrics
-from narwhal.control.supervisor import Supervisor
+from narwhal.pools.control import ControlPool
 
 CONFIG = """
 [recovery]
@@ -56,8 +56,14 @@ class FakeEngines:
             raise httpx.ConnectError("refused", request=request)
         if how == "500":
             return httpx.Response(500)
+        if how.startswith("health_") and request.url.path == "/health":
+            return httpx.Response(int(how.removeprefix("health_")))
         if request.url.path == "/health":
             return httpx.Response(200)
+        if how == "429":
+            return httpx.Response(429)
+        if how == "read_timeout":
+            raise httpx.ReadTimeout("timed out", request=request)
         body = json.loads(request.content)
         if body["kv_transfer_params"].get("do_remote_decode"):
             if how == "bad_kv":
@@ -65,19 +71,35 @@ class FakeEngines:
             return httpx.Response(200, json={"choices": [], "kv_transfer_params": KV})
         if how == "no_done":
             return httpx.Response(200, content=b'data: {"choices": []}\n\n')
+        if how in STREAM_BODIES:
+            return httpx.Response(200, content=STREAM_BODIES[how])
         return httpx.Response(200, content=b'data: {"choices": []}\n\ndata: [DONE]\n\n')
 
 
-@pytest.fixture
-async def world(nursery):
+# Decode bodies on which the old `endswith(b"data: [DONE]")` check and the data
+# path's SSE watcher disagreed: the probe must judge them as the data path does.
+STREAM_BODIES = {
+    "done_then_comment": b'data: {"choices": []}\n\ndata: [DONE]\n\n: keep-alive\n\n',
+    "done_without_space": b'data: {"choices": []}\n\ndata:[DONE]\n\n',
+    "not_sse_but_done": b'<html>oops</html>\ndata: [DONE]',
+}
+
+
+async def make_world(nursery, quarantine_s: float | None = None):
     config = parse_config(CONFIG)
     engines = FakeEngines()
     pool = ControlPool(control_connections=4, engine_config=config.engine,
                        transport=httpx.MockTransport(engines))
     fleet = Fleet([(e.name, e.role) for e in config.engines], eject_after=2, liveness_misses=3,
-                  failure_quarantine_s=None, probe_interval_s=5.0)
+                  failure_quarantine_s=quarantine_s, probe_interval_s=5.0)
     supervisor = Supervisor(config=config, fleet=fleet, control_pool=pool, metrics=RouterMetrics())
     await nursery.start(supervisor.run)
+    return supervisor, fleet, engines, pool
+
+
+@pytest.fixture
+async def world(nursery):
+    supervisor, fleet, engines, pool = await make_world(nursery)
     yield supervisor, fleet, engines
     await pool.aclose()
 
@@ -213,3 +235,101 @@ async def test_health_sweep_and_probe_failures_are_counted_by_engine_and_class(w
     assert failures.get("d1", "timeout") == 2
     # The health probe the streak asked for failed to connect: counted as well.
     assert failures.get("d1", "connection") == 1
+
+
+# ---------- issue 10: rules 1-4 on the probe side ----------
+
+def holds(fleet, name):
+    return {h.kind for h in fleet.view(name, trio.current_time()).holds}
+
+
+@pytest.mark.parametrize("how", ["429", "read_timeout"])
+async def test_overload_or_timeout_on_the_suspects_own_leg_is_inconclusive_not_an_ejection(world, how):
+    supervisor, fleet, engines = world
+    engines.behaviour["d1"] = how
+    supervisor.record_failure("d1", FailureClass.INFERENCE_STATUS)
+    supervisor.record_failure("d1", FailureClass.INFERENCE_STATUS)
+    await settle()
+    view = fleet.view("d1", trio.current_time())
+    assert not view.ejected and HoldKind.INFERENCE_VERIFICATION in holds(fleet, "d1")
+    assert view.next_probe_at == pytest.approx(trio.current_time() + 5.0)
+    assert supervisor.metrics.probes.get("d1", "inference", "inconclusive") == 1
+    assert supervisor.metrics.probes.get("d1", "inference", "failed") == 0
+
+
+async def test_a_failed_decode_leg_quarantines_by_its_class_and_a_health_200_does_not_clear_it(nursery):
+    supervisor, fleet, engines, pool = await make_world(nursery, quarantine_s=60.0)
+    engines.behaviour["d1"] = "no_done"
+    supervisor.record_failure("d1", FailureClass.STREAM)
+    supervisor.record_failure("d1", FailureClass.STREAM)
+    await settle()
+    [quarantine] = [h for h in fleet.view("d1", trio.current_time()).holds
+                    if h.kind is HoldKind.FAILURE_QUARANTINE]
+    assert quarantine.cause == FailureClass.STREAM
+    assert await supervisor.health_probe("d1")
+    supervisor.record_health_sweep({"p1": True, "p2": True, "d1": True, "d2": True})
+    assert HoldKind.FAILURE_QUARANTINE in holds(fleet, "d1")
+    assert fleet.quarantine_needs_inference_check("d1", trio.current_time())
+    await pool.aclose()
+
+
+async def test_probes_pair_held_engines_when_every_engine_of_a_role_is_held(world, autojump_clock):
+    supervisor, fleet, engines = world
+    # A fleet-wide burst (say of /health 5xx) put every engine under verification at once;
+    # inference itself works. Before any probe runs, no engine of either role is eligible.
+    for name in ("p1", "p2", "d1", "d2"):
+        supervisor.record_failure(name, FailureClass.INFERENCE_STATUS)
+        supervisor.record_failure(name, FailureClass.INFERENCE_STATUS)
+    assert supervisor.capacity_problem() is not None
+    start = trio.current_time()
+    for _ in range(3):
+        await settle()
+        if supervisor.capacity_problem() is None:
+            break
+        await trio.sleep(5.0)
+        supervisor.start_due_probes()
+    assert supervisor.capacity_problem() is None
+    assert trio.current_time() - start <= 5.0
+    assert all(fleet.view(name, trio.current_time()).eligible for name in ("p1", "p2", "d1", "d2"))
+    assert not any(fleet.view(name, trio.current_time()).ejected for name in ("p1", "p2", "d1", "d2"))
+
+
+async def test_a_probe_never_pairs_with_an_ejected_or_drained_engine(world):
+    _, fleet, _ = world
+    now = trio.current_time()
+    fleet.add_hold("p1", HoldKind.INFERENCE_VERIFICATION, "suspect", now)
+    fleet.add_hold("p2", HoldKind.OPERATOR_DRAIN, "operator", now)
+    assert fleet.probe_partners("prefill", now, exclude="d1") == ["p1"]
+    fleet.eject("p1", "dead", now)
+    assert fleet.probe_partners("prefill", now, exclude="d1") == []
+    assert fleet.probe_partners("decode", now, exclude="d1") == ["d2"]
+
+
+@pytest.mark.parametrize(("how", "outcome"), [("done_then_comment", "success"),
+                                              ("done_without_space", "success"),
+                                              ("not_sse_but_done", "failed")])
+async def test_the_probe_judges_a_decode_stream_with_the_data_paths_sse_watcher(world, how, outcome):
+    supervisor, fleet, engines = world
+    engines.behaviour["d1"] = how
+    fleet.add_hold("d1", HoldKind.INFERENCE_VERIFICATION, "suspect", trio.current_time())
+    assert await supervisor.inference_probe("d1") == outcome
+
+
+@pytest.mark.parametrize(("status", "healthy", "evidence"), [
+    (204, True, None),                                  # 2xx: a successful health response
+    (302, False, FailureClass.INFERENCE_STATUS),        # neither 2xx nor 4xx: inference_status
+    (404, False, None),                                 # 4xx: the clearing table's 4xx row
+    (429, False, FailureClass.OVERLOAD),
+    (503, False, FailureClass.INFERENCE_STATUS),
+])
+async def test_the_health_probe_classifies_statuses_by_the_one_table(world, status, healthy, evidence):
+    supervisor, fleet, engines = world
+    engines.behaviour["d1"] = f"health_{status}"
+    supervisor.record_failure("d1", FailureClass.INFERENCE_STATUS)
+    assert await supervisor.health_probe("d1") is healthy
+    streaks = fleet.view("d1", trio.current_time()).evidence
+    if evidence is not None:
+        assert streaks[evidence] == (2 if evidence is FailureClass.INFERENCE_STATUS else 1)
+    elif status == 404:
+        assert streaks[FailureClass.INFERENCE_STATUS] == 0  # the 4xx row clears inference_status
+    assert sum(streaks.values()) == (0 if status == 404 else 1 if healthy else sum(streaks.values()))

@@ -14,6 +14,8 @@ The chain, run in this order on the control pool and stopped at the first failur
     generation     identity generation is fleet.generation
     kv_role        identity kv_roles has "producer" (prefill) or "consumer" (decode)
     final_health   GET /health answers 200 again
+    inference      (only while a failure quarantine stands that a health 200 may not
+                   clear) an inference probe through the engine succeeds
 
 Why this order. Identity is read once, in the attestation step, because the
 signature binds the engine_id it names; the signature covers the generation
@@ -23,9 +25,17 @@ newer-process requirement comes first among the identity facts: an engine that
 was never restarted answers every later question about its old process, and
 "restart it" is what the operator needs to hear.
 
+The inference step. A quarantine caused by stream, inference_status or
+kv_handoff evidence ends only at its deadline or by a successful inference
+check (``narwhal.fleet.tables.QUARANTINE_CLEARED_BY_HEALTH``): the identity
+checks prove nothing about decodes that fail. So while such a quarantine
+stands, the chain ends with an inference probe (``inference_check``, the
+supervisor's), whose success clears the quarantine before the readmission.
+
 Schedule. An ejected engine is tried ``recovery.probe_interval_s`` after its
 ejection and then every ``probe_interval_s`` after its previous attempt began,
-never giving up, but never while its failure quarantine is unexpired. Engines
+never giving up, but never while its failure quarantine is unexpired, unless
+that quarantine is one the inference step may clear. Engines
 under an operator drain or maintenance are left to the operator's readmit.
 Attempts for different engines run concurrently, in ``Readmitter.run``'s
 nursery; each engine has at most one attempt at a time.
@@ -56,9 +66,10 @@ import trio
 from narwhal.config import Config, EngineSpec
 from narwhal.errors import EngineFailure, PoolSaturated, SuccessKind
 from narwhal.fleet import EngineView, Fleet, HoldKind
-from narwhal.obs.logs import log_event
 from narwhal.fleet.placement import InFlight
+from narwhal.obs.logs import log_event
 from narwhal.obs.router_metrics import RouterMetrics
+from narwhal.pools.control import ControlCalls
 from narwhal.wire import AttestRequest, AttestResponse, EngineIdentity
 
 __all__ = ["CHAIN", "DRAIN_HOLDS", "Check", "ReadmissionResult", "Readmitter"]
@@ -79,6 +90,7 @@ class Check(enum.StrEnum):
     GENERATION = "generation"
     KV_ROLE = "kv_role"
     FINAL_HEALTH = "final_health"
+    INFERENCE = "inference"
     # Not a step: an operator drain or maintenance began while the chain ran,
     # and a readmission must not clear a hold the operator asked for after it.
     OPERATOR_HOLD = "operator_hold"
@@ -86,7 +98,7 @@ class Check(enum.StrEnum):
 
 # The chain in order; NEWER_PROCESS runs only for an engine under maintenance.
 CHAIN: tuple[Check, ...] = (Check.HEALTH, Check.ATTESTATION, Check.NEWER_PROCESS, Check.MODEL,
-                            Check.GENERATION, Check.KV_ROLE, Check.FINAL_HEALTH)
+                            Check.GENERATION, Check.KV_ROLE, Check.FINAL_HEALTH, Check.INFERENCE)
 
 
 class ReadmissionResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -131,6 +143,8 @@ class _Attempt:
     spec: EngineSpec
     # Wall-clock start of the engine's maintenance, None when not under maintenance.
     maintenance_started_at: float | None
+    # An inference-caused quarantine stands: the chain must end with an inference probe.
+    needs_inference: bool = False
     identity: EngineIdentity | None = None
     current: Check = Check.HEALTH
     passed: list[str] = dataclasses.field(default_factory=list)
@@ -151,10 +165,16 @@ def _sign(key: bytes, engine_id: str, nonce: str, generation: str) -> str:
 class Readmitter:
     """Runs the readmission chain for the operator and on schedule, and applies operator drains."""
 
-    def __init__(self, *, config: Config, fleet: Fleet, control_pool: Any, in_flight: InFlight,
+    def __init__(self, *, config: Config, fleet: Fleet, control_pool: ControlCalls, in_flight: InFlight,
                  metrics: RouterMetrics, clock: Callable[[], float] = trio.current_time,
-                 wall_clock: Callable[[], float] = time.time, attestation_key: bytes | None) -> None:
-        """``clock`` is trio's (monotonic, the fleet's time base); ``wall_clock`` unix seconds."""
+                 wall_clock: Callable[[], float] = time.time, attestation_key: bytes | None,
+                 inference_check: Callable[[str], Awaitable[str]] | None = None) -> None:
+        """``clock`` is trio's (monotonic, the fleet's time base); ``wall_clock`` unix seconds.
+
+        ``inference_check(name)`` runs an inference probe and returns its outcome
+        ("success", "failed", "inconclusive"); without it, an inference-caused
+        quarantine waits for its deadline.
+        """
         self.config = config
         self.fleet = fleet
         self.control_pool = control_pool
@@ -163,6 +183,7 @@ class Readmitter:
         self.clock = clock
         self.wall_clock = wall_clock
         self._key = attestation_key
+        self._inference_check = inference_check
         self._interval_s = config.recovery.probe_interval_s
         self._specs: dict[str, EngineSpec] = {spec.name: spec for spec in config.engines}
         self._locks: dict[str, trio.Lock] = {name: trio.Lock() for name in self._specs}
@@ -250,7 +271,8 @@ class Readmitter:
         started_wall = self.wall_clock()
         self._last_started[spec.name] = started
         held_before = self._drain_kinds(spec.name, started)
-        attempt = _Attempt(spec, self.maintenance_started_at(spec.name))
+        attempt = _Attempt(spec, self.maintenance_started_at(spec.name),
+                           needs_inference=self.fleet.quarantine_needs_inference_check(spec.name, started))
         check: str | None = None
         try:
             await self._run_chain(attempt)
@@ -285,9 +307,12 @@ class Readmitter:
             Check.GENERATION: self._check_generation,
             Check.KV_ROLE: self._check_kv_role,
             Check.FINAL_HEALTH: self._check_health,
+            Check.INFERENCE: self._check_inference,
         }
         for check in CHAIN:
             if check is Check.NEWER_PROCESS and attempt.maintenance_started_at is None:
+                continue
+            if check is Check.INFERENCE and not attempt.needs_inference:
                 continue
             attempt.current = check
             try:
@@ -308,6 +333,14 @@ class Readmitter:
         await self._get_ok(attempt.spec, "/health")
         # "Any successful health response" counts: it clears its row (liveness included).
         self.fleet.record_success(attempt.spec.name, SuccessKind.HEALTH_200, self.clock())
+
+    async def _check_inference(self, attempt: _Attempt) -> None:
+        if self._inference_check is None:
+            raise _Refused("a quarantine caused by failed inference stands, and no inference probe "
+                           "is available to clear it: wait for its deadline")
+        outcome = await self._inference_check(attempt.spec.name)
+        if outcome != "success":
+            raise _Refused(f"inference probe {outcome} (see its probe_result event)")
 
     async def _check_attestation(self, attempt: _Attempt) -> None:
         if self._key is None:
@@ -422,7 +455,9 @@ class Readmitter:
 
     def _due(self, view: EngineView, now: float) -> bool:
         due_at = self.next_attempt_at(view)
-        return (due_at is not None and due_at <= now and view.readmission_allowed
+        allowed = view.readmission_allowed or (
+            self._inference_check is not None and self.fleet.quarantine_needs_inference_check(view.name, now))
+        return (due_at is not None and due_at <= now and allowed
                 and view.name not in self._scheduled and not self._locks[view.name].locked())
 
     async def _scheduled_attempt(self, name: str) -> None:

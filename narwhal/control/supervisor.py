@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Collection, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 import trio
 
 from narwhal.config import Config, EngineSpec
-from narwhal.errors import EngineFailure, FailureClass, SuccessKind
+from narwhal.errors import EngineFailure, FailureClass, PoolSaturated, SuccessKind, UpstreamClientError
 from narwhal.fleet import Action, ActionKind, Fleet, FleetEventKind
+from narwhal.fleet.tables import PROBE_LEG_INCONCLUSIVE
 from narwhal.obs.logs import log_event
 from narwhal.obs.router_metrics import RouterMetrics
-from narwhal.stages.health import health_failure_class
+from narwhal.pools import classify
+from narwhal.pools.control import ControlCalls
 from narwhal.wire import PREFILL_KV_REQUEST, extract_handoff
 
 __all__ = ["Supervisor"]
@@ -36,7 +38,7 @@ class _LegInconclusive(Exception):
 class Supervisor:
     """Feeds the fleet, carries out its actions, and logs what it reports."""
 
-    def __init__(self, *, config: Config, fleet: Fleet, control_pool: Any, metrics: RouterMetrics,
+    def __init__(self, *, config: Config, fleet: Fleet, control_pool: ControlCalls, metrics: RouterMetrics,
                  clock: Callable[[], float] = trio.current_time) -> None:
         self.config = config
         self.fleet = fleet
@@ -75,8 +77,10 @@ class Supervisor:
         else:
             self._log_fleet_events()
 
-    def record_health_sweep(self, results: Mapping[str, bool], *, unchecked: Collection[str] = ()) -> None:
-        self._apply(self.fleet.record_health_sweep(results, self.clock(), unchecked=unchecked))
+    def record_health_sweep(self, results: Mapping[str, bool], *, unchecked: Collection[str] = (),
+                            answered: Collection[str] = ()) -> None:
+        self._apply(self.fleet.record_health_sweep(results, self.clock(), unchecked=unchecked,
+                                                   answered=answered))
 
     # -- actions -------------------------------------------------------------------
 
@@ -142,7 +146,7 @@ class Supervisor:
     # -- probes ----------------------------------------------------------------------
 
     async def health_probe(self, name: str) -> bool:
-        """GET /health on the control pool; 200 clears, anything else is evidence."""
+        """GET /health on the control pool; the answer is classified by ``classify``'s table."""
         engine = self.engines[name]
         try:
             response = await self.control_pool.get(engine, "/health")
@@ -150,14 +154,16 @@ class Supervisor:
             self._probe_result(name, "health", "failed", str(exc))
             self.record_failure(name, exc.failure_class)
             return False
-        if response.status == 200:
+        answer = classify.health_answer(name, response.status)
+        if answer is SuccessKind.HEALTH_200:
             self._probe_result(name, "health", "success", "")
             self.record_success(name, SuccessKind.HEALTH_200)
             return True
         self._probe_result(name, "health", "failed", f"HTTP {response.status}")
-        failure_class = health_failure_class(response.status)
-        if failure_class is not None:
-            self.record_failure(name, failure_class)
+        if isinstance(answer, EngineFailure):
+            self.record_failure(name, answer.failure_class)
+        else:
+            self.record_success(name, answer)
         return False
 
     def _probe_result(self, name: str, kind: str, outcome: str, reason: str) -> None:
@@ -166,26 +172,29 @@ class Supervisor:
         log_event("probe_result", level=level, engine=name, probe=kind, outcome=outcome, reason=reason)
 
     async def inference_probe(self, name: str) -> str:
-        """A tiny prefill and decode through the suspect and a healthy peer.
+        """A tiny prefill and decode through the suspect and a partner of the other role.
 
-        A failed leg on the suspect ejects it; a leg that cannot decide leaves
-        the inference-verification hold and the fleet schedules another probe.
+        A failed leg on the suspect ejects it; a leg that cannot decide (the
+        partner failed, no partner, overload or a timeout on the suspect's own
+        leg) leaves the inference-verification hold and the fleet schedules
+        another probe. Returns the outcome.
         """
         suspect = self.engines[name]
         now = self.clock
         try:
             with trio.fail_after(self._probe_timeout_s * 2):
                 if suspect.role == "prefill":
-                    peer = self._probe_peer("decode")
+                    peer = self._probe_peer("decode", name)
                     kv = await self._probe_prefill(suspect, suspect_leg=True)
                     await self._probe_decode(peer, kv, suspect_leg=False)
                 else:
-                    peer = self._probe_peer("prefill")
+                    peer = self._probe_peer("prefill", name)
                     kv = await self._probe_prefill(peer, suspect_leg=False)
                     await self._probe_decode(suspect, kv, suspect_leg=True)
         except _SuspectLegFailed as failed:
             self._probe_result(name, "inference", "failed", failed.reason)
-            self._apply(self.fleet.record_probe(name, "failed", now(), leg=failed.leg, reason=failed.reason))
+            self._apply(self.fleet.record_probe(name, "failed", now(), leg=failed.leg, reason=failed.reason,
+                                                failure_class=failed.failure_class))
             return "failed"
         except (_LegInconclusive, trio.TooSlowError) as exc:
             reason = str(exc) or "probe cut short"
@@ -196,11 +205,12 @@ class Supervisor:
         self._apply(self.fleet.record_probe(name, "success", now()))
         return "success"
 
-    def _probe_peer(self, role: str) -> EngineSpec:
-        peers = self.fleet.eligible(role, self.clock())
-        if not peers:
-            raise _LegInconclusive(f"no eligible {role} peer to probe with")
-        return self.engines[peers[0]]
+    def _probe_peer(self, role: str, suspect: str) -> EngineSpec:
+        # Held peers too, when none is eligible: a role held all at once must not deadlock.
+        partners = self.fleet.probe_partners(role, self.clock(), exclude=suspect)
+        if not partners:
+            raise _LegInconclusive(f"no {role} engine to probe with (all ejected or drained)")
+        return self.engines[partners[0]]
 
     async def _probe_prefill(self, engine: EngineSpec, *, suspect_leg: bool) -> dict[str, Any]:
         body = _encode_json.encode({
@@ -208,15 +218,14 @@ class Supervisor:
             "stream": False, "kv_transfer_params": PREFILL_KV_REQUEST,
         })
         problem, raw = await self._probe_call(engine, "/v1/completions", body)
-        kv = None
         if problem is None:
             kv = extract_handoff(raw)
             if kv is None:
-                problem = "kv_handoff: prefill response carries no readable kv_transfer_params"
+                problem = _LegProblem(FailureClass.KV_HANDOFF,
+                                      "kv_handoff: prefill response carries no readable kv_transfer_params")
         if problem is not None:
-            if suspect_leg:
-                raise _SuspectLegFailed("prefill", problem)
-            raise _LegInconclusive(f"peer {engine.name} prefill failed: {problem}")
+            self._leg_problem("prefill", engine, problem, suspect_leg=suspect_leg)
+        assert kv is not None
         return kv
 
     async def _probe_decode(self, engine: EngineSpec, kv: dict[str, Any], *, suspect_leg: bool) -> None:
@@ -226,30 +235,53 @@ class Supervisor:
         })
         problem, _ = await self._probe_call(engine, "/v1/completions", body, stream=True)
         if problem is not None:
-            if suspect_leg:
-                raise _SuspectLegFailed("decode", problem)
-            raise _LegInconclusive(f"peer {engine.name} decode failed: {problem}")
+            self._leg_problem("decode", engine, problem, suspect_leg=suspect_leg)
+
+    @staticmethod
+    def _leg_problem(leg: str, engine: EngineSpec, problem: _LegProblem, *, suspect_leg: bool) -> NoReturn:
+        if not suspect_leg:
+            raise _LegInconclusive(f"partner {engine.name} {leg} failed: {problem.reason}")
+        if problem.failure_class is None or problem.failure_class in PROBE_LEG_INCONCLUSIVE:
+            raise _LegInconclusive(f"{leg} leg inconclusive: {problem.reason}")
+        raise _SuspectLegFailed(leg, problem.reason, problem.failure_class)
 
     async def _probe_call(self, engine: EngineSpec, path: str, body: bytes, *,
-                          stream: bool = False) -> tuple[str | None, bytes]:
-        """One probe request: (None, body) when it succeeded, else (what went wrong, b"")."""
+                          stream: bool = False) -> tuple[_LegProblem | None, bytes]:
+        """One probe request: (None, body) when it succeeded, else (what went wrong, b"").
+
+        Statuses and stream endings are classified by ``classify``, as on the data path.
+        """
         try:
             response = await self.control_pool.post_json(engine, path, body, timeout_s=self._probe_timeout_s)
         except EngineFailure as exc:
-            return f"{exc.failure_class}: {exc.message}", b""
-        if response.status != 200:
-            return f"HTTP {response.status}", b""
-        if stream and not response.body.rstrip().endswith(b"data: [DONE]"):
-            return "stream: decode stream ended without data: [DONE]", b""
+            return _LegProblem(exc.failure_class, f"{exc.failure_class}: {exc.message}"), b""
+        except PoolSaturated as exc:
+            # Our own control pool was full: no verdict on the engine either way.
+            return _LegProblem(None, f"control pool saturated: {exc}"), b""
+        failure = classify.status_failure(engine.name, response.status, response.body)
+        if isinstance(failure, UpstreamClientError):
+            # The engine refused a well-formed probe: it cannot serve the fleet's requests.
+            return _LegProblem(FailureClass.INFERENCE_STATUS, f"HTTP {response.status} to the probe"), b""
+        if failure is None and stream:
+            failure = classify.sse_body_failure(engine.name, response.body)
+        if failure is not None:
+            return _LegProblem(failure.failure_class, f"{failure.failure_class}: {failure.message}"), b""
         return None, response.body
 
 
+class _LegProblem(msgspec.Struct, frozen=True):
+    """What went wrong on one probe leg; ``failure_class`` None means no verdict on the engine."""
+
+    failure_class: FailureClass | None
+    reason: str
+
+
 class _SuspectLegFailed(Exception):
-    def __init__(self, leg: str, reason: str) -> None:
+    def __init__(self, leg: str, reason: str, failure_class: FailureClass) -> None:
         super().__init__(reason)
         self.leg = leg
         self.reason = reason
-
+        self.failure_class = failure_class
 
 
 def _ejection_cause(fields: dict[str, Any]) -> str:

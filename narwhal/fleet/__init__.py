@@ -27,6 +27,7 @@ from narwhal.fleet.tables import (
     INFERENCE_FAILURES,
     LIVENESS,
     PROTECTED_HOLDS,
+    QUARANTINE_CLEARED_BY_HEALTH,
 )
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "INFERENCE_FAILURES",
     "LIVENESS",
     "PROTECTED_HOLDS",
+    "QUARANTINE_CLEARED_BY_HEALTH",
     "ROLES",
     "Action",
     "ActionKind",

@@ -38,8 +38,9 @@ hold and schedules the next probe at ``now + probe_interval_s``, which
 every probe it starts, as inconclusive when it was cut short; probes of
 ejected engines are never scheduled.
 
-Liveness. ``record_health_sweep`` gives each engine without a successful health
-response a miss; ``liveness_misses`` consecutive misses eject. Any health 200
+Liveness. ``record_health_sweep`` gives each silent engine (no HTTP answer
+within the timeout) a miss; an engine that answered is not silent, whatever
+the status; ``liveness_misses`` consecutive misses eject. Any health 200
 (sweep or probe) resets the counter, as the clearing table says.
 
 Quarantine and ejection (the design decision). An *ejection* is a confirmed
@@ -60,6 +61,16 @@ With ``failure_quarantine_s`` set, a *failure_quarantine* hold with deadline
 Either way the hold expires when its deadline passes, checked by ``eligible``
 itself (candidate selection), not by a monitor pass; for an ejected engine
 expiry only permits readmission.
+
+What clears a quarantine early depends on its typed ``cause`` (the failure
+class, or ``liveness``, that put it there), read with the clearing table: a
+health 200 clears it only when the cause is on the health row (connection,
+timeout, overload, liveness; ``QUARANTINE_CLEARED_BY_HEALTH``). A quarantine
+caused by stream, inference_status or kv_handoff evidence (an ejection by a
+failed probe leg records the leg's class) ends only at its deadline or by a
+successful inference probe: an engine whose decodes fail while its /health
+answers 200 would otherwise be put back after the next routine sweep, and cost
+clients another ``eject_after`` failures every ``probe_interval_s``.
 
 Last-engine protection. Performance-drift and failure-quarantine holds never
 take away the last eligible engine of a role: such a hold is recorded
@@ -87,6 +98,7 @@ from narwhal.fleet.model import (
     ROLES,
     Action,
     ActionKind,
+    Cause,
     EngineCounters,
     EngineRecord,
     EngineView,
@@ -101,7 +113,10 @@ from narwhal.fleet.tables import (
     EVIDENCE_CLEARED,
     FAILURE_ACTIONS,
     INFERENCE_FAILURES,
+    LIVENESS,
+    PROBE_PARTNER_HOLDS,
     PROTECTED_HOLDS,
+    QUARANTINE_CLEARED_BY_HEALTH,
     READMISSION_CLEARS,
 )
 
@@ -111,6 +126,14 @@ __all__ = ["Fleet"]
 # keeps a shell that never drains from growing memory without limit.
 EVENT_BACKLOG = 10_000
 PROBE_LEGS = (None, "prefill", "decode")
+
+
+def _cause(name: str | None) -> Cause | None:
+    """A saved hold's cause, None when absent or unknown (the cautious reading)."""
+    if name == LIVENESS:
+        return LIVENESS
+    known = {cls.value: cls for cls in FailureClass}
+    return known.get(name) if name is not None else None
 
 
 class _Engine:
@@ -241,25 +264,31 @@ class Fleet:
                 self._emit(FleetEventKind.EVIDENCE_CLEARED, engine, now,
                            f"{kind} response reset {engine.liveness_misses} liveness misses")
                 engine.liveness_misses = 0
-        # "A successful health ... check clears the [quarantine] hold first."
-        if kind is SuccessKind.HEALTH_200 and HoldKind.FAILURE_QUARANTINE in engine.holds:
+        # "A successful health ... check clears the [quarantine] hold first", but
+        # only a quarantine whose cause is evidence the health row clears.
+        quarantine = engine.holds.get(HoldKind.FAILURE_QUARANTINE)
+        if (kind is SuccessKind.HEALTH_200 and quarantine is not None
+                and quarantine.cause in QUARANTINE_CLEARED_BY_HEALTH):
             self._remove_hold(engine, HoldKind.FAILURE_QUARANTINE, "health check succeeded", now)
             self._refresh_if_stale(now)
         return []
 
     def record_health_sweep(self, results: Mapping[str, bool], now: float, *,
-                            unchecked: Collection[str] = ()) -> list[Action]:
+                            unchecked: Collection[str] = (),
+                            answered: Collection[str] = ()) -> list[Action]:
         """Apply one health sweep: True is a health 200, False or absent is a liveness miss.
 
         Engines in ``unchecked`` were not asked (the router's own pool was full):
         their counters are left as they are, since the silence was not theirs.
+        Engines in ``answered`` gave an HTTP answer that was not a success: not
+        silent, so no miss (the answer was evidence of its class), and no reset.
         """
-        unknown = (results.keys() | set(unchecked)) - self._engines.keys()
+        unknown = (results.keys() | set(unchecked) | set(answered)) - self._engines.keys()
         if unknown:
             raise KeyError(f"health sweep names unknown engines: {sorted(unknown)}")
         actions: list[Action] = []
         for engine in self._engines.values():
-            if engine.name in unchecked:
+            if engine.name in unchecked or (engine.name in answered and not results.get(engine.name)):
                 continue
             if results.get(engine.name, False):
                 self.record_success(engine.name, SuccessKind.HEALTH_200, now)
@@ -267,15 +296,21 @@ class Fleet:
             engine.liveness_misses += 1
             if engine.liveness_misses >= self._liveness_limit and not engine.ejected:
                 actions += self._eject(engine, f"{engine.liveness_misses} consecutive silent health "
-                                       f"sweeps (liveness_misses {self._liveness_limit})", now)
+                                       f"sweeps (liveness_misses {self._liveness_limit})", now,
+                                       cause=LIVENESS)
         self._refresh_if_stale(now)
         return actions
 
     # ----- inference probes -----
 
     def record_probe(self, name: str, outcome: ProbeOutcome, now: float, *,
-                     leg: str | None = None, reason: str = "") -> list[Action]:
-        """Record an inference probe's result; ``leg`` names the leg that decided it."""
+                     leg: str | None = None, reason: str = "",
+                     failure_class: FailureClass | None = None) -> list[Action]:
+        """Record an inference probe's result; ``leg`` names the leg that decided it.
+
+        ``failure_class`` is what a failed leg saw; it becomes the cause of the
+        ejection's quarantine (None: no health 200 may clear it).
+        """
         if outcome not in PROBE_OUTCOMES:
             raise ValueError(f"probe outcome must be one of {PROBE_OUTCOMES}, got {outcome!r}")
         if leg not in PROBE_LEGS:
@@ -296,7 +331,7 @@ class Fleet:
                 if kind in engine.holds:
                     self._remove_hold(engine, kind, "inference probe succeeded", now)
         elif outcome == "failed":
-            actions = self._eject(engine, what, now)
+            actions = self._eject(engine, what, now, cause=failure_class)
         elif HoldKind.INFERENCE_VERIFICATION in engine.holds and not engine.ejected:
             # Inconclusive: the hold stays and the monitor probes again later.
             engine.next_probe_at = now + self._probe_interval_s
@@ -312,6 +347,20 @@ class Fleet:
                 engine.probe_in_flight = True
                 due.append(engine.name)
         return due
+
+    def probe_partners(self, role: str, now: float, *, exclude: str) -> list[str]:
+        """Engines of ``role`` an inference probe of ``exclude`` may pair with, best first.
+
+        Eligible engines first; then, so that a role held all at once still
+        recovers by itself, engines held only by ``PROBE_PARTNER_HOLDS``, those
+        held longest first (configured order among equals).
+        """
+        eligible = [name for name in self.eligible(role, now) if name != exclude]
+        held = [engine for engine in self._by_role[role]
+                if engine.name != exclude and engine.name not in eligible and not engine.ejected
+                and engine.holds and all(kind in PROBE_PARTNER_HOLDS for kind in engine.holds)]
+        held.sort(key=lambda engine: (min(hold.since for hold in engine.holds.values()), engine.index))
+        return eligible + [engine.name for engine in held]
 
     # ----- holds, ejection, readmission -----
 
@@ -336,9 +385,10 @@ class Fleet:
         self._refresh_if_stale(now)
         return True
 
-    def eject(self, name: str, reason: str, now: float) -> list[Action]:
+    def eject(self, name: str, reason: str, now: float,
+              failure_class: FailureClass | None = None) -> list[Action]:
         """Eject ``name`` as a confirmed failure; no-op when already ejected."""
-        actions = self._eject(self._engines[name], reason, now)
+        actions = self._eject(self._engines[name], reason, now, failure_class)
         self._refresh_if_stale(now)
         return actions
 
@@ -364,6 +414,12 @@ class Fleet:
         """False while a failure-quarantine hold on ``name`` is unexpired."""
         hold = self._engines[name].holds.get(HoldKind.FAILURE_QUARANTINE)
         return hold is None or (hold.deadline is not None and hold.deadline <= now)
+
+    def quarantine_needs_inference_check(self, name: str, now: float) -> bool:
+        """True while an unexpired quarantine on ``name`` can end early only by an inference probe."""
+        hold = self._engines[name].holds.get(HoldKind.FAILURE_QUARANTINE)
+        return (hold is not None and not self.readmission_allowed(name, now)
+                and hold.cause not in QUARANTINE_CLEARED_BY_HEALTH)
 
     # ----- visibility -----
 
@@ -411,7 +467,7 @@ class Fleet:
             name=engine.name, role=engine.role, ejected=engine.ejected,
             ejected_reason=engine.ejected_reason, ejected_at_wall=wall(engine.ejected_at),
             holds=[HoldRecord(kind=hold.kind, reason=hold.reason, since_wall=wall_now + (hold.since - now),
-                              deadline_wall=wall(hold.deadline), deferred=hold.deferred)
+                              deadline_wall=wall(hold.deadline), deferred=hold.deferred, cause=hold.cause)
                    for kind in HoldKind if (hold := engine.holds.get(kind)) is not None],
             streaks=dict(engine.streaks), liveness_misses=engine.liveness_misses,
             next_probe_at_wall=wall(engine.next_probe_at), counters=self._counters(engine),
@@ -447,7 +503,8 @@ class Fleet:
                 if engine.ejected_at is None:
                     engine.ejected_at = now
             engine.holds = {h.kind: Hold(h.kind, h.reason, now + (h.since_wall - wall_now),
-                                         mono(h.deadline_wall), h.deferred) for h in record.holds}
+                                         mono(h.deadline_wall), h.deferred, _cause(h.cause))
+                            for h in record.holds}
             engine.streaks.update(record.streaks)
             engine.any_streak = any(engine.streaks.values())
             engine.liveness_misses = record.liveness_misses
@@ -469,7 +526,7 @@ class Fleet:
         if action is ActionKind.HEALTH_PROBE:
             if self._quarantine_s is not None:
                 self._put_hold(engine, HoldKind.FAILURE_QUARANTINE, f"temporary, until health "
-                               f"verified: {reason}", now, now + self._quarantine_s)
+                               f"verified: {reason}", now, now + self._quarantine_s, cause=failure_class)
             return [Action(ActionKind.HEALTH_PROBE, engine.name, failure_class, reason)]
         # Pause new requests first, then probe prefill/decode.
         if HoldKind.INFERENCE_VERIFICATION not in engine.holds:
@@ -485,7 +542,7 @@ class Fleet:
         return [Action(ActionKind.INFERENCE_PROBE, engine.name, failure_class, reason)]
 
     def _eject(self, engine: _Engine, reason: str, now: float,
-               failure_class: FailureClass | None = None) -> list[Action]:
+               failure_class: FailureClass | None = None, *, cause: Cause | None = None) -> list[Action]:
         if engine.ejected:
             return []
         engine.ejected = True
@@ -499,11 +556,11 @@ class Fleet:
         self._emit(FleetEventKind.EJECTED, engine, now, reason, failure_class=failure_class)
         if self._quarantine_s is not None:
             self._put_hold(engine, HoldKind.FAILURE_QUARANTINE, f"ejected: {reason}", now,
-                           now + self._quarantine_s)
+                           now + self._quarantine_s, cause=cause if cause is not None else failure_class)
         return [Action(ActionKind.EJECT, engine.name, failure_class, reason)]
 
     def _put_hold(self, engine: _Engine, kind: HoldKind, reason: str, now: float,
-                  deadline: float | None) -> None:
+                  deadline: float | None, *, cause: Cause | None = None) -> None:
         if self._dirty or now >= self._next_deadline:
             self._refresh(now)
         # Last-engine protection decides at the moment the hold would bite.
@@ -511,7 +568,7 @@ class Fleet:
                     and self._eligible[engine.role] == [engine.name])
         previous = engine.holds.get(kind)
         since = previous.since if previous is not None and previous.deferred == deferred else now
-        engine.holds[kind] = Hold(kind, reason, since, deadline, deferred)
+        engine.holds[kind] = Hold(kind, reason, since, deadline, deferred, cause)
         self._dirty = True
         if deferred:
             self._emit(FleetEventKind.HOLD_DEFERRED, engine, now,

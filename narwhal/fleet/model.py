@@ -16,6 +16,7 @@ from narwhal.errors import FailureClass
 
 __all__ = [
     "ROLES",
+    "Cause",
     "Action",
     "ActionKind",
     "EngineCounters",
@@ -32,6 +33,10 @@ __all__ = [
 ROLES: tuple[str, ...] = ("prefill", "decode")
 
 ProbeOutcome = Literal["success", "failed", "inconclusive"]
+
+# What caused a failure_quarantine hold: a failure class, or the liveness miss
+# counter (the evidence names of the clearing table).
+Cause = FailureClass | Literal["liveness"]
 PROBE_OUTCOMES: tuple[ProbeOutcome, ...] = ("success", "failed", "inconclusive")
 
 
@@ -74,6 +79,8 @@ class Hold(msgspec.Struct, frozen=True):
     since: float
     deadline: float | None = None
     deferred: bool = False
+    # failure_quarantine only: the evidence that caused it, which decides what may clear it.
+    cause: Cause | None = None
 
 
 class FleetEventKind(enum.StrEnum):
@@ -142,6 +149,8 @@ class HoldRecord(msgspec.Struct, frozen=True, kw_only=True):
     since_wall: float
     deadline_wall: float | None = None
     deferred: bool = False
+    # The hold's ``cause`` by name; a name this version does not know reads as None.
+    cause: str | None = None
 
 
 class EngineRecord(msgspec.Struct, frozen=True, kw_only=True):

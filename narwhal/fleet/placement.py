@@ -32,7 +32,7 @@ class InFlight:
 
 
 def pick_least_outstanding(candidates: Sequence[str], in_flight: InFlight,
-                           rng: random.Random = random._inst) -> str | None:  # type: ignore[attr-defined]
+                           rng: random.Random = random._inst) -> str | None:
     """The candidate with the fewest requests in flight (random among ties), or None."""
     if not candidates:
         return None

@@ -21,7 +21,10 @@ __all__ = [
     "INFERENCE_FAILURES",
     "LIVENESS",
     "PAUSING_HOLDS",
+    "PROBE_LEG_INCONCLUSIVE",
+    "PROBE_PARTNER_HOLDS",
     "PROTECTED_HOLDS",
+    "QUARANTINE_CLEARED_BY_HEALTH",
     "READMISSION_CLEARS",
     "Evidence",
 ]
@@ -62,6 +65,30 @@ EVIDENCE_CLEARED: Final[dict[SuccessKind, tuple[Evidence, ...]]] = {
 # so the ones a successful inference probe clears.
 INFERENCE_FAILURES: Final[tuple[FailureClass, ...]] = tuple(
     cls for cls, action in FAILURE_ACTIONS.items() if action is ActionKind.INFERENCE_PROBE)
+
+# Failure quarantine ("unless a successful health or inference check clears
+# the hold first"), read with the clearing table: a health 200 clears a
+# quarantine only when the evidence that caused it is on the health row
+# (connection, timeout, overload, liveness). A quarantine caused by stream,
+# inference_status or kv_handoff evidence says the engine failed inference,
+# which a health 200 says nothing about: only a successful inference probe or
+# the deadline ends it. A quarantine of unknown cause (an older handoff) is
+# treated the same way, the cautious reading.
+QUARANTINE_CLEARED_BY_HEALTH: Final[frozenset[Evidence]] = frozenset(EVIDENCE_CLEARED[SuccessKind.HEALTH_200])
+
+# A verification-probe leg that fails with one of these classes is
+# inconclusive, never a failed leg: an overloaded (408/429) engine, or a
+# control call that timed out, says nothing about whether it can serve. The
+# hold stays and another probe is scheduled.
+PROBE_LEG_INCONCLUSIVE: Final[frozenset[FailureClass]] = frozenset(
+    {FailureClass.OVERLOAD, FailureClass.TIMEOUT})
+
+# Probes never deadlock: when no engine of the partner role is eligible, a
+# probe may pair the suspect with a peer held only by these (never an ejected
+# engine, nor one an operator drains). A failed partner leg is inconclusive for
+# the suspect, so a held partner can never eject it.
+PROBE_PARTNER_HOLDS: Final[frozenset[HoldKind]] = frozenset(
+    {HoldKind.INFERENCE_VERIFICATION, HoldKind.FAILURE_QUARANTINE, HoldKind.PERFORMANCE_DRIFT})
 
 # Which pool the shell runs each action's I/O on ("Connection pools"): suspect
 # verification is control-pool work, so a saturated data pool cannot starve it.

@@ -27,9 +27,9 @@ import logging
 import socket
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from email.utils import formatdate
-from typing import Any
+from typing import Any, Protocol
 
 import httptools
 import msgspec
@@ -42,6 +42,7 @@ __all__ = [
     "ClientDisconnected",
     "HTTPServer",
     "Handler",
+    "Listener",
     "Request",
     "Responder",
     "ServerStatistics",
@@ -58,6 +59,14 @@ _ACCEPT_CAPACITY_ERRNOS = frozenset(
     code for code in (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS) if code is not None
 )
 _ACCEPT_BACKOFF_S = 0.1
+
+
+class Listener(Protocol):
+    """What the server accepts from: trio's ``SocketListener`` or a wrapper closed through its ``socket``."""
+
+    socket: trio.socket.SocketType
+
+    async def accept(self) -> trio.SocketStream: ...
 
 _STATUS_LINES = {
     status.value: b"HTTP/1.1 %d %b\r\n" % (status.value, status.phrase.encode("latin-1"))
@@ -649,7 +658,7 @@ class HTTPServer:
         await self._serve(listeners, lambda: task_status.started(bound_port))
 
     async def serve_listeners(
-        self, listeners: list[trio.SocketListener], *, task_status: Any = trio.TASK_STATUS_IGNORED
+        self, listeners: Sequence[Listener], *, task_status: Any = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Serve on listeners the caller opened; ``task_status`` reports them back."""
         await self._serve(listeners, lambda: task_status.started(listeners))
@@ -666,7 +675,7 @@ class HTTPServer:
         for conn in self._connections:
             conn.wake_for_shutdown()
 
-    async def _serve(self, listeners: list[trio.SocketListener], started: Callable[[], None]) -> None:
+    async def _serve(self, listeners: Sequence[Listener], started: Callable[[], None]) -> None:
         try:
             async with trio.open_nursery() as connections:
                 self._connections_scope = connections.cancel_scope
@@ -687,7 +696,7 @@ class HTTPServer:
             self._accept_scope = None
             self._connections_scope = None
 
-    async def _accept_loop(self, listener: trio.SocketListener, connections: trio.Nursery) -> None:
+    async def _accept_loop(self, listener: Listener, connections: trio.Nursery) -> None:
         while True:
             try:
                 stream = await listener.accept()

@@ -24,7 +24,7 @@ def _escape(value: str) -> str:
 
 
 def _labels(names: Sequence[str], values: Sequence[str], extra: str = "") -> str:
-    parts = [f'{name}="{_escape(str(value))}"' for name, value in zip(names, values)]
+    parts = [f'{name}="{_escape(str(value))}"' for name, value in zip(names, values, strict=True)]
     if extra:
         parts.append(extra)
     return "{" + ",".join(parts) + "}" if parts else ""
@@ -105,7 +105,7 @@ class Histogram:
     def render(self) -> Iterable[str]:
         for values, (counts, total) in self.series.items():
             running = 0
-            for bound, count in zip((*self.bounds, math.inf), counts):
+            for bound, count in zip((*self.bounds, math.inf), counts, strict=True):
                 running += count
                 le = f'le="{_number(bound)}"'
                 yield f"{self.name}_bucket{_labels(self.label_names, values, le)} {running}"

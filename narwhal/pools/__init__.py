@@ -4,10 +4,11 @@ the control pool (health, verification, readmission), each with its own bound.
 ``classify`` is the one place where their errors become failure classes.
 """
 
-from narwhal.pools.control import ControlPool, ControlPoolStatistics, ControlResponse
+from narwhal.pools.control import ControlCalls, ControlPool, ControlPoolStatistics, ControlResponse
 from narwhal.pools.data import DataPool, DataPoolStatistics, UpstreamStream
 
 __all__ = [
+    "ControlCalls",
     "ControlPool",
     "ControlPoolStatistics",
     "ControlResponse",

@@ -6,8 +6,9 @@ nothing above the pools sees an httpx, socket or httptools exception::
     what happened                                           result
     ------------------------------------------------------  --------------------------
     refused, DNS, reset/closed before any response byte     EngineFailure(connection)
-    connect, read or write timeout                          EngineFailure(timeout)
-    first-token deadline, mid-stream silence, body cut off,
+    connect, read or write timeout before the status line   EngineFailure(timeout)
+    first-token deadline, mid-stream silence, body cut off
+      (control calls too: a timeout or cut after the status line),
       end without `data: [DONE]`, not SSE, malformed HTTP   EngineFailure(stream)
     HTTP 408, 429                                           EngineFailure(overload)
     other 5xx (and any other non-2xx, non-4xx status)       EngineFailure(inference_status)
@@ -15,6 +16,10 @@ nothing above the pools sees an httpx, socket or httptools exception::
     no slot in our own limiter before the caller's deadline PoolSaturated
 
 ``kv_handoff`` is decided by the request core, which reads the prefill body.
+The health stage and the supervisor's probes read statuses through the same
+table (``health_answer``: 2xx is a successful health response, another 4xx the
+clearing table's "4xx" row, the rest a failure of its class) and decode
+streams through the same ``SSEWatch`` as the data path (``sse_body_failure``).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from collections.abc import AsyncIterator
 import httpx
 import trio
 
-from narwhal.errors import EngineFailure, FailureClass, PoolSaturated, UpstreamClientError
+from narwhal.errors import EngineFailure, FailureClass, PoolSaturated, SuccessKind, UpstreamClientError
 from narwhal.http1.client import (
     ConnectFailed,
     ConnectionClosed,
@@ -41,9 +46,11 @@ from narwhal.http1.client import (
 __all__ = [
     "SSEWatch",
     "call_timeout",
+    "health_answer",
     "httpx_failure",
     "pool_slot",
     "raise_for_status",
+    "sse_body_failure",
     "status_failure",
     "stream_failure",
     "transport_failure",
@@ -81,11 +88,19 @@ def transport_failure(engine: str, exc: HTTPTransportError) -> EngineFailure:
     return EngineFailure(engine, failure_class, str(exc), cause=exc.cause)
 
 
-def httpx_failure(engine: str, exc: httpx.HTTPError) -> EngineFailure | PoolSaturated:
-    """The failure for an httpx error raised by a control-pool call."""
+def httpx_failure(engine: str, exc: httpx.HTTPError, *,
+                  response_started: bool = False) -> EngineFailure | PoolSaturated:
+    """The failure for an httpx error raised by a control-pool call.
+
+    After the response began, a timeout or a cut is the body's: ``stream``
+    (mid-stream silence, body cut off), as the data pool classifies it.
+    """
     if isinstance(exc, httpx.PoolTimeout):
         return PoolSaturated(f"no free control connection to {engine}")
     message = str(exc) or type(exc).__name__
+    if response_started and isinstance(exc, httpx.TransportError):
+        return EngineFailure(engine, FailureClass.STREAM, f"response body failed: {message}",
+                             cause=type(exc).__name__)
     for kind, failure_class in _HTTPX_CLASSES:
         if isinstance(exc, kind):
             return EngineFailure(engine, failure_class, message, cause=type(exc).__name__)
@@ -105,6 +120,16 @@ def status_failure(engine: str, status: int, body: bytes) -> EngineFailure | Ups
     return EngineFailure(engine, FailureClass.INFERENCE_STATUS, message, status=status)
 
 
+def health_answer(engine: str, status: int) -> SuccessKind | EngineFailure:
+    """What an engine's answer to ``GET /health`` is evidence of, by the status table above."""
+    failure = status_failure(engine, status, b"")
+    if failure is None:
+        return SuccessKind.HEALTH_200
+    if isinstance(failure, UpstreamClientError):
+        return SuccessKind.CLIENT_4XX
+    return failure
+
+
 def raise_for_status(engine: str, status: int, body: bytes) -> None:
     """Raise the failure for a non-2xx status; return for 2xx."""
     failure = status_failure(engine, status, body)
@@ -112,8 +137,14 @@ def raise_for_status(engine: str, status: int, body: bytes) -> None:
         raise failure
 
 
-def call_timeout(engine: str, timeout_s: float) -> EngineFailure:
-    """A whole control call overran its timeout (each read may have been quick)."""
+def call_timeout(engine: str, timeout_s: float, *, response_started: bool = False) -> EngineFailure:
+    """A whole control call overran its timeout (each read may have been quick).
+
+    With the response begun, the body stalled or dripped: ``stream``, not ``timeout``.
+    """
+    if response_started:
+        return EngineFailure(engine, FailureClass.STREAM, f"response body incomplete after {timeout_s:g} s",
+                             cause="CallTimeout")
     return EngineFailure(engine, FailureClass.TIMEOUT, f"no complete response within {timeout_s:g} s",
                          cause="CallTimeout")
 
@@ -121,6 +152,16 @@ def call_timeout(engine: str, timeout_s: float) -> EngineFailure:
 def stream_failure(engine: str, message: str, *, cause: str | None = None) -> EngineFailure:
     """A stream anomaly the data pool detected itself (no [DONE], not SSE, wrong type)."""
     return EngineFailure(engine, FailureClass.STREAM, message, cause=cause)
+
+
+def sse_body_failure(engine: str, body: bytes) -> EngineFailure | None:
+    """None when a complete SSE body ends with the terminal marker, else its stream failure."""
+    watch = SSEWatch()
+    if not watch.feed(body) or not watch.valid:
+        return stream_failure(engine, "decode response is not an event stream", cause="NotSSE")
+    if not watch.finish():
+        return stream_failure(engine, "decode stream ended without its terminal marker", cause="NoDone")
+    return None
 
 
 # The caller's own cancel scope has the same deadline. If both expire in the same

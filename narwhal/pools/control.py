@@ -9,6 +9,8 @@ budget. Every status comes back to the caller; transport errors become
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import httpx
 import msgspec
 import trio
@@ -16,7 +18,7 @@ import trio
 from narwhal.config import EngineConfig, EngineSpec
 from narwhal.pools import classify
 
-__all__ = ["ControlPool", "ControlPoolStatistics", "ControlResponse"]
+__all__ = ["ControlCalls", "ControlPool", "ControlPoolStatistics", "ControlResponse"]
 
 _JSON_HEADERS = {"content-type": "application/json"}
 
@@ -26,6 +28,15 @@ class ControlResponse(msgspec.Struct, frozen=True):
 
     status: int
     body: bytes
+
+
+class ControlCalls(Protocol):
+    """The control pool's calls, as the control plane makes them (tests pass fakes)."""
+
+    async def get(self, engine: EngineSpec, path: str, *, timeout_s: float | None = None) -> ControlResponse: ...
+
+    async def post_json(self, engine: EngineSpec, path: str, body: bytes, *,
+                        timeout_s: float | None = None) -> ControlResponse: ...
 
 
 class ControlPoolStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -79,14 +90,22 @@ class ControlPool:
             timeout_s = self._config.health_timeout_s
         timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, self._config.connect_timeout_s))
         headers = _JSON_HEADERS if body is not None else None
+        request = self._client.build_request(method, engine.base_url + path, content=body, headers=headers,
+                                             timeout=timeout)
+        response: httpx.Response | None = None
         async with classify.pool_slot(self._limiter, "control"):
             # httpx times each read; this bounds the whole call, so a slow drip cannot stretch it.
             with trio.move_on_after(timeout_s) as scope:
                 try:
-                    response = await self._client.request(method, engine.base_url + path, content=body,
-                                                          headers=headers, timeout=timeout)
+                    response = await self._client.send(request, stream=True)
+                    try:
+                        content = await response.aread()
+                    finally:
+                        await response.aclose()
                 except httpx.HTTPError as exc:
-                    raise classify.httpx_failure(engine.name, exc) from exc
+                    # Once the status line arrived, silence or a cut is the body's (stream), as on the data path.
+                    raise classify.httpx_failure(engine.name, exc, response_started=response is not None) from exc
             if scope.cancelled_caught:
-                raise classify.call_timeout(engine.name, timeout_s)
-        return ControlResponse(status=response.status_code, body=response.content)
+                raise classify.call_timeout(engine.name, timeout_s, response_started=response is not None)
+        assert response is not None
+        return ControlResponse(status=response.status_code, body=content)

@@ -18,7 +18,6 @@ import msgspec
 import trio
 
 from narwhal.config import EngineConfig, EngineSpec
-from narwhal.pools import classify
 from narwhal.http1.client import (
     ConnectionClosed,
     EngineConnection,
@@ -26,6 +25,7 @@ from narwhal.http1.client import (
     HTTPResponseHead,
     HTTPTransportError,
 )
+from narwhal.pools import classify
 
 __all__ = ["DataPool", "DataPoolStatistics", "UpstreamStream"]
 

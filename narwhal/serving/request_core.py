@@ -27,13 +27,13 @@ from typing import Any, NoReturn, Protocol
 import msgspec
 import trio
 
-from narwhal.fleet.admission import Admission
 from narwhal.config import Config, EngineSpec
 from narwhal.errors import EngineFailure, FailureClass, PoolSaturated, SuccessKind, UpstreamClientError
-from narwhal.obs.logs import log_event
+from narwhal.fleet.admission import Admission
 from narwhal.fleet.placement import InFlight, pick_least_outstanding
-from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.fleet.telemetry import Telemetry
+from narwhal.obs.logs import log_event
+from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.wire import PREFILL_KV_REQUEST, error_json, extract_handoff
 
 __all__ = ["COMPLETION_ROUTES", "RequestCore", "Sink"]
@@ -259,8 +259,9 @@ class RequestCore:
                     # Waiting for capacity is bounded by the request deadline, not by attempts.
                     await trio.sleep(_QUEUE_POLL_S)
                 else:
+                    retry: dict[str, Any] = {"class": failed.failure_class}
                     log_event("request_retry", request_id=rid, attempt=outcome.attempts,
-                              engine=failed.engine, **{"class": failed.failure_class})
+                              engine=failed.engine, **retry)
 
     def _validate(self, route: str, body: bytes) -> dict[str, Any]:
         try:

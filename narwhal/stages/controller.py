@@ -15,11 +15,11 @@ from collections.abc import Callable
 
 import trio
 
-from narwhal.fleet.drift import DriftDecision, DriftTracker, Risk, consolidation_risk
 from narwhal.fleet import ROLES, Fleet, HoldKind
+from narwhal.fleet.drift import DriftDecision, DriftTracker, Risk, consolidation_risk
+from narwhal.fleet.telemetry import Interval, Telemetry
 from narwhal.obs.logs import log_event
 from narwhal.obs.router_metrics import RouterMetrics
-from narwhal.fleet.telemetry import Interval, Telemetry
 
 __all__ = ["ControllerStage", "RISK_LEVEL"]
 

@@ -12,8 +12,8 @@ from collections.abc import Callable
 import trio
 
 from narwhal.fleet import Fleet, HoldKind
-from narwhal.obs.logs import log_event
 from narwhal.fleet.placement import InFlight
+from narwhal.obs.logs import log_event
 
 __all__ = ["DRAIN_HOLDS", "DrainStage"]
 

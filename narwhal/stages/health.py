@@ -1,16 +1,19 @@
 """Health stage: one ``GET /health`` sweep per pass over the control pool, all engines at once.
 
-Each check is bounded by ``check_timeout_s``. A 200 clears the health row of
-the evidence table at once; a failure is recorded as evidence of its class
-(connection, timeout, overload, inference_status). The sweep's results wait in
-``sweep`` for the liveness stage, which turns silence into liveness misses.
+Each check is bounded by ``check_timeout_s``. The answer is classified by the
+one status table (``narwhal.pools.classify.health_answer``): a 2xx clears the
+health row of the evidence table at once, another 4xx is the 4xx row, anything
+else is evidence of its class (overload, inference_status). No HTTP answer
+within the timeout (refused, reset, timed out) is a silent check: evidence of
+its class and, for the liveness stage, a miss. The sweep's results wait in
+``sweep`` for the liveness stage.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import msgspec
 import trio
@@ -18,8 +21,10 @@ import trio
 from narwhal.config import EngineSpec
 from narwhal.errors import EngineFailure, FailureClass, PoolSaturated, SuccessKind
 from narwhal.obs.logs import log_event
+from narwhal.pools.classify import health_answer
+from narwhal.pools.control import ControlCalls
 
-__all__ = ["HealthStage", "HealthSweep", "health_failure_class"]
+__all__ = ["HealthStage", "HealthSweep"]
 
 
 class _Supervisor(Protocol):
@@ -28,22 +33,14 @@ class _Supervisor(Protocol):
 
 
 class HealthSweep(msgspec.Struct, frozen=True, kw_only=True):
-    """One complete sweep: engine name -> True when it answered 200."""
+    """One complete sweep: engine name -> True when its health answer was a success."""
 
     pass_number: int
     results: dict[str, bool]
     # Engines not checked because our own control pool had no slot: no verdict either way.
     unchecked: frozenset[str] = frozenset()
-
-
-def health_failure_class(status: int) -> FailureClass | None:
-    """The evidence a non-200 health answer is: overload for 408/429, inference_status for 5xx."""
-    if status in (408, 429):
-        return FailureClass.OVERLOAD
-    if status >= 500:
-        return FailureClass.INFERENCE_STATUS
-    # Any other answer is no success (a liveness miss) but matches no failure row.
-    return None
+    # Engines that gave an HTTP answer other than a success: not silent, so no liveness miss.
+    answered: frozenset[str] = frozenset()
 
 
 class HealthStage:
@@ -51,9 +48,8 @@ class HealthStage:
 
     name = "health"
 
-    def __init__(self, *, supervisor: _Supervisor, control_pool: Any, engines: Sequence[EngineSpec],
+    def __init__(self, *, supervisor: _Supervisor, control_pool: ControlCalls, engines: Sequence[EngineSpec],
                  check_timeout_s: float) -> None:
-        """``control_pool`` needs ``async get(engine_spec, path, *, timeout_s)`` -> (status, body)."""
         self.supervisor = supervisor
         self.control_pool = control_pool
         self.engines = list(engines)
@@ -68,36 +64,44 @@ class HealthStage:
         """Check every engine; publish the sweep only when all checks finished."""
         results: dict[str, bool] = {}
         unchecked: set[str] = set()
+        answered: set[str] = set()
         async with trio.open_nursery() as nursery:
             for spec in self.engines:
-                nursery.start_soon(self._check, spec, results, unchecked)
-        self.sweep = HealthSweep(pass_number=pass_number, results=results, unchecked=frozenset(unchecked))
+                nursery.start_soon(self._check, spec, results, unchecked, answered)
+        self.sweep = HealthSweep(pass_number=pass_number, results=results, unchecked=frozenset(unchecked),
+                                 answered=frozenset(answered))
 
-    async def _check(self, spec: EngineSpec, results: dict[str, bool], unchecked: set[str]) -> None:
-        failure: FailureClass | None = None
-        healthy = False
-        detail = ""
+    async def _check(self, spec: EngineSpec, results: dict[str, bool], unchecked: set[str],
+                     answered: set[str]) -> None:
+        answer: SuccessKind | EngineFailure | None = None
+        status: int | None = None
         with trio.move_on_after(self.check_timeout_s) as scope:
             try:
                 response = await self.control_pool.get(spec, "/health", timeout_s=self.check_timeout_s)
             except EngineFailure as exc:
-                failure, detail = exc.failure_class, exc.message
+                answer = exc  # no HTTP answer: silent
             except PoolSaturated as exc:
                 # Our own pool had no slot: no evidence against the engine, and no liveness miss.
                 unchecked.add(spec.name)
                 log_event("health_check_skipped", level=logging.WARNING, engine=spec.name, reason=str(exc))
                 return
             else:
-                healthy = response.status == 200
-                if not healthy:
-                    failure, detail = health_failure_class(response.status), f"HTTP {response.status}"
-        if scope.cancelled_caught:
-            failure, detail = FailureClass.TIMEOUT, f"no health answer within {self.check_timeout_s:g} s"
-        results[spec.name] = healthy
-        if healthy:
-            self.supervisor.record_success(spec.name, SuccessKind.HEALTH_200)
-            return
-        if failure is not None:
-            self.supervisor.record_failure(spec.name, failure)
+                status = response.status
+                answer = health_answer(spec.name, status)
+        if scope.cancelled_caught or answer is None:
+            answer = EngineFailure(spec.name, FailureClass.TIMEOUT,
+                                   f"no health answer within {self.check_timeout_s:g} s")
+        results[spec.name] = answer is SuccessKind.HEALTH_200
+        if status is not None and answer is not SuccessKind.HEALTH_200:
+            answered.add(spec.name)
+        if isinstance(answer, SuccessKind):
+            self.supervisor.record_success(spec.name, answer)
+            if answer is SuccessKind.HEALTH_200:
+                return
+            failure_class, detail = None, f"HTTP {status}"
+        else:
+            self.supervisor.record_failure(spec.name, answer.failure_class)
+            failure_class, detail = answer.failure_class, answer.message
         log_event("health_check_failed", level=logging.WARNING, engine=spec.name,
-                  failure_class=None if failure is None else str(failure), reason=detail)
+                  failure_class=None if failure_class is None else str(failure_class), reason=detail,
+                  silent=status is None)

@@ -1,6 +1,7 @@
 """Liveness stage: this pass's health sweep becomes liveness evidence in the fleet.
 
-Any 200 resets an engine's miss counter; an engine without one gets a miss, and
+Any 200 resets an engine's miss counter; a silent engine (no HTTP answer within
+the check timeout) gets a miss, one that answered otherwise gets none, and
 ``recovery.liveness_misses`` consecutive silent sweeps eject it (the fleet
 decides). A pass whose sweep did not complete (the health stage failed or was
 cut) gives no liveness evidence: the silence is ours, not the engines'.
@@ -9,7 +10,7 @@ cut) gives no liveness evidence: the silence is ours, not the engines'.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Protocol
 
 from narwhal.obs.logs import log_event
@@ -19,7 +20,8 @@ __all__ = ["LivenessStage"]
 
 
 class _Supervisor(Protocol):
-    def record_health_sweep(self, results: Mapping[str, bool]) -> None: ...
+    def record_health_sweep(self, results: Mapping[str, bool], *, unchecked: Collection[str] = (),
+                            answered: Collection[str] = ()) -> None: ...
 
 
 class LivenessStage:
@@ -44,5 +46,5 @@ class LivenessStage:
             log_event("liveness_skipped", level=logging.WARNING, reason="no complete health sweep in this pass",
                       **{"pass": pass_number})
             return
-        self.supervisor.record_health_sweep(sweep.results, unchecked=sweep.unchecked)
+        self.supervisor.record_health_sweep(sweep.results, unchecked=sweep.unchecked, answered=sweep.answered)
         self.sweeps_applied += 1

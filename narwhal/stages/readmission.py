@@ -10,14 +10,16 @@ from __future__ import annotations
 
 from typing import Protocol
 
-__all__ = ["ReadmissionStage"]
+__all__ = ["ReadmissionStage", "Readmission"]
 
 
 class _Supervisor(Protocol):
     def start_due_probes(self) -> None: ...
 
 
-class _Readmission(Protocol):
+class Readmission(Protocol):
+    """The readmission chain as this stage runs it (``narwhal.control.readmission.Readmitter``)."""
+
     async def readmit_due(self) -> None: ...
 
 
@@ -26,7 +28,7 @@ class ReadmissionStage:
 
     name = "readmission"
 
-    def __init__(self, *, supervisor: _Supervisor, readmission: _Readmission | None = None) -> None:
+    def __init__(self, *, supervisor: _Supervisor, readmission: Readmission | None = None) -> None:
         self.supervisor = supervisor
         self.readmission = readmission
 

@@ -6,8 +6,8 @@ scrape between passes sees the last closed interval, never a half-open one.
 
 from __future__ import annotations
 
-from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.fleet.telemetry import Interval, Telemetry
+from narwhal.obs.router_metrics import RouterMetrics
 
 __all__ = ["TelemetryStage"]
 

@@ -132,7 +132,7 @@ def format_engines(engines: list[dict[str, Any]]) -> str:
     rows = [(e["name"], e["role"], _state(e), _holds(e), _streaks(e), str(e.get("in_flight", 0)))
             for e in engines]
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
              for row in (header, *rows)]
     notes: list[str] = []
     for engine in engines:

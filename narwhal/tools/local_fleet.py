@@ -107,6 +107,8 @@ async def _start(nursery: trio.Nursery, argv: Sequence[str], *, ready: str, from
         start_new_session=True,
     )
     stream = process.stderr if from_stderr else process.stdout
+    if stream is None:
+        raise RuntimeError(f"{name}: no pipe to read its events from")
     found = trio.Event()
     found_line: list[dict[str, Any]] = []
     local = LocalProcess(process, 0, name)

@@ -194,7 +194,8 @@ async def test_unreadable_handoff_is_blamed_on_prefill_and_never_sent_to_decode(
 
 async def test_liveness_misses_eject_an_engine_that_stops_answering_health(start_fleet):
     fleet = await start_fleet(decode=2, sections=FAST)
-    await fleet.set_fault("d2", "unhealthy")
+    # Silent: no HTTP answer within the timeout (an engine that answers 503 is not silent).
+    await fleet.set_fault("d2", "hang", legs=["health"])
 
     async def ejected() -> bool:
         return (await engines(fleet))["d2"]["ejected"]

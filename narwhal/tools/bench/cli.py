@@ -169,8 +169,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     except* (RuntimeError, OSError, ValueError) as group:
         failures = _leaves(group)
     if failures:
-        for exc in failures:
-            print(f"narwhal bench: {exc}", file=sys.stderr)
+        for failure in failures:
+            print(f"narwhal bench: {failure}", file=sys.stderr)
         return 1
     from narwhal.tools.bench.report import format_report
 

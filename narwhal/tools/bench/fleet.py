@@ -24,8 +24,8 @@ import httpx
 import msgspec
 import trio
 
-from narwhal.tools.local_fleet import LocalProcess, render_config, start_mock_engine
 from narwhal.tools.bench.procstat import listening_pid
+from narwhal.tools.local_fleet import LocalProcess, render_config, start_mock_engine
 
 __all__ = [
     "ATTESTATION_KEY",

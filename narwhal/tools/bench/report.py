@@ -102,7 +102,7 @@ def summarize_load(*, kinds: Sequence[str], statuses: Sequence[int], ttft_s: Seq
     by_kind: dict[str, int] = {}
     by_status: dict[str, int] = {}
     ok = 0
-    for kind, status in zip(kinds, statuses):
+    for kind, status in zip(kinds, statuses, strict=True):
         if kind == "ok":
             ok += 1
             continue
@@ -257,9 +257,9 @@ def _table(columns: Sequence[tuple[str, list[tuple[str, str]]]]) -> str:
     cells = [[dict(rows).get(label, "") for _, rows in columns] for label in labels]
     label_width = max(len(label) for label in labels)
     widths = [max(len(names[i]), *(len(row[i]) for row in cells)) for i in range(len(columns))]
-    lines = ["  ".join([" " * label_width, *(n.rjust(w) for n, w in zip(names, widths))])]
-    for label, row in zip(labels, cells):
-        lines.append("  ".join([label.ljust(label_width), *(c.rjust(w) for c, w in zip(row, widths))]))
+    lines = ["  ".join([" " * label_width, *(n.rjust(w) for n, w in zip(names, widths, strict=True))])]
+    for label, row in zip(labels, cells, strict=True):
+        lines.append("  ".join([label.ljust(label_width), *(c.rjust(w) for c, w in zip(row, widths, strict=True))]))
     return "\n".join(lines)
 
 
@@ -267,6 +267,7 @@ def _fault_lines(faults: FaultReport) -> list[str]:
     def secs(value: float | None) -> str:
         return "not seen" if value is None else f"{value:.2f} s"
 
+    during_fault = faults.failing_engine_requests_during_fault
     lines = [
         "",
         f"fault scenario: {faults.killed_engine} killed and restarted; "
@@ -282,8 +283,7 @@ def _fault_lines(faults: FaultReport) -> list[str]:
         f"  dead engine: ineligible after kill        {secs(faults.dead_engine_ineligible_s)}",
         f"  restarted engine: eligible after restart  {secs(faults.restarted_engine_eligible_s)}",
         f"  restarted engine: first served after      {secs(faults.restarted_engine_first_served_s)}",
-        f"  5xx engine: requests during the fault     "
-        f"{'-' if faults.failing_engine_requests_during_fault is None else faults.failing_engine_requests_during_fault}",
+        f"  5xx engine: requests during the fault     {'-' if during_fault is None else during_fault}",
         f"  5xx engine: last request after fault set  {secs(faults.failing_engine_last_request_s)}",
         f"  5xx engine: ineligible after fault set    {secs(faults.failing_engine_ineligible_s)}",
         f"  5xx engine: eligible after fault cleared  {secs(faults.failing_engine_eligible_again_s)}",

@@ -37,7 +37,16 @@ import trio
 
 from narwhal.http1.server import ClientDisconnected, HTTPServer
 from narwhal.obs.logs import configure_logging, log_event
-from narwhal.tools.mock.faults import Applied, Fault, FaultError, FaultRequest, FaultTable, Mode, Operation, parse_fault_spec
+from narwhal.tools.mock.faults import (
+    Applied,
+    Fault,
+    FaultError,
+    FaultRequest,
+    FaultTable,
+    Mode,
+    Operation,
+    parse_fault_spec,
+)
 from narwhal.wire import AttestRequest, AttestResponse, EngineIdentity, KVTransferParams, error_json
 
 if TYPE_CHECKING:
@@ -714,7 +723,7 @@ class MockService:
                 self._server = HTTPServer(engine.handle, idle_timeout_s=engine.settings.idle_timeout_s,
                                           server_name=b"narwhal-mock")
                 try:
-                    await self._server.serve_listeners([_MockListener(l, engine) for l in listeners])
+                    await self._server.serve_listeners([_MockListener(listener, engine) for listener in listeners])
                 finally:
                     self._server = None
             else:
