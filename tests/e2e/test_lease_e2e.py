@@ -9,6 +9,7 @@ time.monotonic(), shared by the processes of this host).
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import signal
@@ -161,7 +162,7 @@ def serving_intervals(router: LocalProcess) -> list[tuple[float, float]]:
 
 def assert_no_overlap(*routers: LocalProcess) -> None:
     spans = sorted((span, router.name) for router in routers for span in serving_intervals(router))
-    for (first, first_name), (second, second_name) in zip(spans, spans[1:]):
+    for (first, first_name), (second, second_name) in itertools.pairwise(spans):
         assert first[1] <= second[0], f"{first_name} served {first} while {second_name} served {second}"
 
 
