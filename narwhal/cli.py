@@ -1,4 +1,4 @@
-"""Command line: ``python -m narwhal serve|mock-engine|demo|bench|admin``.
+"""Command line: ``python -m narwhal serve|mock-engine|demo|bench|admin|engine-check``.
 
 Every command exits non-zero with one plain line on stderr when its input is
 wrong (a bad config names the key and the problem; no traceback).
@@ -16,8 +16,10 @@ from typing import Any
 import trio
 
 from narwhal.config import ConfigError, load_config, parse_listen
-from narwhal.obs.logs import configure_logging, log_event
+from narwhal.errors import StartupError
+from narwhal.obs.logs import configure_logging, flush_logs, log_event
 from narwhal.tools.admin_cli import add_parser as add_admin_parser
+from narwhal.tools.engine_check import add_parser as add_engine_check_parser
 
 __all__ = ["main", "serve_main"]
 
@@ -54,6 +56,7 @@ def _build_parser() -> argparse.ArgumentParser:
     for name, help_text in _DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
     add_admin_parser(sub)
+    add_engine_check_parser(sub)
     return parser
 
 
@@ -104,9 +107,23 @@ def _serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     from narwhal.router import Router
 
-    router = Router(config, listen=args.listen, resume=args.resume, config_dir=Path(args.config).parent)
+    try:
+        router = Router(config, listen=args.listen, resume=args.resume, config_dir=Path(args.config).parent)
+    except ConfigError as exc:
+        # A certificate that changed between reading the config and starting.
+        print(f"narwhal: config error: {args.config}: {exc}", file=sys.stderr)
+        return 2
     try:
         trio.run(run_until_signal, router)
+    except (StartupError, BaseExceptionGroup) as exc:
+        startup = _startup_error(exc)
+        if startup is None:
+            raise
+        failed: dict[str, Any] = {"class": "StartupError", "message": str(startup)}
+        log_event("router_failed", **failed)
+        flush_logs()
+        print(f"narwhal: cannot start: {startup}", file=sys.stderr)
+        return 2
     except OSError as exc:
         failure: dict[str, Any] = {"class": type(exc).__name__, "message": str(exc)}
         log_event("router_failed", **failure)
@@ -115,16 +132,32 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _startup_error(exc: BaseException) -> StartupError | None:
+    """The StartupError in ``exc``, unwrapping the exception groups nurseries add around it."""
+    if isinstance(exc, StartupError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        matched, _ = exc.split(StartupError)
+        found: BaseException | None = matched
+        while isinstance(found, BaseExceptionGroup):
+            found = found.exceptions[0]
+        return found if isinstance(found, StartupError) else None
+    return None
+
+
 async def run_until_signal(router) -> None:
-    """Run ``router``; the first SIGTERM/SIGINT drains it, a second one stops at once."""
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    """Run ``router``; the first SIGTERM/SIGINT drains it, a second one stops at once; SIGHUP reloads TLS files."""
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async with trio.open_nursery() as nursery:
 
             async def watch() -> None:
                 count = 0
                 async for signum in signals:
-                    count += 1
                     log_event("signal", signal=signal.Signals(signum).name)
+                    if signum == signal.SIGHUP:
+                        await router.reload_tls()
+                        continue
+                    count += 1
                     if count == 1:
                         router.shutdown()
                     else:

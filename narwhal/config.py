@@ -8,12 +8,17 @@ message names the key and the problem; the CLI prints it and exits non-zero.
 
 from __future__ import annotations
 
+import math
+import os
 import re
 import urllib.parse
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
 import msgspec
+
+from narwhal.errors import NarwhalError
 
 __all__ = [
     "AdminConfig",
@@ -28,19 +33,40 @@ __all__ = [
     "RecoveryConfig",
     "ServingConfig",
     "TelemetryConfig",
+    "admin_token_problem",
     "load_config",
     "parse_config",
     "parse_listen",
 ]
 
 
-class ConfigError(Exception):
+class ConfigError(NarwhalError):
     """A configuration problem, with a message fit to show an operator as is."""
 
 
+def _finite(name: str, value: float | int) -> None:
+    # TOML has nan and inf; every comparison with nan is False, so it would pass any "> 0" check.
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+
+
 def _positive(name: str, value: float | int) -> None:
+    _finite(name, value)
     if value <= 0:
         raise ValueError(f"{name} must be > 0, got {value}")
+
+
+def _at_least(name: str, value: float | int, minimum: float | int) -> None:
+    _finite(name, value)
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum:g}, got {value}")
+
+
+# Floors for periods: below them a loop spins rather than paces (see docs/configuration.md).
+MIN_MONITOR_INTERVAL_S = 0.05
+MIN_STAGE_TIMEOUT_S = 0.01
+MIN_PROBE_INTERVAL_S = 0.05
+MIN_TELEMETRY_INTERVAL_S = 0.05
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -58,6 +84,25 @@ def parse_listen(value: str) -> tuple[str, int]:
     return host, port
 
 
+def _pair(first: str, first_value: str | None, second: str, second_value: str | None) -> None:
+    for name, value in ((first, first_value), (second, second_value)):
+        if value is not None and not value:
+            raise ValueError(f"{name} must not be empty")
+    if (first_value is None) != (second_value is None):
+        missing = second if first_value is not None else first
+        present = first if first_value is not None else second
+        raise ValueError(f"{missing} is required when {present} is set")
+
+
+def admin_token_problem(token: str) -> str | None:
+    """Why ``token`` cannot be an HTTP bearer token (empty, not printable ASCII), or None."""
+    if not token:
+        return "must not be empty when set"
+    if not all("!" <= ch <= "~" for ch in token):
+        return "must be printable ASCII without spaces (it travels in an HTTP header)"
+    return None
+
+
 class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     pass
 
@@ -70,19 +115,36 @@ class ServingConfig(_Section, frozen=True):
     max_body_bytes: int = 4 * 1024 * 1024
     max_header_bytes: int = 16 * 1024
     idle_timeout_s: float = 60.0
+    # Hostile clients: the whole head, the whole body and each write to the client are bounded.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    client_write_timeout_s: float = 30.0
+    # Unset: sized from the fd limit (RLIMIT_NOFILE) less what the engine pools need.
+    max_client_connections: int | None = None
     shutdown_grace_s: float = 30.0
     count_tokens: bool = True
     policy: Literal["saturate", "bounded"] = "saturate"
     # Bounded policy only: attempts per request, all within request_deadline_s.
     max_attempts: int = 3
+    # HTTPS on `listen` (both fronts; and [admin] listen) when both are set;
+    # a client CA makes callers present a certificate it signed.
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
 
     def __post_init__(self) -> None:
         parse_listen(self.listen)
+        _pair("tls_cert_file", self.tls_cert_file, "tls_key_file", self.tls_key_file)
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file (client certificates "
+                             "are only asked for over HTTPS)")
         for name in ("max_connections", "request_deadline_s", "max_body_bytes",
-                     "max_header_bytes", "idle_timeout_s", "max_attempts"):
+                     "max_header_bytes", "idle_timeout_s", "max_attempts", "header_timeout_s",
+                     "body_timeout_s", "client_write_timeout_s"):
             _positive(name, getattr(self, name))
-        if self.shutdown_grace_s < 0:
-            raise ValueError("shutdown_grace_s must be >= 0")
+        if self.max_client_connections is not None:
+            _positive("max_client_connections", self.max_client_connections)
+        _at_least("shutdown_grace_s", self.shutdown_grace_s, 0)
 
 
 class EngineConfig(_Section, frozen=True):
@@ -97,12 +159,28 @@ class EngineConfig(_Section, frozen=True):
     # Idle engine connections are closed before the engine's own keep-alive
     # (vLLM/uvicorn: 5 s) closes them under us.
     pool_idle_s: float = 4.0
+    # For https:// engines: the CA bundle that verifies them (the system store
+    # when unset) and the router's client certificate for engines requiring mTLS.
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    # Bounds on what an engine sends back that the router holds in memory: every
+    # buffered body (prefill, token count, non-streamed decode, error and control
+    # answers) and every response head. Streamed decode bodies are relayed, not held.
+    max_response_bytes: int = 8 * 1024 * 1024
+    max_response_header_bytes: int = 64 * 1024
+    # The prefill's kv_transfer_params as forwarded to decode (JSON bytes).
+    max_handoff_bytes: int = 1024 * 1024
 
     def __post_init__(self) -> None:
+        _pair("tls_cert_file", self.tls_cert_file, "tls_key_file", self.tls_key_file)
         for name in ("control_connections", "connect_timeout_s", "request_timeout_s",
                      "first_token_deadline_s", "stream_silence_s", "health_timeout_s",
                      "pool_idle_s"):
             _positive(name, getattr(self, name))
+        _at_least("max_response_bytes", self.max_response_bytes, 1024)
+        _at_least("max_response_header_bytes", self.max_response_header_bytes, 1024)
+        _at_least("max_handoff_bytes", self.max_handoff_bytes, 256)
 
 
 class FleetConfig(_Section, frozen=True):
@@ -126,9 +204,11 @@ class ControllerConfig(_Section, frozen=True):
     drift_intervals: int = 3
 
     def __post_init__(self) -> None:
-        for name in ("monitor_interval_s", "monitor_failure_limit", "stage_timeout_s",
-                     "drift_intervals"):
+        for name in ("monitor_failure_limit", "drift_intervals"):
             _positive(name, getattr(self, name))
+        _at_least("monitor_interval_s", self.monitor_interval_s, MIN_MONITOR_INTERVAL_S)
+        _at_least("stage_timeout_s", self.stage_timeout_s, MIN_STAGE_TIMEOUT_S)
+        _finite("drift_factor", self.drift_factor)
         if self.drift_factor <= 1:
             raise ValueError(f"drift_factor must be > 1, got {self.drift_factor}")
 
@@ -138,7 +218,7 @@ class TelemetryConfig(_Section, frozen=True):
     keep_intervals: int = 30
 
     def __post_init__(self) -> None:
-        _positive("interval_s", self.interval_s)
+        _at_least("interval_s", self.interval_s, MIN_TELEMETRY_INTERVAL_S)
         _positive("keep_intervals", self.keep_intervals)
 
 
@@ -151,13 +231,38 @@ class RecoveryConfig(_Section, frozen=True):
     def __post_init__(self) -> None:
         _positive("eject_after", self.eject_after)
         _positive("liveness_misses", self.liveness_misses)
-        _positive("probe_interval_s", self.probe_interval_s)
+        _at_least("probe_interval_s", self.probe_interval_s, MIN_PROBE_INTERVAL_S)
         if self.failure_quarantine_s is not None:
             _positive("failure_quarantine_s", self.failure_quarantine_s)
 
 
+HANDOFF_FILE = "narwhal-handoff.json"
+
+
+def default_handoff_path(env: Mapping[str, str] | None = None) -> Path:
+    """``$XDG_STATE_HOME/narwhal/narwhal-handoff.json``, else under ``~/.local/state``.
+
+    Never relative to the working directory: a router started from a source
+    tree must not leave its state there. A relative ``XDG_STATE_HOME`` is
+    ignored, as the XDG base directory spec says.
+    """
+    env = os.environ if env is None else env
+    state = env.get("XDG_STATE_HOME", "")
+    if state and Path(state).is_absolute():
+        base = Path(state)
+    else:
+        home = env.get("HOME")
+        base = (Path(home) if home else Path.home()) / ".local" / "state"
+    return base / "narwhal" / HANDOFF_FILE
+
+
 class HandoffConfig(_Section, frozen=True):
-    path: str = "narwhal-handoff.json"
+    # None: default_handoff_path(); a relative path is relative to the config file's directory.
+    path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.path is not None and not self.path.strip():
+            raise ValueError("path must not be empty (leave it out for the state directory)")
 
 
 class LeaseConfig(_Section, frozen=True):
@@ -202,8 +307,10 @@ class AdminConfig(_Section, frozen=True):
     def __post_init__(self) -> None:
         if self.listen is not None:
             parse_listen(self.listen)
-        if self.token is not None and not self.token:
-            raise ValueError("token must not be empty when set")
+        if self.token is not None:
+            problem = admin_token_problem(self.token)
+            if problem is not None:
+                raise ValueError(f"token {problem}")
 
 
 class EngineSpec(_Section, frozen=True):
@@ -215,8 +322,8 @@ class EngineSpec(_Section, frozen=True):
         if not self.name:
             raise ValueError("name must not be empty")
         parts = urllib.parse.urlsplit(self.url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"url must be http://HOST[:PORT], got {self.url!r}")
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"url must be http://HOST[:PORT] or https://HOST[:PORT], got {self.url!r}")
         try:
             _ = parts.port  # urlsplit parses the port lazily: reading it validates it
         except ValueError:
@@ -229,8 +336,13 @@ class EngineSpec(_Section, frozen=True):
         return urllib.parse.urlsplit(self.url).hostname or ""
 
     @property
+    def tls(self) -> bool:
+        """True for an ``https://`` engine."""
+        return self.url.startswith("https://")
+
+    @property
     def port(self) -> int:
-        return urllib.parse.urlsplit(self.url).port or 80
+        return urllib.parse.urlsplit(self.url).port or (443 if self.tls else 80)
 
     @property
     def base_url(self) -> str:
@@ -269,6 +381,15 @@ class Config(_Section, frozen=True):
             if spec.name == name:
                 return spec
         raise KeyError(name)
+
+    def handoff_path(self, config_dir: Path | None = None, env: Mapping[str, str] | None = None) -> Path:
+        """Where the handoff lives: ``[handoff] path`` (relative to ``config_dir``), else the state directory."""
+        if self.handoff.path is None:
+            return default_handoff_path(env)
+        path = Path(self.handoff.path).expanduser()
+        if not path.is_absolute() and config_dir is not None:
+            path = config_dir / path
+        return path
 
     def attestation_key_bytes(self, base_dir: Path | None = None) -> bytes | None:
         """The fleet's HMAC key, read from the file when one is named."""
@@ -314,6 +435,13 @@ def parse_config(data: bytes | str, source: str = "<config>") -> Config:
             raise ConfigError(
                 f"{source}: fleet.attestation_key_file: cannot read {str(key_path)!r}: {exc.strerror}"
             ) from None
+    # Certificates and keys are read now, so a bad one stops startup with its key named.
+    from narwhal.tls import TLSContexts
+
+    try:
+        TLSContexts(config, None if source == "<config>" else Path(source).parent)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
     return config
 
 

@@ -1,4 +1,43 @@
-"""The vocabulary of engine failure: classes, successes, and the one exception.
+"""Narwhal's exceptions under one root, and the vocabulary of engine failure.
+
+Every exception Narwhal raises on purpose derives from ``NarwhalError``
+(``tests/test_errors.py`` checks each module), so a caller can tell ours from a
+library's or a bug. The tree, with the module each class lives in:
+
+    NarwhalError
+    ├── ConfigError ................. config: a bad config, one line naming the key (exit status 2)
+    ├── EngineFailure ............... an engine call failed; ``failure_class`` says how, ``engine`` who
+    ├── UpstreamClientError ......... an engine answered 4xx (not 408/429): the client's request was at fault
+    ├── PoolSaturated ............... no slot in our own pool before the deadline: saturation, not failure
+    │   └── LocalResourceExhausted .. our own process ran out of fds/memory/buffers reaching an engine
+    ├── StartupError ................ the router cannot start: one line naming the cause (exit status 2)
+    ├── ClientError ................. serving.request_core: a request refused with its status and JSON error
+    ├── ClientGone .................. the client went away or stopped reading (``reason`` says which)
+    │   └── ClientDisconnected ...... http1.server: the client went away before the response was written
+    ├── HTTPTransportError .......... http1.client: engine-connection trouble, before the pools classify it
+    │   ├── ConnectFailed
+    │   ├── ConnectTimeout
+    │   ├── WriteTimeout
+    │   ├── ReadTimeout
+    │   ├── DeadlineExpired
+    │   ├── ConnectionClosed
+    │   ├── MalformedResponse
+    │   ├── ResponseTooLarge ........ a response head or buffered body passed its size bound
+    │   ├── TLSFailed ............... the TLS handshake with the engine failed
+    │   └── LocalResourceError ...... connecting failed for lack of our own fds/memory/buffers
+    ├── HandoffError ................ state.handoff: a handoff document that cannot be used
+    │   ├── HandoffMissing
+    │   ├── HandoffUnreadable
+    │   └── HandoffSchemaMismatch
+    ├── HandoffWriteInProgress ...... stages.persistence: the previous pass's write has not finished
+    ├── ContractViolation ........... control.contract: an engine's answer breaks the engine contract
+    ├── HandoffRejected (ValueError)  wire: a prefill's kv_transfer_params that must not reach a decode
+    ├── FleetKeyError ............... attestation: the fleet key cannot be had
+    ├── FaultError (ValueError) ..... tools.mock.faults: a mock-engine fault that cannot be applied
+    └── CommandTemplateError (ValueError)  tools.bench.fleet: a bench --router-cmd template that cannot run
+
+Modules also keep private subclasses for their own control flow (a probe leg
+that cannot decide, a refused readmission check); they derive from the root too.
 
 Pools are the only place that turn transport errors, status codes and stream
 anomalies into an ``EngineFailure``; everything above them reasons in these
@@ -9,7 +48,21 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["EngineFailure", "FailureClass", "PoolSaturated", "SuccessKind", "UpstreamClientError"]
+__all__ = [
+    "ClientGone",
+    "EngineFailure",
+    "FailureClass",
+    "LocalResourceExhausted",
+    "NarwhalError",
+    "PoolSaturated",
+    "StartupError",
+    "SuccessKind",
+    "UpstreamClientError",
+]
+
+
+class NarwhalError(Exception):
+    """The root of every exception Narwhal raises on purpose."""
 
 
 class FailureClass(enum.StrEnum):
@@ -32,7 +85,7 @@ class SuccessKind(enum.StrEnum):
     DECODE_TERMINAL = "decode_terminal"
 
 
-class EngineFailure(Exception):
+class EngineFailure(NarwhalError):
     """An engine call failed; ``failure_class`` says how, ``engine`` says who."""
 
     def __init__(self, engine: str, failure_class: FailureClass, message: str,
@@ -46,7 +99,7 @@ class EngineFailure(Exception):
         self.cause = cause
 
 
-class UpstreamClientError(Exception):
+class UpstreamClientError(NarwhalError):
     """The engine answered 4xx (not 408/429): the client's request was at fault."""
 
     def __init__(self, engine: str, status: int, body: bytes) -> None:
@@ -56,5 +109,30 @@ class UpstreamClientError(Exception):
         self.body = body
 
 
-class PoolSaturated(Exception):
+class PoolSaturated(NarwhalError):
     """No slot in our own pool before the deadline: saturation, not engine failure."""
+
+
+class LocalResourceExhausted(PoolSaturated):
+    """Our own process ran out of fds, memory or socket buffers while reaching an engine.
+
+    Like saturation it is no evidence against the engine; ``errno_name`` says which
+    (EMFILE, ENFILE, ENOMEM, ENOBUFS) and ``engine`` which engine we were reaching.
+    """
+
+    def __init__(self, message: str, *, engine: str, errno_name: str) -> None:
+        super().__init__(message)
+        self.engine = engine
+        self.errno_name = errno_name
+
+
+class StartupError(NarwhalError):
+    """The router cannot start; the message is one line naming the cause (the CLI exits 2)."""
+
+
+class ClientGone(NarwhalError):
+    """The client went away or stopped reading; ``reason`` is ``client_disconnected`` or ``client_stalled``."""
+
+    def __init__(self, message: str = "the client has gone", *, reason: str = "client_disconnected") -> None:
+        super().__init__(message)
+        self.reason = reason

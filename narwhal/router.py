@@ -3,12 +3,15 @@
 Ownership: ``Router.run`` opens the nursery that owns the supervisor (probes),
 the monitor, the optional hypercorn admin listener and the data-plane server.
 ``shutdown`` closes admission, stops accepting, lets in-flight requests finish
-within the grace period, then cancels the rest.
+within the grace period, then cancels the rest. ``reload_tls`` (SIGHUP) reads
+the certificates again and swaps the contexts of every listener and pool.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import secrets
 import socket
 import time
 from pathlib import Path
@@ -18,38 +21,94 @@ import trio
 
 from narwhal.app.admin_routes import register_admin_routes
 from narwhal.app.control_app import create_app
-from narwhal.config import Config, parse_listen
+from narwhal.config import Config, ConfigError, parse_listen
+from narwhal.control.engine_view import EngineViewer
+from narwhal.control.fleet_writer import FleetWriter
 from narwhal.control.monitor import Monitor
 from narwhal.control.readmission import Readmitter
 from narwhal.control.supervisor import Supervisor
+from narwhal.errors import StartupError
 from narwhal.fleet import Fleet
 from narwhal.fleet.admission import Admission
 from narwhal.fleet.placement import InFlight
 from narwhal.fleet.telemetry import Telemetry
-from narwhal.http1.asgi import ASGILifespan, call_asgi
-from narwhal.http1.server import HTTPServer, Request, Responder
+from narwhal.http1.asgi import ASGILifespan
+from narwhal.http1.server import HTTPServer, client_connection_budget
 from narwhal.lease import EtcdLeaseBackend, build_backend
-from narwhal.lease.service import LeaseService
+from narwhal.lease.service import LeaseService, LeaseView
 from narwhal.obs.logs import flush_logs, log_event
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.pools.control import ControlPool
 from narwhal.pools.data import DataPool
-from narwhal.serving.request_core import COMPLETION_ROUTES, RequestCore
+from narwhal.serving.front import Front
+from narwhal.serving.request_core import RequestCore
 from narwhal.stages import build_stages
 from narwhal.stages.persistence import PersistenceStage
 from narwhal.state.resume import apply_resume, plan_resume
-from narwhal.wire import error_json
+from narwhal.tls import TLSContexts
 
 __all__ = ["Router"]
 
 
-def _advertise_url(host: str, port: int) -> str:
-    """Where a standby reaches this router's /ready when lease.advertise_url is not set."""
-    if host in ("0.0.0.0", "::", ""):
-        host = socket.gethostname()
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+_WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
+_LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
-_NOT_ALLOWED = error_json("completion routes accept POST only", "invalid_request_error", "method_not_allowed")
+
+def _advertise_url(host: str, port: int, tls: bool) -> str:
+    """Where a standby reaches this router's /ready when lease.advertise_url is not set."""
+    if host in _WILDCARD_HOSTS:
+        host = socket.gethostname()
+    scheme = "https" if tls else "http"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+
+
+def _same_address(a: tuple[str, int], b: tuple[str, int]) -> bool:
+    """Would a connection to ``b`` reach a listener on ``a``? Port 0 (any free port) matches nothing."""
+    (host_a, port_a), (host_b, port_b) = a, b
+    if port_a == 0 or port_a != port_b:
+        return False
+    if host_a == host_b or host_a in _WILDCARD_HOSTS or host_b in _WILDCARD_HOSTS:
+        return True
+    return host_a in _LOOPBACK_HOSTS and host_b in _LOOPBACK_HOSTS
+
+
+def preflight(config: Config, listen: str, handoff_path: Path | None = None) -> None:
+    """Refuse to start, with one line naming the cause, on what would fail later or loop.
+
+    The admin listener on the serving address, an engine URL that is this
+    router, and a handoff directory that is missing or not writable (every
+    monitor pass would fail and /ready answer 503 for good). The default state
+    directory is created; a configured path's directory must exist already (a
+    typo should not create a tree). ``handoff_path`` defaults to
+    ``config.handoff_path()``.
+    """
+    serving = parse_listen(listen)
+    if config.admin.listen is not None and _same_address(serving, parse_listen(config.admin.listen)):
+        raise StartupError(f"admin.listen {config.admin.listen} is the serving address {listen}: "
+                           "give the admin API a port of its own")
+    for i, spec in enumerate(config.engines):
+        if _same_address(serving, (spec.host, spec.port)):
+            raise StartupError(f"engines[{i}] ({spec.name}): url {spec.url} is this router's own serving "
+                               f"address {listen}: requests would loop back into the router")
+    path = config.handoff_path() if handoff_path is None else handoff_path
+    key = f"handoff.path {config.handoff.path}" if config.handoff.path is not None else f"handoff (default {path})"
+    directory = path.parent
+    if config.handoff.path is None:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StartupError(f"{key}: cannot create the state directory {str(directory)!r}: "
+                               f"{exc.strerror or exc}") from None
+    if not directory.is_dir():
+        raise StartupError(f"{key}: directory {str(directory)!r} does not exist")
+    probe = directory / f".narwhal-write-check.{os.getpid()}.{secrets.token_hex(4)}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise StartupError(f"{key}: directory {str(directory)!r} is not writable: "
+                           f"{exc.strerror or exc}") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 class Router:
@@ -66,18 +125,25 @@ class Router:
         names = [spec.name for spec in config.engines]
         self.in_flight = InFlight(names)
         recovery = config.recovery
-        self.fleet = Fleet(
+        # The one writer: every part that changes the fleet gets this, never the bare Fleet.
+        self.fleet = FleetWriter(Fleet(
             [(spec.name, spec.role) for spec in config.engines],
             eject_after=recovery.eject_after,
             liveness_misses=recovery.liveness_misses,
             failure_quarantine_s=recovery.failure_quarantine_s,
             probe_interval_s=recovery.probe_interval_s,
-        )
+        ), self.metrics)
+        # Every engine request says it came from this router: one arriving back here is a loop.
+        self.via_token = f"narwhal-{secrets.token_hex(8)}"
+        via = f"1.1 {self.via_token}"
+        # Certificates are read here: a problem is a ConfigError naming the key.
+        self.tls = TLSContexts(config, config_dir)
         # Only bounded serving may queue; the default policy reports saturation at once.
         self.data_pool = DataPool(max_connections=config.serving.max_connections, engine_config=config.engine,
-                                  wait_for_slot=config.serving.policy == "bounded")
+                                  wait_for_slot=config.serving.policy == "bounded", via=via,
+                                  ssl_context=self.tls.engine)
         self.control_pool = ControlPool(control_connections=config.engine.control_connections,
-                                        engine_config=config.engine)
+                                        engine_config=config.engine, via=via, ssl_context=self.tls.engine)
         self.supervisor = Supervisor(config=config, fleet=self.fleet, control_pool=self.control_pool,
                                      metrics=self.metrics)
         roles = [(spec.name, spec.role) for spec in config.engines]
@@ -86,7 +152,8 @@ class Router:
         self.core = RequestCore(config=config, supervisor=self.supervisor, data_pool=self.data_pool,
                                 in_flight=self.in_flight, admission=self.admission, metrics=self.metrics,
                                 telemetry=self.telemetry)
-        self.persistence = PersistenceStage(path=config.handoff.path, router_id=self.router_id,
+        self.handoff_path = config.handoff_path(config_dir)
+        self.persistence = PersistenceStage(path=self.handoff_path, router_id=self.router_id,
                                             fleet=self.fleet, config=config)
         self.readmitter = Readmitter(config=config, fleet=self.fleet, control_pool=self.control_pool,
                                      in_flight=self.in_flight, metrics=self.metrics,
@@ -98,7 +165,7 @@ class Router:
         self.controller = self.stages.controller
         self.drain = self.stages.drain
         self.persistence.extra = self._handoff_extra
-        backend = build_backend(config)
+        backend = build_backend(config, self.handoff_path, config_dir)
         # With a lease backend every router starts as a standby (the service closes admission).
         self.lease: LeaseService | None = None
         if backend is not None:
@@ -121,11 +188,22 @@ class Router:
                                stage_timeout_s=controller.stage_timeout_s,
                                failure_limit=controller.monitor_failure_limit,
                                admission=self.admission, metrics=self.metrics)
+        self.engine_view = EngineViewer(config=config, fleet=self.fleet, in_flight=self.in_flight,
+                                        readmitter=self.readmitter, controller=self.controller, monitor=self.monitor)
         self.app = create_app(self)
         register_admin_routes(self.app, self)
         serving = config.serving
-        self.server = HTTPServer(self.handle, max_header_bytes=serving.max_header_bytes,
-                                 max_body_bytes=serving.max_body_bytes, idle_timeout_s=serving.idle_timeout_s)
+        client_cap = serving.max_client_connections or client_connection_budget(
+            serving.max_connections + config.engine.control_connections)
+        # With [admin] listen the admin API is off the traffic port entirely.
+        self.front = Front(self.core, self.app, via_token=self.via_token,
+                           admin_elsewhere=config.admin.listen is not None)
+        self.server = HTTPServer(self.front.handle, max_header_bytes=serving.max_header_bytes,
+                                 max_body_bytes=serving.max_body_bytes, idle_timeout_s=serving.idle_timeout_s,
+                                 header_timeout_s=serving.header_timeout_s, body_timeout_s=serving.body_timeout_s,
+                                 client_write_timeout_s=serving.client_write_timeout_s,
+                                 max_client_connections=client_cap,
+                                 ssl_context=self.tls.server)
         self.bound_port: int | None = None
         self._nursery: trio.Nursery | None = None
         self._register_gauges()
@@ -143,10 +221,10 @@ class Router:
         """Readiness apart from the lease: what a takeover decision weighs (monitor, capacity)."""
         return self.admission.held_by("monitor") or self.supervisor.capacity_problem()
 
-    def lease_view(self) -> dict[str, Any]:
+    def lease_view(self) -> LeaseView:
         """What /admin/lease shows: the lease record and this router's role."""
         if self.lease is None:
-            return {"router_id": self.router_id, "backend": "none", "role": "active", "record": None}
+            return LeaseView(router_id=self.router_id, backend="none", role="active")
         return self.lease.view()
 
     def _handoff_extra(self) -> dict[str, Any]:
@@ -155,32 +233,6 @@ class Router:
         if self.lease is not None:
             extra["lease"] = self.lease.ownership()
         return extra
-
-    def engines_view(self) -> dict[str, Any]:
-        now = trio.current_time()
-        engines = []
-        for view in self.fleet.views(now):
-            spec = self.config.engine_spec(view.name)
-            engines.append({
-                "name": view.name,
-                "role": view.role,
-                "url": spec.url,
-                "eligible": view.eligible,
-                "ejected": view.ejected,
-                "ejected_reason": view.ejected_reason,
-                "holds": [{"kind": str(hold.kind), "reason": hold.reason, "since": hold.since,
-                           "deadline": hold.deadline, "deferred": hold.deferred} for hold in view.holds],
-                "evidence": {str(k): v for k, v in view.evidence.items()},
-                "liveness_misses": view.liveness_misses,
-                "in_flight": self.in_flight[view.name],
-                "next_probe_at": view.next_probe_at,
-                "counters": {"ejections": view.counters.ejections, "probes": dict(view.counters.probes),
-                             "failures": {str(k): v for k, v in view.counters.failures.items()}},
-            })
-            engines[-1].update(self.readmitter.engine_extras(view.name))
-        return {"engines": engines, "consolidation_risk": self.controller.consolidation_risk(),
-                "monitor": {"failure_streak": self.monitor.failure_streak,
-                            "degraded": self.monitor.degraded_reason, "passes": self.monitor.passes}}
 
     def _register_gauges(self) -> None:
         m = self.metrics
@@ -206,45 +258,46 @@ class Router:
         m.add_gauge("narwhal_ready", "1 when /ready answers 200.", (),
                     lambda: {(): float(self.readiness() is None)})
 
-    # -- the front ---------------------------------------------------------------------
-
-    async def handle(self, request: Request, responder: Responder) -> None:
-        """The data-plane front: completion routes to the core, the rest to the app."""
-        if request.path in COMPLETION_ROUTES:
-            if request.method == b"POST":
-                await self.core.handle(request.path, request.body, request.get_header(b"x-request-id"),
-                                       responder)
-            else:
-                await responder.respond(405, [(b"content-type", b"application/json"), (b"allow", b"POST")],
-                                        _NOT_ALLOWED)
-            return
-        await call_asgi(self.app, request, responder)
-
     # -- lifetime ----------------------------------------------------------------------
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until ``shutdown`` completes; ``task_status.started(port)`` once listening."""
         host, port = parse_listen(self.listen)
+        listeners: list[trio.SocketListener] = []
+        admin_fd: int | None = None
         try:
+            preflight(self.config, self.listen, self.handoff_path)
+            # Bound before anything starts: a taken port is a one-line startup error, not a failed task.
+            listeners = await self._bind(host, port)
+            admin_fd = self._bind_admin() if self.config.admin.listen else None
             async with ASGILifespan(self.app), trio.open_nursery() as nursery:
                 self._nursery = nursery
                 nursery.start_soon(self._flush_logs_periodically)
+                await nursery.start(self.data_pool.run)
                 await nursery.start(self.supervisor.run)
                 if self.resume:
                     self._resume()
                 await nursery.start(self.readmitter.run)
                 await nursery.start(self.monitor.run)
-                if self.config.admin.listen:
-                    await nursery.start(self._serve_admin, self.config.admin.listen)
-                self.bound_port = await nursery.start(self._serve_then_stop, nursery, host, port)
+                if admin_fd is not None:
+                    await nursery.start(self._serve_admin, admin_fd)
+                    admin_fd = None
+                self.bound_port = await nursery.start(self._serve_then_stop, nursery, listeners)
+                listeners = []
                 if self.lease is not None:
                     if not self.lease.advertise_url:
-                        self.lease.advertise_url = _advertise_url(host, self.bound_port)
+                        self.lease.advertise_url = _advertise_url(host, self.bound_port, self.tls.server is not None)
                     await nursery.start(self.lease.run)
                 log_event("router_started", router_id=self.router_id, listen=f"{host}:{self.bound_port}",
-                          engines=len(self.config.engines), pid=os.getpid())
+                          engines=len(self.config.engines), pid=os.getpid(), handoff=str(self.handoff_path),
+                          tls=self.tls.server is not None)
+                self._warn_if_admin_open(f"{host}:{self.bound_port}")
                 task_status.started(self.bound_port)
         finally:
+            for listener in listeners:
+                listener.socket.close()
+            if admin_fd is not None:
+                os.close(admin_fd)
             # Close sockets even when cancelled: leaked engine connections outlive the router.
             with trio.CancelScope(shield=True):
                 await self.data_pool.aclose()
@@ -260,18 +313,68 @@ class Router:
 
     def _resume(self) -> None:
         """Apply the saved handoff when its schema and engine set match; say plainly when not."""
-        plan = plan_resume(self.config.handoff.path, self.config)
+        plan = plan_resume(self.handoff_path, self.config)
         if plan.applied:
             apply_resume(plan, self.fleet, trio.current_time(), time.time())
             log_event("handoff_applied", **plan.event_fields())
         else:
             log_event("handoff_not_applied", **plan.event_fields())
 
-    async def _serve_then_stop(self, nursery: trio.Nursery, host: str, port: int, *,
+    async def _bind(self, host: str, port: int) -> list[trio.SocketListener]:
+        try:
+            return await trio.open_tcp_listeners(port, host=host)
+        except OSError as exc:
+            raise StartupError(f"serving.listen: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+    def _bind_admin(self) -> int:
+        """The admin listener's socket, bound and listening; its fd is handed to hypercorn."""
+        address = self.config.admin.listen
+        assert address is not None
+        host, port = parse_listen(address)
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(128)
+        except OSError as exc:
+            sock.close()
+            raise StartupError(f"admin.listen: cannot listen on {address}: {exc.strerror or exc}") from None
+        return sock.detach()
+
+    def _warn_if_admin_open(self, serving: str) -> None:
+        if self.config.admin.token is not None:
+            return
+        where = self.config.admin.listen or f"the serving address {serving}"
+        log_event("admin_unauthenticated", level=logging.WARNING, listen=where,
+                  message=f"the admin API on {where} has no [admin] token: anyone who can reach it can drain, "
+                          "put into maintenance and readmit engines; set [admin] token (and [admin] listen "
+                          "on a private address)")
+
+    async def _serve_then_stop(self, nursery: trio.Nursery, listeners: list[trio.SocketListener], *,
                                task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         # The server returns once shutdown has drained it; everything else stops with it.
-        await self.server.serve(host, port, task_status=task_status)
+        bound_port = listeners[0].socket.getsockname()[1]
+        await self.server.serve_listeners(listeners, task_status=_Reported(task_status, bound_port))
         nursery.cancel_scope.cancel()
+
+    async def reload_tls(self) -> bool:
+        """Read every certificate and key again and swap them in; connections open stay as they are.
+
+        On a problem the old contexts stay in use and ``tls_reload_failed`` names the key.
+        """
+        if not self.tls.configured:
+            log_event("tls_reload_skipped", reason="no TLS configured")
+            return False
+        try:
+            self.tls.reload()
+        except ConfigError as exc:
+            log_event("tls_reload_failed", level=logging.ERROR, message=str(exc))
+            return False
+        self.server.ssl_context = self.tls.server
+        self.data_pool.set_ssl_context(self.tls.engine)
+        await self.control_pool.set_ssl_context(self.tls.engine)
+        log_event("tls_reloaded", server=self.tls.server is not None, engines=self.tls.engine is not None)
+        return True
 
     def shutdown(self, grace_s: float | None = None) -> None:
         """Stop taking requests; in-flight ones get ``grace_s`` to finish."""
@@ -283,13 +386,35 @@ class Router:
             self._nursery.start_soon(self.lease.release_for_shutdown)
         self.server.shutdown(grace)
 
-    async def _serve_admin(self, admin_listen: str, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async def _serve_admin(self, fd: int, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         from hypercorn.config import Config as HypercornConfig
         from hypercorn.trio import serve
 
-        hconfig = HypercornConfig()
-        hconfig.bind = [admin_listen]
+        tls = self.tls
+
+        class AdminConfig(HypercornConfig):
+            # hypercorn builds its context once; ours follows reloads (see TLSContexts).
+            @property
+            def ssl_enabled(self) -> bool:
+                return tls.server is not None
+
+            def create_ssl_context(self) -> Any:
+                return tls.follower_server_context()
+
+        hconfig = AdminConfig()
+        hconfig.bind = [f"fd://{fd}"]
         hconfig.accesslog = None
         hconfig.errorlog = None
         task_status.started()
         await serve(self.app, hconfig, mode="asgi")
+
+
+class _Reported:
+    """Passes ``started(value)`` on to ``task_status`` as ``started(report)``: the port, not the listeners."""
+
+    def __init__(self, task_status: Any, report: Any) -> None:
+        self._task_status = task_status
+        self._report = report
+
+    def started(self, value: Any = None) -> None:
+        self._task_status.started(self._report)

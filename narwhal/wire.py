@@ -6,16 +6,20 @@ from typing import Any
 
 import msgspec
 
+from narwhal.errors import NarwhalError
+
 __all__ = [
     "AttestRequest",
     "AttestResponse",
     "EngineIdentity",
     "ErrorBody",
     "ErrorDetail",
+    "HandoffRejected",
     "KVTransferParams",
     "PREFILL_KV_REQUEST",
     "error_json",
     "extract_handoff",
+    "read_handoff",
 ]
 
 # What a prefill request carries: "keep the KV for a remote decode" (vLLM's P/D flow).
@@ -79,20 +83,58 @@ def error_json(message: str, type_: str, code: str | int | None = None) -> bytes
 _decode_json = msgspec.json.Decoder()
 
 
-def extract_handoff(raw: bytes) -> dict[str, Any] | None:
-    """A prefill response's kv_transfer_params, validated, as the dict to forward verbatim.
+# Default for engine.max_handoff_bytes; nesting deeper than this is no handoff any connector sends.
+DEFAULT_MAX_HANDOFF_BYTES = 1024 * 1024
+MAX_HANDOFF_DEPTH = 16
 
-    None when the body is not JSON or the handoff is missing or unreadable.
+
+class HandoffRejected(NarwhalError, ValueError):
+    """A prefill's kv_transfer_params that must not reach a decode engine; the message says why."""
+
+
+def read_handoff(raw: bytes, *, max_bytes: int = DEFAULT_MAX_HANDOFF_BYTES) -> dict[str, Any]:
+    """A prefill response's kv_transfer_params, validated and bounded, as the dict to forward verbatim.
+
+    Raises ``HandoffRejected`` when the body is not JSON, nests too deep, or the
+    handoff is missing, malformed, over ``max_bytes`` of JSON, or over
+    ``MAX_HANDOFF_DEPTH`` levels deep: the prefill's fault, found before decode sees it.
     """
     try:
         response = _decode_json.decode(raw)
     except msgspec.DecodeError:
-        return None
+        raise HandoffRejected("prefill response is not JSON") from None
+    except RecursionError:
+        raise HandoffRejected("prefill response nests too deep") from None
     kv = response.get("kv_transfer_params") if isinstance(response, dict) else None
     if not isinstance(kv, dict):
-        return None
+        raise HandoffRejected("prefill response carries no kv_transfer_params object")
     try:
         msgspec.convert(kv, KVTransferParams)
-    except msgspec.ValidationError:
-        return None
+    except msgspec.ValidationError as exc:
+        raise HandoffRejected(f"kv_transfer_params: {exc}") from None
+    # The raw body bounds the handoff's JSON size from above: re-encode only a big one.
+    if len(raw) > max_bytes:
+        size = len(_encoder.encode(kv))
+        if size > max_bytes:
+            raise HandoffRejected(f"kv_transfer_params is {size} bytes, over the {max_bytes} byte bound "
+                                  "(engine.max_handoff_bytes)")
+    if raw.count(b"[") + raw.count(b"{") > MAX_HANDOFF_DEPTH and _too_deep(kv, MAX_HANDOFF_DEPTH):
+        raise HandoffRejected(f"kv_transfer_params nests deeper than {MAX_HANDOFF_DEPTH} levels")
     return kv
+
+
+def _too_deep(value: Any, levels_left: int) -> bool:
+    if not isinstance(value, (dict, list)):
+        return False
+    if levels_left <= 0:
+        return True
+    items = value.values() if isinstance(value, dict) else value
+    return any(_too_deep(item, levels_left - 1) for item in items if isinstance(item, (dict, list)))
+
+
+def extract_handoff(raw: bytes, *, max_bytes: int = DEFAULT_MAX_HANDOFF_BYTES) -> dict[str, Any] | None:
+    """As ``read_handoff``, but None instead of the reason."""
+    try:
+        return read_handoff(raw, max_bytes=max_bytes)
+    except HandoffRejected:
+        return None

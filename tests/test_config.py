@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from narwhal.config import Config, ConfigError, load_config, parse_config
+from narwhal.config import Config, ConfigError, default_handoff_path, load_config, parse_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -127,3 +127,31 @@ def test_serve_exits_nonzero_with_one_line_and_no_traceback(tmp_path, text, expe
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("narwhal: config error: ")
     assert expected in lines[0]
+
+
+# ----- [handoff] path (issue 10, rule 7) -----
+
+def test_the_default_handoff_path_is_in_the_xdg_state_directory() -> None:
+    assert default_handoff_path({"XDG_STATE_HOME": "/var/lib/me", "HOME": "/home/me"}) == Path(
+        "/var/lib/me/narwhal/narwhal-handoff.json")
+
+
+@pytest.mark.parametrize("state", [None, "", "relative/state"])
+def test_without_a_usable_xdg_state_home_the_handoff_goes_under_home(state: str | None) -> None:
+    env = {"HOME": "/home/me"} if state is None else {"HOME": "/home/me", "XDG_STATE_HOME": state}
+    assert default_handoff_path(env) == Path("/home/me/.local/state/narwhal/narwhal-handoff.json")
+
+
+def test_the_handoff_path_is_never_relative_to_the_working_directory(tmp_path: Path) -> None:
+    config = parse_config(GOOD)
+    assert config.handoff.path is None
+    assert config.handoff_path(env={"XDG_STATE_HOME": str(tmp_path)}) == tmp_path / "narwhal" / "narwhal-handoff.json"
+    named = parse_config(GOOD + '\n[handoff]\npath = "state/h.json"\n')
+    assert named.handoff_path(Path("/etc/narwhal")) == Path("/etc/narwhal/state/h.json")
+    absolute = parse_config(GOOD + '\n[handoff]\npath = "/srv/h.json"\n')
+    assert absolute.handoff_path(Path("/etc/narwhal")) == Path("/srv/h.json")
+
+
+def test_an_empty_handoff_path_is_a_config_error_naming_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"^<config>: handoff: path must not be empty"):
+        parse_config(GOOD + '\n[handoff]\npath = ""\n')

@@ -8,6 +8,7 @@ import pytest
 
 from narwhal.errors import FailureClass, SuccessKind
 from narwhal.fleet import (
+    DRAIN_HOLDS,
     EVIDENCE_CLEARED,
     FAILURE_ACTIONS,
     LIVENESS,
@@ -18,6 +19,7 @@ from narwhal.fleet import (
     FleetEventKind,
     HoldKind,
 )
+from narwhal.fleet.tables import PROBE_LEG_INCONCLUSIVE, PROBE_PARTNER_HOLDS
 
 ENGINES = [("p1", "prefill"), ("p2", "prefill"), ("d1", "decode"), ("d2", "decode")]
 NOW = 100.0
@@ -250,3 +252,30 @@ def test_the_quarantine_cause_survives_a_snapshot_and_restore() -> None:
     assert quarantine_cause(restored, "d1", NOW + 1) == FailureClass.INFERENCE_STATUS
     restored.record_success("d1", SuccessKind.HEALTH_200, NOW + 2)
     assert not restored.readmission_allowed("d1", NOW + 2)
+
+
+# ---------- probe legs and partners (issue 10, rules 2 and 3) ----------
+
+def test_overload_and_timeout_make_a_probe_leg_inconclusive_and_nothing_else_does() -> None:
+    # "A 408 or 429 (overload) or a control-pool timeout on a verification-probe leg makes
+    # the leg inconclusive": every other class fails the leg.
+    assert PROBE_LEG_INCONCLUSIVE == {"overload", "timeout"}
+
+
+def test_a_probe_may_pair_with_peers_held_by_these_holds_only() -> None:
+    assert PROBE_PARTNER_HOLDS == {"inference_verification", "failure_quarantine", "performance_drift"}
+    assert not PROBE_PARTNER_HOLDS & DRAIN_HOLDS
+
+
+def test_probe_partners_prefer_eligible_engines_then_the_longest_held() -> None:
+    fleet = Fleet(ENGINES, eject_after=1, liveness_misses=2, failure_quarantine_s=None, probe_interval_s=5.0)
+    assert fleet.probe_partners("prefill", NOW, exclude="d1") == ["p1", "p2"]
+    fleet.add_hold("p2", HoldKind.INFERENCE_VERIFICATION, "suspect", NOW)
+    fleet.add_hold("p1", HoldKind.INFERENCE_VERIFICATION, "suspect", NOW + 1)
+    # No prefill engine is eligible: the held ones, longest held first; never the suspect itself.
+    assert fleet.eligible("prefill", NOW + 2) == []
+    assert fleet.probe_partners("prefill", NOW + 2, exclude="d1") == ["p2", "p1"]
+    assert fleet.probe_partners("prefill", NOW + 2, exclude="p2") == ["p1"]
+    fleet.add_hold("p2", HoldKind.OPERATOR_DRAIN, "operator", NOW + 2)
+    fleet.eject("p1", "dead", NOW + 2)
+    assert fleet.probe_partners("prefill", NOW + 3, exclude="d1") == []

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import ssl
 from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 import trio
+import trustme
 from quart import request as quart_request
 from quart_trio import QuartTrio
 
@@ -65,14 +67,14 @@ def make_app(events: list[str]) -> QuartTrio:
 
 
 @contextlib.asynccontextmanager
-async def served(app: QuartTrio) -> AsyncIterator[int]:
+async def served(app: QuartTrio, ssl_context: ssl.SSLContext | None = None) -> AsyncIterator[int]:
     async with ASGILifespan(app), trio.open_nursery() as nursery:
         server_address = ("127.0.0.1", 0)
 
         async def handler(request: Request, responder: Responder) -> None:
             await call_asgi(app, request, responder, server=server_address)
 
-        server = HTTPServer(handler)
+        server = HTTPServer(handler, ssl_context=ssl_context)
         port = await nursery.start(server.serve, "127.0.0.1", 0)
         server_address = ("127.0.0.1", port)
         yield port
@@ -124,6 +126,22 @@ async def test_scope_carries_the_request() -> None:
         "root_path": "",
         "server": ["127.0.0.1", port],
     }
+
+
+async def test_responses_over_tls_are_not_cut_by_quarts_disconnect_watch() -> None:
+    # A TLS write yields; saying "disconnect" before it returned let quart-trio
+    # cancel its own send and the client waited forever for the response.
+    ca = trustme.CA()
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_context)
+    client_context = ssl.create_default_context()
+    ca.configure_trust(client_context)
+    async with served(make_app([]), server_context) as port, \
+            httpx.AsyncClient(verify=client_context, timeout=5.0) as client:
+        for _ in range(20):
+            response = await client.get(f"https://127.0.0.1:{port}/scope")
+            assert response.status_code == 200
+            assert response.json()["scheme"] == "https"
 
 
 async def test_lifespan_runs_before_and_after_serving_hooks() -> None:

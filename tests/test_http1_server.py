@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import socket
 import struct
 from collections.abc import AsyncIterator
@@ -15,6 +16,7 @@ import httpx
 import pytest
 import trio
 
+from narwhal.http1 import server as server_module
 from narwhal.http1.server import ClientDisconnected, HTTPServer, Request, Responder, ServerStatistics
 
 JSON = [(b"content-type", b"application/json")]
@@ -149,12 +151,10 @@ async def test_chunked_request_body_is_dechunked() -> None:
 
 async def test_stream_is_chunked_with_one_socket_write_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
     sends: list[bytes] = []
-    original_send_all = trio.SocketStream.send_all
 
-    async def counting_send_all(self: trio.SocketStream, data: bytes) -> None:
-        if self is not client.stream:  # count the server's writes only
-            sends.append(bytes(data))
-        await original_send_all(self, data)
+    def counting_write(fd: int, data: bytes) -> int:
+        sends.append(bytes(data))
+        return os.write(fd, data)
 
     async def stream(request: Request, responder: Responder) -> None:
         await responder.start_stream(200, [(b"content-type", b"text/event-stream")], b"data: 1\n\n")
@@ -163,7 +163,7 @@ async def test_stream_is_chunked_with_one_socket_write_per_call(monkeypatch: pyt
         await responder.end_stream(b"data: [DONE]\n\n")
 
     async with running(stream) as (_server, port), raw_client(port) as client:
-        monkeypatch.setattr(trio.SocketStream, "send_all", counting_send_all)
+        monkeypatch.setattr(server_module, "_write", counting_write)
         await client.send(b"POST /s HTTP/1.1\r\nHost: x\r\n\r\n")
         (response,) = await client.responses_complete(1)
         monkeypatch.undo()
@@ -173,6 +173,53 @@ async def test_stream_is_chunked_with_one_socket_write_per_call(monkeypatch: pyt
     assert sends[0].endswith(b"\r\n\r\n9\r\ndata: 1\n\n\r\n")
     assert sends[1] == b"9\r\ndata: 2\n\n\r\n"
     assert sends[2] == b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"
+
+
+async def test_whole_stream_in_one_write_with_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    sends: list[bytes] = []
+
+    def counting_write(fd: int, data: bytes) -> int:
+        sends.append(bytes(data))
+        return os.write(fd, data)
+
+    async def stream(request: Request, responder: Responder) -> None:
+        await responder.start_stream(200, [], b"data: [DONE]\n\n", end=True)
+        assert responder.finished
+
+    async with running(stream) as (_server, port), raw_client(port) as client:
+        monkeypatch.setattr(server_module, "_write", counting_write)
+        await client.send(b"POST /s HTTP/1.1\r\nHost: x\r\n\r\n")
+        (response,) = await client.responses_complete(1)
+        monkeypatch.undo()
+    assert response.body == b"data: [DONE]\n\n"
+    assert len(sends) == 1 and sends[0].endswith(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
+
+
+async def test_a_partial_non_blocking_write_finishes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The kernel takes only part of a write (a full socket buffer): the rest must still go out, in order.
+    calls: list[int] = []
+
+    def short_write(fd: int, data: bytes) -> int:
+        calls.append(len(data))
+        if len(calls) == 2:
+            raise BlockingIOError
+        return os.write(fd, bytes(data[:7]))
+
+    body = b"x" * 5000
+
+    async def stream(request: Request, responder: Responder) -> None:
+        await responder.start_stream(200, [], body[:2500])
+        await responder.end_stream(body[2500:])
+
+    async with running(stream) as (_server, port), raw_client(port) as client:
+        monkeypatch.setattr(server_module, "_write", short_write)
+        await client.send(b"POST /s HTTP/1.1\r\nHost: x\r\n\r\n")
+        with trio.fail_after(5):
+            (response,) = await client.responses_complete(1)
+        monkeypatch.undo()
+    assert response.body == body
+    # One write for each send (the first partial, the second refused); trio's send_all sent the rest.
+    assert len(calls) == 2
 
 
 async def test_http10_stream_is_unframed_and_closes() -> None:
@@ -454,7 +501,7 @@ async def test_client_reset_cancels_the_handler() -> None:
     assert events == ["cancelled", "write raised ClientDisconnected"]
 
 
-async def test_eof_is_noticed_while_pipelined_requests_are_queued() -> None:
+async def test_eof_is_noticed_while_pipelined_requests_are_queued_when_half_close_is_off() -> None:
     cancelled = trio.Event()
     paths: list[str] = []
 
@@ -465,7 +512,7 @@ async def test_eof_is_noticed_while_pipelined_requests_are_queued() -> None:
         finally:
             cancelled.set()
 
-    async with running(handler) as (_server, port):
+    async with running(handler, half_close=False) as (_server, port):
         stream = await trio.open_tcp_stream("127.0.0.1", port)
         await stream.send_all(b"".join(b"GET /%d HTTP/1.1\r\nHost: x\r\n\r\n" % i for i in range(4)))
         await trio.sleep(0.05)

@@ -250,6 +250,19 @@ async def test_plain_request_is_served_like_a_normal_engine() -> None:
     assert mock.stats.plain == 1 and mock.stats.prefill == 0
 
 
+async def test_per_event_writes_put_every_event_in_a_write_of_its_own() -> None:
+    mock = engine(sse_writes="per-event")
+    answer = await call(mock, "POST", "/v1/completions",
+                        completion(DECODE_KV, max_tokens=3, stream=True, stream_options={"include_usage": True}))
+    # The head alone, three tokens, the usage event, [DONE], then the bare terminator, as vLLM writes them.
+    parts = [data for _, data in answer.writes]
+    assert parts[0] == b"" and parts[-1] == b""
+    events = parts[1:-1]
+    assert len(events) == 5 and all(e.startswith(b"data: ") and e.count(b"\n\n") == 1 and e.endswith(b"\n\n")
+                                     for e in events)
+    assert events[-1] == b"data: [DONE]\n\n" and answer.events()[-1] == "[DONE]" and answer.ended
+
+
 async def test_token_delay_paces_one_write_per_token(autojump_clock: Any) -> None:
     mock = engine(token_delay_s=0.25)
     answer = await call(mock, "POST", "/v1/completions", completion(DECODE_KV, max_tokens=3, stream=True))
@@ -611,3 +624,17 @@ def test_main_rejects_a_bad_fault_before_binding(capsys: pytest.CaptureFixture[s
     with pytest.raises(SystemExit) as exited:
         main(["--role", "decode", "--fault", "status_500:count=0"])
     assert exited.value.code == 2 and "count must be >= 1" in capsys.readouterr().err
+
+
+def test_first_n_of_one_fault_then_another_is_two_faults_set_in_order() -> None:
+    # "500 three times, then 429 until cleared" (docs/mock-engine.md; issue 10's overload test).
+    table = FaultTable()
+    table.add(table.validate(parse_fault_spec("status_500:count=3,legs=decode")))
+    table.add(table.validate(parse_fault_spec("status_429:legs=decode")))
+    seen = []
+    for _ in range(6):
+        terminal = table.take(Operation.DECODE, streamed=True).terminal
+        assert terminal is not None
+        seen.append(terminal.mode)
+    assert seen == [Mode.STATUS_5XX] * 3 + [Mode.STATUS_429] * 3
+    assert table.take(Operation.HEALTH).terminal is None

@@ -17,6 +17,8 @@ from trio.testing import MockClock
 from narwhal.control.monitor import RUNS_AFTER, STAGE_NAMES, STAGE_TIMEOUT_CLASS, Monitor, StageError
 from narwhal.fleet.admission import Admission
 from narwhal.obs.router_metrics import RouterMetrics
+from tests.test_request_core import SSE, Sink, make_core
+from tests.test_request_core import body as request_body
 
 STAGE_TIMEOUT_S = 2.0
 INTERVAL_S = 1.0
@@ -312,21 +314,29 @@ async def test_recovery_before_the_limit_is_logged_without_reopening(
 
 
 async def test_work_admitted_before_degrading_runs_to_completion(autojump_clock: MockClock) -> None:
-    # "Existing requests continue to completion": degrading only closes admission
-    # (checked on arrival by the request path); it cancels nothing already running.
-    admission = Admission()
+    # "Existing requests continue to completion": a real request core shares the
+    # monitor's admission. A stream admitted before the monitor degrades keeps
+    # streaming to its end; a request arriving after gets 503. If degrading cut
+    # admitted work (or the core re-checked admission mid-request), the first
+    # stream would end early or without [DONE].
+    core, _, pool, admission = make_core()
     monitor = make_monitor(all_stages(health=FakeStage("health", fail_on={1})), limit=1, admission=admission)
-    finished_at: list[float] = []
-
-    async def request_in_flight() -> None:
-        await trio.sleep(3.0)
-        finished_at.append(trio.current_time())
-
+    resume = trio.Event()
+    pool.decode.append([SSE[0], resume, SSE[1]])
+    admitted, late = Sink(), Sink()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(request_in_flight)
+        nursery.start_soon(core.handle, "/v1/completions", request_body(stream=True), None, admitted)
+        await trio.sleep(1.0)
+        assert admitted.started and admitted.writes == [SSE[0]]     # mid-stream
         await monitor.run_pass()
         assert admission.reason() == "monitoring degraded: health RuntimeError"
-    assert finished_at == [3.0]
+        await core.handle("/v1/completions", request_body(stream=True), None, late)
+        assert late.status == 503 and "monitoring degraded" in late.json()["error"]["message"]
+        await trio.sleep(2.0)
+        resume.set()
+    assert admitted.status == 200 and admitted.ended
+    assert b"".join(admitted.writes) == b"".join(SSE)
+    assert core.in_flight.total() == 0
 
 
 # -- "Restarting the router starts with fresh monitor-failure counters." -----------------

@@ -181,6 +181,7 @@ async def test_control_calls_go_through_while_the_data_pool_is_full(nursery):
     engine = EngineSpec(name="e1", url=f"http://127.0.0.1:{port}", role="decode")
     config = EngineConfig(stream_silence_s=30.0, health_timeout_s=1.0)
     data_pool = DataPool(max_connections=2, engine_config=config)
+    await nursery.start(data_pool.run)
     control_pool = ControlPool(control_connections=1, engine_config=config)
     held = trio.Semaphore(0)
 

@@ -115,11 +115,12 @@ async def serve(nursery: trio.Nursery) -> Callable[[Respond], Awaitable[FakeEngi
 
 
 @pytest.fixture
-async def make_pool():
+async def make_pool(nursery: trio.Nursery):
     pools: list[DataPool] = []
 
-    def make(config: EngineConfig = FAST, max_connections: int = 8) -> DataPool:
+    async def make(config: EngineConfig = FAST, max_connections: int = 8) -> DataPool:
         pool = DataPool(max_connections=max_connections, engine_config=config)
+        await nursery.start(pool.run)
         pools.append(pool)
         return pool
     yield make
@@ -152,7 +153,7 @@ async def post(pool: DataPool, engine: FakeEngine) -> tuple[int, bytes]:
 
 async def test_sequential_requests_share_one_connection(serve, make_pool):
     engine = await serve(ok_json)
-    pool = make_pool()
+    pool = await make_pool()
     for _ in range(5):
         assert await post(pool, engine) == (200, b'{"ok": true}')
     assert engine.connections == 1
@@ -167,7 +168,7 @@ async def test_sequential_requests_share_one_connection(serve, make_pool):
 
 async def test_connection_idle_longer_than_idle_s_is_not_reused(serve, make_pool):
     engine = await serve(ok_json)
-    pool = make_pool(msgspec.structs.replace(FAST, pool_idle_s=0.05))
+    pool = await make_pool(msgspec.structs.replace(FAST, pool_idle_s=0.05))
     await post(pool, engine)
     await trio.sleep(0.1)
     await post(pool, engine)
@@ -180,7 +181,7 @@ async def test_connection_close_response_is_not_pooled(serve, make_pool):
         await stream.send_all(response(200, b"{}", close=True))
         return False
     engine = await serve(respond)
-    pool = make_pool()
+    pool = await make_pool()
     await post(pool, engine)
     assert pool.statistics().idle_connections == 0
     await post(pool, engine)
@@ -194,7 +195,7 @@ async def test_engine_closing_an_idle_connection_costs_a_fresh_connection(serve,
         await stream.send_all(response(200, b"{}"))
         return False  # close the keep-alive connection right after answering
     engine = await serve(respond)
-    pool = make_pool()
+    pool = await make_pool()
     await post(pool, engine)
     await trio.sleep(0.02)
     assert await post(pool, engine) == (200, b"{}")
@@ -208,7 +209,7 @@ async def test_reused_connection_closed_before_any_response_byte_is_retried_once
         await stream.send_all(response(200, b"{}"))
         return True
     engine = await serve(respond)
-    pool = make_pool()
+    pool = await make_pool()
     await post(pool, engine)
     assert await post(pool, engine) == (200, b"{}")
     assert engine.connections == 2
@@ -226,7 +227,7 @@ async def test_the_retry_happens_once(serve, make_pool):
         await stream.send_all(response(200, b"{}"))
         return True
     engine = await serve(respond)
-    pool = make_pool()
+    pool = await make_pool()
     await post(pool, engine)
     with pytest.raises(EngineFailure) as caught:
         await post(pool, engine)
@@ -242,7 +243,7 @@ async def test_failure_after_response_bytes_is_not_retried(serve, make_pool):
         await stream.send_all(response(200, b"{}"))
         return True
     engine = await serve(respond)
-    pool = make_pool()
+    pool = await make_pool()
     await post(pool, engine)
     with pytest.raises(EngineFailure) as caught:
         await post(pool, engine)
@@ -254,7 +255,7 @@ async def test_fresh_connection_closed_before_any_response_byte_is_a_connection_
     async def respond(request, stream, index):
         return False
     engine = await serve(respond)
-    pool = make_pool()
+    pool = await make_pool()
     with pytest.raises(EngineFailure) as caught:
         await post(pool, engine)
     assert caught.value.failure_class is FailureClass.CONNECTION
@@ -268,7 +269,7 @@ async def test_refused_port_is_a_connection_failure(make_pool):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     spec = EngineSpec(name="gone", url=f"http://127.0.0.1:{port}", role="prefill")
-    pool = make_pool()
+    pool = await make_pool()
     with pytest.raises(EngineFailure) as caught:
         await pool.post_json(spec, "/tokenize", b"{}", request_id="r1")
     failure = caught.value
@@ -281,7 +282,7 @@ async def test_engine_that_never_answers_is_a_timeout(serve, make_pool):
     async def respond(request, stream, index):
         await trio.sleep_forever()
     engine = await serve(respond)
-    pool = make_pool(msgspec.structs.replace(FAST, request_timeout_s=0.2))
+    pool = await make_pool(msgspec.structs.replace(FAST, request_timeout_s=0.2))
     started = trio.current_time()
     with pytest.raises(EngineFailure) as caught:
         await post(pool, engine)
@@ -301,7 +302,7 @@ async def test_error_statuses_are_classified(serve, make_pool, status, failure_c
         await stream.send_all(response(status, b'{"error": "busy"}'))
         return True
     engine = await serve(respond)
-    pool = make_pool()
+    pool = await make_pool()
     with pytest.raises(EngineFailure) as caught:
         await post(pool, engine)
     assert (caught.value.failure_class, caught.value.status) == (failure_class, status)
@@ -315,7 +316,7 @@ async def test_client_error_statuses_raise_upstream_client_error_with_body(serve
         await stream.send_all(response(status, b'{"error": {"message": "bad prompt"}}'))
         return True
     engine = await serve(respond)
-    pool = make_pool()
+    pool = await make_pool()
     with pytest.raises(UpstreamClientError) as caught:
         await post(pool, engine)
     assert (caught.value.engine, caught.value.status) == ("e1", status)
@@ -328,7 +329,7 @@ async def test_malformed_response_is_a_stream_failure(serve, make_pool):
         return False
     engine = await serve(respond)
     with pytest.raises(EngineFailure) as caught:
-        await post(make_pool(), engine)
+        await post(await make_pool(), engine)
     assert caught.value.failure_class is FailureClass.STREAM
 
 
@@ -348,7 +349,7 @@ async def test_clean_stream_yields_every_byte_and_returns_its_connection(serve, 
     async def pause():
         await trio.sleep(0.01)
     engine = await serve(sse(*EVENTS[:2], then=pause, end=chunk(EVENTS[2]) + LAST_CHUNK))
-    pool = make_pool()
+    pool = await make_pool()
     items, saw_terminal = await collect(pool, engine)
     assert b"".join(items) == b"".join(EVENTS)
     assert saw_terminal
@@ -362,7 +363,7 @@ async def test_stream_cut_off_after_the_terminal_marker_still_ends_cleanly(serve
         await stream.send_all(SSE_HEAD + b"".join(chunk(event) for event in EVENTS))
         return False  # no chunked terminator
     engine = await serve(respond)
-    pool = make_pool()
+    pool = await make_pool()
     items, saw_terminal = await collect(pool, engine)
     assert saw_terminal and b"".join(items) == b"".join(EVENTS)
     assert pool.statistics().idle_connections == 0
@@ -370,7 +371,7 @@ async def test_stream_cut_off_after_the_terminal_marker_still_ends_cleanly(serve
 
 async def test_no_first_token_before_the_deadline_is_a_stream_failure(serve, make_pool):
     engine = await serve(sse(then=trio.sleep_forever))
-    pool = make_pool(msgspec.structs.replace(FAST, first_token_deadline_s=0.2))
+    pool = await make_pool(msgspec.structs.replace(FAST, first_token_deadline_s=0.2))
     started = trio.current_time()
     with pytest.raises(EngineFailure) as caught:
         await collect(pool, engine)
@@ -383,7 +384,7 @@ async def test_first_token_deadline_covers_a_missing_response_head(serve, make_p
     async def respond(request, stream, index):
         await trio.sleep_forever()
     engine = await serve(respond)
-    pool = make_pool(msgspec.structs.replace(FAST, first_token_deadline_s=0.2, request_timeout_s=5.0))
+    pool = await make_pool(msgspec.structs.replace(FAST, first_token_deadline_s=0.2, request_timeout_s=5.0))
     with pytest.raises(EngineFailure) as caught:
         await collect(pool, engine)
     assert caught.value.failure_class is FailureClass.STREAM
@@ -392,7 +393,7 @@ async def test_first_token_deadline_covers_a_missing_response_head(serve, make_p
 
 async def test_silence_mid_stream_is_a_stream_failure(serve, make_pool):
     engine = await serve(sse(EVENTS[0], then=trio.sleep_forever))
-    pool = make_pool(msgspec.structs.replace(FAST, stream_silence_s=0.2))
+    pool = await make_pool(msgspec.structs.replace(FAST, stream_silence_s=0.2))
     items = []
     with pytest.raises(EngineFailure) as caught:
         async with pool.stream(engine.spec, "/v1/completions", b"{}", request_id="r3") as upstream:
@@ -405,7 +406,7 @@ async def test_silence_mid_stream_is_a_stream_failure(serve, make_pool):
 
 async def test_stream_ending_without_done_is_a_stream_failure(serve, make_pool):
     engine = await serve(sse(*EVENTS[:2]))
-    pool = make_pool()
+    pool = await make_pool()
     items = []
     with pytest.raises(EngineFailure) as caught:
         async with pool.stream(engine.spec, "/v1/completions", b"{}", request_id="r4") as upstream:
@@ -420,14 +421,14 @@ async def test_stream_ending_without_done_is_a_stream_failure(serve, make_pool):
 async def test_events_after_done_make_the_ending_invalid(serve, make_pool):
     engine = await serve(sse(*EVENTS, b'data: {"text": "late"}\n\n'))
     with pytest.raises(EngineFailure) as caught:
-        await collect(make_pool(), engine)
+        await collect(await make_pool(), engine)
     assert caught.value.failure_class is FailureClass.STREAM
 
 
 async def test_body_that_is_not_sse_is_a_stream_failure(serve, make_pool):
     engine = await serve(sse(b"<html>upstream proxy error</html>\n\n"))
     with pytest.raises(EngineFailure) as caught:
-        await collect(make_pool(), engine)
+        await collect(await make_pool(), engine)
     assert caught.value.failure_class is FailureClass.STREAM
     assert "not a server-sent event stream" in caught.value.message
 
@@ -435,7 +436,7 @@ async def test_body_that_is_not_sse_is_a_stream_failure(serve, make_pool):
 async def test_stream_with_another_content_type_is_a_stream_failure(serve, make_pool):
     engine = await serve(ok_json)
     with pytest.raises(EngineFailure) as caught:
-        await collect(make_pool(), engine)
+        await collect(await make_pool(), engine)
     assert caught.value.failure_class is FailureClass.STREAM
 
 
@@ -446,7 +447,7 @@ async def test_stream_error_status_raises_on_entering(serve, make_pool, status, 
         return True
     engine = await serve(respond)
     with pytest.raises(expected) as caught:
-        await collect(make_pool(), engine)
+        await collect(await make_pool(), engine)
     assert caught.value.status == status
 
 
@@ -457,7 +458,7 @@ async def one_event_then_listen(request: FakeRequest, stream: trio.SocketStream,
 
 async def test_leaving_a_stream_early_closes_its_connection(serve, make_pool):
     engine = await serve(one_event_then_listen)
-    pool = make_pool()
+    pool = await make_pool()
     async with pool.stream(engine.spec, "/v1/completions", b"{}", request_id="r5") as upstream:
         assert await upstream.__anext__() == EVENTS[0]
     with trio.fail_after(1):
@@ -468,7 +469,7 @@ async def test_leaving_a_stream_early_closes_its_connection(serve, make_pool):
 
 async def test_cancelling_a_stream_closes_its_connection(serve, make_pool):
     engine = await serve(one_event_then_listen)
-    pool = make_pool()
+    pool = await make_pool()
     with trio.move_on_after(0.1):
         await collect(pool, engine)
     with trio.fail_after(1):
@@ -480,7 +481,7 @@ async def test_cancelling_a_stream_closes_its_connection(serve, make_pool):
 
 async def test_waiting_for_a_slot_past_the_callers_deadline_is_pool_saturated(serve, make_pool, nursery):
     engine = await serve(sse(EVENTS[0], then=trio.sleep_forever))
-    pool = make_pool(msgspec.structs.replace(FAST, stream_silence_s=30.0), max_connections=1)
+    pool = await make_pool(msgspec.structs.replace(FAST, stream_silence_s=30.0), max_connections=1)
     holding = trio.Event()
     holder = trio.CancelScope()
 
@@ -504,3 +505,101 @@ async def test_waiting_for_a_slot_past_the_callers_deadline_is_pool_saturated(se
         while pool.statistics().in_use:
             await trio.sleep(0.01)
     assert pool.statistics().in_use == 0
+
+
+# the relay loop: watchdog deadlines, reads that never block ------------------------
+
+async def test_silence_deadline_fires_from_the_watchdog_tick(serve, make_pool, autojump_clock):
+    engine = await serve(sse(EVENTS[0], then=trio.sleep_forever))
+    pool = await make_pool(msgspec.structs.replace(FAST, stream_silence_s=10.0, first_token_deadline_s=20.0,
+                                                   request_timeout_s=60.0))
+    assert pool.watchdog_tick_s == 0.5  # a twentieth of the smallest deadline
+    items = []
+    with pytest.raises(EngineFailure) as caught:
+        async with pool.stream(engine.spec, "/v1/completions", b"{}", request_id="w1") as upstream:
+            items.append(await upstream.read())
+            silent_from = trio.current_time()
+            items.append(await upstream.read())
+    waited = trio.current_time() - silent_from
+    assert items == [EVENTS[0]]
+    assert caught.value.failure_class is FailureClass.STREAM and "silent for more than 10 s" in caught.value.message
+    # No scope per read: the watchdog's tick cancels the stream at most one tick late.
+    assert 10.0 <= waited <= 10.5 + 1e-6
+    assert pool.statistics().in_use == 0
+
+
+async def test_first_token_deadline_fires_from_the_watchdog_tick(serve, make_pool, autojump_clock):
+    engine = await serve(sse(then=trio.sleep_forever))
+    pool = await make_pool(msgspec.structs.replace(FAST, stream_silence_s=30.0, first_token_deadline_s=4.0,
+                                                   request_timeout_s=60.0))
+    started = trio.current_time()
+    with pytest.raises(EngineFailure) as caught:
+        await collect(pool, engine)
+    assert caught.value.failure_class is FailureClass.STREAM and "first token" in caught.value.message
+    assert 4.0 <= trio.current_time() - started <= 4.0 + pool.watchdog_tick_s + 1e-6
+
+
+async def test_a_slow_client_holding_up_the_relay_is_not_engine_silence(serve, make_pool, autojump_clock):
+    async def pause():
+        await trio.sleep(0.5)
+    engine = await serve(sse(EVENTS[0], then=pause, end=chunk(EVENTS[1]) + chunk(EVENTS[2]) + LAST_CHUNK))
+    pool = await make_pool(msgspec.structs.replace(FAST, stream_silence_s=1.0, first_token_deadline_s=1.0,
+                                                   request_timeout_s=60.0))
+    items = []
+    async with pool.stream(engine.spec, "/v1/completions", b"{}", request_id="w2") as upstream:
+        items.append(await upstream.read())
+        # The relay is busy elsewhere (a client that reads slowly) for 10 silence periods: the engine
+        # answered meanwhile, so nothing may fail.
+        await trio.sleep(10.0)
+        while item := await upstream.read():
+            items.append(item)
+    assert b"".join(items) == b"".join(EVENTS) and upstream.saw_terminal
+
+
+async def test_a_relay_whose_reads_never_block_still_lets_other_tasks_run(serve, make_pool, monkeypatch):
+    from narwhal.http1 import client as client_module
+
+    # Reads of a full buffer never wait for readability; make a full buffer small and endless for one socket.
+    size = 256
+    monkeypatch.setattr(client_module, "_READ_SIZE", size)
+    payload = b"data: " + b"x" * (size - 6 - 6 - 2) + b"\n\n"  # chunk framing "fa\r\n...\r\n" is 6 bytes
+    flood = chunk(payload)
+    assert len(flood) == size
+    flooded: set[int] = set()
+    real_read = client_module._read
+
+    def read(fd: int, n: int) -> bytes:
+        return flood if fd in flooded else real_read(fd, n)
+    monkeypatch.setattr(client_module, "_read", read)
+
+    flooding = trio.Event()
+    other_done = trio.Event()
+    engine = await serve(sse(EVENTS[0], then=trio.sleep_forever))
+    other_engine = await serve(sse(*EVENTS))
+    pool = await make_pool(msgspec.structs.replace(FAST, stream_silence_s=30.0, first_token_deadline_s=30.0))
+    reads = 0
+    limit = 3000
+
+    async def flooded_relay() -> None:
+        nonlocal reads
+        async with pool.stream(engine.spec, "/v1/completions", b"{}", request_id="flood") as upstream:
+            assert await upstream.read() == EVENTS[0]
+            flooded.add(upstream._conn._fd)
+            upstream._conn._drained = False  # as if that first read had filled the buffer
+            flooding.set()
+            # Bounded: without its periodic checkpoint this loop would starve the other stream to the limit.
+            while not other_done.is_set() and reads < limit:
+                assert await upstream.read() == payload
+                reads += 1
+
+    async def other_stream() -> None:
+        await flooding.wait()
+        items, saw_terminal = await collect(pool, other_engine)
+        assert saw_terminal and b"".join(items) == b"".join(EVENTS)
+        other_done.set()
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(flooded_relay)
+            nursery.start_soon(other_stream)
+    assert other_done.is_set() and 0 < reads < limit

@@ -56,6 +56,8 @@ class FakeEngine:
         self.nonce_suffix = ""
         self.attest_engine_id: str | None = None
         self.identity_status = 200
+        # An OpenAI-style 503 from /narwhal/identity with this message (the vLLM plugin's "not configured").
+        self.identity_error: str | None = None
         self.calls: list[tuple[str, str]] = []
         self.health_times: list[float] = []
         self.running = 0
@@ -81,6 +83,9 @@ class FakeEngine:
             status = self.health.pop(0) if len(self.health) > 1 else self.health[0]
             return httpx.Response(status)
         if path == "/narwhal/identity":
+            if self.identity_error is not None:
+                return httpx.Response(503, json={"error": {"message": self.identity_error,
+                                                           "type": "ServiceUnavailable", "code": 503}})
             if self.identity_status != 200:
                 return httpx.Response(self.identity_status)
             return httpx.Response(200, json={
@@ -170,9 +175,9 @@ async def test_every_check_passing_returns_an_ejected_engine_to_placement(
     assert event["engine"] == "d1" and event["outcome"] == "readmitted" and event["check"] is None
     assert event["operator"] is True
     assert world.count("d1", "readmitted", "none") == 1
-    extras = world.readmitter.engine_extras("d1")
-    assert extras["last_readmission"]["outcome"] == "readmitted"
-    assert extras["last_readmission"]["at"] == world.wall()
+    last = world.readmitter.admin_state("d1").last_readmission
+    assert last is not None and last.outcome == "readmitted"
+    assert last.at == world.wall()
 
 
 def _health_first(e: FakeEngine) -> None:
@@ -268,8 +273,21 @@ async def test_each_check_failing_alone_keeps_the_engine_out_with_its_reason(
     assert event["engine"] == name and event["outcome"] == "refused"
     assert event["check"] == check and words in event["reason"]
     assert world.count(name, "refused", check) == 1
-    last = world.readmitter.engine_extras(name)["last_readmission"]
-    assert (last["outcome"], last["check"], last["reason"]) == ("refused", check, result.reason)
+    last = world.readmitter.admin_state(name).last_readmission
+    assert last is not None and (last.outcome, last.check, last.reason) == ("refused", check, result.reason)
+
+
+async def test_an_engines_own_error_message_is_part_of_the_reason(autojump_clock: MockClock) -> None:
+    world = World()
+    world.fleet.eject("d1", "liveness", world.now())
+    world.engines["d1"].identity_error = "narwhal identity plugin is not configured: NARWHAL_GENERATION is not set"
+    result = await world.readmitter.readmit("d1", operator=True)
+    assert (result.check, result.reason) == (
+        "attestation", "GET /narwhal/identity answered HTTP 503: narwhal identity plugin is not configured: "
+                       "NARWHAL_GENERATION is not set")
+    world.engines["d1"].identity_error = "x" * 1000
+    result = await world.readmitter.readmit("d1", operator=True)
+    assert result.reason == "GET /narwhal/identity answered HTTP 503: " + "x" * 200 + "..."
 
 
 async def test_without_an_attestation_key_nothing_is_readmitted(autojump_clock: MockClock) -> None:
@@ -327,7 +345,7 @@ async def test_a_drain_stops_new_placements_and_settles_at_zero_in_flight(autoju
     assert world.readmitter.drained("d1") is False
     world.in_flight.release("d1")
     assert world.readmitter.drained("d1") is True
-    assert world.readmitter.engine_extras("d1")["drained"] is True
+    assert world.readmitter.admin_state("d1").drained is True
     assert world.readmitter.drained("d2") is False  # idle but not drained
 
 
@@ -390,7 +408,7 @@ async def test_maintenance_refuses_an_engine_that_was_not_restarted_and_accepts_
     await trio.sleep(100)
     started_at = world.readmitter.maintenance("d1", world.now())
     assert started_at == WALL_BASE + 100
-    assert world.readmitter.engine_extras("d1")["maintenance_started_at"] == started_at
+    assert world.readmitter.admin_state("d1").maintenance_started_at == started_at
     assert "d1" not in world.fleet.eligible("decode", world.now())
     await trio.sleep(30)
 
@@ -410,7 +428,7 @@ async def test_maintenance_refuses_an_engine_that_was_not_restarted_and_accepts_
     assert accepted.passed == ["health", "attestation", "newer_process", "model", "generation", "kv_role",
                                "final_health"]
     assert world.fleet.view("d1", world.now()).holds == []
-    assert world.readmitter.engine_extras("d1")["maintenance_started_at"] is None
+    assert world.readmitter.admin_state("d1").maintenance_started_at is None
 
 
 async def test_asking_for_maintenance_again_keeps_the_first_start(autojump_clock: MockClock) -> None:
@@ -544,7 +562,7 @@ async def test_an_operator_readmit_waits_for_the_automatic_attempt_in_progress(
         await trio.sleep_until(t0 + 5)
         await world.readmitter.readmit_due()
         await trio.sleep(1)
-        assert world.readmitter.engine_extras("d1")["readmission_running"] is True
+        assert world.readmitter.admin_state("d1").readmission_running is True
         result = await world.readmitter.readmit("d1", operator=True)
         nursery.cancel_scope.cancel()
     # The automatic attempt readmitted it (5..9); the operator's chain ran after it, alone.

@@ -64,22 +64,29 @@ class FakeSupervisor:
 
 
 class FakeStream:
+    """Scripted reads; like the pool's stream, ``saw_terminal`` is set by the read that carries [DONE]."""
+
     def __init__(self, chunks: list[Any]) -> None:
-        self.chunks = chunks
+        self.chunks = list(chunks)
         self.saw_terminal = False
 
-    def __aiter__(self):
-        return self._gen()
-
-    async def _gen(self):
-        for chunk in self.chunks:
-            if isinstance(chunk, BaseException):
-                raise chunk
-            if chunk == "hang":
-                await trio.sleep_forever()
-            yield chunk
-            if b"data: [DONE]" in chunk:
-                self.saw_terminal = True
+    async def read(self) -> bytes:
+        await trio.lowlevel.checkpoint()
+        if not self.chunks:
+            if not self.saw_terminal:
+                raise EngineFailure("d1", FailureClass.STREAM, "stream ended without data: [DONE]")
+            return b""
+        chunk = self.chunks.pop(0)
+        if isinstance(chunk, trio.Event):
+            await chunk.wait()  # the engine pauses mid-stream until the test says
+            return await self.read()
+        if isinstance(chunk, BaseException):
+            raise chunk
+        if chunk == "hang":
+            await trio.sleep_forever()
+        if b"data: [DONE]" in chunk:
+            self.saw_terminal = True
+        return chunk
 
 
 class FakePool:
@@ -129,10 +136,11 @@ class Sink:
     async def respond(self, status, headers, body):
         self.status, self.headers, self.body = status, headers, body
 
-    async def start_stream(self, status, headers, first=b""):
+    async def start_stream(self, status, headers, first=b"", end=False):
         self.started = True
         self.status, self.headers = status, headers
         self.writes.append(first)
+        self.ended = end
 
     async def write(self, data):
         self.writes.append(data)
@@ -141,6 +149,7 @@ class Sink:
         if last:
             self.writes.append(last)
         self.ended = True
+        self.ended_with = last
 
     def json(self) -> Any:
         return json.loads(self.body)
@@ -215,6 +224,22 @@ async def test_stream_is_relayed_chunk_for_chunk_without_reencoding():
     assert (b"content-type", b"text/event-stream") in sink.headers
     assert sink.writes == SSE
     assert sink.ended
+
+
+async def test_the_read_carrying_done_goes_out_with_the_terminator():
+    core, _, pool, _ = make_core()
+    sink = Sink()
+    await core.handle("/v1/completions", body(stream=True), None, sink)
+    # SSE[1] ends with [DONE]: held back and written by end_stream together with the chunked terminator.
+    assert sink.ended_with == SSE[1]
+
+
+async def test_a_stream_in_one_read_is_head_body_and_terminator_in_one_write():
+    core, _, pool, _ = make_core()
+    pool.decode.append([b"".join(SSE)])
+    sink = Sink()
+    await core.handle("/v1/completions", body(stream=True), None, sink)
+    assert sink.writes == [b"".join(SSE)] and sink.ended and not hasattr(sink, "ended_with")
 
 
 async def test_non_streaming_decode_body_is_returned_as_is():
@@ -442,6 +467,35 @@ async def test_deadline_gives_504(autojump_clock):
     assert sink.status == 504
     assert trio.current_time() == pytest.approx(5.0)
     assert pool.closed_streams == 1
+
+
+async def test_bounded_retries_stop_at_the_original_deadline(autojump_clock):
+    # Each decode fails after 2 s; max_attempts would allow 10. The deadline is the
+    # request's, not each attempt's: attempts start at 0, 2 and 4 s and the third
+    # is cut at the original 5 s deadline with a 504.
+    config = parse_config(CONFIG.format(count_tokens="false", policy="bounded")
+                          .replace("request_deadline_s = 5.0", "request_deadline_s = 5.0\nmax_attempts = 10"))
+    supervisor, pool = FakeSupervisor(), FakePool()
+    core = RequestCore(config=config, supervisor=supervisor, data_pool=pool,
+                       in_flight=InFlight(e.name for e in config.engines), admission=Admission(),
+                       metrics=RouterMetrics())
+    scripted = pool.post_json
+    decode_started: list[float] = []
+
+    async def slow_failing_decode(engine, path, body, *, request_id):
+        if not json.loads(body)["kv_transfer_params"].get("do_remote_decode"):
+            decode_started.append(trio.current_time())
+            await trio.sleep(2.0)
+            raise EngineFailure(engine.name, FailureClass.INFERENCE_STATUS, "HTTP 500", status=500)
+        return await scripted(engine, path, body, request_id=request_id)
+
+    pool.post_json = slow_failing_decode
+    sink = Sink()
+    await core.handle("/v1/completions", body(), None, sink)
+    assert sink.status == 504 and sink.json()["error"]["code"] == "deadline_exceeded"
+    assert trio.current_time() == pytest.approx(5.0)
+    assert decode_started == [0.0, 2.0, 4.0]
+    assert core.in_flight.total() == 0
 
 
 async def test_client_cancellation_releases_in_flight_and_closes_the_upstream():

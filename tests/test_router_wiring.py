@@ -1,12 +1,14 @@
 """The router wires each config bound to the right part (no I/O: construction only)."""
 
+import msgspec
 import pytest
 import trio
 
 from narwhal.config import parse_config
-from narwhal.errors import PoolSaturated
+from narwhal.errors import PoolSaturated, StartupError
 from narwhal.pools.classify import pool_slot
-from narwhal.router import Router
+from narwhal.router import Router, preflight
+from tests.test_admin_api import fleet_config, start_mock_fleet
 
 CONFIG = """
 [serving]
@@ -46,3 +48,61 @@ async def test_only_bounded_serving_queues_for_a_data_connection(autojump_clock,
                 pass
     # The default policy reports saturation at once; bounded waits until its deadline.
     assert trio.current_time() == (pytest.approx(10 - 0.05) if queues else 0)
+
+
+
+def test_the_handoff_defaults_to_the_state_directory_and_persistence_and_resume_use_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    built = router()
+    expected = tmp_path / "state" / "narwhal" / "narwhal-handoff.json"
+    assert built.handoff_path == expected
+    assert built.persistence.path == str(expected)
+    preflight(built.config, "127.0.0.1:0", built.handoff_path)  # creates the state directory
+    assert expected.parent.is_dir()
+
+
+def test_a_state_directory_that_cannot_be_created_is_a_startup_error_naming_it(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("XDG_STATE_HOME", str(blocker))
+    built = router()
+    with pytest.raises(StartupError, match=r"handoff \(default .*\): cannot create the state directory .*file/narwhal"):
+        preflight(built.config, "127.0.0.1:0", built.handoff_path)
+
+
+async def test_health_checks_and_suspect_verification_use_the_control_pool(nursery, tmp_path):
+    # The spec: health checks and suspect verification use the control pool, so a
+    # saturated data pool never starves them. The router's only data connection is
+    # held by "traffic" here: every control-plane call must still reach the engines.
+    mocks = await start_mock_fleet(nursery)
+    config = fleet_config(mocks, tmp_path)
+    config = msgspec.structs.replace(config, serving=msgspec.structs.replace(config.serving, max_connections=1))
+    built = Router(config)
+    traffic = object()
+    await built.data_pool._limiter.acquire_on_behalf_of(traffic)
+    try:
+        assert built.data_pool.statistics().in_use == built.data_pool.statistics().max_connections == 1
+        with trio.fail_after(30):
+            async with trio.open_nursery() as running:
+                await running.start(built.supervisor.run)
+                # A health probe (the action for connection/timeout/overload evidence).
+                assert await built.supervisor.health_probe("d1") is True
+                # Suspect verification: an inference probe through the suspect and a peer.
+                assert await built.supervisor.inference_probe("d1") == "success"
+                # The monitor's health sweep.
+                await built.stages.health.run(1)
+                assert built.stages.health.sweep is not None
+                assert built.stages.health.sweep.results == {"p1": True, "d1": True, "d2": True}
+                # Readmission's checks (health, identity, attestation, models, health).
+                assert (await built.readmitter.readmit("d1", operator=True)).readmitted
+                running.cancel_scope.cancel()
+        d1 = mocks.services["d1"].engine.stats
+        assert d1.requests["/health"] >= 4 and d1.decode == 1
+        assert mocks.services["p1"].engine.stats.prefill == 1
+        # None of it took a data connection: ours is still the only one in use.
+        assert built.data_pool.statistics().in_use == 1
+    finally:
+        built.data_pool._limiter.release_on_behalf_of(traffic)
+        await built.control_pool.aclose()
+        await built.data_pool.aclose()
+        mocks.stop_all()

@@ -18,6 +18,7 @@ import trio
 from trio.testing import MockClock
 
 from narwhal.config import Config, ControllerConfig, EngineConfig, EngineSpec, TelemetryConfig
+from narwhal.control.fleet_writer import FleetWriter
 from narwhal.control.monitor import STAGE_NAMES, Monitor
 from narwhal.control.supervisor import Supervisor
 from narwhal.errors import EngineFailure, FailureClass, PoolSaturated
@@ -88,8 +89,9 @@ class Rig:
         self.config = make_config()
         self.fleet = Fleet([(spec.name, spec.role) for spec in self.config.engines], eject_after=3,
                            liveness_misses=LIVENESS_MISSES, failure_quarantine_s=None, probe_interval_s=5.0)
-        self.supervisor = Supervisor(config=self.config, fleet=self.fleet, control_pool=pool,
-                                     metrics=RouterMetrics())
+        metrics = RouterMetrics()
+        self.supervisor = Supervisor(config=self.config, fleet=FleetWriter(self.fleet, metrics), control_pool=pool,
+                                     metrics=metrics)
         self.health = HealthStage(supervisor=self.supervisor, control_pool=pool, engines=self.config.engines,
                                   check_timeout_s=CHECK_TIMEOUT_S)
         self.liveness = LivenessStage(supervisor=self.supervisor, health=self.health)
@@ -339,7 +341,8 @@ class FakePersistence:
 def build(pool: FakeControlPool, config: Config) -> tuple[list[Any], Supervisor, Telemetry]:
     fleet = Fleet([(spec.name, spec.role) for spec in config.engines], eject_after=3,
                   liveness_misses=LIVENESS_MISSES, failure_quarantine_s=None, probe_interval_s=5.0)
-    supervisor = Supervisor(config=config, fleet=fleet, control_pool=pool, metrics=RouterMetrics())
+    metrics = RouterMetrics()
+    supervisor = Supervisor(config=config, fleet=FleetWriter(fleet, metrics), control_pool=pool, metrics=metrics)
     telemetry = Telemetry([(s.name, s.role) for s in config.engines], clock=trio.current_time,
                           interval_s=config.telemetry.interval_s,
                           keep_intervals=config.telemetry.keep_intervals)
@@ -360,7 +363,8 @@ def test_build_stages_names_each_stage_by_its_job() -> None:
     pool = FakeControlPool()
     fleet = Fleet([(spec.name, spec.role) for spec in config.engines], eject_after=3,
                   liveness_misses=LIVENESS_MISSES, failure_quarantine_s=None, probe_interval_s=5.0)
-    supervisor = Supervisor(config=config, fleet=fleet, control_pool=pool, metrics=RouterMetrics())
+    metrics = RouterMetrics()
+    supervisor = Supervisor(config=config, fleet=FleetWriter(fleet, metrics), control_pool=pool, metrics=metrics)
     telemetry = Telemetry([(s.name, s.role) for s in config.engines], clock=trio.current_time,
                           interval_s=config.telemetry.interval_s, keep_intervals=config.telemetry.keep_intervals)
     persistence = FakePersistence()

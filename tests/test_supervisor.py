@@ -9,6 +9,7 @@ import pytest
 import trio
 
 from narwhal.config import parse_config
+from narwhal.control.fleet_writer import FleetWriter
 from narwhal.control.supervisor import Supervisor
 from narwhal.errors import FailureClass, SuccessKind
 from narwhal.fleet import Fleet, HoldKind
@@ -92,7 +93,8 @@ async def make_world(nursery, quarantine_s: float | None = None):
                        transport=httpx.MockTransport(engines))
     fleet = Fleet([(e.name, e.role) for e in config.engines], eject_after=2, liveness_misses=3,
                   failure_quarantine_s=quarantine_s, probe_interval_s=5.0)
-    supervisor = Supervisor(config=config, fleet=fleet, control_pool=pool, metrics=RouterMetrics())
+    metrics = RouterMetrics()
+    supervisor = Supervisor(config=config, fleet=FleetWriter(fleet, metrics), control_pool=pool, metrics=metrics)
     await nursery.start(supervisor.run)
     return supervisor, fleet, engines, pool
 

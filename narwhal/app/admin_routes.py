@@ -12,24 +12,18 @@ for every ``/admin/`` path is the app's (``narwhal.app.control_app``), not repea
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 from quart import Response
 from quart_trio import QuartTrio
 
-from narwhal.control.readmission import Readmitter
+from narwhal.app.state import AppState
 from narwhal.wire import error_json
 
 __all__ = ["register_admin_routes"]
 
 _encode_json = msgspec.json.Encoder()
-
-
-class _Router(Protocol):
-    readmitter: Readmitter
-
-    def engines_view(self) -> dict[str, Any]: ...
 
 
 def _json(payload: Any, status: int = 200) -> Response:
@@ -41,14 +35,10 @@ def _unknown(name: str) -> Response:
                     status=404, content_type="application/json")
 
 
-def register_admin_routes(app: QuartTrio, router: _Router) -> None:
-    """Add the per-engine admin routes to ``app``; ``router.readmitter`` must already exist."""
+def register_admin_routes(app: QuartTrio, router: AppState) -> None:
+    """Add the per-engine admin routes to ``app`` over ``router``'s readmitter and engine view."""
     readmitter = router.readmitter
-
-    def engine_view(name: str) -> dict[str, Any]:
-        # The same entry /admin/engines lists, with the readmitter's fields (drained, last readmission).
-        entry = next(e for e in router.engines_view()["engines"] if e["name"] == name)
-        return {**entry, **readmitter.engine_extras(name)}
+    engine_view = router.engine_view.engine
 
     @app.get("/admin/engines/<name>")
     async def admin_engine(name: str) -> Response:
@@ -76,8 +66,7 @@ def register_admin_routes(app: QuartTrio, router: _Router) -> None:
         if not readmitter.knows(name):
             return _unknown(name)
         result = await readmitter.readmit(name, operator=True)
-        body: dict[str, Any] = {"action": "readmit", "readmission": msgspec.to_builtins(result),
-                                "engine": engine_view(name)}
+        body: dict[str, Any] = {"action": "readmit", "readmission": result, "engine": engine_view(name)}
         if result.readmitted:
             return _json(body)
         message = f"readmission of {name} refused by check {result.check}: {result.reason}"

@@ -3,22 +3,21 @@
 ``/health`` (process alive), ``/ready`` (the load balancer's question: should
 traffic come here?), ``/metrics`` (Prometheus text), ``/v1/models`` and the
 admin API under ``/admin/``, which needs a bearer token when one is configured.
-The app holds no state of its own: it reads the router's.
+The app holds no state of its own: it reads the router's through ``AppState``
+(``narwhal.app.state``), never the ``Router`` itself.
 """
 
 from __future__ import annotations
 
 import hmac
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from quart import Response, request
 from quart_trio import QuartTrio
 
+from narwhal.app.state import AppState
 from narwhal.wire import error_json
-
-if TYPE_CHECKING:
-    from narwhal.router import Router
 
 __all__ = ["create_app"]
 
@@ -33,7 +32,7 @@ def _error(status: int, message: str, type_: str, code: str | None = None) -> Re
     return Response(error_json(message, type_, code), status=status, content_type="application/json")
 
 
-def create_app(router: Router) -> QuartTrio:
+def create_app(router: AppState) -> QuartTrio:
     """Build the control app over ``router``'s live state."""
     app = QuartTrio("narwhal")
     # Quart cuts streamed responses at RESPONSE_TIMEOUT (60 s) silently; nothing here may be cut.
@@ -79,7 +78,7 @@ def create_app(router: Router) -> QuartTrio:
 
     @app.get("/admin/engines")
     async def admin_engines() -> Response:
-        return _json(router.engines_view())
+        return _json(router.engine_view.engines())
 
     @app.get("/admin/lease")
     async def admin_lease() -> Response:

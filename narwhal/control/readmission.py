@@ -51,8 +51,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import enum
-import hashlib
-import hmac
 import logging
 import math
 import secrets
@@ -64,20 +62,19 @@ import msgspec
 import trio
 
 from narwhal.config import Config, EngineSpec
+from narwhal.control import contract
+from narwhal.control.fleet_writer import FleetWriter
 from narwhal.errors import EngineFailure, PoolSaturated, SuccessKind
-from narwhal.fleet import EngineView, Fleet, HoldKind
+from narwhal.fleet import DRAIN_HOLDS, EngineView, HoldKind
 from narwhal.fleet.placement import InFlight
+from narwhal.fleet.tables import drained
 from narwhal.obs.logs import log_event
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.pools.control import ControlCalls
-from narwhal.wire import AttestRequest, AttestResponse, EngineIdentity
+from narwhal.wire import AttestRequest, EngineIdentity
 
-__all__ = ["CHAIN", "DRAIN_HOLDS", "Check", "ReadmissionResult", "Readmitter"]
+__all__ = ["CHAIN", "DRAIN_HOLDS", "Check", "ReadmissionResult", "ReadmissionState", "Readmitter"]
 
-DRAIN_HOLDS: frozenset[HoldKind] = frozenset({HoldKind.OPERATOR_DRAIN, HoldKind.MAINTENANCE})
-
-# The KV role an engine's kv_roles must allow for it to serve its placement role.
-_KV_ROLE_FOR: dict[str, str] = {"prefill": "producer", "decode": "consumer"}
 
 
 class Check(enum.StrEnum):
@@ -120,20 +117,17 @@ class ReadmissionResult(msgspec.Struct, frozen=True, kw_only=True):
         return self.outcome == "readmitted"
 
 
-class _ModelCard(msgspec.Struct):
-    id: str
+class ReadmissionState(msgspec.Struct, frozen=True, kw_only=True):
+    """What the readmitter knows of one engine: drain settled, maintenance start, the latest attempt."""
+
+    drained: bool
+    maintenance_started_at: float | None
+    readmission_running: bool
+    last_readmission: ReadmissionResult | None
 
 
-class _ModelList(msgspec.Struct):
-    data: list[_ModelCard]
-
-
-class _Refused(Exception):
-    """A check failed; ``reason`` is the operator-facing why."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
+# A check failed; ``reason`` is the operator-facing why (the contract's own verdicts raise it too).
+_Refused = contract.ContractViolation
 
 
 @dataclasses.dataclass
@@ -158,14 +152,10 @@ def _iso(wall: float) -> str:
         "+00:00", "Z")
 
 
-def _sign(key: bytes, engine_id: str, nonce: str, generation: str) -> str:
-    return hmac.new(key, f"{engine_id}|{nonce}|{generation}".encode(), hashlib.sha256).hexdigest()
-
-
 class Readmitter:
     """Runs the readmission chain for the operator and on schedule, and applies operator drains."""
 
-    def __init__(self, *, config: Config, fleet: Fleet, control_pool: ControlCalls, in_flight: InFlight,
+    def __init__(self, *, config: Config, fleet: FleetWriter, control_pool: ControlCalls, in_flight: InFlight,
                  metrics: RouterMetrics, clock: Callable[[], float] = trio.current_time,
                  wall_clock: Callable[[], float] = time.time, attestation_key: bytes | None,
                  inference_check: Callable[[str], Awaitable[str]] | None = None) -> None:
@@ -236,7 +226,7 @@ class Readmitter:
     def drained(self, name: str) -> bool:
         """True when ``name`` is under a drain or maintenance hold and has nothing in flight."""
         view = self.fleet.view(name, self.clock())
-        return any(hold.kind in DRAIN_HOLDS for hold in view.holds) and self.in_flight[name] == 0
+        return drained((hold.kind for hold in view.holds), self.in_flight[name])
 
     # ----- the admin view ---------------------------------------------------------------
 
@@ -244,15 +234,10 @@ class Readmitter:
         """The latest readmission attempt for ``name``, or None."""
         return self._last.get(name)
 
-    def engine_extras(self, name: str) -> dict[str, Any]:
-        """What ``/admin/engines`` adds per engine: drained, last readmission, maintenance start."""
-        last = self._last.get(name)
-        return {
-            "drained": self.drained(name),
-            "maintenance_started_at": self.maintenance_started_at(name),
-            "readmission_running": self._locks[name].locked(),
-            "last_readmission": None if last is None else msgspec.to_builtins(last),
-        }
+    def admin_state(self, name: str) -> ReadmissionState:
+        """What ``/admin/engines`` shows of ``name`` from here: drained, maintenance start, last attempt."""
+        return ReadmissionState(drained=self.drained(name), maintenance_started_at=self.maintenance_started_at(name),
+                                readmission_running=self._locks[name].locked(), last_readmission=self._last.get(name))
 
     # ----- the chain -----------------------------------------------------------------------
 
@@ -326,7 +311,7 @@ class Readmitter:
     async def _get_ok(self, spec: EngineSpec, path: str) -> bytes:
         response = await self.control_pool.get(spec, path)
         if response.status != 200:
-            raise _Refused(f"GET {path} answered HTTP {response.status}")
+            raise _Refused(contract.status_reason("GET", path, response.status, response.body))
         return response.body
 
     async def _check_health(self, attempt: _Attempt) -> None:
@@ -346,29 +331,14 @@ class Readmitter:
         if self._key is None:
             raise _Refused("no fleet attestation key configured: set [fleet] attestation_key "
                            "or attestation_key_file")
-        raw = await self._get_ok(attempt.spec, "/narwhal/identity")
-        try:
-            identity = msgspec.json.decode(raw, type=EngineIdentity)
-        except msgspec.DecodeError as exc:
-            raise _Refused(f"GET /narwhal/identity: unreadable identity: {exc}") from None
+        identity = contract.read_identity(await self._get_ok(attempt.spec, "/narwhal/identity"))
         attempt.identity = identity
         nonce = secrets.token_hex(16)
         response = await self.control_pool.post_json(attempt.spec, "/narwhal/attest",
                                                      msgspec.json.encode(AttestRequest(nonce)))
         if response.status != 200:
-            raise _Refused(f"POST /narwhal/attest answered HTTP {response.status}")
-        try:
-            answer = msgspec.json.decode(response.body, type=AttestResponse)
-        except msgspec.DecodeError as exc:
-            raise _Refused(f"POST /narwhal/attest: unreadable answer: {exc}") from None
-        if not hmac.compare_digest(answer.nonce.encode(), nonce.encode()):
-            raise _Refused("attestation did not echo our nonce (a replayed or stale answer)")
-        if answer.engine_id != identity.engine_id:
-            raise _Refused(f"attestation answered for engine_id {answer.engine_id!r}, "
-                           f"identity names {identity.engine_id!r}")
-        expected = _sign(self._key, identity.engine_id, nonce, identity.generation)
-        if not hmac.compare_digest(answer.signature.encode(), expected.encode()):
-            raise _Refused("attestation signature does not verify with the fleet attestation key")
+            raise _Refused(contract.status_reason("POST", "/narwhal/attest", response.status, response.body))
+        contract.verify_attestation(self._key, identity, nonce, response.body)
 
     async def _check_newer_process(self, attempt: _Attempt) -> None:
         assert attempt.identity is not None and attempt.maintenance_started_at is not None
@@ -382,30 +352,17 @@ class Readmitter:
     async def _check_model(self, attempt: _Attempt) -> None:
         assert attempt.identity is not None
         model = self.config.fleet.model
-        if attempt.identity.model != model:
-            raise _Refused(f"/narwhal/identity names model {attempt.identity.model!r}; "
-                           f"fleet.model is {model!r}")
-        raw = await self._get_ok(attempt.spec, "/v1/models")
-        try:
-            ids = [card.id for card in msgspec.json.decode(raw, type=_ModelList).data]
-        except msgspec.DecodeError as exc:
-            raise _Refused(f"GET /v1/models: unreadable model list: {exc}") from None
-        if model not in ids:
-            raise _Refused(f"/v1/models lists {ids}; fleet.model {model!r} is not among them")
+        contract.check_identity_model(attempt.identity, model)
+        # vLLM's own answer too: a plugin claiming the fleet's model cannot pass for an engine serving another.
+        contract.check_listed_model(contract.listed_models(await self._get_ok(attempt.spec, "/v1/models")), model)
 
     async def _check_generation(self, attempt: _Attempt) -> None:
         assert attempt.identity is not None
-        generation = self.config.fleet.generation
-        if attempt.identity.generation != generation:
-            raise _Refused(f"engine reports generation {attempt.identity.generation!r}; "
-                           f"fleet.generation is {generation!r}")
+        contract.check_generation(attempt.identity, self.config.fleet.generation)
 
     async def _check_kv_role(self, attempt: _Attempt) -> None:
         assert attempt.identity is not None
-        needed = _KV_ROLE_FOR[attempt.spec.role]
-        if needed not in attempt.identity.kv_roles:
-            raise _Refused(f"a {attempt.spec.role} engine needs KV role {needed!r}; "
-                           f"engine reports kv_roles {attempt.identity.kv_roles}")
+        contract.check_kv_role(attempt.spec.role, attempt.identity)
 
     def _record(self, result: ReadmissionResult) -> None:
         self._last[result.engine] = result

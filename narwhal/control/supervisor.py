@@ -1,9 +1,10 @@
-"""The shell around the pure ``Fleet``: evidence in, probes out, every event logged.
+"""The shell around the pure ``Fleet``: evidence in, probes out.
 
-The request path and the monitor report outcomes here; the fleet decides and
-returns actions; the supervisor carries them out at once (not at the next
-monitor pass) in its own nursery, on the control pool, and logs and counts
-every event the fleet reports. It owns no policy of its own.
+The request path and the monitor report outcomes here; the supervisor passes
+them to the fleet's one writer (``narwhal.control.fleet_writer``), which logs
+the events and hands every returned action back to ``run_action``; the
+supervisor carries them out at once (not at the next monitor pass) in its own
+nursery, on the control pool. It owns no policy of its own.
 """
 
 from __future__ import annotations
@@ -16,29 +17,29 @@ import msgspec
 import trio
 
 from narwhal.config import Config, EngineSpec
-from narwhal.errors import EngineFailure, FailureClass, PoolSaturated, SuccessKind, UpstreamClientError
-from narwhal.fleet import Action, ActionKind, Fleet, FleetEventKind
+from narwhal.control import contract
+from narwhal.control.fleet_writer import FleetWriter
+from narwhal.errors import EngineFailure, FailureClass, NarwhalError, PoolSaturated, SuccessKind, UpstreamClientError
+from narwhal.fleet import Action, ActionKind
 from narwhal.fleet.tables import PROBE_LEG_INCONCLUSIVE
 from narwhal.obs.logs import log_event
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.pools import classify
 from narwhal.pools.control import ControlCalls
-from narwhal.wire import PREFILL_KV_REQUEST, extract_handoff
+from narwhal.wire import extract_handoff
 
 __all__ = ["Supervisor"]
 
-_PROBE_PROMPT = "narwhal inference probe"
-_encode_json = msgspec.json.Encoder()
 
 
-class _LegInconclusive(Exception):
+class _LegInconclusive(NarwhalError):
     """A probe leg could not decide about the suspect (peer failed, no peer)."""
 
 
 class Supervisor:
-    """Feeds the fleet, carries out its actions, and logs what it reports."""
+    """Feeds the fleet (through its one writer) and carries out the actions it returns."""
 
-    def __init__(self, *, config: Config, fleet: Fleet, control_pool: ControlCalls, metrics: RouterMetrics,
+    def __init__(self, *, config: Config, fleet: FleetWriter, control_pool: ControlCalls, metrics: RouterMetrics,
                  clock: Callable[[], float] = trio.current_time) -> None:
         self.config = config
         self.fleet = fleet
@@ -49,14 +50,21 @@ class Supervisor:
         self._nursery: trio.Nursery | None = None
         # (engine, probe kind) pairs with a probe in flight: never two at once.
         self._running: set[tuple[str, str]] = set()
+        # Asked for again while running: started once more when the running one ends.
+        self._again: set[tuple[str, str]] = set()
         self._probe_timeout_s = max(config.engine.health_timeout_s, config.engine.first_token_deadline_s)
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """Own the nursery that probes run in, until cancelled."""
+        """Own the nursery that probes run in, until cancelled; the fleet's actions come here meanwhile."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            task_status.started()
-            await trio.sleep_forever()
+            try:
+                self.fleet.attach(self)
+                task_status.started()
+                await trio.sleep_forever()
+            finally:
+                self.fleet.attach(None)
+                self._nursery = None
 
     # -- the request path's view ------------------------------------------------
 
@@ -68,41 +76,33 @@ class Supervisor:
 
     def record_failure(self, engine: str, failure_class: FailureClass) -> None:
         self.metrics.engine_failures.inc(engine, failure_class.value)
-        self._apply(self.fleet.record_failure(engine, failure_class, self.clock()))
+        self.fleet.record_failure(engine, failure_class, self.clock())
 
     def record_success(self, engine: str, kind: SuccessKind) -> None:
-        actions = self.fleet.record_success(engine, kind, self.clock())
-        if actions:
-            self._apply(actions)
-        else:
-            self._log_fleet_events()
+        self.fleet.record_success(engine, kind, self.clock())
 
     def record_health_sweep(self, results: Mapping[str, bool], *, unchecked: Collection[str] = (),
                             answered: Collection[str] = ()) -> None:
-        self._apply(self.fleet.record_health_sweep(results, self.clock(), unchecked=unchecked,
-                                                   answered=answered))
+        self.fleet.record_health_sweep(results, self.clock(), unchecked=unchecked, answered=answered)
 
     # -- actions -------------------------------------------------------------------
 
-    def _apply(self, actions: list[Action]) -> None:
-        self._log_fleet_events()
-        for action in actions:
-            if action.kind is ActionKind.HEALTH_PROBE:
-                self._start_probe(action.engine, "health")
-            elif action.kind is ActionKind.INFERENCE_PROBE:
-                self._start_probe(action.engine, "inference")
-            # EJECT is already applied inside the fleet; its event was logged above.
+    def run_action(self, action: Action) -> None:
+        """Start the probe an action asks for (the fleet writer calls this for every action)."""
+        if action.kind is ActionKind.HEALTH_PROBE:
+            self._start_probe(action.engine, "health")
+        elif action.kind is ActionKind.INFERENCE_PROBE:
+            self._start_probe(action.engine, "inference")
 
     def start_due_probes(self) -> None:
         """Start the inference probes the fleet has scheduled for now or earlier."""
-        # Holds the controller added straight on the fleet are logged here, once per pass at worst.
-        self._log_fleet_events()
-        for name in self.fleet.probes_due(self.clock()):
-            self._start_probe(name, "inference")
+        self.fleet.start_due_probes(self.clock())
 
     def _start_probe(self, engine: str, kind: str) -> None:
         key = (engine, kind)
         if key in self._running:
+            # Never dropped: the running probe answers an older question, so ask again after it.
+            self._again.add(key)
             return
         if self._nursery is None:
             raise RuntimeError("supervisor is not running: start Supervisor.run first")
@@ -118,30 +118,13 @@ class Supervisor:
             log_event("probe_error", level=logging.ERROR, engine=key[0], probe=key[1],
                       **{"class": type(exc).__name__}, message=str(exc))
             if key[1] == "inference":
-                self._apply(self.fleet.record_probe(key[0], "inconclusive", self.clock(),
-                                                    reason=f"probe error: {type(exc).__name__}"))
+                self.fleet.record_probe(key[0], "inconclusive", self.clock(),
+                                        reason=f"probe error: {type(exc).__name__}")
         finally:
             self._running.discard(key)
-
-    def _log_fleet_events(self) -> None:
-        for event in self.fleet.drain_events():
-            if event.kind is FleetEventKind.PROBE_RESULT:
-                continue  # logged by the probe itself, with the probe's kind
-            fields = msgspec.structs.asdict(event)
-            kind = fields.pop("kind").value
-            level = logging.WARNING if kind in ("ejected", "probe_failed") else logging.INFO
-            self._count(kind, fields)
-            # "at" is monotonic (meaningless to operators; "ts" says when), and nulls are noise.
-            log_event(f"engine_{kind}", level=level,
-                      **{k: getattr(v, "value", v) for k, v in fields.items() if v is not None and k != "at"})
-
-    def _count(self, kind: str, fields: dict[str, Any]) -> None:
-        engine = fields.get("engine", "")
-        if kind == "ejected":
-            self.metrics.engine_ejections.inc(engine, _ejection_cause(fields))
-        elif kind == "hold_added":
-            hold_kind = fields.get("hold_kind") or fields.get("hold")
-            self.metrics.holds_applied.inc(engine, str(getattr(hold_kind, "value", hold_kind)))
+            if key in self._again and self._nursery is not None:
+                self._again.discard(key)
+                self._start_probe(*key)
 
     # -- probes ----------------------------------------------------------------------
 
@@ -193,16 +176,16 @@ class Supervisor:
                     await self._probe_decode(suspect, kv, suspect_leg=True)
         except _SuspectLegFailed as failed:
             self._probe_result(name, "inference", "failed", failed.reason)
-            self._apply(self.fleet.record_probe(name, "failed", now(), leg=failed.leg, reason=failed.reason,
-                                                failure_class=failed.failure_class))
+            self.fleet.record_probe(name, "failed", now(), leg=failed.leg, reason=failed.reason,
+                                    failure_class=failed.failure_class)
             return "failed"
         except (_LegInconclusive, trio.TooSlowError) as exc:
             reason = str(exc) or "probe cut short"
             self._probe_result(name, "inference", "inconclusive", reason)
-            self._apply(self.fleet.record_probe(name, "inconclusive", now(), reason=reason))
+            self.fleet.record_probe(name, "inconclusive", now(), reason=reason)
             return "inconclusive"
         self._probe_result(name, "inference", "success", "")
-        self._apply(self.fleet.record_probe(name, "success", now()))
+        self.fleet.record_probe(name, "success", now())
         return "success"
 
     def _probe_peer(self, role: str, suspect: str) -> EngineSpec:
@@ -213,13 +196,10 @@ class Supervisor:
         return self.engines[partners[0]]
 
     async def _probe_prefill(self, engine: EngineSpec, *, suspect_leg: bool) -> dict[str, Any]:
-        body = _encode_json.encode({
-            "model": self.config.fleet.model, "prompt": _PROBE_PROMPT, "max_tokens": 1,
-            "stream": False, "kv_transfer_params": PREFILL_KV_REQUEST,
-        })
+        body = contract.probe_prefill_body(self.config.fleet.model)
         problem, raw = await self._probe_call(engine, "/v1/completions", body)
         if problem is None:
-            kv = extract_handoff(raw)
+            kv = extract_handoff(raw, max_bytes=self.config.engine.max_handoff_bytes)
             if kv is None:
                 problem = _LegProblem(FailureClass.KV_HANDOFF,
                                       "kv_handoff: prefill response carries no readable kv_transfer_params")
@@ -229,10 +209,7 @@ class Supervisor:
         return kv
 
     async def _probe_decode(self, engine: EngineSpec, kv: dict[str, Any], *, suspect_leg: bool) -> None:
-        body = _encode_json.encode({
-            "model": self.config.fleet.model, "prompt": _PROBE_PROMPT, "max_tokens": 1,
-            "stream": True, "kv_transfer_params": kv,
-        })
+        body = contract.probe_decode_body(self.config.fleet.model, kv)
         problem, _ = await self._probe_call(engine, "/v1/completions", body, stream=True)
         if problem is not None:
             self._leg_problem("decode", engine, problem, suspect_leg=suspect_leg)
@@ -276,22 +253,10 @@ class _LegProblem(msgspec.Struct, frozen=True):
     reason: str
 
 
-class _SuspectLegFailed(Exception):
+class _SuspectLegFailed(NarwhalError):
     def __init__(self, leg: str, reason: str, failure_class: FailureClass) -> None:
         super().__init__(reason)
         self.leg = leg
         self.reason = reason
         self.failure_class = failure_class
 
-
-def _ejection_cause(fields: dict[str, Any]) -> str:
-    """A bounded label for why an engine was ejected (the free-text reason goes to the log)."""
-    failure_class = fields.get("failure_class")
-    if failure_class is not None:
-        return str(getattr(failure_class, "value", failure_class))
-    reason = str(fields.get("reason", ""))
-    if "silent health sweeps" in reason:
-        return "liveness"
-    if "probe leg" in reason:
-        return "probe"
-    return "other"

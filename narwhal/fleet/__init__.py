@@ -10,6 +10,7 @@ from narwhal.fleet.model import (
     ROLES,
     Action,
     ActionKind,
+    EjectionCause,
     EngineCounters,
     EngineRecord,
     EngineView,
@@ -22,6 +23,7 @@ from narwhal.fleet.model import (
 )
 from narwhal.fleet.tables import (
     ACTION_POOL,
+    DRAIN_HOLDS,
     EVIDENCE_CLEARED,
     FAILURE_ACTIONS,
     INFERENCE_FAILURES,
@@ -32,6 +34,7 @@ from narwhal.fleet.tables import (
 
 __all__ = [
     "ACTION_POOL",
+    "DRAIN_HOLDS",
     "EVIDENCE_CLEARED",
     "FAILURE_ACTIONS",
     "INFERENCE_FAILURES",
@@ -41,6 +44,7 @@ __all__ = [
     "ROLES",
     "Action",
     "ActionKind",
+    "EjectionCause",
     "EngineCounters",
     "EngineRecord",
     "EngineView",

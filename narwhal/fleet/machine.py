@@ -99,6 +99,7 @@ from narwhal.fleet.model import (
     Action,
     ActionKind,
     Cause,
+    EjectionCause,
     EngineCounters,
     EngineRecord,
     EngineView,
@@ -140,7 +141,7 @@ class _Engine:
     """One engine's mutable state; only ``Fleet`` touches it."""
 
     __slots__ = ("name", "role", "index", "streaks", "any_streak", "liveness_misses", "ejected",
-                 "ejected_reason", "ejected_at", "holds", "next_probe_at",
+                 "ejected_reason", "ejected_cause", "ejected_at", "holds", "next_probe_at",
                  "probe_in_flight", "ejections", "probes", "failures")
 
     def __init__(self, name: str, role: str, index: int) -> None:
@@ -157,6 +158,7 @@ class _Engine:
         self.liveness_misses = 0
         self.ejected = False
         self.ejected_reason: str | None = None
+        self.ejected_cause: EjectionCause | None = None
         self.ejected_at: float | None = None
         self.holds: dict[HoldKind, Hold] = {}
         self.next_probe_at: float | None = None
@@ -297,7 +299,7 @@ class Fleet:
             if engine.liveness_misses >= self._liveness_limit and not engine.ejected:
                 actions += self._eject(engine, f"{engine.liveness_misses} consecutive silent health "
                                        f"sweeps (liveness_misses {self._liveness_limit})", now,
-                                       cause=LIVENESS)
+                                       EjectionCause.LIVENESS, cause=LIVENESS)
         self._refresh_if_stale(now)
         return actions
 
@@ -331,7 +333,7 @@ class Fleet:
                 if kind in engine.holds:
                     self._remove_hold(engine, kind, "inference probe succeeded", now)
         elif outcome == "failed":
-            actions = self._eject(engine, what, now, cause=failure_class)
+            actions = self._eject(engine, what, now, EjectionCause.PROBE, cause=failure_class)
         elif HoldKind.INFERENCE_VERIFICATION in engine.holds and not engine.ejected:
             # Inconclusive: the hold stays and the monitor probes again later.
             engine.next_probe_at = now + self._probe_interval_s
@@ -386,9 +388,14 @@ class Fleet:
         return True
 
     def eject(self, name: str, reason: str, now: float,
-              failure_class: FailureClass | None = None) -> list[Action]:
-        """Eject ``name`` as a confirmed failure; no-op when already ejected."""
-        actions = self._eject(self._engines[name], reason, now, failure_class)
+              failure_class: FailureClass | None = None, *, label: EjectionCause | None = None) -> list[Action]:
+        """Eject ``name`` as a confirmed failure; no-op when already ejected.
+
+        ``label`` is the ejection's bounded cause; by default the failure class, else ``other``.
+        """
+        if label is None:
+            label = EjectionCause.OTHER if failure_class is None else EjectionCause.of(failure_class)
+        actions = self._eject(self._engines[name], reason, now, label, failure_class)
         self._refresh_if_stale(now)
         return actions
 
@@ -400,6 +407,7 @@ class Fleet:
                 self._remove_hold(engine, kind, "readmitted", now)
         engine.ejected = False
         engine.ejected_reason = None
+        engine.ejected_cause = None
         engine.ejected_at = None
         engine.streaks = dict.fromkeys(FailureClass, 0)
         engine.any_streak = False
@@ -431,7 +439,7 @@ class Fleet:
         return EngineView(
             name=engine.name, role=engine.role, eligible=name in self._eligible_names,
             ejected=engine.ejected, ejected_reason=engine.ejected_reason,
-            ejected_at=engine.ejected_at,
+            ejected_cause=engine.ejected_cause, ejected_at=engine.ejected_at,
             holds=[engine.holds[kind] for kind in HoldKind if kind in engine.holds],
             evidence=dict(engine.streaks), liveness_misses=engine.liveness_misses,
             next_probe_at=engine.next_probe_at, probe_in_flight=engine.probe_in_flight,
@@ -447,6 +455,11 @@ class Fleet:
         events = list(self._events)
         self._events.clear()
         return events
+
+    @property
+    def has_events(self) -> bool:
+        """Whether ``drain_events`` would return anything (cheap: the request path asks)."""
+        return bool(self._events)
 
     @property
     def events_dropped(self) -> int:
@@ -465,7 +478,8 @@ class Fleet:
 
         return [EngineRecord(
             name=engine.name, role=engine.role, ejected=engine.ejected,
-            ejected_reason=engine.ejected_reason, ejected_at_wall=wall(engine.ejected_at),
+            ejected_reason=engine.ejected_reason, ejected_cause=engine.ejected_cause,
+            ejected_at_wall=wall(engine.ejected_at),
             holds=[HoldRecord(kind=hold.kind, reason=hold.reason, since_wall=wall_now + (hold.since - now),
                               deadline_wall=wall(hold.deadline), deferred=hold.deferred, cause=hold.cause)
                    for kind in HoldKind if (hold := engine.holds.get(kind)) is not None],
@@ -499,6 +513,7 @@ class Fleet:
             engine.ejected = record.ejected
             if record.ejected:
                 engine.ejected_reason = record.ejected_reason or "restored from handoff"
+                engine.ejected_cause = record.ejected_cause or EjectionCause.OTHER
                 engine.ejected_at = mono(record.ejected_at_wall)
                 if engine.ejected_at is None:
                     engine.ejected_at = now
@@ -522,7 +537,7 @@ class Fleet:
                  now: float) -> list[Action]:
         action = FAILURE_ACTIONS[failure_class]
         if action is ActionKind.EJECT:
-            return self._eject(engine, reason, now, failure_class)
+            return self._eject(engine, reason, now, EjectionCause.of(failure_class), failure_class)
         if action is ActionKind.HEALTH_PROBE:
             if self._quarantine_s is not None:
                 self._put_hold(engine, HoldKind.FAILURE_QUARANTINE, f"temporary, until health "
@@ -541,19 +556,21 @@ class Fleet:
         engine.next_probe_at = None
         return [Action(ActionKind.INFERENCE_PROBE, engine.name, failure_class, reason)]
 
-    def _eject(self, engine: _Engine, reason: str, now: float,
+    def _eject(self, engine: _Engine, reason: str, now: float, label: EjectionCause,
                failure_class: FailureClass | None = None, *, cause: Cause | None = None) -> list[Action]:
         if engine.ejected:
             return []
         engine.ejected = True
         engine.ejected_reason = reason
+        engine.ejected_cause = label
         engine.ejected_at = now
         engine.ejections += 1
         # Ejected engines come back through readmission, not probes.
         engine.next_probe_at = None
         engine.probe_in_flight = False
         self._dirty = True
-        self._emit(FleetEventKind.EJECTED, engine, now, reason, failure_class=failure_class)
+        self._emit(FleetEventKind.EJECTED, engine, now, reason, failure_class=failure_class,
+                   ejection_cause=label)
         if self._quarantine_s is not None:
             self._put_hold(engine, HoldKind.FAILURE_QUARANTINE, f"ejected: {reason}", now,
                            now + self._quarantine_s, cause=cause if cause is not None else failure_class)
@@ -649,9 +666,10 @@ class Fleet:
 
     def _emit(self, kind: FleetEventKind, engine: _Engine, now: float, reason: str, *,
               failure_class: FailureClass | None = None, hold_kind: HoldKind | None = None,
-              outcome: str | None = None, leg: str | None = None) -> None:
+              outcome: str | None = None, leg: str | None = None,
+              ejection_cause: EjectionCause | None = None) -> None:
         if len(self._events) == self._events.maxlen:
             self._events_dropped += 1
         self._events.append(FleetEvent(kind=kind, engine=engine.name, reason=reason, at=now,
-                                       failure_class=failure_class, hold_kind=hold_kind,
+                                       failure_class=failure_class, ejection_cause=ejection_cause, hold_kind=hold_kind,
                                        outcome=outcome, leg=leg))

@@ -21,6 +21,7 @@ __all__ = [
     "ActionKind",
     "EngineCounters",
     "EngineRecord",
+    "EjectionCause",
     "EngineView",
     "FleetEvent",
     "FleetEventKind",
@@ -38,6 +39,25 @@ ProbeOutcome = Literal["success", "failed", "inconclusive"]
 # counter (the evidence names of the clearing table).
 Cause = FailureClass | Literal["liveness"]
 PROBE_OUTCOMES: tuple[ProbeOutcome, ...] = ("success", "failed", "inconclusive")
+
+
+class EjectionCause(enum.StrEnum):
+    """Why an engine was ejected, as a bounded label (metrics, admin view); the free-text reason is for people."""
+
+    CONNECTION = "connection"
+    TIMEOUT = "timeout"
+    STREAM = "stream"
+    OVERLOAD = "overload"
+    INFERENCE_STATUS = "inference_status"
+    KV_HANDOFF = "kv_handoff"
+    LIVENESS = "liveness"
+    PROBE = "probe"
+    OTHER = "other"
+
+    @classmethod
+    def of(cls, failure_class: FailureClass) -> EjectionCause:
+        """The cause of an ejection the failure table ordered for ``failure_class``."""
+        return cls(failure_class.value)
 
 
 class ActionKind(enum.StrEnum):
@@ -108,6 +128,8 @@ class FleetEvent(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
     at: float
     failure_class: FailureClass | None = None
+    # Set on ``ejected`` events only.
+    ejection_cause: EjectionCause | None = None
     hold_kind: HoldKind | None = None
     outcome: str | None = None
     leg: str | None = None
@@ -129,6 +151,7 @@ class EngineView(msgspec.Struct, frozen=True, kw_only=True):
     eligible: bool
     ejected: bool
     ejected_reason: str | None
+    ejected_cause: EjectionCause | None
     ejected_at: float | None
     holds: list[Hold]
     # Current consecutive-failure streak for every failure class.
@@ -164,6 +187,7 @@ class EngineRecord(msgspec.Struct, frozen=True, kw_only=True):
     role: str
     ejected: bool = False
     ejected_reason: str | None = None
+    ejected_cause: EjectionCause | None = None
     ejected_at_wall: float | None = None
     holds: list[HoldRecord] = []
     streaks: dict[FailureClass, int] = {}

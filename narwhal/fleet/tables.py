@@ -9,6 +9,7 @@ them row by row.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Final, Literal
 
 from narwhal.errors import FailureClass, SuccessKind
@@ -16,6 +17,7 @@ from narwhal.fleet.model import ActionKind, HoldKind
 
 __all__ = [
     "ACTION_POOL",
+    "DRAIN_HOLDS",
     "EVIDENCE_CLEARED",
     "FAILURE_ACTIONS",
     "INFERENCE_FAILURES",
@@ -27,6 +29,7 @@ __all__ = [
     "QUARANTINE_CLEARED_BY_HEALTH",
     "READMISSION_CLEARS",
     "Evidence",
+    "drained",
 ]
 
 # The liveness miss counter, named alongside the failure classes in the
@@ -107,6 +110,15 @@ PAUSING_HOLDS: Final[frozenset[HoldKind]] = frozenset(HoldKind)
 # ejection already removed it), so in effect only temporary quarantines count.
 PROTECTED_HOLDS: Final[frozenset[HoldKind]] = frozenset(
     {HoldKind.PERFORMANCE_DRIFT, HoldKind.FAILURE_QUARANTINE})
+
+# The operator's holds: an engine under one is draining, and only readmission clears it.
+DRAIN_HOLDS: Final[frozenset[HoldKind]] = frozenset({HoldKind.OPERATOR_DRAIN, HoldKind.MAINTENANCE})
+
+
+def drained(holds: Iterable[HoldKind], in_flight: int) -> bool:
+    """An engine is *drained* when a drain hold stands and nothing is left in flight on it."""
+    return in_flight == 0 and any(kind in DRAIN_HOLDS for kind in holds)
+
 
 # What a successful readmission chain clears besides the ejection itself.
 READMISSION_CLEARS: Final[tuple[HoldKind, ...]] = (

@@ -7,6 +7,7 @@ runs the app's lifespan protocol around the server's life.
 from __future__ import annotations
 
 import contextlib
+import urllib.parse
 from typing import Any
 
 import trio
@@ -24,7 +25,8 @@ _FRAMING_HEADERS = frozenset({b"content-length", b"transfer-encoding", b"connect
 class _HTTPCall:
     """The receive and send callables of one ASGI HTTP call."""
 
-    __slots__ = ("_body_delivered", "_buffered", "_headers", "_known_length", "_request", "_responder", "_status")
+    __slots__ = ("_body_delivered", "_buffered", "_headers", "_known_length", "_request", "_responder", "_sent",
+                 "_status")
 
     def __init__(self, request: Request, responder: Responder) -> None:
         self._request = request
@@ -34,12 +36,17 @@ class _HTTPCall:
         self._headers: list[tuple[bytes, bytes]] = []
         self._known_length = False
         self._buffered: list[bytes] = []
+        # True once the last body write has returned. Not ``responder.finished``:
+        # that is set before the write, and quart-trio cancels its sending task
+        # as soon as receive() says disconnect, which would cut a write that
+        # yields (a TLS write always does) and lose the response.
+        self._sent = False
 
     async def receive(self) -> dict[str, Any]:
         if not self._body_delivered:
             self._body_delivered = True
             return {"type": "http.request", "body": self._request.body, "more_body": False}
-        if self._responder.finished or self._responder.client_disconnected:
+        if self._sent or self._responder.client_disconnected:
             return {"type": "http.disconnect"}
         # The server cancels the whole handler, this included, when the client
         # goes away; until then there is nothing more to receive.
@@ -69,15 +76,18 @@ class _HTTPCall:
                 self._buffered.append(body)
                 if not more_body:
                     await responder.respond(self._status, self._headers, b"".join(self._buffered))
+                    self._sent = True
             elif not responder.started:
                 if more_body:
                     await responder.start_stream(self._status, self._headers, body)
                 else:
                     await responder.respond(self._status, self._headers, body)
+                    self._sent = True
             elif more_body:
                 await responder.write(body)
             else:
                 await responder.end_stream(body)
+                self._sent = True
 
 
 async def call_asgi(
@@ -90,8 +100,9 @@ async def call_asgi(
         "asgi": {"version": "3.0"},
         "http_version": request.http_version,
         "method": request.method.decode("ascii"),
-        "scheme": "http",
-        "path": request.path,
+        "scheme": "https" if responder.secure else "http",
+        # ASGI's path is percent-decoded (UTF-8); raw_path keeps the bytes as sent.
+        "path": urllib.parse.unquote_to_bytes(raw_path).decode("utf-8", "replace"),
         "raw_path": raw_path,
         "query_string": request.query,
         "root_path": "",

@@ -10,23 +10,37 @@ Every socket and parser problem leaves this module as one of its own errors;
 
     HTTPTransportError
     +-- ConnectFailed        refused, unreachable, DNS
-    +-- ConnectTimeout       no connection within connect_timeout_s
+    +-- ConnectTimeout       no connection (TCP and TLS handshake) within connect_timeout_s
+    +-- TLSFailed            the TLS handshake failed: untrusted or expired certificate,
+    |                        wrong host name, handshake refused
     +-- WriteTimeout         sending the request took longer than its timeout
     +-- ReadTimeout          one read took longer than the per-read timeout
     +-- DeadlineExpired      the caller's response deadline passed (first token, silence)
-    +-- ConnectionClosed     EOF or reset; ``response_started`` says whether any
+    +-- ConnectionClosed     EOF or reset (or a TLS alert after the handshake, as
+    |                        when an engine rejects our client certificate under
+    |                        TLS 1.3); ``response_started`` says whether any
     |                        response byte had arrived
     +-- MalformedResponse    the engine's bytes are not HTTP/1.1
+    +-- ResponseTooLarge     the head or a buffered body passed its bound
+    +-- LocalResourceError   our own process ran out of fds, memory or buffers
+                             while connecting (EMFILE, ENFILE, ENOMEM, ENOBUFS)
 """
 
 from __future__ import annotations
 
+import errno
 import math
+import os
 import select
+import ssl
 
 import httptools
 import msgspec
 import trio
+
+from narwhal.errors import NarwhalError
+from narwhal.http1.sockets import socket_of
+from narwhal.tls import tls_reason
 
 __all__ = [
     "ConnectFailed",
@@ -37,9 +51,13 @@ __all__ = [
     "EngineConnections",
     "HTTPResponseHead",
     "HTTPTransportError",
+    "LocalResourceError",
     "MalformedResponse",
     "ReadTimeout",
+    "ResponseTooLarge",
+    "TLSFailed",
     "WriteTimeout",
+    "local_errno_name",
 ]
 
 # Idle connections younger than this are reused without a liveness poll (see _take_idle).
@@ -47,9 +65,18 @@ _RECENTLY_IDLE_S = 1.0
 
 _READ_SIZE = 65536
 _INF = math.inf
+# A relay whose reads never block yields to the scheduler after this many reads in a row.
+_UNBLOCKED_READS_PER_CHECKPOINT = 16
+# Module-level names for the raw syscalls: the fast path's only I/O, and what tests replace.
+_read = os.read
+_write = os.write
+# Default bound on a response's status line and headers (engine.max_response_header_bytes).
+DEFAULT_MAX_HEAD_BYTES = 64 * 1024
+# Errors of our own process, not of the engine we were connecting to.
+_LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 
 
-class HTTPTransportError(Exception):
+class HTTPTransportError(NarwhalError):
     """A transport problem on an engine connection; ``cause`` names the original error."""
 
     def __init__(self, message: str, *, cause: str) -> None:
@@ -63,6 +90,10 @@ class ConnectFailed(HTTPTransportError):
 
 class ConnectTimeout(HTTPTransportError):
     """The TCP connection was not open within the connect timeout."""
+
+
+class TLSFailed(HTTPTransportError):
+    """The TLS handshake with the engine failed; the message carries the TLS reason."""
 
 
 class WriteTimeout(HTTPTransportError):
@@ -89,6 +120,18 @@ class MalformedResponse(HTTPTransportError):
     """The engine sent bytes that do not parse as an HTTP/1.1 response."""
 
 
+class ResponseTooLarge(HTTPTransportError):
+    """The response head or a body the caller buffers passed its size bound; the connection is dropped."""
+
+
+class LocalResourceError(HTTPTransportError):
+    """Connecting failed for lack of our own resources; ``errno_name`` says which (EMFILE, ...)."""
+
+    def __init__(self, message: str, *, cause: str, errno_name: str) -> None:
+        super().__init__(message, cause=cause)
+        self.errno_name = errno_name
+
+
 class HTTPResponseHead(msgspec.Struct, frozen=True):
     """Status and headers of a response; header names are lower-case."""
 
@@ -101,6 +144,12 @@ def _cause_name(exc: BaseException) -> str:
     return type(exc.__cause__ or exc).__name__
 
 
+def _closed_message(plain: str, exc: BaseException) -> str:
+    """``plain``, or with the TLS reason when the engine ended the connection with a TLS alert."""
+    reason = tls_reason(exc)
+    return f"{plain} (TLS: {reason})" if reason else plain
+
+
 def _first_attempt_error(exc: OSError) -> BaseException:
     # trio raises a generic OSError "all attempts ... failed" caused by a group of the
     # per-address errors; the first of those (ConnectionRefusedError, ...) says what happened.
@@ -110,17 +159,42 @@ def _first_attempt_error(exc: OSError) -> BaseException:
     return exc
 
 
+def local_errno_name(exc: BaseException) -> str | None:
+    """EMFILE, ENFILE, ENOMEM or ENOBUFS when ``exc`` is our own process running short, else None."""
+    seen: BaseException | None = exc
+    # Through wrappers (httpx, httpcore, trio's "all attempts failed" and its group); bounded.
+    for _ in range(16):
+        if seen is None:
+            return None
+        if isinstance(seen, OSError) and seen.errno in _LOCAL_ERRNOS:
+            return errno.errorcode[seen.errno]
+        if isinstance(seen, BaseExceptionGroup) and seen.exceptions:
+            seen = seen.exceptions[0]
+        else:
+            seen = seen.__cause__ or seen.__context__
+    return None
+
+
 class EngineConnection:
     """One TCP connection to an engine and the response currently being read on it.
 
     It is also the httptools protocol object: the parser calls its ``on_*`` methods.
     """
 
-    def __init__(self, stream: trio.SocketStream, key: tuple[str, int]) -> None:
+    def __init__(self, stream: trio.abc.Stream, key: tuple[str, int], *,
+                 max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES) -> None:
         self.key = key
+        self.max_head_bytes = max_head_bytes
         self.idle_since = 0.0
         self.sent_at = 0.0
+        # While the relay waits for the engine: when that wait began (for the silence watchdog).
+        self.waiting_since = _INF
         self._stream = stream
+        # Plain sockets get the syscall fast path; any other trio Stream (TLS) the generic one.
+        self._fd = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else -1
+        # True when the last read was short: the socket is drained, so wait before reading again.
+        self._drained = True
+        self._unblocked = 0
         self._parser: httptools.HttpResponseParser | None = None
         self._headers: list[tuple[bytes, bytes]] = []
         self._head: HTTPResponseHead | None = None
@@ -129,10 +203,15 @@ class EngineConnection:
         self._complete = False
         self._keep_alive = False
         self._broken = False
+        # Bytes received for the current response: the head bound reads it before the head is parsed.
+        self._received = 0
+        self._wire_limit: float = _INF
 
     # httptools callbacks -------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.append((name.lower(), value))
+        # Trailers (after the head) are dropped: nothing reads them, and they must not grow a list.
+        if self._head is None:
+            self._headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
         assert self._parser is not None
@@ -157,12 +236,13 @@ class EngineConnection:
         """Close the socket now; synchronous so release paths need no checkpoint."""
         self._broken = True
         self._parser = None
-        self._stream.socket.close()
+        self._fd = -1
+        socket_of(self._stream).close()
 
     def dropped_while_idle(self) -> bool:
         """True when an idle connection has something to read: EOF, a reset, or stray bytes."""
         poller = select.poll()
-        poller.register(self._stream.socket.fileno(), select.POLLIN)
+        poller.register(socket_of(self._stream).fileno(), select.POLLIN)
         return bool(poller.poll(0))
 
     # I/O ------------------------------------------------------------------
@@ -172,17 +252,38 @@ class EngineConnection:
         self._headers = []
         self._head = None
         self._body = []
+        self._received = 0
         self._response_started = self._complete = self._keep_alive = False
-        with trio.move_on_after(timeout_s) as scope:
+        # Nothing of the response can be there yet: the first read waits for it.
+        self._drained = True
+        rest: bytes | memoryview = request
+        fd = self._fd
+        if fd >= 0:
+            # The kernel almost always takes a whole request at once: then no scope and no trip
+            # through the scheduler (P2 in docs/benchmarks.md).
             try:
-                await self._stream.send_all(request)
-            except trio.BrokenResourceError as exc:
+                sent = _write(fd, request)
+            except BlockingIOError:
+                sent = 0
+            except OSError as exc:
                 self._broken = True
+                # The engine may have answered before closing (413 for a body over its limit).
+                self.sent_at = trio.current_time()
                 raise ConnectionClosed("connection closed while sending the request",
-                                       cause=_cause_name(exc), response_started=False) from exc
-        if scope.cancelled_caught:
-            self._broken = True
-            raise WriteTimeout(f"request not sent within {timeout_s:g} s", cause="WriteTimeout")
+                                       cause=type(exc).__name__, response_started=False) from exc
+            rest = memoryview(request)[sent:] if sent else request
+        if rest:
+            with trio.move_on_after(timeout_s) as scope:
+                try:
+                    await self._stream.send_all(rest)
+                except trio.BrokenResourceError as exc:
+                    self._broken = True
+                    self.sent_at = trio.current_time()
+                    raise ConnectionClosed(_closed_message("connection closed while sending the request", exc),
+                                           cause=_cause_name(exc), response_started=False) from exc
+            if scope.cancelled_caught:
+                self._broken = True
+                raise WriteTimeout(f"request not sent within {timeout_s:g} s", cause="WriteTimeout")
         self.sent_at = trio.current_time()
 
     async def read_head(self, *, read_timeout_s: float, deadline: float = _INF,
@@ -203,33 +304,132 @@ class EngineConnection:
         self._body.clear()
         return data
 
-    async def read_body_to_end(self, *, read_timeout_s: float) -> bytes:
-        """The whole remaining body."""
+    async def read_body_to_end(self, *, read_timeout_s: float, max_bytes: float = _INF) -> bytes:
+        """The whole remaining body; ResponseTooLarge (connection dropped) past ``max_bytes``.
+
+        A declared content-length over the bound fails before any body byte is read;
+        chunked and close-delimited bodies fail at the read that crosses it. The
+        wire bytes are bounded too (8x the body bound), so endless trailers or
+        one-byte chunks cannot run on under a small body.
+        """
+        declared = self.content_length()
+        if declared is not None and declared > max_bytes:
+            self.close()
+            raise ResponseTooLarge(f"response body of {declared} bytes is over the {max_bytes} byte bound",
+                                   cause="ResponseTooLarge")
+        # Checked by _receive: trailers and chunk framing carry no body bytes to count here.
+        self._wire_limit = self._received + 8 * max_bytes + self.max_head_bytes
         parts = []
-        while data := await self.read_body(read_timeout_s=read_timeout_s):
-            parts.append(data)
+        size = 0
+        try:
+            while data := await self.read_body(read_timeout_s=read_timeout_s):
+                size += len(data)
+                if size > max_bytes:
+                    self.close()
+                    raise ResponseTooLarge(f"response body over the {max_bytes} byte bound",
+                                           cause="ResponseTooLarge")
+                parts.append(data)
+        finally:
+            self._wire_limit = _INF
         return b"".join(parts)
 
-    async def _receive(self, read_timeout_s: float, deadline: float, deadline_message: str) -> None:
-        read_by = trio.current_time() + read_timeout_s
-        data = b""
-        with trio.move_on_at(min(read_by, deadline)) as scope:
-            try:
-                data = await self._stream.receive_some(_READ_SIZE)
-            except trio.BrokenResourceError as exc:
-                self._broken = True
-                raise ConnectionClosed("connection reset by the engine", cause=_cause_name(exc),
-                                       response_started=self._response_started) from exc
-        if scope.cancelled_caught:
+    def content_length(self) -> int | None:
+        """The response's declared content-length, if any."""
+        for name, value in self._headers:
+            if name == b"content-length":
+                try:
+                    return int(value)
+                except ValueError:
+                    return None
+        return None
+
+    async def read_relay_body(self) -> bytes:
+        """The body bytes of the next read(s), b"" at its end; for a relay whose deadlines a watchdog keeps.
+
+        No cancel scope and no deadline per read: the caller's scope is cancelled
+        from outside when the engine is silent too long (``waiting_since`` says
+        since when it has been waited for). The socket is read first and waited
+        for only after a short read; every few reads that did not wait, it yields.
+        """
+        body = self._body
+        fd = self._fd
+        while not body:
+            if self._complete:
+                return b""
+            if fd < 0:
+                self.waiting_since = trio.current_time()
+                try:
+                    await self._receive(_INF, _INF, "")
+                finally:
+                    self.waiting_since = _INF
+                continue
+            if self._drained:
+                self.waiting_since = trio.current_time()
+                try:
+                    await trio.lowlevel.wait_readable(fd)
+                finally:
+                    self.waiting_since = _INF
+                self._unblocked = 0
+            else:
+                self._unblocked += 1
+                if self._unblocked >= _UNBLOCKED_READS_PER_CHECKPOINT:
+                    self._unblocked = 0
+                    await trio.lowlevel.checkpoint()
+            data = self._read_now()
+            if data is not None:
+                self._parse(data)
+        data = body[0] if len(body) == 1 else b"".join(body)
+        body.clear()
+        return data
+
+    def _read_now(self) -> bytes | None:
+        """One non-blocking read; None when there was nothing to read after all."""
+        try:
+            data = _read(self._fd, _READ_SIZE)
+        except BlockingIOError:
+            self._drained = True
+            return None
+        except OSError as exc:
             self._broken = True
-            if deadline <= read_by:
-                raise DeadlineExpired(deadline_message or "response deadline passed",
-                                      cause="DeadlineExpired")
-            raise ReadTimeout(f"no response bytes within {read_timeout_s:g} s", cause="ReadTimeout")
+            raise ConnectionClosed("connection reset by the engine", cause=type(exc).__name__,
+                                   response_started=self._response_started) from exc
+        self._drained = len(data) < _READ_SIZE
+        return data
+
+    async def _receive(self, read_timeout_s: float, deadline: float, deadline_message: str) -> None:
+        fd = self._fd
+        data: bytes | None = None
+        if fd >= 0 and not self._drained:
+            data = self._read_now()
+        if data is None:
+            read_by = trio.current_time() + read_timeout_s if read_timeout_s < _INF else _INF
+            with trio.move_on_at(min(read_by, deadline)) as scope:
+                try:
+                    if fd >= 0:
+                        while data is None:
+                            await trio.lowlevel.wait_readable(fd)
+                            data = self._read_now()
+                    else:
+                        data = bytes(await self._stream.receive_some(_READ_SIZE))
+                except trio.BrokenResourceError as exc:
+                    self._broken = True
+                    raise ConnectionClosed(_closed_message("connection reset by the engine", exc),
+                                           cause=_cause_name(exc), response_started=self._response_started) from exc
+            if scope.cancelled_caught:
+                self._broken = True
+                if deadline <= read_by:
+                    raise DeadlineExpired(deadline_message or "response deadline passed",
+                                          cause="DeadlineExpired")
+                raise ReadTimeout(f"no response bytes within {read_timeout_s:g} s", cause="ReadTimeout")
+        assert data is not None
+        self._parse(data)
+
+    def _parse(self, data: bytes) -> None:
         if not data:
             self._end_of_file()
             return
         self._response_started = True
+        self._received += len(data)
         assert self._parser is not None
         try:
             self._parser.feed_data(data)
@@ -239,6 +439,15 @@ class EngineConnection:
                 # Our response is whole; the junk after it only makes the connection unusable.
                 return
             raise MalformedResponse(f"malformed HTTP response: {exc}", cause=type(exc).__name__) from exc
+        if self._received > self._wire_limit:
+            self.close()
+            raise ResponseTooLarge(f"response (trailers, chunk framing) over its {self._wire_limit:g} byte wire bound",
+                                   cause="ResponseTooLarge")
+        if self._head is None and self._received > self.max_head_bytes:
+            # Every byte so far belongs to the head; httptools would buffer an endless one.
+            self.close()
+            raise ResponseTooLarge(f"response head over the {self.max_head_bytes} byte bound",
+                                   cause="ResponseTooLarge")
 
     def _end_of_file(self) -> None:
         self._broken = True
@@ -270,8 +479,13 @@ class EngineConnections:
     """
 
     def __init__(self, *, idle_s: float = 4.0, connect_timeout_s: float = 2.0,
-                 write_timeout_s: float = 60.0) -> None:
+                 write_timeout_s: float = 60.0, max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.idle_s = idle_s
+        # For ``tls=True`` requests; read at each new connection, so assigning a new
+        # context (a reload) changes new handshakes only.
+        self.ssl_context = ssl_context
+        self.max_head_bytes = max_head_bytes
         self.connect_timeout_s = connect_timeout_s
         self.write_timeout_s = write_timeout_s
         self.connections_opened = 0
@@ -283,12 +497,13 @@ class EngineConnections:
         return sum(len(stack) for stack in self._idle.values())
 
     async def request(self, host: str, port: int, request: bytes, *, read_timeout_s: float,
-                      head_deadline_s: float = _INF,
-                      head_deadline_message: str = "") -> tuple[EngineConnection, HTTPResponseHead]:
+                      head_deadline_s: float = _INF, head_deadline_message: str = "",
+                      tls: bool = False) -> tuple[EngineConnection, HTTPResponseHead]:
         """Send ``request`` and read the response head; the caller must ``release`` the connection.
 
         ``head_deadline_s`` bounds the wait for the head, counted from when the
-        request was sent; each read is also bounded by ``read_timeout_s``.
+        request was sent; each read is also bounded by ``read_timeout_s``. With
+        ``tls`` a new connection is TLS, verified against ``host``.
         """
         key = (host, port)
         conn = self._take_idle(key)
@@ -303,7 +518,7 @@ class EngineConnections:
                 # connection as we reused it. Fall through to one fresh attempt.
             else:
                 return conn, head
-        conn = await self._open(key)
+        conn = await self._open(key, tls)
         head = await self._exchange(conn, request, read_timeout_s, head_deadline_s, head_deadline_message)
         return conn, head
 
@@ -330,7 +545,15 @@ class EngineConnections:
                         head_deadline_s: float, head_deadline_message: str) -> HTTPResponseHead:
         done = False
         try:
-            await conn.send_request(request, timeout_s=self.write_timeout_s)
+            try:
+                await conn.send_request(request, timeout_s=self.write_timeout_s)
+            except ConnectionClosed:
+                head = await self._early_response(conn, read_timeout_s)
+                if head is None:
+                    raise
+                # The engine refused the request before reading it all: its answer is what counts.
+                done = True
+                return head
             head = await conn.read_head(read_timeout_s=read_timeout_s, deadline=conn.sent_at + head_deadline_s,
                                         deadline_message=head_deadline_message)
             done = True
@@ -338,6 +561,19 @@ class EngineConnections:
         finally:
             if not done:
                 conn.close()
+
+    @staticmethod
+    async def _early_response(conn: EngineConnection, read_timeout_s: float) -> HTTPResponseHead | None:
+        """After a failed write: the head of a response the engine sent first, or None.
+
+        The kernel keeps bytes that arrived before a reset, so the answer (often a
+        413 sent before closing) is still readable; no answer leaves the write
+        error to stand, with its retry-on-a-fresh-connection rule.
+        """
+        try:
+            return await conn.read_head(read_timeout_s=read_timeout_s)
+        except HTTPTransportError:
+            return None
 
     def _take_idle(self, key: tuple[str, int]) -> EngineConnection | None:
         stack = self._idle.get(key)
@@ -371,16 +607,49 @@ class EngineConnections:
             if expired:
                 del stack[:expired]
 
-    async def _open(self, key: tuple[str, int]) -> EngineConnection:
+    async def _open(self, key: tuple[str, int], tls: bool = False) -> EngineConnection:
         host, port = key
+        stream: trio.SocketStream | None = None
+        secure: trio.SSLStream[trio.SocketStream] | None = None
+        # One deadline for the TCP connect and the TLS handshake together.
         with trio.move_on_after(self.connect_timeout_s) as scope:
             try:
                 stream = await trio.open_tcp_stream(host, port)
             except OSError as exc:
                 first = _first_attempt_error(exc)
+                local = local_errno_name(first)
+                if local is not None:
+                    raise LocalResourceError(f"cannot open a connection to {host}:{port}: {first}",
+                                             cause=type(first).__name__, errno_name=local) from exc
                 raise ConnectFailed(f"cannot connect to {host}:{port}: {first}", cause=type(first).__name__) from exc
+            if tls:
+                secure = await self._handshake(stream, host, port)
         if scope.cancelled_caught:
-            raise ConnectTimeout(f"no connection to {host}:{port} within {self.connect_timeout_s:g} s",
+            if stream is not None:
+                stream.socket.close()
+            what = "TLS handshake" if stream is not None and tls else "connection"
+            raise ConnectTimeout(f"no {what} with {host}:{port} within {self.connect_timeout_s:g} s",
                                  cause="ConnectTimeout")
+        assert stream is not None
         self.connections_opened += 1
-        return EngineConnection(stream, key)
+        # A TLS connection is an SSLStream: EngineConnection keeps it off the plain-socket fast path.
+        return EngineConnection(secure if secure is not None else stream, key, max_head_bytes=self.max_head_bytes)
+
+    async def _handshake(self, stream: trio.SocketStream, host: str, port: int) -> trio.SSLStream[trio.SocketStream]:
+        context = self.ssl_context
+        if context is None:
+            stream.socket.close()
+            raise TLSFailed(f"no TLS context for https://{host}:{port}", cause="NoTLSContext")
+        # server_hostname is the URL's host: check_hostname verifies the certificate against it.
+        secure = trio.SSLStream(stream, context, server_hostname=host, https_compatible=True)
+        try:
+            await secure.do_handshake()
+        except trio.BrokenResourceError as exc:
+            stream.socket.close()
+            reason = tls_reason(exc) or str(exc.__cause__ or exc)
+            raise TLSFailed(f"TLS handshake with {host}:{port} failed: {reason}",
+                            cause=_cause_name(exc)) from exc
+        except BaseException:
+            stream.socket.close()
+            raise
+        return secure

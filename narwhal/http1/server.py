@@ -1,18 +1,48 @@
 """A small HTTP/1.1 server on trio streams, parsed by httptools.
 
-Theory of operation: each connection runs two tasks in one nursery.
+Theory of operation: each connection is served by one task.
 
-- The *reader* owns every receive on the socket. It feeds bytes to the
-  httptools parser, whose callbacks build ``Request`` objects into a queue
-  (pipelined requests queue up in order). It keeps reading while a handler
-  runs, so a client that goes away (EOF or reset) is seen at once: the reader
-  cancels the running handler's cancel scope. It stops reading while more than
-  one request is queued (then it only watches for EOF), and it stops for good
-  at the first protocol error, which it records for the dispatcher to answer.
-- The *dispatcher* owns every send, except the interim ``100 Continue`` that
-  the reader sends while the dispatcher is idle. It takes requests off the
-  queue one at a time, runs the handler in its own cancel scope, makes sure a
-  response went out, and decides whether the connection goes on.
+- While no request is being handled, the connection task owns every receive:
+  it feeds bytes to the httptools parser, whose callbacks build ``Request``
+  objects into a queue (pipelined requests queue up in order), and it sends
+  the interim ``100 Continue`` when a body is expected. It waits at most
+  ``idle_timeout_s`` for the next bytes.
+- It then takes requests off the queue one at a time, runs the handler in its
+  own cancel scope, makes sure a response went out, and decides whether the
+  connection goes on. Nothing is read while a handler runs: later pipelined
+  requests wait in the socket buffer.
+- While a handler runs, the connection's socket is in the server's disconnect
+  watch: one task per server owns an epoll set of the sockets with a request
+  in flight, waiting for the peer's close (EPOLLRDHUP) or a reset, and cancels
+  that handler's scope. A connection with no request in flight costs no task
+  and no watch; one with a request costs two ``epoll_ctl`` calls, no task.
+
+Sends to plain sockets are a non-blocking ``write`` first; only what the
+kernel did not take goes through trio's ``send_all`` (which waits until the
+socket is writable). Any other trio Stream (TLS) uses the stream's methods.
+
+With an ``ssl_context`` every accepted connection is wrapped in a
+``trio.SSLStream`` and must finish its handshake within the idle timeout; a
+plain-HTTP client on that port fails the handshake and is closed unanswered
+(after the TLS alert, if OpenSSL wrote one). The wrapped stream is not a
+``SocketStream``, so it never takes the plain-socket fast paths.
+
+Bounds against hostile clients: a request's head must arrive within
+``header_timeout_s`` of its first byte (of the accept, for a connection's first
+request) and its body within ``body_timeout_s`` of the head, however slowly the
+bytes trickle in (answered 408). A write that the kernel does not take at once
+is watched: a watchdog task closes the stream of a client whose write waited
+``client_write_timeout_s``, which fails that write with ``ClientDisconnected``
+(reason ``client_stalled``). Past ``max_client_connections``, a few more
+connections are accepted that may only ask for the ``overflow_paths``
+(``/health``); all else gets 503 and close. ``Upgrade`` and ``CONNECT`` are
+refused (400) so that bytes after a head are never parsed as another request.
+
+A client's FIN is read as a half-close (``half_close=True``): the disconnect
+watch then waits only for a reset or a hang-up (not EPOLLRDHUP), so the
+requests it sent are still answered; a client that really went away is noticed
+when a write to it fails. With ``half_close=False`` (the mock engine, like
+uvicorn) a FIN cancels the running handler at once.
 
 The server's ``shutdown()`` stops the accept loops, wakes idle connections so
 they close, and puts a deadline on the nursery that holds the connections, so
@@ -24,7 +54,11 @@ from __future__ import annotations
 import errno
 import http
 import logging
-import socket
+import math
+import os
+import resource
+import select
+import ssl
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -35,7 +69,10 @@ import httptools
 import msgspec
 import trio
 
+from narwhal.errors import ClientGone, NarwhalError
+from narwhal.http1.sockets import socket_of
 from narwhal.obs.logs import log_event
+from narwhal.tls import tls_reason
 from narwhal.wire import error_json
 
 __all__ = [
@@ -46,6 +83,7 @@ __all__ = [
     "Request",
     "Responder",
     "ServerStatistics",
+    "client_connection_budget",
 ]
 
 _RECEIVE_SIZE = 65536
@@ -59,6 +97,17 @@ _ACCEPT_CAPACITY_ERRNOS = frozenset(
     code for code in (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS) if code is not None
 )
 _ACCEPT_BACKOFF_S = 0.1
+# After an early 413 the rest of the upload is read and dropped, up to this many
+# times max_body_bytes and within body_timeout_s, so that the client reads the
+# 413 instead of a reset caused by unread bytes.
+_DRAIN_413_FACTOR = 4
+# Connections accepted past max_client_connections that may still ask for /health.
+OVERFLOW_CONNECTIONS = 16
+# The file descriptors kept for everything but client connections (listeners,
+# the admin listener, logs, handoff writes) when the cap is sized from the fd limit.
+_FD_HEADROOM = 64
+# How often, at most, the watchdog looks for writes to clients that stopped reading.
+_WATCHDOG_MAX_TICK_S = 1.0
 
 
 class Listener(Protocol):
@@ -78,10 +127,19 @@ _KEEP_ALIVE_HEADER = b"connection: keep-alive\r\n"
 _CHUNKED_HEADER = b"transfer-encoding: chunked\r\n"
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 _CHUNK_TERMINATOR = b"0\r\n\r\n"
+_TOO_MANY_CONNECTIONS = error_json("too many client connections; only /health is served now",
+                                   type_="service_unavailable", code="too_many_connections")
+# The peer closed or reset: what the disconnect watch waits for (not EPOLLIN: pipelined bytes stay unread).
+_GONE_EVENTS = select.EPOLLRDHUP | select.EPOLLHUP | select.EPOLLERR
+# With half-close: a FIN is not "gone", only a reset or a full hang-up is.
+_RESET_EVENTS = select.EPOLLHUP | select.EPOLLERR
+_INF = math.inf
+# The raw send syscall of the fast path; a module-level name so tests can count or limit writes.
+_write = os.write
 
 
-class ClientDisconnected(Exception):
-    """The client closed or reset the connection before the response was written."""
+class ClientDisconnected(ClientGone):
+    """The client closed or reset the connection (or stopped reading) before the response was written."""
 
 
 class ServerStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -90,14 +148,17 @@ class ServerStatistics(msgspec.Struct, frozen=True, kw_only=True):
     connections_open: int
     requests_in_flight: int
     requests_total: int
+    connections_refused: int = 0
+    clients_stalled: int = 0
 
 
 class Request:
     """One parsed request with its complete body."""
 
     __slots__ = (
+        "_client",
+        "_conn",
         "body",
-        "client",
         "headers",
         "http_version",
         "keep_alive",
@@ -116,6 +177,7 @@ class Request:
         http_version: str = "1.1",
         keep_alive: bool = True,
         client: tuple[str, int] | None = None,
+        conn: _Connection | None = None,
     ) -> None:
         self.method = method
         self.target = target
@@ -125,7 +187,15 @@ class Request:
         self.body = body
         self.http_version = http_version
         self.keep_alive = keep_alive
-        self.client = client
+        self._client = client
+        self._conn = conn
+
+    @property
+    def client(self) -> tuple[str, int] | None:
+        """The peer's (host, port); looked up only when asked for (a syscall the data path never needs)."""
+        if self._client is None and self._conn is not None:
+            self._client = self._conn.peer()
+        return self._client
 
     def get_header(self, name: bytes) -> bytes | None:
         """The value of the first header called ``name`` (lower-case), or None."""
@@ -165,6 +235,11 @@ class Responder:
         """True once the client is known to be gone."""
         return self._conn.disconnected
 
+    @property
+    def secure(self) -> bool:
+        """True when the request came over TLS."""
+        return isinstance(self._conn.stream, trio.SSLStream)
+
     async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         """Send a complete response (head and body in one write)."""
         self._begin()
@@ -176,12 +251,20 @@ class Responder:
         self.finished = True
         await self._conn.send(self._head(status, headers, framing, body))
 
-    async def start_stream(self, status: int, headers: list[tuple[bytes, bytes]], first: bytes = b"") -> None:
-        """Send the head of a streamed response, with ``first`` as its first chunk, in one write."""
+    async def start_stream(self, status: int, headers: list[tuple[bytes, bytes]], first: bytes = b"",
+                           end: bool = False) -> None:
+        """Send the head of a streamed response, with ``first`` as its first chunk, in one write.
+
+        ``end=True``: ``first`` is the whole body; the terminator goes in the same write.
+        """
         self._begin()
+        if end:
+            self.finished = True
         if self._request.http_version == "1.1":
             self._chunked = True
             chunk = b"%x\r\n%b\r\n" % (len(first), first) if first else b""
+            if end:
+                chunk += _CHUNK_TERMINATOR
             head = self._head(status, headers, _CHUNKED_HEADER, chunk)
         else:
             # HTTP/1.0 has no chunked coding: the body ends when the connection closes.
@@ -215,7 +298,7 @@ class Responder:
         if self.started:
             raise RuntimeError("the response has already started")
         if self._conn.disconnected:
-            raise ClientDisconnected("the client has gone")
+            raise self._conn.gone_error()
         self.started = True
 
     def _head(self, status: int, headers: list[tuple[bytes, bytes]], framing: bytes, payload: bytes) -> bytes:
@@ -242,57 +325,73 @@ class Responder:
         return b"".join(lines)
 
 
-class _ProtocolViolation(Exception):
+class _ProtocolViolation(NarwhalError):
     """Raised inside a parser callback to stop parsing; the reason is on the connection."""
 
 
 class _Connection:
-    """One client connection: the parser's callbacks, the reader and the dispatcher."""
+    """One client connection: the parser's callbacks and the task that serves it."""
 
     __slots__ = (
         "_body_parts",
         "_body_size",
+        "_client",
         "_content_length",
         "_continue_pending",
-        "_dispatcher_idle",
-        "_dispatcher_lot",
+        "_drained",
+        "_expect",
         "_expect_continue",
         "_fatal",
+        "_fd",
+        "_gone_reason",
         "_handler_scope",
         "_head_bytes",
         "_head_fed",
         "_headers",
-        "_idle_scope",
+        "_idle",
         "_in_head",
         "_in_message",
         "_messages_begun",
         "_parser",
+        "_phase_deadline",
         "_queue",
-        "_reader_lot",
+        "_scope",
+        "_upgrade",
         "_url",
-        "client",
         "disconnected",
+        "overflow",
         "server",
+        "sock",
         "stream",
+        "write_since",
     )
 
-    def __init__(self, server: HTTPServer, stream: trio.SocketStream) -> None:
+    def __init__(self, server: HTTPServer, stream: trio.abc.Stream, *, overflow: bool = False) -> None:
         self.server = server
         self.stream = stream
-        try:
-            peer = stream.socket.getpeername()
-            self.client: tuple[str, int] | None = (peer[0], peer[1])
-        except OSError:
-            self.client = None
+        # None for a stream with no socket under it (tests' memory streams).
+        self.sock: trio.socket.SocketType | None = _socket_or_none(stream)
+        # Plain sockets get the syscall fast path; any other trio Stream (TLS) the generic one.
+        self._fd = self.sock.fileno() if isinstance(stream, trio.SocketStream) and self.sock else -1
+        # Past the connection cap: only the overflow paths are served, one request.
+        self.overflow = overflow
+        self._gone_reason = "client_disconnected"
+        # When the pending write to the client began (inf: none pending); the watchdog reads it.
+        self.write_since = _INF
+        # The head's deadline while a head arrives, the body's while a body does, +inf between
+        # requests. A connection's first head is timed from the accept.
+        self._phase_deadline = trio.current_time() + server._header_timeout_s
+        self._client: tuple[str, int] | None = None
         self.disconnected = False
         self._parser = httptools.HttpRequestParser(self)
         self._queue: deque[Request] = deque()
         self._fatal: tuple[int, str, str] | None = None
         self._handler_scope: trio.CancelScope | None = None
-        self._idle_scope: trio.CancelScope | None = None
-        self._dispatcher_idle = False
-        self._dispatcher_lot = trio.lowlevel.ParkingLot()
-        self._reader_lot = trio.lowlevel.ParkingLot()
+        # The connection's scope: its deadline is the idle timeout while idle, +inf while handling.
+        self._scope: trio.CancelScope | None = None
+        self._idle = False
+        # A new connection's request is usually there already: read before waiting.
+        self._drained = False
         self._continue_pending = False
         self._in_message = False
         self._in_head = False
@@ -304,7 +403,19 @@ class _Connection:
         self._body_parts: list[bytes] = []
         self._body_size = 0
         self._content_length: bytes | None = None
+        self._expect: bytes | None = None
         self._expect_continue = False
+        self._upgrade = False
+
+    def peer(self) -> tuple[str, int] | None:
+        """The client's (host, port), or None when the socket cannot say."""
+        if self._client is None and self.sock is not None:
+            try:
+                peer = self.sock.getpeername()
+            except OSError:
+                return None
+            self._client = (peer[0], peer[1])
+        return self._client
 
     # ---- httptools callbacks: synchronous, called from feed_data ----
 
@@ -319,7 +430,12 @@ class _Connection:
         self._body_parts = []
         self._body_size = 0
         self._content_length = None
+        self._expect = None
         self._expect_continue = False
+        self._upgrade = False
+        if self._messages_begun > 1:
+            # The first request's head is timed from the accept; later ones from their first byte.
+            self._phase_deadline = trio.current_time() + self.server._header_timeout_s
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -336,15 +452,32 @@ class _Connection:
         if name == b"content-length":
             self._content_length = value
         elif name == b"expect":
-            self._expect_continue = value.lower() == b"100-continue"
+            self._expect = value.lower()
+        elif name == b"upgrade":
+            self._upgrade = True
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        if self._expect_continue and self._parser.get_http_version() != "1.1":
-            self._expect_continue = False  # HTTP/1.0 clients never get an interim response
+        parser = self._parser
+        version = parser.get_http_version()
+        if not version.startswith("1."):
+            self._violation(505, f"HTTP version {version} is not supported; use HTTP/1.1",
+                            "http_version_not_supported")
+        # httptools stops at the head of an upgrade or CONNECT and would leave the
+        # bytes after it to be parsed as the next request: refuse both outright.
+        if self._upgrade:
+            self._violation(400, "protocol upgrades are not supported", "upgrade_not_supported")
+        if parser.get_method() == b"CONNECT":
+            self._violation(400, "CONNECT is not supported", "method_not_supported")
+        if self._expect is not None:
+            if self._expect != b"100-continue":
+                self._violation(417, "only 'Expect: 100-continue' is supported", "expectation_failed")
+            # HTTP/1.0 clients never get an interim response.
+            self._expect_continue = version == "1.1"
         # llhttp has already rejected a malformed or duplicated content-length.
         if self._content_length is not None and int(self._content_length) > self.server._max_body_bytes:
             self._violation(413, "request body too large", "request_too_large")
+        self._phase_deadline = trio.current_time() + self.server._body_timeout_s
 
     def on_body(self, body: bytes) -> None:
         self._body_size += len(body)
@@ -365,11 +498,13 @@ class _Connection:
                 body,
                 parser.get_http_version(),
                 parser.should_keep_alive(),
-                self.client,
+                None,
+                self,
             )
         )
         self._in_message = False
         self._in_head = False
+        self._phase_deadline = _INF
         # The client sent the body without waiting: no interim response is due.
         self._expect_continue = False
         self._continue_pending = False
@@ -383,14 +518,18 @@ class _Connection:
         begun = self._messages_begun
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade as upgrade:
-            # Upgrades are not supported: the request was an ordinary one, and
-            # whatever follows it is parsed as the next request.
-            self._feed(data[upgrade.args[0] :])
+        except httptools.HttpParserUpgrade:
+            # on_headers_complete refuses upgrades; this is the parser's own view
+            # of one. Nothing after it is ever parsed as a request.
+            if self._fatal is None:
+                self._fatal = (400, "protocol upgrades are not supported", "upgrade_not_supported")
             return
         except httptools.HttpParserError as exc:
             if self._fatal is None:
-                self._fatal = (400, f"malformed HTTP request: {exc}", "malformed_request")
+                if "HTTP version" in str(exc):
+                    self._fatal = (505, "HTTP version not supported; use HTTP/1.1", "http_version_not_supported")
+                else:
+                    self._fatal = (400, f"malformed HTTP request: {exc}", "malformed_request")
             return
         if self._in_head and self._messages_begun == begun:
             # The whole chunk belonged to one unfinished head; this also bounds a
@@ -399,86 +538,20 @@ class _Connection:
             if self._head_fed > self.server._max_header_bytes:
                 self._fatal = (431, "request header fields too large", "request_header_fields_too_large")
 
-    # ---- the reader task ----
+    # ---- the connection task ----
 
-    async def read_loop(self) -> None:
-        """Receive and parse until EOF, a protocol error, or cancellation."""
-        receive_some = self.stream.receive_some
-        server = self.server
-        while True:
-            if len(self._queue) > 1:
-                await self._wait_for_queue_space()
-                if self.disconnected:
-                    return
-                continue
-            try:
-                data = await receive_some(_RECEIVE_SIZE)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                data = b""
-            if not data:
-                self._client_gone()
-                return
-            if self._idle_scope is not None:
-                self._idle_scope.deadline = trio.current_time() + server._idle_timeout_s
-            self._feed(data)
-            if self._fatal is not None:
-                self._dispatcher_lot.unpark()
-                return
-            if self._queue:
-                self._dispatcher_lot.unpark()
-            if self._expect_continue and self._in_message:
-                self._expect_continue = False
-                # Only an idle connection may send the interim response now; else
-                # the dispatcher sends it once the responses ahead of it are out.
-                if self._dispatcher_idle and not self._queue:
-                    await self._send_continue()
-                else:
-                    self._continue_pending = True
+    async def run(self) -> None:
+        """Read and answer requests in order until the connection should close."""
+        with trio.CancelScope() as scope:
+            self._scope = scope
+            await self._serve_requests(scope)
+        if (scope.cancel_called and self._in_message and self._fatal is None and not self.disconnected
+                and not self.server._closing and self._phase_deadline <= trio.current_time()):
+            # A head or body too slow: answered outside the scope its deadline cancelled.
+            self._fatal = self._timeout_error()
+            await self._send_fatal()
 
-    async def _wait_for_queue_space(self) -> None:
-        """Read nothing more while requests are queued, but notice EOF if it is next."""
-        sock = self.stream.socket
-        try:
-            await trio.lowlevel.wait_readable(sock)
-            if len(self._queue) <= 1:
-                return
-            peeked = await sock.recv(1, socket.MSG_PEEK)
-        except OSError:
-            peeked = b""
-        if not peeked:
-            self._client_gone()
-            return
-        # Unread requests sit before any EOF: wait until the dispatcher catches up.
-        await self._reader_lot.park()
-
-    async def _send_continue(self) -> None:
-        try:
-            await self.stream.send_all(_CONTINUE)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            self._client_gone()
-
-    def _client_gone(self) -> None:
-        self.disconnected = True
-        if self._handler_scope is not None:
-            self._handler_scope.cancel()
-        self._dispatcher_lot.unpark()
-
-    # ---- sending (dispatcher and responders) ----
-
-    async def send(self, data: bytes) -> None:
-        """One socket write; ClientDisconnected if the client is gone."""
-        if self.disconnected:
-            raise ClientDisconnected("the client has gone")
-        try:
-            await self.stream.send_all(data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            self._client_gone()
-            raise ClientDisconnected("the client has gone") from exc
-
-    # ---- the dispatcher ----
-
-    async def dispatch_loop(self) -> None:
-        """Answer queued requests in order until the connection should close."""
+    async def _serve_requests(self, scope: trio.CancelScope) -> None:
         server = self.server
         queue = self._queue
         while True:
@@ -486,6 +559,7 @@ class _Connection:
                 if self.disconnected:
                     return
                 if self._fatal is not None:
+                    scope.deadline = _INF
                     await self._send_fatal()
                     return
                 if server._closing and not self._in_message:
@@ -494,28 +568,155 @@ class _Connection:
                     self._continue_pending = False
                     await self._send_continue()
                     continue
-                self._dispatcher_idle = True
-                with trio.move_on_after(server._idle_timeout_s) as idle_scope:
-                    self._idle_scope = idle_scope
-                    await self._dispatcher_lot.park()
-                self._idle_scope = None
-                self._dispatcher_idle = False
-                if idle_scope.cancelled_caught:
+                phase_deadline = self._phase_deadline
+                scope.deadline = (phase_deadline if phase_deadline != _INF
+                                  else trio.current_time() + server._idle_timeout_s)
+                self._idle = True
+                data = await self._receive()
+                self._idle = False
+                if scope.cancel_called:
+                    # Idle too long, a head or body too slow (answered by run()), or shut
+                    # down, even if bytes arrived at that moment.
                     return
-            if self.disconnected:
-                return
+                if not data:
+                    self.disconnected = True
+                    return
+                self._feed(data)
+                if self._expect_continue and self._in_message and self._fatal is None:
+                    self._expect_continue = False
+                    # The interim response may not overtake responses still due ahead of it.
+                    if queue:
+                        self._continue_pending = True
+                    else:
+                        await self._send_continue()
+            scope.deadline = _INF
             request = queue.popleft()
-            self._reader_lot.unpark()
             if not await self._handle(request):
                 return
+            if self._in_message:
+                # A pipelined request begun meanwhile: nothing was read while we answered,
+                # so its head or body gets a whole window from now.
+                timeout_s = server._header_timeout_s if self._in_head else server._body_timeout_s
+                self._phase_deadline = trio.current_time() + timeout_s
+            # The response just went out: the client's next request comes later, so wait first.
+            self._drained = True
+
+    def _timeout_error(self) -> tuple[int, str, str]:
+        server = self.server
+        if self._in_head:
+            return (408, f"request head not received within {server._header_timeout_s:g} s", "header_timeout")
+        return (408, f"request body not received within {server._body_timeout_s:g} s", "body_timeout")
+
+    async def _receive(self) -> bytes:
+        """The next bytes from the client; b"" on EOF or a reset."""
+        fd = self._fd
+        if fd < 0:
+            try:
+                return bytes(await self.stream.receive_some(_RECEIVE_SIZE))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return b""
+        while True:
+            if self._drained:
+                await trio.lowlevel.wait_readable(fd)
+            try:
+                data = os.read(fd, _RECEIVE_SIZE)
+            except BlockingIOError:
+                self._drained = True
+                continue
+            except OSError:
+                return b""
+            self._drained = len(data) < _RECEIVE_SIZE
+            return data
+
+    def wake_for_shutdown(self) -> None:
+        """Close now if idle; a connection handling a request closes after its response."""
+        if self._idle and self._scope is not None:
+            self._scope.cancel()
+
+    async def _send_continue(self) -> None:
+        try:
+            await self.send(_CONTINUE)
+        except ClientDisconnected:
+            pass
+
+    def client_gone(self) -> None:
+        """The client closed or reset: cancel the handler (if any); the connection ends."""
+        self.disconnected = True
+        if self._handler_scope is not None:
+            self._handler_scope.cancel()
+
+    async def stalled(self) -> None:
+        """The watchdog's verdict: the client stopped reading; close its stream to fail the pending write."""
+        self._gone_reason = "client_stalled"
+        self.server._clients_stalled += 1
+        peer = self.peer()
+        log_event("http_client_stalled", level=logging.WARNING,
+                  client=None if peer is None else f"{peer[0]}:{peer[1]}",
+                  timeout_s=self.server._client_write_timeout_s)
+        self.disconnected = True
+        # Closing wakes the blocked send with ClosedResourceError (trio's notify_closing),
+        # so the handler sees ClientDisconnected with this reason rather than a bare cancel.
+        await trio.aclose_forcefully(self.stream)
+        self.client_gone()
+
+    def gone_error(self) -> ClientDisconnected:
+        """The exception for a write to a client known to be gone, carrying why it is gone."""
+        if self._gone_reason == "client_stalled":
+            return ClientDisconnected("the client stopped reading its response", reason="client_stalled")
+        return ClientDisconnected("the client has gone")
+
+    # ---- sending (the connection task and responders) ----
+
+    async def send(self, data: bytes) -> None:
+        """One socket write, the slow part watched by the write timeout; ClientDisconnected if the client is gone."""
+        if self.disconnected:
+            raise self.gone_error()
+        fd = self._fd
+        rest: bytes | memoryview = data
+        if fd >= 0:
+            # The kernel takes the bytes at once unless the socket buffer is full: then no
+            # trip through the scheduler at all (P2 in docs/benchmarks.md).
+            try:
+                sent = _write(fd, data)
+            except BlockingIOError:
+                sent = 0
+            except OSError as exc:
+                self.client_gone()
+                raise self.gone_error() from exc
+            if sent == len(data):
+                return
+            rest = memoryview(data)[sent:]
+        # Only a write that has to wait is watched (one clock read); the fast path above is not.
+        self.write_since = trio.current_time()
+        try:
+            await self.stream.send_all(rest)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self.client_gone()
+            raise self.gone_error() from exc
+        except BaseException:
+            # Cut mid-write (cancelled): part of a response may be out, so nothing more may follow.
+            self.disconnected = True
+            raise
+        finally:
+            self.write_since = _INF
 
     async def _handle(self, request: Request) -> bool:
         """Run the handler for one request; True when the connection may go on."""
         server = self.server
         responder = Responder(self, request)
+        if self.overflow:
+            # Past the connection cap: one request, and only a health check is served.
+            request.keep_alive = False
+            if request.path not in server._overflow_paths:
+                try:
+                    await responder.respond(503, _JSON_HEADERS, _TOO_MANY_CONNECTIONS)
+                except ClientDisconnected:
+                    pass
+                return False
         server._requests_in_flight += 1
         server._requests_total += 1
         failure: Exception | None = None
+        watching = server._watch(self)
         try:
             with trio.CancelScope() as scope:
                 self._handler_scope = scope
@@ -525,6 +726,8 @@ class _Connection:
             # shutdown deadline) go on while the handler's own errors stop here.
             failure = _unwrap(group)
         finally:
+            if watching:
+                server._unwatch(self)
             self._handler_scope = None
             server._requests_in_flight -= 1
         if self.disconnected:
@@ -567,23 +770,72 @@ class _Connection:
             ]
         )
         try:
-            await self.stream.send_all(head + body)
-            await self.stream.send_eof()
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            await self.send(head + body)
+            if isinstance(self.stream, trio.abc.HalfCloseableStream):
+                await self.stream.send_eof()
+        except (ClientDisconnected, trio.BrokenResourceError, trio.ClosedResourceError):
             return
-        with trio.move_on_after(_LINGER_S):
+        linger_s, linger_bytes = _LINGER_S, _LINGER_MAX_BYTES
+        if status == 413:
+            # Read the rest of an oversized upload (bounded), so the client sees the 413, not a
+            # reset; a client that stops sending for _LINGER_S is done.
+            server = self.server
+            linger_s = server._body_timeout_s
+            linger_bytes = max(_LINGER_MAX_BYTES, _DRAIN_413_FACTOR * server._max_body_bytes)
+        with trio.move_on_after(linger_s):
             drained = 0
-            while drained < _LINGER_MAX_BYTES:
-                try:
-                    data = await self.stream.receive_some(_RECEIVE_SIZE)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    return
+            while drained < linger_bytes:
+                data: bytes | bytearray = b""
+                with trio.move_on_after(_LINGER_S):
+                    try:
+                        data = await self.stream.receive_some(_RECEIVE_SIZE)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        return
                 if not data:
                     return
                 drained += len(data)
 
-    def wake_for_shutdown(self) -> None:
-        self._dispatcher_lot.unpark()
+
+async def _send_alert(stream: trio.SSLStream[trio.SocketStream], raw: trio.SocketStream) -> None:
+    """Send the TLS alert OpenSSL wrote for a failed handshake, then close gently.
+
+    trio marks the stream broken without sending it; without the alert a client
+    refused for its certificate sees only a reset and cannot tell why. The
+    attribute is trio's private outgoing buffer, hence the guard. The linger
+    keeps unread client bytes from turning the close into a reset that would
+    destroy the alert.
+    """
+    outgoing = getattr(stream, "_outgoing", None)
+    alert = outgoing.read() if isinstance(outgoing, ssl.MemoryBIO) else b""
+    if not alert:
+        return
+    with trio.move_on_after(_LINGER_S):
+        try:
+            await raw.send_all(alert)
+            await raw.send_eof()
+            drained = 0
+            while drained < _LINGER_MAX_BYTES:
+                data = await raw.receive_some(_RECEIVE_SIZE)
+                if not data:
+                    return
+                drained += len(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return
+
+
+def _socket_or_none(stream: trio.abc.Stream) -> trio.socket.SocketType | None:
+    try:
+        return socket_of(stream)
+    except AttributeError:
+        return None
+
+
+def _peer(raw: trio.SocketStream) -> tuple[str, int] | None:
+    try:
+        peer = raw.socket.getpeername()
+    except OSError:
+        return None
+    return (peer[0], peer[1])
 
 
 def _unwrap(group: ExceptionGroup) -> Exception:
@@ -619,9 +871,31 @@ class HTTPServer:
         max_header_bytes: int = 16384,
         max_body_bytes: int = 4 * 1024 * 1024,
         idle_timeout_s: float = 60.0,
+        header_timeout_s: float = 10.0,
+        body_timeout_s: float = 30.0,
+        client_write_timeout_s: float = 30.0,
+        max_client_connections: int | None = None,
+        overflow_paths: frozenset[str] = frozenset({"/health"}),
+        half_close: bool = True,
         server_name: bytes = b"narwhal",
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self._handler = handler
+        self._header_timeout_s = header_timeout_s
+        self._body_timeout_s = body_timeout_s
+        self._client_write_timeout_s = client_write_timeout_s
+        self._max_client_connections = max_client_connections
+        self._overflow_paths = overflow_paths
+        self._gone_events = _RESET_EVENTS if half_close else _GONE_EVENTS
+        # Every connection from its accept (TLS handshakes included), and those past the cap.
+        self._accepted = 0
+        self._overflow_open = 0
+        self._connections_refused = 0
+        self._clients_stalled = 0
+        self._refusals_logged_at = -math.inf
+        # Read once per accepted connection: assigning a new context (a TLS reload)
+        # changes new handshakes only.
+        self.ssl_context = ssl_context
         self._max_header_bytes = max_header_bytes
         self._max_body_bytes = max_body_bytes
         self._idle_timeout_s = idle_timeout_s
@@ -635,6 +909,9 @@ class HTTPServer:
         self._connections: set[_Connection] = set()
         self._requests_in_flight = 0
         self._requests_total = 0
+        # The disconnect watch: sockets with a request in flight, by fd (see the module docstring).
+        self._epoll: select.epoll | None = None
+        self._watched: dict[int, _Connection] = {}
 
     def __repr__(self) -> str:
         state = "closing" if self._closing else "serving"
@@ -649,6 +926,8 @@ class HTTPServer:
             connections_open=len(self._connections),
             requests_in_flight=self._requests_in_flight,
             requests_total=self._requests_total,
+            connections_refused=self._connections_refused,
+            clients_stalled=self._clients_stalled,
         )
 
     async def serve(self, host: str, port: int, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -676,25 +955,34 @@ class HTTPServer:
             conn.wake_for_shutdown()
 
     async def _serve(self, listeners: Sequence[Listener], started: Callable[[], None]) -> None:
+        epoll = self._epoll = select.epoll()
         try:
-            async with trio.open_nursery() as connections:
-                self._connections_scope = connections.cancel_scope
-                connections.cancel_scope.deadline = self._shutdown_deadline
-                async with trio.open_nursery() as accepting:
-                    self._accept_scope = accepting.cancel_scope
-                    if self._closing:
-                        accepting.cancel_scope.cancel()
+            async with trio.open_nursery() as watcher:
+                # The disconnect watch outlives every connection and stops after the last one.
+                watcher.start_soon(self._watch_disconnects, epoll)
+                watcher.start_soon(self._watchdog)
+                async with trio.open_nursery() as connections:
+                    self._connections_scope = connections.cancel_scope
+                    connections.cancel_scope.deadline = self._shutdown_deadline
+                    async with trio.open_nursery() as accepting:
+                        self._accept_scope = accepting.cancel_scope
+                        if self._closing:
+                            accepting.cancel_scope.cancel()
+                        for listener in listeners:
+                            accepting.start_soon(self._accept_loop, listener, connections)
+                        started()
+                    # Close at once so that new connects are refused while requests drain.
                     for listener in listeners:
-                        accepting.start_soon(self._accept_loop, listener, connections)
-                    started()
-                # Close at once so that new connects are refused while requests drain.
-                for listener in listeners:
-                    listener.socket.close()
+                        listener.socket.close()
+                watcher.cancel_scope.cancel()
         finally:
             for listener in listeners:
                 listener.socket.close()
             self._accept_scope = None
             self._connections_scope = None
+            self._watched.clear()
+            self._epoll = None
+            epoll.close()
 
     async def _accept_loop(self, listener: Listener, connections: trio.Nursery) -> None:
         while True:
@@ -708,28 +996,160 @@ class HTTPServer:
                 continue
             connections.start_soon(self._serve_connection, stream)
 
-    async def _serve_connection(self, stream: trio.SocketStream) -> None:
-        # trio already sets TCP_NODELAY on accepted streams; say so explicitly, the
-        # hot path depends on it.
+    async def serve_stream(self, stream: trio.abc.Stream) -> None:
+        """Serve one accepted stream until it closes (tests drive the front over memory streams this way)."""
+        await self._serve_connection(stream)
+
+    async def run_watchdog(self) -> None:
+        """The client write timeout's watchdog, for callers of ``serve_stream``; ``serve`` runs its own."""
+        await self._watchdog()
+
+    async def _watchdog(self) -> None:
+        """Close the streams of clients whose pending write outlived ``client_write_timeout_s``.
+
+        One coarse tick for all connections instead of a cancel scope per write:
+        the hot path pays nothing unless a write has to wait.
+        """
+        timeout_s = self._client_write_timeout_s
+        tick_s = min(_WATCHDOG_MAX_TICK_S, timeout_s / 10)
+        while True:
+            await trio.sleep(tick_s)
+            expired_before = trio.current_time() - timeout_s
+            for conn in list(self._connections):
+                if conn.write_since <= expired_before and not conn.disconnected:
+                    await conn.stalled()
+
+    async def _serve_connection(self, stream: trio.abc.Stream) -> None:
+        # trio sets TCP_NODELAY on accepted sockets (the hot path depends on it; a test checks it).
+        cap = self._max_client_connections
+        overflow = cap is not None and self._accepted - self._overflow_open >= cap
+        if overflow and self._overflow_open >= OVERFLOW_CONNECTIONS:
+            await self._refuse(stream)
+            return
+        self._accepted += 1
+        if overflow:
+            self._overflow_open += 1
+            self._note_refusal()
         try:
-            stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
-        except OSError:
-            pass
-        conn = _Connection(self, stream)
+            await self._serve_accepted(stream, overflow)
+        finally:
+            self._accepted -= 1
+            if overflow:
+                self._overflow_open -= 1
+
+    async def _serve_accepted(self, stream: trio.abc.Stream, overflow: bool) -> None:
+        context = self.ssl_context
+        if context is not None and isinstance(stream, trio.SocketStream):
+            secure = await self._handshake(stream, context)
+            if secure is None:
+                return
+            stream = secure
+        conn = _Connection(self, stream, overflow=overflow)
         self._connections.add(conn)
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(conn.read_loop)
-                await conn.dispatch_loop()
-                nursery.cancel_scope.cancel()
-        except* Exception as group:
-            exc = _unwrap(group)
+            await conn.run()
+        except Exception as exc:
             log_event(
                 "http_connection_error", level=logging.ERROR, **{"class": type(exc).__name__}, message=str(exc)
             )
         finally:
             self._connections.discard(conn)
-            await trio.aclose_forcefully(stream)
+            if conn.sock is not None:
+                # Synchronous: no checkpoint (and no nursery) to close a connection.
+                conn.sock.close()
+            else:
+                await trio.aclose_forcefully(stream)
+
+    async def _refuse(self, stream: trio.abc.Stream) -> None:
+        """Past the cap and its overflow: 503 without reading (plain HTTP only), then close."""
+        self._note_refusal()
+        if self.ssl_context is None:
+            body = _TOO_MANY_CONNECTIONS
+            response = b"".join([_STATUS_LINES[503], b"content-type: application/json\r\n",
+                                 self._common_head_lines(), b"content-length: %d\r\n" % len(body), _CLOSE_HEADER,
+                                 b"\r\n", body])
+            with trio.move_on_after(1.0):
+                try:
+                    await stream.send_all(response)
+                    if isinstance(stream, trio.abc.HalfCloseableStream):
+                        await stream.send_eof()
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+        await trio.aclose_forcefully(stream)
+
+    def _note_refusal(self) -> None:
+        """Count a connection past the cap; log at most one event per 10 s, not one per connection."""
+        self._connections_refused += 1
+        now = trio.current_time()
+        if now - self._refusals_logged_at >= 10.0:
+            self._refusals_logged_at = now
+            log_event("http_connections_capped", level=logging.WARNING, cap=self._max_client_connections,
+                      open=self._accepted, refused_total=self._connections_refused)
+
+    async def _handshake(self, raw: trio.SocketStream, context: ssl.SSLContext) -> trio.SSLStream | None:
+        """The TLS stream once its handshake is done within the idle timeout; None (closed) otherwise."""
+        stream = trio.SSLStream(raw, context, server_side=True, https_compatible=True)
+        failure: BaseException | None = None
+        done = False
+        try:
+            with trio.move_on_after(self._idle_timeout_s):
+                try:
+                    await stream.do_handshake()
+                    done = True
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    failure = exc
+            if done:
+                return stream
+            peer = _peer(raw)
+            # Plain HTTP, an untrusted client certificate or a silent client: closed, never served.
+            log_event("tls_handshake_failed", level=logging.WARNING,
+                      client=f"{peer[0]}:{peer[1]}" if peer else None,
+                      reason=(tls_reason(failure) or str(failure) or type(failure).__name__) if failure
+                      else f"no handshake within {self._idle_timeout_s:g} s")
+            if failure is not None:
+                await _send_alert(stream, raw)
+            return None
+        finally:
+            if not done:
+                # Also when cancelled (shutdown): the socket must not outlive the task.
+                raw.socket.close()
+
+    def _watch(self, conn: _Connection) -> bool:
+        """Put a connection's socket in the disconnect watch while its request is in flight."""
+        epoll = self._epoll
+        if epoll is None or conn.sock is None:
+            return False
+        fd = conn.sock.fileno()
+        try:
+            epoll.register(fd, self._gone_events)
+        except OSError:
+            return False
+        self._watched[fd] = conn
+        return True
+
+    def _unwatch(self, conn: _Connection) -> None:
+        if conn.sock is None:
+            return
+        fd = conn.sock.fileno()
+        if self._watched.pop(fd, None) is not None and self._epoll is not None:
+            try:
+                self._epoll.unregister(fd)
+            except OSError:
+                pass
+
+    async def _watch_disconnects(self, epoll: select.epoll) -> None:
+        """The one task that sees clients go away mid-request, for every connection at once."""
+        watched = self._watched
+        while True:
+            await trio.lowlevel.wait_readable(epoll.fileno())
+            for fd, _events in epoll.poll(0):
+                conn = watched.pop(fd, None)
+                try:
+                    epoll.unregister(fd)
+                except OSError:
+                    pass
+                if conn is not None:
+                    conn.client_gone()
 
     def _common_head_lines(self) -> bytes:
         """The server and date headers; the date is formatted at most once a second."""
@@ -738,3 +1158,15 @@ class HTTPServer:
             self._common_head_second = now
             self._common_head = self._server_header + b"date: " + formatdate(now, usegmt=True).encode() + b"\r\n"
         return self._common_head
+
+
+def client_connection_budget(other_fds: int) -> int:
+    """A default for ``max_client_connections``: the fd limit less ``other_fds`` and a headroom.
+
+    Each client connection holds one descriptor; ``other_fds`` is what the
+    engine pools may hold. The overflow connections for /health come on top.
+    """
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(16, soft - other_fds - _FD_HEADROOM - OVERFLOW_CONNECTIONS)

@@ -7,6 +7,8 @@ router. ``build_backend`` picks the backend the config names.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from narwhal.config import Config
 from narwhal.lease.backend import LeaseBackend, LeaseBackendError
 from narwhal.lease.etcd_backend import EtcdLeaseBackend
@@ -28,12 +30,15 @@ __all__ = [
 ]
 
 
-def build_backend(config: Config) -> LeaseBackend | None:
-    """The backend ``[lease] backend`` names, or None for "none"."""
+def build_backend(config: Config, handoff_path: Path, config_dir: Path | None = None) -> LeaseBackend | None:
+    """The backend ``[lease] backend`` names, or None for "none"; a relative path is the config's."""
     lease = config.lease
     if lease.backend == "file":
         assert lease.path is not None  # the config requires it
-        return FileLeaseBackend(path=lease.path, handoff_path=config.handoff.path, ttl_s=lease.ttl_s,
+        path = Path(lease.path).expanduser()
+        if not path.is_absolute() and config_dir is not None:
+            path = config_dir / path
+        return FileLeaseBackend(path=path, handoff_path=handoff_path, ttl_s=lease.ttl_s,
                                 lock_timeout_s=min(1.0, lease.renew_interval_s / 2))
     if lease.backend == "etcd":
         return EtcdLeaseBackend(endpoints=lease.endpoints, key=lease.key, ttl_s=lease.ttl_s,

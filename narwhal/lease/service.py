@@ -38,7 +38,33 @@ from narwhal.stages.persistence import PersistenceStage
 from narwhal.state.handoff import HandoffError, decode_document
 from narwhal.state.resume import apply_resume, plan_document
 
-__all__ = ["LeaseService"]
+__all__ = ["LeaseService", "LeaseView"]
+
+
+class LeaseView(msgspec.Struct, frozen=True, kw_only=True):
+    """``GET /admin/lease``: this router's role and the shared record as it last saw it."""
+
+    router_id: str
+    backend: str
+    # "active", "standby" or "fenced" ("active" always without a lease backend).
+    role: str
+    holder: str = ""
+    epoch: int = 0
+    advertise_url: str = ""
+    record: LeaseRecord | None = None
+    fencing_deadline_in_s: float | None = None
+    last_renew_sent_s_ago: float | None = None
+    fenced_reason: str | None = None
+    backend_problem: str | None = None
+    # A standby's count of consecutive 503s from the holder's /ready, and the threshold.
+    holder_ready_failures: int = 0
+    takeover_ready_failures: int = 0
+    holder_last_not_ready: str | None = None
+    handoff_applied_epoch: int = 0
+    handoff_applied_pass: int | None = None
+    ttl_s: float | None = None
+    renew_interval_s: float | None = None
+    fence_margin_s: float | None = None
 
 
 class LeaseService:
@@ -120,29 +146,23 @@ class LeaseService:
         """A time on our clock, as time.monotonic() (shared by the processes on a host)."""
         return at - self.clock() + self.monotonic()
 
-    def view(self) -> dict[str, Any]:
+    def view(self) -> LeaseView:
         """What /admin/lease shows."""
         now = self.clock()
         term = self.holding.term
-        active = self.holding.role is Role.ACTIVE
-        return {
-            "router_id": self.router_id,
-            "backend": self.backend.name,
-            "role": str(self.holding.role),
-            "holder": self.holding.holder,
-            "epoch": self.holding.epoch,
-            "advertise_url": self.advertise_url,
-            "record": msgspec.to_builtins(self.record) if self.record is not None else None,
-            "fencing_deadline_in_s": (term.deadline - now) if active and term is not None else None,
-            "last_renew_sent_s_ago": (now - term.last_renew_sent) if active and term is not None else None,
-            "fenced_reason": self.holding.fenced_reason,
-            "backend_problem": self.backend_problem,
-            "takeover": {"holder_ready_failures": self.counter.failures,
-                         "threshold": self.counter.threshold, "last_reason": self.counter.last_reason},
-            "handoff": {"applied_epoch": self.applied_epoch, "applied_pass": self.applied_pass},
-            "timings": {"ttl_s": self.ttl_s, "renew_interval_s": self.renew_interval_s,
-                        "fence_margin_s": self.holding.fence_margin_s},
-        }
+        active = self.holding.role is Role.ACTIVE and term is not None
+        return LeaseView(
+            router_id=self.router_id, backend=self.backend.name, role=str(self.holding.role),
+            holder=self.holding.holder, epoch=self.holding.epoch, advertise_url=self.advertise_url,
+            record=self.record,
+            fencing_deadline_in_s=(term.deadline - now) if active and term is not None else None,
+            last_renew_sent_s_ago=(now - term.last_renew_sent) if active and term is not None else None,
+            fenced_reason=self.holding.fenced_reason, backend_problem=self.backend_problem,
+            holder_ready_failures=self.counter.failures, takeover_ready_failures=self.counter.threshold,
+            holder_last_not_ready=self.counter.last_reason,
+            handoff_applied_epoch=self.applied_epoch, handoff_applied_pass=self.applied_pass,
+            ttl_s=self.ttl_s, renew_interval_s=self.renew_interval_s,
+            fence_margin_s=self.holding.fence_margin_s)
 
     def _register_gauges(self) -> None:
         m = self.metrics

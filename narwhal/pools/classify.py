@@ -6,14 +6,18 @@ nothing above the pools sees an httpx, socket or httptools exception::
     what happened                                           result
     ------------------------------------------------------  --------------------------
     refused, DNS, reset/closed before any response byte     EngineFailure(connection)
+    TLS: untrusted/expired certificate, wrong host name,
+      handshake refused, alert (e.g. no client certificate)  EngineFailure(connection), TLS reason in message
     connect, read or write timeout before the status line   EngineFailure(timeout)
     first-token deadline, mid-stream silence, body cut off
       (control calls too: a timeout or cut after the status line),
       end without `data: [DONE]`, not SSE, malformed HTTP   EngineFailure(stream)
     HTTP 408, 429                                           EngineFailure(overload)
     other 5xx (and any other non-2xx, non-4xx status)       EngineFailure(inference_status)
+    response head or buffered body over its bound           EngineFailure(inference_status)
     other 4xx                                               UpstreamClientError
     no slot in our own limiter before the caller's deadline PoolSaturated
+    EMFILE/ENFILE/ENOMEM/ENOBUFS of our own while connecting LocalResourceExhausted (a PoolSaturated)
 
 ``kv_handoff`` is decided by the request core, which reads the prefill body.
 The health stage and the supervisor's probes read statuses through the same
@@ -31,17 +35,29 @@ from collections.abc import AsyncIterator
 import httpx
 import trio
 
-from narwhal.errors import EngineFailure, FailureClass, PoolSaturated, SuccessKind, UpstreamClientError
+from narwhal.errors import (
+    EngineFailure,
+    FailureClass,
+    LocalResourceExhausted,
+    PoolSaturated,
+    SuccessKind,
+    UpstreamClientError,
+)
 from narwhal.http1.client import (
     ConnectFailed,
     ConnectionClosed,
     ConnectTimeout,
     DeadlineExpired,
     HTTPTransportError,
+    LocalResourceError,
     MalformedResponse,
     ReadTimeout,
+    ResponseTooLarge,
+    TLSFailed,
     WriteTimeout,
+    local_errno_name,
 )
+from narwhal.tls import tls_reason
 
 __all__ = [
     "SSEWatch",
@@ -50,6 +66,7 @@ __all__ = [
     "httpx_failure",
     "pool_slot",
     "raise_for_status",
+    "response_too_large",
     "sse_body_failure",
     "status_failure",
     "stream_failure",
@@ -59,11 +76,15 @@ __all__ = [
 # ConnectionClosed is absent: its class depends on whether the response had started.
 _TRANSPORT_CLASSES: dict[type[HTTPTransportError], FailureClass] = {
     ConnectFailed: FailureClass.CONNECTION,
+    # The engine is unreachable to us as configured (trust, name, client certificate).
+    TLSFailed: FailureClass.CONNECTION,
     ConnectTimeout: FailureClass.TIMEOUT,
     WriteTimeout: FailureClass.TIMEOUT,
     ReadTimeout: FailureClass.TIMEOUT,
     DeadlineExpired: FailureClass.STREAM,
     MalformedResponse: FailureClass.STREAM,
+    # An engine that answers more than any answer may be gave a bad answer.
+    ResponseTooLarge: FailureClass.INFERENCE_STATUS,
 }
 
 # First match wins; httpx.PoolTimeout is handled before this table (our saturation).
@@ -79,8 +100,10 @@ _OVERLOAD_STATUSES = frozenset({408, 429})
 _BODY_SNIPPET_BYTES = 200
 
 
-def transport_failure(engine: str, exc: HTTPTransportError) -> EngineFailure:
-    """The failure for a data-pool transport error."""
+def transport_failure(engine: str, exc: HTTPTransportError) -> EngineFailure | LocalResourceExhausted:
+    """The failure for a data-pool transport error (our own resource shortage is not the engine's)."""
+    if isinstance(exc, LocalResourceError):
+        return LocalResourceExhausted(str(exc), engine=engine, errno_name=exc.errno_name)
     if isinstance(exc, ConnectionClosed):
         failure_class = FailureClass.STREAM if exc.response_started else FailureClass.CONNECTION
     else:
@@ -97,7 +120,14 @@ def httpx_failure(engine: str, exc: httpx.HTTPError, *,
     """
     if isinstance(exc, httpx.PoolTimeout):
         return PoolSaturated(f"no free control connection to {engine}")
+    local = local_errno_name(exc)
+    if local is not None:
+        return LocalResourceExhausted(f"cannot open a connection to {engine}: {local}", engine=engine,
+                                      errno_name=local)
     message = str(exc) or type(exc).__name__
+    reason = tls_reason(exc)
+    if reason is not None and reason not in message:
+        message = f"{message} (TLS: {reason})"
     if response_started and isinstance(exc, httpx.TransportError):
         return EngineFailure(engine, FailureClass.STREAM, f"response body failed: {message}",
                              cause=type(exc).__name__)
@@ -135,6 +165,12 @@ def raise_for_status(engine: str, status: int, body: bytes) -> None:
     failure = status_failure(engine, status, body)
     if failure is not None:
         raise failure
+
+
+def response_too_large(engine: str, what: str, max_bytes: int) -> EngineFailure:
+    """A control-pool answer over its bound: a bad answer, so a failed check."""
+    return EngineFailure(engine, FailureClass.INFERENCE_STATUS, f"{what} over the {max_bytes} byte bound",
+                         cause="ResponseTooLarge")
 
 
 def call_timeout(engine: str, timeout_s: float, *, response_started: bool = False) -> EngineFailure:

@@ -4,11 +4,14 @@ Bounded by ``engine.control_connections`` through its own CapacityLimiter, apart
 from the data pool, so a saturated data path never starves health checks. It
 uses httpx: control calls are rare, so convenience beats the data pool's CPU
 budget. Every status comes back to the caller; transport errors become
-``EngineFailure`` through ``classify``.
+``EngineFailure`` through ``classify``. Bodies are read as a stream and bounded
+by ``engine.max_response_bytes``; past it the connection is dropped and the
+call fails as a bad answer (``inference_status``).
 """
 
 from __future__ import annotations
 
+import ssl
 from typing import Protocol
 
 import httpx
@@ -20,7 +23,9 @@ from narwhal.pools import classify
 
 __all__ = ["ControlCalls", "ControlPool", "ControlPoolStatistics", "ControlResponse"]
 
-_JSON_HEADERS = {"content-type": "application/json"}
+# identity: a compressed body would expand in memory before the bound could see it.
+_GET_HEADERS = {"accept-encoding": "identity"}
+_JSON_HEADERS = {"content-type": "application/json", "accept-encoding": "identity"}
 
 
 class ControlResponse(msgspec.Struct, frozen=True):
@@ -51,15 +56,39 @@ class ControlPool:
     """httpx-based engine calls for the control plane, bounded apart from the data pool."""
 
     def __init__(self, *, control_connections: int, engine_config: EngineConfig,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None, via: str | None = None,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
+        """``via``, when given, is sent as the ``via`` header of every call (loop detection).
+
+        ``ssl_context`` verifies ``https://`` engines: the data pool's context, so both trust alike.
+        """
         self._config = engine_config
+        self._transport = transport
+        extra = {"via": via} if via is not None else {}
+        self._get_headers = {**_GET_HEADERS, **extra}
+        self._json_headers = {**_JSON_HEADERS, **extra}
         self._limiter = trio.CapacityLimiter(control_connections)
-        limits = httpx.Limits(max_connections=control_connections,
-                              max_keepalive_connections=control_connections,
-                              keepalive_expiry=engine_config.pool_idle_s)
+        self._limits = httpx.Limits(max_connections=control_connections,
+                                    max_keepalive_connections=control_connections,
+                                    keepalive_expiry=engine_config.pool_idle_s)
+        self._client = self._new_client(ssl_context)
+        # Calls in progress per client: a client replaced by a reload closes when its last call ends.
+        self._calls: dict[httpx.AsyncClient, int] = {self._client: 0}
+
+    def _new_client(self, ssl_context: ssl.SSLContext | None) -> httpx.AsyncClient:
         # trust_env=False: engines are reached directly, never through an env proxy.
-        self._client = httpx.AsyncClient(transport=transport, limits=limits, trust_env=False,
-                                         follow_redirects=False)
+        verify: ssl.SSLContext | bool = ssl_context if ssl_context is not None else True
+        return httpx.AsyncClient(transport=self._transport, limits=self._limits, trust_env=False,
+                                 follow_redirects=False, verify=verify)
+
+    async def set_ssl_context(self, context: ssl.SSLContext | None) -> None:
+        """Use ``context`` for new calls; calls in progress finish on the client they began on."""
+        old = self._client
+        self._client = self._new_client(context)
+        self._calls[self._client] = 0
+        if not self._calls.get(old):
+            self._calls.pop(old, None)
+            await old.aclose()
 
     async def get(self, engine: EngineSpec, path: str, *, timeout_s: float | None = None) -> ControlResponse:
         """GET ``path`` on the engine; default timeout ``engine.health_timeout_s``."""
@@ -81,31 +110,71 @@ class ControlPool:
         return f"<ControlPool [in use {s.in_use}/{s.control_connections} | waiting {s.waiting}]>"
 
     async def aclose(self) -> None:
-        """Close the underlying httpx client and its connections."""
-        await self._client.aclose()
+        """Close the underlying httpx clients and their connections."""
+        for client in {*self._calls, self._client}:
+            await client.aclose()
+        self._calls.clear()
 
     async def _call(self, method: str, engine: EngineSpec, path: str, body: bytes | None,
                     timeout_s: float | None) -> ControlResponse:
         if timeout_s is None:
             timeout_s = self._config.health_timeout_s
         timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, self._config.connect_timeout_s))
-        headers = _JSON_HEADERS if body is not None else None
-        request = self._client.build_request(method, engine.base_url + path, content=body, headers=headers,
-                                             timeout=timeout)
+        headers = self._json_headers if body is not None else self._get_headers
         response: httpx.Response | None = None
+        content: bytes | None = b""
         async with classify.pool_slot(self._limiter, "control"):
-            # httpx times each read; this bounds the whole call, so a slow drip cannot stretch it.
-            with trio.move_on_after(timeout_s) as scope:
-                try:
-                    response = await self._client.send(request, stream=True)
+            client = self._client
+            request = client.build_request(method, engine.base_url + path, content=body, headers=headers,
+                                           timeout=timeout)
+            self._calls[client] += 1
+            try:
+                # httpx times each read; this bounds the whole call, so a slow drip cannot stretch it.
+                with trio.move_on_after(timeout_s) as scope:
                     try:
-                        content = await response.aread()
-                    finally:
-                        await response.aclose()
-                except httpx.HTTPError as exc:
-                    # Once the status line arrived, silence or a cut is the body's (stream), as on the data path.
-                    raise classify.httpx_failure(engine.name, exc, response_started=response is not None) from exc
+                        response = await client.send(request, stream=True)
+                        try:
+                            content = await _read_bounded(response, self._config.max_response_bytes)
+                        finally:
+                            await response.aclose()
+                    except httpx.HTTPError as exc:
+                        # Once the status line arrived, silence or a cut is the body's (stream), as on the
+                        # data path.
+                        raise classify.httpx_failure(engine.name, exc,
+                                                     response_started=response is not None) from exc
+            finally:
+                self._calls[client] -= 1
+                if client is not self._client and not self._calls[client]:
+                    del self._calls[client]
+                    with trio.CancelScope(shield=True):
+                        await client.aclose()
             if scope.cancelled_caught:
                 raise classify.call_timeout(engine.name, timeout_s, response_started=response is not None)
         assert response is not None
+        if content is None:
+            raise classify.response_too_large(engine.name, f"{method} {path} response body",
+                                              self._config.max_response_bytes)
         return ControlResponse(status=response.status_code, body=content)
+
+
+async def _read_bounded(response: httpx.Response, max_bytes: int) -> bytes | None:
+    """The whole body, or None (with the connection closed) once it passes ``max_bytes``."""
+    parts: list[bytes] = []
+    size = 0
+    too_large = False
+    try:
+        async for chunk in response.aiter_bytes():
+            if too_large:
+                continue
+            size += len(chunk)
+            if size > max_bytes:
+                # Close the connection, then let httpx's generators end on their own
+                # (breaking out would leave them unfinished to the garbage collector).
+                too_large = True
+                await response.aclose()
+            else:
+                parts.append(chunk)
+    except httpx.HTTPError:
+        if not too_large:
+            raise
+    return None if too_large else b"".join(parts)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import ssl
 import urllib.parse
 from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 import trio
@@ -20,6 +22,7 @@ import trio
 from narwhal.config import EngineConfig, EngineSpec
 from narwhal.http1.client import (
     ConnectionClosed,
+    DeadlineExpired,
     EngineConnection,
     EngineConnections,
     HTTPResponseHead,
@@ -30,6 +33,8 @@ from narwhal.pools import classify
 __all__ = ["DataPool", "DataPoolStatistics", "UpstreamStream"]
 
 _NO_DONE = "stream ended without data: [DONE]"
+_MIN_TICK_S = 0.001
+_MAX_TICK_S = 1.0
 
 
 class DataPoolStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -47,20 +52,39 @@ def _endpoint(url: str) -> tuple[str, int, bytes]:
     """(host, port, Host header) of an engine URL, parsed once, not on every request."""
     parts = urllib.parse.urlsplit(url)
     host = parts.hostname or ""
-    port = parts.port or 80
+    port = parts.port or (443 if parts.scheme == "https" else 80)
     shown = f"[{host}]" if ":" in host else host
     return host, port, f"{shown}:{port}".encode("ascii")
 
 
-def _post_request(engine: EngineSpec, path: str, body: bytes, request_id: str, accept: bytes) -> bytes:
+def _post_request(engine: EngineSpec, path: str, body: bytes, request_id: str, accept: bytes,
+                  via: bytes = b"") -> bytes:
+    """``via`` is a whole header line (``b"\\r\\nvia: ..."``) or empty."""
     if any(c in request_id for c in "\r\n") or not path.startswith("/") or " " in path:
         raise ValueError(f"unsafe request line or request id: {path!r} {request_id!r}")
     return b"".join((
         b"POST ", path.encode("ascii"), b" HTTP/1.1\r\nhost: ", _endpoint(engine.url)[2],
         b"\r\ncontent-type: application/json\r\naccept: ", accept,
         b"\r\ncontent-length: ", str(len(body)).encode("ascii"),
-        b"\r\nx-request-id: ", request_id.encode("latin-1"), b"\r\n\r\n", body,
+        b"\r\nx-request-id: ", request_id.encode("latin-1"), via, b"\r\n\r\n", body,
     ))
+
+
+def watchdog_tick(config: EngineConfig) -> float:
+    """How often the watchdog checks stream deadlines: a twentieth of the smallest, at most 1 s.
+
+    So ``first_token_deadline_s`` and ``stream_silence_s`` fire at most 5% late.
+    """
+    smallest = min(config.first_token_deadline_s, config.stream_silence_s)
+    return max(_MIN_TICK_S, min(_MAX_TICK_S, smallest / 20))
+
+
+def _via_line(via: str | None) -> bytes:
+    if via is None:
+        return b""
+    if not via.isascii() or any(c in via for c in "\r\n"):
+        raise ValueError(f"unsafe via header: {via!r}")
+    return b"\r\nvia: " + via.encode("ascii")
 
 
 def _first_token_message(first_token_s: float) -> str:
@@ -75,20 +99,29 @@ def _is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
 
 
 class UpstreamStream:
-    """The body of a decode stream, as an async iterator of raw de-chunked reads.
+    """The body of a decode stream: ``read()`` returns raw de-chunked reads, b"" at the end.
 
-    Enforces the first-token deadline before the first item and the silence
-    limit between items; at the end of the body it raises a ``stream``
-    failure unless the last event was ``data: [DONE]``.
+    The first-token deadline (before the first bytes) and the silence limit
+    (between reads) are kept by the pool's watchdog, not by a scope per read:
+    it cancels the stream's scope and ``expired`` says why. At the end of the
+    body ``read()`` raises a ``stream`` failure unless the last event was
+    ``data: [DONE]``. It is also an async iterator of the same reads.
     """
 
-    def __init__(self, engine: str, conn: EngineConnection, head: HTTPResponseHead, *,
+    __slots__ = ("_conn", "_engine", "_finished", "_first_token_at", "_first_token_message", "_scope",
+                 "_silence_message", "_silence_s", "_started", "_watch", "expired", "headers", "saw_terminal",
+                 "status")
+
+    def __init__(self, engine: str, conn: EngineConnection, head: HTTPResponseHead, scope: trio.CancelScope, *,
                  first_token_s: float, silence_s: float) -> None:
         self.status = head.status
         self.headers = head.headers
         self.saw_terminal = False
+        # Set by the watchdog, with the message of the deadline that passed, just before it cancels _scope.
+        self.expired: str | None = None
         self._engine = engine
         self._conn = conn
+        self._scope = scope
         # The first-token deadline runs from when the request was sent.
         self._first_token_at = conn.sent_at + first_token_s
         self._silence_s = silence_s
@@ -98,20 +131,35 @@ class UpstreamStream:
         self._first_token_message = _first_token_message(first_token_s)
         self._silence_message = f"stream silent for more than {silence_s:g} s"
 
+    def check_deadline(self, now: float) -> None:
+        """The watchdog's tick: cancel the stream if its engine has kept it waiting too long."""
+        if self._finished or self.expired is not None:
+            return
+        if not self._started:
+            if now >= self._first_token_at:
+                self.expired = self._first_token_message
+        elif now - self._conn.waiting_since >= self._silence_s:
+            # waiting_since is +inf unless the relay is waiting for the engine right now: a slow
+            # client holding up the relay is not the engine's silence.
+            self.expired = self._silence_message
+        if self.expired is not None:
+            self._scope.cancel()
+
     def __aiter__(self) -> UpstreamStream:
         return self
 
     async def __anext__(self) -> bytes:
-        if self._finished:
+        data = await self.read()
+        if not data:
             raise StopAsyncIteration
-        if self._started:
-            deadline = trio.current_time() + self._silence_s
-            message = self._silence_message
-        else:
-            deadline = self._first_token_at
-            message = self._first_token_message
+        return data
+
+    async def read(self) -> bytes:
+        """The next de-chunked body bytes, as read; b"" once the stream ended with ``data: [DONE]``."""
+        if self._finished:
+            return b""
         try:
-            data = await self._conn.read_body(deadline=deadline, deadline_message=message)
+            data = await self._conn.read_relay_body()
         except ConnectionClosed as exc:
             # Cut off after the terminal marker (e.g. before the chunked terminator):
             # every token arrived, so the client's stream is whole.
@@ -125,7 +173,7 @@ class UpstreamStream:
             self.saw_terminal = self._watch.finish()
             if not self.saw_terminal:
                 raise classify.stream_failure(self._engine, _NO_DONE)
-            raise StopAsyncIteration
+            return b""
         if not self._watch.feed(data):
             raise classify.stream_failure(self._engine, "response body is not a server-sent event stream")
         self.saw_terminal = self._watch.saw_terminal
@@ -136,24 +184,43 @@ class UpstreamStream:
 class DataPool:
     """Keep-alive engine connections for prefill, decode and token counting."""
 
-    def __init__(self, *, max_connections: int, engine_config: EngineConfig, wait_for_slot: bool = True) -> None:
-        """``wait_for_slot=False``: a full pool raises PoolSaturated at once instead of queueing."""
+    def __init__(self, *, max_connections: int, engine_config: EngineConfig, wait_for_slot: bool = True,
+                 via: str | None = None, ssl_context: ssl.SSLContext | None = None) -> None:
+        """``wait_for_slot=False``: a full pool raises PoolSaturated at once instead of queueing.
+
+        ``via``, when given, is sent as the ``via`` header of every request (loop detection).
+        ``ssl_context`` verifies ``https://`` engines (and holds the client certificate).
+        """
         self._config = engine_config
+        self._via = _via_line(via)
         self._wait = wait_for_slot
+        # Live decode streams, for the deadline watchdog (``run``).
+        self._streams: set[UpstreamStream] = set()
+        self._watchdog_running = False
+        self.watchdog_tick_s = watchdog_tick(engine_config)
         self._limiter = trio.CapacityLimiter(max_connections)
         self._connections = EngineConnections(idle_s=engine_config.pool_idle_s,
                                               connect_timeout_s=engine_config.connect_timeout_s,
-                                              write_timeout_s=engine_config.request_timeout_s)
+                                              write_timeout_s=engine_config.request_timeout_s,
+                                              max_head_bytes=engine_config.max_response_header_bytes,
+                                              ssl_context=ssl_context)
+        # Every body this pool buffers (prefill, token count, non-streamed decode, errors) is bounded.
+        self._max_body = engine_config.max_response_bytes
+
+    def set_ssl_context(self, context: ssl.SSLContext | None) -> None:
+        """Use ``context`` for new engine connections; pooled ones keep theirs until they expire."""
+        self._connections.ssl_context = context
 
     async def post_json(self, engine: EngineSpec, path: str, body: bytes, *,
                         request_id: str) -> tuple[int, bytes]:
         """POST a JSON body; (status, body) for 2xx, otherwise the classified failure is raised."""
-        request = _post_request(engine, path, body, request_id, b"application/json")
+        request = _post_request(engine, path, body, request_id, b"application/json", self._via)
         read_timeout_s = self._config.request_timeout_s
         async with classify.pool_slot(self._limiter, "data", wait=self._wait):
             conn, head = await self._request(engine, request)
             try:
-                response_body = await conn.read_body_to_end(read_timeout_s=read_timeout_s)
+                response_body = await conn.read_body_to_end(read_timeout_s=read_timeout_s,
+                                                            max_bytes=self._max_body)
             except HTTPTransportError as exc:
                 raise classify.transport_failure(engine.name, exc) from exc
             finally:
@@ -169,7 +236,9 @@ class DataPool:
         A non-2xx answer raises as ``post_json`` does, after its body is read. The
         connection goes back to the pool only if the response was read to its end.
         """
-        request = _post_request(engine, path, body, request_id, b"text/event-stream")
+        if not self._watchdog_running:
+            raise RuntimeError("DataPool.run() is not running: stream deadlines would never fire")
+        request = _post_request(engine, path, body, request_id, b"text/event-stream", self._via)
         first_token_s = self._config.first_token_deadline_s
         async with classify.pool_slot(self._limiter, "data", wait=self._wait):
             conn, head = await self._request(engine, request, head_deadline_s=first_token_s,
@@ -177,17 +246,44 @@ class DataPool:
             try:
                 if not 200 <= head.status < 300:
                     try:
-                        error_body = await conn.read_body_to_end(read_timeout_s=self._config.request_timeout_s)
+                        error_body = await conn.read_body_to_end(read_timeout_s=self._config.request_timeout_s,
+                                                                 max_bytes=self._max_body)
                     except HTTPTransportError as exc:
                         raise classify.transport_failure(engine.name, exc) from exc
                     classify.raise_for_status(engine.name, head.status, error_body)
                 if not _is_event_stream(head.headers):
                     raise classify.stream_failure(engine.name, "response is not text/event-stream")
-                yield UpstreamStream(engine.name, conn, head, first_token_s=first_token_s,
-                                     silence_s=self._config.stream_silence_s)
+                # One scope for the whole stream, around the caller's relay loop: the watchdog
+                # cancels it when a deadline passes (no scope or deadline move per read).
+                with trio.CancelScope() as scope:
+                    upstream = UpstreamStream(engine.name, conn, head, scope, first_token_s=first_token_s,
+                                              silence_s=self._config.stream_silence_s)
+                    self._streams.add(upstream)
+                    try:
+                        yield upstream
+                    finally:
+                        self._streams.discard(upstream)
+                if upstream.expired is not None and scope.cancelled_caught:
+                    raise classify.transport_failure(engine.name, DeadlineExpired(
+                        upstream.expired, cause="DeadlineExpired"))
             finally:
                 # Exited early (client gone, cancelled): the body is unread, so release closes it.
                 self._connections.release(conn)
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """The stream deadline watchdog: every tick, cancel the streams whose engine kept them waiting too long."""
+        self._watchdog_running = True
+        try:
+            task_status.started()
+            tick_s = self.watchdog_tick_s
+            while True:
+                await trio.sleep(tick_s)
+                if self._streams:
+                    now = trio.current_time()
+                    for upstream in list(self._streams):
+                        upstream.check_deadline(now)
+        finally:
+            self._watchdog_running = False
 
     def statistics(self) -> DataPoolStatistics:
         """Slots in use and waiting, connections opened so far, idle connections."""
@@ -213,6 +309,7 @@ class DataPool:
             return await self._connections.request(host, port, request,
                                                    read_timeout_s=self._config.request_timeout_s,
                                                    head_deadline_s=head_deadline_s,
-                                                   head_deadline_message=head_deadline_message)
+                                                   head_deadline_message=head_deadline_message,
+                                                   tls=engine.tls)
         except HTTPTransportError as exc:
             raise classify.transport_failure(engine.name, exc) from exc

@@ -28,13 +28,22 @@ import msgspec
 import trio
 
 from narwhal.config import Config, EngineSpec
-from narwhal.errors import EngineFailure, FailureClass, PoolSaturated, SuccessKind, UpstreamClientError
+from narwhal.errors import (
+    ClientGone,
+    EngineFailure,
+    FailureClass,
+    LocalResourceExhausted,
+    NarwhalError,
+    PoolSaturated,
+    SuccessKind,
+    UpstreamClientError,
+)
 from narwhal.fleet.admission import Admission
 from narwhal.fleet.placement import InFlight, pick_least_outstanding
 from narwhal.fleet.telemetry import Telemetry
 from narwhal.obs.logs import log_event
 from narwhal.obs.router_metrics import RouterMetrics
-from narwhal.wire import PREFILL_KV_REQUEST, error_json, extract_handoff
+from narwhal.wire import PREFILL_KV_REQUEST, HandoffRejected, error_json, read_handoff
 
 __all__ = ["COMPLETION_ROUTES", "RequestCore", "Sink"]
 
@@ -48,7 +57,8 @@ _DONE = b"data: [DONE]"
 _QUEUE_POLL_S = 0.05
 # A client's X-Request-Id longer than this (or not ASCII) is replaced by our own.
 _MAX_REQUEST_ID = 128
-_QUEUEABLE = frozenset({"no_capacity", "pool_saturated"})
+_MAX_UPSTREAM_MESSAGE = 2048
+_QUEUEABLE = frozenset({"no_capacity", "pool_saturated", "local_resource_exhausted"})
 
 _decode_json = msgspec.json.Decoder()
 _encode_json = msgspec.json.Encoder()
@@ -60,7 +70,8 @@ class Sink(Protocol):
     started: bool
 
     async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None: ...
-    async def start_stream(self, status: int, headers: list[tuple[bytes, bytes]], first: bytes = b"") -> None: ...
+    async def start_stream(self, status: int, headers: list[tuple[bytes, bytes]], first: bytes = b"",
+                           end: bool = False) -> None: ...
     async def write(self, data: bytes) -> None: ...
     async def end_stream(self, last: bytes = b"") -> None: ...
 
@@ -79,7 +90,7 @@ class DataPool(Protocol):
     def stream(self, engine: EngineSpec, path: str, body: bytes, *, request_id: str) -> Any: ...
 
 
-class ClientError(Exception):
+class ClientError(NarwhalError):
     """A request the router refuses before or instead of serving it."""
 
     def __init__(self, status: int, message: str, type_: str, code: str | None = None) -> None:
@@ -93,7 +104,7 @@ class ClientError(Exception):
         return error_json(self.message, self.type, self.code)
 
 
-class _AttemptFailed(Exception):
+class _AttemptFailed(NarwhalError):
     """One prefill/decode attempt failed before anything reached the client."""
 
     def __init__(self, error: ClientError, engine: str | None, failure_class: str) -> None:
@@ -166,6 +177,7 @@ class RequestCore:
         self._bounded = config.serving.policy == "bounded"
         self._max_attempts = config.serving.max_attempts if self._bounded else 1
         self._count_tokens = config.serving.count_tokens
+        self._max_handoff_bytes = config.engine.max_handoff_bytes
         self._ids = itertools.count(1)
         self._id_prefix = os.urandom(4).hex()
 
@@ -180,21 +192,39 @@ class RequestCore:
             rid = f"nw-{self._id_prefix}-{next(self._ids)}"
         rid_header = (b"x-request-id", rid.encode("latin-1"))
         outcome = _Outcome()
+        answered = False
         try:
-            with trio.move_on_after(self._deadline_s) as deadline:
-                await self._serve(route, body, rid, rid_header, sink, started_at, outcome)
-            if deadline.cancelled_caught:
-                outcome.error_class = "deadline"
-                message = f"request deadline of {self._deadline_s:g} s exceeded"
-                await self._fail(sink, outcome, ClientError(504, message, "timeout", "deadline_exceeded"),
-                                 rid_header)
-        except ClientError as exc:
-            await self._fail(sink, outcome, exc, rid_header)
+            try:
+                with trio.move_on_after(self._deadline_s) as deadline:
+                    await self._serve(route, body, rid, rid_header, sink, started_at, outcome)
+                if deadline.cancelled_caught:
+                    outcome.error_class = "deadline"
+                    message = f"request deadline of {self._deadline_s:g} s exceeded"
+                    await self._fail(sink, outcome, ClientError(504, message, "timeout", "deadline_exceeded"),
+                                     rid_header)
+            except ClientError as exc:
+                await self._fail(sink, outcome, exc, rid_header)
+            answered = True
+        except Exception as exc:
+            gone = _client_gone(exc)
+            if gone is not None:
+                # The sink's write failed: the client went away or stopped reading (client_stalled).
+                outcome.status = 499
+                outcome.error_class = gone.reason
+            else:
+                # A bug of ours: the front answers 500, and the log must say 500, not blame the client.
+                outcome.status = 500
+                outcome.error_class = f"internal_error:{type(exc).__name__}"
+            raise
         finally:
-            if outcome.status == 0:
+            if not answered and outcome.status == 0:
                 # Cancelled from outside (client went away, router stopping).
                 outcome.status = 499
                 outcome.error_class = outcome.error_class or "client_disconnected"
+            elif not answered and outcome.status == 200:
+                # A stream the client cut is 499, though its head said 200.
+                outcome.status = 499
+                outcome.error_class = "client_disconnected"
             self._finish(route, rid, started_at, outcome)
 
     async def _fail(self, sink: Sink, outcome: _Outcome, error: ClientError,
@@ -268,6 +298,10 @@ class RequestCore:
             request = _decode_json.decode(body)
         except msgspec.DecodeError as exc:
             raise ClientError(400, f"request body is not valid JSON: {exc}", "invalid_request_error",
+                              "invalid_json") from None
+        except RecursionError:
+            # msgspec stops at the interpreter's recursion limit (~1,000 levels).
+            raise ClientError(400, "request body is nested too deeply", "invalid_request_error",
                               "invalid_json") from None
         if not isinstance(request, dict):
             raise ClientError(400, "request body must be a JSON object", "invalid_request_error",
@@ -355,6 +389,14 @@ class RequestCore:
             self.supervisor.record_success(exc.engine, SuccessKind.CLIENT_4XX)
             raise ClientError(exc.status, _upstream_message(exc), "invalid_request_error",
                               "upstream_rejected") from None
+        if isinstance(exc, LocalResourceExhausted):
+            # Our process is short of fds or memory: the engine did nothing wrong.
+            log_event("local_resource_exhausted", level=logging.ERROR, engine=exc.engine, stage=leg,
+                      errno=exc.errno_name, message=str(exc))
+            self.metrics.saturations.inc("local_resources")
+            raise _AttemptFailed(ClientError(503, f"router out of local resources ({exc.errno_name}); "
+                                             "try again later", "service_unavailable", "local_resource_exhausted"),
+                                 None, "local_resource_exhausted") from None
         self.metrics.saturations.inc("pool")
         raise _AttemptFailed(ClientError(503, "router saturated: no free data connection",
                                          "service_unavailable", "pool_saturated"),
@@ -370,7 +412,7 @@ class RequestCore:
             prefill, "/tokenize", _encode_json.encode(query), request_id=rid))
         try:
             counted = msgspec.json.decode(raw, type=_TokenizeResult)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             # A tokenizer answer we cannot read is no reason to refuse the request.
             return
         limit = counted.max_model_len
@@ -395,10 +437,12 @@ class RequestCore:
         body["kv_transfer_params"] = PREFILL_KV_REQUEST
         _, raw = await self._engine_call("prefill", self.data_pool.post_json(
             prefill, route, _encode_json.encode(body), request_id=rid))
-        kv = extract_handoff(raw)
-        if kv is None:
-            self._translate("prefill", EngineFailure(
-                prefill.name, FailureClass.KV_HANDOFF, "prefill response carries no readable kv_transfer_params"))
+        try:
+            kv = read_handoff(raw, max_bytes=self._max_handoff_bytes)
+        except HandoffRejected as exc:
+            # Found here, at the prefill leg: a bad handoff is never the decode engine's fault.
+            self._translate("prefill", EngineFailure(prefill.name, FailureClass.KV_HANDOFF, str(exc),
+                                                     cause="HandoffRejected"))
         self.supervisor.record_success(prefill.name, SuccessKind.PREFILL_HANDOFF)
         return kv
 
@@ -415,7 +459,7 @@ class RequestCore:
             outcome.ttft_s = self.clock() - started_at
             try:
                 usage = msgspec.json.decode(raw, type=_UsageOnly).usage
-            except msgspec.DecodeError:
+            except (msgspec.DecodeError, RecursionError):
                 usage = None
             outcome.tokens = usage.completion_tokens if usage else 0
             outcome.status = 200
@@ -426,36 +470,58 @@ class RequestCore:
         tokens = 0
         try:
             async with self.data_pool.stream(decode, route, payload, request_id=rid) as upstream:
-                chunks = upstream.__aiter__()
-                try:
-                    first = await chunks.__anext__()
-                except StopAsyncIteration:
+                read = upstream.read
+                chunk = await read()
+                if not chunk:
                     raise EngineFailure(decode.name, FailureClass.STREAM,
-                                        "decode stream ended before its first event") from None
+                                        "decode stream ended before its first event")
                 first_at = last_at = clock()
                 outcome.ttft_s = first_at - started_at
                 outcome.status = 200
-                tokens = first.count(_DATA)
-                await sink.start_stream(200, [*_SSE_HEADERS, rid_header], first)
-                while True:
-                    try:
-                        chunk = await chunks.__anext__()
-                    except StopAsyncIteration:
-                        break
-                    now = clock()
-                    observe_gap(now - last_at)
-                    last_at = now
-                    tokens += chunk.count(_DATA)
-                    await sink.write(chunk)
-                terminal = upstream.saw_terminal
+                tokens = chunk.count(_DATA)
+                head = [*_SSE_HEADERS, rid_header]
+                # One client write per upstream read, except the read that carries [DONE]: it is
+                # held and goes out with the chunked terminator in one write (P5).
+                if not upstream.saw_terminal:
+                    await sink.start_stream(200, head, chunk)
+                    while True:
+                        chunk = await read()
+                        if not chunk:
+                            break
+                        now = clock()
+                        observe_gap(now - last_at)
+                        last_at = now
+                        tokens += chunk.count(_DATA)
+                        if upstream.saw_terminal:
+                            break
+                        await sink.write(chunk)
+                held = chunk
+                if held and await read():
+                    raise EngineFailure(decode.name, FailureClass.STREAM, "events after data: [DONE]")
                 if tokens > 2:
                     outcome.inter_token_s = (last_at - first_at) / (tokens - 2)
         except (EngineFailure, UpstreamClientError, PoolSaturated) as exc:
             outcome.tokens = tokens
             self._translate("decode", exc)
-        outcome.tokens = tokens - 1 if terminal and tokens else tokens
+        # Every stream that ends cleanly ended with [DONE] (the pool raises otherwise).
+        outcome.tokens = tokens - 1 if tokens else tokens
         self.supervisor.record_success(decode.name, SuccessKind.DECODE_TERMINAL)
-        await sink.end_stream()
+        if sink.started:
+            await sink.end_stream(held)
+        else:
+            await sink.start_stream(200, head, held, end=True)
+
+
+def _client_gone(exc: BaseException) -> ClientGone | None:
+    """The ClientGone in ``exc`` (alone or in an exception group), if any."""
+    if isinstance(exc, ClientGone):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _client_gone(inner)
+            if found is not None:
+                return found
+    return None
 
 
 def _upstream_message(exc: UpstreamClientError) -> str:
@@ -463,7 +529,8 @@ def _upstream_message(exc: UpstreamClientError) -> str:
         detail = _decode_json.decode(exc.body)
         message = detail["error"]["message"] if isinstance(detail.get("error"), dict) else detail.get("message")
         if isinstance(message, str):
-            return message
-    except (msgspec.DecodeError, AttributeError, KeyError, TypeError):
+            # An engine's message is relayed, but not at any length.
+            return message[:_MAX_UPSTREAM_MESSAGE]
+    except (msgspec.DecodeError, RecursionError, AttributeError, KeyError, TypeError):
         pass
     return f"engine {exc.engine} rejected the request with HTTP {exc.status}"

@@ -14,9 +14,9 @@ from typing import Protocol
 import msgspec
 
 from narwhal.config import Config
+from narwhal.control.fleet_writer import FleetWriter
 from narwhal.control.monitor import STAGE_NAMES, Stage
 from narwhal.errors import FailureClass, SuccessKind
-from narwhal.fleet import Fleet
 from narwhal.fleet.placement import InFlight
 from narwhal.fleet.telemetry import Telemetry
 from narwhal.obs.router_metrics import RouterMetrics
@@ -41,7 +41,7 @@ HEALTH_SHARE_OF_STAGE_TIMEOUT = 0.8
 class StageSupervisor(Protocol):
     """What the stages need of ``narwhal.control.supervisor.Supervisor``."""
 
-    fleet: Fleet
+    fleet: FleetWriter
     metrics: RouterMetrics
     clock: Callable[[], float]
 

@@ -15,7 +15,8 @@ from collections.abc import Callable
 
 import trio
 
-from narwhal.fleet import ROLES, Fleet, HoldKind
+from narwhal.control.fleet_writer import FleetWriter
+from narwhal.fleet import ROLES, HoldKind
 from narwhal.fleet.drift import DriftDecision, DriftTracker, Risk, consolidation_risk
 from narwhal.fleet.telemetry import Interval, Telemetry
 from narwhal.obs.logs import log_event
@@ -32,7 +33,7 @@ class ControllerStage:
 
     name = "controller"
 
-    def __init__(self, *, fleet: Fleet, telemetry: Telemetry, drift_factor: float, drift_intervals: int,
+    def __init__(self, *, fleet: FleetWriter, telemetry: Telemetry, drift_factor: float, drift_intervals: int,
                  metrics: RouterMetrics | None = None, clock: Callable[[], float] = trio.current_time) -> None:
         self.fleet = fleet
         self.telemetry = telemetry

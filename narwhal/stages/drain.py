@@ -11,13 +11,13 @@ from collections.abc import Callable
 
 import trio
 
-from narwhal.fleet import Fleet, HoldKind
+from narwhal.control.fleet_writer import FleetWriter
+from narwhal.fleet import DRAIN_HOLDS
 from narwhal.fleet.placement import InFlight
+from narwhal.fleet.tables import drained
 from narwhal.obs.logs import log_event
 
-__all__ = ["DRAIN_HOLDS", "DrainStage"]
-
-DRAIN_HOLDS: frozenset[HoldKind] = frozenset({HoldKind.OPERATOR_DRAIN, HoldKind.MAINTENANCE})
+__all__ = ["DrainStage"]
 
 
 class DrainStage:
@@ -25,7 +25,8 @@ class DrainStage:
 
     name = "drain"
 
-    def __init__(self, *, fleet: Fleet, in_flight: InFlight, clock: Callable[[], float] = trio.current_time) -> None:
+    def __init__(self, *, fleet: FleetWriter, in_flight: InFlight,
+                 clock: Callable[[], float] = trio.current_time) -> None:
         self.fleet = fleet
         self.in_flight = in_flight
         self.clock = clock
@@ -46,7 +47,8 @@ class DrainStage:
             if not holds:
                 self.drained.discard(view.name)
                 continue
-            if view.name in self.drained or self.in_flight[view.name] > 0:
+            if view.name in self.drained or not drained((hold.kind for hold in view.holds),
+                                                        self.in_flight[view.name]):
                 continue
             self.drained.add(view.name)
             newly.append(view.name)

@@ -19,7 +19,7 @@ import msgspec
 import trio
 
 from narwhal.config import EngineSpec
-from narwhal.errors import EngineFailure, FailureClass, PoolSaturated, SuccessKind
+from narwhal.errors import EngineFailure, FailureClass, LocalResourceExhausted, PoolSaturated, SuccessKind
 from narwhal.obs.logs import log_event
 from narwhal.pools.classify import health_answer
 from narwhal.pools.control import ControlCalls
@@ -81,8 +81,12 @@ class HealthStage:
             except EngineFailure as exc:
                 answer = exc  # no HTTP answer: silent
             except PoolSaturated as exc:
-                # Our own pool had no slot: no evidence against the engine, and no liveness miss.
+                # Our own pool had no slot (or our process no fd): no evidence against the engine,
+                # and no liveness miss.
                 unchecked.add(spec.name)
+                if isinstance(exc, LocalResourceExhausted):
+                    log_event("local_resource_exhausted", level=logging.ERROR, engine=spec.name, stage="health",
+                              errno=exc.errno_name, message=str(exc))
                 log_event("health_check_skipped", level=logging.WARNING, engine=spec.name, reason=str(exc))
                 return
             else:

@@ -18,6 +18,7 @@ import msgspec
 import trio
 
 from narwhal.config import Config
+from narwhal.errors import NarwhalError
 from narwhal.fleet import EngineRecord
 from narwhal.state.handoff import (
     HANDOFF_SCHEMA,
@@ -32,7 +33,7 @@ from narwhal.state.handoff import (
 __all__ = ["HandoffWriteInProgress", "PersistenceStage"]
 
 
-class HandoffWriteInProgress(Exception):
+class HandoffWriteInProgress(NarwhalError):
     """The previous pass's write has not finished (a stuck disk): this pass writes nothing."""
 
 

@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import secrets
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
 import msgspec
 
+from narwhal.errors import NarwhalError
 from narwhal.fleet import EngineRecord
 
 __all__ = [
@@ -38,6 +41,7 @@ __all__ = [
     "LeaseOwnership",
     "decode_document",
     "encode_document",
+    "json_nesting_exceeds",
     "read_document",
     "write_atomic",
 ]
@@ -49,7 +53,7 @@ HANDOFF_SCHEMA = 1
 ConsolidationRisk = Literal["none", "elevated", "critical"]
 
 
-class HandoffError(Exception):
+class HandoffError(NarwhalError):
     """A handoff could not be used; the message is fit to show an operator."""
 
 
@@ -109,6 +113,39 @@ class HandoffDocument(msgspec.Struct, frozen=True, kw_only=True):
     drained: list[str] = []
 
 
+# A real handoff is a few KiB per engine; these bound what --resume will read and parse.
+MAX_DOCUMENT_BYTES = 64 * 1024 * 1024
+# The document itself nests about 6 deep (document, engines, record, holds, hold).
+MAX_DOCUMENT_DEPTH = 16
+
+# A JSON string once its escapes are gone: its brackets are text, not structure.
+_JSON_STRING = re.compile(rb'"[^"]*"')
+# Keep only brackets, as one kind: depth does not depend on which (a mismatch is the decoder's to find).
+_OPEN_CLOSE = bytes.maketrans(b"{}", b"[]")
+_NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
+
+
+def json_nesting_exceeds(data: bytes, max_depth: int) -> bool:
+    """True when the JSON text ``data`` nests arrays/objects deeper than ``max_depth``.
+
+    Without recursion and in C-speed passes: strings are blanked, everything but
+    brackets dropped, then innermost pairs removed once per level; anything left
+    after ``max_depth`` rounds is deeper (or unbalanced, which no decoder accepts).
+    """
+    # Escaped backslashes first, so that what remains of \" is an escaped quote.
+    unescaped = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+    brackets = _JSON_STRING.sub(b"", unescaped).translate(_OPEN_CLOSE, _NOT_BRACKETS)
+    for _ in range(max_depth):
+        if not brackets:
+            return False
+        # One pass removes exactly the innermost level: replace() does not rescan what it joined.
+        shorter = brackets.replace(b"[]", b"")
+        if len(shorter) == len(brackets):
+            return False  # unbalanced: the decoder will say it is not JSON
+        brackets = shorter
+    return bool(brackets)
+
+
 class _SchemaOnly(msgspec.Struct):
     schema: int
 
@@ -124,7 +161,13 @@ def encode_document(document: HandoffDocument) -> bytes:
 
 
 def decode_document(data: bytes) -> HandoffDocument:
-    """Parse a document, reading its schema first; raise a ``HandoffError`` subclass if unusable."""
+    """Parse a document, reading its schema first; raise a ``HandoffError`` subclass if unusable.
+
+    Nesting is checked before decoding: a document nested deeper than any
+    handoff (``MAX_DOCUMENT_DEPTH``) is unreadable, never a RecursionError.
+    """
+    if json_nesting_exceeds(data, MAX_DOCUMENT_DEPTH):
+        raise HandoffUnreadable(f"nested deeper than {MAX_DOCUMENT_DEPTH} levels")
     try:
         schema = _schema_decoder.decode(data).schema
     except msgspec.ValidationError as exc:
@@ -139,15 +182,51 @@ def decode_document(data: bytes) -> HandoffDocument:
         raise HandoffUnreadable(f"not a handoff document: {exc}") from None
 
 
-def read_document(path: str | os.PathLike[str]) -> HandoffDocument:
-    """Read and decode the handoff at ``path``."""
+def read_document(path: str | os.PathLike[str], *, max_bytes: int = MAX_DOCUMENT_BYTES) -> HandoffDocument:
+    """Read and decode the handoff at ``path``: a regular file of at most ``max_bytes``.
+
+    The file is opened without blocking (a FIFO must not hang startup) and
+    checked with fstat, so a FIFO, a device (a symlink to /dev/zero) or a
+    directory is unreadable rather than read.
+    """
+    where = os.fspath(path)
     try:
-        data = Path(path).read_bytes()
+        data = _read_regular_file(where, max_bytes)
     except FileNotFoundError:
-        raise HandoffMissing(f"no handoff at {os.fspath(path)}") from None
+        raise HandoffMissing(f"no handoff at {where}") from None
     except (OSError, ValueError) as exc:  # ValueError: a path the OS cannot take (NUL byte)
-        raise HandoffUnreadable(f"cannot read {os.fspath(path)}: {getattr(exc, 'strerror', None) or exc}") from None
+        raise HandoffUnreadable(f"cannot read {where}: {getattr(exc, 'strerror', None) or exc}") from None
     return decode_document(data)
+
+
+def _read_regular_file(where: str, max_bytes: int) -> bytes:
+    fd = os.open(where, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise HandoffUnreadable(f"cannot read {where}: not a regular file ({_file_kind(info.st_mode)})")
+        if info.st_size > max_bytes:
+            raise HandoffUnreadable(f"cannot read {where}: {info.st_size} bytes, over the {max_bytes} byte bound")
+        parts = []
+        size = 0
+        # Read to EOF but never past the bound: the file may grow while we read it.
+        while chunk := os.read(fd, min(1 << 20, max_bytes + 1 - size)):
+            parts.append(chunk)
+            size += len(chunk)
+            if size > max_bytes:
+                raise HandoffUnreadable(f"cannot read {where}: grew over the {max_bytes} byte bound while read")
+        return b"".join(parts)
+    finally:
+        os.close(fd)
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "not a plain file"
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes, *,

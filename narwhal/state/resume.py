@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
 from narwhal.config import Config, EngineSpec
-from narwhal.fleet import Fleet
+from narwhal.fleet import EngineRecord
 from narwhal.state.handoff import (
     EngineSetEntry,
     HandoffDocument,
@@ -121,8 +121,12 @@ def plan_document(document: HandoffDocument, config: Config, where: str) -> Resu
     return ResumePlan(path=where, applied=True, document=document)
 
 
-def apply_resume(plan: ResumePlan, fleet: Fleet, now: float, wall_now: float) -> None:
-    """Restore the fleet from an applicable plan; a plan not applied changes nothing.
+class _Restorable(Protocol):
+    def restore(self, records: Sequence[EngineRecord], now: float, wall_now: float) -> None: ...
+
+
+def apply_resume(plan: ResumePlan, fleet: _Restorable, now: float, wall_now: float) -> None:
+    """Restore the fleet (its writer, in the router) from an applicable plan; a plan not applied changes nothing.
 
     Holds keep their wall-clock deadlines, so one that passed while no router
     ran comes back already expired.

@@ -4,7 +4,8 @@ Each talks to a running router's admin API (``--url``, default
 http://127.0.0.1:8000; ``--token``, default ``$NARWHAL_ADMIN_TOKEN``), prints
 the fleet as a table or the action's result, and exits 1 with one line on
 stderr when the router cannot be reached or says no (401, 404, a refused
-readmission's 409 with the failed check and why).
+readmission's 409 with the failed check and why); a token that cannot travel
+in an HTTP header (not printable ASCII) exits 2 before any request.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from typing import Any, TextIO
 
 import httpx
 
+from narwhal.config import admin_token_problem
+from narwhal.errors import NarwhalError
+
 __all__ = ["add_parser", "format_engines", "run_admin"]
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -27,7 +31,7 @@ _TIMEOUT_S = 120.0
 _DRAIN_KINDS = ("operator_drain", "maintenance")
 
 
-class _AdminError(Exception):
+class _AdminError(NarwhalError):
     """Why an admin command failed, as the one line to print."""
 
 
@@ -64,6 +68,12 @@ def run_admin(args: argparse.Namespace, *, transport: httpx.BaseTransport | None
     out = out or sys.stdout
     err = err or sys.stderr
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV)
+    if token:
+        problem = admin_token_problem(token)
+        if problem is not None:
+            source = "--token" if args.token is not None else f"${TOKEN_ENV}"
+            err.write(f"narwhal admin: {source}: the token {problem}\n")
+            return 2
     headers = {"authorization": f"Bearer {token}"} if token else {}
     try:
         with httpx.Client(base_url=args.url.rstrip("/"), headers=headers, timeout=_TIMEOUT_S,

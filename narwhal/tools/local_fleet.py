@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 import trio
 
-__all__ = ["LocalProcess", "render_config", "start_mock_engine", "start_router"]
+__all__ = ["LocalProcess", "render_config", "start_mock_engine", "start_process", "start_router"]
 
 _decode_json = msgspec.json.Decoder()
 
@@ -32,10 +32,12 @@ class LocalProcess:
         self.port = port
         self.name = name
         self.lines: list[dict[str, Any]] = []
+        # From the ready line's ``tls`` field: the process serves HTTPS.
+        self.tls = False
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     @property
     def pid(self) -> int:
@@ -121,11 +123,18 @@ async def _start(nursery: trio.Nursery, argv: Sequence[str], *, ready: str, from
         raise RuntimeError(f"{name} did not report {ready!r} within {timeout_s} s "
                            f"(exit code {process.returncode})")
     line = found_line[0]
+    local.tls = bool(line.get("tls", False))
     if "port" in line:
         local.port = int(line["port"])
     else:
         local.port = int(str(line["listen"]).rpartition(":")[2])
     return local
+
+
+async def start_process(nursery: trio.Nursery, argv: Sequence[str], *, ready: str, name: str,
+                        env: Mapping[str, str] | None = None, timeout_s: float = 20.0) -> LocalProcess:
+    """Start any process that prints a JSON ``ready`` event with its ``port`` on stdout; wait for it."""
+    return await _start(nursery, argv, ready=ready, from_stderr=False, name=name, timeout_s=timeout_s, env=env)
 
 
 async def start_mock_engine(nursery: trio.Nursery, role: str, *, engine_id: str | None = None,

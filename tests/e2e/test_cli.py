@@ -75,7 +75,9 @@ async def test_admin_listen_serves_the_control_app_but_not_completions(start_fle
     completion = await fleet.client.post(f"{admin}/v1/completions",
                                          json={"model": "mock-model", "prompt": "hi"})
     assert completion.status_code in (404, 405)
-    # The traffic port still serves completions and the same admin API.
+    # The traffic port still serves completions, but no longer the admin API.
     response = await fleet.client.post(f"{fleet.url}/v1/completions", json={"model": "mock-model", "prompt": "hi"})
     assert response.status_code == 200
     assert json.loads(response.text)["choices"]
+    hidden = await fleet.client.get(f"{fleet.url}/admin/engines", headers={"authorization": "Bearer s3cret"})
+    assert hidden.status_code == 404

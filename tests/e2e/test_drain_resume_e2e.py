@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import trio
 
 from narwhal.tools.local_fleet import start_router
+from tests.e2e.waiting import wait_for_passes, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -28,11 +28,9 @@ async def test_drain_survives_health_successes_and_resume_until_readmitted(start
         view = (await views(fleet.client, fleet.url))["d2"]
         return view["drained"] and fleet.router.events("engine_drained") != []
 
-    with trio.fail_after(10):
-        while not await drained_and_saved():
-            await trio.sleep(0.05)
+    await wait_until(drained_and_saved, what="d2 drained")
     # Several monitor passes of health 200 later, the drain still holds.
-    await trio.sleep(0.6)
+    await wait_for_passes(fleet.client, fleet.url, 3)
     view = (await views(fleet.client, fleet.url))["d2"]
     assert not view["eligible"] and any(h["kind"] == "operator_drain" for h in view["holds"])
 

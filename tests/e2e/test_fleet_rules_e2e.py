@@ -7,12 +7,15 @@ talks HTTP to them; faults are injected over the mock's own API.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 
-from tests.e2e.waiting import wait_until
+from narwhal.tools.local_fleet import render_config, start_mock_engine, start_router
+from tests.e2e.waiting import wait_for_passes, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -116,9 +119,8 @@ async def test_a_fleet_wide_burst_of_health_5xx_recovers_by_itself(start_fleet):
         return await ready(fleet) == 503
 
     await wait_until(not_ready, timeout_s=20.0, what="every engine held for verification")
-    with trio.move_on_after(1.0):
-        while True:  # let the burst go on for a while
-            await trio.sleep(0.1)
+    # Let the burst go on for a few monitor passes: every sweep sees 503 everywhere.
+    await wait_for_passes(fleet.client, fleet.url, 3)
     for name in fleet.engines:
         await fleet.clear_faults(name)
 
@@ -134,3 +136,36 @@ async def test_a_fleet_wide_burst_of_health_5xx_recovers_by_itself(start_fleet):
         assert fleet.router.events("engine_hold_added", engine=name, hold_kind="inference_verification")
         assert fleet.router.events("probe_result", engine=name, probe="inference", outcome="success")
     assert await complete(fleet) == 200
+
+
+async def test_the_default_handoff_lives_in_the_state_directory_and_the_startup_line_says_where(
+        nursery, tmp_path):
+    # Issue 10, rule 7: no [handoff] path, so nothing may land in the working directory.
+    engines = {name: await start_mock_engine(nursery, role, engine_id=name)
+               for name, role in (("p1", "prefill"), ("d1", "decode"))}
+    config = tmp_path / "etc" / "narwhal.toml"
+    config.parent.mkdir()
+    config.write_text(render_config([(name, p.url, "prefill" if name == "p1" else "decode")
+                                     for name, p in engines.items()],
+                                    {"controller": {"monitor_interval_s": 0.2}}))
+    state = tmp_path / "state"  # does not exist yet: the router creates it
+    in_cwd = Path.cwd() / "narwhal-handoff.json"
+    existed_in_cwd = in_cwd.exists()
+    router = await start_router(nursery, str(config), env={"XDG_STATE_HOME": str(state)})
+    try:
+        expected = state / "narwhal" / "narwhal-handoff.json"
+        [started] = router.events("router_started")
+        assert started["handoff"] == str(expected)
+
+        async def written() -> bool:
+            return expected.exists()
+
+        await wait_until(written, what="the handoff written to the state directory")
+        assert json.loads(expected.read_bytes())["engine_set"]
+        assert not (config.parent / "narwhal-handoff.json").exists()
+        assert in_cwd.exists() is existed_in_cwd
+    finally:
+        with trio.CancelScope(shield=True):
+            await router.stop(grace_s=10.0)
+            for engine in engines.values():
+                await engine.stop(grace_s=10.0)

@@ -287,7 +287,8 @@ async def test_a_degraded_active_yields_to_the_standby_after_the_ready_failure_t
 async def test_a_healthy_active_refuses_a_takeover_request(pair: Pair, tmp_path: Path) -> None:
     active, standby = await pair.start_active_and_standby()
     # A request recorded in the standby's name, as if it had seen 503s the holder does not have.
-    backend = build_backend(load_config(tmp_path / "rb.toml"))
+    config = load_config(tmp_path / "rb.toml")
+    backend = build_backend(config, config.handoff_path())
     assert backend is not None
     try:
         record = await backend.read()

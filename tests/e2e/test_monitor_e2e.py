@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from narwhal.tools.local_fleet import start_router
-from tests.e2e.waiting import wait_until
+from tests.e2e.waiting import wait_for_in_flight, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -43,7 +43,7 @@ async def test_persistence_failure_degrades_readiness_and_one_clean_pass_recover
                                                      json={**REQUEST, "max_tokens": 60}))
 
         nursery.start_soon(long_stream)
-        await trio.sleep(0.2)
+        await wait_for_in_flight(fleet.client, fleet.url)
         # File permissions do not stop root: replace the directory by a plain file.
         shutil.rmtree(handoff_dir)
         handoff_dir.write_text("not a directory")

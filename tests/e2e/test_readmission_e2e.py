@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -19,6 +18,7 @@ import trio
 
 from narwhal.tools.admin_cli import TOKEN_ENV
 from narwhal.tools.local_fleet import LocalProcess, start_mock_engine
+from tests.e2e.waiting import wait_for_passes, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -41,19 +41,13 @@ async def admin(fleet, *argv: str, token: str = TOKEN) -> tuple[int, str, str]:
     return result.returncode, result.stdout.decode(), result.stderr.decode()
 
 
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+
+
 async def engine_state(fleet, name: str) -> dict[str, Any]:
-    response = await fleet.client.get(f"{fleet.url}/admin/engines/{name}",
-                                      headers={"authorization": f"Bearer {TOKEN}"})
+    response = await fleet.client.get(f"{fleet.url}/admin/engines/{name}", headers=AUTH)
     assert response.status_code == 200, response.text
     return response.json()["engine"]
-
-
-async def wait_until(predicate: Callable[[], Awaitable[bool]], what: str, timeout_s: float = 10.0) -> None:
-    with trio.move_on_after(timeout_s):
-        while not await predicate():
-            await trio.sleep(0.05)
-        return
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 async def restart_engine(nursery: trio.Nursery, fleet, name: str, role: str) -> LocalProcess:
@@ -82,7 +76,7 @@ async def test_an_operator_drains_maintains_and_readmits_an_engine_with_the_cli(
         assert d1["drained"] is True and [h["kind"] for h in d1["holds"]] == ["operator_drain"]
 
         # The drain survives the monitor's successful health sweeps.
-        await trio.sleep(1.0)
+        await wait_for_passes(fleet.client, fleet.url, 4, headers=AUTH)
         assert [h["kind"] for h in (await engine_state(fleet, "d1"))["holds"]] == ["operator_drain"]
         code, out, _ = await admin(fleet, "engines")
         assert code == 0
@@ -131,8 +125,21 @@ async def test_an_ejected_engine_is_readmitted_by_itself_when_it_comes_back_at_t
     async def ejected() -> bool:
         return (await engine_state(fleet, "d2"))["ejected"]
 
-    await wait_until(ejected, "d2 to be ejected after it stopped")
-    await trio.sleep(1.5)  # a few readmission attempts fail while it is down: they never give up
+    await wait_until(ejected, what="d2 to be ejected after it stopped")
+
+    async def refused() -> bool:
+        last = (await engine_state(fleet, "d2"))["last_readmission"]
+        return last is not None and last["outcome"] == "refused"
+
+    # Readmission attempts fail while it is down, pass after pass: they never give up.
+    await wait_until(refused, what="a refused readmission of d2")
+    first_refusal = (await engine_state(fleet, "d2"))["last_readmission"]["at"]
+
+    async def refused_again() -> bool:
+        last = (await engine_state(fleet, "d2"))["last_readmission"]
+        return last["at"] > first_refusal
+
+    await wait_until(refused_again, what="a later readmission attempt of d2")
     d2 = await engine_state(fleet, "d2")
     assert d2["ejected"] and d2["last_readmission"]["outcome"] == "refused"
 
@@ -141,7 +148,7 @@ async def test_an_ejected_engine_is_readmitted_by_itself_when_it_comes_back_at_t
         async def back() -> bool:
             return (await engine_state(fleet, "d2"))["eligible"]
 
-        await wait_until(back, "d2 to be readmitted automatically")
+        await wait_until(back, what="d2 to be readmitted automatically")
         last = (await engine_state(fleet, "d2"))["last_readmission"]
         assert (last["outcome"], last["operator"]) == ("readmitted", False)
     finally:

@@ -9,6 +9,7 @@ import pytest
 import trio
 
 from narwhal.tools.local_fleet import render_config, start_router
+from tests.e2e.waiting import wait_for_passes, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -25,13 +26,6 @@ async def engines_view(fleet, url: str) -> dict[str, dict]:
     return {engine["name"]: engine for engine in engines}
 
 
-async def wait_for(predicate, timeout_s: float = 10.0, step_s: float = 0.05):
-    with trio.fail_after(timeout_s):
-        while not (result := await predicate()):
-            await trio.sleep(step_s)
-        return result
-
-
 def handoff_of(fleet) -> dict:
     path = Path(fleet.config_path).parent / "handoff.json"
     return json.loads(path.read_bytes())
@@ -46,7 +40,7 @@ async def test_ejection_survives_a_restart_with_resume(start_fleet, nursery, tmp
         records = {record["name"]: record for record in handoff_of(fleet)["engines"]}
         return records["d2"].get("ejected", False)
 
-    await wait_for(d2_ejected_in_handoff)
+    await wait_until(d2_ejected_in_handoff)
     old_reason = (await engines_view(fleet, fleet.url))["d2"]["ejected_reason"]
     await fleet.router.stop()
 
@@ -64,7 +58,7 @@ async def test_ejection_survives_a_restart_with_resume(start_fleet, nursery, tmp
     try:
         [applied] = resumed.events("handoff_applied")
         assert applied["ejected"] == ["d2"]
-        await trio.sleep(0.5)  # a few monitor passes
+        await wait_for_passes(fleet.client, resumed.url, 3)
         d2 = (await engines_view(fleet, resumed.url))["d2"]
         assert d2["ejected"] and not d2["eligible"]
         assert d2["ejected_reason"] == old_reason
@@ -79,7 +73,7 @@ async def test_ejection_survives_a_restart_with_resume(start_fleet, nursery, tmp
     fresh = await start_router(nursery, str(patient))
     try:
         assert not fresh.events("handoff_applied") and not fresh.events("handoff_not_applied")
-        await trio.sleep(0.5)
+        await wait_for_passes(fleet.client, fresh.url, 3)
         assert not (await engines_view(fleet, fresh.url))["d2"]["ejected"]
     finally:
         await fresh.stop()
@@ -87,7 +81,7 @@ async def test_ejection_survives_a_restart_with_resume(start_fleet, nursery, tmp
 
 async def test_mismatched_or_corrupt_handoff_starts_fresh(start_fleet, nursery, tmp_path):
     fleet = await start_fleet(prefill=1, decode=1, sections=FAST)
-    await wait_for(lambda: trio.to_thread.run_sync((tmp_path / "handoff.json").exists))
+    await wait_until(lambda: trio.to_thread.run_sync((tmp_path / "handoff.json").exists))
     await fleet.router.stop()
 
     # Another engine set: one more decode engine in the config.

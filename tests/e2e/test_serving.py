@@ -10,6 +10,8 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.e2e.waiting import wait_for_in_flight
+
 pytestmark = pytest.mark.e2e
 
 COMPLETION = {"model": "mock-model", "prompt": "hello world", "max_tokens": 5}
@@ -117,7 +119,7 @@ async def test_malformed_requests_get_4xx_json_and_others_keep_flowing(start_fle
                                                 json={**COMPLETION, "max_tokens": 40, "stream": True}))
 
         nursery.start_soon(in_flight)
-        await trio.sleep(0.1)
+        await wait_for_in_flight(fleet.client, fleet.url)
         response = await fleet.client.post(f"{fleet.url}{route}", content=payload,
                                            headers={"content-type": "application/json"})
     assert response.status_code == status

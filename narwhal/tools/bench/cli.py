@@ -35,6 +35,9 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     fleet.add_argument("--token-delay-s", type=float, default=None,
                        help=f"the mock's pause before each token (default 0; {_FAULTS_TOKEN_DELAY_S:g} with "
                             f"--scenario faults, so streams are in flight when an engine dies)")
+    fleet.add_argument("--mock-writes", choices=("batched", "per-event"), default="batched",
+                       help="how the decode mock writes a stream: batched (head and first token, then the rest "
+                            "in one write; default) or per-event (one write per SSE event, as vLLM does)")
     fleet.add_argument("--prompt-words", type=int, default=16,
                        help="prompt length in words; the mock counts a word as a token (default 16)")
 
@@ -139,7 +142,8 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     warmup = args.warmup if args.warmup is not None else 2 * args.concurrency
     return BenchSettings(
         prefill=args.prefill, decode=decode, tokens=args.tokens, token_delay_s=token_delay_s,
-        prompt_words=args.prompt_words, concurrency=args.concurrency, requests=requests, duration_s=duration_s,
+        mock_writes=args.mock_writes, prompt_words=args.prompt_words, concurrency=args.concurrency,
+        requests=requests, duration_s=duration_s,
         stream=args.stream, keep_alive=args.keep_alive, warmup=max(0, warmup), timeout_s=args.timeout_s,
         count_tokens=args.count_tokens == "on", overrides=_parse_overrides(args.overrides),
         router_cmd=args.router_cmd, target=args.target, target_pid=args.target_pid,

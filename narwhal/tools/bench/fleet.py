@@ -24,6 +24,7 @@ import httpx
 import msgspec
 import trio
 
+from narwhal.errors import NarwhalError
 from narwhal.tools.bench.procstat import listening_pid
 from narwhal.tools.local_fleet import LocalProcess, render_config, start_mock_engine
 
@@ -211,7 +212,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-class CommandTemplateError(ValueError):
+class CommandTemplateError(NarwhalError, ValueError):
     """A ``--router-cmd`` template names a placeholder the benchmark does not fill."""
 
 

@@ -23,6 +23,7 @@ import httptools
 import msgspec
 import trio
 
+from narwhal.errors import NarwhalError
 from narwhal.tools.bench.report import LoadSummary, summarize_load
 
 __all__ = [
@@ -233,7 +234,7 @@ class LoadResult:
             stale_connection_retries=self.stale_connection_retries)
 
 
-class _Refused(Exception):
+class _Refused(NarwhalError):
     def __init__(self, kind: str) -> None:
         super().__init__(kind)
         self.kind = kind

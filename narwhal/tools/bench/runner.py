@@ -48,6 +48,7 @@ class BenchSettings(msgspec.Struct, frozen=True, kw_only=True):
     decode: int = 1
     tokens: int = 32
     token_delay_s: float = 0.0
+    mock_writes: str = "batched"
     prompt_words: int = 16
     concurrency: int = 16
     requests: int | None = 2000
@@ -72,7 +73,8 @@ class BenchSettings(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def mock_args(self) -> list[str]:
-        return ["--tokens", str(self.tokens), "--token-delay-s", repr(self.token_delay_s)]
+        return ["--tokens", str(self.tokens), "--token-delay-s", repr(self.token_delay_s),
+                "--sse-writes", self.mock_writes]
 
 
 def _spec(settings: BenchSettings, host: str, port: int, body: bytes, *, requests: int | None,

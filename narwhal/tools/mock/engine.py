@@ -18,25 +18,30 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import hmac
 import itertools
 import logging
 import secrets
 import signal
 import socket
+import ssl
 import struct
 import sys
 import time
 import zlib
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import msgspec
 import trio
 
+from narwhal import attestation
+from narwhal.config import ConfigError
+from narwhal.errors import NarwhalError
 from narwhal.http1.server import ClientDisconnected, HTTPServer
 from narwhal.obs.logs import configure_logging, log_event
+from narwhal.tls import server_context_from_files
 from narwhal.tools.mock.faults import (
     Applied,
     Fault,
@@ -100,7 +105,7 @@ class _CompletionBody(msgspec.Struct):
     kv_transfer_params: dict[str, Any] | None = None
 
 
-class _BadRequest(Exception):
+class _BadRequest(NarwhalError):
     def __init__(self, status: int, message: str, type_: str = "BadRequestError") -> None:
         super().__init__(message)
         self.status = status
@@ -162,6 +167,10 @@ class MockSettings(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int = 4096
     tokens: int = 16
     token_delay_s: float = 0.0
+    # "batched": head + first token, then the rest in one write (the least the relay can be given);
+    # "per-event": every SSE event, [DONE] and the chunked terminator in writes of their own, as vLLM's
+    # uvicorn sends them, so a relay sees one upstream read per event.
+    sse_writes: Literal["batched", "per-event"] = "batched"
     # Empty = from the role: prefill produces KV, decode consumes it.
     kv_roles: tuple[str, ...] = ()
     process_started_at: float = PROCESS_STARTED_AT
@@ -169,6 +178,10 @@ class MockSettings(msgspec.Struct, frozen=True, kw_only=True):
     faults: tuple[str, ...] = ()
     # vLLM's uvicorn closes idle keep-alive connections after 5 s; so does the mock.
     idle_timeout_s: float = 5.0
+    # HTTPS with this certificate and key; a client CA makes callers present a certificate (mTLS).
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
 
     @property
     def effective_kv_roles(self) -> tuple[str, ...]:
@@ -435,8 +448,8 @@ class MockEngine:
 
     def signature(self, nonce: str, generation: str | None = None) -> str:
         """The attestation signature: hex HMAC-SHA256 over ``engine_id|nonce|generation``."""
-        message = f"{self.engine_id}|{nonce}|{generation or self.settings.generation}".encode()
-        return hmac.new(self.settings.attestation_key.encode(), message, hashlib.sha256).hexdigest()
+        return attestation.sign(self.settings.attestation_key.encode(), self.engine_id, nonce,
+                                generation or self.settings.generation)
 
     async def _attest(self, request: Request, responder: Responder) -> None:
         nonce = _decode_body(request.body, AttestRequest).nonce
@@ -587,6 +600,9 @@ class MockEngine:
             tail = shape.usage_head + _encode(_usage(job.prompt_tokens, n)) + b"}\n\n" if job.include_usage else b""
             if not applied.get(Mode.NO_DONE):
                 tail += _DONE
+        if self.settings.sse_writes == "per-event" and not stall:
+            await self._stream_per_event(responder, events, tail, token_delay_s, first_delay_s)
+            return
         # events[:split] go out one write each; the rest goes with the terminator in the last write.
         if stall:
             split = len(events)
@@ -611,6 +627,24 @@ class MockEngine:
         if token_delay_s and split < len(events):
             await trio.sleep(token_delay_s)
         await responder.end_stream(b"".join(events[split:]) + tail)
+
+    async def _stream_per_event(self, responder: Responder, events: list[bytes], tail: bytes,
+                                token_delay_s: float, first_delay_s: float | None) -> None:
+        """One write per SSE event as vLLM does: the head alone, each event, usage, [DONE], the terminator."""
+        await responder.start_stream(200, _SSE)
+        if first_delay_s is not None:
+            await trio.sleep(first_delay_s)
+        for event in events:
+            if token_delay_s:
+                await trio.sleep(token_delay_s)
+            await responder.write(event)
+        # The tail is the usage event and [DONE] (or garbage that is not SSE): one write per event.
+        *whole, rest = tail.split(b"\n\n")
+        for part in whole:
+            await responder.write(part + b"\n\n")
+        if rest:
+            await responder.write(rest)
+        await responder.end_stream()
 
     # ----- /mock control ---------------------------------------------------------------
 
@@ -677,11 +711,21 @@ class _MockListener(trio.abc.Listener[trio.SocketStream]):
         await self._inner.aclose()
 
 
+def _ssl_context(settings: MockSettings) -> ssl.SSLContext | None:
+    """The mock's HTTPS context, or None for plain HTTP; ConfigError names the bad option."""
+    if settings.tls_cert_file is None or settings.tls_key_file is None:
+        return None
+    client_ca = Path(settings.tls_client_ca_file) if settings.tls_client_ca_file else None
+    return server_context_from_files(Path(settings.tls_cert_file), Path(settings.tls_key_file), client_ca,
+                                     names=("--tls-cert-file", "--tls-key-file", "--tls-client-ca-file"))
+
+
 class MockService:
     """Serves one MockEngine; closes and reopens its listener for ``refuse`` windows."""
 
     def __init__(self, settings: MockSettings) -> None:
         self._server: HTTPServer | None = None
+        self._ssl_context = _ssl_context(settings)
         self._reopen_at: float | None = None
         self._window: trio.CancelScope | None = None
         self._stopping = False
@@ -720,8 +764,10 @@ class MockService:
                 task_status.started(engine)
                 reported = True
             if self._reopen_at is None:
+                # Like uvicorn in front of vLLM, EOF from the router cancels the engine's work at once.
                 self._server = HTTPServer(engine.handle, idle_timeout_s=engine.settings.idle_timeout_s,
-                                          server_name=b"narwhal-mock")
+                                          half_close=False, server_name=b"narwhal-mock",
+                                          ssl_context=self._ssl_context)
                 try:
                     await self._server.serve_listeners([_MockListener(listener, engine) for listener in listeners])
                 finally:
@@ -760,9 +806,17 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--tokens", type=int, default=16, help="tokens per decode without max_tokens (default 16)")
     parser.add_argument("--token-delay-s", type=float, default=0.0, help="pause before each token (default 0)")
+    parser.add_argument("--sse-writes", choices=("batched", "per-event"), default="batched",
+                        help="batched: head and first token, then the rest in one write (default); "
+                             "per-event: every SSE event, [DONE] and the terminator in its own write, as vLLM does")
     parser.add_argument("--kv-roles", help="comma-separated KV roles, e.g. producer,consumer (default: from role)")
     parser.add_argument("--idle-timeout-s", type=float, default=5.0,
                         help="close idle keep-alive connections after this long, as vLLM's uvicorn does")
+    parser.add_argument("--tls-cert-file", metavar="PEM",
+                        help="serve HTTPS with this certificate (needs --tls-key-file)")
+    parser.add_argument("--tls-key-file", metavar="PEM", help="the certificate's private key")
+    parser.add_argument("--tls-client-ca-file", metavar="PEM",
+                        help="require client certificates signed by this CA (mutual TLS)")
     parser.add_argument("--fault", action="append", default=[], metavar="SPEC",
                         help="fault at start, MODE[:KEY=VALUE,...] (repeatable), e.g. status_500:count=3")
     return parser
@@ -775,11 +829,16 @@ def _settings_from_args(args: argparse.Namespace) -> MockSettings:
         raise ValueError(f"--kv-roles: unknown role(s) {', '.join(sorted(unknown))}")
     if args.tokens < 1 or args.max_model_len < 1 or args.token_delay_s < 0 or args.idle_timeout_s <= 0:
         raise ValueError("--tokens and --max-model-len must be >= 1, --token-delay-s >= 0, --idle-timeout-s > 0")
+    if (args.tls_cert_file is None) != (args.tls_key_file is None):
+        raise ValueError("--tls-cert-file and --tls-key-file go together")
+    if args.tls_client_ca_file is not None and args.tls_cert_file is None:
+        raise ValueError("--tls-client-ca-file needs --tls-cert-file and --tls-key-file")
     return MockSettings(
         role=args.role, host=args.host, port=args.port, engine_id=args.engine_id, model=args.model,
         generation=args.generation, attestation_key=args.attestation_key, max_model_len=args.max_model_len,
         tokens=args.tokens, token_delay_s=args.token_delay_s, kv_roles=kv_roles, faults=tuple(args.fault),
-        idle_timeout_s=args.idle_timeout_s)
+        idle_timeout_s=args.idle_timeout_s, sse_writes=args.sse_writes, tls_cert_file=args.tls_cert_file,
+        tls_key_file=args.tls_key_file, tls_client_ca_file=args.tls_client_ca_file)
 
 
 async def _run(settings: MockSettings) -> None:
@@ -788,7 +847,7 @@ async def _run(settings: MockSettings) -> None:
         async with trio.open_nursery() as nursery:
             engine = await nursery.start(service.run)
             ready = {"event": "mock_engine_ready", "port": engine.port, "engine_id": engine.engine_id,
-                     "role": settings.role, "model": settings.model}
+                     "role": settings.role, "model": settings.model, "tls": settings.tls_cert_file is not None}
             sys.stdout.write(_encode(ready).decode() + "\n")
             sys.stdout.flush()
             async for _ in signals:
@@ -803,10 +862,11 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         settings = _settings_from_args(args)
-        # Faults are checked before binding, so a typo fails at once.
+        # Faults and certificates are checked before binding, so a typo fails at once.
         for spec in settings.faults:
             FaultTable().validate(parse_fault_spec(spec))
-    except ValueError as exc:  # FaultError too
+        _ssl_context(settings)
+    except (ValueError, ConfigError) as exc:  # FaultError too
         parser.error(str(exc))
     configure_logging()
     try:

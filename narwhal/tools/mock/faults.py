@@ -9,6 +9,10 @@ Faults are set through ``POST /mock/faults`` with a JSON object, or with
 ``--fault`` using the same keys: ``MODE[:KEY=VALUE[,KEY=VALUE...]]``, legs
 joined with ``+``, e.g. ``status_500:count=3,legs=prefill+decode``.
 ``status_NNN`` is short for ``status_5xx`` with ``status=NNN``.
+
+Faults act in the order they were set: the first replacing fault wins, and a
+counted one gives way to the next when spent, so "500 three times, then 429"
+is ``status_500:count=3`` set before ``status_429`` (``docs/mock-engine.md``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import re
 from typing import Any
 
 import msgspec
+
+from narwhal.errors import NarwhalError
 
 __all__ = [
     "BAD_KV_VARIANTS",
@@ -37,7 +43,7 @@ __all__ = [
 ]
 
 
-class FaultError(ValueError):
+class FaultError(NarwhalError, ValueError):
     """A fault request that cannot be applied; the message says why."""
 
 

@@ -1,0 +1,65 @@
+"""What the control app reads and asks of the router: one small Protocol, so the app never sees ``Router``.
+
+``narwhal.router.Router`` provides it; a test can pass any object that does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from narwhal.config import Config
+from narwhal.control.engine_view import EngineEntry, EnginesView
+from narwhal.control.readmission import ReadmissionResult
+from narwhal.lease.service import LeaseView
+
+__all__ = ["AppState", "EngineViews", "OperatorActions"]
+
+
+class EngineViews(Protocol):
+    """``/admin/engines`` and ``/admin/engines/{name}`` (``narwhal.control.engine_view.EngineViewer``)."""
+
+    def engines(self) -> EnginesView: ...
+    def engine(self, name: str) -> EngineEntry: ...
+
+
+class OperatorActions(Protocol):
+    """The admin routes' actions (``narwhal.control.readmission.Readmitter``)."""
+
+    @property
+    def clock(self) -> Callable[[], float]: ...
+    def knows(self, name: str) -> bool: ...
+    def drain(self, name: str, now: float) -> None: ...
+    def maintenance(self, name: str, now: float) -> float: ...
+    async def readmit(self, name: str, *, operator: bool) -> ReadmissionResult: ...
+
+
+class _Metrics(Protocol):
+    def render(self) -> str: ...
+
+
+class _Telemetry(Protocol):
+    def as_json(self) -> dict[str, Any]: ...
+
+
+class AppState(Protocol):
+    """Everything the control app and the admin routes use."""
+
+    @property
+    def config(self) -> Config: ...
+    @property
+    def metrics(self) -> _Metrics: ...
+    @property
+    def telemetry(self) -> _Telemetry: ...
+    @property
+    def engine_view(self) -> EngineViews: ...
+    @property
+    def readmitter(self) -> OperatorActions: ...
+
+    def readiness(self) -> str | None:
+        """None when this router should get traffic, else the one-line reason."""
+        ...
+
+    def lease_view(self) -> LeaseView:
+        """``/admin/lease``: the lease record and this router's role."""
+        ...

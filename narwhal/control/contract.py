@@ -1,0 +1,151 @@
+"""The engine contract's verdicts, without I/O: shared by readmission and ``engine-check``.
+
+Each function takes what an engine answered and either returns what it learnt
+or raises ``ContractViolation`` with the operator-facing reason, so the router
+and the operator's pre-flight check refuse an engine for the same words.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+import msgspec
+
+from narwhal import attestation
+from narwhal.errors import NarwhalError
+from narwhal.wire import PREFILL_KV_REQUEST, AttestResponse, EngineIdentity
+
+__all__ = [
+    "KV_ROLE_FOR",
+    "PROBE_PROMPT",
+    "ContractViolation",
+    "check_generation",
+    "check_identity_model",
+    "check_kv_role",
+    "check_listed_model",
+    "listed_models",
+    "probe_decode_body",
+    "probe_prefill_body",
+    "read_identity",
+    "status_reason",
+    "verify_attestation",
+]
+
+# The KV role an engine's kv_roles must allow for it to serve its placement role.
+KV_ROLE_FOR: dict[str, str] = {"prefill": "producer", "decode": "consumer"}
+
+PROBE_PROMPT = "narwhal inference probe"
+
+# An engine's error message quoted in a reason is cut here: reasons go to logs and tables.
+_MAX_QUOTED_CHARS = 200
+
+
+class ContractViolation(NarwhalError):
+    """An engine's answer breaks the contract; ``reason`` says how."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _ModelCard(msgspec.Struct):
+    id: str
+
+
+class _ModelList(msgspec.Struct):
+    data: list[_ModelCard]
+
+
+class _ErrorDetail(msgspec.Struct):
+    message: str
+
+
+class _ErrorBody(msgspec.Struct):
+    error: _ErrorDetail
+
+
+_encode = msgspec.json.Encoder().encode
+
+
+def status_reason(method: str, path: str, status: int, body: bytes = b"") -> str:
+    """``GET /x answered HTTP 503``, plus the engine's own message when it sent an OpenAI-style error."""
+    reason = f"{method} {path} answered HTTP {status}"
+    try:
+        message = msgspec.json.decode(body, type=_ErrorBody).error.message
+    except msgspec.DecodeError:
+        return reason
+    if len(message) > _MAX_QUOTED_CHARS:
+        message = message[:_MAX_QUOTED_CHARS] + "..."
+    return f"{reason}: {message}"
+
+
+def read_identity(raw: bytes) -> EngineIdentity:
+    """The ``GET /narwhal/identity`` answer, typed."""
+    try:
+        return msgspec.json.decode(raw, type=EngineIdentity)
+    except msgspec.DecodeError as exc:
+        raise ContractViolation(f"GET /narwhal/identity: unreadable identity: {exc}") from None
+
+
+def verify_attestation(key: bytes, identity: EngineIdentity, nonce: str, raw_answer: bytes) -> None:
+    """The ``POST /narwhal/attest`` answer echoes ``nonce`` for the identity's engine, signed with ``key``."""
+    try:
+        answer = msgspec.json.decode(raw_answer, type=AttestResponse)
+    except msgspec.DecodeError as exc:
+        raise ContractViolation(f"POST /narwhal/attest: unreadable answer: {exc}") from None
+    if not hmac.compare_digest(answer.nonce.encode(), nonce.encode()):
+        raise ContractViolation("attestation did not echo our nonce (a replayed or stale answer)")
+    if answer.engine_id != identity.engine_id:
+        raise ContractViolation(f"attestation answered for engine_id {answer.engine_id!r}, "
+                                f"identity names {identity.engine_id!r}")
+    # The signature covers the generation the engine claims; the generation check judges the claim.
+    if not attestation.verify(key, identity.engine_id, nonce, identity.generation, answer.signature):
+        raise ContractViolation("attestation signature does not verify with the fleet attestation key")
+
+
+def listed_models(raw: bytes) -> list[str]:
+    """The model ids of a ``GET /v1/models`` answer."""
+    try:
+        return [card.id for card in msgspec.json.decode(raw, type=_ModelList).data]
+    except msgspec.DecodeError as exc:
+        raise ContractViolation(f"GET /v1/models: unreadable model list: {exc}") from None
+
+
+def check_identity_model(identity: EngineIdentity, model: str) -> None:
+    """The identity names ``model``."""
+    if identity.model != model:
+        raise ContractViolation(f"/narwhal/identity names model {identity.model!r}; fleet.model is {model!r}")
+
+
+def check_listed_model(listed: list[str], model: str) -> None:
+    """vLLM itself serves ``model``: a plugin claiming another model cannot pass."""
+    if model not in listed:
+        raise ContractViolation(f"/v1/models lists {listed}; fleet.model {model!r} is not among them")
+
+
+def check_generation(identity: EngineIdentity, generation: str) -> None:
+    """The identity reports ``generation``."""
+    if identity.generation != generation:
+        raise ContractViolation(f"engine reports generation {identity.generation!r}; "
+                                f"fleet.generation is {generation!r}")
+
+
+def check_kv_role(role: str, identity: EngineIdentity) -> None:
+    """The identity's kv_roles allow the KV transfer a ``role`` engine does."""
+    needed = KV_ROLE_FOR[role]
+    if needed not in identity.kv_roles:
+        raise ContractViolation(f"a {role} engine needs KV role {needed!r}; "
+                                f"engine reports kv_roles {identity.kv_roles}")
+
+
+def probe_prefill_body(model: str) -> bytes:
+    """A one-token prefill that keeps its KV for a remote decode."""
+    return _encode({"model": model, "prompt": PROBE_PROMPT, "max_tokens": 1, "stream": False,
+                    "kv_transfer_params": PREFILL_KV_REQUEST})
+
+
+def probe_decode_body(model: str, kv: dict[str, Any]) -> bytes:
+    """A one-token streamed decode of the probe prompt from the prefill's handoff ``kv``."""
+    return _encode({"model": model, "prompt": PROBE_PROMPT, "max_tokens": 1, "stream": True,
+                    "kv_transfer_params": kv})

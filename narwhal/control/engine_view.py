@@ -1,0 +1,164 @@
+"""The operator's view of the fleet: what ``GET /admin/engines`` answers, as typed structs.
+
+``EngineViewer`` joins the fleet's frozen ``EngineView`` with what only the
+shell knows (the engine's URL, requests in flight, the readmitter's drain and
+last readmission, the monitor's streak, consolidation risk) and returns
+``EnginesView``; the app encodes it as is. It reads and never changes anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import msgspec
+import trio
+
+from narwhal.config import Config
+from narwhal.control.readmission import ReadmissionResult, ReadmissionState
+from narwhal.errors import FailureClass
+from narwhal.fleet import EjectionCause, EngineView, HoldKind
+from narwhal.fleet.placement import InFlight
+
+__all__ = [
+    "EngineCountersEntry",
+    "EngineEntry",
+    "EngineViewer",
+    "EnginesView",
+    "HoldEntry",
+    "MonitorEntry",
+]
+
+
+class HoldEntry(msgspec.Struct, frozen=True, kw_only=True):
+    """One hold on an engine; times are the router's monotonic seconds."""
+
+    kind: HoldKind
+    reason: str
+    since: float
+    deadline: float | None
+    deferred: bool
+
+
+class EngineCountersEntry(msgspec.Struct, frozen=True, kw_only=True):
+    """Totals since the router started (or since the handoff it resumed from)."""
+
+    ejections: int
+    probes: dict[str, int]
+    failures: dict[FailureClass, int]
+
+
+class EngineEntry(msgspec.Struct, frozen=True, kw_only=True):
+    """One engine in ``/admin/engines`` and ``/admin/engines/{name}``."""
+
+    name: str
+    role: str
+    url: str
+    eligible: bool
+    ejected: bool
+    ejected_reason: str | None
+    # A bounded label for the ejection (the same one ``narwhal_engine_ejections_total`` counts).
+    ejected_cause: EjectionCause | None
+    holds: list[HoldEntry]
+    evidence: dict[FailureClass, int]
+    liveness_misses: int
+    in_flight: int
+    next_probe_at: float | None
+    counters: EngineCountersEntry
+    drained: bool
+    maintenance_started_at: float | None
+    readmission_running: bool
+    last_readmission: ReadmissionResult | None
+
+
+class MonitorEntry(msgspec.Struct, frozen=True, kw_only=True):
+    """The monitor's state: ``passes`` counts the passes started since this router began."""
+
+    failure_streak: int
+    degraded: str | None
+    passes: int
+
+
+class EnginesView(msgspec.Struct, frozen=True, kw_only=True):
+    """The whole answer of ``GET /admin/engines``."""
+
+    engines: list[EngineEntry]
+    consolidation_risk: dict[str, str]
+    monitor: MonitorEntry
+
+
+class _FleetViews(Protocol):
+    def view(self, name: str, now: float) -> EngineView: ...
+    def views(self, now: float) -> list[EngineView]: ...
+
+
+class _Readmitter(Protocol):
+    def admin_state(self, name: str) -> ReadmissionState: ...
+
+
+class _Controller(Protocol):
+    def consolidation_risk(self, now: float | None = None) -> dict[str, str]: ...
+
+
+class _Monitor(Protocol):
+    @property
+    def failure_streak(self) -> int: ...
+    @property
+    def degraded_reason(self) -> str | None: ...
+    @property
+    def passes(self) -> int: ...
+
+
+class EngineViewer:
+    """Builds ``EnginesView`` from the fleet and the shell's parts, at the current time."""
+
+    def __init__(self, *, config: Config, fleet: _FleetViews, in_flight: InFlight, readmitter: _Readmitter,
+                 controller: _Controller, monitor: _Monitor, clock: Callable[[], float] = trio.current_time) -> None:
+        self.config = config
+        self.fleet = fleet
+        self.in_flight = in_flight
+        self.readmitter = readmitter
+        self.controller = controller
+        self.monitor = monitor
+        self.clock = clock
+
+    def engines(self) -> EnginesView:
+        """Every engine in configured order, consolidation risk and the monitor."""
+        now = self.clock()
+        monitor = self.monitor
+        return EnginesView(
+            engines=[self._entry(view) for view in self.fleet.views(now)],
+            consolidation_risk=self.controller.consolidation_risk(now),
+            monitor=MonitorEntry(failure_streak=monitor.failure_streak, degraded=monitor.degraded_reason,
+                                 passes=monitor.passes),
+        )
+
+    def engine(self, name: str) -> EngineEntry:
+        """One engine's entry; KeyError when ``name`` is not configured."""
+        return self._entry(self.fleet.view(name, self.clock()))
+
+    def _entry(self, view: EngineView) -> EngineEntry:
+        spec = self.config.engine_spec(view.name)
+        readmission = self.readmitter.admin_state(view.name)
+        counters = view.counters
+        return EngineEntry(
+            name=view.name,
+            role=view.role,
+            url=spec.url,
+            eligible=view.eligible,
+            ejected=view.ejected,
+            ejected_reason=view.ejected_reason,
+            ejected_cause=view.ejected_cause,
+            holds=[HoldEntry(kind=hold.kind, reason=hold.reason, since=hold.since, deadline=hold.deadline,
+                             deferred=hold.deferred) for hold in view.holds],
+            evidence=dict(view.evidence),
+            liveness_misses=view.liveness_misses,
+            in_flight=self.in_flight[view.name],
+            next_probe_at=view.next_probe_at,
+            counters=EngineCountersEntry(ejections=counters.ejections, probes=dict(counters.probes),
+                                         failures=dict(counters.failures)),
+            drained=readmission.drained,
+            maintenance_started_at=readmission.maintenance_started_at,
+            readmission_running=readmission.readmission_running,
+            last_readmission=readmission.last_readmission,
+        )

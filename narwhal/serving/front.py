@@ -1,0 +1,67 @@
+"""The data-plane front: the two completion routes go to the request core, every other path to the app.
+
+One handler for ``narwhal.http1.server.HTTPServer``. A request carrying this
+router's own ``Via`` token came back to it (an engine URL points at a router):
+508 ``loop_detected``. Completion routes accept POST only (405 with
+``Allow: POST`` otherwise). With ``[admin] listen`` the admin paths are 404
+here. The rest is passed through the ASGI adapter to the quart-trio control
+app, so both share one port.
+"""
+
+from __future__ import annotations
+
+import logging
+import urllib.parse
+
+from narwhal.http1.asgi import ASGIApp, call_asgi
+from narwhal.http1.server import Request, Responder
+from narwhal.obs.logs import log_event
+from narwhal.serving.request_core import COMPLETION_ROUTES, RequestCore
+from narwhal.wire import error_json
+
+__all__ = ["Front", "is_admin_path"]
+
+_JSON = [(b"content-type", b"application/json")]
+_NOT_ALLOWED = error_json("completion routes accept POST only", "invalid_request_error", "method_not_allowed")
+_NOT_ALLOWED_HEADERS = [*_JSON, (b"allow", b"POST")]
+
+
+def is_admin_path(path: str) -> bool:
+    """Would the app route ``path`` to the admin API? (percent-decoded, leading slashes collapsed)."""
+    if "%" in path:
+        path = urllib.parse.unquote(path)
+    path = "/" + path.lstrip("/")
+    return path == "/admin" or path.startswith("/admin/")
+
+
+class Front:
+    """Routes each request of the data-plane server to the core or to the app."""
+
+    def __init__(self, core: RequestCore, app: ASGIApp, *, via_token: str, admin_elsewhere: bool) -> None:
+        self.core = core
+        self.app = app
+        self._via_token = via_token.encode()
+        self._admin_elsewhere = admin_elsewhere
+        self._loop_error = error_json(
+            f"request loop detected: this router ({via_token}) sent this request itself; "
+            "an [[engines]] url points back at a router", "server_error", "loop_detected")
+
+    async def handle(self, request: Request, responder: Responder) -> None:
+        """Serve one request: completions through the core, everything else through the app."""
+        via = request.get_header(b"via")
+        if via is not None and self._via_token in via:
+            log_event("request_loop", level=logging.ERROR, path=request.path, via=via.decode("latin-1")[:200])
+            await responder.respond(508, _JSON, self._loop_error)
+            return
+        if request.path in COMPLETION_ROUTES:
+            if request.method == b"POST":
+                await self.core.handle(request.path, request.body, request.get_header(b"x-request-id"),
+                                       responder)
+            else:
+                await responder.respond(405, _NOT_ALLOWED_HEADERS, _NOT_ALLOWED)
+            return
+        if self._admin_elsewhere and is_admin_path(request.path):
+            await responder.respond(404, _JSON, error_json(f"no route for {request.method.decode('latin-1')} "
+                                                           f"{request.path}", "invalid_request_error", "not_found"))
+            return
+        await call_asgi(self.app, request, responder)

@@ -1,0 +1,331 @@
+"""The vLLM identity plugin in-process: what it reads from vLLM's command line and environment,
+what it answers, and that it hands every other request to the app untouched.
+
+The middleware is driven as a bare ASGI callable (it needs no event loop of its own).
+``tests/e2e/test_vllm_plugin_e2e.py`` loads it into a FastAPI app the way vLLM does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from narwhal import attestation
+from narwhal.engine_plugin import (
+    IdentityMiddleware,
+    PluginSettings,
+    VllmArgs,
+    kv_roles_for,
+    parse_vllm_argv,
+    process_started_at,
+)
+
+NIXL_BOTH = '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'
+ENV = {"NARWHAL_ENGINE_ID": "prefill-0", "NARWHAL_GENERATION": "g7", "NARWHAL_FLEET_KEY": "fleet-secret"}
+ARGV = ["/usr/bin/vllm", "serve", "Qwen/Qwen3-0.6B", "--port", "8100", "--kv-transfer-config", NIXL_BOTH,
+        "--middleware", "narwhal.engine_plugin.IdentityMiddleware"]
+
+
+# ----- the command line ------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (ARGV, VllmArgs(model="Qwen/Qwen3-0.6B", kv_role="kv_both")),
+    (["vllm", "serve", "/models/llama", "--served-model-name", "llama-8b", "llama", "--port", "1"],
+     VllmArgs(model="/models/llama", served_model_name="llama-8b")),
+    (["vllm", "serve", "m", "--served_model_name=named", "--kv_transfer_config={\"kv_role\":\"kv_producer\"}"],
+     VllmArgs(model="m", served_model_name="named", kv_role="kv_producer")),
+    # vLLM's dotted JSON form
+    (["vllm", "serve", "m", "--kv-transfer-config.kv_connector", "NixlConnector",
+      "--kv-transfer-config.kv_role", "kv_consumer"], VllmArgs(model="m", kv_role="kv_consumer")),
+    # python -m vllm.entrypoints.openai.api_server --model M
+    (["api_server.py", "--model", "flag-model", "--port", "8000"], VllmArgs(model="flag-model")),
+    # the positional model wins over --model, as in vLLM
+    (["vllm", "serve", "positional", "--model", "flag"], VllmArgs(model="positional")),
+    (["vllm", "serve", "--port", "8000"], VllmArgs()),
+    (["vllm", "serve", "m", "--kv-transfer-config", '{"kv_connector":"NixlConnector"}'],
+     VllmArgs(model="m", kv_role="")),
+    (["vllm", "serve", "m", "--kv-transfer-config", "{not json"],
+     VllmArgs(model="m", kv_config_problem="--kv-transfer-config is not JSON "
+                                           "(Expecting property name enclosed in double quotes: "
+                                           "line 1 column 2 (char 1))")),
+])
+def test_the_vllm_command_line_names_model_served_name_and_kv_role(argv: list[str], expected: VllmArgs) -> None:
+    assert parse_vllm_argv(argv) == expected
+
+
+@pytest.mark.parametrize(("role", "roles"), [
+    ("kv_producer", ("producer",)), ("kv_consumer", ("consumer",)), ("kv_both", ("producer", "consumer")),
+    ("producer", ("producer",)), ("consumer", ("consumer",)), ("both", ("producer", "consumer")),
+    (" KV_BOTH ", ("producer", "consumer")), ("kv_sideways", None), ("", None),
+])
+def test_kv_role_maps_to_the_contract_kv_roles(role: str, roles: tuple[str, ...] | None) -> None:
+    assert kv_roles_for(role) == roles
+
+
+def test_settings_come_from_the_environment_and_the_command_line() -> None:
+    s = PluginSettings.from_environment(ENV, ARGV, started_at=1700000000.5)
+    assert s.problems == ()
+    assert s.identity() == {"engine_id": "prefill-0", "model": "Qwen/Qwen3-0.6B", "generation": "g7",
+                            "process_started_at": 1700000000.5, "kv_roles": ["producer", "consumer"]}
+
+
+def test_served_model_name_wins_over_the_model_and_narwhal_model_over_both() -> None:
+    argv = ["vllm", "serve", "/weights", "--served-model-name", "public-name"]
+    assert PluginSettings.from_environment(ENV, argv).model == "public-name"
+    assert PluginSettings.from_environment({**ENV, "NARWHAL_MODEL": "override"}, argv).model == "override"
+
+
+def test_narwhal_kv_role_overrides_the_kv_transfer_config() -> None:
+    s = PluginSettings.from_environment({**ENV, "NARWHAL_KV_ROLE": "kv_consumer"}, ARGV)
+    assert s.kv_roles == ("consumer",) and s.problems == ()
+
+
+def test_an_engine_without_a_kv_connector_reports_no_kv_roles() -> None:
+    s = PluginSettings.from_environment(ENV, ["vllm", "serve", "m"])
+    assert s.kv_roles == () and s.problems == ()
+
+
+@pytest.mark.parametrize(("env", "argv", "problem"), [
+    ({k: v for k, v in ENV.items() if k != "NARWHAL_ENGINE_ID"}, ARGV, "NARWHAL_ENGINE_ID is not set"),
+    ({**ENV, "NARWHAL_GENERATION": " "}, ARGV, "NARWHAL_GENERATION is not set"),
+    (ENV, ["vllm", "serve", "--config", "c.yaml"], "cannot tell the served model from the command line: "
+                                                    "set NARWHAL_MODEL"),
+    ({**ENV, "NARWHAL_KV_ROLE": "sideways"}, ARGV, "NARWHAL_KV_ROLE='sideways' is not one of"),
+    (ENV, ["vllm", "serve", "m", "--kv-transfer-config", '{"kv_role": "kv_sideways"}'],
+     "kv_role 'kv_sideways' is not one of kv_producer, kv_consumer, kv_both: set NARWHAL_KV_ROLE"),
+    (ENV, ["vllm", "serve", "m", "--kv-transfer-config", "[1]"],
+     "--kv-transfer-config is not a JSON object: set NARWHAL_KV_ROLE"),
+])
+def test_what_the_plugin_cannot_tell_is_named(env: dict[str, str], argv: list[str], problem: str) -> None:
+    s = PluginSettings.from_environment(env, argv)
+    assert any(problem in p for p in s.problems), s.problems
+
+
+# ----- process_started_at ------------------------------------------------------------------------
+
+def test_process_started_at_is_the_real_start_of_the_process() -> None:
+    before = time.time()
+    out = subprocess.run([sys.executable, "-c", "import narwhal.engine_plugin as p; print(p.process_started_at())"],
+                         capture_output=True, check=True, timeout=60).stdout
+    after = time.time()
+    started = float(out)
+    # /proc/uptime has 1/100 s resolution, and the tick count 1/CLK_TCK.
+    assert before - 0.05 <= started <= after
+
+
+def test_process_started_at_reads_the_kernel_fields(tmp_path: Path) -> None:
+    (tmp_path / "self").mkdir()
+    # A command name holding ") (" must not shift the fields.
+    fields = ["S"] + ["0"] * 18 + ["12345"] + ["0"] * 30
+    (tmp_path / "self" / "stat").write_text("4242 (odd) (name) " + " ".join(fields) + "\n")
+    (tmp_path / "uptime").write_text("500.25 1000.00\n")
+    import os
+
+    ticks = os.sysconf("SC_CLK_TCK")
+    assert process_started_at(proc=tmp_path, now=lambda: 10_000.0) == pytest.approx(10_000.0 - 500.25 + 12345 / ticks)
+
+
+def test_without_proc_the_start_is_when_the_middleware_was_built(tmp_path: Path) -> None:
+    assert process_started_at(proc=tmp_path / "missing") is None
+    before = time.time()
+    settings = PluginSettings.from_environment(ENV, ARGV, proc=tmp_path / "missing")
+    assert before <= settings.process_started_at <= time.time()
+
+
+# ----- the middleware, driven as an ASGI callable ----------------------------------------------
+
+class InnerApp:
+    """The app behind the middleware: records what reached it and answers 200 "inner"."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[dict[str, Any], Any, Any]] = []
+
+    async def __call__(self, scope, receive, send) -> None:
+        self.calls.append((scope, receive, send))
+        if scope["type"] == "http":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"inner"})
+
+
+async def call(middleware: IdentityMiddleware, method: str, path: str, body: bytes = b"",
+               chunks: list[bytes] | None = None, **scope_extra: Any) -> tuple[int, dict[bytes, bytes], bytes]:
+    messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1}
+                for i, c in enumerate(chunks)] if chunks else [{"type": "http.request", "body": body}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": method, "path": path, "root_path": "", "headers": [], **scope_extra}
+    await middleware(scope, receive, send)
+    start = sent[0]
+    return start["status"], dict(start["headers"]), b"".join(m.get("body", b"") for m in sent[1:])
+
+
+def plugin(env: dict[str, str] = ENV, argv: list[str] = ARGV) -> tuple[IdentityMiddleware, InnerApp]:
+    inner = InnerApp()
+    return IdentityMiddleware(inner, PluginSettings.from_environment(env, argv, started_at=1700000000.25)), inner
+
+
+async def test_identity_answers_the_contract_fields() -> None:
+    middleware, inner = plugin()
+    status, headers, body = await call(middleware, "GET", "/narwhal/identity")
+    assert status == 200 and headers[b"content-type"] == b"application/json"
+    assert json.loads(body) == {"engine_id": "prefill-0", "model": "Qwen/Qwen3-0.6B", "generation": "g7",
+                                "process_started_at": 1700000000.25, "kv_roles": ["producer", "consumer"]}
+    assert inner.calls == []
+
+
+async def test_attest_signs_engine_id_nonce_and_generation_with_the_fleet_key() -> None:
+    middleware, _ = plugin()
+    status, _, body = await call(middleware, "POST", "/narwhal/attest", chunks=[b'{"nonce": "ab', b'c123"}'])
+    assert status == 200
+    answer = json.loads(body)
+    expected = hmac.new(b"fleet-secret", b"prefill-0|abc123|g7", hashlib.sha256).hexdigest()
+    assert answer == {"engine_id": "prefill-0", "nonce": "abc123", "signature": expected}
+    assert attestation.verify(b"fleet-secret", "prefill-0", "abc123", "g7", answer["signature"])
+    assert not attestation.verify(b"other-key", "prefill-0", "abc123", "g7", answer["signature"])
+
+
+async def test_the_key_file_is_read_at_each_attest(tmp_path: Path) -> None:
+    key_file = tmp_path / "fleet.key"
+    env = {k: v for k, v in ENV.items() if k != "NARWHAL_FLEET_KEY"} | {"NARWHAL_FLEET_KEY_FILE": str(key_file)}
+    middleware, _ = plugin(env)
+
+    status, _, body = await call(middleware, "POST", "/narwhal/attest", b'{"nonce": "n1"}')
+    assert status == 503
+    error = json.loads(body)["error"]
+    assert error["code"] == "no_fleet_key" and "cannot read fleet key file" in error["message"]
+
+    key_file.write_text("  first-key\n")
+    status, _, body = await call(middleware, "POST", "/narwhal/attest", b'{"nonce": "n1"}')
+    assert status == 200
+    assert attestation.verify(b"first-key", "prefill-0", "n1", "g7", json.loads(body)["signature"])
+
+    key_file.write_text("rotated-key\n")  # no restart
+    _, _, body = await call(middleware, "POST", "/narwhal/attest", b'{"nonce": "n1"}')
+    assert attestation.verify(b"rotated-key", "prefill-0", "n1", "g7", json.loads(body)["signature"])
+
+
+@pytest.mark.parametrize(("key_env", "words"), [
+    ({}, "no fleet key: set NARWHAL_FLEET_KEY_FILE (a file holding the key) or NARWHAL_FLEET_KEY"),
+    ({"NARWHAL_FLEET_KEY": "  "}, "NARWHAL_FLEET_KEY is empty"),
+    ({"NARWHAL_FLEET_KEY": "k", "NARWHAL_FLEET_KEY_FILE": "/k"}, "both NARWHAL_FLEET_KEY_FILE and NARWHAL_FLEET_KEY"),
+])
+async def test_a_missing_key_is_a_503_never_a_signature_over_an_empty_key(key_env: dict[str, str],
+                                                                          words: str) -> None:
+    env = {k: v for k, v in ENV.items() if k != "NARWHAL_FLEET_KEY"} | key_env
+    middleware, _ = plugin(env)
+    # Identity does not need the key.
+    assert (await call(middleware, "GET", "/narwhal/identity"))[0] == 200
+    status, _, body = await call(middleware, "POST", "/narwhal/attest", b'{"nonce": "n1"}')
+    assert status == 503
+    error = json.loads(body)["error"]
+    assert words in error["message"] and error["type"] == "ServiceUnavailable"
+    assert "signature" not in json.loads(body)
+
+
+async def test_an_unidentified_engine_answers_503_naming_what_is_missing() -> None:
+    middleware, _ = plugin({"NARWHAL_FLEET_KEY": "k"})
+    for method, path, body in (("GET", "/narwhal/identity", b""), ("POST", "/narwhal/attest", b'{"nonce":"n"}')):
+        status, _, raw = await call(middleware, method, path, body)
+        assert status == 503
+        error = json.loads(raw)["error"]
+        assert error["code"] == "engine_unidentified"
+        assert "NARWHAL_ENGINE_ID is not set" in error["message"]
+        assert "NARWHAL_GENERATION is not set" in error["message"]
+
+
+@pytest.mark.parametrize(("method", "path", "body", "status", "words"), [
+    ("POST", "/narwhal/identity", b"", 405, "use GET"),
+    ("GET", "/narwhal/attest", b"", 405, "use POST"),
+    ("POST", "/narwhal/attest", b"not json", 400, "must be JSON"),
+    ("POST", "/narwhal/attest", b"[" * 4000, 400, "must be JSON"),
+    ("POST", "/narwhal/attest", b'{"nonce": ""}', 400, "non-empty string"),
+    ("POST", "/narwhal/attest", b'{"nonce": 7}', 400, "non-empty string"),
+    ("POST", "/narwhal/attest", b'["n"]', 400, "non-empty string"),
+    ("POST", "/narwhal/attest", b'{"nonce": "a|b"}', 400, "without '|'"),
+    ("POST", "/narwhal/attest", b'{"nonce": "a\\nb"}', 400, "printable"),
+    ("POST", "/narwhal/attest", json.dumps({"nonce": "x" * 257}).encode(), 400, "at most 256"),
+    ("POST", "/narwhal/attest", json.dumps({"nonce": "x" * 5000}).encode(), 413, "larger than 4096 bytes"),
+])
+async def test_bad_requests_get_an_openai_style_error(method: str, path: str, body: bytes, status: int,
+                                                      words: str) -> None:
+    middleware, inner = plugin()
+    got, headers, raw = await call(middleware, method, path, body)
+    assert got == status
+    error = json.loads(raw)["error"]
+    assert words in error["message"] and set(error) == {"message", "type", "code"}
+    if status == 405:
+        assert headers[b"allow"] in (b"GET", b"POST")
+    assert inner.calls == []
+
+
+async def test_a_client_gone_before_its_attest_body_gets_no_answer() -> None:
+    middleware, _ = plugin()
+    sent: list[Any] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    await middleware({"type": "http", "method": "POST", "path": "/narwhal/attest"}, receive, send)
+    assert sent == []
+
+
+@pytest.mark.parametrize("scope", [
+    {"type": "http", "method": "POST", "path": "/v1/completions"},
+    {"type": "http", "method": "GET", "path": "/narwhal/identityx"},
+    {"type": "http", "method": "GET", "path": "/narwhal"},
+    {"type": "websocket", "path": "/narwhal/identity"},
+    {"type": "lifespan"},
+])
+async def test_everything_else_reaches_the_app_with_the_same_receive_and_send(scope: dict[str, Any]) -> None:
+    middleware, inner = plugin()
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b""}
+
+    async def send(message: Any) -> None:
+        pass
+
+    await middleware(scope, receive, send)
+    # The very same callables: nothing wraps (or buffers) the stream.
+    assert len(inner.calls) == 1
+    got_scope, got_receive, got_send = inner.calls[0]
+    assert got_scope is scope and got_receive is receive and got_send is send
+
+
+async def test_paths_under_vllm_root_path_are_answered() -> None:
+    middleware, inner = plugin()
+    status, _, body = await call(middleware, "GET", "/api/narwhal/identity", root_path="/api")
+    assert status == 200 and json.loads(body)["engine_id"] == "prefill-0"
+    assert inner.calls == []
+
+
+def test_importing_the_plugin_loads_only_the_standard_library() -> None:
+    code = (
+        "import sys; before = set(sys.modules); import narwhal.engine_plugin; "
+        "new = sorted(set(sys.modules) - before); print('\\n'.join(new))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, check=True, text=True,
+                         timeout=60).stdout.split()
+    narwhal_modules = {name for name in out if name.split(".")[0] == "narwhal"}
+    # narwhal.errors (the exception root) imports only enum.
+    assert narwhal_modules == {"narwhal", "narwhal.attestation", "narwhal.engine_plugin", "narwhal.errors"}
+    foreign = [name for name in out
+               if name.split(".")[0] not in sys.stdlib_module_names and name.split(".")[0] != "narwhal"]
+    assert foreign == []

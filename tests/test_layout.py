@@ -1,0 +1,177 @@
+"""The package layout holds: every module imports on its own, no import cycles, a pure fleet core.
+
+``docs/architecture.md`` ("Layout") draws the tree; these tests keep the code to it.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import narwhal
+
+PACKAGE_DIR = Path(narwhal.__file__).parent
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def all_modules() -> dict[str, Path]:
+    """Every module of the package, ``__main__`` entry points excluded (importing one runs it)."""
+    return {module_name(path): path for path in sorted(PACKAGE_DIR.rglob("*.py")) if path.stem != "__main__"}
+
+
+def _is_type_checking_block(node: ast.stmt) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def module_level_imports(name: str, path: Path) -> set[str]:
+    """The narwhal modules ``name`` imports when it is imported (function bodies and TYPE_CHECKING aside)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+
+    def visit(statements: list[ast.stmt]) -> None:
+        for node in statements:
+            if _is_type_checking_block(node):
+                continue
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = name.split(".") if is_package else name.split(".")[:-1]
+                    anchor = anchor[: len(anchor) - (node.level - 1)]
+                    base = ".".join([*anchor, base] if base else anchor)
+                found.add(base)
+                found.update(f"{base}.{alias.name}" for alias in node.names)
+            elif isinstance(node, ast.If | ast.Try):
+                visit(node.body)
+                visit(node.orelse)
+                if isinstance(node, ast.Try):
+                    for handler in node.handlers:
+                        visit(handler.body)
+                    visit(node.finalbody)
+
+    visit(tree.body)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the narwhal modules (and, implicitly, their parent packages) it imports."""
+    modules = all_modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        edges: set[str] = set()
+        for target in module_level_imports(name, path):
+            parts = target.split(".")
+            # Importing a.b.c runs a, a.b and a.b.c: each is an edge.
+            for i in range(1, len(parts) + 1):
+                candidate = ".".join(parts[:i])
+                if candidate in modules and candidate != name and not name.startswith(candidate + "."):
+                    edges.add(candidate)
+        graph[name] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = 0
+
+    def connect(node: str) -> None:
+        nonlocal counter
+        index[node] = low[node] = counter
+        counter += 1
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph[node]:
+            if target not in index:
+                connect(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return found
+
+
+def test_every_module_imports_first_in_a_fresh_interpreter() -> None:
+    # Each module is imported with no narwhal module loaded before it, as if it were
+    # the first import of a fresh interpreter, so an order-dependent cycle shows.
+    script = (
+        "import importlib, sys\n"
+        "failed = []\n"
+        f"for name in {sorted(all_modules())!r}:\n"
+        "    for loaded in [m for m in sys.modules if m == 'narwhal' or m.startswith('narwhal.')]:\n"
+        "        del sys.modules[loaded]\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except Exception as exc:\n"
+        "        failed.append(f'{name}: {type(exc).__name__}: {exc}')\n"
+        "print('\\n'.join(failed))\n"
+        "sys.exit(1 if failed else 0)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_no_import_cycles_between_modules() -> None:
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    # The test above must be able to fail.
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+
+
+SHELL_PACKAGES = ("narwhal.control", "narwhal.app", "narwhal.router", "narwhal.serving", "narwhal.stages",
+                  "narwhal.pools", "narwhal.http1", "narwhal.state", "narwhal.obs", "narwhal.tools", "narwhal.cli")
+# The fleet decides from what it is told, with `now` as an argument: no I/O, no clock, no logging.
+IMPURE_LIBRARIES = ("trio", "httpx", "httptools", "logging", "time", "socket", "quart", "quart_trio", "hypercorn")
+
+
+def test_the_fleet_core_imports_nothing_from_the_shell() -> None:
+    fleet_modules = {name: path for name, path in all_modules().items()
+                     if name == "narwhal.fleet" or name.startswith("narwhal.fleet.")}
+    assert len(fleet_modules) >= 7
+    offending = []
+    for name, path in fleet_modules.items():
+        # Function-level imports count here too: the fleet must not reach the shell at all.
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                targets = [node.module]
+            else:
+                continue
+            for target in targets:
+                root = target.split(".")[0]
+                if root in IMPURE_LIBRARIES or any(target == p or target.startswith(p + ".")
+                                                   for p in SHELL_PACKAGES):
+                    offending.append(f"{name} imports {target}")
+    assert offending == []

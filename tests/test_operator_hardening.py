@@ -1,0 +1,256 @@
+"""Careless operators (issue 13, items 10, 11, 13): config numbers, admin exposure, tokens, loops.
+
+Config rules are checked through ``parse_config``; the admin port split, the
+startup warning and loop detection run a real in-process router on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import io
+import json
+import logging
+import socket
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from narwhal.config import ConfigError, parse_config
+from narwhal.errors import StartupError
+from narwhal.router import Router, preflight
+from narwhal.tools.admin_cli import run_admin
+
+ENGINES = """
+[[engines]]
+name = "p1"
+url = "http://127.0.0.1:{prefill_port}"
+role = "prefill"
+[[engines]]
+name = "d1"
+url = "http://127.0.0.1:{decode_port}"
+role = "decode"
+"""
+
+
+def config_text(extra: str = "", prefill_port: int = 9001, decode_port: int = 9002) -> str:
+    return extra + ENGINES.format(prefill_port=prefill_port, decode_port=decode_port)
+
+
+# -- 11. numbers that are not numbers, and floors for periods -------------------------------------
+
+
+@pytest.mark.parametrize(("section", "key", "value"), [
+    ("serving", "request_deadline_s", "nan"),
+    ("serving", "request_deadline_s", "inf"),
+    ("serving", "idle_timeout_s", "nan"),
+    ("serving", "shutdown_grace_s", "nan"),
+    ("serving", "shutdown_grace_s", "inf"),
+    ("engine", "connect_timeout_s", "nan"),
+    ("engine", "request_timeout_s", "inf"),
+    ("engine", "first_token_deadline_s", "-inf"),
+    ("engine", "health_timeout_s", "nan"),
+    ("controller", "monitor_interval_s", "nan"),
+    ("controller", "monitor_interval_s", "inf"),
+    ("controller", "stage_timeout_s", "nan"),
+    ("controller", "drift_factor", "nan"),
+    ("controller", "drift_factor", "inf"),
+    ("telemetry", "interval_s", "nan"),
+    ("recovery", "probe_interval_s", "nan"),
+    ("recovery", "failure_quarantine_s", "inf"),
+    ("lease", "ttl_s", "nan"),
+])
+def test_nan_and_inf_are_refused_in_one_line_naming_the_key(section, key, value):
+    with pytest.raises(ConfigError) as caught:
+        parse_config(config_text(f"[{section}]\n{key} = {value}\n"))
+    message = str(caught.value)
+    assert "\n" not in message
+    assert f"{section}: {key} must be a finite number, got {value.lstrip('-+')}" in message.replace("-inf", "inf")
+
+
+@pytest.mark.parametrize(("section", "key", "too_small", "floor"), [
+    ("controller", "monitor_interval_s", 0.01, "0.05"),
+    ("controller", "stage_timeout_s", 0.001, "0.01"),
+    ("recovery", "probe_interval_s", 0.001, "0.05"),
+    ("telemetry", "interval_s", 0.001, "0.05"),
+    ("engine", "max_response_bytes", 100, "1024"),
+    ("engine", "max_response_header_bytes", 100, "1024"),
+    ("engine", "max_handoff_bytes", 10, "256"),
+])
+def test_periods_and_bounds_have_floors(section, key, too_small, floor):
+    with pytest.raises(ConfigError, match=f"{section}: {key} must be >= {floor}, got {too_small}"):
+        parse_config(config_text(f"[{section}]\n{key} = {too_small}\n"))
+    parse_config(config_text(f"[{section}]\n{key} = {floor}\n"))
+
+
+# -- 13. admin tokens that cannot travel in a header -----------------------------------------------
+
+
+@pytest.mark.parametrize("token", ["caf\u00e9", "s3cret token", "tab\there", "\u2603"])
+def test_a_token_that_is_not_printable_ascii_is_refused_at_config_load(token):
+    with pytest.raises(ConfigError, match="admin: token must be printable ASCII"):
+        parse_config(config_text(f"[admin]\ntoken = {json.dumps(token)}\n"))
+
+
+@pytest.mark.parametrize("token", ["caf\u00e9", "line\nbreak", "\u2603"])
+def test_the_admin_cli_says_so_in_one_line_instead_of_crashing(token):
+    requests: list[httpx.Request] = []
+    out, err = io.StringIO(), io.StringIO()
+    args = argparse.Namespace(url="http://127.0.0.1:9", token=token, action="engines")
+    status = run_admin(args, transport=httpx.MockTransport(lambda r: requests.append(r) or httpx.Response(200)),
+                       out=out, err=err)
+    assert status == 2
+    assert err.getvalue().startswith("narwhal admin: --token: the token must be printable ASCII")
+    assert err.getvalue().count("\n") == 1
+    assert requests == []
+
+
+def test_the_admin_cli_checks_the_environment_token_too(monkeypatch):
+    monkeypatch.setenv("NARWHAL_ADMIN_TOKEN", "caf\u00e9")
+    err = io.StringIO()
+    args = argparse.Namespace(url="http://127.0.0.1:9", token=None, action="engines")
+    assert run_admin(args, transport=httpx.MockTransport(lambda r: httpx.Response(200)), out=io.StringIO(),
+                     err=err) == 2
+    assert "$NARWHAL_ADMIN_TOKEN" in err.getvalue()
+
+
+# -- 13. preflight: what would fail later fails at start, in one line --------------------------------
+
+
+def test_admin_listen_on_the_serving_address_is_refused(tmp_path: Path):
+    config = parse_config(config_text(f'[admin]\nlisten = "0.0.0.0:8000"\n[handoff]\npath = "{tmp_path}/h.json"\n'))
+    with pytest.raises(StartupError, match="admin.listen 0.0.0.0:8000 is the serving address 127.0.0.1:8000"):
+        preflight(config, "127.0.0.1:8000")
+
+
+def test_an_engine_url_that_is_this_router_is_refused(tmp_path: Path):
+    config = parse_config(config_text(f'[handoff]\npath = "{tmp_path}/h.json"\n', decode_port=8000))
+    with pytest.raises(StartupError, match=r"engines\[1\] \(d1\): url http://127.0.0.1:8000 is this router's own"):
+        preflight(config, "localhost:8000")
+    preflight(config, "127.0.0.1:8001")
+
+
+def test_a_missing_handoff_directory_is_refused(tmp_path: Path):
+    config = parse_config(config_text(f'[handoff]\npath = "{tmp_path}/nowhere/h.json"\n'))
+    with pytest.raises(StartupError, match="handoff.path .*nowhere/h.json: directory .* does not exist"):
+        preflight(config, "127.0.0.1:0")
+
+
+def test_an_unwritable_handoff_directory_is_refused():
+    # /proc takes no new files, whoever we run as (chmod would not stop root).
+    config = parse_config(config_text('[handoff]\npath = "/proc/narwhal-handoff.json"\n'))
+    expected = "handoff.path /proc/narwhal-handoff.json: directory '/proc' is not writable"
+    with pytest.raises(StartupError, match=expected):
+        preflight(config, "127.0.0.1:0")
+
+
+async def test_a_serving_port_in_use_is_a_startup_error(tmp_path: Path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = parse_config(config_text(f'[handoff]\npath = "{tmp_path}/h.json"\n'))
+        router = Router(config, listen=f"127.0.0.1:{port}")
+        with pytest.raises(StartupError, match=f"serving.listen: cannot listen on 127.0.0.1:{port}: "
+                                               "Address already in use"):
+            await router.run()
+
+
+# -- 10. [admin] listen takes admin off the traffic port -------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(autouse=True)
+def _capture_events(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.events")
+
+
+def events(caplog: pytest.LogCaptureFixture, event: str) -> list[dict[str, Any]]:
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "narwhal.events"]
+    return [line for line in lines if line["event"] == event]
+
+
+async def start_router(nursery: trio.Nursery, text: str) -> tuple[Router, str]:
+    router = Router(parse_config(text), listen="127.0.0.1:0")
+    with trio.fail_after(20):
+        port = await nursery.start(router.run)
+    return router, f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("path", ["/admin/engines", "/%61dmin/engines", "//admin/engines", "/admin/telemetry",
+                                  "/admin/engines/p1", "/admin"])
+async def test_with_admin_listen_the_traffic_port_answers_admin_paths_404(nursery, tmp_path, caplog, path):
+    admin_port = free_port()
+    router, url = await start_router(nursery, config_text(
+        f'[admin]\nlisten = "127.0.0.1:{admin_port}"\ntoken = "s3cret"\n[handoff]\npath = "{tmp_path}/h.json"\n'))
+    auth = {"authorization": "Bearer s3cret"}
+    try:
+        async with httpx.AsyncClient(timeout=10) as client:
+            response = await client.get(url + path, headers=auth)
+            assert response.status_code == 404
+            assert response.json()["error"]["code"] == "not_found"
+            # The admin listener, bound before the router reported started, serves them.
+            admin = await client.get(f"http://127.0.0.1:{admin_port}/admin/engines", headers=auth)
+            assert admin.status_code == 200 and admin.json()["engines"]
+            assert (await client.get(f"{url}/health")).status_code == 200
+    finally:
+        router.shutdown(0)
+    assert events(caplog, "admin_unauthenticated") == []
+
+
+async def test_without_a_token_startup_warns_naming_the_risk(nursery, tmp_path, caplog):
+    router, url = await start_router(nursery, config_text(f'[handoff]\npath = "{tmp_path}/h.json"\n'))
+    router.shutdown(0)
+    [warning] = events(caplog, "admin_unauthenticated")
+    assert warning["level"] == "warning"
+    assert "no [admin] token" in warning["message"] and "drain" in warning["message"]
+    assert warning["listen"].startswith("the serving address")
+
+
+# -- 13. a request that comes back to the router that sent it -------------------------------------------
+
+
+async def forward(target: list[int], client: trio.SocketStream) -> None:
+    """A plain TCP relay to the router: the loop the static check cannot see (a proxy, a load balancer)."""
+    async with client, await trio.open_tcp_stream("127.0.0.1", target[0]) as upstream:
+        async def pump(src: trio.SocketStream, dst: trio.SocketStream) -> None:
+            try:
+                while data := await src.receive_some(65536):
+                    await dst.send_all(data)
+                await dst.send_eof()
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+        async with trio.open_nursery() as pumps:
+            pumps.start_soon(pump, client, upstream)
+            pumps.start_soon(pump, upstream, client)
+
+
+async def test_an_engine_url_leading_back_to_the_router_is_refused_once_not_fanned_out(nursery, tmp_path, caplog):
+    target: list[int] = [0]
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, functools.partial(forward, target), 0,
+                                                      host="127.0.0.1"))
+    relay_port = listeners[0].socket.getsockname()[1]
+    router, url = await start_router(nursery, config_text(
+        f'[serving]\ncount_tokens = false\n[handoff]\npath = "{tmp_path}/h.json"\n',
+        prefill_port=relay_port, decode_port=relay_port))
+    target[0] = router.bound_port
+    try:
+        async with httpx.AsyncClient(timeout=20) as client:
+            response = await client.post(f"{url}/v1/completions",
+                                         json={"model": "mock-model", "prompt": "hi", "max_tokens": 2})
+    finally:
+        router.shutdown(0)
+    assert response.status_code == 502
+    assert "request loop detected" in response.json()["error"]["message"]
+    # One nested request came back and was refused: no fan-out.
+    [loop] = [e for e in events(caplog, "request_loop") if e["path"] == "/v1/completions"]
+    assert router.via_token in loop["via"]
+    assert [e["status"] for e in events(caplog, "request")] == [502]
