@@ -20,15 +20,15 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import httpx
 import msgspec
 import trio
 
 from narwhal.config import Config
-from narwhal.fleet import Fleet
+from narwhal.fleet import EngineRecord
 from narwhal.fleet.admission import FENCED_REASON, Admission
 from narwhal.lease.backend import LeaseBackend, LeaseBackendError
 from narwhal.lease.rules import LeaseHolding, LeaseRecord, Role, TakeoverCounter, TakeoverRequest, standby_reason
@@ -39,6 +39,12 @@ from narwhal.state.handoff import HandoffError, decode_document
 from narwhal.state.resume import apply_resume, plan_document
 
 __all__ = ["LeaseService", "LeaseView"]
+
+
+class _Restorable(Protocol):
+    """The fleet's writer, as far as following a handoff needs it."""
+
+    def restore(self, records: Sequence[EngineRecord], now: float, wall_now: float) -> None: ...
 
 
 class LeaseView(msgspec.Struct, frozen=True, kw_only=True):
@@ -71,7 +77,7 @@ class LeaseService:
     """Owns the lease for one router: acquisition, renewal, fencing, following, takeover."""
 
     def __init__(self, *, config: Config, router_id: str, backend: LeaseBackend, admission: Admission,
-                 persistence: PersistenceStage, fleet: Fleet, metrics: RouterMetrics,
+                 persistence: PersistenceStage, fleet: _Restorable, metrics: RouterMetrics,
                  own_readiness: Callable[[], str | None], http: httpx.AsyncClient | None = None,
                  clock: Callable[[], float] = trio.current_time,
                  wall_clock: Callable[[], float] = time.time,
