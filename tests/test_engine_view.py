@@ -138,6 +138,7 @@ def test_the_view_joins_the_fleet_with_the_shell_state() -> None:
     p1, d1, d2 = view.engines
     assert (p1.ejected, p1.ejected_cause, p1.url) == (True, EjectionCause.CONNECTION, "http://127.0.0.1:9000")
     assert [h.kind for h in p1.holds] == [HoldKind.FAILURE_QUARANTINE] and p1.holds[0].deadline == 35.0
+    assert p1.holds[0].cause == "connection"  # a health 200 may clear it (architecture.md, "Fleet rules")
     assert p1.counters.failures[FailureClass.CONNECTION] == 2 and p1.counters.ejections == 1
     assert d1.in_flight == 3 and d1.eligible and not d1.drained
     assert d2.drained and [h.kind for h in d2.holds] == [HoldKind.OPERATOR_DRAIN]

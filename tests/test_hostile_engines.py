@@ -66,6 +66,7 @@ class HostileEngine:
 
     async def handle(self, stream: trio.SocketStream) -> None:
         buf = b""
+        answering[stream] = self
         try:
             while b"\r\n\r\n" not in buf:
                 data = await stream.receive_some(65536)
@@ -78,7 +79,12 @@ class HostileEngine:
         except trio.BrokenResourceError:
             self.cut_off.set()
         finally:
+            del answering[stream]
             await trio.aclose_forcefully(stream)
+
+
+# Which engine a connection belongs to, so that handlers stay plain functions of the stream.
+answering: dict[trio.SocketStream, HostileEngine] = {}
 
 
 @pytest.fixture
@@ -99,62 +105,36 @@ async def data_pool(nursery: trio.Nursery):
     await pool.aclose()
 
 
-async def start_counting(hostile, make_handler: Callable[[HostileEngine], Handler]) -> HostileEngine:
-    engine: HostileEngine | None = None
-
-    async def handler(stream: trio.SocketStream, head: bytes) -> None:
-        assert engine is not None
-        await make_handler(engine)(stream, head)
-
-    engine = await hostile(handler)
-    return engine
-
-
-def chunked_forever(engine: HostileEngine, status: int = 200) -> Handler:
+def endless(first: bytes, repeat: bytes) -> Handler:
+    """An answer that starts with ``first`` and then repeats ``repeat`` until the router hangs up."""
     async def handler(stream: trio.SocketStream, _: bytes) -> None:
-        await engine.send(stream, b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\n"
-                                  b"transfer-encoding: chunked\r\n\r\n" % status)
-        piece = b"%x\r\n%s\r\n" % (4096, b"y" * 4096)
+        engine = answering[stream]
+        await engine.send(stream, first)
         while engine.sent < ENDLESS_BYTES:
-            await engine.send(stream, piece * 16)
+            await engine.send(stream, repeat)
     return handler
 
 
-def headers_forever(engine: HostileEngine) -> Handler:
-    async def handler(stream: trio.SocketStream, _: bytes) -> None:
-        await engine.send(stream, b"HTTP/1.1 200 OK\r\n")
-        line = b"x-junk: " + b"j" * 1000 + b"\r\n"
-        while engine.sent < ENDLESS_BYTES:
-            await engine.send(stream, line * 64)
-    return handler
+def chunked_forever(status: int = 200) -> Handler:
+    return endless(b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n" % status,
+                   b"%x\r\n%s\r\n" % (4096, b"y" * 4096) * 16)
 
 
-def trailers_forever(engine: HostileEngine) -> Handler:
-    async def handler(stream: trio.SocketStream, _: bytes) -> None:
-        await engine.send(stream, b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n")
-        line = b"x-trailer: " + b"t" * 1000 + b"\r\n"
-        while engine.sent < ENDLESS_BYTES:
-            await engine.send(stream, line * 64)
-    return handler
-
-
-def declared_huge(engine: HostileEngine) -> Handler:
-    async def handler(stream: trio.SocketStream, _: bytes) -> None:
-        await engine.send(stream, b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                                  b"content-length: 10000000000\r\n\r\n")
-        while engine.sent < ENDLESS_BYTES:
-            await engine.send(stream, b"z" * 65536)
-    return handler
+HEADERS_FOREVER = endless(b"HTTP/1.1 200 OK\r\n", b"x-junk: " + b"j" * 1000 + b"\r\n")
+TRAILERS_FOREVER = endless(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n",
+                           b"x-trailer: " + b"t" * 1000 + b"\r\n")
+DECLARED_10GB = endless(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 10000000000\r\n\r\n",
+                        b"z" * 65536)
 
 
 # -- 1. bounded engine answers: data pool ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("make_handler", [chunked_forever, headers_forever, trailers_forever, declared_huge],
+@pytest.mark.parametrize("handler", [chunked_forever(), HEADERS_FOREVER, TRAILERS_FOREVER, DECLARED_10GB],
                          ids=["endless-chunked-body", "endless-headers", "endless-trailers", "declared-10GB"])
 async def test_a_buffered_answer_past_its_bound_is_inference_status_and_the_connection_dropped(
-        hostile, data_pool, make_handler):
-    engine = await start_counting(hostile, make_handler)
+        hostile, data_pool, handler):
+    engine = await hostile(handler)
     with trio.fail_after(10):
         with pytest.raises(EngineFailure) as caught:
             await data_pool.post_json(engine.spec(), "/v1/completions", b"{}", request_id="r1")
@@ -169,7 +149,7 @@ async def test_a_buffered_answer_past_its_bound_is_inference_status_and_the_conn
 
 
 async def test_an_endless_error_body_on_a_stream_is_bounded_too(hostile, data_pool):
-    engine = await start_counting(hostile, functools.partial(chunked_forever, status=500))
+    engine = await hostile(chunked_forever(500))
     with trio.fail_after(10), pytest.raises(EngineFailure) as caught:
         async with data_pool.stream(engine.spec(role="decode"), "/v1/completions", b"{}", request_id="r1"):
             pass
@@ -216,7 +196,7 @@ async def test_a_streamed_decode_is_relayed_past_the_buffer_bound(hostile, data_
 
 
 async def test_an_endless_health_body_is_a_failed_check_not_held_until_the_timeout(hostile):
-    engine = await start_counting(hostile, chunked_forever)
+    engine = await hostile(chunked_forever())
     pool = ControlPool(control_connections=2, engine_config=FAST)
     recorded: list[tuple[str, Any]] = []
 
@@ -340,30 +320,53 @@ async def core_over(hostile, nursery: trio.Nursery):
 REQUEST = b'{"model": "mock-model", "prompt": "hi", "max_tokens": 2}'
 
 
-async def test_a_prefill_answering_without_end_gets_the_client_a_502_json_and_blames_the_prefill(core_over):
-    engine_box: list[HostileEngine] = []
+PREFILL_ANSWER = json_answer(msgspec.json.encode({"kv_transfer_params": KV}))
+REQUEST_WHOLE = b'{"model": "mock-model", "prompt": "hi", "max_tokens": 2, "stream": false}'
 
-    async def prefill(stream: trio.SocketStream, head: bytes) -> None:
-        await chunked_forever(engine_box[0])(stream, head)
 
-    core, supervisor, p, d = await core_over(prefill, limit=LIMIT)
-    engine_box.append(p)
+async def test_a_decode_answering_without_end_gets_the_client_a_502_json_and_blames_the_decode(core_over):
+    core, supervisor, p, d = await core_over(PREFILL_ANSWER, chunked_forever(), limit=LIMIT)
+    sink = Sink()
+    with trio.fail_after(10):
+        await core.handle("/v1/completions", REQUEST_WHOLE, None, sink)
+    assert sink.status == 502
+    error = json.loads(sink.body)["error"]
+    assert error["code"] == "inference_status" and "bound" in error["message"]
+    assert supervisor.failures == [("d1", FailureClass.INFERENCE_STATUS)]
+
+
+async def test_a_decode_error_body_without_end_is_inference_status(core_over):
+    core, supervisor, p, d = await core_over(PREFILL_ANSWER, chunked_forever(500), limit=LIMIT)
+    sink = Sink()
+    with trio.fail_after(10):
+        await core.handle("/v1/completions", REQUEST, None, sink)
+    assert sink.status == 502
+    assert supervisor.failures == [("d1", FailureClass.INFERENCE_STATUS)]
+
+
+async def test_a_prefill_200_too_large_to_read_is_an_unreadable_handoff_on_the_prefill(core_over):
+    core, supervisor, p, d = await core_over(chunked_forever(), limit=LIMIT)
     sink = Sink()
     with trio.fail_after(10):
         await core.handle("/v1/completions", REQUEST, None, sink)
     assert sink.status == 502
     error = json.loads(sink.body)["error"]
-    assert error["code"] == "inference_status" and "bound" in error["message"]
-    assert supervisor.failures == [("p1", FailureClass.INFERENCE_STATUS)]
+    assert error["code"] == "kv_handoff" and "too large" in error["message"]
+    assert supervisor.failures == [("p1", FailureClass.KV_HANDOFF)]
     assert d.heads == []
 
 
 # -- 2. the prefill's handoff, bounded at the prefill leg ---------------------------------------------
 
 
-@pytest.mark.parametrize("junk", ["big", "deep-document", "deep-handoff"])
+@pytest.mark.parametrize("junk", ["30MB-nested", "big", "deep-document", "deep-handoff"])
 async def test_a_hostile_handoff_is_kv_handoff_on_the_prefill_and_never_reaches_decode(core_over, junk):
-    if junk == "big":
+    if junk == "30MB-nested":
+        # The issue's case: 30 MB of nested junk, over every bound, with the default bounds.
+        junk_value: Any = [[{"k": ["v" * 64] * 8}] * 8] * 7500
+        answer = msgspec.json.encode({"kv_transfer_params": {**KV, "junk": junk_value}})
+        assert len(answer) > 30_000_000
+    elif junk == "big":
         # 2 MB of junk: under the response bound (8 MiB), over the handoff bound (1 MiB).
         kv = {**KV, "junk": [{"k": "v" * 100}] * 20000}
         answer = msgspec.json.encode({"kv_transfer_params": kv})
@@ -508,3 +511,15 @@ def test_at_the_real_fd_limit_both_pools_say_local_resources_not_engine_failure(
     result = subprocess.run([sys.executable, "-c", _AT_THE_FD_LIMIT], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "EMFILE,EMFILE"
+
+
+async def test_an_engine_that_answers_413_then_neither_reads_nor_closes_is_answered_at_once(hostile, data_pool):
+    # Without watching for the answer, the router would wait out the write timeout and call it `timeout`.
+    async def handler(stream: trio.SocketStream, _: bytes) -> None:
+        await refuse_early()(stream, _)
+        await trio.sleep(30)
+
+    engine = await hostile(handler)
+    with trio.fail_after(FAST.request_timeout_s / 2), pytest.raises(UpstreamClientError) as caught:
+        await data_pool.post_json(engine.spec(), "/v1/completions", b"x" * (64 * 1024 * 1024), request_id="r1")
+    assert caught.value.status == 413

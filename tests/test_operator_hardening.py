@@ -117,6 +117,14 @@ def test_the_admin_cli_checks_the_environment_token_too(monkeypatch):
     assert "$NARWHAL_ADMIN_TOKEN" in err.getvalue()
 
 
+def test_the_admin_cli_says_a_broken_url_is_broken_instead_of_crashing():
+    err = io.StringIO()
+    args = argparse.Namespace(url="http://[::1", token=None, action="engines")
+    assert run_admin(args, out=io.StringIO(), err=err) == 2
+    assert err.getvalue().startswith("narwhal admin: --url 'http://[::1': ")
+    assert err.getvalue().count("\n") == 1
+
+
 # -- 13. preflight: what would fail later fails at start, in one line --------------------------------
 
 

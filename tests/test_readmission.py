@@ -647,3 +647,17 @@ async def test_a_readmission_health_200_counts_as_a_successful_health_response(a
     result = await world.readmitter.readmit("d1", operator=True)
     assert result.passed == ["health"]
     assert world.fleet.view("d1", world.now()).liveness_misses == 0
+
+
+@pytest.mark.parametrize(("status", "readmitted"), [(200, True), (204, True), (302, False), (404, False),
+                                                    (429, False), (503, False)])
+async def test_the_chains_health_checks_use_the_one_status_table(
+        autojump_clock: MockClock, status: int, readmitted: bool) -> None:
+    # As the health stage: any 2xx is a successful health response (issue 10, rule 4).
+    world = World()
+    world.fleet.eject("d1", "refused", world.now(), FailureClass.CONNECTION)
+    world.engines["d1"].health = [status]
+    result = await world.readmitter.readmit("d1", operator=True)
+    assert result.readmitted is readmitted
+    if not readmitted:
+        assert result.check == "health" and str(status) in result.reason

@@ -38,6 +38,8 @@ class HoldEntry(msgspec.Struct, frozen=True, kw_only=True):
     since: float
     deadline: float | None
     deferred: bool
+    # failure_quarantine: the evidence that caused it, which decides what may clear it early.
+    cause: str | None = None
 
 
 class EngineCountersEntry(msgspec.Struct, frozen=True, kw_only=True):
@@ -150,7 +152,8 @@ class EngineViewer:
             ejected_reason=view.ejected_reason,
             ejected_cause=view.ejected_cause,
             holds=[HoldEntry(kind=hold.kind, reason=hold.reason, since=hold.since, deadline=hold.deadline,
-                             deferred=hold.deferred) for hold in view.holds],
+                             deferred=hold.deferred, cause=None if hold.cause is None else str(hold.cause))
+                   for hold in view.holds],
             evidence=dict(view.evidence),
             liveness_misses=view.liveness_misses,
             in_flight=self.in_flight[view.name],

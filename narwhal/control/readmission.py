@@ -4,7 +4,7 @@ The chain, run in this order on the control pool and stopped at the first failur
 
     check          passes when
     -------------  ---------------------------------------------------------------
-    health         GET /health answers 200
+    health         GET /health answers a success (2xx, classify.health_answer)
     attestation    GET /narwhal/identity names the engine; POST /narwhal/attest with a
                    fresh random nonce echoes that nonce, for the same engine_id, signed
                    hex HMAC-SHA256(fleet key, "engine_id|nonce|generation")
@@ -13,7 +13,7 @@ The chain, run in this order on the control pool and stopped at the first failur
     model          identity model and one of GET /v1/models's ids are fleet.model
     generation     identity generation is fleet.generation
     kv_role        identity kv_roles has "producer" (prefill) or "consumer" (decode)
-    final_health   GET /health answers 200 again
+    final_health   GET /health answers a success again
     inference      (only while a failure quarantine stands that a health 200 may not
                    clear) an inference probe through the engine succeeds
 
@@ -70,6 +70,7 @@ from narwhal.fleet.placement import InFlight
 from narwhal.fleet.tables import drained
 from narwhal.obs.logs import log_event
 from narwhal.obs.router_metrics import RouterMetrics
+from narwhal.pools.classify import health_answer
 from narwhal.pools.control import ControlCalls
 from narwhal.wire import AttestRequest, EngineIdentity
 
@@ -315,7 +316,10 @@ class Readmitter:
         return response.body
 
     async def _check_health(self, attempt: _Attempt) -> None:
-        await self._get_ok(attempt.spec, "/health")
+        response = await self.control_pool.get(attempt.spec, "/health")
+        # The one status table decides what a successful health response is, as for the health stage.
+        if health_answer(attempt.spec.name, response.status) is not SuccessKind.HEALTH_200:
+            raise _Refused(contract.status_reason("GET", "/health", response.status, response.body))
         # "Any successful health response" counts: it clears its row (liveness included).
         self.fleet.record_success(attempt.spec.name, SuccessKind.HEALTH_200, self.clock())
 

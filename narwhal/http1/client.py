@@ -33,6 +33,7 @@ import math
 import os
 import select
 import ssl
+from typing import NoReturn
 
 import httptools
 import msgspec
@@ -273,18 +274,65 @@ class EngineConnection:
                                        cause=type(exc).__name__, response_started=False) from exc
             rest = memoryview(request)[sent:] if sent else request
         if rest:
+            answered = False
             with trio.move_on_after(timeout_s) as scope:
-                try:
-                    await self._stream.send_all(rest)
-                except trio.BrokenResourceError as exc:
-                    self._broken = True
-                    self.sent_at = trio.current_time()
-                    raise ConnectionClosed(_closed_message("connection closed while sending the request", exc),
-                                           cause=_cause_name(exc), response_started=False) from exc
+                if fd >= 0:
+                    answered = await self._send_unless_answered(rest)
+                else:
+                    # TLS: the socket turns readable for the protocol's own records (session
+                    # tickets), which are no answer; a refused upload there waits for the timeout.
+                    await self._send_all_or_closed(rest)
             if scope.cancelled_caught:
                 self._broken = True
                 raise WriteTimeout(f"request not sent within {timeout_s:g} s", cause="WriteTimeout")
+            if answered:
+                # The caller reads that answer (_early_response); the unsent rest makes the connection unusable.
+                self._broken = True
+                self.sent_at = trio.current_time()
+                raise ConnectionClosed("the engine answered or closed before the request was sent",
+                                       cause="AnsweredEarly", response_started=False)
         self.sent_at = trio.current_time()
+
+    async def _send_unless_answered(self, data: bytes | memoryview) -> bool:
+        """Send ``data``; True if the engine answered (or closed) first and the sending stopped.
+
+        Only requests the kernel did not take at once come here (large bodies): an
+        engine that refuses one (413) and then neither reads nor closes would
+        otherwise hold us until the write timeout and look like a slow engine.
+        """
+        answered = sent = False
+        failure: trio.BrokenResourceError | None = None
+        async with trio.open_nursery() as race:
+
+            async def watch() -> None:
+                nonlocal answered
+                await trio.lowlevel.wait_readable(socket_of(self._stream))
+                answered = True
+                race.cancel_scope.cancel()
+
+            race.start_soon(watch)
+            try:
+                await self._stream.send_all(data)
+                sent = True
+            except trio.BrokenResourceError as exc:
+                failure = exc
+            race.cancel_scope.cancel()
+        if failure is not None:
+            self._closed_while_sending(failure)
+        return answered and not sent
+
+    async def _send_all_or_closed(self, data: bytes | memoryview) -> None:
+        try:
+            await self._stream.send_all(data)
+        except trio.BrokenResourceError as exc:
+            self._closed_while_sending(exc)
+
+    def _closed_while_sending(self, exc: trio.BrokenResourceError) -> NoReturn:
+        self._broken = True
+        # The engine may have answered before closing (413 for a body over its limit).
+        self.sent_at = trio.current_time()
+        raise ConnectionClosed(_closed_message("connection closed while sending the request", exc),
+                               cause=_cause_name(exc), response_started=False) from exc
 
     async def read_head(self, *, read_timeout_s: float, deadline: float = _INF,
                         deadline_message: str = "") -> HTTPResponseHead:

@@ -19,7 +19,8 @@ nothing above the pools sees an httpx, socket or httptools exception::
     no slot in our own limiter before the caller's deadline PoolSaturated
     EMFILE/ENFILE/ENOMEM/ENOBUFS of our own while connecting LocalResourceExhausted (a PoolSaturated)
 
-``kv_handoff`` is decided by the request core, which reads the prefill body.
+``kv_handoff`` is decided by the request core, which reads the prefill body
+(a prefill's 200 too large to read is an unreadable handoff there too).
 The health stage and the supervisor's probes read statuses through the same
 table (``health_answer``: 2xx is a successful health response, another 4xx the
 clearing table's "4xx" row, the rest a failure of its class) and decode
@@ -100,15 +101,19 @@ _OVERLOAD_STATUSES = frozenset({408, 429})
 _BODY_SNIPPET_BYTES = 200
 
 
-def transport_failure(engine: str, exc: HTTPTransportError) -> EngineFailure | LocalResourceExhausted:
-    """The failure for a data-pool transport error (our own resource shortage is not the engine's)."""
+def transport_failure(engine: str, exc: HTTPTransportError,
+                      status: int | None = None) -> EngineFailure | LocalResourceExhausted:
+    """The failure for a data-pool transport error (our own resource shortage is not the engine's).
+
+    ``status`` is the answer's status when the error came while reading its body.
+    """
     if isinstance(exc, LocalResourceError):
         return LocalResourceExhausted(str(exc), engine=engine, errno_name=exc.errno_name)
     if isinstance(exc, ConnectionClosed):
         failure_class = FailureClass.STREAM if exc.response_started else FailureClass.CONNECTION
     else:
         failure_class = _TRANSPORT_CLASSES[type(exc)]
-    return EngineFailure(engine, failure_class, str(exc), cause=exc.cause)
+    return EngineFailure(engine, failure_class, str(exc), status=status, cause=exc.cause)
 
 
 def httpx_failure(engine: str, exc: httpx.HTTPError, *,

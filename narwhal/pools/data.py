@@ -222,7 +222,7 @@ class DataPool:
                 response_body = await conn.read_body_to_end(read_timeout_s=read_timeout_s,
                                                             max_bytes=self._max_body)
             except HTTPTransportError as exc:
-                raise classify.transport_failure(engine.name, exc) from exc
+                raise classify.transport_failure(engine.name, exc, head.status) from exc
             finally:
                 self._connections.release(conn)
         classify.raise_for_status(engine.name, head.status, response_body)

@@ -435,8 +435,17 @@ class RequestCore:
         body["stream"] = False
         body.pop("stream_options", None)
         body["kv_transfer_params"] = PREFILL_KV_REQUEST
-        _, raw = await self._engine_call("prefill", self.data_pool.post_json(
-            prefill, route, _encode_json.encode(body), request_id=rid))
+        try:
+            _, raw = await self.data_pool.post_json(prefill, route, _encode_json.encode(body), request_id=rid)
+        except EngineFailure as exc:
+            if exc.cause == "ResponseTooLarge" and exc.status is not None and 200 <= exc.status < 300:
+                # A prefill that said 200 and sent more than can be held: its handoff is unreadable.
+                exc = EngineFailure(prefill.name, FailureClass.KV_HANDOFF,
+                                    f"prefill answer too large to read its handoff: {exc.message}",
+                                    status=exc.status, cause=exc.cause)
+            self._translate("prefill", exc)
+        except (UpstreamClientError, PoolSaturated) as exc:
+            self._translate("prefill", exc)
         try:
             kv = read_handoff(raw, max_bytes=self._max_handoff_bytes)
         except HandoffRejected as exc:

@@ -86,6 +86,9 @@ def run_admin(args: argparse.Namespace, *, transport: httpx.BaseTransport | None
     except _AdminError as exc:
         err.write(f"narwhal admin: {exc}\n")
         return 1
+    except httpx.InvalidURL as exc:
+        err.write(f"narwhal admin: --url {args.url!r}: {exc}\n")
+        return 2
     return 0
 
 

@@ -60,7 +60,8 @@ async def test_decodes_failing_while_health_answers_cost_clients_at_most_eject_a
     assert failures == 3  # eject_after, once: the quarantine period (60 s) outlasts the test
     view = (await engines(fleet))["d1"]
     assert view["ejected"]
-    assert "failure_quarantine" in [hold["kind"] for hold in view["holds"]]
+    [quarantine] = [hold for hold in view["holds"] if hold["kind"] == "failure_quarantine"]
+    assert quarantine["cause"] == "inference_status"  # the probe's decode leg answered 500
     # Readmission kept trying every probe_interval_s, and its inference probe kept it out.
     refused = fleet.router.events("readmission", engine="d1", outcome="refused", check="inference")
     assert len(refused) >= 2
