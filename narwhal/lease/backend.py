@@ -15,12 +15,13 @@ from typing import Protocol
 
 import msgspec
 
+from narwhal.errors import NarwhalError
 from narwhal.lease.rules import LeaseRecord, TakeoverRequest
 
 __all__ = ["Acquisition", "LeaseBackend", "LeaseBackendError", "Renewal"]
 
 
-class LeaseBackendError(Exception):
+class LeaseBackendError(NarwhalError):
     """The backend could not answer; the message names where and why."""
 
 
