@@ -73,9 +73,26 @@ def _run_delegated(command: str, argv: list[str]) -> int:
     return run_from_args(parser.parse_args(argv))
 
 
+def _run_worker(argv: list[str]) -> int:
+    # Internal: started by the controller with serving.workers > 1, never by hand.
+    parser = argparse.ArgumentParser(prog="narwhal worker", description="A data-plane worker (internal).")
+    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--control-fd", type=int, required=True)
+    parser.add_argument("--listen-fd", type=int, action="append", required=True)
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
+    from narwhal.workers.worker import run_worker
+
+    trio.run(run_worker, args.index, args.control_fd, args.listen_fd)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` and run the chosen command; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "worker":
+        return _run_worker(argv[1:])
     if argv and argv[0] in _DELEGATED:
         return _run_delegated(argv[0], argv[1:])
     args = _build_parser().parse_args(argv)

@@ -107,6 +107,10 @@ class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     pass
 
 
+# More workers than this is a typo, not a machine.
+MAX_WORKERS = 256
+
+
 class ServingConfig(_Section, frozen=True):
     listen: str = "127.0.0.1:8000"
     # The data pool: prefill, decode and token counting share this bound.
@@ -126,6 +130,9 @@ class ServingConfig(_Section, frozen=True):
     policy: Literal["saturate", "bounded"] = "saturate"
     # Bounded policy only: attempts per request, all within request_deadline_s.
     max_attempts: int = 3
+    # Data-plane processes. 1: one process does everything. N > 1: this process
+    # is the controller and N workers serve the data plane on the same port.
+    workers: int = 1
     # HTTPS on `listen` (both fronts; and [admin] listen) when both are set;
     # a client CA makes callers present a certificate it signed.
     tls_cert_file: str | None = None
@@ -134,6 +141,8 @@ class ServingConfig(_Section, frozen=True):
 
     def __post_init__(self) -> None:
         parse_listen(self.listen)
+        if not 1 <= self.workers <= MAX_WORKERS:
+            raise ValueError(f"workers must be between 1 and {MAX_WORKERS}")
         _pair("tls_cert_file", self.tls_cert_file, "tls_key_file", self.tls_key_file)
         if self.tls_client_ca_file is not None and self.tls_cert_file is None:
             raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file (client certificates "

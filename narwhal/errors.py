@@ -35,7 +35,9 @@ library's or a bug. The tree, with the module each class lives in:
     ├── HandoffRejected (ValueError)  wire: a prefill's kv_transfer_params that must not reach a decode
     ├── FleetKeyError ............... attestation: the fleet key cannot be had
     ├── FaultError (ValueError) ..... tools.mock.faults: a mock-engine fault that cannot be applied
-    └── CommandTemplateError (ValueError)  tools.bench.fleet: a bench --router-cmd template that cannot run
+    ├── CommandTemplateError (ValueError)  tools.bench.fleet: a bench --router-cmd template that cannot run
+    ├── FrameError .................. workers.protocol: a controller/worker frame no peer of ours would send
+    └── LinkClosed .................. workers.link: the other process of a controller/worker link is gone
 
 Modules also keep private subclasses for their own control flow (a probe leg
 that cannot decide, a refused readmission check); they derive from the root too.

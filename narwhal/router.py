@@ -9,7 +9,9 @@ the certificates again and swaps the contexts of every listener and pool.
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import os
 import secrets
 import socket
@@ -32,20 +34,24 @@ from narwhal.fleet import Fleet
 from narwhal.fleet.admission import Admission
 from narwhal.fleet.placement import InFlight
 from narwhal.fleet.telemetry import Telemetry
-from narwhal.http1.asgi import ASGILifespan
-from narwhal.http1.server import HTTPServer, client_connection_budget
+from narwhal.http1.asgi import ASGILifespan, call_asgi
+from narwhal.http1.server import HTTPServer, Request, Responder
 from narwhal.lease import EtcdLeaseBackend, build_backend
 from narwhal.lease.service import LeaseService, LeaseView
 from narwhal.obs.logs import flush_logs, log_event
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.pools.control import ControlPool
 from narwhal.pools.data import DataPool
-from narwhal.serving.front import Front
+from narwhal.serving.front import Front, build_front_server
 from narwhal.serving.request_core import RequestCore
 from narwhal.stages import build_stages
-from narwhal.stages.persistence import PersistenceStage
+from narwhal.stages.persistence import HandoffExtra, PersistenceStage
+from narwhal.state.handoff import LeaseOwnership
 from narwhal.state.resume import apply_resume, plan_resume
 from narwhal.tls import TLSContexts
+from narwhal.workers.hub import WorkerHub, monotonic_offset
+from narwhal.workers.process import WorkerSet
+from narwhal.workers.view import WorkerView
 
 __all__ = ["Router"]
 
@@ -149,9 +155,25 @@ class Router:
         roles = [(spec.name, spec.role) for spec in config.engines]
         self.telemetry = Telemetry(roles, clock=trio.current_time, interval_s=config.telemetry.interval_s,
                                    keep_intervals=config.telemetry.keep_intervals)
-        self.core = RequestCore(config=config, supervisor=self.supervisor, data_pool=self.data_pool,
-                                in_flight=self.in_flight, admission=self.admission, metrics=self.metrics,
-                                telemetry=self.telemetry)
+        # The request path reads snapshots and sends evidence as messages, in
+        # memory here or over a socket from worker processes: one code path.
+        self.worker_count = config.serving.workers
+        in_memory = self.worker_count == 1
+        self.hub = WorkerHub(self.supervisor, self.admission, engines=names, clock=trio.current_time,
+                             to_link_clock=None if in_memory else monotonic_offset(trio.current_time),
+                             record_sample=self.telemetry.record_request)
+        self.workers: WorkerSet | None = None
+        if in_memory:
+            self.view = WorkerView(lambda message: self.hub.receive(0, message), clock=trio.current_time,
+                                   refresh=self.hub.refresh_if_fleet_changed)
+            self.hub.attach(0, self.view.apply)
+            # In one process admission and in-flight counts are read directly, not reported.
+            self.core = RequestCore(config=config, supervisor=self.view, data_pool=self.data_pool,
+                                    in_flight=self.in_flight, admission=self.admission, metrics=self.metrics,
+                                    telemetry=self.telemetry)
+        else:
+            self.in_flight = self.hub.in_flight  # type: ignore[assignment]
+            self.hub.metrics.attach_to(self.metrics.registry)
         self.handoff_path = config.handoff_path(config_dir)
         self.persistence = PersistenceStage(path=self.handoff_path, router_id=self.router_id,
                                             fleet=self.fleet, config=config)
@@ -183,6 +205,10 @@ class Router:
                     return await etcd.write_handoff(data, record)
 
                 self.persistence.publish = publish
+            lease = self.lease
+            # Worker processes check the same deadline on their own clocks (the hub converts it).
+            self.hub.set_admit_until(
+                lambda: lease.admission_deadline if math.isfinite(lease.admission_deadline) else None)
         controller = config.controller
         self.monitor = Monitor(self.stages.in_spec_order(), interval_s=controller.monitor_interval_s,
                                stage_timeout_s=controller.stage_timeout_s,
@@ -192,18 +218,17 @@ class Router:
                                         readmitter=self.readmitter, controller=self.controller, monitor=self.monitor)
         self.app = create_app(self)
         register_admin_routes(self.app, self)
-        serving = config.serving
-        client_cap = serving.max_client_connections or client_connection_budget(
-            serving.max_connections + config.engine.control_connections)
-        # With [admin] listen the admin API is off the traffic port entirely.
-        self.front = Front(self.core, self.app, via_token=self.via_token,
-                           admin_elsewhere=config.admin.listen is not None)
-        self.server = HTTPServer(self.front.handle, max_header_bytes=serving.max_header_bytes,
-                                 max_body_bytes=serving.max_body_bytes, idle_timeout_s=serving.idle_timeout_s,
-                                 header_timeout_s=serving.header_timeout_s, body_timeout_s=serving.body_timeout_s,
-                                 client_write_timeout_s=serving.client_write_timeout_s,
-                                 max_client_connections=client_cap,
-                                 ssl_context=self.tls.server)
+        # One process serves the data plane itself; a controller leaves it to its workers.
+        self.server: HTTPServer | None = None
+        self.front: Front | None = None
+        if in_memory:
+            # With [admin] listen the admin API is off the traffic port entirely.
+            self.front = Front(self.core, functools.partial(call_asgi, self.app), via_token=self.via_token,
+                               admin_elsewhere=config.admin.listen is not None)
+            self.server = build_front_server(config, self.front, self.tls.server)
+        else:
+            self.workers = WorkerSet(count=self.worker_count, config=config, config_dir=config_dir, hub=self.hub,
+                                     app=self.app, via_token=self.via_token)
         self.bound_port: int | None = None
         self._nursery: trio.Nursery | None = None
         self._register_gauges()
@@ -227,12 +252,10 @@ class Router:
             return LeaseView(router_id=self.router_id, backend="none", role="active")
         return self.lease.view()
 
-    def _handoff_extra(self) -> dict[str, Any]:
-        extra: dict[str, Any] = {"consolidation_risk": self.controller.consolidation_risk(),
-                                 "drained": sorted(self.drain.drained)}
-        if self.lease is not None:
-            extra["lease"] = self.lease.ownership()
-        return extra
+    def _handoff_extra(self) -> HandoffExtra:
+        return HandoffExtra(consolidation_risk=self.controller.consolidation_risk(),
+                            drained=sorted(self.drain.drained),
+                            lease=self.lease.ownership() if self.lease is not None else LeaseOwnership())
 
     def _register_gauges(self) -> None:
         m = self.metrics
@@ -242,8 +265,14 @@ class Router:
         def pools() -> dict[tuple[str, ...], float]:
             data = self.data_pool.statistics()
             control = self.control_pool.statistics()
-            return {("data", "in_use"): float(data.in_use), ("data", "capacity"): float(data.max_connections),
-                    ("data", "waiting"): float(data.waiting),
+            in_use, waiting, capacity = float(data.in_use), float(data.waiting), float(data.max_connections)
+            if self.workers is not None:
+                # Each worker has its own data pool: the figures are sums over workers.
+                workers = self.hub.workers.values()
+                in_use = float(sum(w.data_in_use for w in workers))
+                waiting = float(sum(w.data_waiting for w in workers))
+                capacity *= self.worker_count
+            return {("data", "in_use"): in_use, ("data", "capacity"): capacity, ("data", "waiting"): waiting,
                     ("control", "in_use"): float(control.in_use),
                     ("control", "capacity"): float(control.control_connections)}
 
@@ -257,6 +286,32 @@ class Router:
                     ("engine", "role"), eligibility)
         m.add_gauge("narwhal_ready", "1 when /ready answers 200.", (),
                     lambda: {(): float(self.readiness() is None)})
+        if self.worker_count > 1:
+            self._register_worker_gauges()
+
+    def _register_worker_gauges(self) -> None:
+        m = self.metrics
+        hub = self.hub
+
+        def up() -> dict[tuple[str, ...], float]:
+            live = set(hub.workers)
+            return {(str(i),): float(i in live) for i in range(self.worker_count)}
+
+        m.add_gauge("narwhal_worker_up", "1 while the worker process is connected to the controller.",
+                    ("worker",), up)
+        m.add_gauge("narwhal_worker_restarts", "Times the controller restarted the worker.", ("worker",),
+                    lambda: {(str(i),): float(n) for i, n in (self.workers.restarts if self.workers else {}).items()})
+        m.add_gauge("narwhal_worker_requests_in_flight", "Client requests in flight per worker.", ("worker",),
+                    lambda: {(str(i),): float(s.requests_in_flight) for i, s in hub.workers.items()})
+        m.add_gauge("narwhal_worker_requests_finished", "Client requests each live worker finished since it started.",
+                    ("worker",), lambda: {(str(i),): n for i, n in hub.metrics.per_worker("narwhal_requests")})
+
+    # -- the front ---------------------------------------------------------------------
+
+    async def handle(self, request: Request, responder: Responder) -> None:
+        """The data-plane front: completion routes to the core, the rest to the app."""
+        assert self.front is not None, "a controller with workers serves no requests itself"
+        await self.front.handle(request, responder)
 
     # -- lifetime ----------------------------------------------------------------------
 
@@ -282,7 +337,10 @@ class Router:
                 if admin_fd is not None:
                     await nursery.start(self._serve_admin, admin_fd)
                     admin_fd = None
-                self.bound_port = await nursery.start(self._serve_then_stop, nursery, listeners)
+                if self.workers is not None:
+                    self.bound_port = await nursery.start(self._run_workers_then_stop, nursery, listeners)
+                else:
+                    self.bound_port = await nursery.start(self._serve_then_stop, nursery, listeners)
                 listeners = []
                 if self.lease is not None:
                     if not self.lease.advertise_url:
@@ -290,7 +348,7 @@ class Router:
                     await nursery.start(self.lease.run)
                 log_event("router_started", router_id=self.router_id, listen=f"{host}:{self.bound_port}",
                           engines=len(self.config.engines), pid=os.getpid(), handoff=str(self.handoff_path),
-                          tls=self.tls.server is not None)
+                          tls=self.tls.server is not None, workers=self.worker_count)
                 self._warn_if_admin_open(f"{host}:{self.bound_port}")
                 task_status.started(self.bound_port)
         finally:
@@ -354,7 +412,15 @@ class Router:
                                task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         # The server returns once shutdown has drained it; everything else stops with it.
         bound_port = listeners[0].socket.getsockname()[1]
+        assert self.server is not None
         await self.server.serve_listeners(listeners, task_status=_Reported(task_status, bound_port))
+        nursery.cancel_scope.cancel()
+
+    async def _run_workers_then_stop(self, nursery: trio.Nursery, listeners: list[trio.SocketListener], *,
+                                     task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        # The worker set returns once every worker has stopped; the controller stops with them.
+        assert self.workers is not None
+        await self.workers.run(listeners, task_status=task_status)
         nursery.cancel_scope.cancel()
 
     async def reload_tls(self) -> bool:
@@ -370,7 +436,11 @@ class Router:
         except ConfigError as exc:
             log_event("tls_reload_failed", level=logging.ERROR, message=str(exc))
             return False
-        self.server.ssl_context = self.tls.server
+        if self.server is not None:
+            self.server.ssl_context = self.tls.server
+        if self.workers is not None:
+            # Each worker reads the files itself: its own contexts serve its own connections.
+            self.workers.reload_tls()
         self.data_pool.set_ssl_context(self.tls.engine)
         await self.control_pool.set_ssl_context(self.tls.engine)
         log_event("tls_reloaded", server=self.tls.server is not None, engines=self.tls.engine is not None)
@@ -384,7 +454,11 @@ class Router:
         if self.lease is not None and self._nursery is not None:
             # Hand the lease over now: the standby need not wait for it to expire.
             self._nursery.start_soon(self.lease.release_for_shutdown)
-        self.server.shutdown(grace)
+        if self.workers is not None:
+            self.hub.publish()
+            self.workers.shutdown(grace)
+        elif self.server is not None:
+            self.server.shutdown(grace)
 
     async def _serve_admin(self, fd: int, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         from hypercorn.config import Config as HypercornConfig

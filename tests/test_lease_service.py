@@ -29,9 +29,9 @@ from narwhal.lease.backend import Acquisition, LeaseBackendError, Renewal
 from narwhal.lease.rules import LeaseRecord, Role, TakeoverRequest
 from narwhal.lease.service import LeaseService
 from narwhal.obs.router_metrics import RouterMetrics
-from narwhal.stages.persistence import PersistenceStage
+from narwhal.stages.persistence import HandoffExtra, PersistenceStage
 from narwhal.state import handoff
-from narwhal.state.handoff import read_document
+from narwhal.state.handoff import LeaseOwnership, read_document
 
 TTL_S, RENEW_S, MARGIN_S = 10.0, 3.0, 2.0
 
@@ -127,7 +127,7 @@ class Rig:
             own_readiness=lambda: self.own, http=httpx.AsyncClient(transport=transport),
             monotonic=self.monotonic)
         self.service.advertise_url = f"http://{router_id}.test:8000"
-        self.stage.extra = lambda: {"lease": self.service.ownership()}
+        self.stage.extra = lambda: HandoffExtra(lease=self.service.ownership())
 
     def monotonic(self) -> float:
         """trio's time in async context; in the writer's thread, the last one seen (plus any stall)."""
@@ -285,7 +285,7 @@ async def test_a_standby_applies_newer_handoffs_warm_and_ignores_older_epochs(
     writer.fleet.add_hold("d1", HoldKind.OPERATOR_DRAIN, "operator drain", trio.current_time())
 
     def document(epoch: int, pass_number: int) -> bytes:
-        writer.stage.extra = lambda: {"lease": {"holder": "r2", "epoch": epoch}}
+        writer.stage.extra = lambda: HandoffExtra(lease=LeaseOwnership(holder="r2", epoch=epoch))
         return handoff.encode_document(writer.stage.document(pass_number))
 
     rig = Rig(tmp_path, backend)

@@ -88,6 +88,20 @@ class FleetWriter:
             self._publish()
         return problem
 
+    def eligibility_version(self, now: float) -> int:
+        """``Fleet.eligibility_version``."""
+        version = self._fleet.eligibility_version(now)
+        if self._fleet.has_events:
+            self._publish()
+        return version
+
+    def next_deadline(self, now: float) -> float | None:
+        """``Fleet.next_deadline``."""
+        deadline = self._fleet.next_deadline(now)
+        if self._fleet.has_events:
+            self._publish()
+        return deadline
+
     def view(self, name: str, now: float) -> EngineView:
         """``Fleet.view``."""
         view = self._fleet.view(name, now)

@@ -10,7 +10,7 @@ nursery, on the control pool. It owns no policy of its own.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any, NoReturn
 
 import msgspec
@@ -74,6 +74,14 @@ class Supervisor:
     def capacity_problem(self) -> str | None:
         return self.fleet.capacity_problem(self.clock())
 
+    def state_version(self) -> int:
+        """Changes whenever the eligible engines change: workers' snapshots are republished on it."""
+        return self.fleet.eligibility_version(self.clock())
+
+    def valid_until(self) -> float | None:
+        """The next hold deadline, when eligibility may change by itself."""
+        return self.fleet.next_deadline(self.clock())
+
     def record_failure(self, engine: str, failure_class: FailureClass) -> None:
         self.metrics.engine_failures.inc(engine, failure_class.value)
         self.fleet.record_failure(engine, failure_class, self.clock())
@@ -110,7 +118,7 @@ class Supervisor:
         probe = self.health_probe if kind == "health" else self.inference_probe
         self._nursery.start_soon(self._run_probe, key, probe)
 
-    async def _run_probe(self, key: tuple[str, str], probe: Callable[[str], Any]) -> None:
+    async def _run_probe(self, key: tuple[str, str], probe: Callable[[str], Awaitable[object]]) -> None:
         try:
             await probe(key[0])
         except Exception as exc:

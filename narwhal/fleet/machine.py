@@ -206,6 +206,8 @@ class Fleet:
         # _next_deadline, the earliest hold deadline.
         self._dirty = True
         self._next_deadline = math.inf
+        # Bumped whenever the eligible sets change: snapshots for workers are republished on it.
+        self._eligibility_version = 0
         self._events: collections.deque[FleetEvent] = collections.deque(maxlen=EVENT_BACKLOG)
         self._events_dropped = 0
 
@@ -227,6 +229,18 @@ class Fleet:
         if self._dirty or now >= self._next_deadline:
             self._refresh(now)
         return name in self._eligible_names
+
+    def eligibility_version(self, now: float) -> int:
+        """A number that changes whenever the eligible engines of any role change (as of ``now``)."""
+        if self._dirty or now >= self._next_deadline:
+            self._refresh(now)
+        return self._eligibility_version
+
+    def next_deadline(self, now: float) -> float | None:
+        """The earliest hold deadline after ``now``, when eligibility may change by itself; None if none."""
+        if self._dirty or now >= self._next_deadline:
+            self._refresh(now)
+        return None if math.isinf(self._next_deadline) else self._next_deadline
 
     def capacity_problem(self, now: float) -> str | None:
         """Why serving capacity is exhausted (a role with no eligible engine), or None."""
@@ -625,6 +639,8 @@ class Fleet:
             self._protect_last_engine(role, members, now)
             eligible = [engine.name for engine in members if not engine.ejected
                         and all(hold.deferred for hold in engine.holds.values())]
+            if eligible != self._eligible[role]:
+                self._eligibility_version += 1
             self._eligible[role] = eligible
             eligible_names.update(eligible)
         self._eligible_names = frozenset(eligible_names)

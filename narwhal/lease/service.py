@@ -35,7 +35,7 @@ from narwhal.lease.rules import LeaseHolding, LeaseRecord, Role, TakeoverCounter
 from narwhal.obs.logs import flush_logs, log_event
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.stages.persistence import PersistenceStage
-from narwhal.state.handoff import HandoffError, decode_document
+from narwhal.state.handoff import HandoffError, LeaseOwnership, decode_document
 from narwhal.state.resume import apply_resume, plan_document
 
 __all__ = ["LeaseService", "LeaseView"]
@@ -142,11 +142,11 @@ class LeaseService:
         """Whether the term is still valid, on time.monotonic(): callable from any thread."""
         return self.holding.role is Role.ACTIVE and self.monotonic() < self._deadline_mono
 
-    def ownership(self) -> dict[str, Any]:
+    def ownership(self) -> LeaseOwnership:
         """The handoff's ``lease`` entry: ours while active."""
         if self.holding.role is Role.ACTIVE:
-            return {"holder": self.router_id, "epoch": self.holding.epoch}
-        return {"holder": "none", "epoch": 0}
+            return LeaseOwnership(holder=self.router_id, epoch=self.holding.epoch)
+        return LeaseOwnership()
 
     def _mono(self, at: float) -> float:
         """A time on our clock, as time.monotonic() (shared by the processes on a host)."""

@@ -15,10 +15,17 @@ from typing import Any, TextIO
 
 import msgspec
 
-__all__ = ["configure_logging", "flush_logs", "log_event"]
+__all__ = ["configure_logging", "flush_logs", "log_event", "set_log_fields"]
 
 _encoder = msgspec.json.Encoder()
 _logger = logging.getLogger("narwhal.events")
+# Fields every line of this process carries (the worker's index with serving.workers > 1).
+_process_fields: dict[str, Any] = {}
+
+
+def set_log_fields(**fields: Any) -> None:
+    """Add ``fields`` to every event this process logs from now on."""
+    _process_fields.update(fields)
 
 
 def _now_iso() -> str:
@@ -30,6 +37,8 @@ def log_event(event: str, /, *, level: int = logging.INFO, **fields: Any) -> Non
     if not _logger.isEnabledFor(level):
         return
     record = {"event": event, "ts": _now_iso(), "level": logging.getLevelName(level).lower()}
+    if _process_fields:
+        record.update(_process_fields)
     record.update(fields)
     _logger.log(level, _encoder.encode(record).decode())
 

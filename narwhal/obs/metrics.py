@@ -48,6 +48,8 @@ class Counter:
         self.help = help_text
         self.label_names = tuple(labels)
         self.values: dict[tuple[str, ...], float] = {}
+        # Values counted elsewhere (worker processes), added at scrape time.
+        self.external: Callable[[], dict[tuple[str, ...], float]] | None = None
 
     def inc(self, *label_values: str, amount: float = 1.0) -> None:
         self.values[label_values] = self.values.get(label_values, 0.0) + amount
@@ -56,7 +58,12 @@ class Counter:
         return self.values.get(label_values, 0.0)
 
     def render(self) -> Iterable[str]:
-        for values, count in self.values.items():
+        values_by_labels = self.values
+        if self.external is not None:
+            values_by_labels = dict(values_by_labels)
+            for labels, value in self.external().items():
+                values_by_labels[labels] = values_by_labels.get(labels, 0.0) + value
+        for values, count in values_by_labels.items():
             yield f"{self.name}_total{_labels(self.label_names, values)} {_number(count)}"
 
 
@@ -90,6 +97,8 @@ class Histogram:
         self.bounds = tuple(buckets)
         # Per label set: [bucket counts..., +Inf count], sum.
         self.series: dict[tuple[str, ...], tuple[list[int], list[float]]] = {}
+        # Series observed elsewhere (worker processes): labels -> (bucket counts, sum), added at scrape time.
+        self.external: Callable[[], dict[tuple[str, ...], tuple[list[int], float]]] | None = None
 
     def observe(self, value: float, *label_values: str) -> None:
         series = self.series.get(label_values)
@@ -103,7 +112,17 @@ class Histogram:
         return sum(series[0]) if series else 0
 
     def render(self) -> Iterable[str]:
-        for values, (counts, total) in self.series.items():
+        series = self.series
+        if self.external is not None:
+            series = dict(series)
+            for labels, (ext_counts, ext_sum) in self.external().items():
+                own = series.get(labels)
+                if own is None:
+                    series[labels] = (ext_counts, [ext_sum])
+                else:
+                    series[labels] = ([a + b for a, b in zip(own[0], ext_counts, strict=True)],
+                                      [own[1][0] + ext_sum])
+        for values, (counts, total) in series.items():
             running = 0
             for bound, count in zip((*self.bounds, math.inf), counts, strict=True):
                 running += count
@@ -129,6 +148,10 @@ class Registry:
     def gauge(self, name: str, help_text: str, labels: Sequence[str],
               read: Callable[[], dict[tuple[str, ...], float]]) -> Gauge:
         return self._add(Gauge(name, help_text, labels, read))
+
+    def metrics(self) -> list[Counter | Gauge | Histogram]:
+        """Every registered metric, in registration order."""
+        return list(self._metrics)
 
     def _add(self, metric):
         self._metrics.append(metric)

@@ -6,7 +6,9 @@ from collections.abc import Callable
 
 from narwhal.obs.metrics import Registry
 
-__all__ = ["RouterMetrics"]
+__all__ = ["SNAPSHOT_LAG_BUCKETS_S", "RouterMetrics"]
+
+SNAPSHOT_LAG_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1.0)
 
 _GaugeReader = Callable[[], dict[tuple[str, ...], float]]
 
@@ -45,6 +47,9 @@ class RouterMetrics:
                                       ("engine", "outcome", "check"))
         self.lease_renewals = r.counter("narwhal_lease_renewals",
                                         "Lease renewals by result (ok, failed, lost, late).", ("result",))
+        self.snapshot_lag = r.histogram("narwhal_worker_snapshot_lag_seconds",
+                                        "Delay from the controller publishing a fleet snapshot to a worker "
+                                        "applying it (serving.workers > 1).", (), SNAPSHOT_LAG_BUCKETS_S)
         self.saturations = r.counter("narwhal_saturations", "Requests refused for saturation by reason.",
                                      ("reason",))
 

@@ -4,22 +4,25 @@ One handler for ``narwhal.http1.server.HTTPServer``. A request carrying this
 router's own ``Via`` token came back to it (an engine URL points at a router):
 508 ``loop_detected``. Completion routes accept POST only (405 with
 ``Allow: POST`` otherwise). With ``[admin] listen`` the admin paths are 404
-here. The rest is passed through the ASGI adapter to the quart-trio control
-app, so both share one port.
+here. The rest goes to ``rest``: in one process the ASGI adapter to the
+quart-trio control app, so both share one port; in a worker, the answers it
+gives from its snapshot and the controller for everything else.
 """
 
 from __future__ import annotations
 
 import logging
+import ssl
 import urllib.parse
+from collections.abc import Awaitable, Callable
 
-from narwhal.http1.asgi import ASGIApp, call_asgi
-from narwhal.http1.server import Request, Responder
+from narwhal.config import Config
+from narwhal.http1.server import HTTPServer, Request, Responder, client_connection_budget
 from narwhal.obs.logs import log_event
 from narwhal.serving.request_core import COMPLETION_ROUTES, RequestCore
 from narwhal.wire import error_json
 
-__all__ = ["Front", "is_admin_path"]
+__all__ = ["Front", "build_front_server", "is_admin_path"]
 
 _JSON = [(b"content-type", b"application/json")]
 _NOT_ALLOWED = error_json("completion routes accept POST only", "invalid_request_error", "method_not_allowed")
@@ -37,9 +40,10 @@ def is_admin_path(path: str) -> bool:
 class Front:
     """Routes each request of the data-plane server to the core or to the app."""
 
-    def __init__(self, core: RequestCore, app: ASGIApp, *, via_token: str, admin_elsewhere: bool) -> None:
+    def __init__(self, core: RequestCore, rest: Callable[[Request, Responder], Awaitable[None]], *,
+                 via_token: str, admin_elsewhere: bool) -> None:
         self.core = core
-        self.app = app
+        self.rest = rest
         self._via_token = via_token.encode()
         self._admin_elsewhere = admin_elsewhere
         self._loop_error = error_json(
@@ -64,4 +68,16 @@ class Front:
             await responder.respond(404, _JSON, error_json(f"no route for {request.method.decode('latin-1')} "
                                                            f"{request.path}", "invalid_request_error", "not_found"))
             return
-        await call_asgi(self.app, request, responder)
+        await self.rest(request, responder)
+
+
+def build_front_server(config: Config, front: Front, ssl_context: ssl.SSLContext | None) -> HTTPServer:
+    """The data-plane server with every client-facing bound of ``[serving]``."""
+    serving = config.serving
+    client_cap = serving.max_client_connections or client_connection_budget(
+        serving.max_connections + config.engine.control_connections)
+    return HTTPServer(front.handle, max_header_bytes=serving.max_header_bytes,
+                      max_body_bytes=serving.max_body_bytes, idle_timeout_s=serving.idle_timeout_s,
+                      header_timeout_s=serving.header_timeout_s, body_timeout_s=serving.body_timeout_s,
+                      client_write_timeout_s=serving.client_write_timeout_s,
+                      max_client_connections=client_cap, ssl_context=ssl_context)

@@ -1,0 +1,211 @@
+"""The controller's side of the workers: apply what they report, publish what they need.
+
+Evidence from every worker is applied to the one fleet in arrival order, so a
+failure streak counts across workers. After anything that can change what
+workers may do (evidence, a monitor pass, a probe, admission, the lease), the
+hub publishes a new ``Snapshot`` to every worker if its content changed.
+
+In-flight counts and metrics arrive in periodic ``Report``s and are summed
+here. A count a worker took before it had the snapshot that excluded an engine
+cannot show that engine idle: a drain settles only on counts taken after every
+worker knew of it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+import msgspec
+
+from narwhal.errors import FailureClass, SuccessKind
+from narwhal.fleet.model import ROLES
+from narwhal.obs.logs import log_event
+from narwhal.workers.metrics_sum import MetricsSum
+from narwhal.workers.protocol import Evidence, MetricsState, Report, Snapshot
+
+__all__ = ["AggregateInFlight", "ControlPlane", "WorkerHub"]
+
+
+class ControlPlane(Protocol):
+    """What the hub needs of the controller's supervisor."""
+
+    def eligible(self, role: str) -> list[str]: ...
+    def capacity_problem(self) -> str | None: ...
+    def record_failure(self, engine: str, failure_class: FailureClass) -> None: ...
+    def record_success(self, engine: str, kind: SuccessKind) -> None: ...
+    def state_version(self) -> int: ...
+    def valid_until(self) -> float | None: ...
+
+
+class _Gate(Protocol):
+    def reason(self) -> str | None: ...
+
+
+class _WorkerState:
+    __slots__ = ("data_in_use", "data_waiting", "in_flight", "metrics", "requests_in_flight", "send",
+                 "snapshot_seq")
+
+    def __init__(self, send: Callable[[Snapshot], None]) -> None:
+        self.send = send
+        self.snapshot_seq = 0
+        self.in_flight: dict[str, int] = {}
+        self.requests_in_flight = 0
+        self.data_in_use = 0
+        self.data_waiting = 0
+        self.metrics = MetricsState()
+
+
+class AggregateInFlight:
+    """Requests in flight per engine summed over workers, for drains, readmission and views."""
+
+    def __init__(self, hub: WorkerHub, names: Iterable[str]) -> None:
+        self._hub = hub
+        self._names = list(names)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return {name: self[name] for name in self._names}
+
+    def __getitem__(self, name: str) -> int:
+        hub = self._hub
+        total = 0
+        required = hub.excluded_since.get(name, 0)
+        for state in hub.workers.values():
+            total += state.in_flight.get(name, 0)
+            if state.snapshot_seq < required:
+                # That worker may still place on the engine: it is not idle yet.
+                total = max(total, 1)
+        return total
+
+    def total(self) -> int:
+        return sum(state.requests_in_flight for state in self._hub.workers.values())
+
+
+class WorkerHub:
+    """Applies workers' messages to the control plane and publishes snapshots to them."""
+
+    def __init__(self, control: ControlPlane, admission: _Gate, *, engines: Iterable[str],
+                 clock: Callable[[], float], to_link_clock: Callable[[float], float] | None = None,
+                 record_sample: Callable[..., None] | None = None) -> None:
+        self._control = control
+        self._admission = admission
+        self._clock = clock
+        # Snapshot deadlines are in the link's clock: CLOCK_MONOTONIC between
+        # processes, the control clock itself in memory.
+        self._to_link_clock = to_link_clock or (lambda t: t)
+        self._record_sample = record_sample
+        self.workers: dict[int, _WorkerState] = {}
+        self.metrics = MetricsSum()
+        self._engines = list(engines)
+        self.in_flight = AggregateInFlight(self, self._engines)
+        self.seq = 0
+        self.snapshot: Snapshot | None = None
+        self._published_key: tuple[object, ...] | None = None
+        # engine -> seq of the first snapshot that took it out of placement.
+        self.excluded_since: dict[str, int] = {}
+        self._admit_until: Callable[[], float | None] = lambda: None
+        self.evidence_applied = 0
+
+    def set_admit_until(self, source: Callable[[], float | None]) -> None:
+        """Where the lease-derived admission deadline (control clock) comes from."""
+        self._admit_until = source
+
+    # -- workers ---------------------------------------------------------------------------
+
+    def attach(self, worker: int, send: Callable[[Snapshot], None]) -> None:
+        """A worker connected; ``publish(force_to=worker)`` gives it the current snapshot."""
+        self.workers[worker] = _WorkerState(send)
+
+    def detach(self, worker: int) -> None:
+        """A worker is gone: its in-flight counts go, its metrics stay counted."""
+        state = self.workers.pop(worker, None)
+        if state is not None:
+            self.metrics.retire(worker)
+
+    def receive(self, worker: int, message: object) -> None:
+        """Apply one message from ``worker`` (in arrival order)."""
+        if isinstance(message, Evidence):
+            self.evidence_applied += 1
+            if message.failure_class is not None:
+                self._control.record_failure(message.engine, FailureClass(message.failure_class))
+            elif message.success_kind is not None:
+                self._control.record_success(message.engine, SuccessKind(message.success_kind))
+            self.publish()
+        elif isinstance(message, Report):
+            state = self.workers.get(worker)
+            if state is None:
+                return
+            state.snapshot_seq = message.snapshot_seq
+            state.in_flight = message.in_flight
+            state.requests_in_flight = message.requests_in_flight
+            state.data_in_use = message.data_in_use
+            state.data_waiting = message.data_waiting
+            self.metrics.update(worker, message.metrics)
+            if self._record_sample is not None:
+                for sample in message.samples:
+                    self._record_sample(prefill=sample.prefill, decode=sample.decode, ttft_s=sample.ttft_s,
+                                        inter_token_s=sample.inter_token_s, error_engine=sample.error_engine)
+
+    # -- snapshots -------------------------------------------------------------------------
+
+    def publish(self, *, force_to: int | None = None) -> None:
+        """Send a new snapshot to every worker if what they need changed (to ``force_to`` anyway)."""
+        control = self._control
+        version = control.state_version()
+        admission_reason = self._admission.reason()
+        admit_until = self._admit_until()
+        valid_until = control.valid_until()
+        key = (version, admission_reason, admit_until, valid_until)
+        if key != self._published_key or self.snapshot is None:
+            self._published_key = key
+            self.seq += 1
+            eligible = {role: control.eligible(role) for role in ROLES}
+            self.snapshot = Snapshot(
+                seq=self.seq, eligible=eligible, capacity_problem=control.capacity_problem(),
+                admission_reason=admission_reason,
+                admit_until=None if admit_until is None else self._to_link_clock(admit_until),
+                valid_until=None if valid_until is None or math.isinf(valid_until)
+                else self._to_link_clock(valid_until),
+                published_at=self._to_link_clock(self._clock()))
+            placeable = {name for names in eligible.values() for name in names}
+            for name in self._engines:
+                if name in placeable:
+                    self.excluded_since.pop(name, None)
+                else:
+                    self.excluded_since.setdefault(name, self.seq)
+            targets = list(self.workers.items())
+        elif force_to is not None and force_to in self.workers:
+            targets = [(force_to, self.workers[force_to])]
+            # A late joiner gets the current snapshot; its delivery delay counts from now.
+            self.snapshot = msgspec.structs.replace(self.snapshot, published_at=self._to_link_clock(self._clock()))
+        else:
+            return
+        snapshot = self.snapshot
+        for worker, state in targets:
+            try:
+                state.send(snapshot)
+            except Exception as exc:  # a dead link is noticed and handled by the process layer
+                fields: dict[str, Any] = {"worker": worker, "class": type(exc).__name__, "message": str(exc)}
+                log_event("worker_snapshot_failed", **fields)
+
+    def refresh_if_fleet_changed(self) -> None:
+        """In one process: republish when eligibility changed (admission is read there directly)."""
+        key = self._published_key
+        if key is None or self._control.state_version() != key[0]:
+            self.publish()
+
+    def due(self) -> float | None:
+        """When the current snapshot stops being exact (control clock), for the publish timer."""
+        return self._control.valid_until()
+
+
+def monotonic_offset(control_clock: Callable[[], float]) -> Callable[[float], float]:
+    """Map control-clock instants (trio's clock) to CLOCK_MONOTONIC, which every process shares."""
+
+    def convert(t: float) -> float:
+        return t - control_clock() + time.monotonic()
+
+    return convert

@@ -1,0 +1,104 @@
+"""What a worker's request path reads and writes: the controller's last snapshot, and evidence out.
+
+``WorkerView`` stands where the request core expects the supervisor and the
+admission gate. Reads (eligible engines, capacity, admission) come from the
+last ``Snapshot``; writes (failures, successes) become ``Evidence`` messages.
+It decides nothing: the controller does, and sends a new snapshot.
+
+Admission is checked against the lease-derived ``admit_until`` on the worker's
+own clock at the moment a request is admitted, so a worker whose controller
+froze stops admitting on time by itself.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from narwhal.errors import FailureClass, SuccessKind
+from narwhal.workers.protocol import Evidence, RequestSample, Snapshot
+
+__all__ = ["TelemetryRelay", "WorkerView"]
+
+EMPTY_SNAPSHOT = Snapshot(seq=0, eligible={}, admission_reason="starting: no snapshot from the controller yet")
+
+
+class WorkerView:
+    """The request path's supervisor and admission, served from snapshots."""
+
+    def __init__(self, send: Callable[[Evidence], None], *, clock: Callable[[], float] = time.monotonic,
+                 refresh: Callable[[], None] | None = None) -> None:
+        self._send = send
+        self._clock = clock
+        # In one process the hub is asked before each read whether the fleet
+        # changed (one cheap comparison), so placement is as current as the fleet.
+        self._refresh = refresh
+        self.snapshot = EMPTY_SNAPSHOT
+        self._local_reason: str | None = None
+
+    def apply(self, snapshot: Snapshot) -> None:
+        """Take a newer snapshot (older ones, reordered or replayed, are ignored)."""
+        if snapshot.seq >= self.snapshot.seq:
+            self.snapshot = snapshot
+
+    def close_locally(self, reason: str) -> None:
+        """Refuse new requests for a reason of this process (shutdown, controller gone)."""
+        if self._local_reason is None:
+            self._local_reason = reason
+
+    def _current(self) -> Snapshot:
+        if self._refresh is not None:
+            self._refresh()
+        return self.snapshot
+
+    # -- the request core's Supervisor protocol ------------------------------------------
+
+    def eligible(self, role: str) -> list[str]:
+        return self._current().eligible.get(role, [])
+
+    def capacity_problem(self) -> str | None:
+        return self._current().capacity_problem
+
+    def record_failure(self, engine: str, failure_class: FailureClass) -> None:
+        self._send(Evidence(engine=engine, failure_class=failure_class.value))
+
+    def record_success(self, engine: str, kind: SuccessKind) -> None:
+        self._send(Evidence(engine=engine, success_kind=kind.value))
+
+    # -- the admission gate --------------------------------------------------------------
+
+    def reason(self) -> str | None:
+        """Why a new request is refused now, or None; the lease deadline is checked here, every time."""
+        if self._local_reason is not None:
+            return self._local_reason
+        snapshot = self.snapshot
+        if snapshot.admission_reason is not None:
+            return snapshot.admission_reason
+        if snapshot.admit_until is not None and self._clock() >= snapshot.admit_until:
+            return snapshot.admit_until_reason
+        return None
+
+    def readiness(self) -> str | None:
+        """What ``/ready`` says: the admission reason, else the fleet's capacity problem."""
+        return self.reason() or self.capacity_problem()
+
+
+class TelemetryRelay:
+    """Collects finished requests for the next report, in place of the controller's telemetry."""
+
+    def __init__(self, max_samples: int = 100_000) -> None:
+        self._samples: list[RequestSample] = []
+        self._max = max_samples
+        self.dropped = 0
+
+    def record_request(self, *, prefill: str | None, decode: str | None, ttft_s: float | None,
+                       inter_token_s: float | None, error_engine: str | None) -> None:
+        if len(self._samples) >= self._max:
+            # Bounded: a controller that stops reading reports must not grow a worker's memory.
+            self.dropped += 1
+            return
+        self._samples.append(RequestSample(prefill, decode, ttft_s, inter_token_s, error_engine))
+
+    def take(self) -> list[RequestSample]:
+        samples, self._samples = self._samples, []
+        return samples

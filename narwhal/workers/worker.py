@@ -1,0 +1,272 @@
+"""One data-plane worker process: the front and the data pool, serving from the controller's snapshots.
+
+It accepts on the listening socket it inherited from the controller, serves
+the two completion routes itself, answers ``/health`` and ``/ready`` from its
+snapshot, and forwards every other route to the controller. It exits when
+told to stop, or by itself when the controller goes away: a worker without a
+controller would place requests on a fleet nobody watches.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from narwhal.config import ConfigError
+from narwhal.fleet.placement import InFlight
+from narwhal.http1.server import Request, Responder
+from narwhal.obs.logs import flush_logs, log_event, set_log_fields
+from narwhal.obs.router_metrics import RouterMetrics
+from narwhal.pools.data import DataPool
+from narwhal.serving.front import Front, build_front_server
+from narwhal.serving.request_core import RequestCore
+from narwhal.tls import TLSContexts
+from narwhal.wire import error_json
+from narwhal.workers.link import LinkClosed, StreamLink
+from narwhal.workers.metrics_sum import export_state
+from narwhal.workers.protocol import (
+    ControllerMessage,
+    Forward,
+    ForwardReply,
+    Hello,
+    ReloadTLS,
+    Report,
+    Snapshot,
+    Stop,
+    Welcome,
+)
+from narwhal.workers.view import TelemetryRelay, WorkerView
+
+__all__ = ["run_worker"]
+
+# How often a worker reports in-flight counts, metrics and telemetry; at most
+# this late, a drain settles or /metrics shows a finished request.
+REPORT_INTERVAL_S = 0.1
+# A worker that hears nothing of its controller this long after starting gives up.
+WELCOME_TIMEOUT_S = 30.0
+FORWARD_TIMEOUT_S = 30.0
+_JSON = [(b"content-type", b"application/json")]
+_TEXT = [(b"content-type", b"text/plain; charset=utf-8")]
+_CONTROLLER_GONE = error_json("the router's controller is not answering", "server_error", "controller_unavailable")
+
+
+class Worker:
+    """The parts of one worker, built once the controller's ``Welcome`` arrived."""
+
+    def __init__(self, index: int, welcome: Welcome, link: StreamLink) -> None:
+        config = welcome.config
+        self.index = index
+        self.config = config
+        self.link = link
+        self.view = WorkerView(self._send_evidence)
+        self.in_flight = InFlight([spec.name for spec in config.engines])
+        self.metrics = RouterMetrics()
+        self.telemetry = TelemetryRelay()
+        # The controller read these files a moment ago; a worker reads its own copies.
+        self.tls = TLSContexts(config, None if welcome.config_dir is None else Path(welcome.config_dir))
+        self.data_pool = DataPool(max_connections=config.serving.max_connections, engine_config=config.engine,
+                                  wait_for_slot=config.serving.policy == "bounded", via=f"1.1 {welcome.via_token}",
+                                  ssl_context=self.tls.engine)
+        self.core = RequestCore(config=config, supervisor=self.view, data_pool=self.data_pool,
+                                in_flight=self.in_flight, admission=self.view,  # type: ignore[arg-type]
+                                metrics=self.metrics, telemetry=self.telemetry)  # type: ignore[arg-type]
+        self.front = Front(self.core, self._serve_rest, via_token=welcome.via_token,
+                           admin_elsewhere=config.admin.listen is not None)
+        self.server = build_front_server(config, self.front, self.tls.server)
+        self._forward_ids = itertools.count(1)
+        self._forwards: dict[int, tuple[trio.Event, list[ForwardReply]]] = {}
+        self._stopping = False
+
+    def _send_evidence(self, message: Any) -> None:
+        try:
+            self.link.send(message)
+        except LinkClosed:
+            # The controller is gone; the worker is already closing admission.
+            pass
+
+    # -- messages from the controller -------------------------------------------------------
+
+    def on_message(self, message: object) -> None:
+        if isinstance(message, Snapshot):
+            self.view.apply(message)
+            if message.published_at is not None:
+                self.metrics.snapshot_lag.observe(max(0.0, time.monotonic() - message.published_at))
+        elif isinstance(message, ForwardReply):
+            waiter = self._forwards.get(message.id)
+            if waiter is not None:
+                waiter[1].append(message)
+                waiter[0].set()
+        elif isinstance(message, Stop):
+            self.stop("shutting down", message.grace_s)
+        elif isinstance(message, ReloadTLS):
+            self.reload_tls()
+
+    def reload_tls(self) -> None:
+        """Read certificates and keys again; on a problem the old ones stay in use."""
+        try:
+            self.tls.reload()
+        except ConfigError as exc:
+            log_event("tls_reload_failed", level=logging.ERROR, message=str(exc))
+            return
+        self.server.ssl_context = self.tls.server
+        self.data_pool.set_ssl_context(self.tls.engine)
+        log_event("tls_reloaded", server=self.tls.server is not None, engines=self.tls.engine is not None)
+
+    def stop(self, reason: str, grace_s: float) -> None:
+        """Refuse new requests, let those in flight finish within ``grace_s``."""
+        self.view.close_locally(reason)
+        if not self._stopping:
+            self._stopping = True
+            log_event("worker_stopping", reason=reason, grace_s=grace_s)
+        self.server.shutdown(grace_s)
+
+    # -- the front ----------------------------------------------------------------------------
+
+    async def _serve_rest(self, request: Request, responder: Responder) -> None:
+        # /health and /ready from the snapshot (the text the controller would give); the rest from the controller.
+        if request.method in (b"GET", b"HEAD"):
+            if request.path == "/health":
+                await responder.respond(200, _JSON, b'{"status":"ok"}')
+                return
+            if request.path == "/ready":
+                reason = self.view.readiness()
+                if reason is None:
+                    await responder.respond(200, _TEXT, b"ready\n")
+                else:
+                    await responder.respond(503, _TEXT, reason.encode() + b"\n")
+                return
+        await self._forward(request, responder)
+
+    async def _forward(self, request: Request, responder: Responder) -> None:
+        forward_id = next(self._forward_ids)
+        waiter: tuple[trio.Event, list[ForwardReply]] = (trio.Event(), [])
+        self._forwards[forward_id] = waiter
+        try:
+            self.link.send(Forward(id=forward_id, method=request.method, target=request.target,
+                                   headers=request.headers, body=request.body, client=request.client,
+                                   secure=responder.secure, http_version=request.http_version))
+            with trio.move_on_after(FORWARD_TIMEOUT_S):
+                await waiter[0].wait()
+        except LinkClosed:
+            pass
+        finally:
+            del self._forwards[forward_id]
+        if not waiter[1]:
+            await responder.respond(503, _JSON, _CONTROLLER_GONE)
+            return
+        reply = waiter[1][0]
+        await responder.respond(reply.status, reply.headers, reply.body)
+
+    # -- reports --------------------------------------------------------------------------------
+
+    async def report_loop(self) -> None:
+        """Send in-flight counts, metrics and samples; often while busy, once a second when idle."""
+        last_requests = -1.0
+        quiet = 0
+        while True:
+            await trio.sleep(REPORT_INTERVAL_S)
+            requests = sum(self.metrics.requests.values.values())
+            busy = self.in_flight.total() > 0 or requests != last_requests
+            quiet = 0 if busy else quiet + 1
+            if not busy and quiet % 10:
+                continue
+            last_requests = requests
+            pool = self.data_pool.statistics()
+            try:
+                self.link.send(Report(snapshot_seq=self.view.snapshot.seq, in_flight=dict(self.in_flight.counts),
+                                      requests_in_flight=self.server.statistics().requests_in_flight,
+                                      metrics=export_state(self.metrics.registry), samples=self.telemetry.take(),
+                                      data_in_use=pool.in_use, data_waiting=pool.waiting))
+            except LinkClosed:
+                return
+            flush_logs(only_if_due=True)
+
+
+async def _stop_on_signal(current: Any) -> None:
+    # Ctrl-C reaches the whole process group: a worker drains like its controller, never dies mid-stream.
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            worker = current()
+            log_event("signal", signal=signal.Signals(signum).name)
+            if worker is not None:
+                worker.stop("shutting down", worker.config.serving.shutdown_grace_s)
+
+
+async def run_worker(index: int, control_fd: int, listen_fds: list[int]) -> None:
+    """Serve as worker ``index`` until stopped or orphaned."""
+    set_log_fields(worker=index)
+    control = trio.SocketStream(trio.socket.from_stdlib_socket(socket.socket(fileno=control_fd)))
+    listeners = [trio.SocketListener(trio.socket.from_stdlib_socket(socket.socket(fileno=fd))) for fd in listen_fds]
+    welcome: list[Welcome] = []
+    welcomed = trio.Event()
+    worker: Worker | None = None
+    link = StreamLink(control, ControllerMessage)
+
+    early: list[object] = []
+
+    def on_message(message: object) -> None:
+        if worker is not None:
+            worker.on_message(message)
+        elif isinstance(message, Welcome):
+            welcome.append(message)
+            welcomed.set()
+        else:
+            # The first snapshot follows the welcome at once, before the worker is built.
+            early.append(message)
+
+    async with trio.open_nursery() as nursery:
+
+        async def control_link() -> None:
+            await link.run(on_message)
+            # The controller is gone: stop taking requests and leave within the grace period.
+            log_event("worker_orphaned", level=logging.WARNING, reason=link.close_reason)
+            if worker is None:
+                nursery.cancel_scope.cancel()
+            else:
+                worker.stop("controller gone", worker.config.serving.shutdown_grace_s)
+
+        nursery.start_soon(control_link)
+        nursery.start_soon(_stop_on_signal, lambda: worker)
+        link.send(Hello(worker=index, pid=os.getpid()))
+        with trio.move_on_after(WELCOME_TIMEOUT_S):
+            await welcomed.wait()
+        if not welcome:
+            log_event("worker_failed", level=logging.ERROR, reason="no welcome from the controller")
+            nursery.cancel_scope.cancel()
+            return
+        try:
+            worker = Worker(index, welcome[0], link)
+        except ConfigError as exc:
+            # A certificate that changed under the controller: exit, and the controller retries with backoff.
+            log_event("worker_failed", level=logging.ERROR, reason=str(exc))
+            nursery.cancel_scope.cancel()
+            return
+        for message in early:
+            worker.on_message(message)
+        early.clear()
+        nursery.start_soon(worker.report_loop)
+        await nursery.start(worker.data_pool.run)
+        try:
+            await worker.server.serve_listeners(listeners)
+        finally:
+            with trio.CancelScope(shield=True):
+                await worker.data_pool.aclose()
+                # A last report, so the controller counts what this worker finished.
+                try:
+                    link.send(Report(snapshot_seq=worker.view.snapshot.seq, in_flight={}, requests_in_flight=0,
+                                     metrics=export_state(worker.metrics.registry), samples=worker.telemetry.take()))
+                    with trio.move_on_after(1.0):
+                        await link.flush()
+                except LinkClosed:
+                    pass
+            log_event("worker_stopped")
+            flush_logs()
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,289 @@
+"""The worker message protocol: framing, links, the worker's view, the controller's hub."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import trio
+import trio.testing
+
+from narwhal.errors import FailureClass, SuccessKind
+from narwhal.fleet import Fleet
+from narwhal.obs.metrics import Registry
+from narwhal.workers.hub import WorkerHub
+from narwhal.workers.link import LinkClosed, StreamLink
+from narwhal.workers.metrics_sum import MetricsSum, export_state
+from narwhal.workers.protocol import (
+    ControllerMessage,
+    Evidence,
+    FrameDecoder,
+    FrameError,
+    MetricsState,
+    Report,
+    RequestSample,
+    Snapshot,
+    WorkerMessage,
+    encode_frame,
+)
+from narwhal.workers.view import TelemetryRelay, WorkerView
+
+# -- framing -------------------------------------------------------------------------------
+
+
+def test_frames_round_trip_split_at_every_byte() -> None:
+    messages = [Evidence(engine="d1", failure_class="stream"),
+                Report(snapshot_seq=3, in_flight={"p1": 2}, requests_in_flight=2, metrics=MetricsState(),
+                       samples=[RequestSample("p1", "d1", 0.01, None, None)])]
+    wire = b"".join(encode_frame(m) for m in messages)
+    decoder = FrameDecoder(WorkerMessage)
+    got = []
+    for i in range(len(wire)):
+        got.extend(decoder.feed(wire[i:i + 1]))
+    assert got == messages
+
+
+def test_an_oversized_frame_is_a_protocol_error_not_a_buffer() -> None:
+    decoder = FrameDecoder(WorkerMessage, max_frame_bytes=100)
+    with pytest.raises(FrameError):
+        decoder.feed((101).to_bytes(4, "big"))
+
+
+def test_an_undecodable_frame_is_a_protocol_error() -> None:
+    decoder = FrameDecoder(ControllerMessage)
+    with pytest.raises(FrameError):
+        decoder.feed((3).to_bytes(4, "big") + b"\xc1\xc1\xc1")
+
+
+# -- the link ------------------------------------------------------------------------------
+
+
+async def test_link_carries_messages_both_ways_over_a_socket_pair() -> None:
+    a, b = socket.socketpair()
+    left = StreamLink(trio.SocketStream(trio.socket.from_stdlib_socket(a)), WorkerMessage)
+    right = StreamLink(trio.SocketStream(trio.socket.from_stdlib_socket(b)), ControllerMessage)
+    got_left: list[object] = []
+    got_right: list[object] = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(left.run, got_left.append)
+        await nursery.start(right.run, got_right.append)
+        for i in range(100):
+            right.send(Evidence(engine=f"e{i}", success_kind="decode_terminal"))
+        left.send(Snapshot(seq=1, eligible={"prefill": ["p1"], "decode": []}))
+        with trio.fail_after(5):
+            while len(got_left) < 100 or not got_right:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert [m.engine for m in got_left] == [f"e{i}" for i in range(100)]  # type: ignore[attr-defined]
+    assert got_right == [Snapshot(seq=1, eligible={"prefill": ["p1"], "decode": []})]
+
+
+async def test_link_reports_the_peer_gone_and_refuses_to_send() -> None:
+    a, b = socket.socketpair()
+    link = StreamLink(trio.SocketStream(trio.socket.from_stdlib_socket(a)), WorkerMessage)
+    b.shutdown(socket.SHUT_RDWR)
+    b.close()
+    with trio.fail_after(5):
+        await link.run(lambda m: None)
+    assert link.closed and link.close_reason == "peer closed the link"
+    with pytest.raises(LinkClosed):
+        link.send(Evidence(engine="d1", failure_class="stream"))
+
+
+async def test_a_peer_that_never_reads_closes_the_link_at_the_bound() -> None:
+    left, _right = trio.testing.memory_stream_pair()
+    link = StreamLink(left, WorkerMessage, max_pending_bytes=1000)
+    with pytest.raises(LinkClosed):
+        for _ in range(1000):
+            link.send(Evidence(engine="d1", failure_class="stream"))
+    assert "unread" in (link.close_reason or "")
+
+
+# -- the worker's view -----------------------------------------------------------------------
+
+
+def test_view_refuses_at_the_lease_deadline_on_its_own_clock() -> None:
+    now = [100.0]
+    view = WorkerView(lambda m: None, clock=lambda: now[0])
+    assert view.reason() is not None  # no snapshot yet: nothing is admitted
+    view.apply(Snapshot(seq=1, eligible={"prefill": ["p1"], "decode": ["d1"]}, admit_until=105.0))
+    assert view.reason() is None
+    now[0] = 104.999
+    assert view.reason() is None
+    now[0] = 105.0
+    assert view.reason() == "fenced: lease not renewed"
+    assert view.readiness() == "fenced: lease not renewed"
+
+
+def test_view_ignores_older_snapshots_and_turns_outcomes_into_evidence() -> None:
+    sent: list[object] = []
+    view = WorkerView(sent.append, clock=lambda: 0.0)
+    view.apply(Snapshot(seq=2, eligible={"decode": ["d2"]}))
+    view.apply(Snapshot(seq=1, eligible={"decode": ["d1"]}))
+    assert view.eligible("decode") == ["d2"]
+    view.record_failure("d2", FailureClass.STREAM)
+    view.record_success("p1", SuccessKind.PREFILL_HANDOFF)
+    assert sent == [Evidence(engine="d2", failure_class="stream"),
+                    Evidence(engine="p1", success_kind="prefill_handoff")]
+
+
+def test_telemetry_relay_is_bounded() -> None:
+    relay = TelemetryRelay(max_samples=2)
+    for _ in range(3):
+        relay.record_request(prefill="p", decode="d", ttft_s=0.1, inter_token_s=None, error_engine=None)
+    assert len(relay.take()) == 2 and relay.dropped == 1
+    assert relay.take() == []
+
+
+# -- the hub ---------------------------------------------------------------------------------
+
+
+class _Admission:
+    def __init__(self) -> None:
+        self.closed: str | None = None
+
+    def reason(self) -> str | None:
+        return self.closed
+
+
+class _Control:
+    """The supervisor's face, over a real Fleet and a settable clock."""
+
+    def __init__(self, fleet: Fleet, now: list[float]) -> None:
+        self.fleet = fleet
+        self.now = now
+
+    def eligible(self, role: str) -> list[str]:
+        return self.fleet.eligible(role, self.now[0])
+
+    def capacity_problem(self) -> str | None:
+        return self.fleet.capacity_problem(self.now[0])
+
+    def record_failure(self, engine: str, failure_class: FailureClass) -> None:
+        self.fleet.record_failure(engine, failure_class, self.now[0])
+
+    def record_success(self, engine: str, kind: SuccessKind) -> None:
+        self.fleet.record_success(engine, kind, self.now[0])
+
+    def state_version(self) -> int:
+        return self.fleet.eligibility_version(self.now[0])
+
+    def valid_until(self) -> float | None:
+        return self.fleet.next_deadline(self.now[0])
+
+
+def _hub(eject_after: int = 3) -> tuple[WorkerHub, _Admission, list[float]]:
+    now = [0.0]
+    fleet = Fleet([("p1", "prefill"), ("d1", "decode"), ("d2", "decode")], eject_after=eject_after,
+                  liveness_misses=3, failure_quarantine_s=None, probe_interval_s=5.0)
+    admission = _Admission()
+    hub = WorkerHub(_Control(fleet, now), admission, engines=["p1", "d1", "d2"], clock=lambda: now[0])
+    return hub, admission, now
+
+
+def test_a_streak_counts_across_workers_and_every_worker_gets_the_ejection() -> None:
+    hub, _, _ = _hub()
+    inbox: dict[int, list[Snapshot]] = {0: [], 1: []}
+    hub.attach(0, inbox[0].append)
+    hub.attach(1, inbox[1].append)
+    hub.publish()
+    assert inbox[0][-1].eligible["decode"] == ["d1", "d2"]
+    hub.receive(0, Evidence(engine="d1", failure_class="connection"))
+    hub.receive(1, Evidence(engine="d1", failure_class="connection"))
+    assert inbox[1][-1].eligible["decode"] == ["d1", "d2"]
+    hub.receive(0, Evidence(engine="d1", failure_class="connection"))
+    for worker in (0, 1):
+        assert inbox[worker][-1].eligible["decode"] == ["d2"]
+    assert inbox[0][-1].seq == inbox[1][-1].seq
+
+
+def test_unchanged_state_publishes_nothing_and_admission_changes_publish() -> None:
+    hub, admission, _ = _hub()
+    inbox: list[Snapshot] = []
+    hub.attach(0, inbox.append)
+    hub.publish(force_to=0)
+    hub.receive(0, Evidence(engine="d1", success_kind="decode_terminal"))
+    assert len(inbox) == 1
+    admission.closed = "monitoring degraded: health TimeoutError"
+    hub.publish()
+    assert inbox[-1].admission_reason == "monitoring degraded: health TimeoutError"
+
+
+def test_in_flight_sums_workers_and_a_stale_count_cannot_settle_a_drain() -> None:
+    hub, _, _ = _hub()
+    hub.attach(0, lambda s: None)
+    hub.attach(1, lambda s: None)
+    seq = hub.seq
+    hub.receive(0, Report(snapshot_seq=seq, in_flight={"d1": 1}, requests_in_flight=1, metrics=MetricsState()))
+    hub.receive(1, Report(snapshot_seq=seq, in_flight={"d1": 2}, requests_in_flight=2, metrics=MetricsState()))
+    assert hub.in_flight["d1"] == 3 and hub.in_flight.total() == 3
+    # d1 ejected: until each worker reports from the new snapshot on, d1 is not idle.
+    for _ in range(3):
+        hub.receive(0, Evidence(engine="d1", failure_class="connection"))
+    ejected_seq = hub.seq
+    hub.receive(0, Report(snapshot_seq=ejected_seq, in_flight={}, requests_in_flight=0, metrics=MetricsState()))
+    hub.receive(1, Report(snapshot_seq=seq, in_flight={}, requests_in_flight=0, metrics=MetricsState()))
+    assert hub.in_flight["d1"] == 1
+    hub.receive(1, Report(snapshot_seq=ejected_seq, in_flight={}, requests_in_flight=0, metrics=MetricsState()))
+    assert hub.in_flight["d1"] == 0
+    hub.detach(1)
+    assert list(hub.workers) == [0]
+
+
+def test_quarantine_expiry_is_published_at_its_deadline() -> None:
+    now = [0.0]
+    fleet = Fleet([("p1", "prefill"), ("d1", "decode"), ("d2", "decode")], eject_after=1,
+                  liveness_misses=3, failure_quarantine_s=10.0, probe_interval_s=5.0)
+    hub = WorkerHub(_Control(fleet, now), _Admission(), engines=["p1", "d1", "d2"], clock=lambda: now[0])
+    inbox: list[Snapshot] = []
+    hub.attach(0, inbox.append)
+    hub.receive(0, Evidence(engine="d1", failure_class="connection"))
+    assert inbox[-1].eligible["decode"] == ["d2"]
+    if inbox[-1].valid_until is not None:
+        now[0] = inbox[-1].valid_until
+        hub.publish()
+        assert inbox[-1].valid_until is None or inbox[-1].valid_until > now[0]
+
+
+def test_samples_in_reports_reach_the_controllers_telemetry() -> None:
+    got: list[dict[str, object]] = []
+    now = [0.0]
+    fleet = Fleet([("p1", "prefill"), ("d1", "decode")], eject_after=3, liveness_misses=3,
+                  failure_quarantine_s=None, probe_interval_s=5.0)
+    hub = WorkerHub(_Control(fleet, now), _Admission(), engines=["p1", "d1"], clock=lambda: now[0],
+                    record_sample=lambda **kw: got.append(kw))
+    hub.attach(0, lambda s: None)
+    hub.receive(0, Report(snapshot_seq=1, in_flight={}, requests_in_flight=0, metrics=MetricsState(),
+                          samples=[RequestSample("p1", "d1", 0.05, 0.01, None)]))
+    assert got == [{"prefill": "p1", "decode": "d1", "ttft_s": 0.05, "inter_token_s": 0.01, "error_engine": None}]
+
+
+# -- metrics summed over workers ---------------------------------------------------------------
+
+
+def _worker_registry(requests: float, ttft: list[float]) -> Registry:
+    registry = Registry()
+    counter = registry.counter("narwhal_requests", "Requests.", ("route", "status"))
+    counter.inc("/v1/completions", "200", amount=requests)
+    histogram = registry.histogram("narwhal_ttft_seconds", "TTFT.", ("route",))
+    for value in ttft:
+        histogram.observe(value, "/v1/completions")
+    return registry
+
+
+def test_metrics_sum_over_workers_and_survive_a_worker_restart() -> None:
+    total = MetricsSum()
+    total.update(0, export_state(_worker_registry(5, [0.01, 0.2])))
+    total.update(1, export_state(_worker_registry(7, [0.01])))
+    assert total.counter("narwhal_requests") == {("/v1/completions", "200"): 12.0}
+    total.retire(1)
+    total.update(1, export_state(_worker_registry(1, [])))  # the restarted worker starts from zero
+    assert total.counter("narwhal_requests") == {("/v1/completions", "200"): 13.0}
+    counts, total_s = total.histogram("narwhal_ttft_seconds")[("/v1/completions",)]
+    assert sum(counts) == 3 and total_s == pytest.approx(0.22)
+    controller = _worker_registry(0, [])
+    total.attach_to(controller)
+    text = controller.render()
+    assert 'narwhal_requests_total{route="/v1/completions",status="200"} 13' in text
+    assert 'narwhal_ttft_seconds_count{route="/v1/completions"} 3' in text
+    assert dict(total.per_worker("narwhal_requests")) == {0: 5.0, 1: 1.0}
