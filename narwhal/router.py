@@ -127,7 +127,7 @@ class Router:
         self.resume = resume
         self.router_id = config.lease.router_id or f"{socket.gethostname()}-{os.getpid()}"
         self.metrics = RouterMetrics()
-        self.admission = Admission()
+        self.admission = Admission(clock=trio.current_time)
         names = [spec.name for spec in config.engines]
         self.in_flight = InFlight(names)
         recovery = config.recovery

@@ -61,6 +61,13 @@ async def test_admission_refuses_from_the_deadline_on_without_any_task_closing_i
     admission.lease_deadline = lease.admission_deadline
     assert admission.refusal(7.999) is None
     assert admission.refusal(8.0) == FENCED_REASON
+    # With the request path's clock, reason() (what the request core asks) compares it too.
+    clocked = Admission(clock=trio.current_time)
+    clocked.lease_deadline = lease.admission_deadline
+    await trio.sleep_until(8.0 - 1e-9)
+    assert clocked.reason() is None
+    await trio.sleep_until(8.0)
+    assert clocked.reason() == FENCED_REASON
     # Shutdown and a lease closure say their own reason; the monitor's comes after the lease.
     admission.close("monitor", "monitoring degraded: health TimeoutError")
     assert admission.refusal(9.0) == FENCED_REASON

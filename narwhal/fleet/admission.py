@@ -14,6 +14,8 @@ number that ``refusal(now)`` compares on every admission.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 __all__ = ["FENCED_REASON", "Admission"]
 
 # /ready and the 503 body once the lease deadline has passed (the interface text).
@@ -27,7 +29,9 @@ _PRIORITY = ("shutdown", "lease", "monitor")
 class Admission:
     """A set of named closures; ``reason()`` is None when admission is open."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] | None = None) -> None:
+        """``clock`` (the request path's) lets ``reason()`` compare the lease deadline itself."""
+        self._clock = clock
         self._closed: dict[str, str] = {}
         self._reason: str | None = None
         # Monotonic time (the request path's clock) from which new requests are
@@ -45,8 +49,10 @@ class Admission:
             self._recompute()
 
     def reason(self) -> str | None:
-        """Why new requests are refused, or None when admission is open."""
-        return self._reason
+        """Why new requests are refused now, or None when admission is open (see ``refusal``)."""
+        if self._clock is None or self.lease_deadline is None:
+            return self._reason
+        return self.refusal(self._clock())
 
     def refusal(self, now: float) -> str | None:
         """Why a request arriving at ``now`` is refused, or None: the closures, then the lease deadline."""
