@@ -161,7 +161,7 @@ class Router:
         in_memory = self.worker_count == 1
         self.hub = WorkerHub(self.supervisor, self.admission, engines=names, clock=trio.current_time,
                              to_link_clock=None if in_memory else monotonic_offset(trio.current_time),
-                             record_sample=self.telemetry.record_request)
+                             record_sample=self.telemetry.record_request, share_in_flight=not in_memory)
         self.workers: WorkerSet | None = None
         if in_memory:
             self.view = WorkerView(lambda message: self.hub.receive(0, message), clock=trio.current_time,
