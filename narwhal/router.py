@@ -42,7 +42,7 @@ from narwhal.pools.data import DataPool
 from narwhal.serving.front import Front, build_front_server
 from narwhal.serving.request_core import RequestCore
 from narwhal.stages import build_stages
-from narwhal.stages.persistence import PersistenceStage
+from narwhal.stages.persistence import HandoffExtra, PersistenceStage
 from narwhal.state.resume import apply_resume, plan_resume
 from narwhal.tls import TLSContexts
 from narwhal.workers.hub import WorkerHub, monotonic_offset
@@ -148,7 +148,7 @@ class Router:
         in_memory = self.worker_count == 1
         self.hub = WorkerHub(self.supervisor, self.admission, engines=names, clock=trio.current_time,
                              to_link_clock=None if in_memory else monotonic_offset(trio.current_time),
-                             record_sample=self.telemetry.record_request)
+                             record_sample=self.telemetry.record_request, share_in_flight=not in_memory)
         self.workers: WorkerSet | None = None
         if in_memory:
             self.view = WorkerView(lambda message: self.hub.receive(0, message), clock=trio.current_time,
@@ -207,8 +207,9 @@ class Router:
             return reason
         return self.supervisor.capacity_problem()
 
-    def _handoff_extra(self) -> dict[str, Any]:
-        return {"consolidation_risk": self.controller.consolidation_risk(), "drained": sorted(self.drain.drained)}
+    def _handoff_extra(self) -> HandoffExtra:
+        return HandoffExtra(consolidation_risk=self.controller.consolidation_risk(),
+                            drained=sorted(self.drain.drained))
 
     def _register_gauges(self) -> None:
         m = self.metrics

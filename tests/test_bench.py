@@ -310,6 +310,8 @@ def test_defaults_and_fault_defaults() -> None:
     ("--scenario", "faults", "--decode", "1"),
     ("--target", "http://127.0.0.1:1", "--baseline", "direct"),
     ("--target", "http://127.0.0.1:1", "--router-cmd", "x"),
+    ("--tls", "--target", "https://127.0.0.1:1"),
+    ("--tls", "--router-cmd", "vllm-router --port {port}"),
     ("--set", "nodot=1"),
     ("--concurrency", "0"),
 ])
@@ -360,3 +362,34 @@ def test_bench_end_to_end_writes_every_figure(tmp_path: Path) -> None:
     assert router["cpu_s"] >= 0 and router["peak_rss_mb"] > 0 and router["pids"]
     assert {e["name"] for e in report["run"]["engines"]} == {"p1", "d1"}
     assert report["settings"]["router_command"][1:4] == ["-m", "narwhal", "serve"]
+
+
+@pytest.mark.e2e
+def test_bench_over_tls_keeps_engine_connections_alive(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    done = subprocess.run([sys.executable, "-m", "narwhal", "bench", "--tls", "--requests", "60", "--concurrency",
+                           "4", "--baseline", "direct", "--json", str(out), "--quiet"], cwd=REPO,
+                          capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert report["settings"]["tls"] is True
+    assert report["run"]["label"] == "narwhal (tls)"
+    assert (report["run"]["load"]["ok"], report["baseline"]["load"]["ok"]) == (60, 60)
+    # Client -> router -> engines all over TLS, and the router's engine connections are pooled:
+    # a handful of handshakes for 60 requests, not one each.
+    for engine in report["run"]["engines"]:
+        assert engine["connections_per_request"] is not None and engine["connections_per_request"] < 0.2, engine
+
+
+async def test_load_over_tls(nursery, tmp_path: Path) -> None:
+    from narwhal.tools.bench.tls import BenchTLS
+
+    tls = BenchTLS(tmp_path)
+    service = await nursery.start(serve_mock, MockSettings(role="decode", tokens=8, tls_cert_file=str(tls.cert_file),
+                                                           tls_key_file=str(tls.key_file)))
+    result = await run_load(_spec(service.engine.port), ssl_context=tls.client_context())
+    assert result.ok == 20 and result.connections_opened == 4
+    # Plain HTTP against the same port gets no answer: every request fails.
+    plain = await run_load(_spec(service.engine.port, requests=4))
+    assert plain.ok == 0
+    service.stop(0)

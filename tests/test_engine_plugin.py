@@ -329,3 +329,35 @@ def test_importing_the_plugin_loads_only_the_standard_library() -> None:
     foreign = [name for name in out
                if name.split(".")[0] not in sys.stdlib_module_names and name.split(".")[0] != "narwhal"]
     assert foreign == []
+
+
+def test_the_vllm_guide_stays_true_to_the_plugin_and_the_config(tmp_path: Path) -> None:
+    import re
+
+    from narwhal import engine_plugin
+    from narwhal.config import parse_config
+
+    guide = (Path(__file__).resolve().parent.parent / "docs" / "vllm.md").read_text()
+    # Both vllm serve commands load the plugin by its real dotted path, with NixlConnector kv_both.
+    commands = re.findall(r"```bash\n(.*?)```", guide, re.S)
+    serve = [c for c in commands if "vllm serve" in c]
+    assert len(serve) == 2
+    for command in serve:
+        assert "--middleware narwhal.engine_plugin.IdentityMiddleware" in command
+        assert """--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'""" in command
+        for variable in (engine_plugin.ENGINE_ID_ENV, engine_plugin.GENERATION_ENV, attestation.KEY_FILE_ENV,
+                         engine_plugin.KV_ROLE_ENV):
+            assert f"{variable}=" in command
+    # Every variable the plugin reads is in the guide's table.
+    for variable in (engine_plugin.ENGINE_ID_ENV, engine_plugin.GENERATION_ENV, engine_plugin.KV_ROLE_ENV,
+                     engine_plugin.MODEL_ENV, attestation.KEY_FILE_ENV, attestation.KEY_ENV):
+        assert f"| `{variable}` |" in guide
+    # The guide's narwhal.toml is a valid config (its key file swapped for one that exists here).
+    [toml] = re.findall(r"```toml\n(.*?)```", guide, re.S)
+    key = tmp_path / "fleet.key"
+    key.write_text("k\n")
+    config = parse_config(toml.replace("/etc/narwhal/fleet.key", str(key)))
+    assert [(e.name, e.role) for e in config.engines] == [("prefill-0", "prefill"), ("decode-0", "decode")]
+    # And the same generation and model as the engines' commands.
+    assert all(f"NARWHAL_GENERATION={config.fleet.generation}" in c for c in serve)
+    assert all(f"vllm serve {config.fleet.model}" in c for c in serve)

@@ -17,7 +17,7 @@ import narwhal.state.handoff as handoff
 from narwhal.config import Config, EngineSpec
 from narwhal.errors import FailureClass
 from narwhal.fleet import EjectionCause, EngineCounters, EngineRecord, Fleet, HoldKind, HoldRecord
-from narwhal.stages.persistence import HandoffWriteInProgress, PersistenceStage
+from narwhal.stages.persistence import HandoffExtra, HandoffWriteInProgress, PersistenceStage
 from narwhal.state.handoff import (
     HANDOFF_SCHEMA,
     EngineSetEntry,
@@ -264,7 +264,7 @@ async def test_stage_document_holds_fleet_state_and_extras(tmp_path: Path) -> No
     extra = {"consolidation_risk": {"prefill": "critical", "decode": "none"}, "drained": ["p1"],
              "lease": LeaseOwnership(holder="r1", epoch=4)}
     path = tmp_path / "handoff.json"
-    await make_stage(path, fleet, clocks, extra=lambda: extra).run(7)
+    await make_stage(path, fleet, clocks, extra=lambda: HandoffExtra(**extra)).run(7)
     document = read_document(path)
     assert document.schema == HANDOFF_SCHEMA
     assert (document.router_id, document.pid, document.pass_number) == ("r1", os.getpid(), 7)
@@ -287,7 +287,7 @@ async def test_stage_without_extras_writes_defaults(tmp_path: Path) -> None:
 
 async def test_stage_refuses_invalid_extras(tmp_path: Path) -> None:
     path = tmp_path / "handoff.json"
-    stage = make_stage(path, make_fleet(), Clocks(), extra=lambda: {"consolidation_risk": {"prefill": "dire"}})
+    stage = make_stage(path, make_fleet(), Clocks(), extra=lambda: HandoffExtra(consolidation_risk={"prefill": "dire"}))
     with pytest.raises(msgspec.ValidationError):
         await stage.run(1)
     assert not path.exists()

@@ -149,7 +149,8 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 
 
 SHELL_PACKAGES = ("narwhal.control", "narwhal.app", "narwhal.router", "narwhal.serving", "narwhal.stages",
-                  "narwhal.pools", "narwhal.http1", "narwhal.state", "narwhal.obs", "narwhal.tools", "narwhal.cli")
+                  "narwhal.pools", "narwhal.http1", "narwhal.state", "narwhal.obs", "narwhal.tools", "narwhal.cli",
+                  "narwhal.workers", "narwhal.tls")
 # The fleet decides from what it is told, with `now` as an argument: no I/O, no clock, no logging.
 IMPURE_LIBRARIES = ("trio", "httpx", "httptools", "logging", "time", "socket", "quart", "quart_trio", "hypercorn")
 

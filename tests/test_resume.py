@@ -11,7 +11,7 @@ import pytest
 from narwhal.config import Config, EngineSpec
 from narwhal.errors import FailureClass
 from narwhal.fleet import EngineRecord, Fleet, HoldKind
-from narwhal.stages.persistence import PersistenceStage
+from narwhal.stages.persistence import HandoffExtra, PersistenceStage
 from narwhal.state.handoff import EngineSetEntry, LeaseOwnership, encode_document, read_document, write_atomic
 from narwhal.state.resume import ResumePlan, apply_resume, engine_set_difference, plan_resume
 
@@ -47,7 +47,7 @@ def troubled_fleet(config: Config) -> Fleet:
 
 async def write_handoff(path: Path, config: Config, fleet: Fleet, **extra) -> None:
     stage = PersistenceStage(path=path, router_id="old", fleet=fleet, config=config,
-                             extra=(lambda: extra) if extra else None,
+                             extra=(lambda: HandoffExtra(**extra)) if extra else None,
                              clock=lambda: OLD_NOW, wall_clock=lambda: OLD_WALL)
     await stage.run(41)
 

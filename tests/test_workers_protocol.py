@@ -287,3 +287,26 @@ def test_metrics_sum_over_workers_and_survive_a_worker_restart() -> None:
     assert 'narwhal_requests_total{route="/v1/completions",status="200"} 13' in text
     assert 'narwhal_ttft_seconds_count{route="/v1/completions"} 3' in text
     assert dict(total.per_worker("narwhal_requests")) == {0: 5.0, 1: 1.0}
+
+
+def test_snapshots_carry_router_wide_in_flight_and_placement_balances_on_it() -> None:
+    from narwhal.fleet.placement import InFlight, pick_least_outstanding
+
+    now = [0.0]
+    fleet = Fleet([("p1", "prefill"), ("d1", "decode"), ("d2", "decode")], eject_after=3, liveness_misses=3,
+                  failure_quarantine_s=None, probe_interval_s=5.0)
+    hub = WorkerHub(_Control(fleet, now), _Admission(), engines=["p1", "d1", "d2"], clock=lambda: now[0],
+                    share_in_flight=True)
+    inbox: list[Snapshot] = []
+    hub.attach(0, inbox.append)
+    hub.attach(1, lambda s: None)
+    hub.receive(1, Report(snapshot_seq=1, in_flight={"d1": 5}, requests_in_flight=5, metrics=MetricsState()))
+    hub.publish()
+    assert inbox[-1].in_flight == {"d1": 5}
+    # Worker 0 has nothing in flight itself, but d1 is busy elsewhere: it places on d2.
+    local = InFlight(["d1", "d2"])
+    local.elsewhere = {"d1": 5}
+    assert all(pick_least_outstanding(["d1", "d2"], local) == "d2" for _ in range(20))
+    local.elsewhere = {}
+    local.acquire("d2")
+    assert pick_least_outstanding(["d1", "d2"], local) == "d1"

@@ -8,7 +8,7 @@ last readmission, the monitor's streak, consolidation risk) and returns
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import msgspec
@@ -99,7 +99,7 @@ class _Readmitter(Protocol):
 
 
 class _Controller(Protocol):
-    def consolidation_risk(self, now: float | None = None) -> dict[str, str]: ...
+    def consolidation_risk(self, now: float | None = None) -> Mapping[str, str]: ...
 
 
 class _Monitor(Protocol):
@@ -130,7 +130,7 @@ class EngineViewer:
         monitor = self.monitor
         return EnginesView(
             engines=[self._entry(view) for view in self.fleet.views(now)],
-            consolidation_risk=self.controller.consolidation_risk(now),
+            consolidation_risk=dict(self.controller.consolidation_risk(now)),
             monitor=MonitorEntry(failure_streak=monitor.failure_streak, degraded=monitor.degraded_reason,
                                  passes=monitor.passes),
         )

@@ -10,7 +10,7 @@ nursery, on the control pool. It owns no policy of its own.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any, NoReturn
 
 import msgspec
@@ -118,7 +118,7 @@ class Supervisor:
         probe = self.health_probe if kind == "health" else self.inference_probe
         self._nursery.start_soon(self._run_probe, key, probe)
 
-    async def _run_probe(self, key: tuple[str, str], probe: Callable[[str], Any]) -> None:
+    async def _run_probe(self, key: tuple[str, str], probe: Callable[[str], Awaitable[object]]) -> None:
         try:
             await probe(key[0])
         except Exception as exc:

@@ -17,6 +17,9 @@ class InFlight:
 
     def __init__(self, names: Iterable[str]) -> None:
         self.counts: dict[str, int] = {name: 0 for name in names}
+        # Requests other worker processes have in flight per engine, as the
+        # controller last reported; empty in a single process.
+        self.elsewhere: dict[str, int] = {}
 
     def acquire(self, name: str) -> None:
         self.counts[name] += 1
@@ -39,6 +42,9 @@ def pick_least_outstanding(candidates: Sequence[str], in_flight: InFlight,
     if len(candidates) == 1:
         return candidates[0]
     counts = in_flight.counts
+    elsewhere = in_flight.elsewhere
+    if elsewhere:
+        counts = {name: counts[name] + elsewhere.get(name, 0) for name in candidates}
     best = min(counts[name] for name in candidates)
     tied = [name for name in candidates if counts[name] == best]
     return tied[0] if len(tied) == 1 else rng.choice(tied)

@@ -8,15 +8,24 @@ from __future__ import annotations
 
 import contextlib
 import urllib.parse
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, Protocol
 
 import trio
 
 from narwhal.http1.server import Request, Responder
 
-__all__ = ["ASGILifespan", "call_asgi"]
+__all__ = ["ASGIApp", "ASGILifespan", "call_asgi"]
 
-ASGIApp = Any  # an ASGI 3 callable: app(scope, receive, send)
+
+
+class ASGIApp(Protocol):
+    """An ASGI 3 application (the quart-trio app): ``await app(scope, receive, send)``.
+
+    Scope and messages are ASGI's dicts; each framework types them its own way, hence ``Any`` inside.
+    """
+
+    def __call__(self, scope: Any, receive: Any, send: Any, /) -> Awaitable[None]: ...
 
 # The responder frames the body and decides about the connection itself.
 _FRAMING_HEADERS = frozenset({b"content-length", b"transfer-encoding", b"connection", b"keep-alive"})

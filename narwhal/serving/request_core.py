@@ -22,6 +22,7 @@ import logging
 import os
 import random
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any, NoReturn, Protocol
 
 import msgspec
@@ -85,9 +86,20 @@ class Supervisor(Protocol):
     def record_success(self, engine: str, kind: SuccessKind) -> None: ...
 
 
+class DecodeStream(Protocol):
+    """A decode stream's body as the data pool hands it over (``narwhal.pools.data.UpstreamStream``)."""
+
+    @property
+    def saw_terminal(self) -> bool: ...
+    async def read(self) -> bytes: ...
+
+
 class DataPool(Protocol):
+    """The data pool's calls the request path makes (``narwhal.pools.data.DataPool``)."""
+
     async def post_json(self, engine: EngineSpec, path: str, body: bytes, *, request_id: str) -> tuple[int, bytes]: ...
-    def stream(self, engine: EngineSpec, path: str, body: bytes, *, request_id: str) -> Any: ...
+    def stream(self, engine: EngineSpec, path: str, body: bytes, *,
+               request_id: str) -> AbstractAsyncContextManager[DecodeStream]: ...
 
 
 class ClientError(NarwhalError):

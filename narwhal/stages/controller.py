@@ -21,11 +21,14 @@ from narwhal.fleet.drift import DriftDecision, DriftTracker, Risk, consolidation
 from narwhal.fleet.telemetry import Interval, Telemetry
 from narwhal.obs.logs import log_event
 from narwhal.obs.router_metrics import RouterMetrics
+from narwhal.state.handoff import ConsolidationRisk
 
 __all__ = ["ControllerStage", "RISK_LEVEL"]
 
 # The value of the narwhal_consolidation_risk gauge for each risk.
 RISK_LEVEL: dict[Risk, float] = {Risk.NONE: 0.0, Risk.ELEVATED: 1.0, Risk.CRITICAL: 2.0}
+# The words the handoff and /admin/engines use for each risk.
+RISK_NAME: dict[Risk, ConsolidationRisk] = {Risk.NONE: "none", Risk.ELEVATED: "elevated", Risk.CRITICAL: "critical"}
 
 
 class ControllerStage:
@@ -95,7 +98,7 @@ class ControllerStage:
             done.append(decision)
         return done
 
-    def consolidation_risk(self, now: float | None = None) -> dict[str, str]:
+    def consolidation_risk(self, now: float | None = None) -> dict[str, ConsolidationRisk]:
         """{role: "none" | "elevated" | "critical"} from eligible vs configured engines now."""
         if now is None:
             now = self.clock()
@@ -103,5 +106,5 @@ class ControllerStage:
             self._totals = {role: 0 for role in ROLES}
             for view in self.fleet.views(now):
                 self._totals[view.role] += 1
-        return {role: consolidation_risk(len(self.fleet.eligible(role, now)), total).value
+        return {role: RISK_NAME[consolidation_risk(len(self.fleet.eligible(role, now)), total)]
                 for role, total in self._totals.items()}

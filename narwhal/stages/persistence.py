@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import msgspec
 import trio
@@ -30,7 +30,7 @@ from narwhal.state.handoff import (
     write_atomic,
 )
 
-__all__ = ["HandoffWriteInProgress", "PersistenceStage"]
+__all__ = ["HandoffExtra", "HandoffWriteInProgress", "PersistenceStage"]
 
 
 class HandoffWriteInProgress(NarwhalError):
@@ -41,8 +41,8 @@ class _Snapshotting(Protocol):
     def snapshot(self, now: float, wall_now: float) -> list[EngineRecord]: ...
 
 
-class _Extra(msgspec.Struct, kw_only=True):
-    """What ``extra()`` may report beside the fleet; validated before it is written."""
+class HandoffExtra(msgspec.Struct, frozen=True, kw_only=True):
+    """What the router reports beside the fleet (``extra()``); validated before it is written."""
 
     consolidation_risk: dict[str, ConsolidationRisk] = {}
     drained: list[str] = []
@@ -55,10 +55,10 @@ class PersistenceStage:
     name = "persistence"
 
     def __init__(self, *, path: str | os.PathLike[str], router_id: str, fleet: _Snapshotting,
-                 config: Config, extra: Callable[[], dict[str, Any]] | None = None,
+                 config: Config, extra: Callable[[], HandoffExtra] | None = None,
                  clock: Callable[[], float] = trio.current_time,
                  wall_clock: Callable[[], float] = time.time) -> None:
-        """``extra()`` returns optional "consolidation_risk", "drained" and "lease" entries."""
+        """``extra()`` reports consolidation risk, settled drains and the lease at each pass."""
         self.path = os.fspath(path)
         self.router_id = router_id
         self.fleet = fleet
@@ -90,7 +90,9 @@ class PersistenceStage:
 
     def document(self, pass_number: int) -> HandoffDocument:
         """The handoff for this pass, from the fleet's state now and ``extra()``."""
-        extra = msgspec.convert(self.extra() if self.extra is not None else {}, _Extra)
+        # Checked field by field (a risk outside the schema's words must not reach the file).
+        reported = self.extra() if self.extra is not None else HandoffExtra()
+        extra = msgspec.convert(msgspec.to_builtins(reported), HandoffExtra)
         # One instant for the snapshot and the stamp, on both clocks.
         now, wall_now = self.clock(), self.wall_clock()
         return HandoffDocument(

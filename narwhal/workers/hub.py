@@ -89,7 +89,7 @@ class WorkerHub:
 
     def __init__(self, control: ControlPlane, admission: _Gate, *, engines: Iterable[str],
                  clock: Callable[[], float], to_link_clock: Callable[[float], float] | None = None,
-                 record_sample: Callable[..., None] | None = None) -> None:
+                 record_sample: Callable[..., None] | None = None, share_in_flight: bool = False) -> None:
         self._control = control
         self._admission = admission
         self._clock = clock
@@ -97,6 +97,8 @@ class WorkerHub:
         # processes, the control clock itself in memory.
         self._to_link_clock = to_link_clock or (lambda t: t)
         self._record_sample = record_sample
+        # Worker processes balance on everyone's in-flight counts; one process has them all already.
+        self._share_in_flight = share_in_flight
         self.workers: dict[int, _WorkerState] = {}
         self.metrics = MetricsSum()
         self._engines = list(engines)
@@ -158,7 +160,8 @@ class WorkerHub:
         admission_reason = self._admission.reason()
         admit_until = self._admit_until()
         valid_until = control.valid_until()
-        key = (version, admission_reason, admit_until, valid_until)
+        in_flight = self._in_flight_totals() if self._share_in_flight else {}
+        key = (version, admission_reason, admit_until, valid_until, tuple(in_flight.items()))
         if key != self._published_key or self.snapshot is None:
             self._published_key = key
             self.seq += 1
@@ -169,7 +172,7 @@ class WorkerHub:
                 admit_until=None if admit_until is None else self._to_link_clock(admit_until),
                 valid_until=None if valid_until is None or math.isinf(valid_until)
                 else self._to_link_clock(valid_until),
-                published_at=self._to_link_clock(self._clock()))
+                published_at=self._to_link_clock(self._clock()), in_flight=in_flight)
             placeable = {name for names in eligible.values() for name in names}
             for name in self._engines:
                 if name in placeable:
@@ -190,6 +193,14 @@ class WorkerHub:
             except Exception as exc:  # a dead link is noticed and handled by the process layer
                 fields: dict[str, Any] = {"worker": worker, "class": type(exc).__name__, "message": str(exc)}
                 log_event("worker_snapshot_failed", **fields)
+
+    def _in_flight_totals(self) -> dict[str, int]:
+        totals: dict[str, int] = {}
+        for state in self.workers.values():
+            for name, count in state.in_flight.items():
+                if count:
+                    totals[name] = totals.get(name, 0) + count
+        return totals
 
     def refresh_if_fleet_changed(self) -> None:
         """In one process: republish when eligibility changed (admission is read there directly)."""

@@ -86,6 +86,9 @@ class Snapshot(_Message, tag="snapshot"):
     valid_until: float | None = None
     # When the controller published it: a worker measures the delivery delay.
     published_at: float | None = None
+    # Requests in flight per engine over all workers, as last reported: placement
+    # balances over the whole router, not one worker's share.
+    in_flight: dict[str, int] = {}
 
 
 class ForwardReply(_Message, tag="forward_reply"):

@@ -78,6 +78,10 @@ class WorkerView:
             return snapshot.admit_until_reason
         return None
 
+    def refusal(self, now: float) -> str | None:
+        """As ``reason``; ``now`` is the caller's trio clock, so the lease deadline is compared on ours."""
+        return self.reason()
+
     def readiness(self) -> str | None:
         """What ``/ready`` says: the admission reason, else the fleet's capacity problem."""
         return self.reason() or self.capacity_problem()

@@ -81,6 +81,7 @@ class Worker:
         self.front = Front(self.core, self._serve_rest, via_token=welcome.via_token,
                            admin_elsewhere=config.admin.listen is not None)
         self.server = build_front_server(config, self.front, self.tls.server)
+        self._reported_in_flight: dict[str, int] = {}
         self._forward_ids = itertools.count(1)
         self._forwards: dict[int, tuple[trio.Event, list[ForwardReply]]] = {}
         self._stopping = False
@@ -97,6 +98,10 @@ class Worker:
     def on_message(self, message: object) -> None:
         if isinstance(message, Snapshot):
             self.view.apply(message)
+            # The others' share: the router-wide totals less what this worker last reported.
+            own = self._reported_in_flight
+            self.in_flight.elsewhere = {name: total - own.get(name, 0) for name, total in message.in_flight.items()
+                                        if total > own.get(name, 0)}
             if message.published_at is not None:
                 self.metrics.snapshot_lag.observe(max(0.0, time.monotonic() - message.published_at))
         elif isinstance(message, ForwardReply):
@@ -180,8 +185,9 @@ class Worker:
                 continue
             last_requests = requests
             pool = self.data_pool.statistics()
+            self._reported_in_flight = {name: n for name, n in self.in_flight.counts.items() if n}
             try:
-                self.link.send(Report(snapshot_seq=self.view.snapshot.seq, in_flight=dict(self.in_flight.counts),
+                self.link.send(Report(snapshot_seq=self.view.snapshot.seq, in_flight=self._reported_in_flight,
                                       requests_in_flight=self.server.statistics().requests_in_flight,
                                       metrics=export_state(self.metrics.registry), samples=self.telemetry.take(),
                                       data_in_use=pool.in_use, data_waiting=pool.waiting))

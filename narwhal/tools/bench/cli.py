@@ -66,6 +66,9 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
                         help="start this router instead of Narwhal, e.g. 'vllm-router --vllm-pd-disaggregation "
                              "{prefill_flags} {decode_flags} --port {port} --prometheus-port {metrics_port}' "
                              "(placeholders: see docs/benchmarks.md)")
+    router.add_argument("--tls", action="store_true",
+                        help="every hop over TLS: certificates from trustme for this run; the mocks and Narwhal "
+                             "serve HTTPS, Narwhal verifies the engines against the run's CA")
     router.add_argument("--target", metavar="URL", help="load a router already running at URL; start no fleet")
     router.add_argument("--target-pid", type=int, metavar="PID",
                         help="with --target: the pid whose CPU to measure (default: the process listening "
@@ -127,6 +130,8 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         raise ValueError("--scenario faults needs a fleet started here; it cannot run with --target")
     if args.target and args.router_cmd:
         raise ValueError("--target and --router-cmd exclude each other")
+    if args.tls and (args.target or args.router_cmd):
+        raise ValueError("--tls needs the fleet and Narwhal started here (not --target or --router-cmd)")
     if args.baseline and args.target:
         raise ValueError("--baseline direct needs a fleet started here; it cannot run with --target")
     if args.tokens < 1 or args.prompt_words < 1 or args.concurrency < 1:
@@ -149,7 +154,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         router_cmd=args.router_cmd, target=args.target, target_pid=args.target_pid,
         profile_router=args.profile_router, baseline=args.baseline, scenario=args.scenario,
         fault_downtime_s=args.fault_downtime_s, fault_5xx_s=args.fault_5xx_s, fault_status=args.fault_status,
-        label=args.label, progress=not args.quiet)
+        label=args.label, progress=not args.quiet, tls=args.tls)
 
 
 def _leaves(group: BaseExceptionGroup) -> list[BaseException]:

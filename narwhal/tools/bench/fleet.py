@@ -120,7 +120,7 @@ class Target:
         self.url = url.rstrip("/")
         parsed = httpx.URL(self.url)
         self.host = parsed.host
-        self.port = parsed.port or 80
+        self.port = parsed.port or (443 if parsed.scheme == "https" else 80)
 
     @property
     def is_narwhal(self) -> bool:
@@ -177,7 +177,8 @@ def narwhal_sections(workdir: Path, *, count_tokens: bool,
 
 
 async def start_narwhal(nursery: trio.Nursery, fleet: BenchFleet, workdir: Path,
-                        sections: Mapping[str, Mapping[str, Any]], *, timeout_s: float = 30.0) -> Target:
+                        sections: Mapping[str, Mapping[str, Any]], *, timeout_s: float = 30.0,
+                        scheme: str = "http") -> Target:
     """Write a config for ``fleet`` and start ``python -m narwhal serve`` on a free port.
 
     Its logs go to ``router.log`` in ``workdir``, not to a pipe: a pipe read by
@@ -197,7 +198,7 @@ async def start_narwhal(nursery: trio.Nursery, fleet: BenchFleet, workdir: Path,
         while process.returncode is None:
             started = next((line for line in target.log_lines if line.get("event") == "router_started"), None)
             if started is not None:
-                target.set_url("http://" + str(started["listen"]))
+                target.set_url(f"{scheme}://" + str(started["listen"]))
                 return target
             await trio.sleep(0.05)
     await _stop_group(process, grace_s=2.0)

@@ -15,6 +15,7 @@ bounded by ``timeout_s``). Each request yields one ``RequestRecord`` whose
 from __future__ import annotations
 
 import socket
+import ssl
 import time
 from array import array
 from collections.abc import Callable
@@ -256,11 +257,35 @@ async def _connect(host: str, port: int) -> trio.SocketStream:
     return trio.SocketStream(sock)
 
 
+async def _secure(stream: trio.SocketStream, context: ssl.SSLContext,
+                  host: str) -> trio.SSLStream[trio.SocketStream]:
+    """The TLS stream over ``stream`` after its handshake (its cost counts toward the request)."""
+    secure = trio.SSLStream(stream, context, server_hostname=host, https_compatible=True)
+    try:
+        await secure.do_handshake()
+    except trio.BrokenResourceError:
+        stream.socket.close()
+        raise _Refused("connect_error") from None
+    except BaseException:
+        stream.socket.close()
+        raise
+    return secure
+
+
+def _close(conn: trio.abc.Stream) -> None:
+    """Close at once, without a TLS close_notify: synchronous, so release paths need no checkpoint."""
+    raw = conn.transport_stream if isinstance(conn, trio.SSLStream) else conn
+    assert isinstance(raw, trio.SocketStream)
+    raw.socket.close()
+
+
 class _Load:
     """One run of ``run_load``: the workers and what they share."""
 
-    def __init__(self, spec: LoadSpec, state: LoadState, on_record: Callable[[RequestRecord], None] | None) -> None:
+    def __init__(self, spec: LoadSpec, state: LoadState, on_record: Callable[[RequestRecord], None] | None,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.spec = spec
+        self.ssl_context = ssl_context
         self.state = state
         self.on_record = on_record
         self.request = build_request(spec)
@@ -282,7 +307,7 @@ class _Load:
         return True
 
     async def worker(self) -> None:
-        conn: trio.SocketStream | None = None
+        conn: trio.abc.Stream | None = None
         try:
             while self.take_ticket():
                 record = RequestRecord(trio.current_time() - self.t0)
@@ -290,7 +315,7 @@ class _Load:
                 self.finish(record)
         finally:
             if conn is not None:
-                conn.socket.close()
+                _close(conn)
 
     def finish(self, record: RequestRecord) -> None:
         self.records.append(record)
@@ -304,7 +329,7 @@ class _Load:
         if self.on_record is not None:
             self.on_record(record)
 
-    async def one(self, conn: trio.SocketStream | None, record: RequestRecord) -> trio.SocketStream | None:
+    async def one(self, conn: trio.abc.Stream | None, record: RequestRecord) -> trio.abc.Stream | None:
         """Send one request on ``conn`` (or a new connection); returns the connection to reuse, if any."""
         started = trio.current_time()
         exchange: _Exchange | None = None
@@ -316,6 +341,8 @@ class _Load:
                 if conn is None:
                     try:
                         conn = await _connect(self.host, self.spec.port)
+                        if self.ssl_context is not None:
+                            conn = await _secure(conn, self.ssl_context, self.spec.host)
                     except _Refused as exc:
                         record.kind = exc.kind
                         record.total_s = trio.current_time() - started
@@ -327,7 +354,7 @@ class _Load:
                     record.kind = "malformed"
                     break
                 if reused and not got_bytes and ended_early:
-                    conn.socket.close()
+                    _close(conn)
                     conn = None
                     self.stale_retries += 1
                     continue
@@ -339,11 +366,11 @@ class _Load:
             self._classify(record, exchange, started, ended_early)
         if conn is not None and (record.kind in ("timeout", "malformed") or exchange is None
                                  or not (exchange.complete and exchange.keep_alive and self.spec.keep_alive)):
-            conn.socket.close()
+            _close(conn)
             conn = None
         return conn
 
-    async def _exchange(self, conn: trio.SocketStream, exchange: _Exchange) -> tuple[bool, bool, bool]:
+    async def _exchange(self, conn: trio.abc.Stream, exchange: _Exchange) -> tuple[bool, bool, bool]:
         """Send the request and feed the response to the parser; (got bytes, ended early, malformed)."""
         got_bytes = False
         try:
@@ -402,9 +429,10 @@ class _Load:
 
 
 async def run_load(spec: LoadSpec, *, state: LoadState | None = None,
-                   on_record: Callable[[RequestRecord], None] | None = None) -> LoadResult:
-    """Run one bounded load and return every request's record."""
-    load = _Load(spec, state or LoadState(), on_record)
+                   on_record: Callable[[RequestRecord], None] | None = None,
+                   ssl_context: ssl.SSLContext | None = None) -> LoadResult:
+    """Run one bounded load and return every request's record; over TLS with ``ssl_context``."""
+    load = _Load(spec, state or LoadState(), on_record, ssl_context)
     load.t0 = trio.current_time()
     load.state.started_at = load.t0
     wall_started_at = time.time()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +34,7 @@ from narwhal.tools.bench.load import LoadSpec, completion_body, run_load
 from narwhal.tools.bench.measure import EngineRef, measured_load
 from narwhal.tools.bench.report import BenchReport, FaultReport, RunReport
 from narwhal.tools.bench.scenario import FaultScenario
+from narwhal.tools.bench.tls import BenchTLS
 
 __all__ = ["BenchSettings", "run_bench"]
 
@@ -70,6 +72,8 @@ class BenchSettings(msgspec.Struct, frozen=True, kw_only=True):
     fault_status: int = 500
     label: str | None = None
     progress: bool = True
+    # Every hop over TLS (bench --tls).
+    tls: bool = False
 
     @property
     def mock_args(self) -> list[str]:
@@ -95,7 +99,9 @@ def _label(settings: BenchSettings, target: Target) -> str:
         return settings.label
     if target.kind == "command" and target.command:
         return Path(target.command[0]).name
-    return "narwhal" if target.is_narwhal else "target"
+    if target.is_narwhal:
+        return "narwhal (tls)" if settings.tls else "narwhal"
+    return "target"
 
 
 _PROFILE_FORMATS = {".svg": "flamegraph", ".txt": "raw"}
@@ -138,7 +144,7 @@ def _ratios(run: RunReport, direct: RunReport) -> dict[str, float | None]:
 
 
 async def _start_target(nursery: trio.Nursery, settings: BenchSettings, fleet: BenchFleet | None,
-                        workdir: Path) -> Target:
+                        workdir: Path, tls: BenchTLS | None = None) -> Target:
     if settings.target:
         return external_target(settings.target, settings.target_pid)
     assert fleet is not None
@@ -148,12 +154,19 @@ async def _start_target(nursery: trio.Nursery, settings: BenchSettings, fleet: B
     if settings.scenario == "faults":
         # Retrying on another engine is what lets a router lose only the streams cut by a death.
         overrides = {**overrides, "serving": {"policy": "bounded", **overrides.get("serving", {})}}
+    if tls is not None:
+        # The TLS keys first, so that a --set can still override any of them.
+        merged = tls.sections()
+        for section, values in overrides.items():
+            merged[section] = {**merged.get(section, {}), **values}
+        overrides = merged
     sections = narwhal_sections(workdir, count_tokens=settings.count_tokens, overrides=overrides)
-    return await start_narwhal(nursery, fleet, workdir, sections)
+    return await start_narwhal(nursery, fleet, workdir, sections, scheme="https" if tls is not None else "http")
 
 
 async def _measure(nursery: trio.Nursery, settings: BenchSettings, fleet: BenchFleet | None, target: Target,
-                   client: httpx.AsyncClient, body: bytes) -> tuple[RunReport, FaultReport | None]:
+                   client: httpx.AsyncClient, body: bytes,
+                   ssl_context: ssl.SSLContext | None = None) -> tuple[RunReport, FaultReport | None]:
     label = _label(settings, target)
     spec = _spec(settings, target.host, target.port, body, requests=settings.requests,
                  duration_s=settings.duration_s)
@@ -173,7 +186,8 @@ async def _measure(nursery: trio.Nursery, settings: BenchSettings, fleet: BenchF
         run, result = await measured_load(spec, label=label, target=target.url, client=client,
                                           router_pid=target.pid, engines=_engine_refs(fleet),
                                           progress=settings.progress,
-                                          alongside=scenario.run if scenario else None)
+                                          alongside=scenario.run if scenario else None,
+                                          ssl_context=ssl_context)
     finally:
         if profiler is not None:
             with trio.CancelScope(shield=True):
@@ -181,7 +195,8 @@ async def _measure(nursery: trio.Nursery, settings: BenchSettings, fleet: BenchF
     return run, (scenario.report(result) if scenario else None)
 
 
-async def _direct_baseline(settings: BenchSettings, fleet: BenchFleet, client: httpx.AsyncClient) -> RunReport:
+async def _direct_baseline(settings: BenchSettings, fleet: BenchFleet, client: httpx.AsyncClient,
+                           ssl_context: ssl.SSLContext | None = None) -> RunReport:
     """The same load straight at the first decode mock, with a decode-shaped body: the machine's limit."""
     name = fleet.names("decode")[0]
     engine = fleet.engines[name]
@@ -190,10 +205,11 @@ async def _direct_baseline(settings: BenchSettings, fleet: BenchFleet, client: h
     spec = _spec(settings, "127.0.0.1", engine.port, body, requests=settings.requests,
                  duration_s=settings.duration_s)
     if settings.warmup:
-        await run_load(msgspec.structs.replace(spec, requests=settings.warmup, duration_s=None))
+        await run_load(msgspec.structs.replace(spec, requests=settings.warmup, duration_s=None),
+                       ssl_context=ssl_context)
     run, _ = await measured_load(spec, label=f"direct ({name})", target=engine.url, client=client,
                                  router_pid=None, engines=[(name, "decode", engine.url, engine.pid)],
-                                 progress=settings.progress)
+                                 progress=settings.progress, ssl_context=ssl_context)
     return run
 
 
@@ -211,25 +227,29 @@ async def run_bench(settings: BenchSettings) -> BenchReport:
     probe_body = completion_body(prompt_words=4, max_tokens=2, stream=True)
     with make_workdir() as workdir_name:
         workdir = Path(workdir_name)
-        async with httpx.AsyncClient(timeout=10.0) as client, trio.open_nursery() as nursery:
+        tls = BenchTLS(workdir) if settings.tls else None
+        context = tls.client_context() if tls is not None else None
+        mock_args = settings.mock_args + (tls.mock_args if tls is not None else [])
+        verify: ssl.SSLContext | bool = context if context is not None else True
+        async with httpx.AsyncClient(timeout=10.0, verify=verify) as client, trio.open_nursery() as nursery:
             fleet: BenchFleet | None = None
             target: Target | None = None
             try:
                 if not settings.target:
                     fleet = await start_fleet(nursery, prefill=settings.prefill, decode=settings.decode,
-                                              mock_args=settings.mock_args)
-                target = await _start_target(nursery, settings, fleet, workdir)
+                                              mock_args=mock_args)
+                target = await _start_target(nursery, settings, fleet, workdir, tls)
                 # A router started here may take a while to come up; one already running should answer now.
                 await wait_until_serving(client, target, probe_body=probe_body,
                                          timeout_s=10.0 if target.kind == "external" else 60.0)
                 if settings.warmup:
                     await run_load(_spec(settings, target.host, target.port, body, requests=settings.warmup,
-                                         duration_s=None))
-                run, faults = await _measure(nursery, settings, fleet, target, client, body)
+                                         duration_s=None), ssl_context=context)
+                run, faults = await _measure(nursery, settings, fleet, target, client, body, context)
                 baseline = None
                 if settings.baseline == "direct":
                     assert fleet is not None
-                    baseline = await _direct_baseline(settings, fleet, client)
+                    baseline = await _direct_baseline(settings, fleet, client, context)
             finally:
                 with trio.CancelScope(shield=True):
                     if target is not None:
