@@ -6,7 +6,7 @@
 #                 python3 -m venv /tmp/rustrouters && /tmp/rustrouters/bin/pip install vllm-router sglang-router
 #   PYTHON        the interpreter with Narwhal installed (default python3)
 #   REPS          repetitions of each case (default 3); each case runs every router once per repetition
-#   CASES         space-separated subset of the cases below (default all)
+#   CASES         space-separated subset of the cases below (default: all but the *-events/*-batched ones)
 #   ROUTERS       space-separated subset of: narwhal vllm-router sglang-router (default all)
 #   NARWHAL_TREES space-separated LABEL=DIR pairs: also run Narwhal from another checkout (e.g. one with a
 #                 proposed hot-path change) as router LABEL, alternating with the others
@@ -46,6 +46,12 @@ case_args() {
     c64-keepalive-count-on) echo "--concurrency 64 --requests 10000 --count-tokens on" ;;
     paced) echo "--concurrency 64 --tokens 256 --token-delay-s 0.01 --duration-s 20 --count-tokens off" ;;
     faults) echo "--scenario faults --count-tokens off" ;;
+    # The same loads against a decode mock that writes each SSE event separately, as vLLM does (issue 15).
+    c64-ka-events) echo "--concurrency 64 --requests 6000 --count-tokens off --mock-writes per-event" ;;
+    c64-ka-batched) echo "--concurrency 64 --requests 6000 --count-tokens off --mock-writes batched" ;;
+    c8-ka-events) echo "--concurrency 8 --requests 4000 --count-tokens off --mock-writes per-event" ;;
+    paced-events) echo "--concurrency 64 --tokens 256 --token-delay-s 0.01 --duration-s 10 --count-tokens off --mock-writes per-event" ;;
+    c64-new-events) echo "--concurrency 64 --requests 3000 --new-connections --count-tokens off --mock-writes per-event" ;;
     *) echo "unknown case $1" >&2; exit 2 ;;
   esac
 }

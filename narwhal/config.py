@@ -281,10 +281,32 @@ class LeaseConfig(_Section, frozen=True):
     endpoints: list[str] = []
     key: str = "/narwhal/lease"
     ttl_s: float = 10.0
+    renew_interval_s: float = 3.0
+    fence_margin_s: float = 2.0
     takeover_ready_failures: int = 3
+    # Where a standby polls this router's /ready; default: from serving.listen.
+    advertise_url: str | None = None
 
     def __post_init__(self) -> None:
-        _positive("ttl_s", self.ttl_s)
+        for name in ("ttl_s", "renew_interval_s", "fence_margin_s", "takeover_ready_failures"):
+            _positive(name, getattr(self, name))
+        # client-go's rule of thumb: two renewals may fail before the holder must fence.
+        if not self.ttl_s > self.fence_margin_s + 2 * self.renew_interval_s:
+            raise ValueError(
+                f"ttl_s ({self.ttl_s:g}) must be > fence_margin_s ({self.fence_margin_s:g}) "
+                f"+ 2 x renew_interval_s ({self.renew_interval_s:g})")
+        if self.router_id is not None and not self.router_id:
+            raise ValueError("router_id must not be empty when set")
+        for i, endpoint in enumerate(self.endpoints):
+            parts = urllib.parse.urlsplit(endpoint)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"endpoints[{i}] must be http(s)://HOST:PORT, got {endpoint!r}")
+        if self.advertise_url is not None:
+            parts = urllib.parse.urlsplit(self.advertise_url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"advertise_url must be http(s)://HOST[:PORT], got {self.advertise_url!r}")
+        if not self.key.startswith("/"):
+            raise ValueError(f"key must start with '/', got {self.key!r}")
 
 
 class AdminConfig(_Section, frozen=True):

@@ -31,6 +31,7 @@ library's or a bug. The tree, with the module each class lives in:
     │   └── HandoffSchemaMismatch
     ├── HandoffWriteInProgress ...... stages.persistence: the previous pass's write has not finished
     ├── ContractViolation ........... control.contract: an engine's answer breaks the engine contract
+    ├── LeaseBackendError ........... lease.backend: the lease store (file lock, etcd) could not answer
     ├── HandoffRejected (ValueError)  wire: a prefill's kv_transfer_params that must not reach a decode
     ├── FleetKeyError ............... attestation: the fleet key cannot be had
     ├── FaultError (ValueError) ..... tools.mock.faults: a mock-engine fault that cannot be applied

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import secrets
 import socket
@@ -35,6 +36,8 @@ from narwhal.fleet.placement import InFlight
 from narwhal.fleet.telemetry import Telemetry
 from narwhal.http1.asgi import ASGILifespan, call_asgi
 from narwhal.http1.server import HTTPServer, Request, Responder
+from narwhal.lease import EtcdLeaseBackend, build_backend
+from narwhal.lease.service import LeaseService, LeaseView
 from narwhal.obs.logs import flush_logs, log_event
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.pools.control import ControlPool
@@ -43,6 +46,7 @@ from narwhal.serving.front import Front, build_front_server
 from narwhal.serving.request_core import RequestCore
 from narwhal.stages import build_stages
 from narwhal.stages.persistence import HandoffExtra, PersistenceStage
+from narwhal.state.handoff import LeaseOwnership
 from narwhal.state.resume import apply_resume, plan_resume
 from narwhal.tls import TLSContexts
 from narwhal.workers.hub import WorkerHub, monotonic_offset
@@ -51,8 +55,17 @@ from narwhal.workers.view import WorkerView
 
 __all__ = ["Router"]
 
+
 _WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
 _LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+def _advertise_url(host: str, port: int, tls: bool) -> str:
+    """Where a standby reaches this router's /ready when lease.advertise_url is not set."""
+    if host in _WILDCARD_HOSTS:
+        host = socket.gethostname()
+    scheme = "https" if tls else "http"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 def _same_address(a: tuple[str, int], b: tuple[str, int]) -> bool:
@@ -114,7 +127,7 @@ class Router:
         self.resume = resume
         self.router_id = config.lease.router_id or f"{socket.gethostname()}-{os.getpid()}"
         self.metrics = RouterMetrics()
-        self.admission = Admission()
+        self.admission = Admission(clock=trio.current_time)
         names = [spec.name for spec in config.engines]
         self.in_flight = InFlight(names)
         recovery = config.recovery
@@ -174,6 +187,28 @@ class Router:
         self.controller = self.stages.controller
         self.drain = self.stages.drain
         self.persistence.extra = self._handoff_extra
+        backend = build_backend(config, self.handoff_path, config_dir)
+        # With a lease backend every router starts as a standby (the service closes admission).
+        self.lease: LeaseService | None = None
+        if backend is not None:
+            self.lease = LeaseService(config=config, router_id=self.router_id, backend=backend,
+                                      admission=self.admission, persistence=self.persistence, fleet=self.fleet,
+                                      metrics=self.metrics, own_readiness=self.own_readiness)
+            if isinstance(backend, EtcdLeaseBackend):
+                etcd = backend
+
+                async def publish(data: bytes) -> bool:
+                    lease = self.lease
+                    record = lease.record if lease is not None else None
+                    if lease is None or record is None or not lease.valid_threadsafe():
+                        return False
+                    return await etcd.write_handoff(data, record)
+
+                self.persistence.publish = publish
+            lease = self.lease
+            # Worker processes check the same deadline on their own clocks (the hub converts it).
+            self.hub.set_admit_until(
+                lambda: lease.admission_deadline if math.isfinite(lease.admission_deadline) else None)
         controller = config.controller
         self.monitor = Monitor(self.stages.in_spec_order(), interval_s=controller.monitor_interval_s,
                                stage_timeout_s=controller.stage_timeout_s,
@@ -202,14 +237,25 @@ class Router:
 
     def readiness(self) -> str | None:
         """None when this router should get traffic, else the one-line reason."""
-        reason = self.admission.reason()
+        reason = self.admission.refusal(trio.current_time())
         if reason is not None:
             return reason
         return self.supervisor.capacity_problem()
 
+    def own_readiness(self) -> str | None:
+        """Readiness apart from the lease: what a takeover decision weighs (monitor, capacity)."""
+        return self.admission.held_by("monitor") or self.supervisor.capacity_problem()
+
+    def lease_view(self) -> LeaseView:
+        """What /admin/lease shows: the lease record and this router's role."""
+        if self.lease is None:
+            return LeaseView(router_id=self.router_id, backend="none", role="active")
+        return self.lease.view()
+
     def _handoff_extra(self) -> HandoffExtra:
         return HandoffExtra(consolidation_risk=self.controller.consolidation_risk(),
-                            drained=sorted(self.drain.drained))
+                            drained=sorted(self.drain.drained),
+                            lease=self.lease.ownership() if self.lease is not None else LeaseOwnership())
 
     def _register_gauges(self) -> None:
         m = self.metrics
@@ -296,6 +342,10 @@ class Router:
                 else:
                     self.bound_port = await nursery.start(self._serve_then_stop, nursery, listeners)
                 listeners = []
+                if self.lease is not None:
+                    if not self.lease.advertise_url:
+                        self.lease.advertise_url = _advertise_url(host, self.bound_port, self.tls.server is not None)
+                    await nursery.start(self.lease.run)
                 log_event("router_started", router_id=self.router_id, listen=f"{host}:{self.bound_port}",
                           engines=len(self.config.engines), pid=os.getpid(), handoff=str(self.handoff_path),
                           tls=self.tls.server is not None, workers=self.worker_count)
@@ -401,6 +451,9 @@ class Router:
         grace = self.config.serving.shutdown_grace_s if grace_s is None else grace_s
         self.admission.close("shutdown", "shutting down")
         log_event("router_shutdown", grace_s=grace)
+        if self.lease is not None and self._nursery is not None:
+            # Hand the lease over now: the standby need not wait for it to expire.
+            self._nursery.start_soon(self.lease.release_for_shutdown)
         if self.workers is not None:
             self.hub.publish()
             self.workers.shutdown(grace)

@@ -18,6 +18,7 @@ from narwhal.control.supervisor import Supervisor
 from narwhal.errors import FailureClass
 from narwhal.fleet import EjectionCause, Fleet, FleetEventKind, HoldKind
 from narwhal.fleet.placement import InFlight
+from narwhal.lease.service import LeaseView
 from narwhal.obs.router_metrics import RouterMetrics
 
 ENGINES = [("p1", "prefill"), ("d1", "decode"), ("d2", "decode")]
@@ -215,6 +216,9 @@ class FakeState:
 
     def readiness(self) -> str | None:
         return "no eligible decode engine"
+
+    def lease_view(self) -> LeaseView:
+        return LeaseView(router_id="r1", backend="none", role="active")
 
 
 async def test_the_app_serves_from_any_object_with_the_app_state() -> None:

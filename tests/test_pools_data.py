@@ -603,3 +603,27 @@ async def test_a_relay_whose_reads_never_block_still_lets_other_tasks_run(serve,
             nursery.start_soon(flooded_relay)
             nursery.start_soon(other_stream)
     assert other_done.is_set() and 0 < reads < limit
+
+
+async def test_an_idle_connection_the_engine_closed_is_not_reused(serve, make_pool):
+    closed = trio.Event()
+
+    async def respond(request, stream, index):
+        await stream.send_all(response(200, b"{}"))
+        if index == 0:
+            await stream.aclose()
+            closed.set()
+            return False
+        return True
+    engine = await serve(respond)
+    pool = await make_pool()
+    await post(pool, engine)
+    await closed.wait()
+    conn = pool._connections._idle[("127.0.0.1", engine.port)][0]
+    # The readiness set saw the close: the next request opens a fresh connection instead of failing
+    # on this one (no poll(2) needed even though it was idle for under a second).
+    with trio.fail_after(5):
+        while not conn.closed_by_engine:
+            await trio.sleep(0.001)
+    assert await post(pool, engine) == (200, b"{}")
+    assert engine.connections == 2 and len(engine.requests) == 2

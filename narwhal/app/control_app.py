@@ -80,6 +80,10 @@ def create_app(router: AppState) -> QuartTrio:
     async def admin_engines() -> Response:
         return _json(router.engine_view.engines())
 
+    @app.get("/admin/lease")
+    async def admin_lease() -> Response:
+        return _json(router.lease_view())
+
     @app.get("/admin/telemetry")
     async def admin_telemetry() -> Response:
         return _json(router.telemetry.as_json())

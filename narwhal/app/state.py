@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from narwhal.config import Config
 from narwhal.control.engine_view import EngineEntry, EnginesView
 from narwhal.control.readmission import ReadmissionResult
+from narwhal.lease.service import LeaseView
 
 __all__ = ["AppState", "EngineViews", "OperatorActions"]
 
@@ -57,4 +58,8 @@ class AppState(Protocol):
 
     def readiness(self) -> str | None:
         """None when this router should get traffic, else the one-line reason."""
+        ...
+
+    def lease_view(self) -> LeaseView:
+        """``/admin/lease``: the lease record and this router's role."""
         ...

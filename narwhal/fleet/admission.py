@@ -4,11 +4,22 @@ Several owners can close admission independently (the monitor when degraded,
 the lease when fenced or standing by, shutdown); each holds its own reason, and
 admission is open only when none is held. Requests already admitted are never
 affected: closing admission only refuses new ones.
+
+The lease is the one owner whose closure is a time, not an event: a router
+may admit only before its fencing deadline, and a background task cannot be
+trusted to close admission on time (a process stopped and woken past its
+lease runs the accept loop before any timer). So ``lease_deadline`` is a plain
+number that ``refusal(now)`` compares on every admission.
 """
 
 from __future__ import annotations
 
-__all__ = ["Admission"]
+from collections.abc import Callable
+
+__all__ = ["FENCED_REASON", "Admission"]
+
+# /ready and the 503 body once the lease deadline has passed (the interface text).
+FENCED_REASON = "fenced: lease not renewed"
 
 # Order in which reasons are reported when several hold at once: the one an
 # operator must act on first comes first.
@@ -18,9 +29,14 @@ _PRIORITY = ("shutdown", "lease", "monitor")
 class Admission:
     """A set of named closures; ``reason()`` is None when admission is open."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] | None = None) -> None:
+        """``clock`` (the request path's) lets ``reason()`` compare the lease deadline itself."""
+        self._clock = clock
         self._closed: dict[str, str] = {}
         self._reason: str | None = None
+        # Monotonic time (the request path's clock) from which new requests are
+        # refused for want of a valid lease; None when no lease is configured.
+        self.lease_deadline: float | None = None
 
     def close(self, owner: str, reason: str) -> None:
         """Close admission on behalf of ``owner`` ('monitor', 'lease', 'shutdown')."""
@@ -33,8 +49,19 @@ class Admission:
             self._recompute()
 
     def reason(self) -> str | None:
-        """Why new requests are refused, or None when admission is open."""
-        return self._reason
+        """Why new requests are refused now, or None when admission is open (see ``refusal``)."""
+        if self._clock is None or self.lease_deadline is None:
+            return self._reason
+        return self.refusal(self._clock())
+
+    def refusal(self, now: float) -> str | None:
+        """Why a request arriving at ``now`` is refused, or None: the closures, then the lease deadline."""
+        reason = self._reason
+        deadline = self.lease_deadline
+        if deadline is not None and now >= deadline and "shutdown" not in self._closed \
+                and "lease" not in self._closed:
+            return FENCED_REASON
+        return reason
 
     def held_by(self, owner: str) -> str | None:
         return self._closed.get(owner)

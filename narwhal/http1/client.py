@@ -40,6 +40,7 @@ import msgspec
 import trio
 
 from narwhal.errors import NarwhalError
+from narwhal.http1.readiness import Readiness
 from narwhal.http1.sockets import socket_of
 from narwhal.tls import tls_reason
 
@@ -183,7 +184,7 @@ class EngineConnection:
     """
 
     def __init__(self, stream: trio.abc.Stream, key: tuple[str, int], *,
-                 max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES) -> None:
+                 max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES, readiness: Readiness | None = None) -> None:
         self.key = key
         self.max_head_bytes = max_head_bytes
         self.idle_since = 0.0
@@ -196,6 +197,9 @@ class EngineConnection:
         # True when the last read was short: the socket is drained, so wait before reading again.
         self._drained = True
         self._unblocked = 0
+        # Plain sockets wait through the pool's readiness set when it runs (no epoll_ctl per wait).
+        self._readiness = readiness
+        self._watch = readiness.watch(self._fd) if readiness is not None and self._fd >= 0 else None
         self._parser: httptools.HttpResponseParser | None = None
         self._headers: list[tuple[bytes, bytes]] = []
         self._head: HTTPResponseHead | None = None
@@ -238,7 +242,23 @@ class EngineConnection:
         self._broken = True
         self._parser = None
         self._fd = -1
+        if self._watch is not None:
+            assert self._readiness is not None
+            self._readiness.forget(self._watch)
+            self._watch = None
         socket_of(self._stream).close()
+
+    @property
+    def closed_by_engine(self) -> bool:
+        """The engine closed or reset the connection (seen by the readiness set; False without one)."""
+        return self._watch is not None and self._watch.gone
+
+    async def _wait_readable(self) -> None:
+        if self._watch is not None:
+            assert self._readiness is not None
+            await self._readiness.wait(self._watch)
+        else:
+            await trio.lowlevel.wait_readable(self._fd)
 
     def dropped_while_idle(self) -> bool:
         """True when an idle connection has something to read: EOF, a reset, or stray bytes."""
@@ -414,7 +434,7 @@ class EngineConnection:
             if self._drained:
                 self.waiting_since = trio.current_time()
                 try:
-                    await trio.lowlevel.wait_readable(fd)
+                    await self._wait_readable()
                 finally:
                     self.waiting_since = _INF
                 self._unblocked = 0
@@ -455,7 +475,7 @@ class EngineConnection:
                 try:
                     if fd >= 0:
                         while data is None:
-                            await trio.lowlevel.wait_readable(fd)
+                            await self._wait_readable()
                             data = self._read_now()
                     else:
                         data = bytes(await self._stream.receive_some(_READ_SIZE))
@@ -528,7 +548,8 @@ class EngineConnections:
 
     def __init__(self, *, idle_s: float = 4.0, connect_timeout_s: float = 2.0,
                  write_timeout_s: float = 60.0, max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+                 ssl_context: ssl.SSLContext | None = None, readiness: Readiness | None = None) -> None:
+        self.readiness = readiness
         self.idle_s = idle_s
         # For ``tls=True`` requests; read at each new connection, so assigning a new
         # context (a reload) changes new handshakes only.
@@ -638,9 +659,11 @@ class EngineConnections:
                     older.close()
                 stack.clear()
                 return None
+            # The readiness set, when it runs, has already seen an engine's close: no syscall.
             # A connection idle for under a second is almost never closed by the engine;
             # the poll(2) is skipped for it, and the retry-once-on-a-fresh-connection covers the rare case.
-            if now - conn.idle_since < _RECENTLY_IDLE_S or not conn.dropped_while_idle():
+            if not conn.closed_by_engine and (now - conn.idle_since < _RECENTLY_IDLE_S
+                                              or not conn.dropped_while_idle()):
                 return conn
             conn.close()
         return None
@@ -681,7 +704,8 @@ class EngineConnections:
         assert stream is not None
         self.connections_opened += 1
         # A TLS connection is an SSLStream: EngineConnection keeps it off the plain-socket fast path.
-        return EngineConnection(secure if secure is not None else stream, key, max_head_bytes=self.max_head_bytes)
+        return EngineConnection(secure if secure is not None else stream, key, max_head_bytes=self.max_head_bytes,
+                                readiness=self.readiness)
 
     async def _handshake(self, stream: trio.SocketStream, host: str, port: int) -> trio.SSLStream[trio.SocketStream]:
         context = self.ssl_context

@@ -11,11 +11,15 @@ Theory of operation: each connection is served by one task.
   own cancel scope, makes sure a response went out, and decides whether the
   connection goes on. Nothing is read while a handler runs: later pipelined
   requests wait in the socket buffer.
-- While a handler runs, the connection's socket is in the server's disconnect
-  watch: one task per server owns an epoll set of the sockets with a request
-  in flight, waiting for the peer's close (EPOLLRDHUP) or a reset, and cancels
-  that handler's scope. A connection with no request in flight costs no task
-  and no watch; one with a request costs two ``epoll_ctl`` calls, no task.
+- Every connection's socket is in the server's readiness set
+  (``narwhal/http1/readiness.py``): one task owns an edge-triggered epoll set
+  of all of them, wakes the connection task when bytes arrive (no
+  ``epoll_ctl`` per wait), and calls ``client_gone`` when the client goes
+  away (see ``half_close`` below for which events mean that), which cancels a
+  running handler's scope. So a client leaving mid-request is seen at once,
+  with no reader task and no ``epoll_ctl`` per request. (Should the set refuse
+  a socket, that connection falls back to trio's waits and a per-request
+  disconnect watch.)
 
 Sends to plain sockets are a non-blocking ``write`` first; only what the
 kernel did not take goes through trio's ``send_all`` (which waits until the
@@ -39,7 +43,7 @@ connections are accepted that may only ask for the ``overflow_paths``
 refused (400) so that bytes after a head are never parsed as another request.
 
 A client's FIN is read as a half-close (``half_close=True``): the disconnect
-watch then waits only for a reset or a hang-up (not EPOLLRDHUP), so the
+watches then wait only for a reset or a hang-up (not EPOLLRDHUP), so the
 requests it sent are still answered; a client that really went away is noticed
 when a write to it fails. With ``half_close=False`` (the mock engine, like
 uvicorn) a FIN cancels the running handler at once.
@@ -70,6 +74,7 @@ import msgspec
 import trio
 
 from narwhal.errors import ClientGone, NarwhalError
+from narwhal.http1.readiness import Readiness
 from narwhal.http1.sockets import socket_of
 from narwhal.obs.logs import log_event
 from narwhal.tls import tls_reason
@@ -358,6 +363,7 @@ class _Connection:
         "_scope",
         "_upgrade",
         "_url",
+        "_watch",
         "disconnected",
         "overflow",
         "server",
@@ -373,6 +379,10 @@ class _Connection:
         self.sock: trio.socket.SocketType | None = _socket_or_none(stream)
         # Plain sockets get the syscall fast path; any other trio Stream (TLS) the generic one.
         self._fd = self.sock.fileno() if isinstance(stream, trio.SocketStream) and self.sock else -1
+        # In the server's readiness set for the connection's whole life: it wakes this task when
+        # bytes arrive, and sees the client go away mid-request (any stream: the TCP socket under it).
+        self._watch = (server._readiness.watch(self.sock.fileno(), self.client_gone, server._gone_events)
+                       if self.sock is not None else None)
         # Past the connection cap: only the overflow paths are served, one request.
         self.overflow = overflow
         self._gone_reason = "client_disconnected"
@@ -615,9 +625,13 @@ class _Connection:
                 return bytes(await self.stream.receive_some(_RECEIVE_SIZE))
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return b""
+        watch = self._watch
         while True:
             if self._drained:
-                await trio.lowlevel.wait_readable(fd)
+                if watch is not None:
+                    await self.server._readiness.wait(watch)
+                else:
+                    await trio.lowlevel.wait_readable(fd)
             try:
                 data = os.read(fd, _RECEIVE_SIZE)
             except BlockingIOError:
@@ -639,6 +653,12 @@ class _Connection:
         except ClientDisconnected:
             pass
 
+    def forget_watch(self) -> None:
+        """Out of the readiness set; before the socket closes, so its fd number is never confused."""
+        if self._watch is not None:
+            self.server._readiness.forget(self._watch)
+            self._watch = None
+
     def client_gone(self) -> None:
         """The client closed or reset: cancel the handler (if any); the connection ends."""
         self.disconnected = True
@@ -654,6 +674,7 @@ class _Connection:
                   client=None if peer is None else f"{peer[0]}:{peer[1]}",
                   timeout_s=self.server._client_write_timeout_s)
         self.disconnected = True
+        self.forget_watch()
         # Closing wakes the blocked send with ClosedResourceError (trio's notify_closing),
         # so the handler sees ClientDisconnected with this reason rather than a bare cancel.
         await trio.aclose_forcefully(self.stream)
@@ -703,6 +724,11 @@ class _Connection:
     async def _handle(self, request: Request) -> bool:
         """Run the handler for one request; True when the connection may go on."""
         server = self.server
+        if self._watch is not None and self._watch.gone:
+            # The client left before its request got here (the readiness set saw it).
+            self.disconnected = True
+        if self.disconnected:
+            return False
         responder = Responder(self, request)
         if self.overflow:
             # Past the connection cap: one request, and only a health check is served.
@@ -716,7 +742,8 @@ class _Connection:
         server._requests_in_flight += 1
         server._requests_total += 1
         failure: Exception | None = None
-        watching = server._watch(self)
+        # Not in the readiness set (it could not take the socket): watch for the client leaving only now.
+        watching = self._watch is None and server._watch(self)
         try:
             with trio.CancelScope() as scope:
                 self._handler_scope = scope
@@ -909,7 +936,9 @@ class HTTPServer:
         self._connections: set[_Connection] = set()
         self._requests_in_flight = 0
         self._requests_total = 0
-        # The disconnect watch: sockets with a request in flight, by fd (see the module docstring).
+        # Every connection's socket, for the task that reads it and to see clients leave mid-request.
+        self._readiness = Readiness()
+        # The fallback disconnect watch, for connections the readiness set could not take.
         self._epoll: select.epoll | None = None
         self._watched: dict[int, _Connection] = {}
 
@@ -961,6 +990,7 @@ class HTTPServer:
                 # The disconnect watch outlives every connection and stops after the last one.
                 watcher.start_soon(self._watch_disconnects, epoll)
                 watcher.start_soon(self._watchdog)
+                await watcher.start(self._readiness.run)
                 async with trio.open_nursery() as connections:
                     self._connections_scope = connections.cancel_scope
                     connections.cancel_scope.deadline = self._shutdown_deadline
@@ -1054,6 +1084,7 @@ class HTTPServer:
             )
         finally:
             self._connections.discard(conn)
+            conn.forget_watch()
             if conn.sock is not None:
                 # Synchronous: no checkpoint (and no nursery) to close a connection.
                 conn.sock.close()

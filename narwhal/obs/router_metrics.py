@@ -45,6 +45,8 @@ class RouterMetrics:
         self.readmissions = r.counter("narwhal_readmission_attempts",
                                       "Readmission attempts by outcome and failed check.",
                                       ("engine", "outcome", "check"))
+        self.lease_renewals = r.counter("narwhal_lease_renewals",
+                                        "Lease renewals by result (ok, failed, lost, late).", ("result",))
         self.snapshot_lag = r.histogram("narwhal_worker_snapshot_lag_seconds",
                                         "Delay from the controller publishing a fleet snapshot to a worker "
                                         "applying it (serving.workers > 1).", (), SNAPSHOT_LAG_BUCKETS_S)

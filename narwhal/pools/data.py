@@ -28,6 +28,7 @@ from narwhal.http1.client import (
     HTTPResponseHead,
     HTTPTransportError,
 )
+from narwhal.http1.readiness import Readiness
 from narwhal.pools import classify
 
 __all__ = ["DataPool", "DataPoolStatistics", "UpstreamStream"]
@@ -199,7 +200,9 @@ class DataPool:
         self._watchdog_running = False
         self.watchdog_tick_s = watchdog_tick(engine_config)
         self._limiter = trio.CapacityLimiter(max_connections)
-        self._connections = EngineConnections(idle_s=engine_config.pool_idle_s,
+        # The engine sockets' readiness set; it runs (with the watchdog) in ``run``.
+        self._readiness = Readiness()
+        self._connections = EngineConnections(readiness=self._readiness, idle_s=engine_config.pool_idle_s,
                                               connect_timeout_s=engine_config.connect_timeout_s,
                                               write_timeout_s=engine_config.request_timeout_s,
                                               max_head_bytes=engine_config.max_response_header_bytes,
@@ -271,7 +274,14 @@ class DataPool:
                 self._connections.release(conn)
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """The stream deadline watchdog: every tick, cancel the streams whose engine kept them waiting too long."""
+        """The pool's two tasks: the engine sockets' readiness set, and the stream deadline watchdog."""
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self._readiness.run)
+            await nursery.start(self._watchdog)
+            task_status.started()
+
+    async def _watchdog(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Every tick, cancel the streams whose engine kept them waiting too long."""
         self._watchdog_running = True
         try:
             task_status.started()

@@ -277,6 +277,7 @@ class RequestCore:
 
     async def _serve(self, route: str, body: bytes, rid: str, rid_header: tuple[bytes, bytes],
                      sink: Sink, started_at: float, outcome: _Outcome) -> None:
+        # The gate compares the lease deadline itself, per request: no timer closes it on time.
         closed = self.admission.reason()
         if closed is not None:
             self.metrics.saturations.inc("admission_closed")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import msgspec
@@ -69,6 +69,11 @@ class PersistenceStage:
         self.wall_clock = wall_clock
         # The lease code sets this when fenced or standing by: only the active router writes.
         self.paused = False
+        # With a lease: whether the term is still valid, asked from the worker thread just
+        # before the rename (so it must be thread-safe), and the etcd write guarded by the
+        # writer's lease, which runs before the local file's.
+        self.lease_valid: Callable[[], bool] | None = None
+        self.publish: Callable[[bytes], Awaitable[bool]] | None = None
         # The pass number of the last document that replaced the file, if any.
         self.last_written_pass: int | None = None
         # One write at a time, newest last. The lock is taken and released by the
@@ -113,11 +118,18 @@ class PersistenceStage:
         if self.paused:
             return
         data = encode_document(self.document(pass_number))
+        if self.publish is not None and not await self.publish(data):
+            # The lease is no longer ours: the renewal loop fences; the successor's state stands.
+            return
         self._sequence += 1
         written = await trio.to_thread.run_sync(self._write, data, self._sequence,
                                                 abandon_on_cancel=True)
         if written:
             self.last_written_pass = pass_number
+
+    def _may_replace(self) -> bool:
+        lease_valid = self.lease_valid
+        return not self.paused and (lease_valid is None or lease_valid())
 
     def _write(self, data: bytes, sequence: int) -> bool:
         """In the worker thread: write unless busy, superseded, or fenced meanwhile."""
@@ -128,7 +140,7 @@ class PersistenceStage:
                 return False
             # Re-checked just before the rename: a write that outlives a fencing
             # must not overwrite the next holder's handoff.
-            written = write_atomic(self.path, data, proceed=lambda: not self.paused)
+            written = write_atomic(self.path, data, proceed=self._may_replace)
             if written:
                 self._sequence_written = sequence
             return written

@@ -26,7 +26,7 @@ from narwhal.state.handoff import (
     read_document,
 )
 
-__all__ = ["ResumePlan", "apply_resume", "engine_set_difference", "plan_resume"]
+__all__ = ["ResumePlan", "apply_resume", "engine_set_difference", "plan_document", "plan_resume"]
 
 
 class ResumePlan(msgspec.Struct, frozen=True, kw_only=True):
@@ -104,6 +104,14 @@ def plan_resume(path: str | os.PathLike[str], config: Config) -> ResumePlan:
         return _not_applied(where, str(exc))
     except HandoffUnreadable as exc:
         return _not_applied(where, f"unreadable: {exc}")
+    return plan_document(document, config, where)
+
+
+def plan_document(document: HandoffDocument, config: Config, where: str) -> ResumePlan:
+    """Decide whether an already decoded handoff (from ``where``) may be applied to ``config``'s fleet.
+
+    A warm standby uses this for every document it follows, as resume does for the file.
+    """
     difference = engine_set_difference(document.engine_set, config.engines)
     if difference is not None:
         return _not_applied(where, f"engine set differs: {difference}")

@@ -1,0 +1,177 @@
+"""The file lease: an exclusive fcntl lock around a record file rewritten atomically.
+
+``lease.path`` holds the JSON ``LeaseRecord``; ``lease.path + ".lock"`` is the
+lock file (the record itself is replaced by rename, so it cannot carry the
+lock). Every change reads the record and rewrites it under the lock, so two
+routers can never both see the lease free and both take it. The record's
+expiry is wall-clock time, which is sound for routers sharing one host (or a
+filesystem whose clients keep their clocks within ``fence_margin_s``).
+
+The handoff stays where the persistence stage writes it (``[handoff] path``);
+this backend reads it for a standby and never writes it.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import msgspec
+import trio
+
+from narwhal.lease.backend import Acquisition, LeaseBackendError, Renewal
+from narwhal.lease.rules import LeaseRecord, TakeoverRequest
+from narwhal.state.handoff import write_atomic
+
+__all__ = ["FileLeaseBackend"]
+
+_T = TypeVar("_T")
+_decode_record = msgspec.json.Decoder(LeaseRecord)
+_encoder = msgspec.json.Encoder()
+
+
+class FileLeaseBackend:
+    """The lease record in a file, changed only under an exclusive lock."""
+
+    name = "file"
+
+    def __init__(self, *, path: str | os.PathLike[str], handoff_path: str | os.PathLike[str], ttl_s: float,
+                 lock_timeout_s: float = 1.0, wall_clock: Callable[[], float] = time.time) -> None:
+        self.path = Path(path)
+        self.lock_path = Path(f"{os.fspath(path)}.lock")
+        self.handoff_path = Path(handoff_path)
+        self.ttl_s = ttl_s
+        self.lock_timeout_s = lock_timeout_s
+        self.wall_clock = wall_clock
+
+    def __repr__(self) -> str:
+        return f"<FileLeaseBackend {os.fspath(self.path)!r}>"
+
+    # -- in a worker thread ----------------------------------------------------------
+
+    def _read_record(self) -> LeaseRecord | None:
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise LeaseBackendError(f"cannot read {self.path}: {exc.strerror or exc}") from None
+        try:
+            return _decode_record.decode(data)
+        except msgspec.DecodeError as exc:
+            raise LeaseBackendError(f"{self.path} is not a lease record: {exc}") from None
+
+    def _write_record(self, record: LeaseRecord) -> None:
+        try:
+            write_atomic(self.path, _encoder.encode(record) + b"\n")
+        except OSError as exc:
+            raise LeaseBackendError(f"cannot write {self.path}: {exc.strerror or exc}") from None
+
+    def _locked(self, change: Callable[[], _T]) -> _T:
+        """Run ``change`` holding the exclusive lock; give up after ``lock_timeout_s``."""
+        try:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise LeaseBackendError(f"cannot open {self.lock_path}: {exc.strerror or exc}") from None
+        try:
+            give_up_at = time.monotonic() + self.lock_timeout_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError as exc:
+                    if exc.errno not in (errno.EAGAIN, errno.EACCES) or time.monotonic() >= give_up_at:
+                        raise LeaseBackendError(
+                            f"cannot lock {self.lock_path}: {exc.strerror or exc}") from None
+                    time.sleep(0.005)
+            try:
+                return change()
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    async def _run(self, change: Callable[[], _T]) -> _T:
+        return await trio.to_thread.run_sync(self._locked, change, abandon_on_cancel=True)
+
+    # -- the backend -------------------------------------------------------------------
+
+    async def read(self) -> LeaseRecord | None:
+        # The record is replaced by rename: a reader without the lock still sees a whole one.
+        return await trio.to_thread.run_sync(self._read_record, abandon_on_cancel=True)
+
+    async def acquire(self, router_id: str, advertise_url: str) -> Acquisition:
+        def change() -> Acquisition:
+            current = self._read_record()
+            now = self.wall_clock()
+            if current is not None and not current.free_at(now):
+                return Acquisition(acquired=False, record=current)
+            record = LeaseRecord(holder=router_id, epoch=(current.epoch if current else 0) + 1,
+                                 advertise_url=advertise_url, acquired_at=now, expires_at=now + self.ttl_s)
+            self._write_record(record)
+            return Acquisition(acquired=True, record=record)
+
+        return await self._run(change)
+
+    async def renew(self, record: LeaseRecord) -> Renewal:
+        def change() -> Renewal:
+            current = self._read_record()
+            if current is None or current.holder != record.holder or current.epoch != record.epoch:
+                holder = current.holder if current is not None else ""
+                return Renewal(ok=False, lost=True,
+                               reason=f"record now held by {holder or 'nobody'} "
+                                      f"(epoch {current.epoch if current else 0})")
+            self._write_record(msgspec.structs.replace(current, expires_at=self.wall_clock() + self.ttl_s))
+            return Renewal(ok=True, takeover=current.takeover)
+
+        return await self._run(change)
+
+    async def release(self, record: LeaseRecord) -> bool:
+        def change() -> bool:
+            current = self._read_record()
+            if current is None or current.holder != record.holder or current.epoch != record.epoch:
+                return False
+            # The epoch stays: the next holder's is one more.
+            self._write_record(LeaseRecord(epoch=current.epoch, advertise_url=current.advertise_url))
+            return True
+
+        return await self._run(change)
+
+    async def request_takeover(self, request: TakeoverRequest) -> bool:
+        def change() -> bool:
+            current = self._read_record()
+            if current is None or not current.holder or current.epoch != request.epoch:
+                return False
+            self._write_record(msgspec.structs.replace(current, takeover=request))
+            return True
+
+        return await self._run(change)
+
+    async def clear_takeover(self, record: LeaseRecord) -> None:
+        def change() -> None:
+            current = self._read_record()
+            if current is not None and current.epoch == record.epoch and current.takeover is not None:
+                self._write_record(msgspec.structs.replace(current, takeover=None))
+
+        await self._run(change)
+
+    async def read_handoff(self) -> bytes | None:
+        def read() -> bytes | None:
+            try:
+                return self.handoff_path.read_bytes()
+            except FileNotFoundError:
+                return None
+            except (OSError, ValueError) as exc:
+                raise LeaseBackendError(
+                    f"cannot read the handoff {self.handoff_path}: {getattr(exc, 'strerror', None) or exc}"
+                ) from None
+
+        return await trio.to_thread.run_sync(read, abandon_on_cancel=True)
+
+    async def aclose(self) -> None:
+        return None

