@@ -556,3 +556,45 @@ async def test_a_write_to_a_gone_client_raises_client_disconnected_with_its_reas
     # ClientDisconnected is the front's ClientGone: the core needs no import of the server.
     assert issubclass(ClientDisconnected, ClientGone)
     assert ClientDisconnected().reason == "client_disconnected"
+
+
+@pytest.mark.parametrize("tls", [False, True])
+async def test_the_write_timeout_holds_on_real_sockets_and_over_tls(tls: bool) -> None:
+    """The fast path (a non-blocking write first) and TLS streams are watched too."""
+    import ssl
+
+    import trustme
+
+    outcome: list[str] = []
+
+    async def streamer(request: Request, responder: Responder) -> None:
+        try:
+            await responder.start_stream(200, [], b"x" * 65536)
+            while True:
+                await responder.write(b"y" * 65536)
+        except ClientGone as exc:
+            outcome.append(exc.reason)
+            raise
+
+    server_context: ssl.SSLContext | None = None
+    client_context = ssl.create_default_context()
+    if tls:
+        ca = trustme.CA()
+        server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ca.issue_cert("127.0.0.1").configure_cert(server_context)
+        ca.configure_trust(client_context)
+    async with running(streamer, client_write_timeout_s=1.0, ssl_context=server_context) as (server, port):
+        raw = await trio.open_tcp_stream("127.0.0.1", port)
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stream: trio.abc.Stream = raw
+        if tls:
+            stream = trio.SSLStream(raw, client_context, server_hostname="127.0.0.1")
+        async with stream:
+            await stream.send_all(b"GET /stream HTTP/1.1\r\nhost: x\r\n\r\n")
+            # Never read: the kernel's buffers fill, then the server's write has to wait.
+            with trio.fail_after(10):
+                while not outcome:
+                    await trio.sleep(0.05)
+        stalled = server.statistics().clients_stalled
+    assert outcome == ["client_stalled"]
+    assert stalled == 1
