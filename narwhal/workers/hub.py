@@ -135,7 +135,8 @@ class WorkerHub:
                 self._control.record_failure(message.engine, FailureClass(message.failure_class))
             elif message.success_kind is not None:
                 self._control.record_success(message.engine, SuccessKind(message.success_kind))
-            self.publish()
+            # Only eligibility can change here; admission, lease and deadlines are the publish tick's.
+            self.refresh_if_fleet_changed()
         elif isinstance(message, Report):
             state = self.workers.get(worker)
             if state is None:
