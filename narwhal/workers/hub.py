@@ -109,7 +109,6 @@ class WorkerHub:
         # engine -> seq of the first snapshot that took it out of placement.
         self.excluded_since: dict[str, int] = {}
         self._admit_until: Callable[[], float | None] = lambda: None
-        self.evidence_applied = 0
 
     def set_admit_until(self, source: Callable[[], float | None]) -> None:
         """Where the lease-derived admission deadline (control clock) comes from."""
@@ -130,7 +129,6 @@ class WorkerHub:
     def receive(self, worker: int, message: object) -> None:
         """Apply one message from ``worker`` (in arrival order)."""
         if isinstance(message, Evidence):
-            self.evidence_applied += 1
             if message.failure_class is not None:
                 self._control.record_failure(message.engine, FailureClass(message.failure_class))
             elif message.success_kind is not None:
@@ -204,14 +202,10 @@ class WorkerHub:
         return totals
 
     def refresh_if_fleet_changed(self) -> None:
-        """In one process: republish when eligibility changed (admission is read there directly)."""
+        """Republish when the fleet's eligibility changed (the cheap check after evidence and before reads)."""
         key = self._published_key
         if key is None or self._control.state_version() != key[0]:
             self.publish()
-
-    def due(self) -> float | None:
-        """When the current snapshot stops being exact (control clock), for the publish timer."""
-        return self._control.valid_until()
 
 
 def monotonic_offset(control_clock: Callable[[], float]) -> Callable[[float], float]:

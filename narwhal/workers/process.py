@@ -101,6 +101,7 @@ class WorkerSet:
         self.restarts: dict[int, int] = {i: 0 for i in range(count)}
         self._links: dict[int, StreamLink] = {}
         self._stopping = False
+        self._stop_requested = trio.Event()
         self._grace_s = config.serving.shutdown_grace_s
         self._listen_fds: list[int] = []
 
@@ -135,6 +136,7 @@ class WorkerSet:
     def shutdown(self, grace_s: float | None = None) -> None:
         """Stop every worker gracefully: no new connections, streams in flight get ``grace_s``."""
         self._stopping = True
+        self._stop_requested.set()
         if grace_s is not None:
             self._grace_s = grace_s
         for link in list(self._links.values()):
@@ -216,8 +218,7 @@ class WorkerSet:
 
     async def _kill_when_overdue(self, process: trio.Process) -> None:
         # Once stopping, a worker gets the grace period and a margin; then it is killed.
-        while not self._stopping:
-            await trio.sleep(0.05)
+        await self._stop_requested.wait()
         await trio.sleep(self._grace_s + _KILL_MARGIN_S)
         if process.returncode is None:
             log_event("worker_killed", level=logging.WARNING, pid=process.pid, reason="did not stop in time")

@@ -184,6 +184,10 @@ class Worker:
             if not busy and quiet % 10:
                 continue
             last_requests = requests
+            if self.telemetry.dropped:
+                log_event("worker_samples_dropped", level=logging.WARNING, dropped=self.telemetry.dropped,
+                          reason="telemetry samples over the bound between two reports")
+                self.telemetry.dropped = 0
             pool = self.data_pool.statistics()
             self._reported_in_flight = {name: n for name, n in self.in_flight.counts.items() if n}
             try:
