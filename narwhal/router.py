@@ -451,9 +451,10 @@ class Router:
         grace = self.config.serving.shutdown_grace_s if grace_s is None else grace_s
         self.admission.close("shutdown", "shutting down")
         log_event("router_shutdown", grace_s=grace)
-        if self.lease is not None and self._nursery is not None:
-            # Hand the lease over now: the standby need not wait for it to expire.
-            self._nursery.start_soon(self.lease.release_for_shutdown)
+        if self.lease is not None:
+            # Hand the lease over now: the standby need not wait for it to expire. The lease
+            # service finishes the release (bounded) before it returns, so it lands before exit.
+            self.lease.begin_shutdown()
         if self.workers is not None:
             self.hub.publish()
             self.workers.shutdown(grace)
