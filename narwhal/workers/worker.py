@@ -80,7 +80,8 @@ class Worker:
                                 metrics=self.metrics, telemetry=self.telemetry)  # type: ignore[arg-type]
         self.front = Front(self.core, self._serve_rest, via_token=welcome.via_token,
                            admin_elsewhere=config.admin.listen is not None)
-        self.server = build_front_server(config, self.front, self.tls.server)
+        # Siblings share the listening socket: at its cap this one leaves connections to them.
+        self.server = build_front_server(config, self.front, self.tls.server, yield_at_cap=True)
         self._reported_in_flight: dict[str, int] = {}
         self._forward_ids = itertools.count(1)
         self._forwards: dict[int, tuple[trio.Event, list[ForwardReply]]] = {}
@@ -213,6 +214,9 @@ async def _stop_on_signal(current: Any) -> None:
 async def run_worker(index: int, control_fd: int, listen_fds: list[int]) -> None:
     """Serve as worker ``index`` until stopped or orphaned."""
     set_log_fields(worker=index)
+    # SIGHUP to the process group (a closing terminal, kill -HUP -- -PGID) must not cut the streams:
+    # the controller reloads on SIGHUP and tells the workers what to do.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     control = trio.SocketStream(trio.socket.from_stdlib_socket(socket.socket(fileno=control_fd)))
     listeners = [trio.SocketListener(trio.socket.from_stdlib_socket(socket.socket(fileno=fd))) for fd in listen_fds]
     welcome: list[Welcome] = []

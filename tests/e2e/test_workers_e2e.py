@@ -189,6 +189,39 @@ async def _collect(client: httpx.AsyncClient, url: str, sink: list[str]) -> None
     sink.append(await _stream(client, url, tokens=60))
 
 
+async def test_sighup_to_the_workers_cuts_no_stream_and_kills_no_worker(start_fleet) -> None:
+    fleet = await start_fleet(prefill=1, decode=1, sections=WORKERS,
+                              mock_args=["--tokens", "60", "--token-delay-s", "0.05"])
+    await _wait(lambda: _ready(fleet))
+    pids = [e["pid"] for e in fleet.router.events("worker_started")]
+    assert len(pids) == 2
+    texts: list[str] = []
+    opened = 0
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=30.0, limits=limits) as client:
+        async with trio.open_nursery() as nursery:
+            with trio.fail_after(20):
+                while True:
+                    nursery.start_soon(_collect, client, fleet.url, texts)
+                    opened += 1
+                    await trio.sleep(0.1)
+                    text = (await fleet.client.get(f"{fleet.url}/metrics")).text
+                    busy = [_sample(text, "narwhal_worker_requests_in_flight", worker=str(i)) for i in (0, 1)]
+                    if min(busy) > 0:
+                        break
+                    assert opened < 40, busy
+            # What a closing terminal or `kill -HUP -- -PGID` does: every process gets SIGHUP.
+            for pid in pids:
+                os.kill(pid, signal.SIGHUP)
+            fleet.router.process.send_signal(signal.SIGHUP)
+    # Each stream was in flight during the signals (3 s of tokens) and ended whole.
+    assert len(texts) == opened
+    assert all(text.rstrip().endswith("data: [DONE]") for text in texts)
+    assert all(_alive(pid) for pid in pids)
+    assert not fleet.router.events("worker_exited")
+    assert await fleet.router.wait_event("tls_reload_skipped", timeout_s=5.0)
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
