@@ -163,6 +163,9 @@ class Router:
                              to_link_clock=None if in_memory else monotonic_offset(trio.current_time),
                              record_sample=self.telemetry.record_request, share_in_flight=not in_memory)
         self.workers: WorkerSet | None = None
+        # Whatever a snapshot is built from tells the hub when it changed; it publishes only then.
+        self.admission.on_change = self.hub.poke
+        self.fleet.on_change = self.hub.poke
         if in_memory:
             self.view = WorkerView(lambda message: self.hub.receive(0, message), clock=trio.current_time,
                                    refresh=self.hub.refresh_if_fleet_changed)

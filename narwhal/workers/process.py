@@ -40,8 +40,6 @@ _MAX_FORWARD_BODY = 32 * 1024 * 1024
 _FORWARD_TIMEOUT_S = 25.0
 # Extra time, beyond the grace period, that a stopping worker gets before it is killed.
 _KILL_MARGIN_S = 5.0
-# How often the hub checks whether workers need a new snapshot (admission, lease, deadlines).
-PUBLISH_TICK_S = 0.005
 
 
 class _CollectingResponder:
@@ -115,7 +113,7 @@ class WorkerSet:
         bound_port = listeners[0].socket.getsockname()[1]
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._publish_loop)
+                nursery.start_soon(self.hub.run_publisher)
                 async with trio.open_nursery() as workers:
                     for index in range(self.count):
                         await workers.start(self._keep_worker, index)
@@ -144,11 +142,6 @@ class WorkerSet:
                 link.send(Stop(grace_s=self._grace_s))
             except LinkClosed:
                 pass
-
-    async def _publish_loop(self) -> None:
-        while True:
-            await trio.sleep(PUBLISH_TICK_S)
-            self.hub.publish()
 
     async def _keep_worker(self, index: int, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         backoff = _FIRST_BACKOFF_S
