@@ -27,6 +27,7 @@ from narwhal.workers.protocol import (
     encode_frame,
 )
 from narwhal.workers.view import TelemetryRelay, WorkerView
+from narwhal.workers.worker import others_in_flight
 
 # -- framing -------------------------------------------------------------------------------
 
@@ -315,11 +316,17 @@ def test_snapshots_carry_router_wide_in_flight_and_placement_balances_on_it() ->
     assert inbox[-1].in_flight == {"d1": 5}
     # Worker 0 has nothing in flight itself, but d1 is busy elsewhere: it places on d2.
     local = InFlight(["d1", "d2"])
-    local.elsewhere = {"d1": 5}
+    local.elsewhere = others_in_flight(inbox[-1].in_flight, {})
+    assert local.elsewhere == {"d1": 5}
     assert all(pick_least_outstanding(["d1", "d2"], local) == "d2" for _ in range(20))
-    local.elsewhere = {}
-    local.acquire("d2")
-    assert pick_least_outstanding(["d1", "d2"], local) == "d1"
+    # Worker 1 reported those 5 itself: none of them is elsewhere, so its own count decides.
+    own = InFlight(["d1", "d2"])
+    for _ in range(5):
+        own.acquire("d1")
+    own.elsewhere = others_in_flight(inbox[-1].in_flight, {"d1": 5})
+    assert own.elsewhere == {}
+    own.acquire("d2")
+    assert pick_least_outstanding(["d1", "d2"], own) == "d2"
 
 
 def test_a_lease_renewal_alone_reaches_every_worker() -> None:

@@ -28,7 +28,16 @@ from narwhal.http1.server import Request
 from narwhal.obs.logs import log_event
 from narwhal.workers.hub import WorkerHub
 from narwhal.workers.link import LinkClosed, StreamLink
-from narwhal.workers.protocol import Forward, ForwardReply, Hello, ReloadTLS, Stop, Welcome, WorkerMessage
+from narwhal.workers.protocol import (
+    CONTROL_APP_TIMEOUT_S,
+    Forward,
+    ForwardReply,
+    Hello,
+    ReloadTLS,
+    Stop,
+    Welcome,
+    WorkerMessage,
+)
 
 __all__ = ["WorkerSet"]
 
@@ -37,7 +46,6 @@ _MAX_BACKOFF_S = 5.0
 _STABLE_S = 30.0
 # A forwarded control-app answer larger than this is a bug of ours, not something to relay.
 _MAX_FORWARD_BODY = 32 * 1024 * 1024
-_FORWARD_TIMEOUT_S = 25.0
 # Extra time, beyond the grace period, that a stopping worker gets before it is killed.
 _KILL_MARGIN_S = 5.0
 
@@ -222,7 +230,7 @@ class WorkerSet:
         request = Request(message.method, message.target, headers=message.headers, body=message.body,
                           http_version=message.http_version, client=message.client)
         try:
-            with trio.fail_after(_FORWARD_TIMEOUT_S):
+            with trio.fail_after(CONTROL_APP_TIMEOUT_S):
                 await call_asgi(self.app, request, responder)  # type: ignore[arg-type]
             reply = ForwardReply(id=message.id, status=responder.status, headers=responder.headers,
                                  body=responder.body)

@@ -33,6 +33,7 @@ from narwhal.wire import error_json
 from narwhal.workers.link import LinkClosed, StreamLink
 from narwhal.workers.metrics_sum import export_state
 from narwhal.workers.protocol import (
+    FORWARD_TIMEOUT_S,
     ControllerMessage,
     Forward,
     ForwardReply,
@@ -52,7 +53,6 @@ __all__ = ["run_worker"]
 REPORT_INTERVAL_S = 0.1
 # A worker that hears nothing of its controller this long after starting gives up.
 WELCOME_TIMEOUT_S = 30.0
-FORWARD_TIMEOUT_S = 30.0
 _JSON = [(b"content-type", b"application/json")]
 _TEXT = [(b"content-type", b"text/plain; charset=utf-8")]
 _CONTROLLER_GONE = error_json("the router's controller is not answering", "server_error", "controller_unavailable")
@@ -86,23 +86,27 @@ class Worker:
         self._forward_ids = itertools.count(1)
         self._forwards: dict[int, tuple[trio.Event, list[ForwardReply]]] = {}
         self._stopping = False
+        self.evidence_dropped = self.metrics.registry.counter(
+            "narwhal_worker_evidence_dropped",
+            "Engine evidence a worker could not send because its controller link was closed.")
 
     def _send_evidence(self, message: Any) -> None:
         try:
             self.link.send(message)
         except LinkClosed:
-            # The controller is gone; the worker is already closing admission.
-            pass
+            # The controller is gone (the worker is closing admission): the evidence cannot
+            # count toward any ejection. Say so once, count every one.
+            self.evidence_dropped.inc()
+            if self.evidence_dropped.get() == 1:
+                log_event("worker_evidence_dropped", level=logging.WARNING, engine=getattr(message, "engine", None),
+                          reason=f"controller link closed: {self.link.close_reason}")
 
     # -- messages from the controller -------------------------------------------------------
 
     def on_message(self, message: object) -> None:
         if isinstance(message, Snapshot):
             self.view.apply(message)
-            # The others' share: the router-wide totals less what this worker last reported.
-            own = self._reported_in_flight
-            self.in_flight.elsewhere = {name: total - own.get(name, 0) for name, total in message.in_flight.items()
-                                        if total > own.get(name, 0)}
+            self.in_flight.elsewhere = others_in_flight(message.in_flight, self._reported_in_flight)
             if message.published_at is not None:
                 self.metrics.snapshot_lag.observe(max(0.0, time.monotonic() - message.published_at))
         elif isinstance(message, ForwardReply):
@@ -189,16 +193,30 @@ class Worker:
                 log_event("worker_samples_dropped", level=logging.WARNING, dropped=self.telemetry.dropped,
                           reason="telemetry samples over the bound between two reports")
                 self.telemetry.dropped = 0
-            pool = self.data_pool.statistics()
-            self._reported_in_flight = {name: n for name, n in self.in_flight.counts.items() if n}
             try:
-                self.link.send(Report(snapshot_seq=self.view.snapshot.seq, in_flight=self._reported_in_flight,
-                                      requests_in_flight=self.server.statistics().requests_in_flight,
-                                      metrics=export_state(self.metrics.registry), samples=self.telemetry.take(),
-                                      data_in_use=pool.in_use, data_waiting=pool.waiting))
+                self.send_report()
             except LinkClosed:
                 return
             flush_logs(only_if_due=True)
+
+    def send_report(self) -> None:
+        """One report of in-flight counts, metrics and samples; remembers the counts it sent."""
+        pool = self.data_pool.statistics()
+        self._reported_in_flight = {name: n for name, n in self.in_flight.counts.items() if n}
+        self.link.send(Report(snapshot_seq=self.view.snapshot.seq, in_flight=self._reported_in_flight,
+                              requests_in_flight=self.server.statistics().requests_in_flight,
+                              metrics=export_state(self.metrics.registry), samples=self.telemetry.take(),
+                              data_in_use=pool.in_use, data_waiting=pool.waiting))
+
+
+def others_in_flight(totals: dict[str, int], own_reported: dict[str, int]) -> dict[str, int]:
+    """The other workers' share: the router-wide totals less what this worker itself reported.
+
+    The totals already include this worker's last report; counting it again
+    would make its own engines look busier than they are.
+    """
+    return {name: total - own_reported.get(name, 0) for name, total in totals.items()
+            if total > own_reported.get(name, 0)}
 
 
 async def _stop_on_signal(current: Any) -> None:
