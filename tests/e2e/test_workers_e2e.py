@@ -120,11 +120,21 @@ async def test_a_dead_engine_is_ejected_after_eject_after_failures_summed_over_w
                 failures += 1
     # Three connection failures eject d1 whichever worker (or health check) saw them; a
     # snapshot round trip may let a request or two more through before every worker has it.
+        # Ejected everywhere: from here on no worker places on d1.
+        for _ in range(10):
+            body = {"model": "mock-model", "prompt": "hi", "max_tokens": 4}
+            assert (await client.post(f"{fleet.url}/v1/completions", json=body)).status_code == 200
     ejections = fleet.router.events("engine_ejected", engine="d1")
     assert len(ejections) == 1, ejections
-    assert 1 <= failures <= 5, (failures, ejections)
+    assert ejections[0]["ejection_cause"] == "connection"
+    assert ejections[0]["reason"] == "connection streak reached 3 (eject_after 3)"
+    # Each failure a client saw was logged by the worker that served it and counted once by
+    # the controller: the controller's streak is the sum over workers. (A worker may place
+    # one more request on d1 before the ejection's snapshot reaches it, so not exactly 3.)
     failure_lines = fleet.router.events("engine_failure", engine="d1")
-    assert {line.get("worker") for line in failure_lines} <= {0, 1, None}
+    assert {line["worker"] for line in failure_lines} <= {0, 1}
+    counters = (await fleet.client.get(f"{fleet.url}/admin/engines/d1")).json()["engine"]["counters"]
+    assert failures == len(failure_lines) == counters["failures"]["connection"] >= 3, (failures, failure_lines)
 
 
 async def test_a_killed_worker_is_replaced_while_serving_continues(start_fleet) -> None:
@@ -134,18 +144,16 @@ async def test_a_killed_worker_is_replaced_while_serving_continues(start_fleet) 
     victim = started[0]["pid"]
     os.kill(victim, signal.SIGKILL)
     await fleet.router.wait_event("worker_exited", timeout_s=10.0, worker=1)
-    ok = 0
+    # While worker 1 is down (and restarting), every new client is served whole by worker 0.
     limits = httpx.Limits(max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=30.0, limits=limits) as client:
-        for _ in range(20):
-            await _stream(client, fleet.url, tokens=4)
-            ok += 1
+        texts = [await _stream(client, fleet.url, tokens=4) for _ in range(20)]
+    assert all(text.rstrip().endswith("data: [DONE]") and text.count("data: {") >= 4 for text in texts)
 
     async def replaced() -> bool:
         return len(fleet.router.events("worker_started", worker=1)) >= 2
 
     await _wait(replaced)
-    assert ok == 20
 
     async def both_up() -> bool:
         text = (await fleet.client.get(f"{fleet.url}/metrics")).text
