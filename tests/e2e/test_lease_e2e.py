@@ -9,6 +9,7 @@ time.monotonic(), shared by the processes of this host).
 
 from __future__ import annotations
 
+import base64
 import itertools
 import json
 import os
@@ -281,6 +282,33 @@ async def test_sigterm_hands_the_lease_over_before_exit_without_stray_files(pair
     # write_atomic's temporary files (".lease.json.<pid>.<hex>.tmp"), beside the lease and the handoffs.
     leftovers = [path.name for path in pair.tmp_path.rglob(".*.tmp")]
     assert not leftovers
+
+
+async def test_a_deleted_lease_record_never_gives_two_serving_routers(pair: Pair) -> None:
+    active, standby = await pair.start_active_and_standby()
+    # rm lease.json, or etcdctl del --prefix (an etcd restored empty looks the same to us).
+    if pair.backend == "file":
+        (pair.tmp_path / "lease" / "lease.json").unlink()
+    else:
+        assert pair.etcd is not None
+        key = base64.b64encode(b"/narwhal/test-lease").decode()
+        end = base64.b64encode(b"/narwhal/test-leasf").decode()
+        deleted = await pair.client.post(f"{pair.etcd.url}/v3/kv/deleterange", json={"key": key, "range_end": end})
+        assert deleted.status_code == 200
+    # The holder finds its record gone at its next renewal and fences at once.
+    fenced = await active.wait_event("fenced", timeout_s=TTL_S + 5.0, holder="ra")
+    assert fenced and fenced[0]["reason"].startswith("lease lost")
+
+    async def someone_serves_again() -> bool:
+        return any(router.events("lease_acquired", epoch=2) for router in (active, standby))
+
+    await wait_until(someone_serves_again, timeout_s=TTL_S * 2 + 5.0, what="a new term after the deletion")
+    assert_no_overlap(active, standby)
+    # Epochs identify terms: the new one is 2, never 1 again.
+    epochs = [line["epoch"] for router in (active, standby) for line in router.events("lease_acquired")]
+    assert sorted(epochs) == [1, 2]
+    served = [router for router in (active, standby) if router.events("lease_acquired", epoch=2)]
+    assert (await pair.client.post(f"{served[0].url}/v1/completions", json=REQUEST)).status_code == 200
 
 
 async def test_a_degraded_active_yields_to_the_standby_after_the_ready_failure_threshold(pair: Pair) -> None:
