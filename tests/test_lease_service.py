@@ -508,3 +508,41 @@ async def test_a_degraded_standby_neither_acquires_nor_requests_a_takeover(
     for _ in range(6):
         await rig.service.tick()
     assert backend.record.takeover is None and not events(caplog, "takeover_requested")  # break 1
+
+
+async def test_a_router_that_yielded_does_not_report_its_own_documents_as_skipped(
+        autojump_clock: MockClock, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    backend = MemoryBackend()
+    rig = Rig(tmp_path, backend)
+    await rig.service.tick()
+    await rig.stage.run(1)
+    backend.handoff = Path(rig.stage.path).read_bytes()  # our own document, epoch 1
+    await rig.service.release("takeover requested by r2")
+    backend.record = LeaseRecord(holder="r2", epoch=2, expires_at=1e9)
+    await rig.service.tick()
+    assert rig.service.role is Role.STANDBY and not events(caplog, "handoff_skipped")
+    # The same router id after a restart held no term: its old document is another term's.
+    restarted = Rig(tmp_path, backend)
+    await restarted.service.tick()
+    assert events(caplog, "handoff_skipped")[0]["holder"] == "r1"
+
+
+async def test_a_restarted_router_takes_over_its_predecessors_last_handoff(
+        autojump_clock: MockClock, tmp_path: Path) -> None:
+    # The same router id, restarted after a crash: its predecessor's record and handoff are
+    # another process's term, to be applied when it takes the lease again (a drain survives).
+    backend = MemoryBackend()
+    writer = Rig(tmp_path, MemoryBackend(), router_id="r1")
+    writer.fleet.add_hold("d1", HoldKind.OPERATOR_DRAIN, "operator drain", trio.current_time())
+    writer.stage.extra = lambda: HandoffExtra(lease=LeaseOwnership(holder="r1", epoch=3))
+    backend.handoff = handoff.encode_document(writer.stage.document(9))
+    backend.record = LeaseRecord(holder="r1", epoch=3, expires_at=RENEW_S)
+    rig = Rig(tmp_path, backend)
+    await rig.service.tick()
+    assert rig.service.role is Role.STANDBY
+    await trio.sleep_until(RENEW_S)
+    await rig.service.tick()
+    assert rig.service.role is Role.ACTIVE and rig.service.holding.epoch == 4
+    assert (rig.service.applied_epoch, rig.service.applied_pass) == (3, 9)
+    assert [view.name for view in rig.fleet.views(trio.current_time()) if not view.eligible] == ["d1"]

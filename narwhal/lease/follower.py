@@ -36,9 +36,10 @@ class Restorable(Protocol):
 class HandoffFollower:
     """Applies the followed term's handoff documents to this router's fleet."""
 
-    def __init__(self, *, config: Config, fleet: Restorable, where: str,
+    def __init__(self, *, config: Config, fleet: Restorable, router_id: str, where: str,
                  clock: Callable[[], float], wall_clock: Callable[[], float]) -> None:
         self.config = config
+        self.router_id = router_id
         self.fleet = fleet
         self.where = where
         self.clock = clock
@@ -47,6 +48,8 @@ class HandoffFollower:
         self.term: tuple[str, int] | None = None
         self.applied_epoch = 0
         self.applied_pass: int | None = None
+        # Epochs this process held (a restarted router with the same id held none of them).
+        self.own_terms: set[int] = set()
         self._last_seen: bytes | None = None
         self._following: tuple[str, int] | None = None
 
@@ -70,6 +73,8 @@ class HandoffFollower:
                       reason=f"handoff not applied: {exc}")
             return
         written_by = (document.lease.holder, document.lease.epoch)
+        if written_by[0] == self.router_id and written_by[1] in self.own_terms:
+            return  # written by this process in a term it held: its fleet state is that already
         if self.term is None or written_by != self.term:
             followed = "nobody" if self.term is None else f"{self.term[0]} epoch {self.term[1]}"
             log_event("handoff_skipped", level=logging.WARNING, path=self.where, holder=written_by[0],

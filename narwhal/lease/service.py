@@ -133,7 +133,8 @@ class LeaseService:
         self._wake = trio.Event()
         # The fencing deadline on time.monotonic(), for the handoff writer's thread.
         self._deadline_mono = -math.inf
-        self.follower = HandoffFollower(config=config, fleet=fleet, where=f"{backend.name} handoff",
+        self.follower = HandoffFollower(config=config, fleet=fleet, router_id=router_id,
+                                        where=f"{backend.name} handoff",
                                         clock=clock, wall_clock=wall_clock)
         self.watcher = HolderWatcher(router_id=router_id, threshold=lease.takeover_ready_failures,
                                      http=self._http, timeout_s=lambda: self.call_timeout_s,
@@ -497,18 +498,21 @@ class LeaseService:
         if last is None:
             return True  # nobody was seen holding it: a fresh start
         now = self.clock()
+        first_look = self._missing_since is None
         if self._missing_since is None:
             self._missing_since = now
-            log_event("lease_record_missing", level=logging.WARNING, holder=last.holder, epoch=last.epoch,
-                      reason="the lease record was deleted or expired",
-                      wait_s=self.ttl_s)
         if now >= self._missing_since + self.ttl_s:
             return True
         try:
-            return bool(await self._call("a term check", lambda: self.backend.term_over(last)))
+            if await self._call("a term check", lambda: self.backend.term_over(last)):
+                return True  # an expiry or a release: the holder stopped serving
         except LeaseBackendError as exc:
             self._backend_failed(str(exc))
-            return False
+        if first_look:
+            log_event("lease_record_missing", level=logging.WARNING, holder=last.holder, epoch=last.epoch,
+                      reason="the lease record vanished while its holder may still be serving",
+                      wait_s=round(self._missing_since + self.ttl_s - now, 3))
+        return False
 
     async def _stand_by(self) -> None:
         may_acquire = (not self.stopping and self.clock() >= self._no_acquire_until
@@ -544,8 +548,11 @@ class LeaseService:
             self._queue_release(record, self.clock() + self.ttl_s, "an abandoned acquisition landed late")
             await self._try_release()
         self.holding.observed(record)
-        if record is not None and record.holder and record.holder != self.router_id:
-            self.record = record
+        if record is not None and record.holder and (
+                record.holder != self.router_id or record.epoch not in self.follower.own_terms):
+            # Another router's term; or ours from before a restart, which this process never held.
+            if record.holder != self.router_id:
+                self.record = record
             self._last_held = record
             self.follower.follow(record.holder, record.epoch)
         self._refresh_refusal()
@@ -570,6 +577,7 @@ class LeaseService:
         # The last handoff the previous holder wrote, before anything is admitted.
         await self.follow_handoff()
         self.holding.acquired(record.epoch, sent_at)
+        self.follower.own_terms.add(record.epoch)
         self.record = record
         self._note_epoch(record)
         self._last_held = None
