@@ -7,9 +7,14 @@ handoff write from a writer whose lease is gone.
 
 from __future__ import annotations
 
+import base64
+import fcntl
+import os
+import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
 
@@ -17,6 +22,7 @@ from narwhal.lease.backend import LeaseBackendError
 from narwhal.lease.etcd_backend import EtcdLeaseBackend
 from narwhal.lease.file_backend import FileLeaseBackend
 from narwhal.lease.rules import TakeoverRequest
+from narwhal.state import handoff
 from tests.etcd_server import start_etcd
 
 
@@ -152,8 +158,6 @@ async def test_etcd_tries_each_endpoint_in_turn_and_says_when_none_answers(tmp_p
 
 
 async def test_file_backend_gives_up_on_a_lock_held_too_long(tmp_path: Path) -> None:
-    import fcntl
-    import os
 
     backend = FileLeaseBackend(path=tmp_path / "lease.json", handoff_path=tmp_path / "h.json", ttl_s=2.0,
                                lock_timeout_s=0.2)
@@ -168,7 +172,6 @@ async def test_file_backend_gives_up_on_a_lock_held_too_long(tmp_path: Path) -> 
 
 
 async def _etcd_post(url: str, path: str, body: dict) -> dict:
-    import httpx
 
     async with httpx.AsyncClient(timeout=5.0) as client:
         response = await client.post(f"{url}{path}", json=body)
@@ -177,7 +180,6 @@ async def _etcd_post(url: str, path: str, body: dict) -> dict:
 
 
 def _b64(text: str) -> str:
-    import base64
 
     return base64.b64encode(text.encode()).decode()
 
@@ -240,9 +242,7 @@ async def test_an_etcd_record_put_by_hand_without_a_lease_expires_after_ttl(tmp_
                                monotonic=lambda: now[0])
     try:
         record = b'{"holder":"rx","epoch":3,"advertise_url":"http://127.0.0.1:1"}'
-        import base64
-
-        await _etcd_post(etcd.url, "/v3/kv/put", {"key": _b64("/t/lease"), "value": base64.b64encode(record).decode()})
+        await _etcd_post(etcd.url, "/v3/kv/put", {"key": _b64("/t/lease"), "value": _b64(record)})
         held = await backend.acquire("rb", "http://127.0.0.1:2")
         assert not held.acquired and held.record.holder == "rx" and held.record.lease_id == 0
         now[0] += 1.9
@@ -259,10 +259,7 @@ async def test_an_etcd_record_put_by_hand_without_a_lease_expires_after_ttl(tmp_
 
 
 async def test_an_abandoned_lease_file_write_never_lands_later(tmp_path: Path, monkeypatch) -> None:
-    import os
-    import threading
 
-    from narwhal.state import handoff
 
     backend = FileLeaseBackend(path=tmp_path / "lease.json", handoff_path=tmp_path / "h.json", ttl_s=2.0)
     stalled, resume = threading.Event(), threading.Event()

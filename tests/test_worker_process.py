@@ -17,6 +17,7 @@ import trio.testing
 
 from narwhal.config import Config, EngineSpec
 from narwhal.errors import FailureClass
+from narwhal.fleet.placement import pick_least_outstanding
 from narwhal.http1.server import Request
 from narwhal.workers.link import LinkClosed
 from narwhal.workers.process import WorkerSet
@@ -84,8 +85,6 @@ async def test_a_worker_counts_the_others_in_flight_without_its_own_twice() -> N
     w.on_message(snapshot(1, in_flight={"d1": 5, "d2": 1}))
     assert w.in_flight.elsewhere == {"d1": 3, "d2": 1}
     # So d1 carries 5 router-wide and d2 1: placement picks d2 (issue 26, break 5).
-    from narwhal.fleet.placement import pick_least_outstanding
-
     assert all(pick_least_outstanding(["d1", "d2"], w.in_flight) == "d2" for _ in range(20))
 
 
