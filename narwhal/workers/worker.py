@@ -86,9 +86,8 @@ class Worker:
         self._forward_ids = itertools.count(1)
         self._forwards: dict[int, tuple[trio.Event, list[ForwardReply]]] = {}
         self._stopping = False
-        self.evidence_dropped = self.metrics.registry.counter(
-            "narwhal_worker_evidence_dropped",
-            "Engine evidence a worker could not send because its controller link was closed.")
+        # Evidence lost because the controller link closed (said on the first, counted on worker_stopped).
+        self.evidence_dropped = 0
 
     def _send_evidence(self, message: Any) -> None:
         try:
@@ -96,8 +95,8 @@ class Worker:
         except LinkClosed:
             # The controller is gone (the worker is closing admission): the evidence cannot
             # count toward any ejection. Say so once, count every one.
-            self.evidence_dropped.inc()
-            if self.evidence_dropped.get() == 1:
+            self.evidence_dropped += 1
+            if self.evidence_dropped == 1:
                 log_event("worker_evidence_dropped", level=logging.WARNING, engine=getattr(message, "engine", None),
                           reason=f"controller link closed: {self.link.close_reason}")
 
@@ -299,6 +298,6 @@ async def run_worker(index: int, control_fd: int, listen_fds: list[int]) -> None
                         await link.flush()
                 except LinkClosed:
                     pass
-            log_event("worker_stopped")
+            log_event("worker_stopped", evidence_dropped=worker.evidence_dropped)
             flush_logs()
             nursery.cancel_scope.cancel()
