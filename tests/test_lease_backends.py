@@ -172,16 +172,14 @@ async def test_file_backend_gives_up_on_a_lock_held_too_long(tmp_path: Path) -> 
 
 
 async def _etcd_post(url: str, path: str, body: dict) -> dict:
-
     async with httpx.AsyncClient(timeout=5.0) as client:
         response = await client.post(f"{url}{path}", json=body)
         assert response.status_code == 200, response.text
         return response.json()
 
 
-def _b64(text: str) -> str:
-
-    return base64.b64encode(text.encode()).decode()
+def _b64(text: str | bytes) -> str:
+    return base64.b64encode(text.encode() if isinstance(text, str) else text).decode()
 
 
 async def delete_everything(make, backend) -> None:
