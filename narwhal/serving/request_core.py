@@ -148,7 +148,8 @@ class _Outcome:
     """What one request did, for its log line and metrics."""
 
     __slots__ = ("status", "prefill", "decode", "ttft_s", "tokens", "error_class", "attempts",
-                 "error_engine", "inter_token_s", "continuations", "continuing")
+                 "error_engine", "inter_token_s", "continuations", "continuing",
+                 "join_gap_s")
 
     def __init__(self) -> None:
         self.status = 0
@@ -163,6 +164,8 @@ class _Outcome:
         self.continuations = 0
         # A continuable failure happened and its continuation has not finished yet.
         self.continuing = False
+        # The longest wait a client saw at a join of this request.
+        self.join_gap_s: float | None = None
 
 
 def _sse_error(message: str, type_: str, code: str | None) -> bytes:
@@ -282,6 +285,7 @@ class RequestCore:
             duration_ms=round(duration_s * 1000, 3),
             attempts=outcome.attempts,
             continuations=outcome.continuations,
+            join_gap_ms=None if outcome.join_gap_s is None else round(outcome.join_gap_s * 1000, 3),
             error=outcome.error_class,
         )
 
@@ -626,7 +630,9 @@ class RequestCore:
             if not join.continuing:
                 outcome.ttft_s = now - started_at
             elif join.last_relay_at is not None:
-                self.metrics.join_gap.observe(now - join.last_relay_at)
+                gap = now - join.last_relay_at
+                self.metrics.join_gap.observe(gap)
+                outcome.join_gap_s = max(gap, outcome.join_gap_s or 0.0)
 
         def on_gap(gap: float) -> None:
             observe_gap(gap)
