@@ -494,3 +494,21 @@ def test_a_join_rewrites_a_continuations_events_into_the_first_legs_stream():
     assert join2.feed(b'data: {"id":"c","choices":[{"text":"')[0] == b""
     assert join2.feed(b' z"}]}\n\n')[0].startswith(b"data: ")
     assert join2.output_text == " z"
+
+
+async def test_a_fleet_with_one_decode_engine_ends_the_stream_at_once(autojump_clock):
+    # The continuation may not go back to the engine that broke the stream; with no other decode
+    # engine configured, waiting until the deadline could not help.
+    one_decode = CONFIG.format(max_attempts=3, continue_streams="true").split('[[engines]]\nname = "d2"')[0]
+    config = parse_config(one_decode)
+    engines = {s.name: MockEngine(MockSettings(role=s.role, engine_id=s.name, numbered=True)) for s in config.engines}
+    pool = MockPool(engines)
+    metrics = RouterMetrics()
+    core = RequestCore(config=config, supervisor=Supervisor(["d1"]), data_pool=pool,
+                       in_flight=InFlight(e.name for e in config.engines), admission=Admission(), metrics=metrics)
+    pool.cuts = [2]
+    sink = ClientSink()
+    await core.handle(COMPLETIONS, request_body(COMPLETIONS), None, sink)
+    assert sink.events()[-1]["error"]["code"] == "stream"
+    assert metrics.continuations.values == {("not_eligible",): 1}
+    assert trio.current_time() == 0.0

@@ -200,6 +200,7 @@ class RequestCore:
         self._bounded = config.serving.policy == "bounded"
         self._max_attempts = config.serving.max_attempts if self._bounded else 1
         self._continue_streams = self._bounded and config.serving.continue_streams
+        self._decode_engines = frozenset(spec.name for spec in config.engines if spec.role == "decode")
         self._count_tokens = config.serving.count_tokens
         self._max_handoff_bytes = config.engine.max_handoff_bytes
         self._ids = itertools.count(1)
@@ -373,6 +374,11 @@ class RequestCore:
         if not queued and outcome.attempts >= self._max_attempts:
             self.metrics.continuations.inc("exhausted")
             log_event("stream_not_continued", request_id=rid, reason="max_attempts")
+            raise failed.error from None
+        if failed.stage == "decode" and not self._decode_engines - {failed.engine}:
+            # The continuation may not go back to the engine that failed, and there is no other.
+            self.metrics.continuations.inc("not_eligible")
+            log_event("stream_not_continued", request_id=rid, reason="no_other_decode_engine")
             raise failed.error from None
 
     def _validate(self, route: str, body: bytes) -> dict[str, Any]:
