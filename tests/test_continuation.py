@@ -512,3 +512,15 @@ async def test_a_fleet_with_one_decode_engine_ends_the_stream_at_once(autojump_c
     assert sink.events()[-1]["error"]["code"] == "stream"
     assert metrics.continuations.values == {("not_eligible",): 1}
     assert trio.current_time() == 0.0
+
+
+async def test_a_token_id_prompt_without_output_ids_cannot_be_resumed_from_text():
+    core, _, pool, _, metrics = make(decode=("d1", "d2"), return_ids=False)
+    pool.cuts = [3]
+    sink = ClientSink()
+    await core.handle(COMPLETIONS, request_body(COMPLETIONS, prompt=[5, 6, 7]), None, sink)
+    events = sink.events()
+    assert events[-1]["error"]["code"] == "not_continued" and "[DONE]" not in events
+    assert numbers(text_of(events[:-1], False)) == [3, 4, 5]
+    assert len(decode_calls(pool)) == 1
+    assert metrics.continuations.values == {("not_eligible",): 1}
