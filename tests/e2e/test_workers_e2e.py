@@ -283,3 +283,32 @@ async def test_workers_fence_on_their_own_clock_when_the_controller_freezes(star
     # Nobody else holds the lease: the controller takes it anew and the workers admit again.
     await _wait(lambda: _ready(fleet), timeout_s=20.0)
     assert (await fleet.client.post(f"{fleet.url}/v1/completions", json=body)).status_code == 200
+
+
+async def test_clients_under_the_total_cap_are_all_served_however_the_kernel_spreads_them(start_fleet) -> None:
+    # serving.max_client_connections is per worker (2 x 12 here). The kernel spreads accepts
+    # unevenly; a worker at its cap must leave new clients to its sibling, not refuse them.
+    sections = {"serving": {"workers": 2, "shutdown_grace_s": 2.0, "max_client_connections": 12}}
+    fleet = await start_fleet(prefill=1, decode=1, sections=sections, mock_args=["--tokens", "2"])
+    await _wait(lambda: _ready(fleet))
+    port = int(fleet.url.rsplit(":", 1)[1])
+    streams: list[trio.SocketStream] = []
+    statuses: list[bytes] = []
+    try:
+        with trio.fail_after(30):
+            for _ in range(22):
+                # Each client keeps its connection (its slot) after its answer, as keep-alive clients do.
+                stream = await trio.open_tcp_stream("127.0.0.1", port)
+                streams.append(stream)
+                await stream.send_all(b"GET /ready HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
+                answer = b""
+                while b"\r\n\r\n" not in answer:
+                    chunk = await stream.receive_some(4096)
+                    assert chunk, answer
+                    answer += chunk
+                statuses.append(answer.split(b"\r\n", 1)[0])
+    finally:
+        for stream in streams:
+            await stream.aclose()
+    assert statuses == [b"HTTP/1.1 200 OK"] * 22, statuses
+    assert not fleet.router.events("http_connections_capped")
