@@ -76,8 +76,8 @@ class Worker:
                                   wait_for_slot=config.serving.policy == "bounded", via=f"1.1 {welcome.via_token}",
                                   ssl_context=self.tls.engine)
         self.core = RequestCore(config=config, supervisor=self.view, data_pool=self.data_pool,
-                                in_flight=self.in_flight, admission=self.view,  # type: ignore[arg-type]
-                                metrics=self.metrics, telemetry=self.telemetry)  # type: ignore[arg-type]
+                                in_flight=self.in_flight, admission=self.view,
+                                metrics=self.metrics, telemetry=self.telemetry)
         self.front = Front(self.core, self._serve_rest, via_token=welcome.via_token,
                            admin_elsewhere=config.admin.listen is not None)
         self.server = build_front_server(config, self.front, self.tls.server)
