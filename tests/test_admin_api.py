@@ -126,7 +126,7 @@ async def harness(nursery: trio.Nursery, tmp_path: Path):
     yield make
     for router in routers:
         await router.control_pool.aclose()
-        await router.data_pool.aclose()
+        await router.data_plane.data_pool.aclose()
     mocks.stop_all()
 
 

@@ -33,13 +33,13 @@ def router(policy: str = "saturate") -> Router:
 
 def test_data_pool_is_bounded_by_serving_max_connections_and_control_pool_by_control_connections():
     built = router()
-    assert built.data_pool.statistics().max_connections == 7
+    assert built.data_plane.data_pool.statistics().max_connections == 7
     assert built.control_pool.statistics().control_connections == 3
 
 
 @pytest.mark.parametrize(("policy", "queues"), [("saturate", False), ("bounded", True)])
 async def test_only_bounded_serving_queues_for_a_data_connection(autojump_clock, policy, queues):
-    pool = router(policy).data_pool
+    pool = router(policy).data_plane.data_pool
     limiter = trio.CapacityLimiter(1)
     await limiter.acquire()
     with trio.move_on_after(10):
@@ -79,9 +79,10 @@ async def test_health_checks_and_suspect_verification_use_the_control_pool(nurse
     config = msgspec.structs.replace(config, serving=msgspec.structs.replace(config.serving, max_connections=1))
     built = Router(config)
     traffic = object()
-    await built.data_pool._limiter.acquire_on_behalf_of(traffic)
+    data_pool = built.data_plane.data_pool
+    await data_pool._limiter.acquire_on_behalf_of(traffic)
     try:
-        assert built.data_pool.statistics().in_use == built.data_pool.statistics().max_connections == 1
+        assert data_pool.statistics().in_use == data_pool.statistics().max_connections == 1
         with trio.fail_after(30):
             async with trio.open_nursery() as running:
                 await running.start(built.supervisor.run)
@@ -100,9 +101,9 @@ async def test_health_checks_and_suspect_verification_use_the_control_pool(nurse
         assert d1.requests["/health"] >= 4 and d1.decode == 1
         assert mocks.services["p1"].engine.stats.prefill == 1
         # None of it took a data connection: ours is still the only one in use.
-        assert built.data_pool.statistics().in_use == 1
+        assert built.data_plane.data_pool.statistics().in_use == 1
     finally:
-        built.data_pool._limiter.release_on_behalf_of(traffic)
+        built.data_plane.data_pool._limiter.release_on_behalf_of(traffic)
         await built.control_pool.aclose()
-        await built.data_pool.aclose()
+        await built.data_plane.data_pool.aclose()
         mocks.stop_all()
