@@ -27,6 +27,7 @@ import trio
 
 from narwhal.app.admin_routes import register_admin_routes
 from narwhal.app.control_app import create_app
+from narwhal.clocks import to_monotonic
 from narwhal.config import Config, ConfigError, parse_listen
 from narwhal.control.engine_view import EngineViewer
 from narwhal.control.fleet_writer import FleetWriter
@@ -49,7 +50,7 @@ from narwhal.stages.persistence import HandoffExtra, PersistenceStage
 from narwhal.state.handoff import LeaseOwnership
 from narwhal.state.resume import apply_resume, plan_resume
 from narwhal.tls import TLSContexts
-from narwhal.workers.hub import WorkerHub, monotonic_offset
+from narwhal.workers.hub import WorkerHub
 from narwhal.workers.plane import WorkerDataPlane
 from narwhal.workers.process import WorkerSet
 from narwhal.workers.view import WorkerView
@@ -159,7 +160,8 @@ class Router:
         self.worker_count = config.serving.workers
         self.hub = WorkerHub(self.supervisor, self.admission, engines=[spec.name for spec in config.engines],
                              clock=trio.current_time,
-                             to_link_clock=None if self.worker_count == 1 else monotonic_offset(trio.current_time),
+                             to_link_clock=None if self.worker_count == 1
+                             else functools.partial(to_monotonic, clock=trio.current_time),
                              record_sample=self.telemetry.record_request, share_in_flight=self.worker_count > 1)
         self.data_plane = self._build_data_plane(config_dir)
         self.in_flight = self.data_plane.in_flight
