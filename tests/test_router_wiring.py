@@ -8,6 +8,8 @@ from narwhal.config import parse_config
 from narwhal.errors import PoolSaturated, StartupError
 from narwhal.pools.classify import pool_slot
 from narwhal.router import Router, preflight
+from narwhal.serving.data_plane import LocalDataPlane
+from narwhal.workers.plane import WorkerDataPlane
 from tests.test_admin_api import fleet_config, start_mock_fleet
 
 CONFIG = """
@@ -49,6 +51,20 @@ async def test_only_bounded_serving_queues_for_a_data_connection(autojump_clock,
     # The default policy reports saturation at once; bounded waits until its deadline.
     assert trio.current_time() == (pytest.approx(10 - 0.05) if queues else 0)
 
+
+
+@pytest.mark.parametrize(("workers", "plane", "capacity"), [(1, LocalDataPlane, 7), (2, WorkerDataPlane, 14)])
+async def test_one_data_plane_in_this_process_or_in_workers_and_every_reader_counts_its_in_flight(
+        workers, plane, capacity):
+    built = Router(parse_config(CONFIG.format(policy="saturate").replace(
+        "[serving]\n", f"[serving]\nworkers = {workers}\n")))
+    assert isinstance(built.data_plane, plane)
+    # Drains, readmission and the admin view read the plane's counts (the hub's sums with workers).
+    assert built.in_flight is built.data_plane.in_flight
+    assert built.readmitter.in_flight is built.stages.drain.in_flight is built.engine_view.in_flight is built.in_flight
+    # The pool gauge sums every data pool: max_connections per process.
+    assert f'narwhal_pool_connections{{pool="data",state="capacity"}} {capacity}' in built.metrics.render()
+    assert ('narwhal_worker_up{worker="1"}' in built.metrics.render()) is (workers == 2)
 
 
 def test_the_handoff_defaults_to_the_state_directory_and_persistence_and_resume_use_it(tmp_path, monkeypatch):
