@@ -18,7 +18,6 @@ worker knew of it.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
@@ -242,12 +241,3 @@ class WorkerHub:
         """Republish when the fleet's eligibility changed (the cheap check after evidence and before reads)."""
         if self._published_version is None or self._control.state_version() != self._published_version:
             self.publish()
-
-
-def monotonic_offset(control_clock: Callable[[], float]) -> Callable[[float], float]:
-    """Map control-clock instants (trio's clock) to CLOCK_MONOTONIC, which every process shares."""
-
-    def convert(t: float) -> float:
-        return t - control_clock() + time.monotonic()
-
-    return convert
