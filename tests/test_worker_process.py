@@ -76,16 +76,16 @@ def snapshot(seq: int, **fields: Any) -> Snapshot:
 async def test_a_worker_counts_the_others_in_flight_without_its_own_twice() -> None:
     link = FakeLink()
     w = worker(link)
-    w.in_flight.acquire("d1")
-    w.in_flight.acquire("d1")
+    w.plane.in_flight.acquire("d1")
+    w.plane.in_flight.acquire("d1")
     w.send_report()
     report = link.sent[-1]
     assert isinstance(report, Report) and report.in_flight == {"d1": 2}
     # The controller's totals include these two: the others have 3 on d1 and 1 on d2.
     w.on_message(snapshot(1, in_flight={"d1": 5, "d2": 1}))
-    assert w.in_flight.elsewhere == {"d1": 3, "d2": 1}
+    assert w.plane.in_flight.elsewhere == {"d1": 3, "d2": 1}
     # So d1 carries 5 router-wide and d2 1: placement picks d2 (issue 26, break 5).
-    assert all(pick_least_outstanding(["d1", "d2"], w.in_flight) == "d2" for _ in range(20))
+    assert all(pick_least_outstanding(["d1", "d2"], w.plane.in_flight) == "d2" for _ in range(20))
 
 
 async def test_evidence_after_the_controller_left_is_counted_and_said_once(caplog: pytest.LogCaptureFixture) -> None:
