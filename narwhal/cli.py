@@ -125,7 +125,7 @@ def _serve(args: argparse.Namespace) -> int:
     from narwhal.router import Router
 
     try:
-        router = Router(config, listen=args.listen, resume=args.resume, config_dir=Path(args.config).parent)
+        router = Router(config, listen=args.listen, resume=args.resume, config_path=Path(args.config))
     except ConfigError as exc:
         # A certificate that changed between reading the config and starting.
         print(f"narwhal: config error: {args.config}: {exc}", file=sys.stderr)
@@ -163,7 +163,10 @@ def _startup_error(exc: BaseException) -> StartupError | None:
 
 
 async def run_until_signal(router) -> None:
-    """Run ``router``; the first SIGTERM/SIGINT drains it, a second one stops at once; SIGHUP reloads TLS files."""
+    """Run ``router``; the first SIGTERM/SIGINT drains it, a second one stops at once; SIGHUP reloads.
+
+    SIGHUP reads the config file again (``Router.reload``) and then the TLS files.
+    """
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async with trio.open_nursery() as nursery:
 
@@ -172,7 +175,7 @@ async def run_until_signal(router) -> None:
                 async for signum in signals:
                     log_event("signal", signal=signal.Signals(signum).name)
                     if signum == signal.SIGHUP:
-                        await router.reload_tls()
+                        await router.reload()
                         continue
                     count += 1
                     if count == 1:

@@ -8,7 +8,8 @@ hypercorn admin listener, the data plane and the lease. ``shutdown`` closes
 admission, stops accepting, lets in-flight requests finish within the grace
 period, then cancels the rest. ``reload_tls`` (SIGHUP) is the one reload path:
 this process's contexts, then the data plane's (each worker's), and
-``tls_reloaded`` only once every part reloaded.
+``tls_reloaded`` only once every part reloaded. ``reload`` (SIGHUP, ``POST
+/admin/reload``) reads the config file again first and applies its reloadable keys.
 """
 
 from __future__ import annotations
@@ -21,18 +22,21 @@ import secrets
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import msgspec
 import trio
 
 from narwhal.app.admin_routes import register_admin_routes
 from narwhal.app.control_app import create_app
 from narwhal.clocks import to_monotonic
-from narwhal.config import Config, ConfigError, parse_listen
+from narwhal.config import Config, ConfigError, load_config, parse_listen
+from narwhal.config_diff import diff_configs, merge_reloadable
 from narwhal.control.engine_view import EngineViewer
 from narwhal.control.fleet_writer import FleetWriter
 from narwhal.control.monitor import Monitor
 from narwhal.control.readmission import Readmitter
+from narwhal.control.reload import ReloadError, ReloadOutcome, split_config_error
 from narwhal.control.supervisor import Supervisor
 from narwhal.errors import StartupError
 from narwhal.fleet import Fleet
@@ -127,8 +131,15 @@ class Router:
     """
 
     def __init__(self, config: Config, *, listen: str | None = None, resume: bool = False,
-                 config_dir: Path | None = None) -> None:
+                 config_dir: Path | None = None, config_path: Path | None = None) -> None:
         self.config = config
+        # The file a reload (SIGHUP, POST /admin/reload) reads again; None: reloads only TLS.
+        self.config_path = config_path
+        if config_dir is None and config_path is not None:
+            config_dir = config_path.parent
+        self.config_dir = config_dir
+        # One reload at a time: SIGHUP and POST /admin/reload may come together.
+        self._reload_lock = trio.Lock()
         self.listen = listen or config.serving.listen
         self.resume = resume
         self.router_id = config.lease.router_id or f"{socket.gethostname()}-{os.getpid()}"
@@ -397,6 +408,61 @@ class Router:
         # The data plane returns once shutdown has drained it; everything else stops with it.
         await self.data_plane.run(listeners, task_status=task_status)
         nursery.cancel_scope.cancel()
+
+    async def reload(self) -> ReloadOutcome:
+        """SIGHUP and ``POST /admin/reload``: read the config file again, apply what may change, reload TLS.
+
+        A file that fails to load or validate changes nothing (TLS included):
+        one ``config_reload_failed`` event names the file, the key and the
+        problem. Otherwise the reloadable keys (``narwhal.config_diff``) take
+        effect, the others keep their running values, and ``config_reloaded``
+        lists both; then the TLS files are read again as before.
+        """
+        async with self._reload_lock:
+            if self.config_path is None:
+                tls = await self._reload_tls_if_configured()
+                return ReloadOutcome(file="", reloaded=False, tls=tls,
+                                     error=ReloadError(file="", key=None, problem="no config file to read again"))
+            file = str(self.config_path)
+            try:
+                new = load_config(self.config_path)
+                key = new.attestation_key_bytes(self.config_dir)
+            except ConfigError as exc:
+                error = split_config_error(str(exc), file)
+                log_event("config_reload_failed", level=logging.ERROR, file=file, key=error.key,
+                          problem=error.problem)
+                return ReloadOutcome(file=file, reloaded=False, error=error)
+            except OSError as exc:
+                error = ReloadError(file=file, key="fleet.attestation_key_file", problem=exc.strerror or str(exc))
+                log_event("config_reload_failed", level=logging.ERROR, file=file, key=error.key,
+                          problem=error.problem)
+                return ReloadOutcome(file=file, reloaded=False, error=error)
+            changes = diff_configs(self.config, new)
+            self._apply_config(merge_reloadable(self.config, new), key)
+            log_event("config_reloaded", level=logging.WARNING if changes.keys_needing_restart else logging.INFO,
+                      file=file, **msgspec.structs.asdict(changes))
+            tls = await self._reload_tls_if_configured()
+            return ReloadOutcome(file=file, reloaded=True, changes=changes, tls=tls)
+
+    def _apply_config(self, config: Config, attestation_key: bytes | None) -> None:
+        """Hand every part that reads a reloadable key the merged config (see ``RELOADABLE_KEYS``)."""
+        self.config = config
+        recovery = config.recovery
+        self.fleet.reconfigure(eject_after=recovery.eject_after, liveness_misses=recovery.liveness_misses,
+                               failure_quarantine_s=recovery.failure_quarantine_s,
+                               probe_interval_s=recovery.probe_interval_s)
+        self.readmitter.apply_config(config, attestation_key)
+        self.supervisor.config = config
+        self.engine_view.config = config
+        controller = config.controller
+        self.monitor.interval_s = controller.monitor_interval_s
+        self.monitor.stage_timeout_s = controller.stage_timeout_s
+        self.monitor.failure_limit = controller.monitor_failure_limit
+
+    async def _reload_tls_if_configured(self) -> Literal["reloaded", "failed", "skipped"]:
+        if not self.tls.configured:
+            return "skipped"
+        return "reloaded" if await self.reload_tls() else "failed"
 
     async def reload_tls(self) -> bool:
         """Read every certificate and key again and swap them in; connections open stay as they are.

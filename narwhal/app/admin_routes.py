@@ -5,6 +5,8 @@
     POST /admin/engines/{name}/maintenance  drain and record the maintenance start
     POST /admin/engines/{name}/readmit      run the readmission chain now: 200, or 409
                                             naming the check that failed and why
+    POST /admin/reload                      what SIGHUP does: 200 with what changed, or 422
+                                            naming the file, key and problem (nothing changed)
 
 Unknown engines get 404 with an OpenAI-style JSON error. The bearer-token check
 for every ``/admin/`` path is the app's (``narwhal.app.control_app``), not repeated here.
@@ -39,6 +41,17 @@ def register_admin_routes(app: QuartTrio, router: AppState) -> None:
     """Add the per-engine admin routes to ``app`` over ``router``'s readmitter and engine view."""
     readmitter = router.readmitter
     engine_view = router.engine_view.engine
+
+    @app.post("/admin/reload")
+    async def admin_reload() -> Response:
+        outcome = await router.reload()
+        if outcome.reloaded:
+            return _json(outcome)
+        assert outcome.error is not None
+        where = f"{outcome.error.key}: " if outcome.error.key else ""
+        message = f"config not reloaded, nothing changed: {outcome.error.file}: {where}{outcome.error.problem}"
+        error = msgspec.json.decode(error_json(message, "invalid_request_error", "config_reload_failed"))
+        return _json({**error, **msgspec.to_builtins(outcome)}, status=422)
 
     @app.get("/admin/engines/<name>")
     async def admin_engine(name: str) -> Response:

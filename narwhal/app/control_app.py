@@ -39,12 +39,14 @@ def create_app(router: AppState) -> QuartTrio:
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BODY_TIMEOUT"] = None
     app.config["MAX_CONTENT_LENGTH"] = router.config.serving.max_body_bytes
-    token = router.config.admin.token.encode() if router.config.admin.token else None
 
     @app.before_request
     async def _admin_auth() -> Response | None:
-        if token is None or not request.path.startswith("/admin/"):
+        # Read on every request: a config reload may set, change or remove the token.
+        configured = router.config.admin.token
+        if configured is None or not request.path.startswith("/admin/"):
             return None
+        token = configured.encode()
         given = request.headers.get("authorization", "")
         scheme, _, value = given.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token):

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from narwhal.config import Config
 from narwhal.control.engine_view import EngineEntry, EnginesView
 from narwhal.control.readmission import ReadmissionResult
+from narwhal.control.reload import ReloadOutcome
 from narwhal.lease.service import LeaseView
 
 __all__ = ["AppState", "EngineViews", "OperatorActions"]
@@ -58,6 +59,10 @@ class AppState(Protocol):
 
     def readiness(self) -> str | None:
         """None when this router should get traffic, else the one-line reason."""
+        ...
+
+    async def reload(self) -> ReloadOutcome:
+        """``POST /admin/reload``: what SIGHUP does (the config file again, then TLS)."""
         ...
 
     def lease_view(self) -> LeaseView:

@@ -186,6 +186,12 @@ class FleetWriter:
         self._fleet.readmit(name, now)
         self._publish()
 
+    def reconfigure(self, *, eject_after: int, liveness_misses: int, failure_quarantine_s: float | None,
+                    probe_interval_s: float) -> None:
+        """``Fleet.reconfigure`` (no event: the reload logs ``config_reloaded``)."""
+        self._fleet.reconfigure(eject_after=eject_after, liveness_misses=liveness_misses,
+                                failure_quarantine_s=failure_quarantine_s, probe_interval_s=probe_interval_s)
+
     def restore(self, records: Sequence[EngineRecord], now: float, wall_now: float) -> None:
         """``Fleet.restore``; verification holds whose probe was in flight are probed again at once."""
         self._fleet.restore(records, now, wall_now)

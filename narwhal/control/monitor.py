@@ -140,14 +140,18 @@ class Monitor:
         """Run passes at t0 + k * interval_s until cancelled; an overrun starts the next pass at once."""
         t0 = self.clock()
         slot = 0
+        interval = self.interval_s
         task_status.started()
         while True:
-            await trio.sleep_until(t0 + slot * self.interval_s)
+            await trio.sleep_until(t0 + slot * interval)
             await self.run_pass()
             slot += 1
+            if self.interval_s != interval:
+                # A config reload changed the period: a new grid from the pass just run.
+                t0, slot, interval = t0 + (slot - 1) * interval, 1, self.interval_s
             # Overran past the next slot: take the latest slot already due (so the
             # next pass starts now) and skip the missed ones; the grid stays put.
-            due = math.floor((self.clock() - t0) / self.interval_s)
+            due = math.floor((self.clock() - t0) / interval)
             slot = max(slot, due)
 
     async def run_pass(self) -> PassResult:

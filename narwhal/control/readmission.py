@@ -190,6 +190,12 @@ class Readmitter:
         running = ", ".join(sorted(name for name, lock in self._locks.items() if lock.locked()))
         return f"<Readmitter [running: {running or '-'} | last: {last or '-'}]>"
 
+    def apply_config(self, config: Config, attestation_key: bytes | None) -> None:
+        """A config reload: later checks use its fleet.generation, attestation key and probe interval."""
+        self.config = config
+        self._key = attestation_key
+        self._interval_s = config.recovery.probe_interval_s
+
     def knows(self, name: str) -> bool:
         """Whether ``name`` is a configured engine."""
         return name in self._specs

@@ -182,14 +182,12 @@ class Fleet:
                  liveness_misses: int, failure_quarantine_s: float | None,
                  probe_interval_s: float) -> None:
         """Track ``engines``, given as (name, role) pairs, all eligible at first."""
-        if eject_after < 1 or liveness_misses < 1:
-            raise ValueError("eject_after and liveness_misses must be >= 1")
-        if probe_interval_s <= 0 or (failure_quarantine_s is not None and failure_quarantine_s <= 0):
-            raise ValueError("probe_interval_s and failure_quarantine_s must be > 0")
         self._eject_after = eject_after
         self._liveness_limit = liveness_misses
         self._quarantine_s = failure_quarantine_s
         self._probe_interval_s = probe_interval_s
+        self.reconfigure(eject_after=eject_after, liveness_misses=liveness_misses,
+                         failure_quarantine_s=failure_quarantine_s, probe_interval_s=probe_interval_s)
         self._engines: dict[str, _Engine] = {}
         self._by_role: dict[str, list[_Engine]] = {role: [] for role in ROLES}
         for index, (name, role) in enumerate(engines):
@@ -210,6 +208,18 @@ class Fleet:
         self._eligibility_version = 0
         self._events: collections.deque[FleetEvent] = collections.deque(maxlen=EVENT_BACKLOG)
         self._events_dropped = 0
+
+    def reconfigure(self, *, eject_after: int, liveness_misses: int, failure_quarantine_s: float | None,
+                    probe_interval_s: float) -> None:
+        """Use new ``[recovery]`` values from now on (a config reload); streaks, holds, deadlines set stay."""
+        if eject_after < 1 or liveness_misses < 1:
+            raise ValueError("eject_after and liveness_misses must be >= 1")
+        if probe_interval_s <= 0 or (failure_quarantine_s is not None and failure_quarantine_s <= 0):
+            raise ValueError("probe_interval_s and failure_quarantine_s must be > 0")
+        self._eject_after = eject_after
+        self._liveness_limit = liveness_misses
+        self._quarantine_s = failure_quarantine_s
+        self._probe_interval_s = probe_interval_s
 
     def __repr__(self) -> str:
         counts = " | ".join(f"{role}: {len(self._eligible[role])}/{len(members)} eligible"

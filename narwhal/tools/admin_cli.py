@@ -1,4 +1,4 @@
-"""``python -m narwhal admin engines|drain NAME|maintenance NAME|readmit NAME``: the operator's commands.
+"""``python -m narwhal admin engines|reload|drain NAME|maintenance NAME|readmit NAME``: the operator's commands.
 
 Each talks to a running router's admin API (``--url``, default
 http://127.0.0.1:8000; ``--token``, default ``$NARWHAL_ADMIN_TOKEN``), prints
@@ -22,7 +22,7 @@ import httpx
 from narwhal.config import admin_token_problem
 from narwhal.errors import NarwhalError
 
-__all__ = ["add_parser", "format_engines", "run_admin"]
+__all__ = ["add_parser", "format_engines", "format_reload", "run_admin"]
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 TOKEN_ENV = "NARWHAL_ADMIN_TOKEN"
@@ -53,6 +53,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     actions = admin.add_subparsers(dest="action", required=True, metavar="ACTION")
     engines = actions.add_parser("engines", help="show every engine: role, state, holds, streaks, in flight")
     _add_connection_options(engines, defaults=False)
+    reload = actions.add_parser("reload", help="read the config file again (as SIGHUP does) and show what changed",
+                                description="Read the router's config file again, as SIGHUP does, and show "
+                                            "what changed and which changes need a restart.")
+    _add_connection_options(reload, defaults=False)
     for action, text in (("drain", "stop new placements on NAME; requests in flight finish"),
                          ("maintenance", "drain NAME for planned maintenance and record the start"),
                          ("readmit", "verify NAME and return it to placement (clears drains)")):
@@ -80,6 +84,8 @@ def run_admin(args: argparse.Namespace, *, transport: httpx.BaseTransport | None
                           transport=transport, trust_env=False) as client:
             if args.action == "engines":
                 out.write(format_engines(_call(client, "GET", "/admin/engines")["engines"]))
+            elif args.action == "reload":
+                out.write(format_reload(_call(client, "POST", "/admin/reload")))
             else:
                 path = f"/admin/engines/{urllib.parse.quote(args.name, safe='')}/{args.action}"
                 out.write(_format_action(_call(client, "POST", path)))
@@ -108,6 +114,23 @@ def _call(client: httpx.Client, method: str, path: str) -> dict[str, Any]:
     if response.status_code == 401:
         message += f" (pass --token or set {TOKEN_ENV})"
     raise _AdminError(f"HTTP {response.status_code}: {message}")
+
+
+def format_reload(body: dict[str, Any]) -> str:
+    """A reload's answer: one line per kind of change, and the keys that wait for a restart."""
+    changes = body.get("changes") or {}
+    lines = [f"reloaded {body.get('file', '')}"]
+    for field, label in (("engines_added", "engines added"), ("engines_removed", "engines removed"),
+                         ("engines_changed", "engines changed (url or role: removed and added)"),
+                         ("keys_changed", "keys changed"),
+                         ("keys_needing_restart", "need a restart (running values kept)")):
+        if changes.get(field):
+            lines.append(f"  {label}: {', '.join(changes[field])}")
+    if len(lines) == 1:
+        lines.append("  nothing changed")
+    if body.get("tls") in ("reloaded", "failed"):
+        lines.append(f"  TLS files: {body['tls']}")
+    return "\n".join(lines) + "\n"
 
 
 def _when(wall: float | None) -> str:

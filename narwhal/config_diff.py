@@ -1,0 +1,110 @@
+"""What a config reload changes: the pure diff of two ``Config``s (no I/O).
+
+Engines are matched by name. An engine whose ``url`` or ``role`` changed is a
+removal plus an addition (its evidence belonged to another process or another
+role); it is listed under ``changed`` and in both ``removed`` and ``added``.
+The engine set is not applied by a running router yet: a differing set is
+listed as above and ``engines`` is among ``keys_needing_restart``.
+Every other key is compared as its dotted TOML path (``recovery.eject_after``)
+and sorted into ``keys_changed`` (applied by a running router) or
+``keys_needing_restart`` (logged; the router keeps its running value).
+``RELOADABLE_KEYS`` is the one list of what a running router applies; the
+table in docs/configuration.md follows it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from narwhal.config import Config
+
+__all__ = ["RELOADABLE_KEYS", "ConfigDiff", "diff_configs", "is_reloadable", "merge_reloadable"]
+
+# Whole sections (every key in them) or single keys that a running router applies on reload.
+# Everything else (serving.listen, serving.workers, the lease, the handoff path, the TLS file
+# names, the pools' sizes and timeouts, ...) needs a restart: a reload logs it and keeps the running value.
+RELOADABLE_KEYS: frozenset[str] = frozenset({
+    "admin.token",
+    "fleet.generation",
+    "fleet.attestation_key",
+    "fleet.attestation_key_file",
+    "recovery",
+    "controller.monitor_interval_s",
+    "controller.stage_timeout_s",
+    "controller.monitor_failure_limit",
+})
+
+
+def is_reloadable(key: str) -> bool:
+    """True when a running router applies a change of ``key`` (a dotted path) on reload."""
+    section = key.split(".", 1)[0]
+    return key in RELOADABLE_KEYS or section in RELOADABLE_KEYS
+
+
+class ConfigDiff(msgspec.Struct, frozen=True, kw_only=True):
+    """What changed between the running config and the file just read."""
+
+    engines_added: list[str] = []
+    engines_removed: list[str] = []
+    # Engines whose url or role changed: each is in both lists above too.
+    engines_changed: list[str] = []
+    keys_changed: list[str] = []
+    keys_needing_restart: list[str] = []
+
+    @property
+    def empty(self) -> bool:
+        """True when the reload changes nothing (and asks for no restart)."""
+        return not (self.engines_added or self.engines_removed or self.keys_changed
+                    or self.keys_needing_restart)
+
+
+def _flatten(section: str, value: Any) -> dict[str, Any]:
+    if isinstance(value, msgspec.Struct):
+        out: dict[str, Any] = {}
+        for field in value.__struct_fields__:
+            out.update(_flatten(f"{section}.{field}", getattr(value, field)))
+        return out
+    return {section: value}
+
+
+def _keys(config: Config) -> dict[str, Any]:
+    keys: dict[str, Any] = {}
+    for field in config.__struct_fields__:
+        if field != "engines":
+            keys.update(_flatten(field, getattr(config, field)))
+    return keys
+
+
+def diff_configs(old: Config, new: Config) -> ConfigDiff:
+    """The changes from ``old`` (running) to ``new`` (just read); engines in ``new``'s order."""
+    old_engines = {spec.name: spec for spec in old.engines}
+    new_engines = {spec.name: spec for spec in new.engines}
+    changed = [spec.name for spec in new.engines if spec.name in old_engines
+               and (old_engines[spec.name].url, old_engines[spec.name].role) != (spec.url, spec.role)]
+    added = [spec.name for spec in new.engines if spec.name not in old_engines or spec.name in changed]
+    removed = [spec.name for spec in old.engines if spec.name not in new_engines or spec.name in changed]
+    old_keys, new_keys = _keys(old), _keys(new)
+    differing = sorted(key for key in old_keys.keys() | new_keys.keys() if old_keys.get(key) != new_keys.get(key))
+    if added or removed:
+        differing.append("engines")
+    return ConfigDiff(engines_added=added, engines_removed=removed, engines_changed=changed,
+                      keys_changed=[key for key in differing if is_reloadable(key)],
+                      keys_needing_restart=[key for key in differing if not is_reloadable(key)])
+
+
+def merge_reloadable(running: Config, new: Config) -> Config:
+    """``new``'s reloadable keys and engines over ``running``'s values for every other key."""
+    sections: dict[str, Any] = {"engines": list((new if "engines" in RELOADABLE_KEYS else running).engines)}
+    for field in running.__struct_fields__:
+        if field == "engines":
+            continue
+        if field in RELOADABLE_KEYS:
+            sections[field] = getattr(new, field)
+            continue
+        old_section, new_section = getattr(running, field), getattr(new, field)
+        updates = {name: getattr(new_section, name) for name in new_section.__struct_fields__
+                   if f"{field}.{name}" in RELOADABLE_KEYS}
+        sections[field] = msgspec.structs.replace(old_section, **updates) if updates else old_section
+    return msgspec.structs.replace(running, **sections)
