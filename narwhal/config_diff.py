@@ -3,8 +3,8 @@
 Engines are matched by name. An engine whose ``url`` or ``role`` changed is a
 removal plus an addition (its evidence belonged to another process or another
 role); it is listed under ``changed`` and in both ``removed`` and ``added``.
-The engine set is not applied by a running router yet: a differing set is
-listed as above and ``engines`` is among ``keys_needing_restart``.
+(Were ``engines`` ever taken out of ``RELOADABLE_KEYS``, a differing set
+would also put ``engines`` among ``keys_needing_restart``.)
 Every other key is compared as its dotted TOML path (``recovery.eject_after``)
 and sorted into ``keys_changed`` (applied by a running router) or
 ``keys_needing_restart`` (logged; the router keeps its running value).
@@ -26,6 +26,7 @@ __all__ = ["RELOADABLE_KEYS", "ConfigDiff", "diff_configs", "is_reloadable", "me
 # Everything else (serving.listen, serving.workers, the lease, the handoff path, the TLS file
 # names, the pools' sizes and timeouts, ...) needs a restart: a reload logs it and keeps the running value.
 RELOADABLE_KEYS: frozenset[str] = frozenset({
+    "engines",
     "admin.token",
     "fleet.generation",
     "fleet.attestation_key",
@@ -87,7 +88,7 @@ def diff_configs(old: Config, new: Config) -> ConfigDiff:
     removed = [spec.name for spec in old.engines if spec.name not in new_engines or spec.name in changed]
     old_keys, new_keys = _keys(old), _keys(new)
     differing = sorted(key for key in old_keys.keys() | new_keys.keys() if old_keys.get(key) != new_keys.get(key))
-    if added or removed:
+    if (added or removed) and not is_reloadable("engines"):
         differing.append("engines")
     return ConfigDiff(engines_added=added, engines_removed=removed, engines_changed=changed,
                       keys_changed=[key for key in differing if is_reloadable(key)],

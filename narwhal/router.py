@@ -30,8 +30,8 @@ import trio
 from narwhal.app.admin_routes import register_admin_routes
 from narwhal.app.control_app import create_app
 from narwhal.clocks import to_monotonic
-from narwhal.config import Config, ConfigError, load_config, parse_listen
-from narwhal.config_diff import diff_configs, merge_reloadable
+from narwhal.config import Config, ConfigError, EngineSpec, load_config, parse_listen
+from narwhal.config_diff import ConfigDiff, diff_configs, merge_reloadable
 from narwhal.control.engine_view import EngineViewer
 from narwhal.control.fleet_writer import FleetWriter
 from narwhal.control.monitor import Monitor
@@ -51,7 +51,7 @@ from narwhal.pools.control import ControlPool
 from narwhal.serving.data_plane import DataPlane, LocalDataPlane
 from narwhal.stages import build_stages
 from narwhal.stages.persistence import HandoffExtra, PersistenceStage
-from narwhal.state.handoff import LeaseOwnership
+from narwhal.state.handoff import EngineSetEntry, LeaseOwnership
 from narwhal.state.resume import apply_resume, plan_resume
 from narwhal.tls import TLSContexts
 from narwhal.workers.hub import WorkerHub
@@ -61,6 +61,9 @@ from narwhal.workers.view import WorkerView
 
 __all__ = ["Router"]
 
+
+# How often a removal looks whether the engine's last request finished.
+REMOVAL_POLL_S = 0.05
 
 _WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
 _LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
@@ -201,6 +204,14 @@ class Router:
         self.engine_view = EngineViewer(config=config, fleet=self.fleet, in_flight=self.in_flight,
                                         readmitter=self.readmitter, controller=self.controller, monitor=self.monitor)
         register_admin_routes(self.app, self)
+        # The engine set as it changes with reloads: the supervisor's specs are the one table
+        # of addresses (engines being removed included); workers get it in their snapshots.
+        self.engine_view.specs = self.supervisor.engines
+        self.hub.engine_specs = lambda: list(self.supervisor.engines.values())
+        # Engines a reload removed that still finish their requests, and additions waiting for
+        # an engine of the same name (a changed url or role) to leave first.
+        self._removing: set[str] = set()
+        self._pending_additions: dict[str, EngineSpec] = {}
         self.bound_port: int | None = None
         self._nursery: trio.Nursery | None = None
         self._register_gauges()
@@ -219,9 +230,11 @@ class Router:
                           refresh=hub.refresh_if_fleet_changed)
         hub.attach(0, view.apply)
         # In one process admission and telemetry are the controller's own, not reported.
-        return LocalDataPlane(config, tls=self.tls, via_token=self.via_token, supervisor=view,
-                              admission=self.admission, metrics=self.metrics, telemetry=self.telemetry,
-                              serve_rest=functools.partial(call_asgi, self.app))
+        plane = LocalDataPlane(config, tls=self.tls, via_token=self.via_token, supervisor=view,
+                               admission=self.admission, metrics=self.metrics, telemetry=self.telemetry,
+                               serve_rest=functools.partial(call_asgi, self.app))
+        view.on_engines = plane.core.set_engines
+        return plane
 
     def _build_lease(self, config_dir: Path | None) -> LeaseService | None:
         """With a lease backend every router starts as a standby (the service closes admission)."""
@@ -437,12 +450,29 @@ class Router:
                 log_event("config_reload_failed", level=logging.ERROR, file=file, key=error.key,
                           problem=error.problem)
                 return ReloadOutcome(file=file, reloaded=False, error=error)
+            problem = self._loops_back(new)
+            if problem is not None:
+                log_event("config_reload_failed", level=logging.ERROR, file=file, key=problem.key,
+                          problem=problem.problem)
+                return ReloadOutcome(file=file, reloaded=False, error=problem)
             changes = diff_configs(self.config, new)
             self._apply_config(merge_reloadable(self.config, new), key)
+            self._apply_engines(changes, new)
             log_event("config_reloaded", level=logging.WARNING if changes.keys_needing_restart else logging.INFO,
                       file=file, **msgspec.structs.asdict(changes))
             tls = await self._reload_tls_if_configured()
             return ReloadOutcome(file=file, reloaded=True, changes=changes, tls=tls)
+
+    def _loops_back(self, new: Config) -> ReloadError | None:
+        """An engine URL in ``new`` that is this router's own serving address (as ``preflight`` refuses)."""
+        host, port = parse_listen(self.listen)
+        serving = (host, self.bound_port if self.bound_port is not None else port)
+        for i, spec in enumerate(new.engines):
+            if _same_address(serving, (spec.host, spec.port)):
+                return ReloadError(file=str(self.config_path), key=f"engines[{i}].url",
+                                   problem=f"{spec.url} is this router's own serving address: requests would "
+                                           "loop back into the router")
+        return None
 
     def _apply_config(self, config: Config, attestation_key: bytes | None) -> None:
         """Hand every part that reads a reloadable key the merged config (see ``RELOADABLE_KEYS``)."""
@@ -458,6 +488,84 @@ class Router:
         self.monitor.interval_s = controller.monitor_interval_s
         self.monitor.stage_timeout_s = controller.stage_timeout_s
         self.monitor.failure_limit = controller.monitor_failure_limit
+
+    # -- the engine set --------------------------------------------------------------------
+
+    def _apply_engines(self, changes: ConfigDiff, new: Config) -> None:
+        """Start removing what the reload removed, then add what it added (after a same-named one left)."""
+        specs = {spec.name: spec for spec in new.engines}
+        for name in changes.engines_removed:
+            self._start_removal(name)
+        for name in changes.engines_added:
+            if self.fleet.knows(name):
+                # The old engine of this name is still finishing its requests: added once it left.
+                self._pending_additions[name] = specs[name]
+            else:
+                self._add_engine(specs[name])
+
+    def _add_engine(self, spec: EngineSpec) -> None:
+        """Track ``spec`` fresh and held (ejected, cause ``added``); the readmission chain admits it."""
+        now = trio.current_time()
+        self.supervisor.engines[spec.name] = spec
+        self.stages.health.engines.append(spec)
+        self.fleet.add_engine(spec.name, spec.role, now,
+                              "added by a config reload: enters placement once the readmission checks pass")
+        self._engine_set_changed()
+        self.readmitter.add_engine(spec)
+
+    def _start_removal(self, name: str) -> None:
+        """No new request for ``name`` from now on; it leaves every table once its requests finished."""
+        if self._pending_additions.pop(name, None) is not None:
+            return  # never added: the engine of that name still leaving goes on leaving
+        if name in self._removing or not self.fleet.knows(name):
+            return
+        self._removing.add(name)
+        grace = self.config.serving.shutdown_grace_s
+        self.fleet.start_removal(name, trio.current_time(),
+                                 f"removed from the config: no new requests; leaves once its "
+                                 f"{self.in_flight[name]} request(s) in flight finish (at most {grace:g} s)")
+        self._engine_set_changed()
+        if self._nursery is None:
+            self._finish_removal_now(name)
+        else:
+            self._nursery.start_soon(self._finish_removal, name, grace, name=f"removal {name}")
+
+    async def _finish_removal(self, name: str, grace_s: float) -> None:
+        # Requests in flight finish (the count falls as they end), bounded by the grace period.
+        with trio.move_on_after(grace_s):
+            while self.in_flight[name] > 0:
+                await trio.sleep(REMOVAL_POLL_S)
+        self._finish_removal_now(name)
+
+    def _finish_removal_now(self, name: str) -> None:
+        left = self.in_flight[name]
+        reason = ("removed from the config; its requests finished" if not left else
+                  f"removed from the config; {left} request(s) still in flight after serving.shutdown_grace_s "
+                  "are no longer evidence")
+        self._removing.discard(name)
+        self.fleet.remove_engine(name, trio.current_time(), reason)
+        self.supervisor.engines.pop(name, None)
+        self.stages.health.engines = [spec for spec in self.stages.health.engines if spec.name != name]
+        self.readmitter.remove_engine(name)
+        self.drain.drained.discard(name)
+        self.controller.engines_changed(removed=[name])
+        forget = getattr(self.in_flight, "forget", None)
+        if forget is not None:
+            forget(name)
+        self._engine_set_changed()
+        pending = self._pending_additions.pop(name, None)
+        if pending is not None:
+            self._add_engine(pending)
+
+    def _engine_set_changed(self) -> None:
+        """Tables keyed by engine follow the fleet: telemetry, the workers' hub, the handoff's engine set."""
+        specs = self.supervisor.engines
+        self.telemetry.set_engines([(name, spec.role) for name, spec in specs.items()])
+        self.hub.set_engines(specs)
+        self.controller.engines_changed()
+        # The handoff records the running set: what this router serves and keeps serving.
+        self.persistence.engine_set = [EngineSetEntry(name=spec.name, url=spec.base_url, role=spec.role)
+                                       for name, spec in specs.items() if name not in self._removing]
 
     async def _reload_tls_if_configured(self) -> Literal["reloaded", "failed", "skipped"]:
         if not self.tls.configured:

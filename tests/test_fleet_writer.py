@@ -207,7 +207,8 @@ async def test_the_drain_stage_and_the_readmitter_agree_on_drained(autojump_cloc
 # ---------- structure: nothing else mutates a Fleet ----------
 
 MUTATIONS = {"record_failure", "record_success", "record_health_sweep", "record_probe", "probes_due",
-             "add_hold", "clear_hold", "eject", "readmit", "restore", "drain_events"}
+             "add_hold", "clear_hold", "eject", "readmit", "restore", "drain_events", "add_engine",
+             "start_removal", "remove_engine", "reconfigure"}
 
 
 def test_only_the_writer_holds_a_bare_fleet() -> None:

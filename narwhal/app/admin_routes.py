@@ -51,7 +51,7 @@ def register_admin_routes(app: QuartTrio, router: AppState) -> None:
         where = f"{outcome.error.key}: " if outcome.error.key else ""
         message = f"config not reloaded, nothing changed: {outcome.error.file}: {where}{outcome.error.problem}"
         error = msgspec.json.decode(error_json(message, "invalid_request_error", "config_reload_failed"))
-        return _json({**error, **msgspec.to_builtins(outcome)}, status=422)
+        return _json({**error, "reload": outcome}, status=422)
 
     @app.get("/admin/engines/<name>")
     async def admin_engine(name: str) -> Response:

@@ -14,7 +14,7 @@ from typing import Protocol
 import msgspec
 import trio
 
-from narwhal.config import Config
+from narwhal.config import Config, EngineSpec
 from narwhal.control.readmission import ReadmissionResult, ReadmissionState
 from narwhal.errors import FailureClass
 from narwhal.fleet import EjectionCause, EngineView, HoldKind
@@ -71,6 +71,8 @@ class EngineEntry(msgspec.Struct, frozen=True, kw_only=True):
     maintenance_started_at: float | None
     readmission_running: bool
     last_readmission: ReadmissionResult | None
+    # Removed from the config by a reload: takes no new request, leaves once its requests finish.
+    removing: bool = False
 
 
 class MonitorEntry(msgspec.Struct, frozen=True, kw_only=True):
@@ -123,6 +125,9 @@ class EngineViewer:
         self.controller = controller
         self.monitor = monitor
         self.clock = clock
+        # Engine addresses by name, including one a reload is removing (no longer in the config);
+        # None: read from the config.
+        self.specs: Mapping[str, EngineSpec] | None = None
 
     def engines(self) -> EnginesView:
         """Every engine in configured order, consolidation risk and the monitor."""
@@ -140,7 +145,7 @@ class EngineViewer:
         return self._entry(self.fleet.view(name, self.clock()))
 
     def _entry(self, view: EngineView) -> EngineEntry:
-        spec = self.config.engine_spec(view.name)
+        spec = self.specs[view.name] if self.specs is not None else self.config.engine_spec(view.name)
         readmission = self.readmitter.admin_state(view.name)
         counters = view.counters
         return EngineEntry(
@@ -164,4 +169,5 @@ class EngineViewer:
             maintenance_started_at=readmission.maintenance_started_at,
             readmission_running=readmission.readmission_running,
             last_readmission=readmission.last_readmission,
+            removing=view.removing,
         )

@@ -138,12 +138,27 @@ class FleetWriter:
 
     # ----- mutations -----
 
+    def knows(self, name: str) -> bool:
+        """Whether the fleet tracks ``name`` (an engine removed by a reload is not)."""
+        return name in self._fleet
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._fleet
+
     def record_failure(self, name: str, failure_class: FailureClass, now: float) -> list[Action]:
-        """``Fleet.record_failure``, its events logged and its actions run."""
+        """``Fleet.record_failure``, its events logged and its actions run.
+
+        Evidence about an engine a reload removed (a request or probe that
+        outlived it) is dropped here: the fleet no longer has a row for it.
+        """
+        if name not in self._fleet:
+            return []
         return self._done(self._fleet.record_failure(name, failure_class, now))
 
     def record_success(self, name: str, kind: SuccessKind, now: float) -> list[Action]:
         """``Fleet.record_success``; the request path's common case costs one check."""
+        if name not in self._fleet:
+            return []
         actions = self._fleet.record_success(name, kind, now)
         if actions or self._fleet.has_events:
             self._done(actions)
@@ -151,12 +166,19 @@ class FleetWriter:
 
     def record_health_sweep(self, results: Mapping[str, bool], now: float, *,
                             unchecked: Collection[str] = (), answered: Collection[str] = ()) -> list[Action]:
-        """``Fleet.record_health_sweep``."""
+        """``Fleet.record_health_sweep`` (engines a reload removed meanwhile left out)."""
+        known = self._fleet
+        if any(name not in known for name in (*results, *unchecked, *answered)):
+            results = {name: ok for name, ok in results.items() if name in known}
+            unchecked = [name for name in unchecked if name in known]
+            answered = [name for name in answered if name in known]
         return self._done(self._fleet.record_health_sweep(results, now, unchecked=unchecked, answered=answered))
 
     def record_probe(self, name: str, outcome: ProbeOutcome, now: float, *, leg: str | None = None,
                      reason: str = "", failure_class: FailureClass | None = None) -> list[Action]:
-        """``Fleet.record_probe``."""
+        """``Fleet.record_probe`` (dropped for an engine a reload removed)."""
+        if name not in self._fleet:
+            return []
         return self._done(self._fleet.record_probe(name, outcome, now, leg=leg, reason=reason,
                                                    failure_class=failure_class))
 
@@ -168,17 +190,23 @@ class FleetWriter:
 
     def add_hold(self, name: str, kind: HoldKind, reason: str, now: float,
                  deadline: float | None = None) -> list[Action]:
-        """``Fleet.add_hold`` (an inference-verification hold asks for a probe: it is run)."""
+        """``Fleet.add_hold`` (an inference-verification hold asks for a probe: run); none on a removed engine."""
+        if name not in self._fleet:
+            return []
         return self._done(self._fleet.add_hold(name, kind, reason, now, deadline))
 
     def clear_hold(self, name: str, kind: HoldKind, now: float) -> bool:
-        """``Fleet.clear_hold``."""
+        """``Fleet.clear_hold``; False for an engine a reload removed."""
+        if name not in self._fleet:
+            return False
         cleared = self._fleet.clear_hold(name, kind, now)
         self._publish()
         return cleared
 
     def eject(self, name: str, reason: str, now: float, failure_class: FailureClass | None = None) -> list[Action]:
-        """``Fleet.eject``."""
+        """``Fleet.eject`` (nothing for an engine a reload removed)."""
+        if name not in self._fleet:
+            return []
         return self._done(self._fleet.eject(name, reason, now, failure_class))
 
     def readmit(self, name: str, now: float) -> None:
@@ -191,6 +219,21 @@ class FleetWriter:
         """``Fleet.reconfigure`` (no event: the reload logs ``config_reloaded``)."""
         self._fleet.reconfigure(eject_after=eject_after, liveness_misses=liveness_misses,
                                 failure_quarantine_s=failure_quarantine_s, probe_interval_s=probe_interval_s)
+
+    def add_engine(self, name: str, role: str, now: float, reason: str) -> None:
+        """``Fleet.add_engine`` (logged as ``engine_added``)."""
+        self._fleet.add_engine(name, role, now, reason)
+        self._publish()
+
+    def start_removal(self, name: str, now: float, reason: str) -> None:
+        """``Fleet.start_removal`` (logged as ``engine_removing``)."""
+        self._fleet.start_removal(name, now, reason)
+        self._publish()
+
+    def remove_engine(self, name: str, now: float, reason: str) -> None:
+        """``Fleet.remove_engine`` (logged as ``engine_removed``)."""
+        self._fleet.remove_engine(name, now, reason)
+        self._publish()
 
     def restore(self, records: Sequence[EngineRecord], now: float, wall_now: float) -> None:
         """``Fleet.restore``; verification holds whose probe was in flight are probed again at once."""

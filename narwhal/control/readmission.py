@@ -196,6 +196,24 @@ class Readmitter:
         self._key = attestation_key
         self._interval_s = config.recovery.probe_interval_s
 
+    def add_engine(self, spec: EngineSpec) -> None:
+        """An engine a config reload added (the fleet holds it ejected): try it at once, then on schedule."""
+        self._specs[spec.name] = spec
+        self._locks[spec.name] = trio.Lock()
+        self._last.pop(spec.name, None)
+        self._last_started.pop(spec.name, None)
+        if self._nursery is not None and spec.name not in self._scheduled:
+            self._last_started[spec.name] = self.clock()
+            self._scheduled.add(spec.name)
+            self._nursery.start_soon(self._scheduled_attempt, spec.name, name=f"readmission {spec.name}")
+
+    def remove_engine(self, name: str) -> None:
+        """Forget ``name`` (it left the fleet); an attempt still running ends without effect."""
+        self._specs.pop(name, None)
+        self._locks.pop(name, None)
+        self._last.pop(name, None)
+        self._last_started.pop(name, None)
+
     def knows(self, name: str) -> bool:
         """Whether ``name`` is a configured engine."""
         return name in self._specs
@@ -276,6 +294,13 @@ class Readmitter:
                       **{"class": type(exc).__name__}, message=str(exc))
         else:
             now = self.clock()
+            if self._specs.get(spec.name) is not spec:
+                # A reload removed the engine (or replaced it under the same name) while the chain ran.
+                log_event("readmission_dropped", engine=spec.name, reason="engine removed by a config reload")
+                return ReadmissionResult(
+                    engine=spec.name, outcome="refused", check=str(attempt.current),
+                    reason="engine removed by a config reload while the checks ran", operator=operator,
+                    passed=attempt.passed, at=started_wall, duration_s=now - started)
             late = self._drain_kinds(spec.name, now) - held_before
             if late:
                 check = str(Check.OPERATOR_HOLD)
@@ -413,7 +438,7 @@ class Readmitter:
 
     def next_attempt_at(self, view: EngineView) -> float | None:
         """When ``view``'s engine is next due for an automatic attempt (monotonic), or None."""
-        if not view.ejected or any(hold.kind in DRAIN_HOLDS for hold in view.holds):
+        if not view.ejected or view.removing or any(hold.kind in DRAIN_HOLDS for hold in view.holds):
             return None
         ejected_at = view.ejected_at if view.ejected_at is not None else -math.inf
         last = self._last_started.get(view.name)
@@ -424,17 +449,25 @@ class Readmitter:
         due_at = self.next_attempt_at(view)
         allowed = view.readmission_allowed or (
             self._inference_check is not None and self.fleet.quarantine_needs_inference_check(view.name, now))
-        return (due_at is not None and due_at <= now and allowed
-                and view.name not in self._scheduled and not self._locks[view.name].locked())
+        lock = self._locks.get(view.name)
+        return (due_at is not None and due_at <= now and allowed and lock is not None
+                and view.name not in self._scheduled and not lock.locked())
 
     async def _scheduled_attempt(self, name: str) -> None:
+        lock = self._locks.get(name)
         try:
-            async with self._locks[name]:
-                # The operator may have readmitted or drained it while this waited for the lock.
-                view = self.fleet.view(name, self.clock())
-                if not view.ejected or any(hold.kind in DRAIN_HOLDS for hold in view.holds):
+            if lock is None:
+                return  # removed by a reload before it started
+            async with lock:
+                # The operator may have readmitted or drained it while this waited for the lock;
+                # a reload may have removed it.
+                spec = self._specs.get(name)
+                if spec is None or name not in self.fleet:
                     return
-                await self._attempt(self._specs[name], operator=False)
+                view = self.fleet.view(name, self.clock())
+                if not view.ejected or view.removing or any(hold.kind in DRAIN_HOLDS for hold in view.holds):
+                    return
+                await self._attempt(spec, operator=False)
         finally:
             self._scheduled.discard(name)
 

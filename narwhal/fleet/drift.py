@@ -141,6 +141,11 @@ class DriftTracker:
                     f"within bounds for {self.recovered[name]} consecutive intervals: {explanation}")))
         return decisions
 
+    def forget(self, name: str) -> None:
+        """Drop ``name``'s counts (it left the fleet): added back, it starts from zero."""
+        self.drifting.pop(name, None)
+        self.recovered.pop(name, None)
+
     def applied(self, decision: DriftDecision) -> None:
         """Start counting afresh for an engine whose hold was just applied or lifted."""
         self.drifting[decision.engine] = 0

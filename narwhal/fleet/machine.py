@@ -72,6 +72,15 @@ successful inference probe: an engine whose decodes fail while its /health
 answers 200 would otherwise be put back after the next routine sweep, and cost
 clients another ``eject_after`` failures every ``probe_interval_s``.
 
+The engine set. A config reload adds and removes engines. ``add_engine``
+tracks a new one fresh and *ejected* (cause ``added``): it enters placement
+only through ``readmit``, i.e. a passed readmission chain, and the shell's
+readmission schedule retries it like any ejected engine. ``start_removal``
+takes an engine out of placement for good (no hold or readmission brings it
+back) while its requests in flight finish and their evidence still counts;
+``remove_engine`` then forgets it entirely, so the same name added later
+starts fresh.
+
 Last-engine protection. Performance-drift and failure-quarantine holds never
 take away the last eligible engine of a role: such a hold is recorded
 *deferred* (not pausing), and applied as soon as another engine of the role is
@@ -142,13 +151,15 @@ class _Engine:
 
     __slots__ = ("name", "role", "index", "streaks", "any_streak", "liveness_misses", "ejected",
                  "ejected_reason", "ejected_cause", "ejected_at", "holds", "next_probe_at",
-                 "probe_in_flight", "ejections", "probes", "failures")
+                 "probe_in_flight", "ejections", "probes", "failures", "removing")
 
     def __init__(self, name: str, role: str, index: int) -> None:
         self.name = name
         self.role = role
         # Position in the configured fleet: the deterministic tie-breaker.
         self.index = index
+        # Removed by a config reload and waiting for its requests to finish: never placeable again.
+        self.removing = False
         self.reset()
 
     def reset(self) -> None:
@@ -172,7 +183,7 @@ class _Engine:
                    for kind, hold in self.holds.items())
 
     def placeable_but_for_protected_holds(self) -> bool:
-        return not self.ejected and all(kind in PROTECTED_HOLDS for kind in self.holds)
+        return not self.ejected and not self.removing and all(kind in PROTECTED_HOLDS for kind in self.holds)
 
 
 class Fleet:
@@ -198,6 +209,7 @@ class Fleet:
             engine = _Engine(name, role, index)
             self._engines[name] = engine
             self._by_role[role].append(engine)
+        self._next_index = len(self._engines)
         self._eligible: dict[str, list[str]] = {role: [] for role in ROLES}
         self._eligible_names: frozenset[str] = frozenset()
         # The cache of eligibility is stale when _dirty is set or at
@@ -220,6 +232,48 @@ class Fleet:
         self._liveness_limit = liveness_misses
         self._quarantine_s = failure_quarantine_s
         self._probe_interval_s = probe_interval_s
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._engines
+
+    # ----- the engine set (a config reload) -----
+
+    def add_engine(self, name: str, role: str, now: float, reason: str) -> None:
+        """Track a new engine, fresh (no evidence) and held out as ejected until a readmission verifies it."""
+        if name in self._engines:
+            raise ValueError(f"engine {name!r} is already in the fleet")
+        if role not in self._by_role:
+            raise ValueError(f"engine {name!r} has role {role!r}, expected one of {ROLES}")
+        engine = _Engine(name, role, self._next_index)
+        self._next_index += 1
+        engine.ejected = True
+        engine.ejected_reason = reason
+        engine.ejected_cause = EjectionCause.ADDED
+        engine.ejected_at = now
+        self._engines[name] = engine
+        self._by_role[role].append(engine)
+        self._dirty = True
+        self._emit(FleetEventKind.ADDED, engine, now, reason)
+        self._refresh_if_stale(now)
+
+    def start_removal(self, name: str, now: float, reason: str) -> None:
+        """Take ``name`` out of placement for good; its evidence still counts until ``remove_engine``."""
+        engine = self._engines[name]
+        if engine.removing:
+            return
+        engine.removing = True
+        engine.next_probe_at = None
+        self._dirty = True
+        self._emit(FleetEventKind.REMOVING, engine, now, reason)
+        self._refresh_if_stale(now)
+
+    def remove_engine(self, name: str, now: float, reason: str) -> None:
+        """Forget ``name`` and all it had (evidence, holds, counters); a later ``add_engine`` starts fresh."""
+        engine = self._engines.pop(name)
+        self._by_role[engine.role].remove(engine)
+        self._dirty = True
+        self._emit(FleetEventKind.REMOVED, engine, now, reason)
+        self._refresh(now)
 
     def __repr__(self) -> str:
         counts = " | ".join(f"{role}: {len(self._eligible[role])}/{len(members)} eligible"
@@ -384,6 +438,7 @@ class Fleet:
         eligible = [name for name in self.eligible(role, now) if name != exclude]
         held = [engine for engine in self._by_role[role]
                 if engine.name != exclude and engine.name not in eligible and not engine.ejected
+                and not engine.removing
                 and engine.holds and all(kind in PROBE_PARTNER_HOLDS for kind in engine.holds)]
         held.sort(key=lambda engine: (min(hold.since for hold in engine.holds.values()), engine.index))
         return eligible + [engine.name for engine in held]
@@ -468,7 +523,7 @@ class Fleet:
             evidence=dict(engine.streaks), liveness_misses=engine.liveness_misses,
             next_probe_at=engine.next_probe_at, probe_in_flight=engine.probe_in_flight,
             readmission_allowed=self.readmission_allowed(name, now),
-            counters=self._counters(engine))
+            counters=self._counters(engine), removing=engine.removing)
 
     def views(self, now: float) -> list[EngineView]:
         """``view`` of every engine, in configured order."""
@@ -493,7 +548,7 @@ class Fleet:
     # ----- durable handoff -----
 
     def snapshot(self, now: float, wall_now: float) -> list[EngineRecord]:
-        """Every engine's durable state, with monotonic times converted to wall-clock."""
+        """Every engine's durable state, monotonic times converted to wall-clock; engines being removed left out."""
         if self._dirty or now >= self._next_deadline:
             self._refresh(now)
 
@@ -509,7 +564,7 @@ class Fleet:
                    for kind in HoldKind if (hold := engine.holds.get(kind)) is not None],
             streaks=dict(engine.streaks), liveness_misses=engine.liveness_misses,
             next_probe_at_wall=wall(engine.next_probe_at), counters=self._counters(engine),
-        ) for engine in self._engines.values()]
+        ) for engine in self._engines.values() if not engine.removing]
 
     def restore(self, records: Sequence[EngineRecord], now: float, wall_now: float) -> None:
         """Inverse of ``snapshot``; deadlines already past come back expired.
@@ -647,7 +702,7 @@ class Fleet:
         eligible_names: set[str] = set()
         for role, members in self._by_role.items():
             self._protect_last_engine(role, members, now)
-            eligible = [engine.name for engine in members if not engine.ejected
+            eligible = [engine.name for engine in members if not engine.ejected and not engine.removing
                         and all(hold.deferred for hold in engine.holds.values())]
             if eligible != self._eligible[role]:
                 self._eligibility_version += 1

@@ -52,6 +52,8 @@ class EjectionCause(enum.StrEnum):
     KV_HANDOFF = "kv_handoff"
     LIVENESS = "liveness"
     PROBE = "probe"
+    # Not a failure: an engine added by a config reload is out until its first readmission.
+    ADDED = "added"
     OTHER = "other"
 
     @classmethod
@@ -113,6 +115,10 @@ class FleetEventKind(enum.StrEnum):
     HOLD_DEFERRED = "hold_deferred"
     PROBE_RESULT = "probe_result"
     EVIDENCE_CLEARED = "evidence_cleared"
+    # The engine set changed (a config reload): a new engine, one leaving, one gone.
+    ADDED = "added"
+    REMOVING = "removing"
+    REMOVED = "removed"
 
 
 class FleetEvent(msgspec.Struct, frozen=True, kw_only=True):
@@ -162,6 +168,8 @@ class EngineView(msgspec.Struct, frozen=True, kw_only=True):
     probe_in_flight: bool
     readmission_allowed: bool
     counters: EngineCounters
+    # Removed from the config: no new requests; it leaves the fleet once its requests finish.
+    removing: bool = False
 
 
 class HoldRecord(msgspec.Struct, frozen=True, kw_only=True):

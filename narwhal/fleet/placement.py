@@ -32,13 +32,19 @@ class InFlight:
         self.elsewhere: dict[str, int] = {}
 
     def acquire(self, name: str) -> None:
-        self.counts[name] += 1
+        # .get: an engine a config reload added has no entry until its first request.
+        self.counts[name] = self.counts.get(name, 0) + 1
 
     def release(self, name: str) -> None:
         self.counts[name] -= 1
 
+    def forget(self, name: str) -> None:
+        """Drop ``name``'s entry once it left the fleet with nothing in flight."""
+        if not self.counts.get(name):
+            self.counts.pop(name, None)
+
     def __getitem__(self, name: str) -> int:
-        return self.counts[name]
+        return self.counts.get(name, 0)
 
     def total(self) -> int:
         return sum(self.counts.values())
@@ -54,7 +60,7 @@ def pick_least_outstanding(candidates: Sequence[str], in_flight: InFlight,
     counts = in_flight.counts
     elsewhere = in_flight.elsewhere
     if elsewhere:
-        counts = {name: counts[name] + elsewhere.get(name, 0) for name in candidates}
-    best = min(counts[name] for name in candidates)
-    tied = [name for name in candidates if counts[name] == best]
+        counts = {name: counts.get(name, 0) + elsewhere.get(name, 0) for name in candidates}
+    best = min(counts.get(name, 0) for name in candidates)
+    tied = [name for name in candidates if counts.get(name, 0) == best]
     return tied[0] if len(tied) == 1 else rng.choice(tied)

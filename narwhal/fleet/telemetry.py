@@ -113,6 +113,12 @@ class Telemetry:
         if error_engine is not None and (acc := current.get(error_engine)) is not None:
             acc.errors += 1
 
+    def set_engines(self, engines: Sequence[tuple[str, str]]) -> None:
+        """Track exactly ``engines`` from now on (a config reload); a removed engine's open figures go."""
+        self._roles = dict(engines)
+        current = self._current
+        self._current = {name: current.get(name) or _Accumulator(role) for name, role in self._roles.items()}
+
     def roll(self, now: float | None = None) -> bool:
         """Close the open interval if ``interval_s`` has passed since it opened; True when closed.
 

@@ -23,7 +23,7 @@ import itertools
 import logging
 import os
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractAsyncContextManager
 from typing import Any, NoReturn, Protocol
 
@@ -216,6 +216,16 @@ class RequestCore:
         self._max_handoff_bytes = config.engine.max_handoff_bytes
         self._ids = itertools.count(1)
         self._id_prefix = os.urandom(4).hex()
+
+    def set_engines(self, engines: Iterable[EngineSpec]) -> None:
+        """The engine set changed (a config reload, through the snapshot): place on these from now on.
+
+        Requests already placed keep the specs they hold; placement reads names
+        from the snapshot, which never names an engine missing here.
+        """
+        specs = list(engines)
+        self.engines = {spec.name: spec for spec in specs}
+        self._decode_engines = frozenset(spec.name for spec in specs if spec.role == "decode")
 
     # -- entry point -------------------------------------------------------
 

@@ -11,7 +11,7 @@ the engine's role is at ``critical`` consolidation risk.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import trio
 
@@ -82,6 +82,8 @@ class ControllerStage:
                         pausing.add(view.name)
         done: list[DriftDecision] = []
         for decision in self.tracker.observe(interval, held=held, pausing=pausing):
+            if decision.engine not in roles:
+                continue  # an interval recorded before a reload removed the engine
             if decision.hold:
                 role = roles[decision.engine]
                 risk = self.consolidation_risk(now)[role]
@@ -97,6 +99,12 @@ class ControllerStage:
                       engine=decision.engine, reason=decision.reason, interval=interval.index)
             done.append(decision)
         return done
+
+    def engines_changed(self, removed: Iterable[str] = ()) -> None:
+        """The engine set changed (a config reload): recount totals, forget the drift counts of ``removed``."""
+        self._totals = None
+        for name in removed:
+            self.tracker.forget(name)
 
     def consolidation_risk(self, now: float | None = None) -> dict[str, ConsolidationRisk]:
         """{role: "none" | "elevated" | "critical"} from eligible vs configured engines now."""

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import msgspec
 import trio
 
+from narwhal.config import EngineSpec
 from narwhal.errors import FailureClass, SuccessKind
 from narwhal.fleet.model import ROLES
 from narwhal.obs.logs import log_event
@@ -67,6 +68,9 @@ class AggregateInFlight:
 
     def __init__(self, hub: WorkerHub, names: Iterable[str]) -> None:
         self._hub = hub
+        self._names = list(names)
+
+    def set_names(self, names: Iterable[str]) -> None:
         self._names = list(names)
 
     @property
@@ -116,6 +120,17 @@ class WorkerHub:
         # engine -> seq of the first snapshot that took it out of placement.
         self.excluded_since: dict[str, int] = {}
         self._admit_until: Callable[[], float | None] = lambda: None
+        # The engine set workers place on (the supervisor's); None: as in the config they were given.
+        self.engine_specs: Callable[[], list[EngineSpec]] | None = None
+
+    def set_engines(self, names: Iterable[str]) -> None:
+        """The engine set changed (a config reload): in-flight sums and exclusions follow it."""
+        self._engines[:] = list(names)
+        self.in_flight.set_names(self._engines)
+        for name in list(self.excluded_since):
+            if name not in self._engines:
+                del self.excluded_since[name]
+        self.poke()
 
     def set_admit_until(self, source: Callable[[], float | None]) -> None:
         """Where the lease-derived admission deadline (control clock) comes from."""
@@ -190,7 +205,8 @@ class WorkerHub:
             capacity_problem=control.capacity_problem(), admission_reason=self._admission.reason(),
             admit_until=self._admit_until(),
             valid_until=None if valid_until is None or math.isinf(valid_until) else valid_until,
-            in_flight=self._in_flight_totals() if self._share_in_flight else {})
+            in_flight=self._in_flight_totals() if self._share_in_flight else {},
+            engines=None if self.engine_specs is None else self.engine_specs())
 
     def _for_link(self, content: Snapshot) -> Snapshot:
         """``content`` numbered and with its deadlines on the link's clock, ready to send."""

@@ -18,7 +18,7 @@ import struct
 
 import msgspec
 
-from narwhal.config import Config
+from narwhal.config import Config, EngineSpec
 from narwhal.errors import NarwhalError
 
 __all__ = [
@@ -96,6 +96,8 @@ class Snapshot(_Message, tag="snapshot"):
     # Requests in flight per engine over all workers, as last reported: placement
     # balances over the whole router, not one worker's share.
     in_flight: dict[str, int] = {}
+    # Every engine the fleet has (a config reload adds and removes them); None: as in the Welcome's config.
+    engines: list[EngineSpec] | None = None
 
 
 class ForwardReply(_Message, tag="forward_reply"):

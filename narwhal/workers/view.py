@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from narwhal.config import EngineSpec
 from narwhal.errors import FailureClass, SuccessKind
 from narwhal.workers.protocol import Evidence, RequestSample, Snapshot
 
@@ -35,10 +36,19 @@ class WorkerView:
         self._refresh = refresh
         self.snapshot = EMPTY_SNAPSHOT
         self._local_reason: str | None = None
+        # Told the engine set when a snapshot changes it (the request core's ``set_engines``).
+        self.on_engines: Callable[[list[EngineSpec]], None] | None = None
 
     def apply(self, snapshot: Snapshot) -> None:
-        """Take a newer snapshot (older ones, reordered or replayed, are ignored)."""
+        """Take a newer snapshot (older ones, reordered or replayed, are ignored).
+
+        A changed engine set is handed on first, so placement never reads a name
+        whose address this process does not know yet.
+        """
         if snapshot.seq >= self.snapshot.seq:
+            if (snapshot.engines is not None and snapshot.engines != self.snapshot.engines
+                    and self.on_engines is not None):
+                self.on_engines(snapshot.engines)
             self.snapshot = snapshot
 
     def close_locally(self, reason: str) -> None:

@@ -76,6 +76,8 @@ class Worker:
                                     # Siblings share the listening socket: at its cap this one leaves
                                     # connections to them.
                                     yield_at_cap=True)
+        # A config reload on the controller changes the engine set through the snapshots.
+        self.view.on_engines = self.plane.core.set_engines
         self._reported_in_flight: dict[str, int] = {}
         self._forward_ids = itertools.count(1)
         self._forwards: dict[int, tuple[trio.Event, list[ForwardReply]]] = {}
