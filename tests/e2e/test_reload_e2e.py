@@ -1,0 +1,293 @@
+"""End to end: the engine set and other keys change with SIGHUP or ``POST /admin/reload``, no restart.
+
+The real router (one process, or a controller with two workers) and mock
+engines run as processes; the config file is rewritten and the router told to
+read it again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from narwhal.tools.admin_cli import TOKEN_ENV
+from narwhal.tools.local_fleet import LocalProcess, render_config, start_mock_engine, start_router
+from tests.e2e.waiting import wait_for_passes, wait_until
+
+pytestmark = pytest.mark.e2e
+
+TOKEN = "e2e-reload-token"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+REQUEST = {"model": "mock-model", "prompt": "hello", "max_tokens": 4}
+
+
+def sections(workers: int) -> dict[str, dict[str, Any]]:
+    return {
+        "serving": {"workers": workers},
+        "admin": {"token": TOKEN},
+        "engine": {"connect_timeout_s": 0.5, "health_timeout_s": 0.5},
+        "controller": {"monitor_interval_s": 0.2, "stage_timeout_s": 1.5},
+        "recovery": {"probe_interval_s": 0.5},
+    }
+
+
+def rewrite(path: Path, *, engines: dict[str, tuple[str, str]] | None = None,
+            changes: dict[str, dict[str, Any]] | None = None, extra: str = "") -> None:
+    """Write ``path`` again: its sections with ``changes`` merged, and ``engines`` (name -> (url, role))."""
+    current = tomllib.loads(path.read_text())
+    listed = current.pop("engines", [])
+    if engines is None:
+        engines = {entry["name"]: (entry["url"], entry["role"]) for entry in listed}
+    for section, values in (changes or {}).items():
+        current.setdefault(section, {}).update(values)
+    text = render_config([(name, url, role) for name, (url, role) in engines.items()], current)
+    path.write_text(text + extra)
+
+
+def engine_map(path: Path) -> dict[str, tuple[str, str]]:
+    return {entry["name"]: (entry["url"], entry["role"]) for entry in tomllib.loads(path.read_text())["engines"]}
+
+
+async def engines(fleet) -> dict[str, dict[str, Any]]:
+    response = await fleet.client.get(f"{fleet.url}/admin/engines", headers=AUTH)
+    assert response.status_code == 200, response.text
+    return {entry["name"]: entry for entry in response.json()["engines"]}
+
+
+def sighup(router: LocalProcess) -> None:
+    router.process.send_signal(signal.SIGHUP)
+
+
+async def reloaded(router: LocalProcess, count: int) -> dict[str, Any]:
+    """Wait for the ``count``-th ``config_reloaded`` event and return it."""
+
+    async def enough() -> list[dict[str, Any]]:
+        found = router.events("config_reloaded")
+        return found if len(found) >= count else []
+
+    return (await wait_until(enough, timeout_s=10.0, what=f"config_reloaded #{count}"))[count - 1]
+
+
+async def eligible(fleet, name: str, timeout_s: float = 15.0) -> dict[str, Any]:
+    async def check() -> dict[str, Any] | None:
+        entry = (await engines(fleet)).get(name)
+        return entry if entry is not None and entry["eligible"] else None
+
+    return await wait_until(check, timeout_s=timeout_s, what=f"{name} eligible")
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_added_engines_enter_through_readmission_and_a_wrong_generation_stays_out(
+        start_fleet, nursery, workers: int) -> None:
+    fleet = await start_fleet(prefill=1, decode=1, sections=sections(workers))
+    good = await start_mock_engine(nursery, "decode", engine_id="d2")
+    stale = await start_mock_engine(nursery, "decode", engine_id="d3", args=["--generation", "g0"])
+    try:
+        before = engine_map(fleet.config_path)
+        rewrite(fleet.config_path, engines={**before, "d2": (good.url, "decode"), "d3": (stale.url, "decode")})
+        sighup(fleet.router)
+        event = await reloaded(fleet.router, 1)
+        assert event["engines_added"] == ["d2", "d3"] and event["engines_removed"] == []
+        assert event["keys_needing_restart"] == []
+        assert fleet.router.events("engine_added", engine="d2") and fleet.router.events("engine_added", engine="d3")
+
+        d2 = await eligible(fleet, "d2")
+        assert d2["last_readmission"]["outcome"] == "readmitted"
+        assert d2["counters"]["ejections"] == 0  # an addition is not counted as an ejection
+
+        # d2 takes decodes; d3 never does.
+        async def d2_served() -> bool:
+            response = await fleet.client.post(f"{fleet.url}/v1/completions", json=REQUEST)
+            assert response.status_code == 200, response.text
+            return (await fleet.client.get(f"{good.url}/mock/stats")).json()["decode"] > 0
+
+        await wait_until(d2_served, timeout_s=20.0, what="a decode on the added engine d2")
+
+        # d3 stays out with the refusal in /admin/engines, retried like any held engine.
+        async def refused_twice() -> bool:
+            return len(fleet.router.events("readmission", engine="d3", outcome="refused")) >= 2
+
+        await wait_until(refused_twice, timeout_s=15.0, what="d3 refused twice")
+        d3 = (await engines(fleet))["d3"]
+        assert not d3["eligible"] and d3["ejected_cause"] == "added"
+        assert d3["last_readmission"]["check"] == "generation"
+        assert "g0" in d3["last_readmission"]["reason"]
+        assert (await fleet.client.get(f"{stale.url}/mock/stats")).json()["decode"] == 0
+    finally:
+        await good.stop()
+        await stale.stop()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_a_removed_engine_finishes_its_long_stream_then_leaves_and_gets_nothing_more(
+        start_fleet, nursery, workers: int) -> None:
+    fleet = await start_fleet(prefill=1, decode=1, sections=sections(workers),
+                              mock_args=["--token-delay-s", "0.05"])
+    replacement = await start_mock_engine(nursery, "decode", engine_id="d2")
+    try:
+        received: list[bytes] = []
+        stream_started = trio.Event()
+        stream_done = trio.Event()
+
+        async def long_stream() -> None:
+            body = {**REQUEST, "max_tokens": 60, "stream": True}
+            async with fleet.client.stream("POST", f"{fleet.url}/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                async for chunk in response.aiter_bytes():
+                    received.append(chunk)
+                    stream_started.set()
+            stream_done.set()
+
+        nursery.start_soon(long_stream)
+        await stream_started.wait()
+        # Replace d1 by d2 in one reload while d1 streams.
+        before = engine_map(fleet.config_path)
+        rewrite(fleet.config_path, engines={"p1": before["p1"], "d2": (replacement.url, "decode")})
+        sighup(fleet.router)
+        event = await reloaded(fleet.router, 1)
+        assert event["engines_added"] == ["d2"] and event["engines_removed"] == ["d1"]
+        d1 = (await engines(fleet))["d1"]
+        assert d1["removing"] is True and not d1["eligible"]
+        # Half-way through the stream d1 is still there, its one request in flight.
+        await wait_until(lambda: _count_at_least(received, 30), timeout_s=10.0, what="30 chunks")
+        d1 = (await engines(fleet))["d1"]
+        assert d1["removing"] is True and d1["in_flight"] == 1
+        assert fleet.router.events("engine_removed", engine="d1") == []
+
+        with trio.fail_after(20):
+            await stream_done.wait()
+        text = b"".join(received).decode()
+        assert text.rstrip().endswith("data: [DONE]")
+        assert text.count("data: {") >= 60  # every token arrived
+        await wait_until(lambda: _has(fleet.router, "engine_removed", engine="d1"), timeout_s=10.0,
+                         what="engine_removed d1")
+        assert "d1" not in await engines(fleet)
+        missing = await fleet.client.get(f"{fleet.url}/admin/engines/d1", headers=AUTH)
+        assert missing.status_code == 404
+
+        d1_requests = (await fleet.engine_stats("d1"))["decode"]
+        await eligible(fleet, "d2")
+        for _ in range(6):
+            response = await fleet.client.post(f"{fleet.url}/v1/completions", json=REQUEST)
+            assert response.status_code == 200, response.text
+        assert (await fleet.engine_stats("d1"))["decode"] == d1_requests
+        assert (await fleet.client.get(f"{replacement.url}/mock/stats")).json()["decode"] >= 6
+    finally:
+        await replacement.stop()
+
+
+async def _count_at_least(received: list[bytes], count: int) -> bool:
+    return b"".join(received).count(b"data: {") >= count
+
+
+async def _has(process: LocalProcess, name: str, **match: Any) -> bool:
+    return bool(process.events(name, **match))
+
+
+async def test_a_broken_config_changes_nothing_and_a_restart_key_is_reported(start_fleet, nursery) -> None:
+    fleet = await start_fleet(prefill=1, decode=1, sections=sections(1))
+    extra = await start_mock_engine(nursery, "decode", engine_id="d2")
+    try:
+        before = engine_map(fleet.config_path)
+        original = fleet.config_path.read_text()
+        rewrite(fleet.config_path, engines={**before, "d2": (extra.url, "decode")},
+                changes={"recovery": {"eject_after": 0}})
+        sighup(fleet.router)
+        failed = await fleet.router.wait_event("config_reload_failed", timeout_s=10.0)
+        assert failed, "no config_reload_failed event"
+        assert failed[0]["file"] == str(fleet.config_path)
+        assert failed[0]["key"] == "recovery" and "eject_after" in failed[0]["problem"]
+        await wait_for_passes(fleet.client, fleet.url, 2, headers=AUTH)
+        assert fleet.router.events("config_reloaded") == []
+        assert sorted(await engines(fleet)) == ["d1", "p1"]
+        response = await fleet.client.post(f"{fleet.url}/v1/completions", json=REQUEST)
+        assert response.status_code == 200
+
+        # A key that needs a restart is reported and keeps its running value; the others apply.
+        fleet.config_path.write_text(original)
+        rewrite(fleet.config_path, changes={"serving": {"workers": 3, "listen": "127.0.0.1:1"},
+                                            "recovery": {"eject_after": 5}})
+        result = await trio.run_process(
+            [sys.executable, "-m", "narwhal", "admin", "reload", "--url", fleet.url],
+            capture_stdout=True, capture_stderr=True, check=False, env={**os.environ, TOKEN_ENV: TOKEN})
+        out = result.stdout.decode()
+        assert result.returncode == 0, result.stderr.decode()
+        assert "keys changed: recovery.eject_after" in out
+        assert "need a restart (running values kept): serving.listen, serving.workers" in out
+        event = await reloaded(fleet.router, 1)
+        assert event["keys_needing_restart"] == ["serving.listen", "serving.workers"]
+        assert event["level"] == "warning"
+        response = await fleet.client.post(f"{fleet.url}/v1/completions", json=REQUEST)
+        assert response.status_code == 200  # still serving where it was
+    finally:
+        await extra.stop()
+
+
+async def test_a_reload_during_a_drain_keeps_the_drain_and_removes_the_drained_engine_at_once(
+        start_fleet, nursery) -> None:
+    fleet = await start_fleet(prefill=1, decode=2, sections=sections(1))
+    extra = await start_mock_engine(nursery, "decode", engine_id="d3")
+    try:
+        response = await fleet.client.post(f"{fleet.url}/admin/engines/d1/drain", headers=AUTH)
+        assert response.status_code == 200
+        before = engine_map(fleet.config_path)
+        rewrite(fleet.config_path, engines={**before, "d3": (extra.url, "decode")})
+        sighup(fleet.router)
+        await reloaded(fleet.router, 1)
+        d1 = (await engines(fleet))["d1"]
+        assert [hold["kind"] for hold in d1["holds"]] == ["operator_drain"] and not d1["eligible"]
+        await eligible(fleet, "d3")
+        assert [hold["kind"] for hold in (await engines(fleet))["d1"]["holds"]] == ["operator_drain"]
+
+        # Removing the drained engine (nothing in flight) takes it out at once.
+        current = engine_map(fleet.config_path)
+        del current["d1"]
+        rewrite(fleet.config_path, engines=current)
+        response = await fleet.client.post(f"{fleet.url}/admin/reload", headers=AUTH)
+        assert response.status_code == 200, response.text
+        assert response.json()["changes"]["engines_removed"] == ["d1"]
+        await wait_until(lambda: _has(fleet.router, "engine_removed", engine="d1"), timeout_s=5.0,
+                         what="engine_removed d1")
+        assert sorted(await engines(fleet)) == ["d2", "d3", "p1"]
+    finally:
+        await extra.stop()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_resume_after_a_reload_applies_the_running_set(start_fleet, nursery, tmp_path, workers: int) -> None:
+    fleet = await start_fleet(prefill=1, decode=1, sections=sections(workers))
+    extra = await start_mock_engine(nursery, "decode", engine_id="d2")
+    try:
+        before = engine_map(fleet.config_path)
+        rewrite(fleet.config_path, engines={**before, "d2": (extra.url, "decode")})
+        sighup(fleet.router)
+        await reloaded(fleet.router, 1)
+        await eligible(fleet, "d2")
+        response = await fleet.client.post(f"{fleet.url}/admin/engines/d1/drain", headers=AUTH)
+        assert response.status_code == 200
+        # The handoff is written every pass: two more passes and it holds the drain and d2.
+        await wait_for_passes(fleet.client, fleet.url, 2, headers=AUTH)
+        await fleet.router.stop()
+
+        router = await start_router(nursery, str(fleet.config_path), args=["--resume"])
+        try:
+            applied = await router.wait_event("handoff_applied", timeout_s=10.0)
+            assert applied, router.events("handoff_not_applied")
+            async with httpx.AsyncClient(timeout=10.0) as client:
+                response = await client.get(f"{router.url}/admin/engines", headers=AUTH)
+                state = {entry["name"]: entry for entry in response.json()["engines"]}
+            assert sorted(state) == ["d1", "d2", "p1"]
+            assert [hold["kind"] for hold in state["d1"]["holds"]] == ["operator_drain"]
+            assert state["d2"]["eligible"]
+        finally:
+            await router.stop()
+    finally:
+        await extra.stop()
