@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -28,6 +29,25 @@ def test_help_on_every_command(command):
                             text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: narwhal")
+
+
+SUBCOMMANDS = ["serve", "demo", "mock-engine", "bench", "admin", "engine-check"]
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_the_narwhal_console_script_runs_every_subcommand(command):
+    # The installed script (what `.venv/bin/narwhal` is), not `python -m narwhal`.
+    script = Path(sys.executable).parent / "narwhal"
+    result = subprocess.run([str(script), command, "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"usage: narwhal {command}")
+
+
+def test_narwhal_serve_is_narwhal_serve_too():
+    script = Path(sys.executable).parent / "narwhal-serve"
+    result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: narwhal serve")
 
 
 async def test_demo_serves_and_stops_cleanly_on_ctrl_c():
