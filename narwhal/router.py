@@ -320,6 +320,8 @@ class Router:
         host, port = parse_listen(self.listen)
         listeners: list[trio.SocketListener] = []
         admin_fd: int | None = None
+        # A router that never started does not report stopping: its failure is the CLI's router_failed.
+        started = False
         try:
             preflight(self.config, self.listen, self.handoff_path)
             # Bound before anything starts: a taken port is a one-line startup error, not a failed task.
@@ -349,6 +351,7 @@ class Router:
                 log_event("router_started", router_id=self.router_id, listen=f"{host}:{self.bound_port}",
                           engines=len(self.config.engines), pid=os.getpid(), handoff=str(self.handoff_path),
                           tls=self.tls.server is not None, workers=self.worker_count)
+                started = True
                 self._warn_if_admin_open(f"{host}:{self.bound_port}")
                 task_status.started(self.bound_port)
         finally:
@@ -360,7 +363,8 @@ class Router:
             with trio.CancelScope(shield=True):
                 await self.data_pool.aclose()
                 await self.control_pool.aclose()
-            log_event("router_stopped", router_id=self.router_id)
+            if started:
+                log_event("router_stopped", router_id=self.router_id)
             flush_logs()
 
     async def _flush_logs_periodically(self) -> None:
