@@ -10,6 +10,7 @@ the certificates again and swaps the contexts of every listener and pool.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import math
 import os
@@ -92,9 +93,9 @@ def preflight(config: Config, listen: str, handoff_path: Path | None = None) -> 
     if config.admin.listen is not None and _same_address(serving, parse_listen(config.admin.listen)):
         raise StartupError(f"admin.listen {config.admin.listen} is the serving address {listen}: "
                            "give the admin API a port of its own")
-    for i, spec in enumerate(config.engines):
+    for spec in config.engines:
         if _same_address(serving, (spec.host, spec.port)):
-            raise StartupError(f"engines[{i}] ({spec.name}): url {spec.url} is this router's own serving "
+            raise StartupError(f"engine {json.dumps(spec.name)}: url {spec.url} is this router's own serving "
                                f"address {listen}: requests would loop back into the router")
     path = config.handoff_path() if handoff_path is None else handoff_path
     key = f"handoff.path {config.handoff.path}" if config.handoff.path is not None else f"handoff (default {path})"

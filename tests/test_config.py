@@ -47,11 +47,13 @@ def test_example_file_spells_out_exactly_the_defaults():
         ("[servng]\n", "servng: unknown key"),
         ('[serving]\nmax_connections = "many"\n', "serving.max_connections: Expected `int`, got `str`"),
         ("[serving]\nmax_connections = 0\n", "serving: max_connections must be > 0"),
-        ('[serving]\nlisten = "nowhere"\n', "serving: expected HOST:PORT"),
-        ('[serving]\npolicy = "yolo"\n', "serving.policy: Invalid enum value 'yolo'"),
+        ('[serving]\nlisten = "nowhere"\n', "serving.listen: expected HOST:PORT"),
+        ('[serving]\nlisten = "127.0.0.1:99999"\n', "serving.listen: port out of range in '127.0.0.1:99999'"),
+        ('[serving]\npolicy = "yolo"\n', """serving.policy: must be one of "saturate", "bounded"; got 'yolo'"""),
+        ('[lease]\nbackend = "zk"\n', """lease.backend: must be one of "none", "file", "etcd"; got 'zk'"""),
         ("[recovery]\neject_after = -1\n", "recovery: eject_after must be > 0"),
         ('[lease]\nbackend = "file"\n', "lease.path is required"),
-        ('[admin]\nlisten = "x"\n', "admin: expected HOST:PORT"),
+        ('[admin]\nlisten = "x"\n', "admin.listen: expected HOST:PORT"),
     ],
 )
 def test_bad_values_name_the_key(extra, expected):
@@ -76,12 +78,27 @@ def test_each_role_is_required(missing):
 
 @pytest.mark.parametrize("url", ["ftp://127.0.0.1:1", "http://", "http://h:99999", "http://h:1/v1", "nonsense"])
 def test_bad_engine_urls(url):
-    with pytest.raises(ConfigError, match=r"engines\[0\]"):
+    with pytest.raises(ConfigError, match='engine "p1": url '):
         parse_config(GOOD.replace("http://127.0.0.1:9001", url, 1))
 
 
+def test_engine_messages_name_the_engine_and_list_the_allowed_roles():
+    with pytest.raises(ConfigError) as info:
+        parse_config(GOOD.replace('role = "decode"', 'role = "decoder"'), "n.toml")
+    assert str(info.value) == """n.toml: engine "d1".role: must be one of "prefill", "decode"; got 'decoder'"""
+    with pytest.raises(ConfigError) as info:
+        parse_config(GOOD.replace('role = "decode"', 'role = "decode"\nweight = 2'), "n.toml")
+    assert str(info.value) == 'n.toml: engine "d1".weight: unknown key'
+
+
+def test_an_engine_without_a_usable_name_keeps_its_index():
+    # Two engines named p1: the name does not say which one.
+    with pytest.raises(ConfigError, match=r"engines\[1\]\.role: must be one of"):
+        parse_config(GOOD.replace('"d1"', '"p1"').replace('role = "decode"', 'role = "decoder"'))
+
+
 def test_bad_role():
-    with pytest.raises(ConfigError, match=r"engines\[0\]\.role"):
+    with pytest.raises(ConfigError, match=r'engine "p1"\.role: must be one of "prefill", "decode"; got \'both\''):
         parse_config(GOOD.replace('role = "prefill"', 'role = "both"'))
 
 
