@@ -42,3 +42,13 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert install_and_test[0] in ci
     # And the first command a newcomer runs is the demo through the console script.
     assert readme_commands()[0] == "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/narwhal demo"
+
+
+def test_the_vllm_guide_gives_each_engine_its_own_kv_role():
+    # vLLM 0.32 logs kv_both as deprecated with NixlConnector.
+    guide = (ROOT / "docs" / "vllm.md").read_text()
+    commands = re.findall(r"```bash\n(.*?)```", guide, flags=re.DOTALL)
+    serving = [c for c in commands if "vllm serve" in c and "--kv-transfer-config" in c]
+    roles = [re.search(r'"kv_role":"(\w+)"', c).group(1) for c in serving]
+    assert roles == ["kv_producer", "kv_consumer"]
+    assert '"kv_role":"kv_both"' not in guide
