@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import socket
 import tomllib
 import typing
 import urllib.parse
@@ -259,12 +260,13 @@ class RecoveryConfig(_Section, frozen=True):
 HANDOFF_FILE = "narwhal-handoff.json"
 
 
-def default_handoff_path(env: Mapping[str, str] | None = None) -> Path:
-    """``$XDG_STATE_HOME/narwhal/narwhal-handoff.json``, else under ``~/.local/state``.
+def default_handoff_path(env: Mapping[str, str] | None = None, identity: str | None = None) -> Path:
+    """``$XDG_STATE_HOME/narwhal/narwhal-handoff-<identity>.json``, else under ``~/.local/state``.
 
     Never relative to the working directory: a router started from a source
     tree must not leave its state there. A relative ``XDG_STATE_HOME`` is
-    ignored, as the XDG base directory spec says.
+    ignored, as the XDG base directory spec says. Without ``identity``: the
+    bare ``narwhal-handoff.json``.
     """
     env = os.environ if env is None else env
     state = env.get("XDG_STATE_HOME", "")
@@ -273,11 +275,17 @@ def default_handoff_path(env: Mapping[str, str] | None = None) -> Path:
     else:
         home = env.get("HOME")
         base = (Path(home) if home else Path.home()) / ".local" / "state"
-    return base / "narwhal" / HANDOFF_FILE
+    name = HANDOFF_FILE if identity is None else f"narwhal-handoff-{_file_safe(identity)}.json"
+    return base / "narwhal" / name
+
+
+def _file_safe(text: str) -> str:
+    # An identity becomes part of a file name: nothing that is a path separator or hidden-file dot.
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", text).lstrip(".") or "_"
 
 
 class HandoffConfig(_Section, frozen=True):
-    # None: default_handoff_path(); a relative path is relative to the config file's directory.
+    # None: Config.handoff_path()'s default; a relative path is relative to the config file's directory.
     path: str | None = None
 
     def __post_init__(self) -> None:
@@ -402,11 +410,38 @@ class Config(_Section, frozen=True):
                 return spec
         raise KeyError(name)
 
-    def handoff_path(self, config_dir: Path | None = None, env: Mapping[str, str] | None = None) -> Path:
-        """Where the handoff lives: ``[handoff] path`` (relative to ``config_dir``), else the state directory."""
-        if self.handoff.path is None:
-            return default_handoff_path(env)
-        path = Path(self.handoff.path).expanduser()
+    def handoff_path(self, config_dir: Path | None = None, env: Mapping[str, str] | None = None,
+                     listen: str | None = None) -> Path:
+        """Where the handoff lives: ``[handoff] path`` (relative to ``config_dir``), else from the router's identity.
+
+        The default is never one file for every router on a host: with a file
+        lease it is the pair's, beside the lease file (both routers of a pair
+        read and write it); otherwise it is in the state directory, named after
+        ``[lease] router_id``, else the serving address (``listen``, default
+        ``serving.listen``), which no two routers on one host share.
+        """
+        if self.handoff.path is not None:
+            return self._resolve(self.handoff.path, config_dir)
+        if self.lease.backend == "file" and self.lease.path:
+            lease = self._resolve(self.lease.path, config_dir)
+            return lease.with_name(f"{lease.stem}.handoff.json")
+        return default_handoff_path(env, identity=self.router_identity(listen))
+
+    def router_identity(self, listen: str | None = None) -> str:
+        """What names this router on its host: ``[lease] router_id``, else ``HOST-PORT`` of its serving address.
+
+        A router on port 0 has no stable address: its process (host name and pid) names it.
+        """
+        if self.lease.router_id:
+            return self.lease.router_id
+        host, port = parse_listen(listen or self.serving.listen)
+        if port == 0:
+            return f"{socket.gethostname()}-{os.getpid()}"
+        return f"{host}-{port}"
+
+    @staticmethod
+    def _resolve(value: str, config_dir: Path | None) -> Path:
+        path = Path(value).expanduser()
         if not path.is_absolute() and config_dir is not None:
             path = config_dir / path
         return path

@@ -97,7 +97,7 @@ def preflight(config: Config, listen: str, handoff_path: Path | None = None) -> 
         if _same_address(serving, (spec.host, spec.port)):
             raise StartupError(f"engine {json.dumps(spec.name)}: url {spec.url} is this router's own serving "
                                f"address {listen}: requests would loop back into the router")
-    path = config.handoff_path() if handoff_path is None else handoff_path
+    path = config.handoff_path(listen=listen) if handoff_path is None else handoff_path
     key = f"handoff.path {config.handoff.path}" if config.handoff.path is not None else f"handoff (default {path})"
     directory = path.parent
     if config.handoff.path is None:
@@ -175,7 +175,7 @@ class Router:
         else:
             self.in_flight = self.hub.in_flight  # type: ignore[assignment]
             self.hub.metrics.attach_to(self.metrics.registry)
-        self.handoff_path = config.handoff_path(config_dir)
+        self.handoff_path = config.handoff_path(config_dir, listen=self.listen)
         self.persistence = PersistenceStage(path=self.handoff_path, router_id=self.router_id,
                                             fleet=self.fleet, config=config)
         self.readmitter = Readmitter(config=config, fleet=self.fleet, control_pool=self.control_pool,

@@ -1,5 +1,6 @@
 """Config decoding: defaults, and every bad case gets one message naming the key."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -162,11 +163,35 @@ def test_without_a_usable_xdg_state_home_the_handoff_goes_under_home(state: str 
 def test_the_handoff_path_is_never_relative_to_the_working_directory(tmp_path: Path) -> None:
     config = parse_config(GOOD)
     assert config.handoff.path is None
-    assert config.handoff_path(env={"XDG_STATE_HOME": str(tmp_path)}) == tmp_path / "narwhal" / "narwhal-handoff.json"
+    assert config.handoff_path(env={"XDG_STATE_HOME": str(tmp_path)}) == (
+        tmp_path / "narwhal" / "narwhal-handoff-127.0.0.1-8000.json")
     named = parse_config(GOOD + '\n[handoff]\npath = "state/h.json"\n')
     assert named.handoff_path(Path("/etc/narwhal")) == Path("/etc/narwhal/state/h.json")
     absolute = parse_config(GOOD + '\n[handoff]\npath = "/srv/h.json"\n')
     assert absolute.handoff_path(Path("/etc/narwhal")) == Path("/srv/h.json")
+
+
+def test_the_default_handoff_is_each_routers_own() -> None:
+    # Two routers on one host never share the default file (one used to rewrite the other's).
+    env = {"XDG_STATE_HOME": "/state"}
+    plain = parse_config(GOOD)
+    assert plain.handoff_path(env=env) == Path("/state/narwhal/narwhal-handoff-127.0.0.1-8000.json")
+    assert plain.handoff_path(env=env, listen="127.0.0.1:8010") == Path(
+        "/state/narwhal/narwhal-handoff-127.0.0.1-8010.json")
+    assert plain.handoff_path(env=env, listen="[::1]:8010") == Path("/state/narwhal/narwhal-handoff-__1-8010.json")
+    named = parse_config(GOOD + '\n[lease]\nbackend = "etcd"\nrouter_id = "../router a"\n'
+                                'endpoints = ["http://127.0.0.1:2379"]\n')
+    assert named.handoff_path(env=env) == Path("/state/narwhal/narwhal-handoff-_router_a.json")
+    # Port 0: no stable address, so the process names it; two such routers still differ.
+    ephemeral = plain.handoff_path(env=env, listen="127.0.0.1:0")
+    assert ephemeral.name.endswith(f"-{os.getpid()}.json") and ephemeral != plain.handoff_path(env=env)
+
+
+def test_a_file_lease_pair_shares_the_default_handoff_beside_the_lease() -> None:
+    text = GOOD + '\n[lease]\nbackend = "file"\nrouter_id = "{}"\npath = "state/lease.json"\n'
+    a, b = parse_config(text.format("router-a")), parse_config(text.format("router-b"))
+    assert a.handoff_path(Path("/etc/narwhal")) == Path("/etc/narwhal/state/lease.handoff.json")
+    assert b.handoff_path(Path("/etc/narwhal")) == a.handoff_path(Path("/etc/narwhal"))
 
 
 def test_an_empty_handoff_path_is_a_config_error_naming_the_key() -> None:
