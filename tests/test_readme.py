@@ -52,3 +52,45 @@ def test_the_vllm_guide_gives_each_engine_its_own_kv_role():
     roles = [re.search(r'"kv_role":"(\w+)"', c).group(1) for c in serving]
     assert roles == ["kv_producer", "kv_consumer"]
     assert '"kv_role":"kv_both"' not in guide
+
+
+EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))
+
+
+def test_every_example_starts_on_a_fresh_machine(tmp_path, monkeypatch):
+    # No /var/lib/narwhal, nothing made by hand: a home directory is all an example may assume.
+    from narwhal.config import load_config
+    from narwhal.router import preflight
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("XDG_STATE_HOME", raising=False)
+    assert len(EXAMPLES) >= 3
+    for example in EXAMPLES:
+        config = load_config(example)
+        handoff = config.handoff_path(example.parent, listen=config.serving.listen)
+        preflight(config, config.serving.listen, handoff)
+        assert handoff.is_relative_to(tmp_path), example
+        if config.lease.path:
+            assert Path(config.lease.path).expanduser().parent.is_dir(), example
+
+
+def test_a_standby_pair_shares_its_handoff_and_lease():
+    from narwhal.config import load_config
+
+    a, b = (load_config(ROOT / "examples" / f"standby-{x}.toml") for x in "ab")
+    assert a.handoff_path(ROOT / "examples") == b.handoff_path(ROOT / "examples")
+    assert a.lease.path == b.lease.path and a.lease.router_id != b.lease.router_id
+
+
+def test_the_operations_recipe_starts_every_engine_the_examples_name():
+    from narwhal.config import load_config
+
+    guide = (ROOT / "docs" / "operations.md").read_text()
+    recipe = guide.split("### Trying it on one host", 1)[1].split("\n## ", 1)[0]
+    started = set(re.findall(r"narwhal mock-engine --port (\d+) --role (\w+) --engine-id (\w+)", recipe))
+    needed = {(str(e.port), e.role, e.name) for example in EXAMPLES for e in load_config(example).engines}
+    assert started == needed
+    # The recipe serves both examples of the pair, SIGKILLs and SIGTERMs the active, and times the takeover.
+    for step in ("--config examples/standby-a.toml", "--config examples/standby-b.toml", "kill -KILL", "kill -TERM",
+                 "time (until curl -sf"):
+        assert step in recipe
