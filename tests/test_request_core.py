@@ -275,8 +275,9 @@ async def test_non_streamed_answers_do_not_show_kv_transfer_params():
     assert sink.json() == {"choices": [{"text": "ab"}], "usage": {"completion_tokens": 2}}
 
 
-async def test_streamed_events_carrying_kv_transfer_params_lose_it():
-    core, _, pool, _ = make_core()
+@pytest.mark.parametrize("policy", ["saturate", "bounded"])
+async def test_streamed_events_carrying_kv_transfer_params_lose_it(policy):
+    core, _, pool, _ = make_core(policy=policy)
     pool.decode.append([b'data: {"choices":[{"text":"a"}],"kv_transfer_params":null}\n\n',
                         b'data: {"choices":[{"text":"b"}],"kv_transfer_params":{"x":1}}\n\ndata: [DONE]\n\n'])
     sink = Sink()
@@ -285,10 +286,12 @@ async def test_streamed_events_carrying_kv_transfer_params_lose_it():
                                      b'data: {"choices":[{"text":"b"}]}\n\ndata: [DONE]\n\n')
 
 
+@pytest.mark.parametrize("policy", ["saturate", "bounded"])
 @pytest.mark.parametrize("one_read", [False, True])
-async def test_a_chat_streams_role_only_first_event_is_not_a_token(caplog, one_read):
+async def test_a_chat_streams_role_only_first_event_is_not_a_token(caplog, one_read, policy):
+    # bounded relays through the stream-continuation join, saturate directly: both count 8.
     caplog.set_level("INFO", logger="narwhal.events")
-    core, _, pool, _ = make_core()
+    core, _, pool, _ = make_core(policy=policy)
     events = [ROLE_EVENT, *(token_event(t) for t in "abcdefgh"), b"data: [DONE]\n\n"]
     pool.decode.append([b"".join(events)] if one_read else [events[0], *events[1:-2], b"".join(events[-2:])])
     sink = Sink()
@@ -487,8 +490,13 @@ async def test_bounded_policy_retries_with_a_fresh_prefill():
     assert [prefill for _, prefill in legs] == [True, False, True, False]
 
 
-async def test_bounded_policy_never_retries_after_tokens_reached_the_client():
-    core, _, pool, _ = make_core(policy="bounded")
+async def test_bounded_policy_without_continue_streams_never_retries_after_tokens_reached_the_client():
+    config = parse_config(CONFIG.format(count_tokens="false", policy="bounded")
+                          .replace("policy =", "continue_streams = false\npolicy ="))
+    pool = FakePool()
+    core = RequestCore(config=config, supervisor=FakeSupervisor(), data_pool=pool,
+                       in_flight=InFlight(e.name for e in config.engines), admission=Admission(),
+                       metrics=RouterMetrics())
     pool.decode.append([SSE[0], EngineFailure("d1", FailureClass.STREAM, "cut")])
     sink = Sink()
     await core.handle("/v1/completions", body(stream=True), None, sink)
