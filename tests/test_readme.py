@@ -6,6 +6,9 @@ import re
 import tomllib
 from pathlib import Path
 
+from narwhal.config import load_config
+from narwhal.router import preflight
+
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 
@@ -59,9 +62,6 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))
 
 def test_every_example_starts_on_a_fresh_machine(tmp_path, monkeypatch):
     # No /var/lib/narwhal, nothing made by hand: a home directory is all an example may assume.
-    from narwhal.config import load_config
-    from narwhal.router import preflight
-
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv("XDG_STATE_HOME", raising=False)
     assert len(EXAMPLES) >= 3
@@ -75,16 +75,12 @@ def test_every_example_starts_on_a_fresh_machine(tmp_path, monkeypatch):
 
 
 def test_a_standby_pair_shares_its_handoff_and_lease():
-    from narwhal.config import load_config
-
     a, b = (load_config(ROOT / "examples" / f"standby-{x}.toml") for x in "ab")
     assert a.handoff_path(ROOT / "examples") == b.handoff_path(ROOT / "examples")
     assert a.lease.path == b.lease.path and a.lease.router_id != b.lease.router_id
 
 
 def test_the_operations_recipe_starts_every_engine_the_examples_name():
-    from narwhal.config import load_config
-
     guide = (ROOT / "docs" / "operations.md").read_text()
     recipe = guide.split("### Trying it on one host", 1)[1].split("\n## ", 1)[0]
     started = set(re.findall(r"narwhal mock-engine --port (\d+) --role (\w+) --engine-id (\w+)", recipe))
