@@ -164,6 +164,9 @@ class Router:
                              to_link_clock=None if self.worker_count == 1
                              else functools.partial(to_monotonic, clock=trio.current_time),
                              record_sample=self.telemetry.record_request, share_in_flight=self.worker_count > 1)
+        # Whatever a snapshot is built from tells the hub when it changed; it publishes only then.
+        self.admission.on_change = self.hub.poke
+        self.fleet.on_change = self.hub.poke
         self.data_plane = self._build_data_plane(config_dir)
         self.in_flight = self.data_plane.in_flight
         self.handoff_path = config.handoff_path(config_dir, listen=self.listen)
@@ -432,9 +435,10 @@ class Router:
         grace = self.config.serving.shutdown_grace_s if grace_s is None else grace_s
         self.admission.close("shutdown", "shutting down")
         log_event("router_shutdown", grace_s=grace)
-        if self.lease is not None and self._nursery is not None:
-            # Hand the lease over now: the standby need not wait for it to expire.
-            self._nursery.start_soon(self.lease.release_for_shutdown)
+        if self.lease is not None:
+            # Hand the lease over now: the standby need not wait for it to expire. The lease
+            # service finishes the release (bounded) before it returns, so it lands before exit.
+            self.lease.begin_shutdown()
         self.data_plane.shutdown(grace)
 
     async def _serve_admin(self, fd: int, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
