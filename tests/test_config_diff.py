@@ -101,5 +101,7 @@ def test_a_config_error_is_split_into_file_key_and_problem():
     assert (error.file, error.key, error.problem) == ("/etc/n.toml", "serving.listen", "expected HOST:PORT, got 'x'")
     error = split_config_error("/etc/n.toml: engines[2].url: url has a bad port", "/etc/n.toml")
     assert error.key == "engines[2].url"
+    error = split_config_error('/etc/n.toml: engine "d2".port: unknown key', "/etc/n.toml")
+    assert (error.key, error.problem) == ('engine "d2".port', "unknown key")
     error = split_config_error("/etc/n.toml: not valid TOML: Expected '=' at line 3", "/etc/n.toml")
     assert error.key is None and error.problem == "not valid TOML: Expected '=' at line 3"

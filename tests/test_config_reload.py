@@ -139,7 +139,7 @@ async def test_post_admin_reload_answers_with_what_changed_and_422_on_a_broken_f
     assert response.status_code == 422
     body = await response.get_json()
     assert body["error"]["code"] == "config_reload_failed"
-    assert body["reload"]["error"]["key"] == "engines[2]"
+    assert body["reload"]["error"]["key"] == 'engine "d2"'
     assert "ftp://x" in body["reload"]["error"]["problem"]
     assert str(config_file) in body["error"]["message"]
     assert router.config.recovery.eject_after == 4

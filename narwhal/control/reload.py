@@ -12,8 +12,9 @@ from narwhal.config_diff import ConfigDiff
 __all__ = ["ReloadError", "ReloadOutcome", "split_config_error"]
 
 # A ConfigError reads "<file>: <key>: <problem>" when a key is at fault ("serving.listen",
-# "engines[2].url", "lease"); "<file>: <problem>" when the file as a whole is ("not valid TOML: ...").
-_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\[\d+\])?(\.[A-Za-z_][A-Za-z0-9_]*(\[\d+\])?)*")
+# "engines[2].url", 'engine "d2".url', "lease"); "<file>: <problem>" when the file as a whole
+# is ("not valid TOML: ...").
+_KEY = re.compile(r'(engine "(?:[^"\\]|\\.)*"|[A-Za-z_][A-Za-z0-9_]*(\[\d+\])?)(\.[A-Za-z_][A-Za-z0-9_]*(\[\d+\])?)*')
 
 
 class ReloadError(msgspec.Struct, frozen=True, kw_only=True):
