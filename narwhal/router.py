@@ -489,6 +489,10 @@ class Router:
         self.readmitter.apply_config(config, attestation_key)
         self.supervisor.config = config
         self.engine_view.config = config
+        if self.lease is not None:
+            # A standby plans the active's handoff against its own (reloaded) engine set.
+            self.lease.config = config
+            self.lease.follower.use_config(config)
         controller = config.controller
         self.monitor.interval_s = controller.monitor_interval_s
         self.monitor.stage_timeout_s = controller.stage_timeout_s

@@ -22,7 +22,7 @@ from narwhal.config import Config
 from narwhal.fleet import EngineRecord
 from narwhal.obs.logs import log_event
 from narwhal.state.handoff import HandoffError, decode_document
-from narwhal.state.resume import apply_resume, plan_document
+from narwhal.state.resume import apply_resume, engine_set_difference, plan_document
 
 __all__ = ["HandoffFollower", "Restorable"]
 
@@ -52,6 +52,13 @@ class HandoffFollower:
         self.own_terms: set[int] = set()
         self._last_seen: bytes | None = None
         self._following: tuple[str, int] | None = None
+        # How this router's engine set differs from the followed handoff's (None: same, or none read).
+        self.engine_set_differs: str | None = None
+
+    def use_config(self, config: Config) -> None:
+        """A config reload: plan the next documents, and the last one again, against ``config``'s engines."""
+        self.config = config
+        self._last_seen = None
 
     def follow(self, holder: str, epoch: int) -> None:
         """The lease record names ``holder`` in ``epoch``: follow that term's documents from now on."""
@@ -82,6 +89,14 @@ class HandoffFollower:
                       reason=f"written in the term of {written_by[0]} epoch {written_by[1]}; "
                              f"the lease record names {followed}")
             return
+        difference = engine_set_difference(document.engine_set, self.config.engines)
+        if difference != self.engine_set_differs and difference is not None:
+            # Said once per difference: the operator edits one file or the other until they match.
+            log_event("standby_engine_set_differs", level=logging.WARNING, holder=written_by[0],
+                      epoch=written_by[1], difference=difference,
+                      reason=f"this router's engine set differs from the active router's handoff: {difference}; "
+                             "edit this router's config to match and send it SIGHUP")
+        self.engine_set_differs = difference
         plan = plan_document(document, self.config, self.where)
         if not plan.applied:
             log_event("handoff_not_applied", level=logging.WARNING, **plan.event_fields())

@@ -78,6 +78,8 @@ class LeaseView(msgspec.Struct, frozen=True, kw_only=True):
     holder_last_not_ready: str | None = None
     handoff_applied_epoch: int = 0
     handoff_applied_pass: int | None = None
+    # A standby: how its engine set differs from the active router's handoff (None: it matches).
+    engine_set_differs: str | None = None
     ttl_s: float | None = None
     renew_interval_s: float | None = None
     fence_margin_s: float | None = None
@@ -220,6 +222,7 @@ class LeaseService:
             holder_ready_failures=counter.failures, takeover_ready_failures=counter.threshold,
             holder_last_not_ready=counter.last_reason,
             handoff_applied_epoch=self.follower.applied_epoch, handoff_applied_pass=self.follower.applied_pass,
+            engine_set_differs=None if active else self.follower.engine_set_differs,
             ttl_s=lease.ttl_s, renew_interval_s=lease.renew_interval_s, fence_margin_s=lease.fence_margin_s)
 
     def _register_gauges(self) -> None:

@@ -291,3 +291,59 @@ async def test_resume_after_a_reload_applies_the_running_set(start_fleet, nurser
             await router.stop()
     finally:
         await extra.stop()
+
+
+async def test_a_standby_reloads_its_own_config_and_says_when_its_set_differs_from_the_active(
+        nursery, tmp_path) -> None:
+    from tests.e2e.test_lease_e2e import Pair
+
+    client = httpx.AsyncClient(timeout=10.0)
+    pair = Pair(nursery, tmp_path, "file", client, None)
+    extra: LocalProcess | None = None
+    try:
+        await pair.start_engines()
+        active, standby = await pair.start_active_and_standby()
+        extra = await start_mock_engine(nursery, "decode", engine_id="d3")
+        active_config, standby_config = tmp_path / "ra.toml", tmp_path / "rb.toml"
+
+        # The active gets d3; the standby's set now differs from the active's handoff.
+        rewrite(active_config, engines={**engine_map(active_config), "d3": (extra.url, "decode")})
+        sighup(active)
+        await reloaded(active, 1)
+
+        async def d3_eligible_on_active() -> bool:
+            return bool((await pair.engine(active, "d3"))["eligible"])
+
+        await wait_until(d3_eligible_on_active, timeout_s=15.0, what="d3 eligible on the active")
+        differs = await standby.wait_event("standby_engine_set_differs", timeout_s=10.0)
+        assert differs and "d3" in differs[0]["difference"]
+        view = await pair.lease_view(standby)
+        assert view["role"] == "standby" and "d3" in view["engine_set_differs"]
+        assert (await pair.lease_view(active))["engine_set_differs"] is None
+
+        # The standby's own file edited the same way and SIGHUP: it follows the handoff again.
+        rewrite(standby_config, engines={**engine_map(standby_config), "d3": (extra.url, "decode")})
+        sighup(standby)
+        event = await reloaded(standby, 1)
+        assert event["engines_added"] == ["d3"]
+
+        async def matches() -> bool:
+            return (await pair.lease_view(standby))["engine_set_differs"] is None
+
+        await wait_until(matches, timeout_s=10.0, what="the standby's set matching the handoff")
+        applied = (await pair.lease_view(standby))["handoff_applied_pass"]
+
+        async def newer_pass_applied() -> bool:
+            return (await pair.lease_view(standby))["handoff_applied_pass"] > applied
+
+        await wait_until(newer_pass_applied, timeout_s=10.0, what="the standby applying the handoff again")
+        assert (await pair.engine(standby, "d3"))["name"] == "d3"
+    finally:
+        with trio.CancelScope(shield=True):
+            await client.aclose()
+            for router in reversed(pair.routers):
+                await router.stop(grace_s=5.0)
+            for engine in pair.engines.values():
+                await engine.stop(grace_s=5.0)
+            if extra is not None:
+                await extra.stop()
