@@ -20,7 +20,7 @@ import msgspec
 
 from narwhal.config import Config
 
-__all__ = ["RELOADABLE_KEYS", "ConfigDiff", "diff_configs", "is_reloadable", "merge_reloadable"]
+__all__ = ["RELOADABLE_KEYS", "ConfigDiff", "diff_configs", "flat_keys", "is_reloadable", "merge_reloadable"]
 
 # Whole sections (every key in them) or single keys that a running router applies on reload.
 # Everything else (serving.listen, serving.workers, the lease, the handoff path, the TLS file
@@ -35,6 +35,9 @@ RELOADABLE_KEYS: frozenset[str] = frozenset({
     "controller.monitor_interval_s",
     "controller.stage_timeout_s",
     "controller.monitor_failure_limit",
+    "controller.drift_factor",
+    "controller.drift_intervals",
+    "telemetry.interval_s",
 })
 
 
@@ -70,7 +73,8 @@ def _flatten(section: str, value: Any) -> dict[str, Any]:
     return {section: value}
 
 
-def _keys(config: Config) -> dict[str, Any]:
+def flat_keys(config: Config) -> dict[str, Any]:
+    """Every key but ``engines`` as its dotted TOML path (``recovery.eject_after``) and value."""
     keys: dict[str, Any] = {}
     for field in config.__struct_fields__:
         if field != "engines":
@@ -86,7 +90,7 @@ def diff_configs(old: Config, new: Config) -> ConfigDiff:
                and (old_engines[spec.name].url, old_engines[spec.name].role) != (spec.url, spec.role)]
     added = [spec.name for spec in new.engines if spec.name not in old_engines or spec.name in changed]
     removed = [spec.name for spec in old.engines if spec.name not in new_engines or spec.name in changed]
-    old_keys, new_keys = _keys(old), _keys(new)
+    old_keys, new_keys = flat_keys(old), flat_keys(new)
     differing = sorted(key for key in old_keys.keys() | new_keys.keys() if old_keys.get(key) != new_keys.get(key))
     if (added or removed) and not is_reloadable("engines"):
         differing.append("engines")

@@ -497,6 +497,10 @@ class Router:
         self.monitor.interval_s = controller.monitor_interval_s
         self.monitor.stage_timeout_s = controller.stage_timeout_s
         self.monitor.failure_limit = controller.monitor_failure_limit
+        # Read at each closed interval: the next one is judged and cut by the new values.
+        self.controller.tracker.drift_factor = controller.drift_factor
+        self.controller.tracker.drift_intervals = controller.drift_intervals
+        self.telemetry.interval_s = config.telemetry.interval_s
 
     # -- the engine set --------------------------------------------------------------------
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from narwhal.config import parse_config
-from narwhal.config_diff import RELOADABLE_KEYS, ConfigDiff, diff_configs, is_reloadable, merge_reloadable
+from narwhal.config_diff import RELOADABLE_KEYS, ConfigDiff, diff_configs, flat_keys, is_reloadable, merge_reloadable
 from narwhal.control.reload import split_config_error
 
 ENGINES = {
@@ -105,3 +107,32 @@ def test_a_config_error_is_split_into_file_key_and_problem():
     assert (error.key, error.problem) == ('engine "d2".port', "unknown key")
     error = split_config_error("/etc/n.toml: not valid TOML: Expected '=' at line 3", "/etc/n.toml")
     assert error.key is None and error.problem == "not valid TOML: Expected '=' at line 3"
+
+
+def _reload_table() -> dict[str, tuple[str, str]]:
+    docs = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
+    section = docs.split("## Reloading: which keys change without a restart", 1)[1].split("\n## ", 1)[0]
+    rows: dict[str, tuple[str, str]] = {}
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`["):
+            rows[cells[0].strip("`[]")] = (cells[1], cells[2])
+    return rows
+
+
+def _names(cell: str, field: str) -> bool:
+    return cell.startswith("every") or f"`{field}`" in cell
+
+
+def test_docs_mark_every_key_reloadable_or_not_as_the_router_does():
+    table = _reload_table()
+    keys = flat_keys(config())
+    assert set(table) == {key.split(".", 1)[0] for key in keys} | {"engines"}
+    for key in keys:
+        section, field = key.split(".", 1)
+        reload_cell, restart_cell = table[section]
+        if is_reloadable(key):
+            assert _names(reload_cell, field) and not _names(restart_cell, field), key
+        else:
+            assert _names(restart_cell, field) and not _names(reload_cell, field), key
+    assert is_reloadable("engines") is table["engines"][0].startswith("every")

@@ -90,14 +90,16 @@ async def test_reloadable_keys_take_effect_and_restart_keys_keep_their_running_v
     text = (config_file.read_text().replace("eject_after = 3", "eject_after = 7\nliveness_misses = 9")
             .replace('"old-token"', '"new-token"').replace("127.0.0.1:8000", "127.0.0.1:8111")
             .replace("[admin]", "[controller]\nmonitor_interval_s = 0.5\nstage_timeout_s = 0.25\n"
+                                "drift_factor = 4.5\n[telemetry]\ninterval_s = 2.5\n"
                                 "[fleet]\ngeneration = \"g7\"\n[admin]"))
     config_file.write_text(text)
     outcome = await router.reload()
     assert outcome.reloaded and outcome.changes is not None
     assert outcome.changes.keys_needing_restart == ["serving.listen"]
-    assert outcome.changes.keys_changed == ["admin.token", "controller.monitor_interval_s",
-                                            "controller.stage_timeout_s", "fleet.generation",
-                                            "recovery.eject_after", "recovery.liveness_misses"]
+    assert outcome.changes.keys_changed == ["admin.token", "controller.drift_factor",
+                                            "controller.monitor_interval_s", "controller.stage_timeout_s",
+                                            "fleet.generation", "recovery.eject_after", "recovery.liveness_misses",
+                                            "telemetry.interval_s"]
     [reloaded] = events(caplog, "config_reloaded")
     assert reloaded["keys_needing_restart"] == ["serving.listen"]
     assert reloaded["level"] == "warning"
@@ -105,6 +107,7 @@ async def test_reloadable_keys_take_effect_and_restart_keys_keep_their_running_v
     assert router.config.recovery.eject_after == 7
     assert router.readmitter.config.fleet.generation == "g7"
     assert router.monitor.interval_s == 0.5 and router.monitor.stage_timeout_s == 0.25
+    assert router.controller.tracker.drift_factor == 4.5 and router.telemetry.interval_s == 2.5
     # The fleet ejects on the new streak length: 6 connection failures are not enough, the 7th is.
     from narwhal.errors import FailureClass
 

@@ -419,3 +419,20 @@ async def test_monitor_gauges_render(autojump_clock: MockClock) -> None:
     assert "narwhal_monitor_last_pass_seconds 0.25" in text
     assert repr(monitor) == ("<Monitor [8 stages | pass 1 | streak 1/1 | "
                              "degraded: monitoring degraded: health RuntimeError]>")
+
+
+async def test_a_reloaded_interval_starts_a_new_grid_at_the_pass_just_run(autojump_clock: MockClock) -> None:
+    # A reload during pass 2 (at 1.0) sets 0.25 s: pass 3 is due 0.25 after pass 2's slot.
+    health = FakeStage("health", duration_s=0.1)
+    monitor = Monitor([health], interval_s=INTERVAL_S, stage_timeout_s=1.0, failure_limit=LIMIT,
+                      admission=Admission(), metrics=RouterMetrics())
+
+    async def reload_at(at: float) -> None:
+        await trio.sleep_until(at)
+        monitor.interval_s = 0.25
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(reload_at, 1.05)
+        with trio.move_on_at(1.8):
+            await monitor.run()
+    assert sorted(health.started.values()) == [0.0, 1.0, 1.25, 1.5, 1.75]
