@@ -6,10 +6,12 @@ app and the lease are built once either way. Ownership: ``Router.run`` opens
 the nursery that owns the supervisor (probes), the monitor, the optional
 hypercorn admin listener, the data plane and the lease. ``shutdown`` closes
 admission, stops accepting, lets in-flight requests finish within the grace
-period, then cancels the rest. ``reload_tls`` (SIGHUP) is the one reload path:
-this process's contexts, then the data plane's (each worker's), and
-``tls_reloaded`` only once every part reloaded. ``reload`` (SIGHUP, ``POST
-/admin/reload``) reads the config file again first and applies its reloadable keys.
+period, then cancels the rest. ``reload`` (SIGHUP, ``POST /admin/reload``) is
+the one reload path: the config file (its reloadable keys, ``narwhal.config_diff``;
+engines added through readmission, removed after their requests finish), then
+``reload_tls``: this process's contexts, then the data plane's (each worker's),
+and ``tls_reloaded`` only once every part reloaded. The engine set reaches
+worker processes in the hub's snapshots.
 """
 
 from __future__ import annotations
