@@ -448,20 +448,13 @@ class Router:
                 new = load_config(self.config_path)
                 key = new.attestation_key_bytes(self.config_dir)
             except ConfigError as exc:
-                error = split_config_error(str(exc), file)
-                log_event("config_reload_failed", level=logging.ERROR, file=file, key=error.key,
-                          problem=error.problem)
-                return ReloadOutcome(file=file, reloaded=False, error=error)
+                return self._reload_failed(split_config_error(str(exc), file))
             except OSError as exc:
-                error = ReloadError(file=file, key="fleet.attestation_key_file", problem=exc.strerror or str(exc))
-                log_event("config_reload_failed", level=logging.ERROR, file=file, key=error.key,
-                          problem=error.problem)
-                return ReloadOutcome(file=file, reloaded=False, error=error)
+                return self._reload_failed(ReloadError(file=file, key="fleet.attestation_key_file",
+                                                       problem=exc.strerror or str(exc)))
             problem = self._loops_back(new)
             if problem is not None:
-                log_event("config_reload_failed", level=logging.ERROR, file=file, key=problem.key,
-                          problem=problem.problem)
-                return ReloadOutcome(file=file, reloaded=False, error=problem)
+                return self._reload_failed(problem)
             changes = diff_configs(self.config, new)
             self._apply_config(merge_reloadable(self.config, new), key)
             self._apply_engines(changes, new)
@@ -469,6 +462,12 @@ class Router:
                       file=file, **msgspec.structs.asdict(changes))
             tls = await self._reload_tls_if_configured()
             return ReloadOutcome(file=file, reloaded=True, changes=changes, tls=tls)
+
+    @staticmethod
+    def _reload_failed(error: ReloadError) -> ReloadOutcome:
+        """Nothing changed: say why, once."""
+        log_event("config_reload_failed", level=logging.ERROR, file=error.file, key=error.key, problem=error.problem)
+        return ReloadOutcome(file=error.file, reloaded=False, error=error)
 
     def _loops_back(self, new: Config) -> ReloadError | None:
         """An engine URL in ``new`` that is this router's own serving address (as ``preflight`` refuses)."""

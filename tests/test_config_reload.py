@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from narwhal.config import load_config
+from narwhal.errors import FailureClass
 from narwhal.router import Router
 from narwhal.tools.admin_cli import format_reload
 
@@ -109,8 +110,6 @@ async def test_reloadable_keys_take_effect_and_restart_keys_keep_their_running_v
     assert router.monitor.interval_s == 0.5 and router.monitor.stage_timeout_s == 0.25
     assert router.controller.tracker.drift_factor == 4.5 and router.telemetry.interval_s == 2.5
     # The fleet ejects on the new streak length: 6 connection failures are not enough, the 7th is.
-    from narwhal.errors import FailureClass
-
     for _ in range(6):
         router.fleet.record_failure("d1", FailureClass.CONNECTION, 1.0)
     assert not router.fleet.view("d1", 1.0).ejected
@@ -153,3 +152,34 @@ async def test_a_router_without_a_config_file_says_there_is_nothing_to_read(rout
     outcome = await router.reload()
     assert not outcome.reloaded and outcome.error is not None
     assert outcome.error.problem == "no config file to read again"
+
+
+async def test_an_engine_url_that_is_this_router_is_refused_and_changes_nothing(
+        router: Router, config_file: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.events")
+    config_file.write_text(config_file.read_text()
+                           + '[[engines]]\nname = "d2"\nurl = "http://127.0.0.1:8000"\nrole = "decode"\n')
+    outcome = await router.reload()
+    assert not outcome.reloaded and outcome.error is not None
+    assert outcome.error.key == "engines[2].url" and "loop back" in outcome.error.problem
+    assert not router.fleet.knows("d2")
+    assert len(events(caplog, "config_reload_failed")) == 1
+
+
+async def test_a_changed_url_is_a_removal_then_a_fresh_held_addition(
+        router: Router, config_file: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.events")
+    router.fleet.record_failure("d1", FailureClass.CONNECTION, 1.0)
+    config_file.write_text(config_file.read_text().replace("127.0.0.1:9002", "127.0.0.1:9102"))
+    outcome = await router.reload()
+    assert outcome.changes is not None and outcome.changes.engines_changed == ["d1"]
+    # Not running (no nursery, nothing in flight): the old d1 left at once and the new one came in.
+    names = [event["event"] for event in events(caplog, "engine_removing") + events(caplog, "engine_removed")
+             + events(caplog, "engine_added")]
+    assert names == ["engine_removing", "engine_removed", "engine_added"]
+    assert router.supervisor.engines["d1"].url == "http://127.0.0.1:9102"
+    view = router.fleet.view("d1", 2.0)
+    assert view.ejected and str(view.ejected_cause) == "added" and not any(view.evidence.values())
+    entry = router.engine_view.engine("d1")
+    assert entry.url == "http://127.0.0.1:9102"
+    assert [e.name for e in router.persistence.engine_set] == ["p1", "d1"]

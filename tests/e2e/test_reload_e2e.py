@@ -20,6 +20,7 @@ import trio
 
 from narwhal.tools.admin_cli import TOKEN_ENV
 from narwhal.tools.local_fleet import LocalProcess, render_config, start_mock_engine, start_router
+from tests.e2e.test_lease_e2e import Pair
 from tests.e2e.waiting import wait_for_passes, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -295,8 +296,6 @@ async def test_resume_after_a_reload_applies_the_running_set(start_fleet, nurser
 
 async def test_a_standby_reloads_its_own_config_and_says_when_its_set_differs_from_the_active(
         nursery, tmp_path) -> None:
-    from tests.e2e.test_lease_e2e import Pair
-
     client = httpx.AsyncClient(timeout=10.0)
     pair = Pair(nursery, tmp_path, "file", client, None)
     extra: LocalProcess | None = None
