@@ -233,3 +233,29 @@ async def test_python_m_narwhal_admin_dispatches_to_the_admin_cli(
     assert engines.stdout.decode().splitlines()[0].split()[:3] == ["NAME", "ROLE", "STATE"]
     assert unknown.returncode == 1
     assert unknown.stderr.decode() == "narwhal admin: HTTP 404: no engine named 'nope'\n"
+
+
+def test_reload_posts_and_prints_what_changed_or_the_refusal() -> None:
+    seen: list[tuple[str, str]] = []
+    body = {"file": "/etc/narwhal.toml", "reloaded": True, "tls": "skipped",
+            "changes": {"engines_added": ["d3"], "engines_removed": ["d1"], "engines_changed": [],
+                        "keys_changed": ["recovery.eject_after"], "keys_needing_restart": ["serving.listen"]}}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append((request.method, request.url.path))
+        return httpx.Response(200, json=body)
+
+    code, out, err = run(["reload"], fake_router(answer))
+    assert code == 0 and err == "" and seen == [("POST", "/admin/reload")]
+    assert out == ("reloaded /etc/narwhal.toml\n  engines added: d3\n  engines removed: d1\n"
+                   "  keys changed: recovery.eject_after\n"
+                   "  need a restart (running values kept): serving.listen\n")
+    code, out, _ = run(["reload"], fake_router(lambda request: httpx.Response(
+        200, json={"file": "/etc/narwhal.toml", "reloaded": True, "changes": {}, "tls": "reloaded"})))
+    assert out == "reloaded /etc/narwhal.toml\n  nothing changed\n  TLS files: reloaded\n"
+    refused = {"error": {"message": "config not reloaded, nothing changed: /etc/narwhal.toml: recovery: "
+                                    "eject_after must be > 0, got 0", "code": "config_reload_failed"}}
+    code, out, err = run(["reload"], fake_router(lambda request: httpx.Response(422, json=refused)))
+    assert code == 1 and out == ""
+    assert err == ("narwhal admin: HTTP 422: config not reloaded, nothing changed: /etc/narwhal.toml: "
+                   "recovery: eject_after must be > 0, got 0\n")

@@ -346,3 +346,37 @@ async def test_a_standby_reloads_its_own_config_and_says_when_its_set_differs_fr
                 await engine.stop(grace_s=5.0)
             if extra is not None:
                 await extra.stop()
+
+
+async def test_a_reload_while_the_router_drains_for_shutdown_applies_and_the_stream_finishes(
+        start_fleet, nursery) -> None:
+    fleet = await start_fleet(prefill=1, decode=2, sections=sections(1), mock_args=["--token-delay-s", "0.05"])
+    received: list[bytes] = []
+    started = trio.Event()
+    done = trio.Event()
+
+    async def long_stream() -> None:
+        body = {**REQUEST, "max_tokens": 40, "stream": True}
+        async with fleet.client.stream("POST", f"{fleet.url}/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            async for chunk in response.aiter_bytes():
+                received.append(chunk)
+                started.set()
+        done.set()
+
+    nursery.start_soon(long_stream)
+    await started.wait()
+    fleet.router.process.send_signal(signal.SIGTERM)
+    assert await fleet.router.wait_event("router_shutdown", timeout_s=5.0)
+    current = engine_map(fleet.config_path)
+    del current["d2"]
+    rewrite(fleet.config_path, engines=current, changes={"recovery": {"eject_after": 4}})
+    sighup(fleet.router)
+    event = await reloaded(fleet.router, 1)
+    assert event["keys_changed"] == ["recovery.eject_after"] and event["engines_removed"] == ["d2"]
+    with trio.fail_after(20):
+        await done.wait()
+    assert b"".join(received).decode().rstrip().endswith("data: [DONE]")
+    with trio.fail_after(15):
+        assert await fleet.router.process.wait() == 0
+    assert fleet.router.events("router_stopped")
