@@ -259,22 +259,26 @@ async def test_a_flapping_engine_is_readmitted_later_each_time_and_a_lasting_rea
     assert world.now() - t0 < 20
 
 
-async def test_health_that_flaps_restarts_the_health_to_eligible_clock(
+async def test_an_engine_ejected_for_failed_inference_starts_on_health_only_after_it_went_away(
         autojump_clock: MockClock, nursery: trio.Nursery) -> None:
     world = World(probe_interval_s=60.0, recheck=False)
     await nursery.start(world.readmitter.run)
-    world.fleet.eject("d1", "decode failed", world.now(), FailureClass.INFERENCE_STATUS)
-    # An inference-caused ejection: health that never stopped answering says nothing.
-    world.readmitter.health_observed("d1", True)
+    for name in ("d1", "d2"):
+        world.fleet.eject(name, "decode failed", world.now(), FailureClass.INFERENCE_STATUS)
+        # Health that never stopped answering says nothing about its decodes.
+        world.readmitter.health_observed(name, True)
     await trio.sleep(1.0)
-    assert world.readmitter.last_result("d1") is None
-    # Silent, then back: it went away and returned, so its health now counts.
-    world.readmitter.health_observed("d1", False)
+    assert world.readmitter.last_result("d1") is None and world.readmitter.last_result("d2") is None
+    # d1 is readmitted by the operator: its health never "returned", so no figure.
+    result = await world.readmitter.readmit("d1", operator=True)
+    assert result.readmitted and result.health_to_eligible_s is None
+    # d2 goes silent, then answers again: it went away and came back, so its health now counts.
+    world.readmitter.health_observed("d2", False)
     await trio.sleep(1.0)
-    world.readmitter.health_observed("d1", True)
+    world.readmitter.health_observed("d2", True)
     await trio.sleep(0.01)
-    last = world.readmitter.last_result("d1")
-    assert last is not None and last.readmitted and last.health_to_eligible_s == 0.0
+    last = world.readmitter.last_result("d2")
+    assert last is not None and last.readmitted and last.operator is False and last.health_to_eligible_s == 0.0
 
 
 # ----- the event and the metric -----------------------------------------------------------------

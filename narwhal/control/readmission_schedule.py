@@ -29,7 +29,8 @@ key) is tried at base, then 2 x base, ... and at most once per
 Health to eligible. ``health_since`` is the first success of the current run
 of successes after the ejection (a failed or silent check ends the run), the
 start of the "engine answered health" to "back in placement" figure that
-``readmitted`` returns.
+``readmitted`` returns; None for an engine ejected for failed inference whose
+health never went away (its health did not "return": it was tried on the tick).
 """
 
 from __future__ import annotations
@@ -126,7 +127,8 @@ class ReadmissionSchedule:
     def readmitted(self, name: str, now: float) -> float | None:
         """The engine is back in placement: seconds since its health returned, or None when not seen."""
         state = self._engines[name]
-        since = state.health_since
+        # An engine whose health never went away (ejected for failed inference) has no "health returned".
+        since = state.health_since if state.health_decides or state.seen_down else None
         state.health_since = None
         state.readmitted_at = now
         state.ejection = None
