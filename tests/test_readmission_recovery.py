@@ -134,6 +134,25 @@ async def test_the_recheck_notices_a_restart_between_passes_and_never_checks_eng
     assert len(world.engines["d1"].calls) == 25 + 5
 
 
+async def test_the_recheck_ends_a_held_engines_health_clearable_quarantine_between_passes(
+        autojump_clock: MockClock, nursery: trio.Nursery) -> None:
+    # A timeout streak holds d1 (a temporary quarantine) while its health probe decides; the
+    # probe is lost here, so only a health success may end the hold before its deadline.
+    world = World(probe_interval_s=60.0, quarantine_s=30.0, recheck_interval_s=RECHECK_S)
+    world.engines["d1"].refuse_connections = True
+    await nursery.start(world.readmitter.run)
+    await trio.sleep(0.01)
+    for _ in range(3):
+        world.fleet.record_failure("d1", FailureClass.TIMEOUT, world.now())
+    assert not world.fleet.is_eligible("d1", world.now())
+    await trio.sleep(1.0)
+    assert not world.fleet.is_eligible("d1", world.now())
+    world.engines["d1"].refuse_connections = False
+    await trio.sleep(RECHECK_S)
+    assert world.fleet.is_eligible("d1", world.now())
+    assert world.readmitter.last_result("d1") is None  # never ejected: no chain, the health success was enough
+
+
 # ----- backoff after refusals -------------------------------------------------------------------
 
 
