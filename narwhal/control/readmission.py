@@ -80,7 +80,7 @@ from narwhal.control.readmission_schedule import EngineSchedule, ReadmissionSche
 from narwhal.control.recheck import Rechecker
 from narwhal.errors import EngineFailure, PoolSaturated, SuccessKind
 from narwhal.fleet import DRAIN_HOLDS, EjectionCause, EngineView, HoldKind
-from narwhal.fleet.placement import InFlight
+from narwhal.fleet.placement import InFlightCounts
 from narwhal.fleet.tables import drained
 from narwhal.obs.logs import log_event
 from narwhal.obs.router_metrics import RouterMetrics
@@ -184,7 +184,7 @@ def _iso(wall: float) -> str:
 class Readmitter:
     """Runs the readmission chain for the operator and on schedule, and applies operator drains."""
 
-    def __init__(self, *, config: Config, fleet: FleetWriter, control_pool: ControlCalls, in_flight: InFlight,
+    def __init__(self, *, config: Config, fleet: FleetWriter, control_pool: ControlCalls, in_flight: InFlightCounts,
                  metrics: RouterMetrics, clock: Callable[[], float] = trio.current_time,
                  wall_clock: Callable[[], float] = time.time, attestation_key: bytes | None,
                  inference_check: Callable[[str], Awaitable[str]] | None = None) -> None:
