@@ -270,8 +270,7 @@ def test_format_report_lays_runs_side_by_side_with_faults() -> None:
         attempts_on_dead_engine=3, dead_engine_last_attempt_s=0.01, dead_engine_ineligible_s=0.02,
         restarted_engine_eligible_s=None, restarted_engine_first_served_s=1.5,
         failing_engine_requests_during_fault=4, failing_engine_last_request_s=0.1,
-        failing_engine_ineligible_s=0.1, restarted_engine_health_s=0.4,
-        restarted_engine_eligible_after_health_s=0.12, restarted_engine_first_served_after_health_s=0.2)
+        failing_engine_ineligible_s=0.1)
     report = BenchReport(settings={}, run=_run_report("narwhal"), baseline=_run_report("direct"),
                          router_vs_direct={"requests_per_s": 0.5}, faults=faults)
     text = format_report(report)
@@ -279,10 +278,6 @@ def test_format_report_lays_runs_side_by_side_with_faults() -> None:
     assert "errors by kind" in text and "sse_error 1" in text
     assert "router / direct: requests_per_s 0.50" in text
     assert "2 with an SSE error event, 0 silently" in text and "not seen" in text
-    # The restart: the router's share (from the engine's first health 200) apart from the engine's start-up.
-    assert "restarted engine: health 200 after restart 0.40 s" in text
-    assert "restarted engine: eligible after its health returned 0.12 s" in text
-    assert "restarted engine: first served after its health returned 0.20 s" in text
     json.loads(msgspec.json.encode(report))
 
 
