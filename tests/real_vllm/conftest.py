@@ -8,7 +8,14 @@ machine's real-vLLM lock and runs pytest in that venv).  Fixtures, for tests tha
 ``fleet``           the same fleet, with every dead, frozen or unhealthy engine restarted first: use this one.
 ``start_narwhal``   ``await start_narwhal(**sections)``: a router (``python -m narwhal serve``) in front of the
                     fleet, every engine eligible; returns a ``Narwhal`` with ``url``, ``client`` (httpx),
-                    ``openai`` (the official async client), ``engine(name)`` and ``wait_engine(name, predicate)``.
+                    ``openai`` (the official client), ``call(fn, *args)`` (runs a blocking call, such as an
+                    ``openai`` one, in a thread), ``engine(name)`` and ``wait_engine(name, predicate, what=)``.
+
+Helpers: ``metric(fleet_engine_url, name, **labels)`` reads one sample of an engine's /metrics;
+``pd_by_hand(...)`` runs one request through a prefill/decode pair with no router (the reference).
+
+The official client runs synchronously in worker threads: its async streams are async generators that trio's
+finalizer reports as unclosed when a stream ends before its generator does.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -28,6 +35,7 @@ from tests.real_vllm.fleet import DEFAULT_START_TIMEOUT_S, REPO, VllmFleet, runn
 ADMIN_TOKEN = "real-vllm-admin"
 AUTH = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 HERE = Path(__file__).resolve().parent
+T = TypeVar("T")
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
@@ -83,12 +91,15 @@ class Narwhal:
         self.fleet = fleet
         self.client = client
         self.config_path = config_path
-        self.openai = openai.AsyncOpenAI(base_url=f"{process.url}/v1", api_key="unused", max_retries=0,
-                                         timeout=120.0)
+        self.openai = openai.OpenAI(base_url=f"{process.url}/v1", api_key="unused", max_retries=0, timeout=120.0)
 
     @property
     def url(self) -> str:
         return self.process.url
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a blocking call (the openai client's) in a worker thread."""
+        return await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
 
     async def engine(self, name: str) -> dict[str, Any]:
         """The router's view of one engine (``GET /admin/engines/{name}``)."""
@@ -108,7 +119,7 @@ class Narwhal:
         raise AssertionError(f"timed out after {timeout_s:g} s waiting for {name}: {what}; last state {state}")
 
     async def aclose(self) -> None:
-        await self.openai.close()
+        self.openai.close()
         await self.client.aclose()
 
 
@@ -134,3 +145,31 @@ async def start_narwhal(fleet: VllmFleet, nursery: trio.Nursery, tmp_path: Path)
         for router in started:
             await router.aclose()
             await router.process.stop(grace_s=10.0)
+
+
+async def metric(client: httpx.AsyncClient, url: str, name: str, **labels: str) -> float:
+    """The sum of an engine's /metrics samples called ``name`` whose labels include ``labels``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = await client.get(f"{url}/metrics")
+    assert response.status_code == 200, response.text
+    total = 0.0
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+async def pd_by_hand(client: httpx.AsyncClient, prefill_url: str, decode_url: str, route: str,
+                     body: dict[str, Any]) -> dict[str, Any]:
+    """One request through a prefill and a decode engine with no router: vLLM's own P/D flow, by hand."""
+    from narwhal.wire import PREFILL_KV_REQUEST
+
+    first = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_KV_REQUEST}
+    response = await client.post(f"{prefill_url}{route}", json=first)
+    assert response.status_code == 200, response.text
+    kv = response.json()["kv_transfer_params"]
+    response = await client.post(f"{decode_url}{route}", json={**body, "kv_transfer_params": kv})
+    assert response.status_code == 200, response.text
+    return response.json()

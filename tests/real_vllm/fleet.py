@@ -115,6 +115,8 @@ class VllmFleet:
         return [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                 "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(engine.port),
                 "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "16", "--seed", "0",
+                # No torch.compile: it costs a minute and more of a start on 2 cores, for a 2-layer model.
+                "--enforce-eager",
                 "--kv-transfer-config", json.dumps(kv), "--middleware", PLUGIN]
 
     def environment(self, engine: Engine) -> dict[str, str]:
