@@ -127,13 +127,17 @@ class Narwhal:
 async def start_narwhal(fleet: VllmFleet, nursery: trio.Nursery, tmp_path: Path):
     """``await start_narwhal(**sections)``: a router in front of ``fleet``, returned once every engine is eligible."""
     started: list[Narwhal] = []
+    logs: list[Any] = []
 
     async def start(**sections: dict[str, Any]) -> Narwhal:
         sections.setdefault("admin", {})["token"] = ADMIN_TOKEN
         config_path = tmp_path / f"narwhal-{len(started)}.toml"
         config_path.write_text(fleet.router_config(tmp_path / f"handoff-{len(started)}.json", **sections))
         env = {"PYTHONPATH": str(REPO)}
-        process = await start_router(nursery, str(config_path), env=env, timeout_s=60.0)
+        # Its JSON log lines are kept in process.lines and, for whoever reads the run afterwards, in a file.
+        log = (tmp_path / f"router-{len(started)}.log").open("w")
+        logs.append(log)
+        process = await start_router(nursery, str(config_path), env=env, timeout_s=60.0, echo=log)
         router = Narwhal(process, fleet, httpx.AsyncClient(timeout=120.0), config_path)
         started.append(router)
         for name in fleet.engines:
@@ -145,6 +149,8 @@ async def start_narwhal(fleet: VllmFleet, nursery: trio.Nursery, tmp_path: Path)
         for router in started:
             await router.aclose()
             await router.process.stop(grace_s=10.0)
+        for log in logs:
+            log.close()
 
 
 async def metric(client: httpx.AsyncClient, url: str, name: str, **labels: str) -> float:

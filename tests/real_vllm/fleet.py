@@ -115,9 +115,11 @@ class VllmFleet:
         return [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                 "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(engine.port),
                 "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "16", "--seed", "0",
-                # No torch.compile: it costs a minute and more of a start on 2 cores, for a 2-layer model.
-                "--enforce-eager",
-                "--kv-transfer-config", json.dumps(kv), "--middleware", PLUGIN]
+                # vLLM on CPU downcasts float32 to bfloat16 and then, where the CPU lists amx_tile, runs attention
+                # on AMX; a CPU (or VM) with amx_tile but without amx_bf16 dies of SIGILL in the first decode.
+                "--dtype", "float32",
+                "--kv-transfer-config", json.dumps(kv), "--middleware", PLUGIN,
+                *([] if os.environ.get("NARWHAL_REAL_VLLM_EAGER", "1") == "0" else ["--enforce-eager"])]
 
     def environment(self, engine: Engine) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "NARWHAL_", "PYTHONPATH"))}
@@ -175,12 +177,46 @@ class VllmFleet:
                 time.sleep(0.5)
 
     def start(self, names: list[str] | None = None, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> float:
-        """Start the named engines (default all) at once and wait until all are ready; the seconds it took."""
+        """Start the named engines (default all) at once, wait until all are ready and their NIXL handshakes
+        are done; the seconds it took."""
         t0 = time.monotonic()
-        for name in names or list(self.engines):
+        names = names or list(self.engines)
+        for name in names:
             self.spawn(self.engines[name])
         self.wait_ready(names, timeout_s)
+        self.warm(names)
         return time.monotonic() - t0
+
+    def warm(self, names: list[str], attempts: int = 4) -> None:
+        """One P/D request through every prefill/decode pair that involves ``names``, retried.
+
+        A decode engine's first request from a prefill engine starts with a NIXL handshake over the prefill's
+        side channel, which vLLM 0.32 waits for 5 s at most and then fails the request (HTTP 500); on 2 busy
+        cores a fresh engine can be that slow.  Tests start once the handshakes are done.
+        """
+        from narwhal.wire import PREFILL_KV_REQUEST
+
+        pairs = [(p, d) for p in self.of_role("prefill") for d in self.of_role("decode")
+                 if p.name in names or d.name in names]
+        body = {"model": MODEL_NAME, "prompt": "warm up the handoff between these two engines", "max_tokens": 2}
+        with httpx.Client(timeout=60.0) as client:
+            for prefill, decode in pairs:
+                problem = ""
+                for _ in range(attempts):
+                    try:
+                        first = client.post(f"{prefill.url}/v1/completions",
+                                            json={**body, "max_tokens": 1, "kv_transfer_params": PREFILL_KV_REQUEST})
+                        kv = first.json()["kv_transfer_params"]
+                        second = client.post(f"{decode.url}/v1/completions", json={**body, "kv_transfer_params": kv})
+                        if second.status_code == 200:
+                            break
+                        problem = f"HTTP {second.status_code}: {second.text[:200]}"
+                    except (httpx.HTTPError, KeyError, ValueError) as exc:
+                        problem = repr(exc)
+                    time.sleep(1.0)
+                else:
+                    raise RuntimeError(f"no P/D request through {prefill.name} -> {decode.name} succeeded in "
+                                       f"{attempts} tries: {problem}; {decode.name}'s log ends:\n{decode.log_tail()}")
 
     def stop(self, name: str, grace_s: float = 20.0) -> None:
         """SIGTERM the engine's process group (after SIGCONT, in case it is frozen), SIGKILL after ``grace_s``."""

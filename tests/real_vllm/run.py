@@ -76,8 +76,12 @@ def main(argv: list[str]) -> int:
         child_env = dict(os.environ)
         child_env["NARWHAL_REAL_VLLM_MODEL"] = env["model"]
         child_env["PYTHONPATH"] = str(REPO)
+        # The run's files (engine logs, router configs) stay until the next run, out of the shared pytest
+        # temp root whose rotation other test runs on the machine would soon delete them in.
+        basetemp = Path(env["model"]).parent / "last-run"
         cmd = [env["python"], "-m", "pytest", "-m", "real_vllm", "-p", "no:cacheprovider", "-v",
-               str(HERE.relative_to(REPO)), *argv]
+               f"--basetemp={basetemp}", str(HERE.relative_to(REPO)), *argv]
+        print(f"[real-vllm] engine logs and router configs: {basetemp}", file=sys.stderr, flush=True)
         t0 = time.monotonic()
         code = subprocess.run(cmd, cwd=REPO, env=child_env).returncode
         print(f"[real-vllm] tier {time.monotonic() - t0:.1f} s (setup {setup_s:.1f} s)", file=sys.stderr,

@@ -25,6 +25,7 @@ class StreamWatch:
         self.first = trio.Event()
         self.chunks = 0
         self.error: openai.APIError | None = None
+        self.other: BaseException | None = None
         self.finished = False
 
     def read(self, narwhal: Narwhal, token: trio.lowlevel.TrioToken) -> None:
@@ -37,6 +38,8 @@ class StreamWatch:
             self.finished = True
         except openai.APIError as exc:
             self.error = exc
+        except BaseException as exc:  # reported by the test, not lost in the thread
+            self.other = exc
         finally:
             trio.from_thread.run_sync(self.first.set, trio_token=token)
 
@@ -68,8 +71,9 @@ async def test_sigkill_mid_stream_is_an_sse_stream_error_then_ejection_and_autom
     victim.signal_group(signal.SIGKILL)
 
     with trio.fail_after(60):
-        while not (watch.error or watch.finished):
+        while not (watch.error or watch.other or watch.finished):
             await trio.sleep(0.05)
+    assert watch.other is None, repr(watch.other)
     assert watch.error is not None and not watch.finished, "the stream should end with an error event"
     assert isinstance(watch.error.body, dict) and watch.error.body.get("code") == "stream", watch.error.body
     assert victim.name in str(watch.error)
@@ -107,8 +111,9 @@ async def test_sigstop_is_ejected_after_silent_sweeps_and_readmitted_after_sigco
     await narwhal.wait_engine(victim.name, readmitted_by_itself, what="readmitted after SIGCONT", timeout_s=120)
     # The request that was on it when it froze completed.
     with trio.fail_after(120):
-        while not (watch.error or watch.finished):
+        while not (watch.error or watch.other or watch.finished):
             await trio.sleep(0.05)
+    assert watch.other is None, repr(watch.other)
     assert watch.finished and watch.error is None and watch.chunks >= 100
 
 
