@@ -135,11 +135,14 @@ async def test_a_prompt_longer_than_the_context_is_400_and_no_evidence(start_nar
     narwhal = await start_narwhal()
     long_text = " ".join(["narwhal"] * (MAX_MODEL_LEN + 50))
     long_ids = [43] * (MAX_MODEL_LEN + 1)
-    for prompt in (long_text, long_ids, long_ids):  # token IDs twice: with and without a known limit
+    # Token IDs before the router knows the limit: vLLM refuses them, and its 400 is the client's.
+    # Then text, counted by /tokenize, which tells the router the limit; then token IDs, refused by the router.
+    for prompt, by_router in ((long_ids, False), (long_text, True), (long_ids, True)):
         with pytest.raises(openai.BadRequestError) as caught:
             await narwhal.call(lambda p=prompt: narwhal.openai.completions.create(
                 model=MODEL_NAME, prompt=p, max_tokens=4))
         assert caught.value.status_code == 400
+        assert (caught.value.code == "context_length_exceeded") == by_router, caught.value.body
     # Fits, but with max_tokens it would not.
     with pytest.raises(openai.BadRequestError):
         await narwhal.call(lambda: narwhal.openai.completions.create(
