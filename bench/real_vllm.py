@@ -49,6 +49,10 @@ def inner(model: str, argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--decode", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the benchmark this many times in a row (router, pair, router, pair, ...), "
+                             "each with --json PREFIX.N.json when --json-prefix is given")
+    parser.add_argument("--json-prefix", help="write round N's figures to PREFIX.N.json")
     args, bench_args = parser.parse_known_args(argv)
     python = sys.executable
     with tempfile.TemporaryDirectory(prefix="narwhal-real-vllm-bench-") as tmp, \
@@ -61,11 +65,15 @@ def inner(model: str, argv: list[str]) -> int:
                                        "127.0.0.1:0"], stderr=log, env=child_env, start_new_session=True)
             try:
                 url = _router_url(Path(tmp) / "router.log", router)
-                cmd = [python, "-m", "narwhal", "bench", "--target", url, "--target-pid", str(router.pid),
-                       "--model", MODEL_NAME, "--baseline", "pair", "--pair", fleet["p1"].url, fleet["d1"].url,
-                       *bench_args]
-                print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
-                return subprocess.run(cmd, env=child_env, cwd=REPO).returncode
+                status = 0
+                for n in range(1, args.rounds + 1):
+                    out = ["--json", f"{args.json_prefix}.{n}.json"] if args.json_prefix else []
+                    cmd = [python, "-m", "narwhal", "bench", "--target", url, "--target-pid", str(router.pid),
+                           "--model", MODEL_NAME, "--baseline", "pair", "--pair", fleet["p1"].url,
+                           fleet["d1"].url, *bench_args, *out]
+                    print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
+                    status = status or subprocess.run(cmd, env=child_env, cwd=REPO).returncode
+                return status
             finally:
                 router.send_signal(signal.SIGTERM)
                 try:

@@ -63,6 +63,9 @@ def vllm_environment() -> tuple[str, str]:
     return found
 
 
+_START_TIMES: list[tuple[list[str], float]] = []
+
+
 @pytest.fixture(scope="session")
 def vllm_fleet(vllm_environment: tuple[str, str], tmp_path_factory: pytest.TempPathFactory):
     """The session's engines: 1 prefill + $NARWHAL_REAL_VLLM_DECODE (default 2) decode, stopped at the end."""
@@ -70,7 +73,16 @@ def vllm_fleet(vllm_environment: tuple[str, str], tmp_path_factory: pytest.TempP
     decode = int(os.environ.get("NARWHAL_REAL_VLLM_DECODE", "2"))
     workdir = tmp_path_factory.mktemp("vllm")
     with running_fleet(python, model, workdir, prefill=1, decode=decode) as fleet:
-        yield fleet
+        try:
+            yield fleet
+        finally:
+            _START_TIMES.extend(fleet.start_times)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
+    # What the engines cost in start time, for the tier's README and CI budget.
+    for names, seconds in _START_TIMES:
+        terminalreporter.write_line(f"real-vllm: started {'+'.join(names)} (ready, NIXL warmed up) in {seconds:.1f} s")
 
 
 @pytest.fixture

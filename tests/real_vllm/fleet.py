@@ -94,6 +94,8 @@ class VllmFleet:
         self.model = model
         self.workdir = workdir
         self.engines: dict[str, Engine] = {}
+        # (engines, seconds from spawn to ready and warmed up), per start: the tier prints them at its end.
+        self.start_times: list[tuple[list[str], float]] = []
         cpus = max(1, os.cpu_count() or 1)
         index = 0
         for role, count in (("prefill", prefill), ("decode", decode)):
@@ -185,7 +187,9 @@ class VllmFleet:
             self.spawn(self.engines[name])
         self.wait_ready(names, timeout_s)
         self.warm(names)
-        return time.monotonic() - t0
+        took = time.monotonic() - t0
+        self.start_times.append((names, took))
+        return took
 
     def warm(self, names: list[str], attempts: int = 4) -> None:
         """One P/D request through every prefill/decode pair that involves ``names``, retried.
