@@ -23,6 +23,7 @@ class StreamWatch:
 
     def __init__(self) -> None:
         self.first = trio.Event()
+        self.ended = trio.Event()
         self.chunks = 0
         self.error: openai.APIError | None = None
         self.other: BaseException | None = None
@@ -42,6 +43,20 @@ class StreamWatch:
             self.other = exc
         finally:
             trio.from_thread.run_sync(self.first.set, trio_token=token)
+            trio.from_thread.run_sync(self.ended.set, trio_token=token)
+
+    async def start(self, narwhal: Narwhal, nursery: trio.Nursery) -> Engine:
+        """Start the stream; once its first token has arrived, the decode engine serving it."""
+        nursery.start_soon(narwhal.call, self.read, narwhal, trio.lowlevel.current_trio_token())
+        with trio.fail_after(120):
+            await self.first.wait()
+        return await busy_decode(narwhal)
+
+    async def end(self, timeout_s: float) -> None:
+        """Wait for the stream to end, by an error event or [DONE]; anything else fails the test."""
+        with trio.fail_after(timeout_s):
+            await self.ended.wait()
+        assert self.other is None, repr(self.other)
 
 
 async def busy_decode(narwhal: Narwhal) -> Engine:
@@ -63,17 +78,10 @@ async def test_sigkill_mid_stream_is_an_sse_stream_error_then_ejection_and_autom
         start_narwhal, nursery) -> None:
     narwhal = await start_narwhal()
     watch = StreamWatch()
-    token = trio.lowlevel.current_trio_token()
-    nursery.start_soon(narwhal.call, watch.read, narwhal, token)
-    with trio.fail_after(120):
-        await watch.first.wait()
-    victim = await busy_decode(narwhal)
+    victim = await watch.start(narwhal, nursery)
     victim.signal_group(signal.SIGKILL)
 
-    with trio.fail_after(60):
-        while not (watch.error or watch.other or watch.finished):
-            await trio.sleep(0.05)
-    assert watch.other is None, repr(watch.other)
+    await watch.end(60)
     assert watch.error is not None and not watch.finished, "the stream should end with an error event"
     assert isinstance(watch.error.body, dict) and watch.error.body.get("code") == "stream", watch.error.body
     assert victim.name in str(watch.error)
@@ -96,11 +104,7 @@ async def test_sigstop_is_ejected_after_silent_sweeps_and_readmitted_after_sigco
     narwhal = await start_narwhal(engine={"stream_silence_s": 120.0, "health_timeout_s": 1.0},
                                   recovery={"liveness_misses": 3, "probe_interval_s": 1.0})
     watch = StreamWatch()
-    token = trio.lowlevel.current_trio_token()
-    nursery.start_soon(narwhal.call, watch.read, narwhal, token)
-    with trio.fail_after(120):
-        await watch.first.wait()
-    victim = await busy_decode(narwhal)
+    victim = await watch.start(narwhal, nursery)
     victim.signal_group(signal.SIGSTOP)
     try:
         state = await narwhal.wait_engine(victim.name, lambda e: e["ejected"], what="ejected while frozen",
@@ -110,10 +114,7 @@ async def test_sigstop_is_ejected_after_silent_sweeps_and_readmitted_after_sigco
         victim.signal_group(signal.SIGCONT)
     await narwhal.wait_engine(victim.name, readmitted_by_itself, what="readmitted after SIGCONT", timeout_s=120)
     # The request that was on it when it froze completed.
-    with trio.fail_after(120):
-        while not (watch.error or watch.other or watch.finished):
-            await trio.sleep(0.05)
-    assert watch.other is None, repr(watch.other)
+    await watch.end(120)
     assert watch.finished and watch.error is None and watch.chunks >= 100
 
 
