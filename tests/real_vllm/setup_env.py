@@ -15,6 +15,8 @@ is the last line on stderr, and the tier is then skipped loudly (see ``run.py``)
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import time
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -110,13 +113,33 @@ def _run(cmd: list[str], what: str, log: Path, timeout_s: float) -> None:
         raise Unavailable(f"{what} failed (exit {done.returncode}, log: {log}): " + " | ".join(tail))
 
 
+@contextlib.contextmanager
+def build_lock(root: Path) -> Iterator[None]:
+    """One build at a time in ``root`` (two runs starting at once would build the same venv twice)."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / "build.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def remove_abandoned(root: Path) -> None:
+    """Half-built directories whose builder is gone (a killed run): gigabytes that would never be used."""
+    for path in root.glob("*.building-*"):
+        pid = path.name.rpartition("-")[2]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def build_venv(root: Path) -> Path:
     """The cached venv for the current recipe, built if missing; returns its directory."""
     venv = root / f"venv-{venv_key()}"
     if (venv / ".complete").exists():
         return venv
     python = find_python311()
-    root.mkdir(parents=True, exist_ok=True)
+    remove_abandoned(root)
     tmp = root / f"{venv.name}.building-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     log = root / f"{venv.name}.log"
@@ -160,10 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     root = cache_root()
     try:
         t0 = time.monotonic()
-        venv = build_venv(root)
-        t1 = time.monotonic()
-        model = build_model(root, venv)
-        t2 = time.monotonic()
+        with build_lock(root):
+            venv = build_venv(root)
+            t1 = time.monotonic()
+            model = build_model(root, venv)
+            t2 = time.monotonic()
     except Unavailable as exc:
         print(f"[real-vllm setup] UNAVAILABLE: {exc}", file=sys.stderr, flush=True)
         return EXIT_UNAVAILABLE
