@@ -156,7 +156,7 @@ async def test_a_prompt_longer_than_the_context_is_400_and_no_evidence(start_nar
     assert ok.usage.completion_tokens == 2
 
 
-async def test_router_metrics_and_request_log_name_both_engines(start_narwhal) -> None:
+async def test_ready_and_the_request_log_names_both_engines(start_narwhal) -> None:
     narwhal = await start_narwhal()
     await narwhal.call(lambda: narwhal.openai.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2))
     async with httpx.AsyncClient() as client:
