@@ -46,11 +46,17 @@ class StreamWatch:
             trio.from_thread.run_sync(self.ended.set, trio_token=token)
 
     async def start(self, narwhal: Narwhal, nursery: trio.Nursery) -> Engine:
-        """Start the stream; once its first token has arrived, the decode engine serving it."""
+        """Start the stream on the first decode engine (the others drained, so placement has no choice: a 400-token
+        stream can end in a second on an idle machine, before anyone could find where it went); once its first
+        token has arrived, that engine."""
+        victim, *others = narwhal.fleet.of_role("decode")
+        for other in others:
+            response = await narwhal.client.post(f"{narwhal.url}/admin/engines/{other.name}/drain", headers=AUTH)
+            assert response.status_code == 200, response.text
         nursery.start_soon(narwhal.call, self.read, narwhal, trio.lowlevel.current_trio_token())
         with trio.fail_after(120):
             await self.first.wait()
-        return await busy_decode(narwhal)
+        return victim
 
     async def end(self, timeout_s: float) -> None:
         """Wait for the stream to end, by an error event or [DONE]; anything else fails the test."""
@@ -59,14 +65,12 @@ class StreamWatch:
         assert self.other is None, repr(self.other)
 
 
-async def busy_decode(narwhal: Narwhal) -> Engine:
-    """The decode engine the router has a request in flight on."""
-    with trio.fail_after(60):
-        while True:
-            for engine in narwhal.fleet.of_role("decode"):
-                if (await narwhal.engine(engine.name))["in_flight"] > 0:
-                    return engine
-            await trio.sleep(0.05)
+async def readmit_drained(narwhal: Narwhal, victim: Engine) -> None:
+    """The operator's readmission of the decode engines ``StreamWatch.start`` drained."""
+    for engine in narwhal.fleet.of_role("decode"):
+        if engine is not victim:
+            response = await narwhal.client.post(f"{narwhal.url}/admin/engines/{engine.name}/readmit", headers=AUTH)
+            assert response.status_code == 200, response.text
 
 
 def readmitted_by_itself(state: dict[str, Any]) -> bool:
@@ -90,6 +94,7 @@ async def test_sigkill_mid_stream_is_an_sse_stream_error_then_ejection_and_autom
                                       timeout_s=60)
     assert not state["eligible"]
     # The others keep serving meanwhile.
+    await readmit_drained(narwhal, victim)
     done = await narwhal.call(lambda: narwhal.openai.completions.create(model=MODEL_NAME, prompt="still here",
                                                                         max_tokens=2))
     assert done.usage.completion_tokens == 2
