@@ -31,7 +31,7 @@ NIXL_CURE_DIR = HERE / "engine_site"
 MODEL_NAME = "tiny-llama"
 GENERATION = "real-vllm-g1"
 FLEET_KEY = "narwhal-real-vllm-key"
-MAX_MODEL_LEN = 512
+MAX_MODEL_LEN = 2048
 PLUGIN = "narwhal.engine_plugin.IdentityMiddleware"
 # vLLM listens only once the model is loaded: 21-53 s alone on an idle machine, far more on 2 busy cores.
 DEFAULT_START_TIMEOUT_S = float(os.environ.get("NARWHAL_REAL_VLLM_START_TIMEOUT_S", "600"))

@@ -14,7 +14,9 @@ from tests.real_vllm.fleet import MODEL_NAME, Engine
 
 pytestmark = pytest.mark.real_vllm
 
-LONG = {"model": MODEL_NAME, "prompt": "A long answer about whales", "max_tokens": 400, "temperature": 0,
+# Long enough to be cut mid-stream: on a busy machine vLLM may generate a few hundred tokens of this model before
+# its API server writes the first one, and the whole answer then arrives at once.
+LONG = {"model": MODEL_NAME, "prompt": "A long answer about whales", "max_tokens": 1800, "temperature": 0,
         "stream": True, "extra_body": {"ignore_eos": True}}
 
 
