@@ -100,7 +100,8 @@ class TelemetrySink(Protocol):
     """Where each finished request's timings go: ``Telemetry`` in one process, a worker's ``TelemetryRelay``."""
 
     def record_request(self, *, prefill: str | None, decode: str | None, ttft_s: float | None,
-                       inter_token_s: float | None, error_engine: str | None) -> None: ...
+                       inter_token_s: float | None, error_engine: str | None, status: int = 0,
+                       error_class: str | None = None) -> None: ...
 
 
 class DecodeStream(Protocol):
@@ -286,7 +287,8 @@ class RequestCore:
             self.metrics.ttft.observe(outcome.ttft_s, route)
         if self.telemetry is not None:
             self.telemetry.record_request(prefill=outcome.prefill, decode=outcome.decode, ttft_s=outcome.ttft_s,
-                                          inter_token_s=outcome.inter_token_s, error_engine=outcome.error_engine)
+                                          inter_token_s=outcome.inter_token_s, error_engine=outcome.error_engine,
+                                          status=outcome.status, error_class=outcome.error_class)
         log_event(
             "request",
             request_id=rid,
