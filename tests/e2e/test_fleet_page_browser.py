@@ -59,6 +59,7 @@ class Dom(HTMLParser):
         super().__init__()
         self.elements: list[dict[str, Any]] = []
         self._open: list[dict[str, Any]] = []
+        self.html = html
         self.feed(html)
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
@@ -115,7 +116,7 @@ async def test_the_fleet_page_shows_an_engine_ejected_refused_and_readmitted_in_
 
     # With it: a row per engine, all eligible, the eight monitor stages, the charts.
     dom = await render(f"{page}#token={TOKEN}")
-    save("fleet-page-healthy.html", dom.rawdata if hasattr(dom, "rawdata") else "")
+    save("fleet-page-healthy.html", dom.html)
     [body] = dom.find(tag="body")
     assert body["data-state"] == "live"
     rows = dom.find(tag="tr", **{"class": "engine"})
@@ -155,8 +156,8 @@ async def test_the_fleet_page_shows_an_engine_ejected_refused_and_readmitted_in_
     segments = dom.find(tag="rect", **{"class": "state-segment", "data-engine": "d2"})
     assert {s["data-state"] for s in segments} >= {"ejected"}
     assert all(s["data-state"] == "eligible" for s in dom.find(tag="rect", **{"data-engine": "d1"}))
-    await render(f"{page}#token={TOKEN}", screenshot=ARTIFACTS / "fleet-page.png") if ARTIFACTS.mkdir(
-        parents=True, exist_ok=True) is None else None
+    save("fleet-page-ejected.html", dom.html)
+    await render(f"{page}#token={TOKEN}", screenshot=ARTIFACTS / "fleet-page.png")
     assert (ARTIFACTS / "fleet-page.png").stat().st_size > 10_000
 
     # d2 comes back at the same address: readmitted, the page shows it eligible again.
@@ -168,6 +169,7 @@ async def test_the_fleet_page_shows_an_engine_ejected_refused_and_readmitted_in_
         await wait_until(back, timeout_s=20, what="d2 readmitted")
         dom = await render(f"{page}#token={TOKEN}")
         rows = {r["data-engine"]: r for r in dom.find(tag="tr", **{"class": "engine"})}
+        save("fleet-page-readmitted.html", dom.html)
         assert rows["d2"]["data-state"] == "eligible"
         states = [s["data-state"] for s in dom.find(tag="rect", **{"class": "state-segment", "data-engine": "d2"})]
         assert "ejected" in states  # the ejection stays on the chart
