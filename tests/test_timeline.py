@@ -37,7 +37,6 @@ def test_a_request_counts_in_the_second_it_finished_and_the_open_second_is_not_s
 
 
 def test_errors_are_counted_by_class_and_a_bare_error_status_by_its_code() -> None:
-    assert error_class_of(200, None) is None
     assert error_class_of(503, None) == "http_503"
     assert error_class_of(499, "client_disconnected") == "client_disconnected"
     t = Timeline([], window_s=5, max_error_classes=2)
@@ -47,7 +46,18 @@ def test_errors_are_counted_by_class_and_a_bare_error_status_by_its_code() -> No
     v = t.view(8.0, 0.0, seconds=1)
     # Two classes kept per bucket; the rest count under "other", so hostile variety cannot grow memory.
     assert v.errors == {"timeout": [2], "connection": [1], OTHER_ERROR_CLASS: [3]}
-    assert v.requests == [6]
+    assert v.requests == [6] and v.recovered == {}
+
+
+def test_a_request_that_recovered_from_an_engine_failure_is_not_an_error() -> None:
+    t = Timeline([], window_s=5)
+    # A retry on another engine answered: status 200, the failed attempt's class kept.
+    t.record(1.2, status=200, error_class="connection", ttft_s=0.01, failed=False)
+    # A stream that began and then ended with an SSE error event: 200, but the client saw the failure.
+    t.record(1.3, status=200, error_class="stream", ttft_s=0.01, failed=True)
+    t.record(1.4, status=200, error_class=None, ttft_s=0.01, failed=False)
+    v = t.view(2.0, 0.0, seconds=1)
+    assert (v.requests, v.errors, v.recovered) == ([3], {"stream": [1]}, {"connection": [1]})
 
 
 def test_the_ring_forgets_what_is_older_than_the_window() -> None:
@@ -139,7 +149,7 @@ def test_the_feed_tees_requests_and_samples_every_second_on_an_absolute_schedule
             await trio.sleep(1.5)
             down["d1"] = True
             feed.record_request(prefill="p1", decode="d1", ttft_s=None, inter_token_s=None, error_engine="d1",
-                                status=502, error_class="connection")
+                                status=502, error_class="connection", failed=True)
             await trio.sleep(2.0)
             v = feed.view()
             nursery.cancel_scope.cancel()
@@ -160,10 +170,10 @@ def test_the_feed_tees_requests_and_samples_every_second_on_an_absolute_schedule
 def test_a_workers_sample_carries_status_and_class_and_old_samples_still_decode() -> None:
     import msgspec
 
-    sample = RequestSample("p1", "d1", 0.1, 0.01, None, 502, "connection")
+    sample = RequestSample("p1", "d1", 0.1, 0.01, None, 502, "connection", True)
     assert msgspec.json.decode(msgspec.json.encode(sample), type=RequestSample) == sample
     old = msgspec.json.decode(b'["p1","d1",0.1,0.01,null]', type=RequestSample)
-    assert (old.status, old.error_class) == (0, None)
+    assert (old.status, old.error_class, old.failed) == (0, None, False)
 
 
 async def test_timeline_router_and_ui_routes_through_the_real_app(harness) -> None:  # noqa: F811

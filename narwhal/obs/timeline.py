@@ -1,8 +1,8 @@
 """The router's last minutes in one-second buckets: what ``GET /admin/timeline`` and the fleet page draw.
 
 A fixed ring of ``window_s`` buckets (15 minutes by default). Each bucket holds
-the requests that finished in its second, their errors by class, their time to
-first token (a bounded reservoir while the second is open, reduced to p50/p99
+the requests that finished in its second, their errors and recoveries by
+class, their time to first token (a bounded reservoir while the second is open, reduced to p50/p99
 when the next second starts), and the last sample of requests in flight and
 state (eligible, held, ejected) per engine. Memory is bounded by the window,
 the configured engines, ``max_ttft_samples`` and ``max_error_classes``, however
@@ -26,13 +26,9 @@ __all__ = ["OTHER_ERROR_CLASS", "Timeline", "TimelineView", "error_class_of"]
 OTHER_ERROR_CLASS = "other"
 
 
-def error_class_of(status: int, error_class: str | None) -> str | None:
-    """The class a finished request counts under in ``errors``, or None when it succeeded."""
-    if error_class is not None:
-        return error_class
-    if status >= 400:
-        return f"http_{status}"
-    return None
+def error_class_of(status: int, error_class: str | None) -> str:
+    """The class a failed request counts under in ``errors``: its error class, else ``http_<status>``."""
+    return error_class if error_class is not None else f"http_{status}"
 
 
 class TimelineView(msgspec.Struct, frozen=True, kw_only=True):
@@ -51,7 +47,10 @@ class TimelineView(msgspec.Struct, frozen=True, kw_only=True):
     start_unix: float
     engines: list[str]
     requests: list[int]
+    # Requests whose client saw a failure, by class.
     errors: dict[str, list[int]]
+    # Requests that succeeded after an engine failure (a retry or a stream continuation), by that failure's class.
+    recovered: dict[str, list[int]]
     ttft_p50_ms: list[float | None]
     ttft_p99_ms: list[float | None]
     in_flight: dict[str, list[int | None]]
@@ -61,12 +60,14 @@ class TimelineView(msgspec.Struct, frozen=True, kw_only=True):
 class _Bucket:
     """One second's figures; ``ttft`` holds raw samples only while the second is open."""
 
-    __slots__ = ("second", "requests", "errors", "ttft", "ttft_seen", "p50_ms", "p99_ms", "in_flight", "state")
+    __slots__ = ("second", "requests", "errors", "recovered", "ttft", "ttft_seen", "p50_ms", "p99_ms", "in_flight",
+                 "state")
 
     def __init__(self, second: int) -> None:
         self.second = second
         self.requests = 0
         self.errors: dict[str, int] = {}
+        self.recovered: dict[str, int] = {}
         self.ttft: list[float] | None = []
         self.ttft_seen = 0
         self.p50_ms: float | None = None
@@ -120,16 +121,23 @@ class Timeline:
         self._open = bucket
         return bucket
 
-    def record(self, now: float, *, status: int, error_class: str | None, ttft_s: float | None) -> None:
-        """Count one finished request (hot path: O(1), bounded memory)."""
+    def record(self, now: float, *, status: int, error_class: str | None, ttft_s: float | None,
+               failed: bool | None = None) -> None:
+        """Count one finished request (hot path: O(1), bounded memory).
+
+        ``failed``: the client saw a failure (default: ``status >= 400``); a request
+        that did not fail but carries an ``error_class`` recovered from an engine failure.
+        """
         bucket = self._bucket(now)
         bucket.requests += 1
-        klass = error_class_of(status, error_class)
-        if klass is not None:
-            errors = bucket.errors
-            if klass not in errors and len(errors) >= self.max_error_classes:
+        if failed is None:
+            failed = status >= 400
+        if failed or error_class is not None:
+            counts = bucket.errors if failed else bucket.recovered
+            klass = error_class_of(status, error_class)
+            if klass not in counts and len(counts) >= self.max_error_classes:
                 klass = OTHER_ERROR_CLASS
-            errors[klass] = errors.get(klass, 0) + 1
+            counts[klass] = counts.get(klass, 0) + 1
         if ttft_s is not None and bucket.ttft is not None:
             bucket.ttft_seen += 1
             samples = bucket.ttft
@@ -158,6 +166,7 @@ class Timeline:
             open_.seal()
         requests: list[int] = []
         errors: dict[str, list[int]] = {}
+        recovered: dict[str, list[int]] = {}
         p50: list[float | None] = []
         p99: list[float | None] = []
         in_flight: dict[str, list[int | None]] = {name: [] for name in self.engines}
@@ -172,6 +181,8 @@ class Timeline:
             if bucket is not None:
                 for klass, n in bucket.errors.items():
                     errors.setdefault(klass, [0] * count)[i] = n
+                for klass, n in bucket.recovered.items():
+                    recovered.setdefault(klass, [0] * count)[i] = n
             sampled_in = bucket.in_flight if bucket is not None else None
             sampled_state = bucket.state if bucket is not None else None
             for name in self.engines:
@@ -179,4 +190,5 @@ class Timeline:
                 state[name].append(None if sampled_state is None else sampled_state.get(name))
         return TimelineView(bucket_s=1, window_s=self.window_s, now=now, now_unix=now_unix, start=float(start),
                             start_unix=now_unix - (now - start), engines=list(self.engines), requests=requests,
-                            errors=errors, ttft_p50_ms=p50, ttft_p99_ms=p99, in_flight=in_flight, state=state)
+                            errors=errors, recovered=recovered, ttft_p50_ms=p50, ttft_p99_ms=p99,
+                            in_flight=in_flight, state=state)

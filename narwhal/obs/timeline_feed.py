@@ -27,7 +27,7 @@ SAMPLE_INTERVAL_S = 1.0
 class _Telemetry(Protocol):
     def record_request(self, *, prefill: str | None, decode: str | None, ttft_s: float | None,
                        inter_token_s: float | None, error_engine: str | None, status: int = 0,
-                       error_class: str | None = None) -> None: ...
+                       error_class: str | None = None, failed: bool = False) -> None: ...
 
 
 class _EngineView(Protocol):
@@ -61,11 +61,12 @@ class TimelineFeed:
 
     def record_request(self, *, prefill: str | None, decode: str | None, ttft_s: float | None,
                        inter_token_s: float | None, error_engine: str | None, status: int = 0,
-                       error_class: str | None = None) -> None:
+                       error_class: str | None = None, failed: bool = False) -> None:
         """Charge one finished request to the drift telemetry and to the timeline."""
         self.telemetry.record_request(prefill=prefill, decode=decode, ttft_s=ttft_s, inter_token_s=inter_token_s,
-                                      error_engine=error_engine, status=status, error_class=error_class)
-        self.timeline.record(self.clock(), status=status, error_class=error_class, ttft_s=ttft_s)
+                                      error_engine=error_engine, status=status, error_class=error_class,
+                                      failed=failed)
+        self.timeline.record(self.clock(), status=status, error_class=error_class, ttft_s=ttft_s, failed=failed)
 
     def sample(self) -> None:
         """Record requests in flight and every engine's state for the current second."""

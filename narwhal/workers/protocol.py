@@ -144,6 +144,8 @@ class RequestSample(msgspec.Struct, frozen=True, array_like=True):
     # The client's status and the request's error class (the timeline's errors by class).
     status: int = 0
     error_class: str | None = None
+    # The client saw a failure (an error status, or a stream ended by an error event); else a recovered one.
+    failed: bool = False
 
 
 class HistogramSeries(msgspec.Struct, frozen=True, array_like=True):
