@@ -176,3 +176,31 @@ async def test_the_fleet_page_shows_an_engine_ejected_refused_and_readmitted_in_
     finally:
         with trio.CancelScope(shield=True):
             await new.stop()
+
+
+async def test_the_bench_report_renders_in_chromium(tmp_path) -> None:
+    chromium()
+    from test_bench import FaultReport, _run_report, _timeline
+
+    from narwhal.tools.bench.html_report import render_html
+    from narwhal.tools.bench.report import BenchReport
+
+    faults = FaultReport(
+        killed_engine="d1", failing_engine="d2", failing_status=500,
+        timeline=[{"at_s": 2.0, "event": "d1 killed (SIGKILL)"}], goodput=1.0, requests_lost=0, lost_by_kind={},
+        streams_cut=0, cut_with_error_event=0, cut_silently=0, attempts_on_dead_engine=1,
+        dead_engine_last_attempt_s=0.01, dead_engine_ineligible_s=0.02, restarted_engine_eligible_s=1.0,
+        restarted_engine_first_served_s=1.5, failing_engine_requests_during_fault=4,
+        failing_engine_last_request_s=0.1, failing_engine_ineligible_s=0.1)
+    report = BenchReport(settings={"scenario": "faults"}, run=_run_report("narwhal"), faults=faults,
+                         timeline=_timeline(["eligible"] * 3 + ["ejected"] * 4 + ["eligible"] * 3),
+                         load_started_unix=1001.0)
+    path = tmp_path / "report.html"
+    path.write_text(render_html(report))
+    dom = await render(path.as_uri(), budget_ms=500)
+    assert len(dom.find(tag="svg")) == 4
+    assert dom.find(tag="rect", **{"class": "state-segment", "data-engine": "d1", "data-state": "ejected"})
+    assert len(dom.find(tag="line", **{"class": "fault-mark"})) == 4
+    [figures] = dom.find(tag="pre", id="figures")
+    assert "requests/s" in figures["text"]
+    await render(path.as_uri(), budget_ms=500, screenshot=ARTIFACTS / "bench-report.png")

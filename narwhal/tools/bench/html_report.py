@@ -115,16 +115,18 @@ def _charts(report: BenchReport) -> str:
     errors += [(f"recovered {name}", cut(values)) for name, values in timeline.get("recovered", {}).items()]
     errors = errors or [("none", [0] * n)]
     engines = list(timeline["engines"])
-    mark_list = "".join(f"<li>{offset:.1f} s: {html.escape(label)}</li>" for offset, label in marks)
+    events = report.faults.timeline if report.faults is not None else []
+    mark_list = "".join(f"<li>{html.escape(str(event.get('at_s')))} s after the load began: "
+                        f"{html.escape(str(event.get('event')))}</li>" for event in events)
     return "".join([
-        f"<p class='muted'>{n} one-second buckets from the router's /admin/timeline; dashed lines mark the "
-        f"injected faults.</p>",
+        f"<p class='muted'>{n} one-second buckets from the router's /admin/timeline, from a second before the "
+        f"load began; dashed lines mark the injected faults. Engine states are sampled once a second.</p>",
         _line_chart("chart-requests", "Requests/s", [("requests", cut(timeline["requests"]))], "/s", marks),
         _line_chart("chart-errors", "Errors/s by class (and recovered from)", errors, "/s", marks),
         _line_chart("chart-ttft", "TTFT", [("p50", cut(timeline["ttft_p50_ms"])),
                                            ("p99", cut(timeline["ttft_p99_ms"]))], "ms", marks),
         _state_chart(engines, {name: cut(timeline["state"][name]) for name in engines}, n, marks),
-        f"<ul class='marks'>{mark_list}</ul>" if marks else "",
+        f"<ul class='marks'>{mark_list}</ul>" if mark_list else "",
     ])
 
 
