@@ -6,6 +6,8 @@ the controller, whose one timeline counts them all, failures by class included.
 
 from __future__ import annotations
 
+import socket
+
 import httpx
 import pytest
 import trio
@@ -46,3 +48,24 @@ async def test_the_controllers_timeline_counts_the_requests_of_every_worker(star
     assert [w["index"] for w in status["workers"]] == [0, 1]
     assert all(w["up"] for w in status["workers"])
     assert status["ready"] is True and status["ready_reason"] is None
+
+
+async def test_with_admin_listen_the_page_and_its_data_are_on_the_admin_port(start_fleet) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        admin_port = probe.getsockname()[1]
+    fleet = await start_fleet(sections={"admin": {"listen": f"127.0.0.1:{admin_port}", "token": "s3cret"}})
+    admin = f"http://127.0.0.1:{admin_port}"
+
+    async def page() -> httpx.Response | None:
+        try:
+            return await fleet.client.get(f"{admin}/admin/ui")
+        except httpx.ConnectError:
+            return None
+
+    response = await wait_until(page, timeout_s=10, what="the admin listener")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/html")
+    assert b"Narwhal fleet" in response.content
+    assert (await fleet.client.get(f"{admin}/admin/timeline")).status_code == 401
+    timeline = await fleet.client.get(f"{admin}/admin/timeline", headers={"authorization": "Bearer s3cret"})
+    assert timeline.status_code == 200 and timeline.json()["window_s"] == 900
