@@ -105,6 +105,17 @@ def test_samples_keep_the_last_in_flight_and_state_per_engine() -> None:
     assert v.state == {"p1": [None, "ejected", None], "d1": [None, "held", None]}
 
 
+def test_an_engine_added_by_a_reload_gets_its_series_from_its_first_sample() -> None:
+    t = Timeline(["p1"], window_s=5, max_engines=2)
+    t.sample(1.5, in_flight={"p1": 1}, state={"p1": "eligible"})
+    t.sample(2.5, in_flight={"p1": 1, "d9": 2}, state={"p1": "eligible", "d9": "held", "x": "held"})
+    v = t.view(3.0, 0.0, seconds=2)
+    # d9 is new; "x" is past max_engines and is not tracked (memory stays bounded).
+    assert v.engines == ["p1", "d9"]
+    assert v.state == {"p1": ["eligible", "eligible"], "d9": [None, "held"]}
+    assert v.in_flight == {"p1": [1, 1], "d9": [None, 2]}
+
+
 def test_bad_sizes_are_refused() -> None:
     with pytest.raises(ValueError):
         Timeline([], window_s=0)

@@ -90,10 +90,12 @@ class Timeline:
     """A ring of one-second buckets over the last ``window_s`` seconds."""
 
     def __init__(self, engines: Sequence[str], *, window_s: int = 900, max_ttft_samples: int = 512,
-                 max_error_classes: int = 16, rng: random.Random | None = None) -> None:
+                 max_error_classes: int = 16, max_engines: int = 256, rng: random.Random | None = None) -> None:
         if window_s < 1 or max_ttft_samples < 1 or max_error_classes < 1:
             raise ValueError("window_s, max_ttft_samples and max_error_classes must be >= 1")
+        # Engines in first-seen order: the configured ones, then any a config reload adds (up to max_engines).
         self.engines = list(engines)
+        self.max_engines = max(max_engines, len(self.engines))
         self.window_s = window_s
         self.max_ttft_samples = max_ttft_samples
         self.max_error_classes = max_error_classes
@@ -150,11 +152,18 @@ class Timeline:
                     samples[slot] = ttft_s
 
     def sample(self, now: float, *, in_flight: Mapping[str, int], state: Mapping[str, str]) -> None:
-        """Record requests in flight and state per engine for the second of ``now`` (the last sample wins)."""
+        """Record requests in flight and state per engine for the second of ``now`` (the last sample wins).
+
+        ``state`` names the engines the fleet has now: one not seen before (added by
+        a config reload) gets its series from this second on.
+        """
         bucket = self._bucket(now)
-        names = self.engines
-        bucket.in_flight = {name: int(in_flight.get(name, 0)) for name in names}
-        bucket.state = {name: state[name] for name in names if name in state}
+        known = self.engines
+        for name in state:
+            if name not in known and len(known) < self.max_engines:
+                known.append(name)
+        bucket.in_flight = {name: int(in_flight.get(name, 0)) for name in state}
+        bucket.state = dict(state)
 
     def view(self, now: float, now_unix: float, seconds: int | None = None) -> TimelineView:
         """The last ``seconds`` complete seconds before ``now`` (the whole window by default)."""
