@@ -12,6 +12,7 @@ import signal
 import ssl
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -220,6 +221,18 @@ async def _direct_baseline(settings: BenchSettings, fleet: BenchFleet, client: h
     return run
 
 
+async def _timeline(client: httpx.AsyncClient, target: Target) -> dict[str, Any] | None:
+    """A Narwhal router's ``/admin/timeline`` (for ``--report``); None from another router or on any error."""
+    if not target.is_narwhal:
+        return None
+    try:
+        response = await client.get(f"{target.url}/admin/timeline")
+        body = response.json() if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    return body if isinstance(body, dict) else None
+
+
 async def _pair_baseline(settings: BenchSettings, client: httpx.AsyncClient) -> RunReport:
     """The same load through a prefill/decode pair with no router: prefill, then decode with its handoff."""
     assert settings.pair is not None
@@ -272,7 +285,9 @@ async def run_bench(settings: BenchSettings) -> BenchReport:
                 if settings.warmup:
                     await run_load(_spec(settings, target.host, target.port, body, requests=settings.warmup,
                                          duration_s=None), ssl_context=context)
+                load_started_unix = time.time()
                 run, faults = await _measure(nursery, settings, fleet, target, client, body, context)
+                timeline = await _timeline(client, target)
                 baseline = None
                 if settings.baseline == "direct":
                     assert fleet is not None
@@ -287,4 +302,5 @@ async def run_bench(settings: BenchSettings) -> BenchReport:
                         await fleet.stop()
                 nursery.cancel_scope.cancel()
             return BenchReport(settings=_settings_record(settings, target), run=run, baseline=baseline,
-                               router_vs_direct=_ratios(run, baseline) if baseline else None, faults=faults)
+                               router_vs_direct=_ratios(run, baseline) if baseline else None, faults=faults,
+                               timeline=timeline, load_started_unix=load_started_unix)
