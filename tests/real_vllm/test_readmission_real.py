@@ -2,12 +2,12 @@
 its first ``/health`` 200.
 
 The readmission tick (``recovery.probe_interval_s``) is set to a minute, so only the immediate start (the recheck
-of out engines seeing the restarted engine's health, then the readmission chain through the plugin and a real
-NIXL transfer) can bring it back within the bound. Each restart is measured twice: from outside (this test polls
-the engine's ``/health`` and Narwhal's ``/admin/engines/{name}`` every 10 ms) and by the router itself (the
-``health_to_eligible_s`` of its ``engine_readmitted`` line and the
+of out engines seeing the restarted engine's health, then the readmission chain: health, the plugin's attestation
+and identity, final health) can bring it back within the bound. Each restart is measured twice: from outside
+(this test polls the engine's ``/health`` and Narwhal's ``/admin/engines/{name}`` every 10 ms) and by the router
+itself (the ``health_to_eligible_s`` of its ``engine_readmitted`` line and the
 ``narwhal_readmission_health_to_eligible_seconds`` histogram). The figures are printed (run with ``-s``) and kept
-in docs/benchmarks.md; the bound asserted is the one that holds on a loaded shared 2-core machine.
+in docs/benchmarks.md; the bound asserted is the issue's target, 1 s.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ pytestmark = pytest.mark.real_vllm
 
 POLL_S = 0.01
 RESTARTS = int(os.environ.get("NARWHAL_REAL_VLLM_RESTARTS", "3"))
-# The issue's target is 1 s; measured here (docs/benchmarks.md, "Fast readmission") the router's share stays under it,
-# but 10 ms polls of a loaded 2-core machine running three vLLM engines can add a few hundred ms: a bound that holds
-# there and that the readmission tick alone (a minute here) could never meet.
-BOUND_S = 2.0
+# The issue's target, asserted: measured here at 0.01-0.07 s (docs/benchmarks.md, "Back in placement after a
+# restart"), far inside it even with three vLLM engines and other work on 2 cores; the readmission tick alone (a
+# minute here) could never meet it.
+BOUND_S = 1.0
 SECTIONS = {"recovery": {"probe_interval_s": 60.0}}
 
 
