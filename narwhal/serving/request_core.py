@@ -40,10 +40,11 @@ from narwhal.errors import (
     UpstreamClientError,
 )
 from narwhal.fleet.admission import Admission
-from narwhal.fleet.placement import InFlight, pick_least_outstanding
+from narwhal.fleet.placement import InFlight
 from narwhal.fleet.telemetry import Telemetry
 from narwhal.obs.logs import log_event
 from narwhal.obs.router_metrics import RouterMetrics
+from narwhal.serving.placement import RequestPlacement
 from narwhal.wire import PREFILL_KV_REQUEST, HandoffRejected, error_json, read_handoff
 
 __all__ = ["COMPLETION_ROUTES", "RequestCore", "Sink"]
@@ -143,7 +144,7 @@ class _Outcome:
     """What one request did, for its log line and metrics."""
 
     __slots__ = ("status", "prefill", "decode", "ttft_s", "tokens", "error_class", "attempts",
-                 "error_engine", "inter_token_s")
+                 "error_engine", "inter_token_s", "prefix_match")
 
     def __init__(self) -> None:
         self.status = 0
@@ -155,6 +156,8 @@ class _Outcome:
         self.attempts = 0
         self.error_engine: str | None = None
         self.inter_token_s: float | None = None
+        # Share of the prompt the chosen prefill engine held (cache-aware placement).
+        self.prefix_match: float | None = None
 
 
 def _sse_error(message: str, type_: str, code: str | None) -> bytes:
@@ -173,7 +176,8 @@ class RequestCore:
     def __init__(self, *, config: Config, supervisor: Supervisor, data_pool: DataPool,
                  in_flight: InFlight, admission: Admission, metrics: RouterMetrics,
                  telemetry: Telemetry | None = None,
-                 clock: Callable[[], float] = trio.current_time, rng: random.Random | None = None) -> None:
+                 clock: Callable[[], float] = trio.current_time, rng: random.Random | None = None,
+                 placement: RequestPlacement | None = None) -> None:
         self.config = config
         self.supervisor = supervisor
         self.data_pool = data_pool
@@ -183,6 +187,7 @@ class RequestCore:
         self.telemetry = telemetry
         self.clock = clock
         self.rng = rng or random.Random()
+        self.placement = placement or RequestPlacement(config, metrics, rng=self.rng)
         self.engines: dict[str, EngineSpec] = {spec.name: spec for spec in config.engines}
         self.model = config.fleet.model
         self._deadline_s = config.serving.request_deadline_s
@@ -271,6 +276,7 @@ class RequestCore:
             duration_ms=round(duration_s * 1000, 3),
             attempts=outcome.attempts,
             error=outcome.error_class,
+            prefix_match=None if outcome.prefix_match is None else round(outcome.prefix_match, 3),
         )
 
     # -- one request ---------------------------------------------------------
@@ -348,23 +354,25 @@ class RequestCore:
         request.pop("kv_transfer_params", None)
         return request
 
-    def _place(self, role: str, avoid: set[str]) -> str:
+    def _place(self, role: str, avoid: set[str], route: str, request: dict[str, Any], outcome: _Outcome) -> str:
         candidates = self.supervisor.eligible(role)
         if avoid:
             # Fall back to an engine that failed this request only when no other is eligible.
             candidates = [name for name in candidates if name not in avoid] or candidates
-        name = pick_least_outstanding(candidates, self.in_flight, self.rng)
-        if name is None:
+        choice = self.placement.choose(role, candidates, route, request, self.in_flight)
+        if choice is None:
             self.metrics.saturations.inc(f"no_{role}")
             problem = self.supervisor.capacity_problem() or f"serving capacity exhausted: no eligible {role} engine"
             raise _AttemptFailed(ClientError(503, problem, "service_unavailable", "no_capacity"),
                                  None, "no_capacity")
-        return name
+        if role == "prefill":
+            outcome.prefix_match = choice.matched
+        return choice.engine
 
     async def _attempt(self, route: str, request: dict[str, Any], rid: str, rid_header: tuple[bytes, bytes],
                        sink: Sink, started_at: float, outcome: _Outcome, avoid: set[str]) -> None:
-        prefill_name = self._place("prefill", avoid)
-        decode_name = self._place("decode", avoid)
+        prefill_name = self._place("prefill", avoid, route, request, outcome)
+        decode_name = self._place("decode", avoid, route, request, outcome)
         outcome.prefill, outcome.decode = prefill_name, decode_name
         prefill = self.engines[prefill_name]
         decode = self.engines[decode_name]
