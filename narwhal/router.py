@@ -30,9 +30,10 @@ from narwhal.control.monitor import Monitor
 from narwhal.control.readmission import Readmitter
 from narwhal.control.supervisor import Supervisor
 from narwhal.errors import StartupError
-from narwhal.fleet import Fleet
+from narwhal.fleet import Fleet, FleetEvent, FleetEventKind, HoldKind
 from narwhal.fleet.admission import Admission
 from narwhal.fleet.placement import InFlight
+from narwhal.fleet.shared_index import SharedIndex
 from narwhal.fleet.telemetry import Telemetry
 from narwhal.http1.asgi import ASGILifespan, call_asgi
 from narwhal.http1.server import HTTPServer, Request, Responder
@@ -43,6 +44,7 @@ from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.pools.control import ControlPool
 from narwhal.pools.data import DataPool
 from narwhal.serving.front import Front, build_front_server
+from narwhal.serving.placement import RequestPlacement, build_index, build_placer
 from narwhal.serving.request_core import RequestCore
 from narwhal.stages import build_stages
 from narwhal.stages.persistence import HandoffExtra, PersistenceStage
@@ -50,6 +52,7 @@ from narwhal.state.handoff import LeaseOwnership
 from narwhal.state.resume import apply_resume, plan_resume
 from narwhal.tls import TLSContexts
 from narwhal.workers.hub import WorkerHub, monotonic_offset
+from narwhal.workers.index_relay import IndexRelay
 from narwhal.workers.process import WorkerSet
 from narwhal.workers.view import WorkerView
 
@@ -163,15 +166,23 @@ class Router:
                              to_link_clock=None if in_memory else monotonic_offset(trio.current_time),
                              record_sample=self.telemetry.record_request, share_in_flight=not in_memory)
         self.workers: WorkerSet | None = None
+        # Cache-aware placement's prefix index: the request path's own in one process; with workers,
+        # the union of what they placed, relayed between them (narwhal.workers.index_relay).
+        self.prefix_index = SharedIndex(build_index(config))
+        self.index_relay: IndexRelay | None = None
+        self.fleet.listeners.append(self._forget_on_fleet_event)
         if in_memory:
             self.view = WorkerView(lambda message: self.hub.receive(0, message), clock=trio.current_time,
                                    refresh=self.hub.refresh_if_fleet_changed)
             self.hub.attach(0, self.view.apply)
             # In one process admission and in-flight counts are read directly, not reported.
+            placement = RequestPlacement(config, self.metrics, build_placer(config, self.prefix_index.index))
             self.core = RequestCore(config=config, supervisor=self.view, data_pool=self.data_pool,
                                     in_flight=self.in_flight, admission=self.admission, metrics=self.metrics,
-                                    telemetry=self.telemetry)
+                                    telemetry=self.telemetry, placement=placement)
         else:
+            self.index_relay = IndexRelay(self.prefix_index, self.hub.workers)
+            self.hub.on_placements = self.index_relay.on_report
             self.in_flight = self.hub.in_flight  # type: ignore[assignment]
             self.hub.metrics.attach_to(self.metrics.registry)
         self.handoff_path = config.handoff_path(config_dir)
@@ -215,7 +226,8 @@ class Router:
                                failure_limit=controller.monitor_failure_limit,
                                admission=self.admission, metrics=self.metrics)
         self.engine_view = EngineViewer(config=config, fleet=self.fleet, in_flight=self.in_flight,
-                                        readmitter=self.readmitter, controller=self.controller, monitor=self.monitor)
+                                        readmitter=self.readmitter, controller=self.controller, monitor=self.monitor,
+                                        prefix_index=self.prefix_index.index)
         self.app = create_app(self)
         register_admin_routes(self.app, self)
         # One process serves the data plane itself; a controller leaves it to its workers.
@@ -257,8 +269,29 @@ class Router:
                             drained=sorted(self.drain.drained),
                             lease=self.lease.ownership() if self.lease is not None else LeaseOwnership())
 
+    def _forget_on_fleet_event(self, event: FleetEvent) -> None:
+        # An ejected engine may have crashed, and one under maintenance comes back only as a newer
+        # process: either way its prefix cache is empty when it returns.
+        maintenance = event.kind is FleetEventKind.HOLD_ADDED and event.hold_kind is HoldKind.MAINTENANCE
+        if event.kind is not FleetEventKind.EJECTED and not maintenance:
+            return
+        if event.engine not in self.prefix_index.index.engines:
+            return
+        if self.index_relay is not None:
+            self.index_relay.forget(event.engine)
+        else:
+            self.prefix_index.forget(event.engine)
+        log_event("prefix_index_forgotten", engine=event.engine, reason=str(event.kind if not maintenance
+                                                                            else HoldKind.MAINTENANCE))
+
     def _register_gauges(self) -> None:
         m = self.metrics
+        index = self.prefix_index.index
+        m.add_gauge("narwhal_placement_index_bytes", "Prefix index size per prefill engine, by its accounting "
+                    "(bounded by placement.max_index_mb in all).", ("engine",),
+                    lambda: {(name,): float(index.bytes(name)) for name in index.engines})
+        m.add_gauge("narwhal_placement_index_entries", "Block hashes the prefix index holds per prefill engine.",
+                    ("engine",), lambda: {(name,): float(index.entries(name)) for name in index.engines})
         m.add_gauge("narwhal_requests_in_flight", "Requests in flight per engine.", ("engine",),
                     lambda: {(name,): float(n) for name, n in self.in_flight.counts.items()})
 

@@ -13,7 +13,7 @@ has its event logged on the spot as well.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Protocol
 
 import msgspec
@@ -53,6 +53,8 @@ class FleetWriter:
         # Actions returned before a runner was attached (e.g. by resume): run on attach.
         self._pending: list[Action] = []
         self._events_dropped_seen = 0
+        # Told of every event after it is logged (cache-aware placement forgets ejected engines).
+        self.listeners: list[Callable[[FleetEvent], None]] = []
 
     def __repr__(self) -> str:
         runner = "attached" if self._runner is not None else f"none, {len(self._pending)} actions queued"
@@ -209,6 +211,8 @@ class FleetWriter:
     def _publish(self) -> None:
         for event in self._fleet.drain_events():
             self._log(event)
+            for listener in self.listeners:
+                listener(event)
         dropped = self._fleet.events_dropped
         if dropped > self._events_dropped_seen:
             log_event("fleet_events_dropped", level=logging.ERROR, dropped=dropped - self._events_dropped_seen)

@@ -20,6 +20,7 @@ import msgspec
 
 from narwhal.config import Config
 from narwhal.errors import NarwhalError
+from narwhal.fleet.shared_index import IndexRecord
 
 __all__ = [
     "MAX_FRAME_BYTES",
@@ -31,6 +32,7 @@ __all__ = [
     "FrameError",
     "Hello",
     "HistogramSeries",
+    "IndexUpdate",
     "MetricsState",
     "Report",
     "ReloadTLS",
@@ -89,6 +91,13 @@ class Snapshot(_Message, tag="snapshot"):
     # Requests in flight per engine over all workers, as last reported: placement
     # balances over the whole router, not one worker's share.
     in_flight: dict[str, int] = {}
+
+
+class IndexUpdate(_Message, tag="index_update"):
+    """Other workers' placements for the prefix index, and the engines' epochs (a newer one: forget it)."""
+
+    records: list[IndexRecord] = []
+    epochs: dict[str, int] = {}
 
 
 class ForwardReply(_Message, tag="forward_reply"):
@@ -163,6 +172,8 @@ class Report(_Message, tag="report"):
     # The worker's data pool: connections in use and requests waiting for one.
     data_in_use: int = 0
     data_waiting: int = 0
+    # Prompts this worker placed since its last report, for the other workers' prefix indexes.
+    placements: list[IndexRecord] = []
 
 
 class Forward(_Message, tag="forward"):
@@ -180,7 +191,7 @@ class Forward(_Message, tag="forward"):
     http_version: str = "1.1"
 
 
-ControllerMessage = Welcome | Snapshot | ForwardReply | ReloadTLS | Stop
+ControllerMessage = Welcome | Snapshot | ForwardReply | ReloadTLS | Stop | IndexUpdate
 WorkerMessage = Hello | Evidence | Report | Forward
 
 

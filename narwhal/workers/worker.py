@@ -22,11 +22,13 @@ import trio
 
 from narwhal.config import ConfigError
 from narwhal.fleet.placement import InFlight
+from narwhal.fleet.shared_index import SharedIndex
 from narwhal.http1.server import Request, Responder
 from narwhal.obs.logs import flush_logs, log_event, set_log_fields
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.pools.data import DataPool
 from narwhal.serving.front import Front, build_front_server
+from narwhal.serving.placement import RequestPlacement, build_index, build_placer
 from narwhal.serving.request_core import RequestCore
 from narwhal.tls import TLSContexts
 from narwhal.wire import error_json
@@ -37,6 +39,7 @@ from narwhal.workers.protocol import (
     Forward,
     ForwardReply,
     Hello,
+    IndexUpdate,
     ReloadTLS,
     Report,
     Snapshot,
@@ -75,9 +78,14 @@ class Worker:
         self.data_pool = DataPool(max_connections=config.serving.max_connections, engine_config=config.engine,
                                   wait_for_slot=config.serving.policy == "bounded", via=f"1.1 {welcome.via_token}",
                                   ssl_context=self.tls.engine)
+        # This worker's prefix index; its placements go to the others through the controller.
+        self.prefix_index = SharedIndex(build_index(config))
+        placement = RequestPlacement(config, self.metrics, build_placer(
+            config, self.prefix_index.index, on_record=self.prefix_index.recorded))
         self.core = RequestCore(config=config, supervisor=self.view, data_pool=self.data_pool,
                                 in_flight=self.in_flight, admission=self.view,  # type: ignore[arg-type]
-                                metrics=self.metrics, telemetry=self.telemetry)  # type: ignore[arg-type]
+                                metrics=self.metrics, telemetry=self.telemetry,  # type: ignore[arg-type]
+                                placement=placement)
         self.front = Front(self.core, self._serve_rest, via_token=welcome.via_token,
                            admin_elsewhere=config.admin.listen is not None)
         self.server = build_front_server(config, self.front, self.tls.server)
@@ -104,6 +112,9 @@ class Worker:
                                         if total > own.get(name, 0)}
             if message.published_at is not None:
                 self.metrics.snapshot_lag.observe(max(0.0, time.monotonic() - message.published_at))
+        elif isinstance(message, IndexUpdate):
+            self.prefix_index.sync(message.epochs)
+            self.prefix_index.apply(message.records)
         elif isinstance(message, ForwardReply):
             waiter = self._forwards.get(message.id)
             if waiter is not None:
@@ -194,7 +205,8 @@ class Worker:
                 self.link.send(Report(snapshot_seq=self.view.snapshot.seq, in_flight=self._reported_in_flight,
                                       requests_in_flight=self.server.statistics().requests_in_flight,
                                       metrics=export_state(self.metrics.registry), samples=self.telemetry.take(),
-                                      data_in_use=pool.in_use, data_waiting=pool.waiting))
+                                      data_in_use=pool.in_use, data_waiting=pool.waiting,
+                                      placements=self.prefix_index.take()))
             except LinkClosed:
                 return
             flush_logs(only_if_due=True)
