@@ -13,7 +13,8 @@ Prefill, ``cache_aware``:
 2. Among those, the longest match wins; equal matches go to the less loaded.
    ``hit``: the winner holds as much as any candidate. ``spill``: a better match
    was past the bound; the next best takes the prompt and holds it from now on.
-3. Nobody holds any of it (``miss``): the least loaded.
+3. Nobody holds any of it (``miss``): the least loaded; among equally loaded,
+   the one whose index holds least, so new prefixes spread over the caches.
 Remaining ties are broken by rendezvous hashing on the prompt's first blocks,
 so every worker process picks the same engine from the same state, and a
 prompt's first placement is deterministic while loads are equal.
@@ -97,7 +98,12 @@ class Placer:
         matches = {name: index.match(name, blocks) for name in candidates} if n else dict.fromkeys(candidates, 0)
         best_any = max(matches.values())
         if best_any == 0:
-            return self._pick([name for name in candidates if loads[name] == least], blocks, "miss", 0)
+            pool = [name for name in candidates if loads[name] == least]
+            if len(pool) > 1:
+                # The emptiest index among the least loaded: new prefixes spread over the caches.
+                smallest = min(index.entries(name) for name in pool)
+                pool = [name for name in pool if index.entries(name) == smallest]
+            return self._pick(pool, blocks, "miss", 0)
         allowed = [name for name in candidates if loads[name] <= bound]
         best = max(matches[name] for name in allowed)
         pool = [name for name in allowed if matches[name] == best]

@@ -283,8 +283,10 @@ class _Load:
     """One run of ``run_load``: the workers and what they share."""
 
     def __init__(self, spec: LoadSpec, state: LoadState, on_record: Callable[[RequestRecord], None] | None,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+                 ssl_context: ssl.SSLContext | None = None, bodies: Callable[[], bytes] | None = None) -> None:
         self.spec = spec
+        # A body per request (the prefix scenario), else the spec's one body, encoded once.
+        self.bodies = bodies
         self.ssl_context = ssl_context
         self.state = state
         self.on_record = on_record
@@ -334,6 +336,8 @@ class _Load:
         started = trio.current_time()
         exchange: _Exchange | None = None
         ended_early = False
+        request = self.request if self.bodies is None else build_request(
+            msgspec.structs.replace(self.spec, body=self.bodies()))
         with trio.move_on_at(started + self.spec.timeout_s) as scope:
             # At most two tries: a reused connection the server closed while idle gets one fresh retry.
             for _ in range(2):
@@ -349,7 +353,7 @@ class _Load:
                         return None
                     self.connections_opened += 1
                 exchange = _Exchange(self.spec.stream)
-                got_bytes, ended_early, malformed = await self._exchange(conn, exchange)
+                got_bytes, ended_early, malformed = await self._exchange(conn, exchange, request)
                 if malformed:
                     record.kind = "malformed"
                     break
@@ -370,11 +374,12 @@ class _Load:
             conn = None
         return conn
 
-    async def _exchange(self, conn: trio.abc.Stream, exchange: _Exchange) -> tuple[bool, bool, bool]:
+    async def _exchange(self, conn: trio.abc.Stream, exchange: _Exchange,
+                        request: bytes) -> tuple[bool, bool, bool]:
         """Send the request and feed the response to the parser; (got bytes, ended early, malformed)."""
         got_bytes = False
         try:
-            await conn.send_all(self.request)
+            await conn.send_all(request)
             while not exchange.complete:
                 data = await conn.receive_some(_READ_SIZE)
                 if not data:
@@ -430,9 +435,12 @@ class _Load:
 
 async def run_load(spec: LoadSpec, *, state: LoadState | None = None,
                    on_record: Callable[[RequestRecord], None] | None = None,
-                   ssl_context: ssl.SSLContext | None = None) -> LoadResult:
-    """Run one bounded load and return every request's record; over TLS with ``ssl_context``."""
-    load = _Load(spec, state or LoadState(), on_record, ssl_context)
+                   ssl_context: ssl.SSLContext | None = None, bodies: Callable[[], bytes] | None = None) -> LoadResult:
+    """Run one bounded load and return every request's record; over TLS with ``ssl_context``.
+
+    ``bodies`` gives each request its own body (called once per request); else every request sends ``spec.body``.
+    """
+    load = _Load(spec, state or LoadState(), on_record, ssl_context, bodies)
     load.t0 = trio.current_time()
     load.state.started_at = load.t0
     wall_started_at = time.time()

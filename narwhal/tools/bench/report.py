@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import msgspec
 
+from narwhal.tools.bench.prefix import PrefixReport, format_prefix_lines
+
 __all__ = [
     "BenchReport",
     "Distribution",
@@ -200,6 +202,8 @@ class BenchReport(msgspec.Struct, frozen=True, kw_only=True):
     baseline: RunReport | None = None
     router_vs_direct: dict[str, float | None] | None = None
     faults: FaultReport | None = None
+    # The prefix scenario's cache figures (narwhal.tools.bench.prefix.PrefixReport).
+    prefix: PrefixReport | None = None
 
 
 # ----- the table -------------------------------------------------------------------
@@ -303,4 +307,6 @@ def format_report(report: BenchReport) -> str:
         lines.append(f"router / direct: {ratios}")
     if report.faults is not None:
         lines += _fault_lines(report.faults)
+    if report.prefix is not None:
+        lines += format_prefix_lines(report.prefix)
     return "\n".join(lines)
