@@ -315,7 +315,7 @@ class PlacementConfig(_Section, frozen=True):
     # least_outstanding: the engine with the fewest requests in flight. Decode is least outstanding either way.
     policy: Literal["cache_aware", "least_outstanding"] = "cache_aware"
     # A match wins only on an engine whose load is at most max(least + balance_abs, least * balance_rel).
-    balance_abs: int = 4
+    balance_abs: int = 8
     balance_rel: float = 1.5
     # The prefix index's memory bound (all prefill engines together).
     max_index_mb: float = 64.0

@@ -62,7 +62,7 @@ def _mix(value: int) -> int:
 class Placer:
     """Chooses engines for one router process; ``record`` keeps the index in step with its choices."""
 
-    def __init__(self, index: PrefixIndex, *, cache_aware: bool = True, balance_abs: int = 4,
+    def __init__(self, index: PrefixIndex, *, cache_aware: bool = True, balance_abs: int = 8,
                  balance_rel: float = 1.5, rng: random.Random | None = None,
                  on_record: Callable[[str, Sequence[int]], None] | None = None) -> None:
         self.index = index
