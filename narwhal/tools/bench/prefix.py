@@ -16,6 +16,7 @@ vLLM's prefix-cache metrics count it) and each engine's share of prefills.
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +32,7 @@ CONVERSATIONS_PER_GROUP = 4
 _ANSWER_WORDS = 16
 
 _encode = msgspec.json.Encoder().encode
+_PREFILL_REASON = re.compile(r'^narwhal_placement_total\{role="prefill",reason="([a-z_]+)"\} ([0-9.e+]+)$')
 
 
 class PrefixWorkload:
@@ -76,7 +78,7 @@ class PrefixWorkload:
             return _encode(body)
         key = (group, self._rng.randrange(CONVERSATIONS_PER_GROUP))
         turns = self._conversations.get(key)
-        if turns is None or len(turns) >= 2 * self.chat_turns:
+        if turns is None or len(turns) >= 2 * self.chat_turns - 1:
             # A finished conversation makes way for a new one on the same system prompt.
             turns = self._conversations[key] = []
         elif turns:
@@ -103,11 +105,25 @@ class PrefixReport(msgspec.Struct, frozen=True, kw_only=True):
     largest_prefill_share: float | None
     engines: list[EngineCache]
     workload: dict[str, Any]
+    # Narwhal's own count of its prefill choices by reason, when the router is Narwhal.
+    placements: dict[str, float] = {}
+
+
+def _placements(metrics: str) -> dict[str, float]:
+    found: dict[str, float] = {}
+    for line in metrics.splitlines():
+        match = _PREFILL_REASON.match(line)
+        if match:
+            found[match.group(1)] = float(match.group(2))
+    return found
 
 
 async def collect_prefix_report(client: httpx.AsyncClient, prefill_urls: Sequence[tuple[str, str]],
-                                workload: PrefixWorkload) -> PrefixReport:
-    """Read every prefill mock's prefix-cache counters (reset at the start of the measured load)."""
+                                workload: PrefixWorkload, narwhal_url: str | None = None) -> PrefixReport:
+    """Read every prefill mock's prefix-cache counters (reset at the start of the measured load).
+
+    With ``narwhal_url`` also Narwhal's prefill placements by reason (warm-up included).
+    """
     engines: list[EngineCache] = []
     for name, url in prefill_urls:
         stats = (await client.get(url + "/mock/stats")).json()
@@ -115,6 +131,12 @@ async def collect_prefix_report(client: httpx.AsyncClient, prefill_urls: Sequenc
         engines.append(EngineCache(name=name, prefills=int(stats.get("prefill", 0)),
                                    prompt_tokens=int(cache.get("prompt_tokens", 0)),
                                    cached_tokens=int(cache.get("cached_tokens", 0)), hit_rate=cache.get("hit_rate")))
+    placements: dict[str, float] = {}
+    if narwhal_url is not None:
+        try:
+            placements = _placements((await client.get(narwhal_url + "/metrics")).text)
+        except httpx.HTTPError:
+            placements = {}
     prompt = sum(engine.prompt_tokens for engine in engines)
     prefills = sum(engine.prefills for engine in engines)
     return PrefixReport(
@@ -122,7 +144,8 @@ async def collect_prefix_report(client: httpx.AsyncClient, prefill_urls: Sequenc
         largest_prefill_share=round(max(engine.prefills for engine in engines) / prefills, 4) if prefills else None,
         engines=engines,
         workload={"prefixes": workload.prefixes, "skew": workload.skew, "chat_turns": workload.chat_turns,
-                  "suffix_words": workload.suffix_words})
+                  "suffix_words": workload.suffix_words},
+        placements=placements)
 
 
 def format_prefix_lines(report: PrefixReport) -> list[str]:
@@ -135,4 +158,7 @@ def format_prefix_lines(report: PrefixReport) -> list[str]:
              f"  largest share of prefills on one engine   {share(report.largest_prefill_share)}"]
     for engine in report.engines:
         lines.append(f"  {engine.name}: {engine.prefills} prefills, hit rate {share(engine.hit_rate)}")
+    if report.placements:
+        counts = ", ".join(f"{reason} {int(n)}" for reason, n in sorted(report.placements.items()))
+        lines.append(f"  narwhal prefill placements (warm-up included): {counts}")
     return lines

@@ -272,7 +272,8 @@ async def run_bench(settings: BenchSettings) -> BenchReport:
                 run, faults = await _measure(nursery, settings, fleet, target, client, body, context, workload)
                 if workload is not None and fleet is not None:
                     prefix = await collect_prefix_report(
-                        client, [(name, fleet.engines[name].url) for name in fleet.names("prefill")], workload)
+                        client, [(name, fleet.engines[name].url) for name in fleet.names("prefill")], workload,
+                        narwhal_url=target.url if target.is_narwhal and not settings.tls else None)
                 baseline = None
                 if settings.baseline == "direct":
                     assert fleet is not None
