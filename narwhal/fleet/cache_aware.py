@@ -107,7 +107,13 @@ class Placer:
         allowed = [name for name in candidates if loads[name] <= bound]
         best = max(matches[name] for name in allowed)
         pool = [name for name in allowed if matches[name] == best]
-        if len(pool) > 1:
+        if len(pool) > 1 and best:
+            # Equal holders: the one that had it last, whose cache most likely still has it. A spilled
+            # prefix thus concentrates again on one engine instead of crowding several caches.
+            deepest = blocks[best - 1]
+            latest = max(index.last_used(name, deepest) for name in pool)
+            pool = [name for name in pool if index.last_used(name, deepest) == latest]
+        elif len(pool) > 1:
             lowest = min(loads[name] for name in pool)
             pool = [name for name in pool if loads[name] == lowest]
         return self._pick(pool, blocks, "hit" if best == best_any else "spill", best)

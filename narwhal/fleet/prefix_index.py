@@ -18,9 +18,10 @@ from collections.abc import Iterable, Sequence
 
 __all__ = ["ENTRY_BYTES", "PrefixIndex"]
 
-# Bytes one entry costs: an OrderedDict slot and node plus a 64-bit int,
-# measured at the worst point of the table's growth (~170 bytes), rounded up.
-ENTRY_BYTES = 192
+# Bytes one entry costs: an OrderedDict slot and node, a 64-bit int key and at
+# worst its own tick int, measured at the worst point of the table's growth
+# (~200 bytes), rounded up.
+ENTRY_BYTES = 224
 
 
 class PrefixIndex:
@@ -28,7 +29,9 @@ class PrefixIndex:
 
     def __init__(self, engines: Iterable[str], *, max_bytes: int) -> None:
         names = list(dict.fromkeys(engines))
-        self._lru: dict[str, OrderedDict[int, None]] = {name: OrderedDict() for name in names}
+        # block hash -> the tick of the prompt that last used it (one int shared by a prompt's blocks).
+        self._lru: dict[str, OrderedDict[int, int]] = {name: OrderedDict() for name in names}
+        self._tick = 0
         self.max_bytes = max_bytes
         # An equal share each: an engine's entries never crowd out another's.
         self.quota = max_bytes // ENTRY_BYTES // max(1, len(names))
@@ -52,18 +55,24 @@ class PrefixIndex:
                 hi = mid - 1
         return lo
 
+    def last_used(self, engine: str, block: int) -> int:
+        """When the engine last had a prompt through ``block`` (higher is later; 0: never)."""
+        lru = self._lru.get(engine)
+        return 0 if lru is None else lru.get(block, 0)
+
     def record(self, engine: str, blocks: Sequence[int]) -> None:
         """The engine prefilled a prompt with these blocks: they become its most recently used."""
         lru = self._lru.get(engine)
         if lru is None or not blocks or self.quota == 0:
             return
+        self._tick += 1
+        tick = self._tick
         # Deepest first, and at most a quota's worth (a longer prompt keeps its prefix).
         move = lru.move_to_end
         for block in reversed(blocks[:self.quota]):
             if block in lru:
                 move(block)
-            else:
-                lru[block] = None
+            lru[block] = tick
         excess = len(lru) - self.quota
         for _ in range(excess):
             lru.popitem(last=False)
