@@ -1,7 +1,7 @@
 """A prompt as chained hashed blocks: the key cache-aware placement matches on.
 
-Block ``i``'s hash covers blocks ``0..i`` (each hash is taken over the previous
-one and the block's bytes), so equal hashes mean equal prefixes, as in an
+Block ``i``'s hash covers blocks ``0..i`` (one running hash over the prompt,
+read out after each block), so equal hashes mean equal prefixes, as in an
 engine's prefix cache. Only whole blocks count: an engine caches whole blocks.
 
 - Token-ID prompts (a list of ints): blocks of ``block_tokens`` ids.
@@ -36,14 +36,15 @@ _ROLE_END = b"\x1f"
 
 
 def _chain(data: bytes | memoryview, size: int) -> list[int]:
+    # One running hash over the prompt, read out after each block: block i's hash covers blocks 0..i.
     blocks: list[int] = []
-    previous = b""
-    end = min(len(data) // size, MAX_BLOCKS) * size
-    blake2b = hashlib.blake2b
+    view = memoryview(data)
+    end = min(len(view) // size, MAX_BLOCKS) * size
+    hasher = hashlib.blake2b(digest_size=8)
+    update, copy, from_bytes = hasher.update, hasher.copy, int.from_bytes
     for offset in range(0, end, size):
-        digest = blake2b(previous + data[offset:offset + size], digest_size=8).digest()
-        blocks.append(int.from_bytes(digest, "little"))
-        previous = digest
+        update(view[offset:offset + size])
+        blocks.append(from_bytes(copy().digest(), "little"))
     return blocks
 
 
@@ -79,7 +80,7 @@ def prompt_blocks(request: dict[str, Any], *, chat: bool, block_tokens: int) -> 
             ids = array("q", prompt)
         except OverflowError:
             return _chain(_encode(prompt), block_tokens * BYTES_PER_TOKEN)
-        return _chain(memoryview(ids.tobytes()), block_tokens * ids.itemsize)
+        return _chain(ids.tobytes(), block_tokens * ids.itemsize)
     if prompt is None:
         return []
     # Any other shape the engine will judge; its JSON still groups equal prompts.
