@@ -6,8 +6,9 @@ from collections.abc import Callable
 
 from narwhal.obs.metrics import Registry
 
-__all__ = ["MATCH_BUCKETS", "SNAPSHOT_LAG_BUCKETS_S", "RouterMetrics"]
+__all__ = ["JOIN_GAP_BUCKETS_S", "MATCH_BUCKETS", "SNAPSHOT_LAG_BUCKETS_S", "RouterMetrics"]
 
+JOIN_GAP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 SNAPSHOT_LAG_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1.0)
 # Matched share of a prompt: 0 (a miss) and 1 (whole prompt held) get buckets of their own.
 MATCH_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
@@ -57,6 +58,13 @@ class RouterMetrics:
         self.placement_match = r.histogram("narwhal_placement_matched_fraction",
                                            "Share of a prompt's blocks the chosen prefill engine held.", (),
                                            MATCH_BUCKETS)
+        self.continuations = r.counter("narwhal_continuations",
+                                        "Stream continuations by outcome: completed, failed (continued again "
+                                        "or ended), exhausted (no attempts or deadline left), not_eligible.",
+                                        ("outcome",))
+        self.join_gap = r.histogram("narwhal_continuation_join_gap_seconds",
+                                    "Time a client waited at a continuation join: from the last bytes of the "
+                                    "failed leg to the first bytes of the next.", (), JOIN_GAP_BUCKETS_S)
         self.saturations = r.counter("narwhal_saturations", "Requests refused for saturation by reason.",
                                      ("reason",))
 
