@@ -243,7 +243,7 @@ def test_prefill_engines_show_their_prefix_index_size() -> None:
     from narwhal.fleet.prefix_index import ENTRY_BYTES, PrefixIndex
 
     index = PrefixIndex(["p1"], max_bytes=1 << 20)
-    index.record("p1", [1, 2, 3])
+    index.record("p1", [1, 2, 3], 1.0)
     viewer = EngineViewer(config=make_config(), fleet=make_fleet(), in_flight=InFlight([n for n, _ in ENGINES]),
                           readmitter=FakeReadmitter(), controller=FakeController(), monitor=FakeMonitor(),
                           clock=lambda: 10.0, prefix_index=index)

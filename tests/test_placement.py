@@ -101,7 +101,7 @@ def test_chat_keys_cover_every_message_and_role_in_order() -> None:
 def test_index_matches_the_longest_recorded_prefix() -> None:
     index = PrefixIndex(ENGINES, max_bytes=1 << 20)
     prompt = blocks_of(text(300))
-    index.record("p1", prompt)
+    index.record("p1", prompt, 1.0)
     assert index.match("p1", prompt) == len(prompt)
     assert index.match("p2", prompt) == 0
     other = blocks_of(text(150) + " " + text(150, "z"))
@@ -114,20 +114,20 @@ def test_lru_evicts_tails_before_prefixes_and_least_recent_prompts_first() -> No
     assert index.quota == 30
     hot, cold = blocks_of(list(range(16 * BLOCK))), blocks_of(list(range(1, 16 * BLOCK + 1)))
     assert len(hot) == len(cold) == 16
-    index.record("p1", hot)
-    index.record("p1", cold)
+    index.record("p1", hot, 1.0)
+    index.record("p1", cold, 1.0)
     assert index.entries("p1") == 30
     # The older prompt lost its tail, kept its prefix.
     assert index.match("p1", hot) == 14 and index.match("p1", cold) == 16
-    index.record("p1", hot)
+    index.record("p1", hot, 1.0)
     assert index.match("p1", hot) == 16 and index.match("p1", cold) == 14
 
 
 def test_forget_drops_an_engines_entries_only() -> None:
     index = PrefixIndex(ENGINES, max_bytes=1 << 20)
     prompt = blocks_of(text(300))
-    index.record("p1", prompt)
-    index.record("p2", prompt)
+    index.record("p1", prompt, 1.0)
+    index.record("p2", prompt, 1.0)
     index.forget("p1")
     assert index.match("p1", prompt) == 0 and index.entries("p1") == 0
     assert index.match("p2", prompt) == len(prompt)
@@ -142,13 +142,36 @@ def test_accounted_bytes_cover_what_python_allocates(per_record: int) -> None:
         index = PrefixIndex(["p1"], max_bytes=ENTRY_BYTES * entries)
         tracemalloc.start()
         try:
-            for blocks in records:
-                index.record("p1", blocks)
+            for i, blocks in enumerate(records):
+                index.record("p1", blocks, i + 0.5)  # a time object of its own per prompt: the worst case
             current, peak = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()
         assert index.entries("p1") == entries
         assert peak <= index.total_bytes() <= index.max_bytes
+
+
+def test_relayed_records_never_move_a_blocks_time_back() -> None:
+    index = PrefixIndex(["p1"], max_bytes=1 << 20)
+    index.record("p1", [1, 2], 5.0)
+    index.record("p1", [1, 2, 3], 3.0)  # placed earlier elsewhere, heard of later
+    assert [index.last_used("p1", b) for b in (1, 2, 3)] == [5.0, 5.0, 3.0]
+    assert index.last_used("p1", 9) == 0.0 and index.last_used("nope", 1) == 0.0
+
+
+def test_workers_agree_on_the_holder_that_had_it_last() -> None:
+    """Two processes that placed the same prompt on different engines converge once they hear of each other."""
+    times = iter([1.0, 2.0])
+    a = Placer(PrefixIndex(ENGINES, max_bytes=1 << 20), clock=lambda: next(times))
+    b = Placer(PrefixIndex(ENGINES, max_bytes=1 << 20), clock=lambda: 99.0)
+    a.record("p1", HOT)   # worker a at t=1
+    a.record("p3", COLD)  # t=2
+    b.index.record("p2", HOT, 1.5)  # worker b placed HOT on p2 at t=1.5, before hearing of a
+    # The relay: each applies the other's record with its original time.
+    a.index.record("p2", HOT, 1.5)
+    b.index.record("p1", HOT, 1.0)
+    first, second = a.prefill(ENGINES, HOT, loads()), b.prefill(ENGINES, HOT, loads())
+    assert first is not None and second is not None and first.engine == second.engine == "p2"
 
 
 @settings(max_examples=60, deadline=None)
@@ -161,7 +184,7 @@ def test_property_the_index_never_exceeds_its_bound(max_entries: int,
     index = PrefixIndex(ENGINES, max_bytes=max_entries * ENTRY_BYTES)
     for op, engine, blocks in operations:
         if op == "record":
-            index.record(engine, blocks)
+            index.record(engine, blocks, 1.0)
         else:
             index.forget(engine)
         assert index.total_bytes() <= index.max_bytes
@@ -200,7 +223,7 @@ def test_prefill_choice(held: dict[str, list[list[int]]], load: dict[str, int], 
     p = placer()
     for engine, prompts in held.items():
         for prompt in prompts:
-            p.index.record(engine, prompt)
+            p.record(engine, prompt)
     if expected == "p1" and reason == "miss":
         # Equal loads: rendezvous decides; any candidate is right as long as it is a candidate.
         choice = p.prefill(candidates, HOT, loads(**load))

@@ -127,7 +127,7 @@ async def test_the_router_forgets_an_engine_on_ejection_and_maintenance_not_on_o
     index = router.prefix_index.index
     blocks = prompt_blocks({"prompt": PROMPT}, chat=False, block_tokens=16)
     for name in ("p1", "p2"):
-        index.record(name, blocks)
+        index.record(name, blocks, 1.0)
     now = trio.current_time()
     router.fleet.add_hold("p1", HoldKind.OPERATOR_DRAIN, "operator", now)
     assert index.entries("p1") > 0
@@ -137,7 +137,7 @@ async def test_the_router_forgets_an_engine_on_ejection_and_maintenance_not_on_o
     assert index.entries("p2") == 0
     assert router.prefix_index.epochs == {"p1": 1, "p2": 1}
     # The admin view and /metrics show the index.
-    index.record("p1", blocks)
+    index.record("p1", blocks, 1.0)
     entry = router.engine_view.engine("p1")
     assert entry.prefix_index is not None and entry.prefix_index.entries == len(blocks)
     assert f'narwhal_placement_index_entries{{engine="p1"}} {len(blocks)}' in router.metrics.render()
@@ -167,10 +167,10 @@ def test_placements_are_relayed_to_the_other_workers_and_stale_epochs_dropped() 
     relay = IndexRelay(controller, workers)
     worker0 = SharedIndex(PrefixIndex(["p1", "p2"], max_bytes=1 << 20))
     worker1 = SharedIndex(PrefixIndex(["p1", "p2"], max_bytes=1 << 20))
-    worker0.recorded("p1", [1, 2, 3])
-    worker0.recorded("p1", [1, 2, 3])  # deduplicated within a report
+    worker0.recorded("p1", [1, 2, 3], 1.0)
+    worker0.recorded("p1", [1, 2, 3], 2.0)  # deduplicated within a report, the latest time kept
     records = worker0.take()
-    assert len(records) == 1 and worker0.take() == []
+    assert len(records) == 1 and records[0].at == 2.0 and worker0.take() == []
     relay.on_report(0, report(*records))
     assert controller.index.match("p1", [1, 2, 3]) == 3
     updates = [m for m in workers[1].sent if isinstance(m, IndexUpdate)]
@@ -184,7 +184,7 @@ def test_placements_are_relayed_to_the_other_workers_and_stale_epochs_dropped() 
     for update in workers[1].sent[len(updates):]:
         worker1.sync(update.epochs)
     assert worker1.index.entries("p1") == 0 and controller.index.entries("p1") == 0
-    relay.on_report(0, report(IndexRecord("p1", 0, [7, 8])))
+    relay.on_report(0, report(IndexRecord("p1", 0, [7, 8], 3.0)))
     assert controller.index.entries("p1") == 0
     # A worker that has not seen the current epochs gets them in answer to its report.
     workers[2] = FakeWorker()
@@ -195,5 +195,5 @@ def test_placements_are_relayed_to_the_other_workers_and_stale_epochs_dropped() 
 def test_the_worker_outbox_is_bounded() -> None:
     shared = SharedIndex(PrefixIndex(["p1"], max_bytes=1 << 20), max_outbox=3)
     for i in range(5):
-        shared.recorded("p1", [i])
+        shared.recorded("p1", [i], float(i))
     assert len(shared.take()) == 3 and shared.dropped == 2

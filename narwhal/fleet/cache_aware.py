@@ -10,12 +10,13 @@ Prefill, ``cache_aware``:
 1. Only engines within the balance bound may win on a match: load at most
    ``max(least + balance_abs, least * balance_rel)``, ``least`` being the least
    loaded candidate's load (the least loaded is always within it).
-2. Among those, the longest match wins; equal matches go to the less loaded.
-   ``hit``: the winner holds as much as any candidate. ``spill``: a better match
+2. Among those, the longest match wins. ``hit``: the winner holds as much as any candidate. ``spill``: a better match
    was past the bound; the next best takes the prompt and holds it from now on.
 3. Nobody holds any of it (``miss``): the least loaded; among equally loaded,
    the one whose index holds least, so new prefixes spread over the caches.
-Remaining ties are broken by rendezvous hashing on the prompt's first blocks,
+Equal matches go to the engine that had the prompt placed last (by the
+placement's time, which worker processes share). Remaining ties are broken by
+rendezvous hashing on the prompt's first blocks,
 so every worker process picks the same engine from the same state, and a
 prompt's first placement is deterministic while loads are equal.
 
@@ -26,6 +27,7 @@ prefill, so no decode engine holds a useful prefix.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import random
 from collections.abc import Callable, Sequence
 from typing import Literal, NamedTuple
@@ -64,8 +66,12 @@ class Placer:
 
     def __init__(self, index: PrefixIndex, *, cache_aware: bool = True, balance_abs: int = 8,
                  balance_rel: float = 1.5, rng: random.Random | None = None,
-                 on_record: Callable[[str, Sequence[int]], None] | None = None) -> None:
+                 on_record: Callable[[str, Sequence[int], float], None] | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
         self.index = index
+        # When a placement happened, on a clock all processes share (the shell gives CLOCK_MONOTONIC);
+        # by default a counter, enough in one process.
+        self.clock: Callable[[], float] = clock or itertools.count(1).__next__
         # Told of every recorded prompt: a worker process shares its placements through the controller.
         self.on_record = on_record
         self.cache_aware = cache_aware
@@ -109,7 +115,8 @@ class Placer:
         pool = [name for name in allowed if matches[name] == best]
         if len(pool) > 1 and best:
             # Equal holders: the one that had it last, whose cache most likely still has it. A spilled
-            # prefix thus concentrates again on one engine instead of crowding several caches.
+            # prefix thus concentrates again on one engine instead of crowding several caches, and
+            # worker processes agree on which (the time of a placement travels with its record).
             deepest = blocks[best - 1]
             latest = max(index.last_used(name, deepest) for name in pool)
             pool = [name for name in pool if index.last_used(name, deepest) == latest]
@@ -132,9 +139,10 @@ class Placer:
     def record(self, engine: str, blocks: Sequence[int]) -> None:
         """The prompt was sent to ``engine``: it holds these blocks now."""
         if self.cache_aware and blocks:
-            self.index.record(engine, blocks)
+            at = self.clock()
+            self.index.record(engine, blocks, at)
             if self.on_record is not None:
-                self.on_record(engine, blocks)
+                self.on_record(engine, blocks, at)
 
     def _least_loaded(self, candidates: Sequence[str], load: Callable[[str], int], blocks: Sequence[int],
                       reason: Reason) -> Choice:

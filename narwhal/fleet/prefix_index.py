@@ -1,6 +1,6 @@
 """What each prefill engine recently prefilled, as chained block hashes: an approximate prefix index.
 
-Pure state (no I/O, no clock: recency is use order). Each engine has an LRU of
+Pure state (no I/O; the caller says when each prompt was placed). Each engine has an LRU of
 block hashes with an equal share of the memory bound, so the index as a whole
 never holds more than ``max_bytes`` by its accounting (``ENTRY_BYTES`` per
 entry, calibrated against tracemalloc in the tests, table growth included).
@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 __all__ = ["ENTRY_BYTES", "PrefixIndex"]
 
 # Bytes one entry costs: an OrderedDict slot and node, a 64-bit int key and at
-# worst its own tick int, measured at the worst point of the table's growth
+# worst its own float time, measured at the worst point of the table's growth
 # (~200 bytes), rounded up.
 ENTRY_BYTES = 224
 
@@ -29,9 +29,8 @@ class PrefixIndex:
 
     def __init__(self, engines: Iterable[str], *, max_bytes: int) -> None:
         names = list(dict.fromkeys(engines))
-        # block hash -> the tick of the prompt that last used it (one int shared by a prompt's blocks).
-        self._lru: dict[str, OrderedDict[int, int]] = {name: OrderedDict() for name in names}
-        self._tick = 0
+        # block hash -> when a prompt through it was last placed (one number shared by a prompt's blocks).
+        self._lru: dict[str, OrderedDict[int, float]] = {name: OrderedDict() for name in names}
         self.max_bytes = max_bytes
         # An equal share each: an engine's entries never crowd out another's.
         self.quota = max_bytes // ENTRY_BYTES // max(1, len(names))
@@ -55,24 +54,30 @@ class PrefixIndex:
                 hi = mid - 1
         return lo
 
-    def last_used(self, engine: str, block: int) -> int:
-        """When the engine last had a prompt through ``block`` (higher is later; 0: never)."""
+    def last_used(self, engine: str, block: int) -> float:
+        """When a prompt through ``block`` was last placed on the engine (the ``at`` of ``record``; 0: never)."""
         lru = self._lru.get(engine)
-        return 0 if lru is None else lru.get(block, 0)
+        return 0.0 if lru is None else lru.get(block, 0.0)
 
-    def record(self, engine: str, blocks: Sequence[int]) -> None:
-        """The engine prefilled a prompt with these blocks: they become its most recently used."""
+    def record(self, engine: str, blocks: Sequence[int], at: float) -> None:
+        """The engine prefilled a prompt with these blocks, placed at ``at``: they become its most recently used.
+
+        ``at`` is on a clock every process shares (a record relayed late never moves a block's time back).
+        """
         lru = self._lru.get(engine)
         if lru is None or not blocks or self.quota == 0:
             return
-        self._tick += 1
-        tick = self._tick
         # Deepest first, and at most a quota's worth (a longer prompt keeps its prefix).
         move = lru.move_to_end
+        get = lru.get
         for block in reversed(blocks[:self.quota]):
-            if block in lru:
-                move(block)
-            lru[block] = tick
+            seen = get(block)
+            if seen is None:
+                lru[block] = at
+                continue
+            move(block)
+            if at > seen:
+                lru[block] = at
         excess = len(lru) - self.quota
         for _ in range(excess):
             lru.popitem(last=False)

@@ -26,6 +26,8 @@ class IndexRecord(msgspec.Struct, frozen=True, array_like=True):
     engine: str
     epoch: int
     blocks: list[int]
+    # When it was placed, on the clock every process on the host shares (CLOCK_MONOTONIC).
+    at: float = 0.0
 
 
 class SharedIndex:
@@ -39,17 +41,18 @@ class SharedIndex:
         self._max_outbox = max_outbox
         self.dropped = 0
 
-    def recorded(self, engine: str, blocks: Sequence[int]) -> None:
-        """This process placed ``blocks`` on ``engine`` (the placer's ``on_record``)."""
+    def recorded(self, engine: str, blocks: Sequence[int], at: float) -> None:
+        """This process placed ``blocks`` on ``engine`` at ``at`` (the placer's ``on_record``)."""
         outbox = self._outbox
         key = (engine, blocks[-1])
         if key in outbox:
+            outbox[key] = IndexRecord(engine, outbox[key].epoch, outbox[key].blocks, at)
             return
         if len(outbox) >= self._max_outbox:
             # Bounded: a controller that stops reading must not grow a worker's memory.
             self.dropped += 1
             return
-        outbox[key] = IndexRecord(engine, self.epochs.get(engine, 0), list(blocks))
+        outbox[key] = IndexRecord(engine, self.epochs.get(engine, 0), list(blocks), at)
 
     def take(self) -> list[IndexRecord]:
         """What was recorded since the last call, for the next report."""
@@ -63,7 +66,7 @@ class SharedIndex:
         applied = []
         for record in records:
             if record.epoch == epochs.get(record.engine, 0):
-                self.index.record(record.engine, record.blocks)
+                self.index.record(record.engine, record.blocks, record.at)
                 applied.append(record)
         return applied
 

@@ -10,6 +10,7 @@ engine at once, before any await, so the next placement already sees it.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,12 +33,16 @@ def build_index(config: Config) -> PrefixIndex:
 
 
 def build_placer(config: Config, index: PrefixIndex | None = None, *, rng: random.Random | None = None,
-                 on_record: Callable[[str, Sequence[int]], None] | None = None) -> Placer:
-    """The ``[placement]`` policy over ``index`` (a new one when None)."""
+                 on_record: Callable[[str, Sequence[int], float], None] | None = None) -> Placer:
+    """The ``[placement]`` policy over ``index`` (a new one when None).
+
+    Placements are timed on CLOCK_MONOTONIC, which every process on the host shares, so worker
+    processes agree on which engine had a prompt last.
+    """
     placement = config.placement
     return Placer(build_index(config) if index is None else index,
                   cache_aware=placement.policy == "cache_aware", balance_abs=placement.balance_abs,
-                  balance_rel=placement.balance_rel, rng=rng, on_record=on_record)
+                  balance_rel=placement.balance_rel, rng=rng, on_record=on_record, clock=time.monotonic)
 
 
 class RequestPlacement:

@@ -9,6 +9,7 @@ group recorded, which with 2 workers means the placements were relayed.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 
@@ -53,16 +54,17 @@ async def test_prefixes_stick_to_their_engines_and_load_spreads(start_fleet, wor
     await wait_until(lambda: _ready(fleet), timeout_s=20.0, what="router ready")
     # Fresh connections, so requests spread over the worker processes.
     async with httpx.AsyncClient(timeout=30.0, limits=httpx.Limits(max_keepalive_connections=0)) as client:
-        for group in range(GROUPS):
-            await _complete(client, fleet.url, group)
-
-        async def indexed() -> bool:
+        async def indexed(groups: int) -> bool:
             body = await engines_body(fleet.client, fleet.url)
             entries = sum(e["prefix_index"]["entries"] for e in body["engines"] if e["role"] == "prefill")
-            # Every group's prefix (about 20 blocks of 64 bytes each) is in the controller's index.
-            return entries >= GROUPS * 20
+            # Each group's prefix is about 20 blocks of 64 bytes.
+            return entries >= groups * 20
 
-        await wait_until(indexed, timeout_s=10.0, what="the warm-up recorded in the controller's index")
+        for group in range(GROUPS):
+            await _complete(client, fleet.url, group)
+            # The controller has it (and relayed it to the other worker) before the next group arrives.
+            await wait_until(functools.partial(indexed, group + 1), timeout_s=10.0,
+                             what="the warm-up in the controller's index")
         for name in ("p1", "p2", "p3"):
             await fleet.client.post(f"{fleet.engines[name].url}/mock/stats/reset")
         limiter = trio.CapacityLimiter(4)
@@ -82,17 +84,21 @@ async def test_prefixes_stick_to_their_engines_and_load_spreads(start_fleet, wor
     assert sum(prefills) == 80
     # Hits: every group's prefix was cached where its requests went (the suffix never is).
     assert cached / prompt > 0.8, (cached, prompt, prefills)
-    # Balance: 4 groups over 3 engines, so no engine takes them all, and none sits idle.
-    assert max(prefills) <= 0.6 * 80 and min(prefills) > 0, prefills
+    # Balance: 4 groups over 3 engines: at most 2 groups on one engine, and (one process, which knows
+    # every placement at once) none idle.
+    assert max(prefills) <= 0.5 * 80, prefills
+    if workers == 1:
+        assert min(prefills) > 0, prefills
 
     async def counted() -> str | None:
+        # Worker processes report their counts every 100 ms: wait until all 84 requests are in.
         text = (await fleet.client.get(f"{fleet.url}/metrics")).text
-        return text if _sample(text, "narwhal_placement_total", role="prefill", reason="hit") >= 70 else None
+        done = _sample(text, "narwhal_placement_total", role="decode", reason="only_choice") >= 84
+        return text if done and _sample(text, "narwhal_placement_matched_fraction_count") >= 84 else None
 
     metrics = await wait_until(counted, timeout_s=10.0, what="placement counts reported")
     assert _sample(metrics, "narwhal_placement_index_bytes") > 0
-    assert _sample(metrics, "narwhal_placement_matched_fraction_count") >= 84
-    assert _sample(metrics, "narwhal_placement_total", role="decode", reason="only_choice") >= 84
+    assert _sample(metrics, "narwhal_placement_total", role="prefill", reason="hit") >= 70
 
     async def logged() -> list[dict] | None:
         events = [event for event in fleet.router.events("request") if event.get("prefix_match") is not None]
