@@ -12,19 +12,12 @@ from __future__ import annotations
 import ssl
 from pathlib import Path
 
-from narwhal.config import Config, ConfigError, EngineConfig, ServingConfig
+from narwhal.config import Config, ConfigError, EngineConfig, ServingConfig, resolve_config_path
 
 __all__ = ["TLSContexts", "engine_context", "server_context", "server_context_from_files", "tls_reason"]
 
 # The only protocol either front speaks; ALPN says so to clients that ask.
 _ALPN = ["http/1.1"]
-
-
-def _resolve(path: str, base_dir: Path | None) -> Path:
-    resolved = Path(path)
-    if base_dir is not None and not resolved.is_absolute():
-        resolved = base_dir / resolved
-    return resolved
 
 
 def _readable(key: str, path: Path) -> str:
@@ -72,8 +65,9 @@ def server_context(serving: ServingConfig, base_dir: Path | None = None) -> ssl.
         return None
     client_ca = serving.tls_client_ca_file
     return server_context_from_files(
-        _resolve(serving.tls_cert_file, base_dir), _resolve(serving.tls_key_file, base_dir),
-        _resolve(client_ca, base_dir) if client_ca is not None else None,
+        resolve_config_path(serving.tls_cert_file, base_dir),
+        resolve_config_path(serving.tls_key_file, base_dir),
+        resolve_config_path(client_ca, base_dir) if client_ca is not None else None,
         names=("serving.tls_cert_file", "serving.tls_key_file", "serving.tls_client_ca_file"))
 
 
@@ -95,7 +89,7 @@ def engine_context(engine: EngineConfig, base_dir: Path | None = None) -> ssl.SS
     if engine.tls_ca_file is not None:
         # A private CA replaces the system store: only engines it signed are trusted.
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        _load_ca(context, "engine.tls_ca_file", _resolve(engine.tls_ca_file, base_dir))
+        _load_ca(context, "engine.tls_ca_file", resolve_config_path(engine.tls_ca_file, base_dir))
     else:
         context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
     # Both already default to these; stated because the engine contract depends on them.
@@ -105,7 +99,8 @@ def engine_context(engine: EngineConfig, base_dir: Path | None = None) -> ssl.SS
     context.set_alpn_protocols(_ALPN)
     if engine.tls_cert_file is not None and engine.tls_key_file is not None:
         _load_chain(context, "engine.tls_cert_file", "engine.tls_key_file",
-                    _resolve(engine.tls_cert_file, base_dir), _resolve(engine.tls_key_file, base_dir))
+                    resolve_config_path(engine.tls_cert_file, base_dir),
+                    resolve_config_path(engine.tls_key_file, base_dir))
     return context
 
 

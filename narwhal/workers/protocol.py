@@ -39,6 +39,7 @@ __all__ = [
     "RequestSample",
     "Snapshot",
     "Stop",
+    "TLSReloaded",
     "Welcome",
     "WorkerMessage",
     "encode_frame",
@@ -108,7 +109,9 @@ class ForwardReply(_Message, tag="forward_reply"):
 
 
 class ReloadTLS(_Message, tag="reload_tls"):
-    """Read the certificates and keys again (the controller got SIGHUP)."""
+    """Read the certificates and keys again (the controller got SIGHUP); answer with ``TLSReloaded``."""
+
+    id: int = 0
 
 
 class Stop(_Message, tag="stop"):
@@ -176,6 +179,13 @@ class Report(_Message, tag="report"):
     placements: list[IndexRecord] = []
 
 
+class TLSReloaded(_Message, tag="tls_reloaded"):
+    """The answer to ``ReloadTLS`` ``id``: ``error`` is None when the new files are in use, else why not."""
+
+    id: int
+    error: str | None = None
+
+
 class Forward(_Message, tag="forward"):
     """A control-app request that a worker received and the controller answers."""
 
@@ -192,7 +202,7 @@ class Forward(_Message, tag="forward"):
 
 
 ControllerMessage = Welcome | Snapshot | ForwardReply | ReloadTLS | Stop | IndexUpdate
-WorkerMessage = Hello | Evidence | Report | Forward
+WorkerMessage = Hello | Evidence | Report | Forward | TLSReloaded
 
 
 class FrameError(NarwhalError):
