@@ -676,8 +676,10 @@ class RequestCore:
                 outcome.status = 0
             self._translate("decode", exc)
         outcome.tokens = join.tokens
-        if gaps[1]:
-            outcome.inter_token_s = gaps[0] / gaps[1]
+        leg_tokens = join.tokens - join.tokens_before
+        if gaps[1] and leg_tokens > 1:
+            # Per token, as the plain relay reports it (a read may carry several tokens).
+            outcome.inter_token_s = gaps[0] / (leg_tokens - 1)
         self.supervisor.record_success(decode.name, SuccessKind.DECODE_TERMINAL)
 
 
