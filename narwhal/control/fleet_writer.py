@@ -55,6 +55,8 @@ class FleetWriter:
         self._events_dropped_seen = 0
         # Told of every event after it is logged (cache-aware placement forgets ejected engines).
         self.listeners: list[Callable[[FleetEvent], None]] = []
+        # Called after every mutation (worker processes get a new snapshot if placement changed).
+        self.on_change: Callable[[], None] | None = None
 
     def __repr__(self) -> str:
         runner = "attached" if self._runner is not None else f"none, {len(self._pending)} actions queued"
@@ -181,9 +183,9 @@ class FleetWriter:
         """``Fleet.eject``."""
         return self._done(self._fleet.eject(name, reason, now, failure_class))
 
-    def readmit(self, name: str, now: float) -> None:
+    def readmit(self, name: str, now: float, *, health_to_eligible_s: float | None = None) -> None:
         """``Fleet.readmit``."""
-        self._fleet.readmit(name, now)
+        self._fleet.readmit(name, now, health_to_eligible_s=health_to_eligible_s)
         self._publish()
 
     def restore(self, records: Sequence[EngineRecord], now: float, wall_now: float) -> None:
@@ -217,6 +219,8 @@ class FleetWriter:
         if dropped > self._events_dropped_seen:
             log_event("fleet_events_dropped", level=logging.ERROR, dropped=dropped - self._events_dropped_seen)
             self._events_dropped_seen = dropped
+        if self.on_change is not None:
+            self.on_change()
 
     def _log(self, event: FleetEvent) -> None:
         if event.kind is FleetEventKind.PROBE_RESULT:

@@ -23,6 +23,8 @@ from narwhal.errors import NarwhalError
 from narwhal.fleet.shared_index import IndexRecord
 
 __all__ = [
+    "CONTROL_APP_TIMEOUT_S",
+    "FORWARD_TIMEOUT_S",
     "MAX_FRAME_BYTES",
     "ControllerMessage",
     "Evidence",
@@ -46,6 +48,10 @@ __all__ = [
 ]
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024
+# The controller answers a forwarded request within this (its control app's bound) ...
+CONTROL_APP_TIMEOUT_S = 25.0
+# ... and a worker waits this much longer for the reply to cross the link before it gives up.
+FORWARD_TIMEOUT_S = CONTROL_APP_TIMEOUT_S + 5.0
 _LENGTH = struct.Struct(">I")
 
 
