@@ -21,6 +21,7 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,8 @@ import trio
 
 from narwhal.app.admin_routes import register_admin_routes
 from narwhal.app.control_app import create_app
+from narwhal.app.router_status import RouterStatus, router_status
+from narwhal.app.ui_routes import register_ui_routes
 from narwhal.clocks import to_monotonic
 from narwhal.config import Config, ConfigError, parse_listen
 from narwhal.control.engine_view import EngineViewer
@@ -45,6 +48,8 @@ from narwhal.lease import EtcdLeaseBackend, build_backend
 from narwhal.lease.service import LeaseService, LeaseView
 from narwhal.obs.logs import flush_logs, log_event
 from narwhal.obs.router_metrics import RouterMetrics
+from narwhal.obs.timeline import Timeline
+from narwhal.obs.timeline_feed import TimelineFeed
 from narwhal.pools.control import ControlPool
 from narwhal.serving.data_plane import DataPlane, LocalDataPlane
 from narwhal.serving.placement import RequestPlacement, build_index, build_placer
@@ -159,6 +164,9 @@ class Router:
         self.telemetry = Telemetry([(spec.name, spec.role) for spec in config.engines], clock=trio.current_time,
                                    interval_s=config.telemetry.interval_s,
                                    keep_intervals=config.telemetry.keep_intervals)
+        # /admin/timeline: fed with every finished request (the workers' via their reports) and sampled each second.
+        self.timeline = TimelineFeed(Timeline([spec.name for spec in config.engines]), self.telemetry,
+                                     in_flight=self._in_flight_counts, views=self.fleet.views)
         # The app reads this router's state as it answers: built here, the data plane hands it other routes.
         self.app = create_app(self)
         self.worker_count = config.serving.workers
@@ -166,7 +174,7 @@ class Router:
                              clock=trio.current_time,
                              to_link_clock=None if self.worker_count == 1
                              else functools.partial(to_monotonic, clock=trio.current_time),
-                             record_sample=self.telemetry.record_request, share_in_flight=self.worker_count > 1)
+                             record_sample=self.timeline.record_request, share_in_flight=self.worker_count > 1)
         # Whatever a snapshot is built from tells the hub when it changed; it publishes only then.
         self.admission.on_change = self.hub.poke
         self.fleet.on_change = self.hub.poke
@@ -201,6 +209,7 @@ class Router:
                                         readmitter=self.readmitter, controller=self.controller, monitor=self.monitor,
                                         prefix_index=self.prefix_index.index)
         register_admin_routes(self.app, self)
+        register_ui_routes(self.app, self)
         self.bound_port: int | None = None
         self._nursery: trio.Nursery | None = None
         self._register_gauges()
@@ -222,7 +231,7 @@ class Router:
         hub.attach(0, view.apply)
         # In one process admission and telemetry are the controller's own, not reported.
         return LocalDataPlane(config, tls=self.tls, via_token=self.via_token, supervisor=view,
-                              admission=self.admission, metrics=self.metrics, telemetry=self.telemetry,
+                              admission=self.admission, metrics=self.metrics, telemetry=self.timeline,
                               serve_rest=functools.partial(call_asgi, self.app),
                               placement=RequestPlacement(config, self.metrics,
                                                          build_placer(config, self.prefix_index.index)))
@@ -269,6 +278,20 @@ class Router:
         if self.lease is None:
             return LeaseView(router_id=self.router_id, backend="none", role="active")
         return self.lease.view()
+
+    def _in_flight_counts(self) -> Mapping[str, int]:
+        return self.in_flight.counts
+
+    def router_status(self) -> RouterStatus:
+        """What /admin/router shows: readiness, the lease, the monitor's stages and the workers."""
+        monitor = self.monitor
+        workers = self.data_plane.workers if isinstance(self.data_plane, WorkerDataPlane) else None
+        return router_status(router_id=self.router_id, now=trio.current_time(), readiness=self.readiness(),
+                             lease=self.lease_view(), stage_names=[stage.name for stage in monitor.stages],
+                             passes=monitor.passes, failure_streak=monitor.failure_streak,
+                             degraded=monitor.degraded_reason, last_pass=monitor.last_pass,
+                             stage_errors=self.metrics.stage_errors.values, worker_count=self.worker_count,
+                             workers=self.hub.workers, restarts=workers.restarts if workers is not None else {})
 
     def _handoff_extra(self) -> HandoffExtra:
         return HandoffExtra(consolidation_risk=self.controller.consolidation_risk(),
@@ -360,6 +383,7 @@ class Router:
                     self._resume()
                 await nursery.start(self.readmitter.run)
                 await nursery.start(self.monitor.run)
+                await nursery.start(self.timeline.run)
                 if admin_fd is not None:
                     await nursery.start(self._serve_admin, admin_fd)
                     admin_fd = None

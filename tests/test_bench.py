@@ -20,6 +20,7 @@ import trio
 from narwhal.tools.bench import procstat
 from narwhal.tools.bench.cli import build_parser, settings_from_args
 from narwhal.tools.bench.fleet import BenchFleet, CommandTemplateError, command_for
+from narwhal.tools.bench.html_report import render_html
 from narwhal.tools.bench.load import LoadSpec, LoadState, _Exchange, completion_body, run_load
 from narwhal.tools.bench.progress import progress_line
 from narwhal.tools.bench.report import (
@@ -430,6 +431,46 @@ async def test_load_over_tls(nursery, tmp_path: Path) -> None:
     plain = await run_load(_spec(service.engine.port, requests=4))
     assert plain.ok == 0
     service.stop(0)
+
+
+# ----- the HTML report (--report) ---------------------------------------------------------------
+
+def _timeline(states_d1: list[str | None]) -> dict[str, object]:
+    n = len(states_d1)
+    return {"bucket_s": 1, "window_s": 900, "now": 110.5, "now_unix": 1010.5, "start": 100.0, "start_unix": 1000.0,
+            "engines": ["p1", "d1"], "requests": [5] * n, "errors": {"stream": [0] * (n - 1) + [2]},
+            "recovered": {"connection": [0, 3] + [0] * (n - 2)},
+            "ttft_p50_ms": [1.0] * n, "ttft_p99_ms": [None] + [4.0] * (n - 1),
+            "in_flight": {"p1": [1] * n, "d1": [1] * n}, "state": {"p1": ["eligible"] * n, "d1": states_d1}}
+
+
+def test_the_html_report_draws_the_timeline_with_the_faults_marked() -> None:
+    faults = FaultReport(
+        killed_engine="d1", failing_engine="d2", failing_status=500,
+        timeline=[{"at_s": 2.0, "event": "d1 killed (SIGKILL)"}, {"at_s": 6.0, "event": "d1 restarted on port 1"}],
+        goodput=1.0, requests_lost=0, lost_by_kind={}, streams_cut=0, cut_with_error_event=0, cut_silently=0,
+        attempts_on_dead_engine=1, dead_engine_last_attempt_s=0.01, dead_engine_ineligible_s=0.02,
+        restarted_engine_eligible_s=1.0, restarted_engine_first_served_s=1.5,
+        failing_engine_requests_during_fault=4, failing_engine_last_request_s=0.1, failing_engine_ineligible_s=0.1)
+    states = ["eligible"] * 3 + ["ejected"] * 4 + ["eligible"] * 3
+    report = BenchReport(settings={"scenario": "faults"}, run=_run_report("narwhal <x>"), faults=faults,
+                         timeline=_timeline(states), load_started_unix=1001.0)
+    page = render_html(report)
+    # Self-contained: no script, nothing fetched; names escaped.
+    assert "<script" not in page and "src=" not in page and "href=" not in page
+    assert "narwhal &lt;x&gt;" in page and "narwhal <x>" not in page
+    assert "router CPU ms / request" in page  # the figures table
+    assert page.count('class="fault-mark"') == 2 * 4  # two faults on each of the four charts
+    assert 'data-series="requests"' in page and 'data-series="recovered connection"' in page
+    assert 'data-engine="d1" data-state="ejected"' in page
+    assert "d1 killed (SIGKILL)" in page
+    # Without a timeline (another router) the table is still there and the page says why there is no chart.
+    plain = render_html(BenchReport(settings={}, run=_run_report("other")))
+    assert "No timeline" in plain and "<svg" not in plain
+
+
+def test_report_option_is_parsed() -> None:
+    assert _args("--report", "out.html").report == "out.html"
 
 
 # ----- the prefix scenario ------------------------------------------------------------------

@@ -101,7 +101,8 @@ class TelemetrySink(Protocol):
     """Where each finished request's timings go: ``Telemetry`` in one process, a worker's ``TelemetryRelay``."""
 
     def record_request(self, *, prefill: str | None, decode: str | None, ttft_s: float | None,
-                       inter_token_s: float | None, error_engine: str | None) -> None: ...
+                       inter_token_s: float | None, error_engine: str | None, status: int = 0,
+                       error_class: str | None = None, failed: bool = False) -> None: ...
 
 
 class DecodeStream(Protocol):
@@ -168,7 +169,7 @@ class _Outcome:
 
     __slots__ = ("status", "prefill", "decode", "ttft_s", "tokens", "error_class", "attempts",
                  "error_engine", "inter_token_s", "continuations", "continuing",
-                 "join_gap_s", "prefix_match")
+                 "join_gap_s", "stream_error", "prefix_match")
 
     def __init__(self) -> None:
         self.status = 0
@@ -185,6 +186,8 @@ class _Outcome:
         self.continuing = False
         # The longest wait a client saw at a join of this request.
         self.join_gap_s: float | None = None
+        # The stream had begun (status 200) and ended with an SSE error event: the client saw a failure.
+        self.stream_error = False
         # Share of the prompt the chosen prefill engine held (cache-aware placement).
         self.prefix_match: float | None = None
 
@@ -284,6 +287,7 @@ class RequestCore:
         if sink.started:
             # Tokens already reached the client: say why the stream ends, never replay.
             outcome.status = outcome.status or 200
+            outcome.stream_error = True
             await sink.end_stream(_sse_error(error.message, error.type, error.code))
         else:
             outcome.status = error.status
@@ -298,7 +302,9 @@ class RequestCore:
             self.metrics.ttft.observe(outcome.ttft_s, route)
         if self.telemetry is not None:
             self.telemetry.record_request(prefill=outcome.prefill, decode=outcome.decode, ttft_s=outcome.ttft_s,
-                                          inter_token_s=outcome.inter_token_s, error_engine=outcome.error_engine)
+                                          inter_token_s=outcome.inter_token_s, error_engine=outcome.error_engine,
+                                          status=outcome.status, error_class=outcome.error_class,
+                                          failed=outcome.status >= 400 or outcome.stream_error)
         log_event(
             "request",
             request_id=rid,

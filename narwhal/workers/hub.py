@@ -176,7 +176,9 @@ class WorkerHub:
             if self._record_sample is not None:
                 for sample in message.samples:
                     self._record_sample(prefill=sample.prefill, decode=sample.decode, ttft_s=sample.ttft_s,
-                                        inter_token_s=sample.inter_token_s, error_engine=sample.error_engine)
+                                        inter_token_s=sample.inter_token_s, error_engine=sample.error_engine,
+                                        status=sample.status, error_class=sample.error_class,
+                                        failed=sample.failed)
 
     # -- snapshots -------------------------------------------------------------------------
 

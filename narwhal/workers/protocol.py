@@ -143,13 +143,18 @@ class Evidence(_Message, tag="evidence"):
 
 
 class RequestSample(msgspec.Struct, frozen=True, array_like=True):
-    """One finished request, for the controller's telemetry (drift detection)."""
+    """One finished request, for the controller's telemetry (drift detection) and timeline."""
 
     prefill: str | None
     decode: str | None
     ttft_s: float | None
     inter_token_s: float | None
     error_engine: str | None
+    # The client's status and the request's error class (the timeline's errors by class).
+    status: int = 0
+    error_class: str | None = None
+    # The client saw a failure (an error status, or a stream ended by an error event); else a recovered one.
+    failed: bool = False
 
 
 class HistogramSeries(msgspec.Struct, frozen=True, array_like=True):

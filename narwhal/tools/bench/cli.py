@@ -117,6 +117,9 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
                      help="faults: how long the other engine answers 5xx (default 4)")
     run.add_argument("--fault-status", type=int, default=500, help="faults: the 5xx status (default 500)")
     run.add_argument("--json", metavar="FILE", help="write every figure to FILE as JSON")
+    run.add_argument("--report", metavar="FILE.html",
+                     help="write a self-contained HTML report: the figures and, from Narwhal's /admin/timeline, "
+                          "requests/s, errors, TTFT and engine states over the run, faults marked")
     run.add_argument("--label", help="name of the run in the table (default: the router's name)")
     run.add_argument("--quiet", action="store_true", help="no progress line")
 
@@ -243,4 +246,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_bytes(msgspec.json.format(msgspec.json.encode(report)) + b"\n")
         print(f"figures written to {args.json}", file=sys.stderr)
+    if args.report:
+        from narwhal.tools.bench.html_report import render_html
+
+        Path(args.report).write_text(render_html(report))
+        print(f"report written to {args.report}", file=sys.stderr)
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 
@@ -211,6 +212,9 @@ class BenchReport(msgspec.Struct, frozen=True, kw_only=True):
     baseline: RunReport | None = None
     router_vs_direct: dict[str, float | None] | None = None
     faults: FaultReport | None = None
+    # Narwhal only: its /admin/timeline at the end of the run, and when the load began (unix), for --report.
+    timeline: dict[str, Any] | None = None
+    load_started_unix: float | None = None
     # The prefix scenario's cache figures (narwhal.tools.bench.prefix.PrefixReport).
     prefix: PrefixReport | None = None
 

@@ -12,6 +12,7 @@ import signal
 import ssl
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -241,6 +242,18 @@ async def _direct_baseline(settings: BenchSettings, fleet: BenchFleet, client: h
     return run
 
 
+async def _timeline(client: httpx.AsyncClient, target: Target) -> dict[str, Any] | None:
+    """A Narwhal router's ``/admin/timeline`` (for ``--report``); None from another router or on any error."""
+    if not target.is_narwhal:
+        return None
+    try:
+        response = await client.get(f"{target.url}/admin/timeline")
+        body = response.json() if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    return body if isinstance(body, dict) else None
+
+
 async def _pair_baseline(settings: BenchSettings, client: httpx.AsyncClient) -> RunReport:
     """The same load through a prefill/decode pair with no router: prefill, then decode with its handoff."""
     assert settings.pair is not None
@@ -296,7 +309,9 @@ async def run_bench(settings: BenchSettings) -> BenchReport:
                     await run_load(_spec(settings, target.host, target.port, body, requests=settings.warmup,
                                          duration_s=None, path=workload.path if workload else "/v1/completions"),
                                    ssl_context=context, bodies=workload)
+                load_started_unix = time.time()
                 run, faults = await _measure(nursery, settings, fleet, target, client, body, context, workload)
+                timeline = await _timeline(client, target)
                 if workload is not None and fleet is not None:
                     prefix = await collect_prefix_report(
                         client, [(name, fleet.engines[name].url) for name in fleet.names("prefill")], workload,
@@ -316,4 +331,4 @@ async def run_bench(settings: BenchSettings) -> BenchReport:
                 nursery.cancel_scope.cancel()
             return BenchReport(settings=_settings_record(settings, target), run=run, baseline=baseline,
                                router_vs_direct=_ratios(run, baseline) if baseline else None, faults=faults,
-                               prefix=prefix)
+                               timeline=timeline, load_started_unix=load_started_unix, prefix=prefix)
