@@ -34,6 +34,7 @@ __all__ = [
     "FleetConfig",
     "HandoffConfig",
     "LeaseConfig",
+    "PlacementConfig",
     "RecoveryConfig",
     "ServingConfig",
     "TelemetryConfig",
@@ -71,6 +72,8 @@ def _at_least(name: str, value: float | int, minimum: float | int) -> None:
 MIN_MONITOR_INTERVAL_S = 0.05
 MIN_STAGE_TIMEOUT_S = 0.01
 MIN_PROBE_INTERVAL_S = 0.05
+# Out engines are health-checked this often by default: a restart is noticed within it.
+DEFAULT_RECHECK_INTERVAL_S = 0.1
 MIN_TELEMETRY_INTERVAL_S = 0.05
 
 
@@ -252,6 +255,10 @@ class RecoveryConfig(_Section, frozen=True):
     liveness_misses: int = 3
     failure_quarantine_s: float | None = None
     probe_interval_s: float = 5.0
+    # How often the engines that are out (ejected, or quarantined) are health-checked
+    # between monitor passes; the first backoff step after a refused readmission.
+    # None: DEFAULT_RECHECK_INTERVAL_S, or probe_interval_s when that is shorter.
+    recheck_interval_s: float | None = None
 
     def __post_init__(self) -> None:
         _positive("eject_after", self.eject_after)
@@ -259,6 +266,18 @@ class RecoveryConfig(_Section, frozen=True):
         _at_least("probe_interval_s", self.probe_interval_s, MIN_PROBE_INTERVAL_S)
         if self.failure_quarantine_s is not None:
             _positive("failure_quarantine_s", self.failure_quarantine_s)
+        if self.recheck_interval_s is not None:
+            _at_least("recheck_interval_s", self.recheck_interval_s, MIN_PROBE_INTERVAL_S)
+            if self.recheck_interval_s > self.probe_interval_s:
+                raise ValueError(f"recheck_interval_s ({self.recheck_interval_s:g}) must be <= probe_interval_s "
+                                 f"({self.probe_interval_s:g}): it is the faster cadence")
+
+    @property
+    def recheck_period_s(self) -> float:
+        """``recheck_interval_s`` as set, else the default capped at ``probe_interval_s``."""
+        if self.recheck_interval_s is not None:
+            return self.recheck_interval_s
+        return min(DEFAULT_RECHECK_INTERVAL_S, self.probe_interval_s)
 
 
 HANDOFF_FILE = "narwhal-handoff.json"
@@ -340,6 +359,25 @@ class LeaseConfig(_Section, frozen=True):
             raise ValueError(f"key must start with '/', got {self.key!r}")
 
 
+class PlacementConfig(_Section, frozen=True):
+    # cache_aware: prefill on the engine that holds the prompt's prefix, within the balance bound;
+    # least_outstanding: the engine with the fewest requests in flight. Decode is least outstanding either way.
+    policy: Literal["cache_aware", "least_outstanding"] = "cache_aware"
+    # A match wins only on an engine whose load is at most max(least + balance_abs, least * balance_rel).
+    balance_abs: int = 8
+    balance_rel: float = 1.5
+    # The prefix index's memory bound (all prefill engines together).
+    max_index_mb: float = 64.0
+    # Tokens per hashed block (a text block is 4 bytes a token).
+    block_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        _at_least("balance_abs", self.balance_abs, 0)
+        _at_least("balance_rel", self.balance_rel, 1)
+        _positive("max_index_mb", self.max_index_mb)
+        _positive("block_tokens", self.block_tokens)
+
+
 class AdminConfig(_Section, frozen=True):
     token: str | None = None
     listen: str | None = None
@@ -399,6 +437,7 @@ class Config(_Section, frozen=True):
     handoff: HandoffConfig = HandoffConfig()
     lease: LeaseConfig = LeaseConfig()
     admin: AdminConfig = AdminConfig()
+    placement: PlacementConfig = PlacementConfig()
     engines: list[EngineSpec] = []
 
     def __post_init__(self) -> None:

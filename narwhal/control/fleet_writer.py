@@ -53,6 +53,8 @@ class FleetWriter:
         # Actions returned before a runner was attached (e.g. by resume): run on attach.
         self._pending: list[Action] = []
         self._events_dropped_seen = 0
+        # Told of every event after it is logged (cache-aware placement forgets ejected engines).
+        self.listeners: list[Callable[[FleetEvent], None]] = []
         # Called after every mutation (worker processes get a new snapshot if placement changed).
         self.on_change: Callable[[], None] | None = None
 
@@ -181,9 +183,9 @@ class FleetWriter:
         """``Fleet.eject``."""
         return self._done(self._fleet.eject(name, reason, now, failure_class))
 
-    def readmit(self, name: str, now: float) -> None:
+    def readmit(self, name: str, now: float, *, health_to_eligible_s: float | None = None) -> None:
         """``Fleet.readmit``."""
-        self._fleet.readmit(name, now)
+        self._fleet.readmit(name, now, health_to_eligible_s=health_to_eligible_s)
         self._publish()
 
     def restore(self, records: Sequence[EngineRecord], now: float, wall_now: float) -> None:
@@ -211,6 +213,8 @@ class FleetWriter:
     def _publish(self) -> None:
         for event in self._fleet.drain_events():
             self._log(event)
+            for listener in self.listeners:
+                listener(event)
         dropped = self._fleet.events_dropped
         if dropped > self._events_dropped_seen:
             log_event("fleet_events_dropped", level=logging.ERROR, dropped=dropped - self._events_dropped_seen)

@@ -376,6 +376,9 @@ class StreamJoin:
             complete = _IDS_COMPACT.sub(b"", complete)
             if b'token_ids"' in complete:
                 complete = _IDS.sub(b"", complete)
+        if KV_KEY in complete:
+            # The engine's KV handoff is never the client's (the relay without a join strips it too).
+            complete = strip_kv_from_events(complete)
         return complete, self._leg_done
 
     def _note_id(self, complete: bytes) -> None:
