@@ -45,8 +45,9 @@ from narwhal.control.readmission import Readmitter
 from narwhal.control.reload import ReloadError, ReloadOutcome, split_config_error
 from narwhal.control.supervisor import Supervisor
 from narwhal.errors import StartupError
-from narwhal.fleet import Fleet
+from narwhal.fleet import Fleet, FleetEvent, FleetEventKind, HoldKind
 from narwhal.fleet.admission import Admission
+from narwhal.fleet.shared_index import SharedIndex
 from narwhal.fleet.telemetry import Telemetry
 from narwhal.http1.asgi import ASGILifespan, call_asgi
 from narwhal.lease import EtcdLeaseBackend, build_backend
@@ -57,12 +58,14 @@ from narwhal.obs.timeline import Timeline
 from narwhal.obs.timeline_feed import TimelineFeed
 from narwhal.pools.control import ControlPool
 from narwhal.serving.data_plane import DataPlane, LocalDataPlane
+from narwhal.serving.placement import RequestPlacement, build_index, build_placer
 from narwhal.stages import build_stages
 from narwhal.stages.persistence import HandoffExtra, PersistenceStage
 from narwhal.state.handoff import EngineSetEntry, LeaseOwnership
 from narwhal.state.resume import apply_resume, plan_resume
 from narwhal.tls import TLSContexts
 from narwhal.workers.hub import WorkerHub
+from narwhal.workers.index_relay import IndexRelay
 from narwhal.workers.plane import WorkerDataPlane
 from narwhal.workers.process import WorkerSet
 from narwhal.workers.view import WorkerView
@@ -191,6 +194,11 @@ class Router:
         # Whatever a snapshot is built from tells the hub when it changed; it publishes only then.
         self.admission.on_change = self.hub.poke
         self.fleet.on_change = self.hub.poke
+        # Cache-aware placement's prefix index: the request path's own in one process; with workers,
+        # the union of what they placed, relayed between them (narwhal.workers.index_relay).
+        self.prefix_index = SharedIndex(build_index(config))
+        self.index_relay: IndexRelay | None = None
+        self.fleet.listeners.append(self._forget_on_fleet_event)
         self.data_plane = self._build_data_plane(config_dir)
         self.in_flight = self.data_plane.in_flight
         self.handoff_path = config.handoff_path(config_dir, listen=self.listen)
@@ -214,7 +222,8 @@ class Router:
                                failure_limit=controller.monitor_failure_limit,
                                admission=self.admission, metrics=self.metrics)
         self.engine_view = EngineViewer(config=config, fleet=self.fleet, in_flight=self.in_flight,
-                                        readmitter=self.readmitter, controller=self.controller, monitor=self.monitor)
+                                        readmitter=self.readmitter, controller=self.controller, monitor=self.monitor,
+                                        prefix_index=self.prefix_index.index)
         register_admin_routes(self.app, self)
         register_ui_routes(self.app, self)
         # The engine set as it changes with reloads: the supervisor's specs are the one table
@@ -235,6 +244,8 @@ class Router:
         if self.worker_count > 1:
             # /metrics shows the controller's own series plus the sums over workers.
             hub.metrics.attach_to(self.metrics.registry)
+            self.index_relay = IndexRelay(self.prefix_index, hub.workers)
+            hub.on_placements = self.index_relay.on_report
             return WorkerDataPlane(WorkerSet(count=self.worker_count, config=config, config_dir=config_dir,
                                              hub=hub, app=self.app, via_token=self.via_token), hub)
         # The request path reads snapshots and sends evidence as messages, here
@@ -245,7 +256,9 @@ class Router:
         # In one process admission and telemetry are the controller's own, not reported.
         plane = LocalDataPlane(config, tls=self.tls, via_token=self.via_token, supervisor=view,
                                admission=self.admission, metrics=self.metrics, telemetry=self.timeline,
-                               serve_rest=functools.partial(call_asgi, self.app))
+                               serve_rest=functools.partial(call_asgi, self.app),
+                               placement=RequestPlacement(config, self.metrics,
+                                                          build_placer(config, self.prefix_index.index)))
         view.on_engines = plane.core.set_engines
         return plane
 
@@ -311,8 +324,37 @@ class Router:
                             drained=sorted(self.drain.drained),
                             lease=self.lease.ownership() if self.lease is not None else LeaseOwnership())
 
+    def _forget_on_fleet_event(self, event: FleetEvent) -> None:
+        # An ejected engine may have crashed, and one under maintenance comes back only as a newer
+        # process: either way its prefix cache is empty when it returns. One a reload removed is
+        # forgotten in every process (a later one of that name starts fresh); its key goes with
+        # the engine set (_engine_set_changed).
+        if event.kind is FleetEventKind.REMOVED and event.engine in self.prefix_index.index.engines:
+            if self.index_relay is not None:
+                self.index_relay.forget(event.engine)
+            else:
+                self.prefix_index.forget(event.engine)
+            return
+        maintenance = event.kind is FleetEventKind.HOLD_ADDED and event.hold_kind is HoldKind.MAINTENANCE
+        if event.kind is not FleetEventKind.EJECTED and not maintenance:
+            return
+        if event.engine not in self.prefix_index.index.engines:
+            return
+        if self.index_relay is not None:
+            self.index_relay.forget(event.engine)
+        else:
+            self.prefix_index.forget(event.engine)
+        log_event("prefix_index_forgotten", engine=event.engine, reason=str(event.kind if not maintenance
+                                                                            else HoldKind.MAINTENANCE))
+
     def _register_gauges(self) -> None:
         m = self.metrics
+        index = self.prefix_index.index
+        m.add_gauge("narwhal_placement_index_bytes", "Prefix index size per prefill engine, by its accounting "
+                    "(bounded by placement.max_index_mb in all).", ("engine",),
+                    lambda: {(name,): float(index.bytes(name)) for name in index.engines})
+        m.add_gauge("narwhal_placement_index_entries", "Block hashes the prefix index holds per prefill engine.",
+                    ("engine",), lambda: {(name,): float(index.entries(name)) for name in index.engines})
         m.add_gauge("narwhal_requests_in_flight", "Requests in flight per engine.", ("engine",),
                     lambda: {(name,): float(n) for name, n in self.in_flight.counts.items()})
 
@@ -600,6 +642,8 @@ class Router:
         """Tables keyed by engine follow the fleet: telemetry, the workers' hub, the handoff's engine set."""
         specs = self.supervisor.engines
         self.telemetry.set_engines([(name, spec.role) for name, spec in specs.items()])
+        # Cache-aware placement indexes the prefill engines (each worker's copy follows its snapshots).
+        self.prefix_index.index.set_engines(name for name, spec in specs.items() if spec.role == "prefill")
         self.hub.set_engines(specs)
         self.controller.engines_changed()
         # The handoff records the running set: what this router serves and keeps serving.

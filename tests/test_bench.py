@@ -471,3 +471,56 @@ def test_the_html_report_draws_the_timeline_with_the_faults_marked() -> None:
 
 def test_report_option_is_parsed() -> None:
     assert _args("--report", "out.html").report == "out.html"
+
+
+# ----- the prefix scenario ------------------------------------------------------------------
+
+
+def test_prefix_scenario_defaults_and_checks() -> None:
+    settings = settings_from_args(_args("--scenario", "prefix"))
+    assert (settings.prefill, settings.decode, settings.tokens, settings.requests) == (4, 2, 8, 800)
+    # About 3 prefixes' worth of cache per prefill mock: 3 x ceil((512 + 32) / 16) blocks.
+    assert (settings.mock_cache_blocks, settings.prefill_s_per_token) == (102, 0.0002)
+    assert "--prefix-cache-blocks" in settings.mock_args
+    assert "--prefix-cache-blocks" not in settings_from_args(_args()).mock_args
+    for argv in (("--prefix-skew", "1"), ("--prefixes", "0"), ("--chat-turns", "-1"),
+                 ("--target", "http://127.0.0.1:1")):
+        with pytest.raises(ValueError):
+            settings_from_args(_args("--scenario", "prefix", *argv))
+
+
+def test_prefix_workload_shares_prefixes_and_never_a_suffix() -> None:
+    from narwhal.tools.bench.prefix import PrefixWorkload
+
+    workload = PrefixWorkload(prefixes=8, prefix_words=20, suffix_words=4, skew=0.5, chat_turns=0,
+                              max_tokens=2, stream=True)
+    prompts = [json.loads(workload())["prompt"] for _ in range(2000)]
+    heads = [" ".join(p.split()[:20]) for p in prompts]
+    tails = [" ".join(p.split()[20:]) for p in prompts]
+    assert len(set(heads)) == 8 and len(set(tails)) == 2000
+    hot = heads.count(heads[0] if heads[0].startswith("g0") else next(h for h in heads if h.startswith("g0")))
+    assert 0.45 < hot / 2000 < 0.55
+    chat = PrefixWorkload(prefixes=2, prefix_words=5, suffix_words=3, skew=0.0, chat_turns=3, max_tokens=2,
+                          stream=False)
+    assert chat.path == "/v1/chat/completions"
+    conversations = [json.loads(chat())["messages"] for _ in range(200)]
+    assert all(messages[0]["role"] == "system" for messages in conversations)
+    # Conversations grow turn by turn (user, assistant, user, ...) up to 3 user turns, then start again.
+    lengths = {len(messages) for messages in conversations}
+    assert lengths == {2, 4, 6}
+    assert all([m["role"] for m in messages[1:]] == ["user", "assistant"] * ((len(messages) - 2) // 2) + ["user"]
+               for messages in conversations)
+
+
+async def test_a_load_with_a_body_per_request(nursery) -> None:
+    service = await nursery.start(serve_mock, MockSettings(role="prefill", engine_id="p1", tokens=2,
+                                                           prefix_cache_blocks=50))
+    bodies = iter(completion_body(prompt_words=32 + i, max_tokens=1, stream=False) for i in range(10))
+    spec = LoadSpec(host="127.0.0.1", port=service.engine.port, body=b"", concurrency=1, requests=10,
+                    duration_s=None, stream=False, timeout_s=5.0)
+    result = await run_load(spec, bodies=lambda: next(bodies))
+    assert result.ok == 10
+    cache = service.engine.prefix_cache.describe()
+    # Every prompt shares the first 32 words with the one before: all but the first hit.
+    assert cache["queries"] == 10 and cache["hits"] == 9
+    service.stop(0)

@@ -183,3 +183,17 @@ async def test_a_changed_url_is_a_removal_then_a_fresh_held_addition(
     entry = router.engine_view.engine("d1")
     assert entry.url == "http://127.0.0.1:9102"
     assert [e.name for e in router.persistence.engine_set] == ["p1", "d1"]
+
+
+async def test_the_prefix_index_follows_the_engine_set(router: Router, config_file: Path) -> None:
+    router.prefix_index.index.record("p1", [1, 2, 3], 1.0)
+    config_file.write_text(config_file.read_text()
+                           + '[[engines]]\nname = "p2"\nurl = "http://127.0.0.1:9005"\nrole = "prefill"\n')
+    await router.reload()
+    assert router.prefix_index.index.engines == ["p1", "p2"]
+    assert router.prefix_index.index.match("p1", [1, 2, 3]) == 3
+    config_file.write_text(config_file.read_text().replace('name = "p1"', 'name = "p3"'))
+    await router.reload()
+    # p1 left (nothing in flight, not running: at once): its entries and its key are gone.
+    assert router.prefix_index.index.engines == ["p2", "p3"]
+    assert router.prefix_index.index.match("p1", [1, 2, 3]) == 0

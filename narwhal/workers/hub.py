@@ -120,6 +120,8 @@ class WorkerHub:
         # engine -> seq of the first snapshot that took it out of placement.
         self.excluded_since: dict[str, int] = {}
         self._admit_until: Callable[[], float | None] = lambda: None
+        # Told of the prompts each worker placed (the prefix index relay), when set.
+        self.on_placements: Callable[[int, Report], None] | None = None
         # The engine set workers place on (the supervisor's); None: as in the config they were given.
         self.engine_specs: Callable[[], list[EngineSpec]] | None = None
 
@@ -184,6 +186,8 @@ class WorkerHub:
             self.metrics.update(worker, message.metrics)
             if self._share_in_flight:
                 self.poke()  # the router-wide in-flight counts are part of the snapshot
+            if self.on_placements is not None:
+                self.on_placements(worker, message)
             if self._record_sample is not None:
                 for sample in message.samples:
                     self._record_sample(prefill=sample.prefill, decode=sample.decode, ttft_s=sample.ttft_s,

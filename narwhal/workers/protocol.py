@@ -20,6 +20,7 @@ import msgspec
 
 from narwhal.config import Config, EngineSpec
 from narwhal.errors import NarwhalError
+from narwhal.fleet.shared_index import IndexRecord
 
 __all__ = [
     "CONTROL_APP_TIMEOUT_S",
@@ -33,6 +34,7 @@ __all__ = [
     "FrameError",
     "Hello",
     "HistogramSeries",
+    "IndexUpdate",
     "MetricsState",
     "Report",
     "ReloadTLS",
@@ -98,6 +100,13 @@ class Snapshot(_Message, tag="snapshot"):
     in_flight: dict[str, int] = {}
     # Every engine the fleet has (a config reload adds and removes them); None: as in the Welcome's config.
     engines: list[EngineSpec] | None = None
+
+
+class IndexUpdate(_Message, tag="index_update"):
+    """Other workers' placements for the prefix index, and the engines' epochs (a newer one: forget it)."""
+
+    records: list[IndexRecord] = []
+    epochs: dict[str, int] = {}
 
 
 class ForwardReply(_Message, tag="forward_reply"):
@@ -179,6 +188,8 @@ class Report(_Message, tag="report"):
     # The worker's data pool: connections in use and requests waiting for one.
     data_in_use: int = 0
     data_waiting: int = 0
+    # Prompts this worker placed since its last report, for the other workers' prefix indexes.
+    placements: list[IndexRecord] = []
 
 
 class TLSReloaded(_Message, tag="tls_reloaded"):
@@ -203,7 +214,7 @@ class Forward(_Message, tag="forward"):
     http_version: str = "1.1"
 
 
-ControllerMessage = Welcome | Snapshot | ForwardReply | ReloadTLS | Stop
+ControllerMessage = Welcome | Snapshot | ForwardReply | ReloadTLS | Stop | IndexUpdate
 WorkerMessage = Hello | Evidence | Report | Forward | TLSReloaded
 
 
