@@ -176,9 +176,20 @@ async def test_a_removed_engine_finishes_its_long_stream_then_leaves_and_gets_no
 
         d1_requests = (await fleet.engine_stats("d1"))["decode"]
         await eligible(fleet, "d2")
-        for _ in range(6):
+        served = 0
+
+        async def six_served() -> bool:
+            # A worker whose snapshot has not yet caught up with d2's readmission has no decode
+            # engine for a moment (503 no_capacity); nothing else is allowed.
+            nonlocal served
             response = await fleet.client.post(f"{fleet.url}/v1/completions", json=REQUEST)
+            if response.status_code == 503 and response.json()["error"]["code"] == "no_capacity":
+                return False
             assert response.status_code == 200, response.text
+            served += 1
+            return served >= 6
+
+        await wait_until(six_served, timeout_s=10.0, what="six requests served after the removal")
         assert (await fleet.engine_stats("d1"))["decode"] == d1_requests
         assert (await fleet.client.get(f"{replacement.url}/mock/stats")).json()["decode"] >= 6
     finally:
