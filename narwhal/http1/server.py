@@ -26,7 +26,8 @@ kernel did not take goes through trio's ``send_all`` (which waits until the
 socket is writable). Any other trio Stream (TLS) uses the stream's methods.
 
 With an ``ssl_context`` every accepted connection is wrapped in a
-``trio.SSLStream`` and must finish its handshake within the idle timeout; a
+``trio.SSLStream`` and must finish its handshake within ``header_timeout_s`` of
+the accept (the first request's head shares that window); a
 plain-HTTP client on that port fails the handshake and is closed unanswered
 (after the TLS alert, if OpenSSL wrote one). The wrapped stream is not a
 ``SocketStream``, so it never takes the plain-socket fast paths.
@@ -372,7 +373,8 @@ class _Connection:
         "write_since",
     )
 
-    def __init__(self, server: HTTPServer, stream: trio.abc.Stream, *, overflow: bool = False) -> None:
+    def __init__(self, server: HTTPServer, stream: trio.abc.Stream, *, overflow: bool = False,
+                 accepted_at: float | None = None) -> None:
         self.server = server
         self.stream = stream
         # None for a stream with no socket under it (tests' memory streams).
@@ -389,8 +391,9 @@ class _Connection:
         # When the pending write to the client began (inf: none pending); the watchdog reads it.
         self.write_since = _INF
         # The head's deadline while a head arrives, the body's while a body does, +inf between
-        # requests. A connection's first head is timed from the accept.
-        self._phase_deadline = trio.current_time() + server._header_timeout_s
+        # requests. A connection's first head is timed from the accept (a TLS handshake included).
+        start = trio.current_time() if accepted_at is None else accepted_at
+        self._phase_deadline = start + server._header_timeout_s
         self._client: tuple[str, int] | None = None
         self.disconnected = False
         self._parser = httptools.HttpRequestParser(self)
@@ -1068,13 +1071,14 @@ class HTTPServer:
                 self._overflow_open -= 1
 
     async def _serve_accepted(self, stream: trio.abc.Stream, overflow: bool) -> None:
+        accepted_at = trio.current_time()
         context = self.ssl_context
         if context is not None and isinstance(stream, trio.SocketStream):
-            secure = await self._handshake(stream, context)
+            secure = await self._handshake(stream, context, accepted_at + self._header_timeout_s)
             if secure is None:
                 return
             stream = secure
-        conn = _Connection(self, stream, overflow=overflow)
+        conn = _Connection(self, stream, overflow=overflow, accepted_at=accepted_at)
         self._connections.add(conn)
         try:
             await conn.run()
@@ -1117,13 +1121,18 @@ class HTTPServer:
             log_event("http_connections_capped", level=logging.WARNING, cap=self._max_client_connections,
                       open=self._accepted, refused_total=self._connections_refused)
 
-    async def _handshake(self, raw: trio.SocketStream, context: ssl.SSLContext) -> trio.SSLStream | None:
-        """The TLS stream once its handshake is done within the idle timeout; None (closed) otherwise."""
+    async def _handshake(self, raw: trio.SocketStream, context: ssl.SSLContext,
+                         deadline: float) -> trio.SSLStream | None:
+        """The TLS stream once its handshake is done by ``deadline``; None (closed) otherwise.
+
+        The deadline is the head's (``header_timeout_s`` from the accept): a silent or
+        half-sent ClientHello holds a connection slot no longer than a slow head does.
+        """
         stream = trio.SSLStream(raw, context, server_side=True, https_compatible=True)
         failure: BaseException | None = None
         done = False
         try:
-            with trio.move_on_after(self._idle_timeout_s):
+            with trio.move_on_at(deadline):
                 try:
                     await stream.do_handshake()
                     done = True
@@ -1136,7 +1145,7 @@ class HTTPServer:
             log_event("tls_handshake_failed", level=logging.WARNING,
                       client=f"{peer[0]}:{peer[1]}" if peer else None,
                       reason=(tls_reason(failure) or str(failure) or type(failure).__name__) if failure
-                      else f"no handshake within {self._idle_timeout_s:g} s")
+                      else f"no handshake within {self._header_timeout_s:g} s (serving.header_timeout_s)")
             if failure is not None:
                 await _send_alert(stream, raw)
             return None
