@@ -77,6 +77,7 @@ import trio
 from narwhal.errors import ClientGone, NarwhalError
 from narwhal.http1.readiness import Readiness
 from narwhal.http1.sockets import socket_of
+from narwhal.http1.target import InvalidTarget, split_target
 from narwhal.obs.logs import log_event
 from narwhal.tls import tls_reason
 from narwhal.wire import error_json
@@ -159,7 +160,12 @@ class ServerStatistics(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Request:
-    """One parsed request with its complete body."""
+    """One parsed request with its complete body.
+
+    ``target`` is in origin form (an absolute-form target is reduced to its path
+    by ``split_target``, the one function every route decision reads); ``raw_path``
+    is its path, percent-encoded as sent, and ``path`` the same decoded as latin-1.
+    """
 
     __slots__ = (
         "_client",
@@ -171,6 +177,7 @@ class Request:
         "method",
         "path",
         "query",
+        "raw_path",
         "target",
     )
 
@@ -186,9 +193,8 @@ class Request:
         conn: _Connection | None = None,
     ) -> None:
         self.method = method
-        self.target = target
-        path, _, self.query = target.partition(b"?")
-        self.path = path.decode("latin-1")
+        self.target, self.raw_path, self.query = split_target(target)
+        self.path = self.raw_path.decode("latin-1")
         self.headers = headers if headers is not None else []
         self.body = body
         self.http_version = http_version
@@ -482,6 +488,13 @@ class _Connection:
             self._violation(400, "protocol upgrades are not supported", "upgrade_not_supported")
         if parser.get_method() == b"CONNECT":
             self._violation(400, "CONNECT is not supported", "method_not_supported")
+        url = self._url
+        if url[:1] != b"/" or b"#" in url:
+            # Absolute form to origin form now, before any route decision reads the path.
+            try:
+                self._url = split_target(url)[0]
+            except InvalidTarget as exc:
+                self._violation(400, str(exc), "invalid_request_target")
         if self._expect is not None:
             if self._expect != b"100-continue":
                 self._violation(417, "only 'Expect: 100-continue' is supported", "expectation_failed")

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import logging
 import ssl
-import urllib.parse
 from collections.abc import Awaitable, Callable
 
 from narwhal.config import Config
 from narwhal.http1.server import HTTPServer, Request, Responder, client_connection_budget
+from narwhal.http1.target import asgi_path
 from narwhal.obs.logs import log_event
 from narwhal.serving.request_core import COMPLETION_ROUTES, RequestCore
 from narwhal.wire import error_json
@@ -29,11 +29,10 @@ _NOT_ALLOWED = error_json("completion routes accept POST only", "invalid_request
 _NOT_ALLOWED_HEADERS = [*_JSON, (b"allow", b"POST")]
 
 
-def is_admin_path(path: str) -> bool:
-    """Would the app route ``path`` to the admin API? (percent-decoded, leading slashes collapsed)."""
-    if "%" in path:
-        path = urllib.parse.unquote(path)
-    path = "/" + path.lstrip("/")
+def is_admin_path(request: Request) -> bool:
+    """Would the app route ``request`` to the admin API? Read from the path the ASGI scope gets
+    (``split_target``, absolute form included; percent-decoded), leading slashes collapsed."""
+    path = "/" + asgi_path(request.raw_path).lstrip("/")
     return path == "/admin" or path.startswith("/admin/")
 
 
@@ -64,7 +63,7 @@ class Front:
             else:
                 await responder.respond(405, _NOT_ALLOWED_HEADERS, _NOT_ALLOWED)
             return
-        if self._admin_elsewhere and is_admin_path(request.path):
+        if self._admin_elsewhere and is_admin_path(request):
             await responder.respond(404, _JSON, error_json(f"no route for {request.method.decode('latin-1')} "
                                                            f"{request.path}", "invalid_request_error", "not_found"))
             return
