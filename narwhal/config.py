@@ -444,13 +444,7 @@ def parse_config(data: bytes | str, source: str = "<config>") -> Config:
             raise ConfigError(
                 f"{source}: fleet.attestation_key_file: cannot read {str(key_path)!r}: {exc.strerror}"
             ) from None
-    # Certificates and keys are read now, so a bad one stops startup with its key named.
-    from narwhal.tls import TLSContexts
-
-    try:
-        TLSContexts(config, None if source == "<config>" else Path(source).parent)
-    except ConfigError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
+    # Certificates and keys are read where their contexts are built (narwhal.tls), not here.
     return config
 
 

@@ -48,7 +48,7 @@ from narwhal.stages import build_stages
 from narwhal.stages.persistence import HandoffExtra, PersistenceStage
 from narwhal.state.handoff import LeaseOwnership
 from narwhal.state.resume import apply_resume, plan_resume
-from narwhal.tls import TLSContexts
+from narwhal.tls import ExpiryWatch, TLSContexts
 from narwhal.workers.hub import WorkerHub, monotonic_offset
 from narwhal.workers.process import WorkerSet
 from narwhal.workers.view import WorkerView
@@ -144,6 +144,7 @@ class Router:
         via = f"1.1 {self.via_token}"
         # Certificates are read here: a problem is a ConfigError naming the key.
         self.tls = TLSContexts(config, config_dir)
+        self.cert_expiry = ExpiryWatch(self.tls)
         # Only bounded serving may queue; the default policy reports saturation at once.
         self.data_pool = DataPool(max_connections=config.serving.max_connections, engine_config=config.engine,
                                   wait_for_slot=config.serving.policy == "bounded", via=via,
@@ -284,6 +285,8 @@ class Router:
 
         m.add_gauge("narwhal_engine_eligible", "1 when the engine may take new requests.",
                     ("engine", "role"), eligibility)
+        m.add_gauge("narwhal_tls_cert_expiry_seconds", "Seconds until the serving certificate expires "
+                    "(negative once it has); no sample without TLS.", (), self.cert_expiry.gauge)
         m.add_gauge("narwhal_ready", "1 when /ready answers 200.", (),
                     lambda: {(): float(self.readiness() is None)})
         if self.worker_count > 1:
@@ -350,6 +353,8 @@ class Router:
                           engines=len(self.config.engines), pid=os.getpid(), handoff=str(self.handoff_path),
                           tls=self.tls.server is not None, workers=self.worker_count)
                 self._warn_if_admin_open(f"{host}:{self.bound_port}")
+                self.cert_expiry.check(force=True)
+                nursery.start_soon(self.cert_expiry.run)
                 task_status.started(self.bound_port)
         finally:
             for listener in listeners:
@@ -444,6 +449,7 @@ class Router:
         self.data_pool.set_ssl_context(self.tls.engine)
         await self.control_pool.set_ssl_context(self.tls.engine)
         log_event("tls_reloaded", server=self.tls.server is not None, engines=self.tls.engine is not None)
+        self.cert_expiry.check(force=True)
         return True
 
     def shutdown(self, grace_s: float | None = None) -> None:
