@@ -312,6 +312,10 @@ class LeaseConfig(_Section, frozen=True):
 class AdminConfig(_Section, frozen=True):
     token: str | None = None
     listen: str | None = None
+    # The admin listener's own bounds, so a flood on it cannot take the controller's file
+    # descriptors: connections at once (16 more may ask for /health), and the time for a head.
+    max_connections: int = 64
+    header_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.listen is not None:
@@ -320,6 +324,8 @@ class AdminConfig(_Section, frozen=True):
             problem = admin_token_problem(self.token)
             if problem is not None:
                 raise ValueError(f"token {problem}")
+        _positive("max_connections", self.max_connections)
+        _positive("header_timeout_s", self.header_timeout_s)
 
 
 class EngineSpec(_Section, frozen=True):

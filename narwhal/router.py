@@ -1,7 +1,7 @@
 """The router process: builds every part from the config and runs them under one nursery.
 
 Ownership: ``Router.run`` opens the nursery that owns the supervisor (probes),
-the monitor, the optional hypercorn admin listener and the data-plane server.
+the monitor, the optional admin listener and the data-plane server.
 ``shutdown`` closes admission, stops accepting, lets in-flight requests finish
 within the grace period, then cancels the rest. ``reload_tls`` (SIGHUP) reads
 the certificates again and swaps the contexts of every listener and pool.
@@ -42,7 +42,7 @@ from narwhal.obs.logs import flush_logs, log_event
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.pools.control import ControlPool
 from narwhal.pools.data import DataPool
-from narwhal.serving.front import Front, build_front_server
+from narwhal.serving.front import Front, build_admin_server, build_front_server
 from narwhal.serving.request_core import RequestCore
 from narwhal.stages import build_stages
 from narwhal.stages.persistence import HandoffExtra, PersistenceStage
@@ -221,6 +221,8 @@ class Router:
         register_admin_routes(self.app, self)
         # One process serves the data plane itself; a controller leaves it to its workers.
         self.server: HTTPServer | None = None
+        # The [admin] listen server while it runs.
+        self.admin_server: HTTPServer | None = None
         self.front: Front | None = None
         if in_memory:
             # With [admin] listen the admin API is off the traffic port entirely.
@@ -390,7 +392,7 @@ class Router:
             raise StartupError(f"serving.listen: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
     def _bind_admin(self) -> int:
-        """The admin listener's socket, bound and listening; its fd is handed to hypercorn."""
+        """The admin listener's socket, bound and listening (before the router reports started)."""
         address = self.config.admin.listen
         assert address is not None
         host, port = parse_listen(address)
@@ -443,6 +445,8 @@ class Router:
             return False
         if self.server is not None:
             self.server.ssl_context = self.tls.server
+        if self.admin_server is not None:
+            self.admin_server.ssl_context = self.tls.server
         if self.workers is not None:
             # Each worker reads the files itself: its own contexts serve its own connections.
             self.workers.reload_tls()
@@ -467,26 +471,14 @@ class Router:
             self.server.shutdown(grace)
 
     async def _serve_admin(self, fd: int, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        from hypercorn.config import Config as HypercornConfig
-        from hypercorn.trio import serve
-
-        tls = self.tls
-
-        class AdminConfig(HypercornConfig):
-            # hypercorn builds its context once; ours follows reloads (see TLSContexts).
-            @property
-            def ssl_enabled(self) -> bool:
-                return tls.server is not None
-
-            def create_ssl_context(self) -> Any:
-                return tls.follower_server_context()
-
-        hconfig = AdminConfig()
-        hconfig.bind = [f"fd://{fd}"]
-        hconfig.accesslog = None
-        hconfig.errorlog = None
-        task_status.started()
-        await serve(self.app, hconfig, mode="asgi")
+        # The control app on its own listener, with its own bounds (build_admin_server).
+        listener = trio.SocketListener(trio.socket.from_stdlib_socket(socket.socket(fileno=fd)))
+        server = self.admin_server = build_admin_server(self.config, functools.partial(call_asgi, self.app),
+                                                        self.tls.server)
+        try:
+            await server.serve_listeners([listener], task_status=task_status)
+        finally:
+            self.admin_server = None
 
 
 class _Reported:

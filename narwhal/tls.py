@@ -276,24 +276,6 @@ class TLSContexts:
         """True when there is anything to reload."""
         return self.server is not None or self.engine is not None
 
-    def follower_server_context(self) -> ssl.SSLContext | None:
-        """A server context for a listener that builds its context once (hypercorn's admin listener).
-
-        Its SNI callback, which OpenSSL calls on every ClientHello (with or without
-        SNI), moves each handshake onto the current context, so reloads reach it too.
-        """
-        if self.server is None:
-            return None
-        context = server_context(self._config.serving, self._base_dir)
-        assert context is not None
-
-        def follow(ssl_object: ssl.SSLObject, server_name: str | None, _: ssl.SSLContext) -> None:
-            if self.server is not None:
-                ssl_object.context = self.server
-
-        context.sni_callback = follow
-        return context
-
     def reload(self) -> None:
         """Read every file again; on any problem raise ConfigError and keep the current contexts."""
         server, engine = self._build()

@@ -25,7 +25,14 @@ import trustme
 from narwhal.config import Config, ConfigError, parse_config
 from narwhal.http1.server import HTTPServer, Request, Responder
 from narwhal.router import Router
-from narwhal.tls import CertificateLifetime, ExpiryWatch, TLSContexts, certificate_lifetime, expiry_warning_due
+from narwhal.tls import (
+    CertificateLifetime,
+    ExpiryWatch,
+    TLSContexts,
+    certificate_lifetime,
+    expiry_warning_due,
+    server_context_from_files,
+)
 
 
 @pytest.fixture
@@ -272,3 +279,75 @@ def test_the_config_module_does_not_import_tls() -> None:
                           + ENGINES)
     with pytest.raises(ConfigError, match="serving.tls_cert_file: cannot read '/nonexistent.pem'"):
         TLSContexts(config)
+
+
+# ---- issue 26 breaks 7 and 8: the admin listener follows reloads; a client CA requires certificates ----
+
+
+def _write_leaf(ca: trustme.CA, cert: Path, key: Path) -> None:
+    leaf = ca.issue_cert("127.0.0.1")
+    cert.write_bytes(b"".join(blob.bytes() for blob in leaf.cert_chain_pems))
+    key.write_bytes(leaf.private_key_pem.bytes())
+
+
+async def _handshake(port: int, ca: trustme.CA, client_cert: trustme.LeafCert | None = None) -> bool:
+    """Whether a client trusting ``ca`` (presenting ``client_cert``) completes a handshake and gets an answer."""
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    if client_cert is not None:
+        client_cert.configure_cert(context)
+    try:
+        with trio.fail_after(10):
+            stream = await trio.open_ssl_over_tcp_stream("127.0.0.1", port, ssl_context=context)
+            try:
+                # TLS 1.3 reports a refused client certificate on the first read, not in the handshake.
+                await stream.send_all(b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+                answer = await stream.receive_some(65536)
+            finally:
+                await trio.aclose_forcefully(stream)
+    except (trio.BrokenResourceError, ssl.SSLError, OSError):
+        return False
+    return answer.startswith(b"HTTP/1.1 200")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def test_the_admin_listener_serves_reloaded_certificates(tmp_path: Path, nursery: trio.Nursery) -> None:
+    old_ca, new_ca = trustme.CA(), trustme.CA()
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    _write_leaf(old_ca, cert, key)
+    admin_port = _free_port()
+    config = parse_config(f'[serving]\ntls_cert_file = "{cert}"\ntls_key_file = "{key}"\n'
+                          f'[admin]\nlisten = "127.0.0.1:{admin_port}"\n[handoff]\npath = "{tmp_path}/h.json"\n'
+                          + ENGINES)
+    router = Router(config, listen="127.0.0.1:0")
+    with trio.fail_after(20):
+        port = await nursery.start(router.run)
+    try:
+        assert await _handshake(admin_port, old_ca) and await _handshake(port, old_ca)
+        _write_leaf(new_ca, cert, key)
+        assert await router.reload_tls()
+        for listener in (admin_port, port):
+            assert await _handshake(listener, new_ca), listener
+            assert not await _handshake(listener, old_ca), listener
+    finally:
+        router.shutdown(0)
+
+
+async def test_a_client_ca_makes_the_server_require_a_client_certificate(tmp_path: Path) -> None:
+    server_ca, client_ca = trustme.CA(), trustme.CA()
+    cert, key, clients = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "clients.pem"
+    _write_leaf(server_ca, cert, key)
+    clients.write_bytes(client_ca.cert_pem.bytes())
+    context = server_context_from_files(cert, key, clients, names=("c", "k", "ca"))
+    assert context.verify_mode == ssl.CERT_REQUIRED
+    async with https_server(context) as (_server, port):
+        assert await _handshake(port, server_ca, client_ca.issue_cert("caller")) is True
+        assert await _handshake(port, server_ca) is False
+        assert await _handshake(port, server_ca, trustme.CA().issue_cert("stranger")) is False
