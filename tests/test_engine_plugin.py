@@ -361,3 +361,15 @@ def test_the_vllm_guide_stays_true_to_the_plugin_and_the_config(tmp_path: Path) 
     # And the same generation and model as the engines' commands.
     assert all(f"NARWHAL_GENERATION={config.fleet.generation}" in c for c in serve)
     assert all(f"vllm serve {config.fleet.model}" in c for c in serve)
+
+
+@pytest.mark.parametrize("length", [1, 255, 256])
+async def test_a_nonce_of_1_to_256_printable_characters_is_signed(length: int) -> None:
+    """The docs promise nonces of 1-256 characters (issue 26 break 9: the 256th was refused)."""
+    middleware, _ = plugin()
+    nonce = "n" * length
+    status, _, body = await call(middleware, "POST", "/narwhal/attest", json.dumps({"nonce": nonce}).encode())
+    assert status == 200
+    answer = json.loads(body)
+    assert answer["nonce"] == nonce
+    assert answer["signature"] == attestation.sign(b"fleet-secret", "prefill-0", nonce, "g7")
