@@ -273,6 +273,21 @@ async def test_too_many_header_bytes_get_431_and_close() -> None:
     assert error["error"]["code"] == "request_header_fields_too_large"
 
 
+@pytest.mark.parametrize(("target_bytes", "status"), [(700, 200), (900, 431)])
+async def test_the_request_target_counts_toward_max_header_bytes(target_bytes: int, status: int) -> None:
+    """A 900-byte target and a 200-byte header under a 1,000-byte bound: 431 (issue 26 break 6)."""
+    target = b"/" + b"t" * (target_bytes - 1)
+    head = b"GET " + target + b" HTTP/1.1\r\nx-pad: " + b"h" * 193 + b"\r\n\r\n"  # the header: 200 bytes counted
+    async with running(echo, max_header_bytes=1000) as (_server, port), raw_client(port) as client:
+        await client.send(head)  # one write: the bound is the parser's count, not the per-read one
+        if status == 431:
+            error = await _expect_error_and_close(client, 431)
+            assert error["error"]["code"] == "request_header_fields_too_large"
+        else:
+            (response,) = await client.responses_complete(1)
+            assert response.status == 200 and json.loads(response.body)["path"] == target.decode()
+
+
 async def test_one_endless_header_line_gets_431() -> None:
     async with running(echo, max_header_bytes=1024) as (_server, port), raw_client(port) as client:
         await client.send(b"GET / HTTP/1.1\r\nX-Long: ")
