@@ -896,7 +896,7 @@ class HTTPServer:
             log_event("tls_handshake_failed", level=logging.WARNING,
                       client=f"{peer[0]}:{peer[1]}" if peer else None,
                       reason=(tls_reason(failure) or str(failure) or type(failure).__name__) if failure
-                      else f"no handshake within {self._header_timeout_s:g} s (serving.header_timeout_s)")
+                      else f"no handshake within {self._header_timeout_s:g} s (the head timeout)")
             if failure is not None:
                 await _send_alert(stream, raw)
             return None
