@@ -59,8 +59,9 @@ async def https_server(context: ssl.SSLContext, **options: Any) -> AsyncIterator
         server.shutdown(0)
 
 
-async def closed_at(stream: trio.SocketStream, limit_s: float) -> float:
-    """The (virtual) time at which the server closed ``stream``."""
+async def read_to_close(stream: trio.abc.ReceiveStream, limit_s: float) -> bytes:
+    """Everything the server sends on ``stream`` until it closes it."""
+    raw = b""
     with trio.fail_after(limit_s):
         while True:
             try:
@@ -69,6 +70,13 @@ async def closed_at(stream: trio.SocketStream, limit_s: float) -> float:
                 break
             if not data:
                 break
+            raw += data
+    return raw
+
+
+async def closed_at(stream: trio.abc.ReceiveStream, limit_s: float) -> float:
+    """The (virtual) time at which the server closed ``stream``."""
+    await read_to_close(stream, limit_s)
     return trio.current_time()
 
 
@@ -102,15 +110,7 @@ async def test_the_first_head_after_a_handshake_shares_its_window(
         start = trio.current_time()
         stream = await trio.open_ssl_over_tcp_stream("127.0.0.1", port, ssl_context=client_context)
         await stream.do_handshake()
-        with trio.fail_after(1000):
-            while True:
-                try:
-                    data = await stream.receive_some(65536)
-                except trio.BrokenResourceError:
-                    break
-                if not data:
-                    break
-        closed = trio.current_time()
+        closed = await closed_at(stream, limit_s=1000)
         await trio.aclose_forcefully(stream)
     assert 10.0 <= closed - start <= 12.0
 
@@ -120,16 +120,7 @@ async def test_a_prompt_client_is_served_over_tls(server_tls: tuple[ssl.SSLConte
     async with https_server(server_context, header_timeout_s=10.0) as (_server, port):
         stream = await trio.open_ssl_over_tcp_stream("127.0.0.1", port, ssl_context=client_context)
         await stream.send_all(b"GET /x HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
-        raw = b""
-        with trio.fail_after(10):
-            while True:
-                try:
-                    data = await stream.receive_some(65536)
-                except trio.BrokenResourceError:
-                    break
-                if not data:
-                    break
-                raw += data
+        raw = await read_to_close(stream, limit_s=10)
         await trio.aclose_forcefully(stream)
     assert raw.startswith(b"HTTP/1.1 200") and raw.endswith(b'{"path": "/x"}')
 
