@@ -373,3 +373,10 @@ async def test_a_nonce_of_1_to_256_printable_characters_is_signed(length: int) -
     answer = json.loads(body)
     assert answer["nonce"] == nonce
     assert answer["signature"] == attestation.sign(b"fleet-secret", "prefill-0", nonce, "g7")
+
+
+def test_identity_fields_a_router_would_refuse_are_a_problem_here() -> None:
+    """An engine_id over 256 characters is refused by every router (issue 19 item 13): the plugin says so."""
+    s = PluginSettings.from_environment({**ENV, "NARWHAL_ENGINE_ID": "e" * 257}, ARGV, started_at=1.0)
+    assert s.problems == ("engine_id is 257 characters long, more than 256 (set NARWHAL_ENGINE_ID)",)
+    assert not PluginSettings.from_environment({**ENV, "NARWHAL_ENGINE_ID": "e" * 256}, ARGV, started_at=1.0).problems

@@ -51,8 +51,7 @@ _MAX_SHOWN_ITEM_CHARS = 60
 # The identity document is a handful of short fields; anything larger is refused unread.
 MAX_IDENTITY_BYTES = 16 * 1024
 _MAX_ATTEST_ANSWER_BYTES = 4096
-# Field bounds of the identity: an id, a model name (a path, for some), a generation tag, a few roles.
-_IDENTITY_FIELD_CHARS = {"engine_id": 256, "model": 1024, "generation": 256}
+# Field bounds of the identity (attestation.IDENTITY_FIELD_CHARS, which the plugin checks too) and its roles.
 _MAX_KV_ROLES = 8
 _MAX_KV_ROLE_CHARS = 32
 
@@ -126,7 +125,7 @@ def read_identity(raw: bytes) -> EngineIdentity:
         identity = msgspec.json.decode(raw, type=EngineIdentity)
     except msgspec.DecodeError as exc:
         raise ContractViolation(f"GET /narwhal/identity: unreadable identity: {bounded(str(exc))}") from None
-    for field, limit in _IDENTITY_FIELD_CHARS.items():
+    for field, limit in attestation.IDENTITY_FIELD_CHARS.items():
         value: str = getattr(identity, field)
         if len(value) > limit:
             raise ContractViolation(f"GET /narwhal/identity: {field} is {len(value)} characters long, "
