@@ -22,7 +22,7 @@ from narwhal.obs.logs import log_event
 from narwhal.serving.request_core import COMPLETION_ROUTES, RequestCore
 from narwhal.wire import error_json
 
-__all__ = ["Front", "build_admin_server", "build_front_server", "is_admin_path"]
+__all__ = ["Front", "admin_elsewhere_body", "build_admin_server", "build_front_server", "is_admin_path"]
 
 _JSON = [(b"content-type", b"application/json")]
 _NOT_ALLOWED = error_json("completion routes accept POST only", "invalid_request_error", "method_not_allowed")
@@ -36,6 +36,12 @@ def is_admin_path(request: Request) -> bool:
     (``split_target``, absolute form included; percent-decoded), leading slashes collapsed."""
     path = "/" + asgi_path(request.raw_path).lstrip("/")
     return path == "/admin" or path.startswith("/admin/")
+
+
+def admin_elsewhere_body(request: Request) -> bytes:
+    """The 404 body for an admin path asked of the traffic port while ``[admin] listen`` serves them."""
+    return error_json(f"no route for {request.method.decode('latin-1')} {request.path}", "invalid_request_error",
+                      "not_found")
 
 
 class Front:
@@ -66,8 +72,7 @@ class Front:
                 await responder.respond(405, _NOT_ALLOWED_HEADERS, _NOT_ALLOWED)
             return
         if self._admin_elsewhere and is_admin_path(request):
-            await responder.respond(404, _JSON, error_json(f"no route for {request.method.decode('latin-1')} "
-                                                           f"{request.path}", "invalid_request_error", "not_found"))
+            await responder.respond(404, _JSON, admin_elsewhere_body(request))
             return
         await self.rest(request, responder)
 

@@ -27,7 +27,7 @@ from narwhal.http1.asgi import call_asgi
 from narwhal.http1.server import Request
 from narwhal.http1.target import InvalidTarget
 from narwhal.obs.logs import log_event
-from narwhal.serving.front import is_admin_path
+from narwhal.serving.front import admin_elsewhere_body, is_admin_path
 from narwhal.wire import error_json
 from narwhal.workers.hub import WorkerHub
 from narwhal.workers.link import LinkClosed, StreamLink
@@ -244,8 +244,7 @@ class WorkerSet:
             return
         if self.config.admin.listen is not None and is_admin_path(request):
             _send_reply(link, ForwardReply(id=message.id, status=404, headers=list(_JSON),
-                                          body=error_json(f"no route for {request.method.decode('latin-1')} "
-                                                          f"{request.path}", "invalid_request_error", "not_found")))
+                                          body=admin_elsewhere_body(request)))
             return
         try:
             with trio.fail_after(_FORWARD_TIMEOUT_S):
