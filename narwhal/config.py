@@ -130,6 +130,9 @@ class ServingConfig(_Section, frozen=True):
     policy: Literal["saturate", "bounded"] = "saturate"
     # Bounded policy only: attempts per request, all within request_deadline_s.
     max_attempts: int = 3
+    # Bounded policy only: a decode that fails after the client has bytes is continued on
+    # another engine into the same stream (each continuation is one of max_attempts).
+    continue_streams: bool = True
     # Data-plane processes. 1: one process does everything. N > 1: this process
     # is the controller and N workers serve the data plane on the same port.
     workers: int = 1

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import zlib
 from typing import Any
 
 import httpx
@@ -639,3 +640,73 @@ def test_first_n_of_one_fault_then_another_is_two_faults_set_in_order() -> None:
         seen.append(terminal.mode)
     assert seen == [Mode.STATUS_5XX] * 3 + [Mode.STATUS_429] * 3
     assert table.take(Operation.HEALTH).terminal is None
+
+
+# ----- stream continuation support (issue 22) -------------------------------------------
+
+async def test_numbered_tokens_name_their_position_and_continue_from_any_prompt() -> None:
+    mock = engine(numbered=True)
+    first = (await call(mock, "POST", "/v1/completions", completion(max_tokens=3))).json()
+    assert first["choices"][0]["text"] == " n4 n5 n6"  # the prompt is 4 words: positions 0-3
+    # The prompt plus the output so far, as text or as token IDs, reads on with the next number.
+    text = (await call(mock, "POST", "/v1/completions",
+                       completion(prompt="the quick brown fox n4 n5", max_tokens=2))).json()
+    assert text["choices"][0]["text"] == " n6 n7"
+    ids = tokenize("the quick brown fox n4 n5")
+    by_ids = (await call(mock, "POST", "/v1/completions", completion(prompt=ids, max_tokens=1))).json()
+    assert by_ids["choices"][0]["text"] == " n6"
+
+
+async def test_return_token_ids_as_vllm_0_32_sends_them() -> None:
+    mock = engine(numbered=True)
+    events = (await call(mock, "POST", "/v1/completions",
+                         completion(DECODE_KV, max_tokens=2, stream=True, return_token_ids=True))).events()
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == tokenize("the quick brown fox")
+    assert "prompt_token_ids" not in chunks[1]["choices"][0]
+    assert [c["choices"][0]["token_ids"] for c in chunks] == [tokenize("n4"), tokenize("n5")]
+    chat_events = (await call(mock, "POST", "/v1/chat/completions",
+                              chat(DECODE_KV, max_tokens=1, stream=True, return_token_ids=True))).events()
+    role, token = (json.loads(e) for e in chat_events[:2])
+    # Chat: the prompt's IDs at the top of the first chunk, token IDs in each choice.
+    assert role["prompt_token_ids"] == [zlib.crc32(b"<|user|>") % 32000, *tokenize("hi there")]
+    assert token["choices"][0]["token_ids"] == tokenize("n3")
+    whole = (await call(mock, "POST", "/v1/completions",
+                        completion(max_tokens=2, return_token_ids=True))).json()["choices"][0]
+    assert whole["token_ids"] == tokenize("n4 n5") and whole["prompt_token_ids"] == tokenize("the quick brown fox")
+    # Not asked: no token IDs at all.
+    plain = (await call(mock, "POST", "/v1/completions", completion(max_tokens=1))).json()["choices"][0]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
+
+
+async def test_continue_final_message_continues_the_assistant_message() -> None:
+    mock = engine(numbered=True)
+    messages = [{"role": "user", "content": "hi there"}]
+    first = (await call(mock, "POST", "/v1/chat/completions", chat(max_tokens=2))).json()
+    assert first["choices"][0]["message"]["content"] == " n3 n4"
+    body = chat(max_tokens=2, messages=[*messages, {"role": "assistant", "content": " n3 n4"}],
+                continue_final_message=True, add_generation_prompt=False)
+    rest = (await call(mock, "POST", "/v1/chat/completions", body)).json()
+    assert rest["choices"][0]["message"]["content"] == " n5 n6"
+    both = await call(mock, "POST", "/v1/chat/completions", {**body, "add_generation_prompt": True})
+    assert both.status == 400 and "continue_final_message" in both.json()["error"]["message"]
+
+
+async def test_cut_closes_a_stream_or_a_body_halfway() -> None:
+    mock = engine()
+    set_fault(mock, "cut:count=2")
+    stream = await call(mock, "POST", "/v1/completions", completion(DECODE_KV, max_tokens=8, stream=True))
+    assert not stream.ended and stream.status == 200
+    assert [json.loads(e)["choices"][0]["text"] for e in stream.events()] == [" tok0", " tok1", " tok2", " tok3"]
+    whole = await call(mock, "POST", "/v1/completions", completion(DECODE_KV, max_tokens=8))
+    assert not whole.ended and whole.status == 200
+    with pytest.raises(json.JSONDecodeError):
+        whole.json()
+    # Spent: the next answer is whole.
+    assert (await call(mock, "POST", "/v1/completions", completion(DECODE_KV, max_tokens=8))).ended
+    set_fault(mock, "cut:after_tokens=1")
+    stream = await call(mock, "POST", "/v1/completions", completion(DECODE_KV, max_tokens=8, stream=True))
+    assert len(stream.events()) == 1
+    with pytest.raises(FaultError):
+        FaultTable().validate(parse_fault_spec("cut:after_tokens=-1"))
+

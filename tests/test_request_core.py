@@ -433,8 +433,13 @@ async def test_bounded_policy_retries_with_a_fresh_prefill():
     assert [prefill for _, prefill in legs] == [True, False, True, False]
 
 
-async def test_bounded_policy_never_retries_after_tokens_reached_the_client():
-    core, _, pool, _ = make_core(policy="bounded")
+async def test_bounded_policy_without_continue_streams_never_retries_after_tokens_reached_the_client():
+    config = parse_config(CONFIG.format(count_tokens="false", policy="bounded")
+                          .replace("policy =", "continue_streams = false\npolicy ="))
+    pool = FakePool()
+    core = RequestCore(config=config, supervisor=FakeSupervisor(), data_pool=pool,
+                       in_flight=InFlight(e.name for e in config.engines), admission=Admission(),
+                       metrics=RouterMetrics())
     pool.decode.append([SSE[0], EngineFailure("d1", FailureClass.STREAM, "cut")])
     sink = Sink()
     await core.handle("/v1/completions", body(stream=True), None, sink)

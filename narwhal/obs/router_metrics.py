@@ -6,8 +6,9 @@ from collections.abc import Callable
 
 from narwhal.obs.metrics import Registry
 
-__all__ = ["SNAPSHOT_LAG_BUCKETS_S", "RouterMetrics"]
+__all__ = ["JOIN_GAP_BUCKETS_S", "SNAPSHOT_LAG_BUCKETS_S", "RouterMetrics"]
 
+JOIN_GAP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 SNAPSHOT_LAG_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1.0)
 
 _GaugeReader = Callable[[], dict[tuple[str, ...], float]]
@@ -50,6 +51,13 @@ class RouterMetrics:
         self.snapshot_lag = r.histogram("narwhal_worker_snapshot_lag_seconds",
                                         "Delay from the controller publishing a fleet snapshot to a worker "
                                         "applying it (serving.workers > 1).", (), SNAPSHOT_LAG_BUCKETS_S)
+        self.continuations = r.counter("narwhal_continuations",
+                                        "Stream continuations by outcome: completed, failed (continued again "
+                                        "or ended), exhausted (no attempts or deadline left), not_eligible.",
+                                        ("outcome",))
+        self.join_gap = r.histogram("narwhal_continuation_join_gap_seconds",
+                                    "Time a client waited at a continuation join: from the last bytes of the "
+                                    "failed leg to the first bytes of the next.", (), JOIN_GAP_BUCKETS_S)
         self.saturations = r.counter("narwhal_saturations", "Requests refused for saturation by reason.",
                                      ("reason",))
 

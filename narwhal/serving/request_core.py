@@ -12,7 +12,9 @@ Policies: ``saturate`` (default) makes one prefill/decode attempt and then
 reports; ``bounded`` queues for capacity and retries within the request's
 original deadline, each retry with a new prefill (fresh KV ownership). Tokens
 already streamed to a client are never replayed: a failure after the first
-byte ends the stream with an SSE error event and no ``[DONE]``.
+byte ends the stream with an SSE error event and no ``[DONE]``, unless the
+bounded policy continues the stream on another engine
+(``narwhal.serving.continuation``).
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ from narwhal.fleet.placement import InFlight, pick_least_outstanding
 from narwhal.fleet.telemetry import Telemetry
 from narwhal.obs.logs import log_event
 from narwhal.obs.router_metrics import RouterMetrics
+from narwhal.serving import continuation
+from narwhal.serving.continuation import CONTINUED_CLASSES, StreamJoin
 from narwhal.wire import PREFILL_KV_REQUEST, HandoffRejected, error_json, read_handoff
 
 __all__ = ["COMPLETION_ROUTES", "RequestCore", "Sink"]
@@ -119,11 +123,12 @@ class ClientError(NarwhalError):
 class _AttemptFailed(NarwhalError):
     """One prefill/decode attempt failed before anything reached the client."""
 
-    def __init__(self, error: ClientError, engine: str | None, failure_class: str) -> None:
+    def __init__(self, error: ClientError, engine: str | None, failure_class: str, stage: str = "") -> None:
         super().__init__(error.message)
         self.error = error
         self.engine = engine
         self.failure_class = failure_class
+        self.stage = stage
 
 
 class _Usage(msgspec.Struct):
@@ -143,7 +148,8 @@ class _Outcome:
     """What one request did, for its log line and metrics."""
 
     __slots__ = ("status", "prefill", "decode", "ttft_s", "tokens", "error_class", "attempts",
-                 "error_engine", "inter_token_s")
+                 "error_engine", "inter_token_s", "continuations", "continuing",
+                 "join_gap_s")
 
     def __init__(self) -> None:
         self.status = 0
@@ -155,6 +161,11 @@ class _Outcome:
         self.attempts = 0
         self.error_engine: str | None = None
         self.inter_token_s: float | None = None
+        self.continuations = 0
+        # A continuable failure happened and its continuation has not finished yet.
+        self.continuing = False
+        # The longest wait a client saw at a join of this request.
+        self.join_gap_s: float | None = None
 
 
 def _sse_error(message: str, type_: str, code: str | None) -> bytes:
@@ -188,6 +199,8 @@ class RequestCore:
         self._deadline_s = config.serving.request_deadline_s
         self._bounded = config.serving.policy == "bounded"
         self._max_attempts = config.serving.max_attempts if self._bounded else 1
+        self._continue_streams = self._bounded and config.serving.continue_streams
+        self._decode_engines = frozenset(spec.name for spec in config.engines if spec.role == "decode")
         self._count_tokens = config.serving.count_tokens
         self._max_handoff_bytes = config.engine.max_handoff_bytes
         self._ids = itertools.count(1)
@@ -211,6 +224,8 @@ class RequestCore:
                     await self._serve(route, body, rid, rid_header, sink, started_at, outcome)
                 if deadline.cancelled_caught:
                     outcome.error_class = "deadline"
+                    if outcome.continuing:
+                        self.metrics.continuations.inc("exhausted")
                     message = f"request deadline of {self._deadline_s:g} s exceeded"
                     await self._fail(sink, outcome, ClientError(504, message, "timeout", "deadline_exceeded"),
                                      rid_header)
@@ -270,6 +285,8 @@ class RequestCore:
             tokens=outcome.tokens,
             duration_ms=round(duration_s * 1000, 3),
             attempts=outcome.attempts,
+            continuations=outcome.continuations,
+            join_gap_ms=None if outcome.join_gap_s is None else round(outcome.join_gap_s * 1000, 3),
             error=outcome.error_class,
         )
 
@@ -283,11 +300,29 @@ class RequestCore:
             self.metrics.saturations.inc("admission_closed")
             raise ClientError(503, closed, "service_unavailable", "admission_closed")
         request = self._validate(route, body)
+        join: StreamJoin | None = None
+        not_continued: str | None = None
+        if self._bounded and request.get("stream") is True:
+            join, not_continued = continuation.plan(route, request, enabled=self._continue_streams)
         # Engines that failed this request: a retry goes elsewhere while it can.
         failed_engines: set[str] = set()
+        # The decode engine whose failure a continuation resumes from: never its next decode.
+        exclude: str | None = None
+        leg_route, leg_request = route, request
         while True:
+            if join is not None:
+                leg = join.next_leg()
+                if leg is None:
+                    self.metrics.continuations.inc("not_eligible")
+                    raise ClientError(502, "the decode failed and its answer cannot be resumed: the engine "
+                                      "sent no token IDs for a token-ID prompt", "upstream_error",
+                                      "not_continued")
+                leg_route, leg_request = leg
             try:
-                await self._attempt(route, request, rid, rid_header, sink, started_at, outcome, failed_engines)
+                await self._attempt(leg_route, leg_request, rid, rid_header, sink, started_at, outcome,
+                                    failed_engines, join, exclude)
+                if outcome.continuing:
+                    self.metrics.continuations.inc("completed")
                 return
             except _AttemptFailed as failed:
                 outcome.error_class = failed.failure_class
@@ -295,7 +330,17 @@ class RequestCore:
                 if failed.engine is not None:
                     failed_engines.add(failed.engine)
                 queued = failed.failure_class in _QUEUEABLE
-                if not self._bounded or sink.started or (not queued and outcome.attempts >= self._max_attempts):
+                if sink.started:
+                    if outcome.continuing and not queued:
+                        self.metrics.continuations.inc("failed")
+                    outcome.continuing = False
+                    await self._after_relay(failed, join, not_continued, queued, rid, outcome, sink)
+                    outcome.continuing = join is not None and not join.finished
+                    if join is not None and join.finished:
+                        return
+                    if failed.stage == "decode" and not queued:
+                        exclude = failed.engine
+                elif not self._bounded or (not queued and outcome.attempts >= self._max_attempts):
                     raise failed.error from None
                 if queued:
                     # Waiting for capacity is bounded by the request deadline, not by attempts.
@@ -303,7 +348,38 @@ class RequestCore:
                 else:
                     retry: dict[str, Any] = {"class": failed.failure_class}
                     log_event("request_retry", request_id=rid, attempt=outcome.attempts,
-                              engine=failed.engine, **retry)
+                              engine=failed.engine, continued=sink.started, **retry)
+
+    async def _after_relay(self, failed: _AttemptFailed, join: StreamJoin | None, not_continued: str | None,
+                           queued: bool, rid: str, outcome: _Outcome, sink: Sink) -> None:
+        """A leg failed after the client had bytes: continue (return), finish, or end with the error."""
+        if join is None:
+            if self._bounded:
+                self.metrics.continuations.inc("not_eligible")
+                log_event("stream_not_continued", request_id=rid, reason=not_continued)
+            raise failed.error from None
+        if join.finished:
+            # The last token reached the client; only usage and [DONE] were lost.
+            outcome.tokens = join.tokens
+            outcome.status = 200
+            await sink.end_stream(join.tail())
+            return
+        # A decode that broke, or a continuation's own leg that failed before relaying anything.
+        continuable = failed.failure_class in CONTINUED_CLASSES or queued or (
+            join.continuations > 0 and not join.leg_relayed)
+        if not continuable:
+            self.metrics.continuations.inc("not_eligible")
+            log_event("stream_not_continued", request_id=rid, reason=f"class:{failed.failure_class}")
+            raise failed.error from None
+        if not queued and outcome.attempts >= self._max_attempts:
+            self.metrics.continuations.inc("exhausted")
+            log_event("stream_not_continued", request_id=rid, reason="max_attempts")
+            raise failed.error from None
+        if failed.stage == "decode" and not self._decode_engines - {failed.engine}:
+            # The continuation may not go back to the engine that failed, and there is no other.
+            self.metrics.continuations.inc("not_eligible")
+            log_event("stream_not_continued", request_id=rid, reason="no_other_decode_engine")
+            raise failed.error from None
 
     def _validate(self, route: str, body: bytes) -> dict[str, Any]:
         try:
@@ -348,8 +424,11 @@ class RequestCore:
         request.pop("kv_transfer_params", None)
         return request
 
-    def _place(self, role: str, avoid: set[str]) -> str:
+    def _place(self, role: str, avoid: set[str], exclude: str | None = None) -> str:
         candidates = self.supervisor.eligible(role)
+        if exclude is not None:
+            # A continuation's decode never goes back to the engine that just broke the stream.
+            candidates = [name for name in candidates if name != exclude]
         if avoid:
             # Fall back to an engine that failed this request only when no other is eligible.
             candidates = [name for name in candidates if name not in avoid] or candidates
@@ -362,24 +441,33 @@ class RequestCore:
         return name
 
     async def _attempt(self, route: str, request: dict[str, Any], rid: str, rid_header: tuple[bytes, bytes],
-                       sink: Sink, started_at: float, outcome: _Outcome, avoid: set[str]) -> None:
+                       sink: Sink, started_at: float, outcome: _Outcome, avoid: set[str],
+                       join: StreamJoin | None = None, exclude: str | None = None) -> None:
         prefill_name = self._place("prefill", avoid)
-        decode_name = self._place("decode", avoid)
+        decode_name = self._place("decode", avoid, exclude)
         outcome.prefill, outcome.decode = prefill_name, decode_name
         prefill = self.engines[prefill_name]
         decode = self.engines[decode_name]
         outcome.attempts += 1
+        if join is not None and join.started:
+            join.continuations += 1
+            outcome.continuations = join.continuations
         in_flight = self.in_flight
         in_flight.acquire(prefill_name)
         try:
-            if self._count_tokens:
+            if self._count_tokens and not (join is not None and join.started):
+                # A continuation's prompt grew by exactly the tokens its max_tokens shrank by.
                 await self._check_context(route, request, prefill, rid)
             kv = await self._prefill(route, request, prefill, rid)
         finally:
             in_flight.release(prefill_name)
         in_flight.acquire(decode_name)
         try:
-            await self._decode(route, request, kv, decode, rid, rid_header, sink, started_at, outcome)
+            if join is not None:
+                await self._decode_joined(route, request, kv, decode, rid, rid_header, sink, started_at,
+                                          outcome, join)
+            else:
+                await self._decode(route, request, kv, decode, rid, rid_header, sink, started_at, outcome)
         finally:
             in_flight.release(decode_name)
 
@@ -396,7 +484,7 @@ class RequestCore:
             self.supervisor.record_failure(exc.engine, exc.failure_class)
             log_event("engine_failure", level=logging.WARNING, engine=exc.engine, stage=leg,
                       **{"class": exc.failure_class.value}, cause=exc.cause, message=exc.message)
-            raise _AttemptFailed(_failure_error(exc, leg), exc.engine, exc.failure_class.value) from None
+            raise _AttemptFailed(_failure_error(exc, leg), exc.engine, exc.failure_class.value, leg) from None
         if isinstance(exc, UpstreamClientError):
             self.supervisor.record_success(exc.engine, SuccessKind.CLIENT_4XX)
             raise ClientError(exc.status, _upstream_message(exc), "invalid_request_error",
@@ -531,6 +619,46 @@ class RequestCore:
             await sink.end_stream(held)
         else:
             await sink.start_stream(200, head, held, end=True)
+
+
+    async def _decode_joined(self, route: str, request: dict[str, Any], kv: dict[str, Any], decode: EngineSpec,
+                             rid: str, rid_header: tuple[bytes, bytes], sink: Sink, started_at: float,
+                             outcome: _Outcome, join: StreamJoin) -> None:
+        """A streamed decode leg that may be continued: every event goes through ``join``."""
+        body = dict(request)
+        body["kv_transfer_params"] = kv
+        payload = _encode_json.encode(body)
+        head = [*_SSE_HEADERS, rid_header]
+        gaps = [0.0, 0]
+        observe_gap = self.metrics.inter_token.observe
+
+        def on_first(now: float) -> None:
+            if not join.continuing:
+                outcome.ttft_s = now - started_at
+            elif join.last_relay_at is not None:
+                gap = now - join.last_relay_at
+                self.metrics.join_gap.observe(gap)
+                outcome.join_gap_s = max(gap, outcome.join_gap_s or 0.0)
+
+        def on_gap(gap: float) -> None:
+            observe_gap(gap)
+            gaps[0] += gap
+            gaps[1] += 1
+
+        try:
+            async with self.data_pool.stream(decode, route, payload, request_id=rid) as upstream:
+                outcome.status = 200
+                await continuation.relay(join, upstream, sink, head, engine=decode.name, clock=self.clock,
+                                         on_first=on_first, on_gap=on_gap)
+        except (EngineFailure, UpstreamClientError, PoolSaturated) as exc:
+            outcome.tokens = join.tokens
+            if not sink.started:
+                outcome.status = 0
+            self._translate("decode", exc)
+        outcome.tokens = join.tokens
+        if gaps[1]:
+            outcome.inter_token_s = gaps[0] / gaps[1]
+        self.supervisor.record_success(decode.name, SuccessKind.DECODE_TERMINAL)
 
 
 def _client_gone(exc: BaseException) -> ClientGone | None:

@@ -49,6 +49,7 @@ ERROR_KINDS = {
     "truncated": "a 200 response whose connection closed before its body ended, no [DONE]",
     "no_done": "a 200 stream that ended cleanly without data: [DONE]",
     "timeout": "no complete response within the request timeout",
+    "wrong_length": "a whole stream with more or fewer token events than max_tokens (a mock fleet only)",
 }
 
 _READ_SIZE = 65536
@@ -71,6 +72,9 @@ class LoadSpec(msgspec.Struct, frozen=True, kw_only=True):
     keep_alive: bool = True
     stream: bool = True
     timeout_s: float = 60.0
+    # Streamed answers must carry exactly this many token events (a mock fleet always sends
+    # max_tokens): more or fewer is "wrong_length", e.g. a join that repeated or lost tokens.
+    expect_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -415,6 +419,8 @@ class _Load:
         record.tokens = sum(n for _, n in arrivals)
         if arrivals:
             record.ttft_s = arrivals[0][0] - started
+        if record.kind == "ok" and self.spec.expect_tokens is not None and record.tokens != self.spec.expect_tokens:
+            record.kind = "wrong_length"
         if record.kind != "ok":
             return
         # Client-visible inter-token gaps: events that arrived in one read are 0 apart.

@@ -187,6 +187,10 @@ class FaultReport(msgspec.Struct, frozen=True, kw_only=True):
     failing_engine_last_request_s: float | None
     failing_engine_ineligible_s: float | None
     failing_engine_eligible_again_s: float | None = None
+    # Stream continuation (Narwhal, serving.policy = "bounded"): from the router's request log lines.
+    requests_continued: int | None = None
+    continuations: int | None = None
+    join_gap_ms: dict[str, float] | None = None
     failed_requests: list[dict[str, object]] = []
     router_failures: list[dict[str, object]] = []
     notes: list[str] = []
@@ -288,6 +292,12 @@ def _fault_lines(faults: FaultReport) -> list[str]:
         f"  5xx engine: ineligible after fault set    {secs(faults.failing_engine_ineligible_s)}",
         f"  5xx engine: eligible after fault cleared  {secs(faults.failing_engine_eligible_again_s)}",
     ]
+    if faults.requests_continued is not None:
+        gap = faults.join_gap_ms
+        gap_text = (f"join gap p50 {gap['p50']:.1f} ms, p99 {gap['p99']:.1f} ms, max {gap['max']:.1f} ms"
+                    if gap else "no join")
+        lines.append(f"  streams continued                         {faults.requests_continued} "
+                     f"({faults.continuations} continuations; {gap_text})")
     lines += [f"  note: {note}" for note in faults.notes]
     return lines
 

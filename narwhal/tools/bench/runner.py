@@ -85,7 +85,10 @@ def _spec(settings: BenchSettings, host: str, port: int, body: bytes, *, request
           duration_s: float | None) -> LoadSpec:
     return LoadSpec(host=host, port=port, body=body, concurrency=settings.concurrency, requests=requests,
                     duration_s=duration_s, keep_alive=settings.keep_alive, stream=settings.stream,
-                    timeout_s=settings.timeout_s)
+                    timeout_s=settings.timeout_s,
+                    # Our mocks always send max_tokens: the fault scenario checks every join's arithmetic.
+                    expect_tokens=settings.tokens if settings.scenario == "faults" and settings.target is None
+                    else None)
 
 
 def _engine_refs(fleet: BenchFleet | None) -> list[EngineRef]:

@@ -23,7 +23,7 @@ import trio
 
 from narwhal.tools.bench.fleet import BenchFleet, Target
 from narwhal.tools.bench.load import LoadResult, LoadState
-from narwhal.tools.bench.report import FaultReport
+from narwhal.tools.bench.report import FaultReport, percentile
 
 __all__ = ["FaultScenario"]
 
@@ -248,4 +248,16 @@ class FaultScenario:
             failed_requests=[{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.as_dict().items()}
                              for r in failed[:_LISTED]],
             router_failures=self._router_failures(),
-            notes=notes)
+            notes=notes, **self._continuations())
+
+    def _continuations(self) -> dict[str, Any]:
+        """From Narwhal's request log lines: streams continued, continuations, the join gaps."""
+        if not self.target.is_narwhal:
+            return {}
+        continued = [line for line in self.target.log_lines
+                     if line.get("event") == "request" and line.get("continuations")]
+        gaps = sorted(line["join_gap_ms"] for line in continued if line.get("join_gap_ms") is not None)
+        join_gap = ({"p50": percentile(gaps, 50), "p99": percentile(gaps, 99), "max": gaps[-1]}
+                    if gaps else None)
+        return {"requests_continued": len(continued),
+                "continuations": sum(int(line["continuations"]) for line in continued), "join_gap_ms": join_gap}

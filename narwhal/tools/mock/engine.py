@@ -6,8 +6,13 @@
 
 Tokenizer: a token is a whitespace-separated word of the prompt (a prompt given
 as a list of ints is taken as tokens); a chat request adds one token per message
-for its role. Token ids are ``crc32(word) % 32000``. Generated token ``i`` is the
-text ``" tok{i}"``.
+for its role, except the final message of a ``continue_final_message`` request,
+which the answer continues (the mock's generation prompt is empty). Token ids are
+``crc32(word) % 32000``. Generated token ``i`` is the text ``" tok{i}"``; with
+``numbered`` (``--numbered-tokens``) the token at sequence position ``p`` (the
+prompt takes positions 0..L-1) is ``" n{p}"``, so an answer continued from its
+prompt plus its output so far reads on without a repeat or a gap.
+``return_token_ids`` and ``continue_final_message`` behave as in vLLM 0.32.
 
 Fault injection (``narwhal.tools.mock.faults``) is set with ``--fault`` or at run time
 through ``/mock/faults``; ``/mock/stats`` reports what the engine saw.
@@ -103,6 +108,9 @@ class _CompletionBody(msgspec.Struct):
     stream: bool = False
     stream_options: _StreamOptions | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    return_token_ids: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class _BadRequest(NarwhalError):
@@ -127,12 +135,14 @@ def _message_text(content: str | list[Any] | None) -> str:
     return ""
 
 
-def tokenize(prompt: str | list[Any] | None = None, messages: list[_ChatMessage] | None = None) -> list[int]:
+def tokenize(prompt: str | list[Any] | None = None, messages: list[_ChatMessage] | None = None, *,
+             continue_final: bool = False) -> list[int]:
     """The mock's deterministic token ids for a prompt or a chat (see the module docstring)."""
     if messages is not None:
         tokens: list[int] = []
-        for message in messages:
-            tokens.append(zlib.crc32(f"<|{message.role}|>".encode()) % _VOCAB)
+        for i, message in enumerate(messages):
+            if not (continue_final and i == len(messages) - 1):
+                tokens.append(zlib.crc32(f"<|{message.role}|>".encode()) % _VOCAB)
             tokens.extend(_word_ids(_message_text(message.content)))
         return tokens
     if isinstance(prompt, str):
@@ -143,6 +153,11 @@ def tokenize(prompt: str | list[Any] | None = None, messages: list[_ChatMessage]
 
 
 _token_texts: list[bytes] = []
+
+
+def _text_id(text: bytes) -> int:
+    """The token ID of a generated token's text (one word), as the tokenizer would give it."""
+    return zlib.crc32(text.strip()) % _VOCAB
 
 
 def _token_text(i: int) -> bytes:
@@ -166,6 +181,8 @@ class MockSettings(msgspec.Struct, frozen=True, kw_only=True):
     attestation_key: str = "narwhal-dev-key"
     max_model_len: int = 4096
     tokens: int = 16
+    # Token text " n{position}" instead of " tok{i}" (see the module docstring).
+    numbered: bool = False
     token_delay_s: float = 0.0
     # "batched": head + first token, then the rest in one write (the least the relay can be given);
     # "per-event": every SSE event, [DONE] and the chunked terminator in writes of their own, as vLLM's
@@ -232,13 +249,14 @@ class _Shape:
 
     head: bytes      # 'data: {..."choices":[{"index":0,' up to the token text
     open_text: bytes  # '"text":"' or '"delta":{"content":"'
+    close_text: bytes  # '"' or '"}': ends the text; token IDs may follow
     mid: bytes       # closes a token event that is not the last
     last: bytes      # closes the last token event (finish_reason "length")
     role_event: bytes  # chat's leading role event; b"" for completions
     usage_head: bytes  # 'data: {...,"choices":[],"usage":'
 
-    def token_event(self, i: int, final: bool) -> bytes:
-        return b"".join((self.head, self.open_text, _token_text(i), self.last if final else self.mid))
+    def token_event(self, text: bytes, final: bool, extra: bytes = b"") -> bytes:
+        return b"".join((self.head, self.open_text, text, self.close_text, extra, self.last if final else self.mid))
 
 
 def _stream_shape(chat: bool, rid: str, created: int, model_json: bytes) -> _Shape:
@@ -248,8 +266,9 @@ def _stream_shape(chat: bool, rid: str, created: int, model_json: bytes) -> _Sha
         return _Shape(
             head=b'data: ' + common + b'"choices":[{"index":0,',
             open_text=b'"delta":{"content":"',
-            mid=b'"},"logprobs":null,"finish_reason":null}]}\n\n',
-            last=b'"},"logprobs":null,"finish_reason":"length","stop_reason":null}]}\n\n',
+            close_text=b'"}',
+            mid=b',"logprobs":null,"finish_reason":null}]}\n\n',
+            last=b',"logprobs":null,"finish_reason":"length","stop_reason":null}]}\n\n',
             role_event=b'data: ' + common
             + b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
             b'"logprobs":null,"finish_reason":null}]}\n\n',
@@ -259,8 +278,9 @@ def _stream_shape(chat: bool, rid: str, created: int, model_json: bytes) -> _Sha
     return _Shape(
         head=b'data: ' + common + b'"choices":[{"index":0,',
         open_text=b'"text":"',
-        mid=b'","logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n',
-        last=b'","logprobs":null,"finish_reason":"length","stop_reason":null}]}\n\n',
+        close_text=b'"',
+        mid=b',"logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n',
+        last=b',"logprobs":null,"finish_reason":"length","stop_reason":null}]}\n\n',
         role_event=b"",
         usage_head=b'data: ' + common + b'"choices":[],"usage":',
     )
@@ -289,6 +309,8 @@ class _Completion(msgspec.Struct, frozen=True, kw_only=True):
     max_tokens: int
     stream: bool
     include_usage: bool
+    # The prompt's token IDs when the request asked for token IDs back (return_token_ids).
+    prompt_ids: list[int] | None = None
 
 
 # ----- the engine ----------------------------------------------------------------
@@ -429,7 +451,7 @@ class MockEngine:
         self._check_model(body.model)
         if body.messages is None and body.prompt is None:
             raise _BadRequest(400, "the request needs prompt or messages")
-        tokens = tokenize(body.prompt, body.messages)
+        tokens = tokenize(body.prompt, body.messages, continue_final=body.continue_final_message)
         if await self._take_or_answer(Operation.TOKENIZE, responder) is None:
             return
         await responder.respond(200, _JSON, _encode(
@@ -474,7 +496,11 @@ class MockEngine:
             raise _BadRequest(400, "the request needs messages")
         if not chat and body.prompt is None:
             raise _BadRequest(400, "the request needs prompt")
-        prompt_tokens = len(tokenize(messages=body.messages) if chat else tokenize(body.prompt))
+        if chat and body.continue_final_message and body.add_generation_prompt:
+            raise _BadRequest(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        prompt_ids = (tokenize(messages=body.messages, continue_final=body.continue_final_message) if chat
+                      else tokenize(body.prompt))
+        prompt_tokens = len(prompt_ids)
         kv = body.kv_transfer_params
         roles = self.settings.effective_kv_roles
         if kv is not None and kv.get("do_remote_prefill"):
@@ -503,7 +529,8 @@ class MockEngine:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         # A prefill is answered in one JSON body, whatever it asked for.
         return _Completion(op=op, handoff=handoff, chat=chat, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
-                           stream=body.stream and not handoff, include_usage=include_usage)
+                           stream=body.stream and not handoff, include_usage=include_usage,
+                           prompt_ids=prompt_ids if body.return_token_ids else None)
 
     def _record(self, request: Request, job: _Completion, kv: dict[str, Any] | None) -> None:
         stats = self.stats
@@ -541,7 +568,8 @@ class MockEngine:
             await trio.sleep(first_delay_s)
         if token_delay_s:
             await trio.sleep(token_delay_s * job.max_tokens)
-        text = b"".join(_token_text(i) for i in range(job.max_tokens)).decode()
+        texts = [self._text(job, i) for i in range(job.max_tokens)]
+        text = b"".join(texts).decode()
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": "length", "stop_reason": None}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
@@ -552,6 +580,16 @@ class MockEngine:
             "model": self.settings.model, "choices": [choice],
             "usage": _usage(job.prompt_tokens, job.max_tokens),
         }
+        if job.prompt_ids is not None:
+            # vLLM 0.32: completions carry prompt IDs in the choice, chat at the top level.
+            (choice if not chat else answer)["prompt_token_ids"] = job.prompt_ids
+            choice["token_ids"] = [_text_id(t) for t in texts]
+        cut = applied.get(Mode.CUT)
+        if cut and not job.handoff:
+            raw = _encode(answer)
+            # Half the body under a 200 head, then the connection closes.
+            await responder.start_stream(200, _JSON, raw[:len(raw) // 2])
+            return
         if job.handoff:
             self._put_handoff(answer, job.prompt_tokens, applied.get(Mode.BAD_KV))
         else:
@@ -581,17 +619,59 @@ class MockEngine:
             kv["remote_port"] = "not-a-port"
         answer["kv_transfer_params"] = kv
 
+    def _text(self, job: _Completion, i: int) -> bytes:
+        """The text of generated token ``i``."""
+        if self.settings.numbered:
+            return b" n%d" % (job.prompt_tokens + i)
+        return _token_text(i)
+
+    def _events(self, shape: _Shape, job: _Completion, count: int) -> list[bytes]:
+        n = job.max_tokens
+        if job.prompt_ids is None:
+            events = [shape.token_event(self._text(job, i), i == n - 1) for i in range(count)]
+        else:
+            events = []
+            for i in range(count):
+                text = self._text(job, i)
+                extra = b',"token_ids":[%d]' % _text_id(text)
+                if i == 0 and not job.chat:
+                    extra = b',"prompt_token_ids":' + _encode(job.prompt_ids) + extra
+                events.append(shape.token_event(text, i == n - 1, extra))
+        if events and shape.role_event:
+            role = shape.role_event
+            if job.prompt_ids is not None:
+                # vLLM 0.32 sends a chat's prompt IDs at the top level of its first chunk.
+                role = role.replace(b'"choices":', b'"prompt_token_ids":' + _encode(job.prompt_ids)
+                                    + b',"choices":', 1)
+            events[0] = role + events[0]
+        return events
+
     async def _stream(self, responder: Responder, shape: _Shape, job: _Completion, applied: Applied,
                       token_delay_s: float, first_delay_s: float | None) -> None:
         """Write the SSE answer: one write per token when paced, else head+first token, then the rest."""
         n = job.max_tokens
         stall = applied.get(Mode.STALL)
         garbage = applied.get(Mode.GARBAGE_STREAM)
+        closed = applied.get(Mode.CUT)
         cut = stall or garbage
-        events = [shape.token_event(i, i == n - 1)
-                  for i in range(min(n, cut.params["after_tokens"]) if cut else n)]
-        if events and shape.role_event:
-            events[0] = shape.role_event + events[0]
+        if closed:
+            after = closed.params["after_tokens"]
+            count = min(n, n // 2 if after is None else after)
+        else:
+            count = min(n, cut.params["after_tokens"]) if cut else n
+        events = self._events(shape, job, count)
+        if closed:
+            # Half the answer, then the connection closes: no [DONE], no chunked terminator.
+            for event in events:
+                if token_delay_s:
+                    await trio.sleep(token_delay_s)
+                if responder.started:
+                    await responder.write(event)
+                else:
+                    await responder.start_stream(200, _SSE, event)
+            if not responder.started:
+                await responder.start_stream(200, _SSE)
+            return
         if garbage:
             tail = _GARBAGE
         elif stall:
@@ -805,6 +885,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--attestation-key", default="narwhal-dev-key")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--tokens", type=int, default=16, help="tokens per decode without max_tokens (default 16)")
+    parser.add_argument("--numbered-tokens", action="store_true",
+                        help='generated token at sequence position P is " nP" (a continuation shows a repeat '
+                             "or a gap at once)")
     parser.add_argument("--token-delay-s", type=float, default=0.0, help="pause before each token (default 0)")
     parser.add_argument("--sse-writes", choices=("batched", "per-event"), default="batched",
                         help="batched: head and first token, then the rest in one write (default); "
@@ -836,7 +919,8 @@ def _settings_from_args(args: argparse.Namespace) -> MockSettings:
     return MockSettings(
         role=args.role, host=args.host, port=args.port, engine_id=args.engine_id, model=args.model,
         generation=args.generation, attestation_key=args.attestation_key, max_model_len=args.max_model_len,
-        tokens=args.tokens, token_delay_s=args.token_delay_s, kv_roles=kv_roles, faults=tuple(args.fault),
+        tokens=args.tokens, numbered=args.numbered_tokens, token_delay_s=args.token_delay_s, kv_roles=kv_roles,
+        faults=tuple(args.fault),
         idle_timeout_s=args.idle_timeout_s, sse_writes=args.sse_writes, tls_cert_file=args.tls_cert_file,
         tls_key_file=args.tls_key_file, tls_client_ca_file=args.tls_client_ca_file)
 

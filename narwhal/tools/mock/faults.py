@@ -64,6 +64,7 @@ class Mode(enum.StrEnum):
     MODEL = "model"
     SLOW_TOKENS = "slow_tokens"
     UNHEALTHY = "unhealthy"
+    CUT = "cut"
 
 
 class Leg(enum.StrEnum):
@@ -139,6 +140,8 @@ MODE_RULES: dict[Mode, ModeRule] = {
     Mode.UNHEALTHY: ModeRule(frozenset({Operation.HEALTH}), (Leg.HEALTH,), terminal=True),
     Mode.STALL: ModeRule(_INFERENCE, (Leg.DECODE,), {"after_tokens": 1}, streamed_only=True),
     Mode.NO_DONE: ModeRule(_INFERENCE, (Leg.DECODE,), streamed_only=True),
+    # The connection closes halfway through the body (after_tokens tokens of a stream when set).
+    Mode.CUT: ModeRule(_INFERENCE, (Leg.DECODE,), {"after_tokens": None}),
     Mode.GARBAGE_STREAM: ModeRule(_INFERENCE, (Leg.DECODE,), {"after_tokens": 0}, streamed_only=True),
     # A huge default delay is a first token that never comes.
     Mode.FIRST_TOKEN_DELAY: ModeRule(_INFERENCE, _INFERENCE_LEGS, {"delay_s": 3600.0}),
@@ -232,7 +235,7 @@ def _validate_params(mode: Mode, request: FaultRequest) -> dict[str, Any]:
     status = params.get("status")
     if status is not None and not 500 <= status <= 599:
         raise FaultError(f"status must be 500-599, got {status}")
-    if params.get("after_tokens", 0) < 0:
+    if (params.get("after_tokens") or 0) < 0:
         raise FaultError("after_tokens must be >= 0")
     if params.get("delay_s", 0.0) < 0:
         raise FaultError("delay_s must be >= 0")

@@ -1,0 +1,428 @@
+"""Stream continuation: one client stream across decode legs on several engines.
+
+Under ``serving.policy = "bounded"`` with ``serving.continue_streams`` on, a
+streamed request whose decode leg fails (class connection, timeout or stream)
+after its stream reached the client is continued: a fresh prefill of the
+original prompt plus the output so far, then a decode on another engine asking
+for the tokens still owed, relayed into the same client stream.
+
+``plan`` says whether a request may be continued (and why not). A ``StreamJoin``
+holds one request's answer so far: it asks the engine for token IDs (exact
+joins), rewrites every event so the client sees one stream (one ``id`` and
+``created``, one role chunk, usage summed, Narwhal's own additions stripped),
+and builds each continuation leg's request. ``relay`` pumps one decode leg
+through it into the client's sink. No I/O of its own beyond the sink and the
+upstream stream it is handed; the clock is injected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, TypeGuard
+
+import msgspec
+
+from narwhal.errors import EngineFailure, FailureClass
+
+__all__ = ["CONTINUED_CLASSES", "StreamJoin", "not_continued_reason", "plan", "relay"]
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+# Failure classes of a decode leg that start a continuation once the client has bytes.
+CONTINUED_CLASSES = frozenset({FailureClass.CONNECTION.value, FailureClass.TIMEOUT.value,
+                               FailureClass.STREAM.value})
+# One SSE event larger than this is not a stream we can join (a prompt's token IDs fit easily).
+_MAX_EVENT_BYTES = 16 * 1024 * 1024
+_DONE_EVENT = b"data: [DONE]\n\n"
+_DATA = b"data: "
+# Chat parameters a completions request takes as they are: a chat answer may continue as a
+# token-ID completion (an exact join) only when the request asks for nothing outside this set.
+_CHAT_AS_COMPLETION = frozenset({
+    "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
+    "seed", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "ignore_eos", "min_tokens", "skip_special_tokens", "spaces_between_special_tokens", "logit_bias",
+    "user", "stream", "stream_options", "return_token_ids", "include_stop_str_in_output", "priority",
+    "n", "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
+})
+# Keys only a chat request has: dropped when a chat answer continues as a completion.
+_CHAT_ONLY = ("messages", "max_completion_tokens", "add_generation_prompt", "continue_final_message",
+              "chat_template", "chat_template_kwargs")
+
+_decode_json = msgspec.json.Decoder()
+_encode_json = msgspec.json.Encoder()
+
+
+def not_continued_reason(route: str, request: dict[str, Any]) -> str | None:
+    """Why this request's stream is never continued, or None when it may be.
+
+    Each of these makes an answer that a second engine cannot resume as one
+    stream: several choices, an echoed prompt, output under a grammar or a tool
+    parser whose state lives in the failed engine.
+    """
+    n = request.get("n")
+    if n is not None and n != 1:
+        return "n"
+    best_of = request.get("best_of")
+    if best_of is not None and best_of != 1:
+        return "best_of"
+    if request.get("echo"):
+        return "echo"
+    response_format = request.get("response_format")
+    if response_format is not None and not (isinstance(response_format, dict)
+                                            and response_format.get("type") == "text"):
+        return "structured_output"
+    if request.get("structured_outputs") is not None or any(
+            key.startswith("guided_") and value is not None for key, value in request.items()):
+        return "structured_output"
+    if request.get("tools") or request.get("tool_choice") is not None:
+        return "tools"
+    if route == COMPLETIONS:
+        prompt = request.get("prompt")
+        if isinstance(prompt, list) and prompt and not all(_is_int(t) for t in prompt):
+            if len(prompt) != 1 or not isinstance(prompt[0], str):
+                return "several_prompts"
+    return None
+
+
+def plan(route: str, request: dict[str, Any], *, enabled: bool) -> tuple[StreamJoin | None, str | None]:
+    """A StreamJoin for a streamed request that may be continued, else None and the reason."""
+    if not enabled:
+        return None, "continue_streams_off"
+    reason = not_continued_reason(route, request)
+    if reason is not None:
+        return None, reason
+    return StreamJoin(route, request), None
+
+
+def _is_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_list(value: Any) -> list[int] | None:
+    if isinstance(value, list) and all(_is_int(v) for v in value):
+        return value
+    return None
+
+
+class StreamJoin:
+    """One streamed request's answer so far, and the rewriting that makes its legs one stream."""
+
+    def __init__(self, route: str, request: dict[str, Any]) -> None:
+        self.route = route
+        self.request = request
+        # Token IDs the client asked for are relayed; the ones Narwhal asked for are not.
+        self.client_ids = request.get("return_token_ids") is True
+        self.chat = route == CHAT
+        self.id: Any = None
+        self.created: Any = None
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        # False once a relayed token came without its IDs: the join falls back to text.
+        self.ids_complete = True
+        prompt = request.get("prompt")
+        self.prompt_ids: list[int] | None = _int_list(prompt) if not self.chat else None
+        # Completion tokens relayed by legs before the current one, and by the current one.
+        self.tokens_before = 0
+        self.leg_tokens = 0
+        # Continuation legs started (counted by the caller when a leg gets its engines).
+        self.continuations = 0
+        self.continuing = False
+        self.finished = False
+        self.usage_sent = False
+        self.leg_route = route
+        self.leg_relayed = False
+        self.last_relay_at: float | None = None
+        self._buffer = b""
+        self._leg_done = False
+        self._chat_as_completion = False
+
+    # -- what was relayed ---------------------------------------------------
+
+    @property
+    def tokens(self) -> int:
+        """Completion tokens the client has received, over all legs."""
+        return self.tokens_before + self.leg_tokens
+
+    @property
+    def output_text(self) -> str:
+        return "".join(self.text)
+
+    @property
+    def started(self) -> bool:
+        """True once anything of the answer (an id, a role chunk, a token) reached the client."""
+        return self.id is not None
+
+    def _include_usage(self) -> bool:
+        options = self.request.get("stream_options")
+        return isinstance(options, dict) and options.get("include_usage") is True
+
+    # -- legs ------------------------------------------------------------------
+
+    def next_leg(self) -> tuple[str, dict[str, Any]] | None:
+        """The route and body of the next decode leg; None when the answer cannot be resumed."""
+        self._buffer = b""
+        self._leg_done = False
+        self.leg_relayed = False
+        self.tokens_before += self.leg_tokens
+        self.leg_tokens = 0
+        body = dict(self.request)
+        if not self.client_ids:
+            body["return_token_ids"] = True
+        self.continuing = self.started
+        if not self.started:
+            self.leg_route = self.route
+            return self.route, body
+        produced = self.tokens_before
+        for key in ("max_tokens", "max_completion_tokens", "min_tokens"):
+            value = body.get(key)
+            if _is_int(value):
+                body[key] = max(value - produced, 0 if key == "min_tokens" else 1)
+        exact = self.ids_complete and self.prompt_ids is not None
+        self._chat_as_completion = False
+        if not self.chat:
+            if exact:
+                assert self.prompt_ids is not None
+                body["prompt"] = self.prompt_ids + self.token_ids
+            else:
+                prompt = body.get("prompt")
+                if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                    prompt = prompt[0]
+                if not isinstance(prompt, str):
+                    # A token-ID prompt with text-only output: no exact place to resume.
+                    return None
+                body["prompt"] = prompt + self.output_text
+            self.leg_route = COMPLETIONS
+            return COMPLETIONS, body
+        if exact and set(self.request) <= _CHAT_AS_COMPLETION:
+            # The chat template was applied once, by the first leg: its prompt IDs plus the
+            # output IDs resume at the exact token, which only a completions request accepts.
+            assert self.prompt_ids is not None
+            wanted = body.get("max_completion_tokens", body.get("max_tokens"))
+            for key in _CHAT_ONLY:
+                body.pop(key, None)
+            if wanted is not None:
+                body["max_tokens"] = wanted
+            body["prompt"] = self.prompt_ids + self.token_ids
+            self._chat_as_completion = True
+            self.leg_route = COMPLETIONS
+            return COMPLETIONS, body
+        messages = [dict(m) for m in body["messages"]]
+        last = messages[-1]
+        if (self.request.get("continue_final_message") and last.get("role") == "assistant"
+                and isinstance(last.get("content"), str)):
+            last["content"] = last["content"] + self.output_text
+        else:
+            messages.append({"role": "assistant", "content": self.output_text})
+        body["messages"] = messages
+        body["continue_final_message"] = True
+        body["add_generation_prompt"] = False
+        self.leg_route = CHAT
+        return CHAT, body
+
+    # -- events ----------------------------------------------------------------
+
+    def feed(self, chunk: bytes) -> tuple[bytes, bool]:
+        """Rewrite the complete events in ``chunk``: (bytes for the client, whether [DONE] came)."""
+        data = self._buffer + chunk if self._buffer else chunk
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            if len(data) > _MAX_EVENT_BYTES:
+                raise ValueError(f"an SSE event longer than {_MAX_EVENT_BYTES} bytes")
+            self._buffer = data
+            return b"", False
+        self._buffer = data[end + 2:]
+        if len(self._buffer) > _MAX_EVENT_BYTES:
+            raise ValueError(f"an SSE event longer than {_MAX_EVENT_BYTES} bytes")
+        out: list[bytes] = []
+        for event in data[:end].split(b"\n\n"):
+            if not event:
+                continue
+            if not event.startswith(_DATA):
+                # Comments and other fields go on as they came.
+                out.append(event + b"\n\n")
+                continue
+            payload = event[len(_DATA):].strip()
+            if payload == b"[DONE]":
+                self._leg_done = True
+                continue
+            rewritten = self._rewrite(payload)
+            if rewritten is not None:
+                out.append(rewritten)
+        return b"".join(out), self._leg_done
+
+    def _rewrite(self, payload: bytes) -> bytes | None:
+        try:
+            obj = _decode_json.decode(payload)
+        except (msgspec.DecodeError, RecursionError):
+            raise ValueError("an SSE data line that is not JSON") from None
+        if not isinstance(obj, dict):
+            raise ValueError("an SSE event that is not a JSON object")
+        first_leg = not self.continuing
+        if self.id is None:
+            self.id, self.created = obj.get("id"), obj.get("created")
+        else:
+            if "id" in obj:
+                obj["id"] = self.id
+            if "created" in obj:
+                obj["created"] = self.created
+        obj.pop("kv_transfer_params", None)
+        prompt_ids = obj.pop("prompt_token_ids", None)
+        if first_leg and prompt_ids is not None:
+            self._note_prompt(prompt_ids)
+            if self.client_ids:
+                obj["prompt_token_ids"] = prompt_ids
+        choices = obj.get("choices")
+        if isinstance(choices, list):
+            kept = []
+            for choice in choices:
+                if isinstance(choice, dict) and self._choice(choice, first_leg):
+                    kept.append(choice)
+            if not kept and choices and obj.get("usage") is None:
+                return None
+            obj["choices"] = kept
+        if self._chat_as_completion:
+            obj["object"] = "chat.completion.chunk"
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            self._usage(usage)
+            if not obj.get("choices"):
+                self.usage_sent = True
+        self.leg_relayed = True
+        return _DATA + _encode_json.encode(obj) + b"\n\n"
+
+    def _note_prompt(self, prompt_ids: Any) -> None:
+        ids = _int_list(prompt_ids)
+        if ids is not None and self.prompt_ids is None:
+            self.prompt_ids = ids
+
+    def _choice(self, choice: dict[str, Any], first_leg: bool) -> bool:
+        """Record and rewrite one choice; False when it carries nothing the client needs."""
+        prompt_ids = choice.pop("prompt_token_ids", None)
+        if first_leg and prompt_ids is not None:
+            self._note_prompt(prompt_ids)
+            if self.client_ids:
+                choice["prompt_token_ids"] = prompt_ids
+        ids = choice.get("token_ids") if self.client_ids else choice.pop("token_ids", None)
+        ids = _int_list(ids)
+        if self._chat_as_completion:
+            text = choice.pop("text", None)
+            choice.pop("logprobs", None)
+            choice["delta"] = {"content": text} if text else {}
+            choice["logprobs"] = None
+            # Keep the client's key order close to what a chat engine sends.
+            for key in ("finish_reason", "stop_reason", "token_ids"):
+                if key in choice:
+                    choice[key] = choice.pop(key)
+        if self.chat:
+            delta = choice.get("delta")
+            text = delta.get("content") if isinstance(delta, dict) else None
+            if not first_leg and isinstance(delta, dict) and "role" in delta:
+                # The client had its role chunk from the first leg.
+                del delta["role"]
+                if not text and len(delta) <= 1 and choice.get("finish_reason") is None and not ids:
+                    return False
+        else:
+            text = choice.get("text")
+        if isinstance(text, str) and text:
+            self.text.append(text)
+        if ids is not None:
+            self.token_ids.extend(ids)
+            self.leg_tokens += len(ids)
+        elif isinstance(text, str) and text:
+            # No IDs for this token: the next join resumes from text.
+            self.ids_complete = False
+            self.leg_tokens += 1
+        if choice.get("finish_reason") is not None:
+            self.finished = True
+        return True
+
+    def _usage(self, usage: dict[str, Any]) -> None:
+        completion = usage.get("completion_tokens")
+        if not _is_int(completion):
+            return
+        if not self.continuing:
+            return
+        usage["completion_tokens"] = completion + self.tokens_before
+        if self.prompt_ids is not None:
+            usage["prompt_tokens"] = len(self.prompt_ids)
+        elif _is_int(usage.get("prompt_tokens")):
+            usage["prompt_tokens"] = max(usage["prompt_tokens"] - self.tokens_before, 0)
+        if _is_int(usage.get("prompt_tokens")):
+            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+
+    def tail(self) -> bytes:
+        """The end of an answer whose last token came but whose leg failed before [DONE]."""
+        out = b""
+        if self._include_usage() and not self.usage_sent:
+            prompt = len(self.prompt_ids) if self.prompt_ids is not None else 0
+            total = self.tokens_before + self.leg_tokens
+            obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                   "created": self.created, "model": self.request.get("model"), "choices": [],
+                   "usage": {"prompt_tokens": prompt, "total_tokens": prompt + total, "completion_tokens": total}}
+            out = _DATA + _encode_json.encode(obj) + b"\n\n"
+            self.usage_sent = True
+        return out + _DONE_EVENT
+
+
+class _Sink(Protocol):
+    started: bool
+
+    async def start_stream(self, status: int, headers: list[tuple[bytes, bytes]], first: bytes = b"",
+                           end: bool = False) -> None: ...
+    async def write(self, data: bytes) -> None: ...
+    async def end_stream(self, last: bytes = b"") -> None: ...
+
+
+class _Upstream(Protocol):
+    async def read(self) -> bytes: ...
+
+
+async def relay(join: StreamJoin, upstream: _Upstream, sink: _Sink, head: list[tuple[bytes, bytes]], *,
+                engine: str, clock: Callable[[], float],
+                on_first: Callable[[float], None], on_gap: Callable[[float], None]) -> None:
+    """Pump one decode leg through ``join`` into the client's stream, ending it at [DONE].
+
+    ``on_first(now)`` runs once, when this leg's first bytes reach the client;
+    ``on_gap`` gets the time between successive client writes within the leg.
+    Unreadable events raise EngineFailure (class stream) against ``engine``.
+    """
+    first = True
+    last_at = 0.0
+    while True:
+        chunk = await upstream.read()
+        if not chunk:
+            # The pool ended the stream cleanly, but no complete event carried [DONE].
+            raise EngineFailure(engine, FailureClass.STREAM, "decode stream ended before data: [DONE]")
+        try:
+            out, done = join.feed(chunk)
+        except ValueError as exc:
+            raise EngineFailure(engine, FailureClass.STREAM, f"unreadable decode stream: {exc}",
+                                cause="UnreadableEvent") from None
+        if done:
+            rest = await upstream.read()
+            if rest:
+                raise EngineFailure(engine, FailureClass.STREAM, "events after data: [DONE]")
+            out += _DONE_EVENT
+            now = clock()
+            if first:
+                on_first(now)
+            join.last_relay_at = now
+            if sink.started:
+                await sink.end_stream(out)
+            else:
+                await sink.start_stream(200, head, out, end=True)
+            return
+        if not out:
+            continue
+        now = clock()
+        if first:
+            on_first(now)
+            first = False
+        else:
+            on_gap(now - last_at)
+        last_at = now
+        join.last_relay_at = now
+        if sink.started:
+            await sink.write(out)
+        else:
+            await sink.start_stream(200, head, out)

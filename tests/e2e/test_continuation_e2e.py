@@ -1,0 +1,125 @@
+"""Stream continuation end to end: the router and numbered mock engines as processes.
+
+A decode engine closes the stream's connection halfway (the mock's ``cut`` fault);
+the client must still read one whole answer: consecutive ``nP`` tokens, one id,
+one finish, summed usage, one [DONE].
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from tests.e2e.waiting import wait_until
+
+pytestmark = pytest.mark.e2e
+
+BOUNDED = {"serving": {"policy": "bounded", "max_attempts": 3, "shutdown_grace_s": 5.0},
+           # Cut streams must not eject the engines mid-test: this test is about the client's view.
+           "recovery": {"eject_after": 1000}}
+MOCK = ["--numbered-tokens"]
+NUMBERED = re.compile(r" n(\d+)")
+
+
+async def stream_events(client: httpx.AsyncClient, url: str, route: str, body: dict[str, Any]) -> list[Any]:
+    async with client.stream("POST", f"{url}{route}", json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        raw = (await response.aread()).decode()
+    events: list[Any] = []
+    for block in raw.split("\n\n"):
+        if block:
+            assert block.startswith("data: "), block
+            payload = block[6:]
+            events.append("[DONE]" if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def assert_one_answer(events: list[Any], *, chat: bool, prompt_tokens: int, max_tokens: int) -> None:
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    chunks = events[:-1]
+    assert all("error" not in chunk for chunk in chunks), chunks[-1]
+    assert len({c["id"] for c in chunks}) == 1 and len({c["created"] for c in chunks}) == 1
+    text = "".join((ch["delta"].get("content") or "") if chat else ch["text"]
+                   for c in chunks for ch in c["choices"])
+    assert [int(n) for n in NUMBERED.findall(text)] == list(range(prompt_tokens, prompt_tokens + max_tokens))
+    assert len([ch for c in chunks for ch in c["choices"] if ch.get("finish_reason")]) == 1
+    usage = [c["usage"] for c in chunks if c.get("usage")]
+    assert usage == [{"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens,
+                      "total_tokens": prompt_tokens + max_tokens}]
+    for chunk in chunks:
+        assert "prompt_token_ids" not in chunk
+        assert all("token_ids" not in ch for ch in chunk["choices"])
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+async def test_a_stream_cut_twice_reaches_the_client_whole(start_fleet, route):
+    fleet = await start_fleet(prefill=1, decode=2, sections=BOUNDED, mock_args=MOCK)
+    # Each decode engine cuts its next stream after 4 tokens: leg 1 on one, its continuation on the
+    # other (cut again), the second continuation back on the first, which now finishes.
+    for name in ("d1", "d2"):
+        await fleet.set_fault(name, "cut", after_tokens=4, count=1)
+    chat = route == "/v1/chat/completions"
+    body: dict[str, Any] = {"model": "mock-model", "max_tokens": 12, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if chat:
+        body["messages"] = [{"role": "user", "content": "count from here"}]
+    else:
+        body["prompt"] = "count from here"
+    events = await stream_events(fleet.client, fleet.url, route, body)
+    # The mock's tokenizer: a token per word, plus one per chat message for its role.
+    assert_one_answer(events, chat=chat, prompt_tokens=4 if chat else 3, max_tokens=12)
+
+    request = (await fleet.router.wait_event("request", route=route))[0]
+    assert request["continuations"] == 2 and request["attempts"] == 3 and request["tokens"] == 12
+    # Evidence per failed engine: today's one stream failure each, nothing more.
+    failures = fleet.router.events("engine_failure")
+    assert sorted((f["engine"], f["class"]) for f in failures) == [("d1", "stream"), ("d2", "stream")]
+    metrics = (await fleet.client.get(f"{fleet.url}/metrics")).text
+    assert 'narwhal_continuations_total{outcome="completed"} 1' in metrics
+    assert 'narwhal_continuations_total{outcome="failed"} 1' in metrics
+    assert "narwhal_continuation_join_gap_seconds_count 2" in metrics
+    # The second continuation is an exact join: a token-ID prompt on the completions route.
+    stats = await fleet.engine_stats(request["decode"])
+    assert isinstance(stats["last_decode_body"]["prompt"], list)
+
+
+async def test_every_worker_continues_streams(start_fleet):
+    sections = {**BOUNDED, "serving": {**BOUNDED["serving"], "workers": 2}}
+    fleet = await start_fleet(prefill=1, decode=2, sections=sections, mock_args=MOCK)
+
+    async def ready() -> bool:
+        return (await fleet.client.get(f"{fleet.url}/ready")).status_code == 200
+
+    await wait_until(ready, what="the workers to serve")
+    # d1 cuts every stream after 3 tokens; d2 serves: any request that lands on d1 is continued on d2.
+    await fleet.set_fault("d1", "cut", after_tokens=3)
+    body = {"model": "mock-model", "prompt": "a b", "max_tokens": 8, "stream": True,
+            "stream_options": {"include_usage": True}}
+    answers: list[list[Any]] = []
+    # Fresh connections spread over the workers waiting in accept().
+    async with httpx.AsyncClient(timeout=30.0, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        limiter = trio.CapacityLimiter(8)
+
+        async def one() -> None:
+            async with limiter:
+                answers.append(await stream_events(client, fleet.url, "/v1/completions", body))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(60):
+                nursery.start_soon(one)
+    for events in answers:
+        assert_one_answer(events, chat=False, prompt_tokens=2, max_tokens=8)
+
+    async def all_logged() -> list[dict[str, Any]] | None:
+        lines = fleet.router.events("request")
+        return lines if len(lines) >= 60 else None
+
+    lines = await wait_until(all_logged, what="60 request lines")
+    continued = [line for line in lines if line["continuations"]]
+    assert continued and {line["worker"] for line in continued} == {0, 1}
+    assert all(line["status"] == 200 for line in lines)

@@ -1,0 +1,526 @@
+"""Stream continuation: the request core against in-process mock engines (numbered tokens).
+
+Each engine is a real ``MockEngine`` answering through a recording responder, so
+what the router sends (token-ID prompts, ``continue_final_message``) is what the
+mock reads, and a join that repeats or skips shows as a broken count of ``nP``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from typing import Any
+
+import msgspec
+import pytest
+import trio
+
+from narwhal.config import parse_config
+from narwhal.errors import EngineFailure, FailureClass, UpstreamClientError
+from narwhal.fleet.admission import Admission
+from narwhal.fleet.placement import InFlight
+from narwhal.http1.server import Request
+from narwhal.obs.router_metrics import RouterMetrics
+from narwhal.serving.continuation import StreamJoin, not_continued_reason
+from narwhal.serving.request_core import RequestCore
+from narwhal.tools.mock.engine import MockEngine, MockSettings
+from narwhal.tools.mock.faults import FaultRequest
+
+CONFIG = """
+[serving]
+count_tokens = false
+policy = "bounded"
+request_deadline_s = 30.0
+max_attempts = {max_attempts}
+continue_streams = {continue_streams}
+[[engines]]
+name = "p1"
+url = "http://127.0.0.1:9001"
+role = "prefill"
+[[engines]]
+name = "p2"
+url = "http://127.0.0.1:9002"
+role = "prefill"
+[[engines]]
+name = "d1"
+url = "http://127.0.0.1:9003"
+role = "decode"
+[[engines]]
+name = "d2"
+url = "http://127.0.0.1:9004"
+role = "decode"
+[[engines]]
+name = "d3"
+url = "http://127.0.0.1:9005"
+role = "decode"
+"""
+
+NUMBERED = re.compile(r" n(\d+)")
+
+
+class Supervisor:
+    def __init__(self, decode: list[str]) -> None:
+        self.roles = {"prefill": ["p1", "p2"], "decode": decode}
+        self.failures: list[tuple[str, FailureClass]] = []
+        self.successes: list[tuple[str, Any]] = []
+
+    def eligible(self, role: str) -> list[str]:
+        return list(self.roles[role])
+
+    def capacity_problem(self) -> str | None:
+        return None
+
+    def record_failure(self, engine: str, failure_class: FailureClass) -> None:
+        self.failures.append((engine, failure_class))
+
+    def record_success(self, engine: str, kind: Any) -> None:
+        self.successes.append((engine, kind))
+
+
+class Recorder:
+    """A Responder stand-in: keeps what the mock wrote and whether it ended its answer."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.finished = False
+        self.client_disconnected = False
+        self.status = 0
+        self.writes: list[bytes] = []
+
+    async def respond(self, status, headers, body):
+        self.started = self.finished = True
+        self.status = status
+        self.writes.append(body)
+
+    async def start_stream(self, status, headers, first=b"", end=False):
+        self.started = True
+        self.status = status
+        self.finished = end
+        if first:
+            self.writes.append(first)
+
+    async def write(self, data):
+        self.writes.append(data)
+
+    async def end_stream(self, last=b""):
+        if last:
+            self.writes.append(last)
+        self.finished = True
+
+
+class Upstream:
+    """What the data pool hands over: the reads, then the failure the pool would raise."""
+
+    def __init__(self, chunks: list[bytes], failure: EngineFailure | None) -> None:
+        self.chunks = chunks
+        self.failure = failure
+        self.saw_terminal = False
+
+    async def read(self) -> bytes:
+        await trio.lowlevel.checkpoint()
+        if self.chunks:
+            chunk = self.chunks.pop(0)
+            if b"data: [DONE]" in chunk:
+                self.saw_terminal = True
+            return chunk
+        if self.failure is not None:
+            raise self.failure
+        return b""
+
+
+class MockPool:
+    """The data pool's calls, answered by in-process mock engines."""
+
+    def __init__(self, engines: dict[str, MockEngine]) -> None:
+        self.engines = engines
+        self.calls: list[tuple[str, str, dict[str, Any]]] = []
+        # Successive decode legs, whichever engine they land on, are cut after these many tokens.
+        self.cuts: list[int | None] = []
+
+    async def _answer(self, engine, path: str, body: bytes) -> Recorder:
+        payload = json.loads(body)
+        self.calls.append((engine.name, path, payload))
+        if self.cuts and payload.get("kv_transfer_params", {}).get("do_remote_prefill"):
+            cut(self.engines[engine.name], after=self.cuts.pop(0))
+        recorder = Recorder()
+        request = Request(b"POST", path.encode(), [(b"content-type", b"application/json")], body)
+        await self.engines[engine.name].handle(request, recorder)  # type: ignore[arg-type]
+        if 400 <= recorder.status < 500:
+            raise UpstreamClientError(engine.name, recorder.status, b"".join(recorder.writes))
+        if recorder.status >= 500:
+            raise EngineFailure(engine.name, FailureClass.INFERENCE_STATUS, f"HTTP {recorder.status}",
+                                status=recorder.status)
+        return recorder
+
+    async def post_json(self, engine, path, body, *, request_id):
+        recorder = await self._answer(engine, path, body)
+        if not recorder.finished:
+            raise EngineFailure(engine.name, FailureClass.CONNECTION, "connection closed mid-body")
+        return recorder.status, b"".join(recorder.writes)
+
+    @contextlib.asynccontextmanager
+    async def stream(self, engine, path, body, *, request_id):
+        recorder = await self._answer(engine, path, body)
+        failure = None if recorder.finished else EngineFailure(
+            engine.name, FailureClass.STREAM, "stream ended without data: [DONE] (connection closed)")
+        yield Upstream(list(recorder.writes), failure)
+
+
+class ClientSink:
+    def __init__(self) -> None:
+        self.started = False
+        self.ended = False
+        self.status = 0
+        self.body = b""
+
+    async def respond(self, status, headers, body):
+        self.status, self.body = status, body
+
+    async def start_stream(self, status, headers, first=b"", end=False):
+        self.started, self.status, self.body, self.ended = True, status, first, end
+
+    async def write(self, data):
+        assert not self.ended
+        self.body += data
+
+    async def end_stream(self, last=b""):
+        self.body += last
+        self.ended = True
+
+    def events(self) -> list[Any]:
+        out = []
+        for event in self.body.split(b"\n\n"):
+            if event:
+                assert event.startswith(b"data: "), event
+                payload = event[6:]
+                out.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
+        return out
+
+
+def make(*, decode: tuple[str, ...] = ("d1", "d2", "d3"), max_attempts: int = 3, continue_streams: bool = True,
+         return_ids: bool = True):
+    config = parse_config(CONFIG.format(max_attempts=max_attempts, continue_streams=str(continue_streams).lower()))
+    engines = {}
+    for spec in config.engines:
+        engines[spec.name] = MockEngine(MockSettings(role=spec.role, engine_id=spec.name, numbered=True, tokens=16))
+    supervisor = Supervisor(list(decode))
+    pool = MockPool(engines)
+    metrics = RouterMetrics()
+    core = RequestCore(config=config, supervisor=supervisor, data_pool=pool,
+                       in_flight=InFlight(e.name for e in config.engines), admission=Admission(), metrics=metrics)
+    if not return_ids:
+        # An engine that ignores return_token_ids (older vLLM): joins fall back to text.
+        original = MockPool._answer
+
+        async def without_ids(self, engine, path, body):
+            payload = json.loads(body)
+            payload.pop("return_token_ids", None)
+            return await original(self, engine, path, msgspec.json.encode(payload))
+
+        pool._answer = without_ids.__get__(pool)  # type: ignore[method-assign]
+    return core, supervisor, pool, engines, metrics
+
+
+def cut(engine: MockEngine, after: int | None = None, count: int = 1) -> None:
+    engine.add_fault(FaultRequest(mode="cut", after_tokens=after, count=count))
+
+
+def text_of(events: list[Any], chat: bool) -> str:
+    parts = []
+    for event in events:
+        if event == "[DONE]":
+            continue
+        for choice in event["choices"]:
+            parts.append((choice["delta"].get("content") or "") if chat else choice["text"])
+    return "".join(parts)
+
+
+def numbers(text: str) -> list[int]:
+    return [int(n) for n in NUMBERED.findall(text)]
+
+
+def check_one_stream(sink: ClientSink, *, chat: bool, prompt_tokens: int, max_tokens: int,
+                     usage: bool = True) -> list[Any]:
+    """The client's view is one uninterrupted answer: the shared assertions of every join test."""
+    assert sink.status == 200 and sink.ended
+    events = sink.events()
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    chunks = events[:-1]
+    assert len({e["id"] for e in chunks}) == 1
+    assert len({e["created"] for e in chunks}) == 1
+    # No repeat, no gap at any join: the numbers run on from the prompt's length.
+    assert numbers(text_of(chunks, chat)) == list(range(prompt_tokens, prompt_tokens + max_tokens))
+    finals = [c for e in chunks for c in e["choices"] if c.get("finish_reason") is not None]
+    assert len(finals) == 1 and finals[0]["finish_reason"] == "length"
+    usages = [e["usage"] for e in chunks if e.get("usage")]
+    if usage:
+        assert usages == [{"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens,
+                           "total_tokens": prompt_tokens + max_tokens}]
+    if chat:
+        roles = [c for e in chunks for c in e["choices"] if "role" in c["delta"]]
+        assert len(roles) == 1
+    for event in chunks:
+        assert "prompt_token_ids" not in event and "kv_transfer_params" not in event
+        for choice in event["choices"]:
+            assert "token_ids" not in choice and "prompt_token_ids" not in choice
+    return chunks
+
+
+def request_body(route: str, **extra: Any) -> bytes:
+    body: dict[str, Any] = {"model": "mock-model", "max_tokens": 10, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if route == "/v1/chat/completions":
+        body["messages"] = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "count up"}]
+    else:
+        body["prompt"] = "one two three"
+    body.update(extra)
+    return msgspec.json.encode({k: v for k, v in body.items() if v is not ...})
+
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+# The mock's tokenizer: one token per word, one per chat message for its role.
+PROMPT_TOKENS = {COMPLETIONS: 3, CHAT: 6}
+
+
+def decode_calls(pool: MockPool) -> list[tuple[str, str, dict[str, Any]]]:
+    return [c for c in pool.calls if c[2].get("kv_transfer_params", {}).get("do_remote_prefill")]
+
+
+@pytest.mark.parametrize("route", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("with_ids", [True, False], ids=["token_ids", "text"])
+async def test_a_decode_cut_halfway_is_continued_into_one_exact_stream(route, with_ids):
+    core, supervisor, pool, engines, metrics = make(decode=("d1", "d2"), return_ids=with_ids)
+    pool.cuts = [4]
+    sink = ClientSink()
+    await core.handle(route, request_body(route), None, sink)
+    check_one_stream(sink, chat=route == CHAT, prompt_tokens=PROMPT_TOKENS[route], max_tokens=10)
+    decodes = decode_calls(pool)
+    assert len(decodes) == 2 and decodes[0][0] != decodes[1][0]
+    second = decodes[1]
+    if with_ids:
+        # Exact join: the prompt's token IDs plus the 4 output IDs, as a completions prompt.
+        assert second[1] == COMPLETIONS
+        assert isinstance(second[2]["prompt"], list) and len(second[2]["prompt"]) == PROMPT_TOKENS[route] + 4
+        assert "messages" not in second[2]
+    elif route == CHAT:
+        assert second[1] == CHAT
+        assert second[2]["messages"][-1]["role"] == "assistant"
+        assert second[2]["continue_final_message"] is True and second[2]["add_generation_prompt"] is False
+    else:
+        assert second[2]["prompt"].startswith("one two three n3 n4 n5 n6")
+    assert second[2]["max_tokens"] == 6
+    # The continuation's prefill is a fresh one (fresh KV ownership) before its decode.
+    legs = [bool(c[2].get("kv_transfer_params", {}).get("do_remote_decode")) for c in pool.calls]
+    assert legs == [True, False, True, False]
+    assert metrics.continuations.values == {("completed",): 1}
+    assert "narwhal_continuation_join_gap_seconds_count 1" in metrics.render()
+
+
+async def test_token_ids_the_client_asked_for_are_relayed_once_and_complete():
+    core, _, pool, engines, _ = make(decode=("d1", "d2"))
+    pool.cuts = [3]
+    sink = ClientSink()
+    await core.handle(COMPLETIONS, request_body(COMPLETIONS, return_token_ids=True), None, sink)
+    events = sink.events()[:-1]
+    prompt_ids = [c["prompt_token_ids"] for e in events for c in e["choices"] if "prompt_token_ids" in c]
+    assert len(prompt_ids) == 1 and len(prompt_ids[0]) == 3
+    ids = [i for e in events for c in e["choices"] for i in c.get("token_ids") or []]
+    assert len(ids) == 10
+    assert numbers(text_of(events, False)) == list(range(3, 13))
+
+
+async def test_a_token_id_prompt_resumes_at_the_exact_token():
+    core, _, pool, engines, _ = make(decode=("d1", "d2"))
+    pool.cuts = [5]
+    sink = ClientSink()
+    await core.handle(COMPLETIONS, request_body(COMPLETIONS, prompt=[11, 12, 13, 14]), None, sink)
+    check_one_stream(sink, chat=False, prompt_tokens=4, max_tokens=10)
+    assert decode_calls(pool)[1][2]["prompt"][:4] == [11, 12, 13, 14]
+
+
+async def test_a_continuation_whose_own_decode_fails_is_continued_again():
+    core, supervisor, pool, engines, metrics = make()
+    pool.cuts = [3, 3]
+    sink = ClientSink()
+    await core.handle(COMPLETIONS, request_body(COMPLETIONS, max_tokens=12), None, sink)
+    check_one_stream(sink, chat=False, prompt_tokens=3, max_tokens=12)
+    decodes = [c[0] for c in decode_calls(pool)]
+    assert sorted(decodes) == ["d1", "d2", "d3"]
+    assert metrics.continuations.values == {("failed",): 1, ("completed",): 1}
+    # Evidence per failed engine: exactly one stream failure each for the two that cut, none for the third.
+    stream_failures = [f for f in supervisor.failures if f[1] is FailureClass.STREAM]
+    assert sorted(stream_failures) == sorted((name, FailureClass.STREAM) for name in decodes[:2])
+
+
+async def test_max_attempts_exhausted_ends_with_the_sse_error():
+    core, supervisor, pool, engines, metrics = make(max_attempts=2)
+    pool.cuts = [2, 2, 2]
+    sink = ClientSink()
+    await core.handle(COMPLETIONS, request_body(COMPLETIONS), None, sink)
+    events = sink.events()
+    assert "[DONE]" not in events
+    assert events[-1]["error"]["code"] == "stream"
+    assert numbers(text_of(events[:-1], False)) == [3, 4, 5, 6]
+    assert len(decode_calls(pool)) == 2
+    assert ("exhausted",) in metrics.continuations.values
+
+
+async def test_continue_streams_off_ends_with_the_sse_error_as_before():
+    core, supervisor, pool, engines, metrics = make(continue_streams=False)
+    pool.cuts = [2, 2]
+    sink = ClientSink()
+    await core.handle(COMPLETIONS, request_body(COMPLETIONS), None, sink)
+    events = sink.events()
+    assert events[-1]["error"]["code"] == "stream" and "[DONE]" not in events
+    assert len(decode_calls(pool)) == 1
+    # Nothing was added to the client's request: the engine got what the client sent.
+    assert "return_token_ids" not in decode_calls(pool)[0][2]
+    assert metrics.continuations.values == {("not_eligible",): 1}
+
+
+@pytest.mark.parametrize("extra", [
+    {"n": 2}, {"best_of": 3}, {"echo": True}, {"response_format": {"type": "json_object"}},
+    {"guided_json": {"type": "object"}}, {"structured_outputs": {"regex": "a+"}},
+    {"tools": [{"type": "function", "function": {"name": "f"}}]}, {"tool_choice": "auto"},
+])
+async def test_requests_that_cannot_be_resumed_are_not_continued(extra):
+    core, _, pool, engines, metrics = make()
+    pool.cuts = [2, 2]
+    sink = ClientSink()
+    await core.handle(COMPLETIONS, request_body(COMPLETIONS, **extra), None, sink)
+    events = sink.events()
+    assert events[-1]["error"]["code"] == "stream" and "[DONE]" not in events
+    assert len(decode_calls(pool)) == 1
+    assert metrics.continuations.values == {("not_eligible",): 1}
+
+
+def test_not_continued_reasons_name_the_field():
+    assert not_continued_reason(COMPLETIONS, {"n": 1, "best_of": 1, "response_format": {"type": "text"}}) is None
+    assert not_continued_reason(CHAT, {"tool_choice": "none"}) == "tools"
+    assert not_continued_reason(COMPLETIONS, {"prompt": ["a", "b"]}) == "several_prompts"
+    assert not_continued_reason(COMPLETIONS, {"prompt": ["a"]}) is None
+
+
+async def test_the_deadline_ends_a_continuation_with_the_sse_error(autojump_clock):
+    core, supervisor, pool, engines, metrics = make(decode=("d1", "d2"))
+    pool.cuts = [2]
+    # The continuation's decode never answers: the request's original deadline (30 s) ends it.
+    engines["d1"].add_fault(FaultRequest(mode="first_token_delay", delay_s=3600.0, count=1))
+    engines["d2"].add_fault(FaultRequest(mode="first_token_delay", delay_s=3600.0, count=1))
+    sink = ClientSink()
+    await core.handle(COMPLETIONS, request_body(COMPLETIONS), None, sink)
+    events = sink.events()
+    assert events[-1]["error"]["code"] == "deadline_exceeded" and "[DONE]" not in events
+    assert trio.current_time() == pytest.approx(30.0)
+    assert metrics.continuations.values == {("exhausted",): 1}
+    assert core.in_flight.total() == 0
+
+
+async def test_the_join_gap_is_measured_from_the_last_bytes_to_the_next(autojump_clock):
+    core, supervisor, pool, engines, metrics = make(decode=("d1", "d2"))
+    pool.cuts = [2]
+    # The continuation's prefill takes 0.5 s: the client waits that long at the join.
+    for name in ("p1", "p2"):
+        engines[name].add_fault(FaultRequest(mode="first_token_delay", delay_s=0.5, legs=["prefill"]))
+    sink = ClientSink()
+    await core.handle(COMPLETIONS, request_body(COMPLETIONS), None, sink)
+    check_one_stream(sink, chat=False, prompt_tokens=3, max_tokens=10)
+    rendered = metrics.render()
+    assert "narwhal_continuation_join_gap_seconds_count 1" in rendered
+    assert "narwhal_continuation_join_gap_seconds_sum 0.5" in rendered
+
+
+async def test_a_stream_that_lost_only_its_done_is_finished_not_continued():
+    core, supervisor, pool, engines, metrics = make(decode=("d1", "d2"))
+    # All 10 tokens (the last with its finish_reason) went out; the connection closed before usage/[DONE].
+    pool.cuts = [10]
+    sink = ClientSink()
+    await core.handle(COMPLETIONS, request_body(COMPLETIONS), None, sink)
+    check_one_stream(sink, chat=False, prompt_tokens=3, max_tokens=10)
+    assert len(decode_calls(pool)) == 1
+    # The engine still gets exactly today's evidence for the broken stream.
+    assert [f[1] for f in supervisor.failures] == [FailureClass.STREAM]
+
+
+async def test_a_non_streamed_request_whose_decode_breaks_is_retried_on_another_engine():
+    core, supervisor, pool, engines, metrics = make(decode=("d1", "d2"))
+    pool.cuts = [None]
+    sink = ClientSink()
+    await core.handle(COMPLETIONS, request_body(COMPLETIONS, stream=False, stream_options=...), None, sink)
+    assert sink.status == 200
+    answer = json.loads(sink.body)
+    assert numbers(answer["choices"][0]["text"]) == list(range(3, 13))
+    decodes = [c[0] for c in decode_calls(pool)]
+    assert len(decodes) == 2 and decodes[0] != decodes[1]
+    assert [f[1] for f in supervisor.failures] == [FailureClass.CONNECTION]
+
+
+async def test_saturate_policy_never_continues():
+    config = parse_config(CONFIG.format(max_attempts=3, continue_streams="true").replace('"bounded"', '"saturate"'))
+    engines = {s.name: MockEngine(MockSettings(role=s.role, engine_id=s.name, numbered=True)) for s in config.engines}
+    pool = MockPool(engines)
+    core = RequestCore(config=config, supervisor=Supervisor(["d1"]), data_pool=pool,
+                       in_flight=InFlight(e.name for e in config.engines), admission=Admission(),
+                       metrics=RouterMetrics())
+    pool.cuts = [2]
+    sink = ClientSink()
+    await core.handle(COMPLETIONS, request_body(COMPLETIONS), None, sink)
+    assert sink.events()[-1]["error"]["code"] == "stream"
+    assert "return_token_ids" not in decode_calls(pool)[0][2]
+
+
+def test_a_join_rewrites_a_continuations_events_into_the_first_legs_stream():
+    join = StreamJoin(CHAT, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4})
+    join.next_leg()
+    out, done = join.feed(b'data: {"id":"a","created":1,"prompt_token_ids":[1,2],"choices":[{"index":0,'
+                          b'"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\ndata: {"id":"a",'
+                          b'"created":1,"choices":[{"index":0,"delta":{"content":" x"},"token_ids":[7],'
+                          b'"finish_reason":null}]}\n\n')
+    assert not done and b"prompt_token_ids" not in out and b"token_ids" not in out
+    route, body = join.next_leg() or ("", {})
+    assert route == COMPLETIONS and body["prompt"] == [1, 2, 7] and body["max_tokens"] == 3
+    join.continuations = 1
+    out, done = join.feed(b'data: {"id":"b","created":2,"choices":[{"index":0,"text":" y","token_ids":[8],'
+                          b'"finish_reason":"length"}]}\n\ndata: [DONE]\n\n')
+    event = json.loads(out[6:])
+    assert done and event["id"] == "a" and event["created"] == 1
+    assert event["object"] == "chat.completion.chunk"
+    assert event["choices"][0]["delta"] == {"content": " y"} and event["choices"][0]["finish_reason"] == "length"
+    # An event split across reads is held until it is whole.
+    join2 = StreamJoin(COMPLETIONS, {"prompt": "p"})
+    join2.next_leg()
+    assert join2.feed(b'data: {"id":"c","choices":[{"text":"')[0] == b""
+    assert join2.feed(b' z"}]}\n\n')[0].startswith(b"data: ")
+    assert join2.output_text == " z"
+
+
+async def test_a_fleet_with_one_decode_engine_ends_the_stream_at_once(autojump_clock):
+    # The continuation may not go back to the engine that broke the stream; with no other decode
+    # engine configured, waiting until the deadline could not help.
+    one_decode = CONFIG.format(max_attempts=3, continue_streams="true").split('[[engines]]\nname = "d2"')[0]
+    config = parse_config(one_decode)
+    engines = {s.name: MockEngine(MockSettings(role=s.role, engine_id=s.name, numbered=True)) for s in config.engines}
+    pool = MockPool(engines)
+    metrics = RouterMetrics()
+    core = RequestCore(config=config, supervisor=Supervisor(["d1"]), data_pool=pool,
+                       in_flight=InFlight(e.name for e in config.engines), admission=Admission(), metrics=metrics)
+    pool.cuts = [2]
+    sink = ClientSink()
+    await core.handle(COMPLETIONS, request_body(COMPLETIONS), None, sink)
+    assert sink.events()[-1]["error"]["code"] == "stream"
+    assert metrics.continuations.values == {("not_eligible",): 1}
+    assert trio.current_time() == 0.0
+
+
+async def test_a_token_id_prompt_without_output_ids_cannot_be_resumed_from_text():
+    core, _, pool, _, metrics = make(decode=("d1", "d2"), return_ids=False)
+    pool.cuts = [3]
+    sink = ClientSink()
+    await core.handle(COMPLETIONS, request_body(COMPLETIONS, prompt=[5, 6, 7]), None, sink)
+    events = sink.events()
+    assert events[-1]["error"]["code"] == "not_continued" and "[DONE]" not in events
+    assert numbers(text_of(events[:-1], False)) == [3, 4, 5]
+    assert len(decode_calls(pool)) == 1
+    assert metrics.continuations.values == {("not_eligible",): 1}
