@@ -10,6 +10,7 @@ import contextlib
 import datetime
 import json
 import logging
+import socket
 import ssl
 import subprocess
 import sys
@@ -302,8 +303,6 @@ async def _handshake(port: int, ca: trustme.CA, client_cert: trustme.LeafCert | 
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
