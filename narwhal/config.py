@@ -37,6 +37,7 @@ __all__ = [
     "load_config",
     "parse_config",
     "parse_listen",
+    "resolve_config_path",
 ]
 
 
@@ -251,6 +252,14 @@ class RecoveryConfig(_Section, frozen=True):
 HANDOFF_FILE = "narwhal-handoff.json"
 
 
+def resolve_config_path(path: str, config_dir: Path | None) -> Path:
+    """A path given in the config: ``~`` expanded, and a relative one taken from the config file's directory."""
+    resolved = Path(path).expanduser()
+    if config_dir is not None and not resolved.is_absolute():
+        resolved = config_dir / resolved
+    return resolved
+
+
 def default_handoff_path(env: Mapping[str, str] | None = None) -> Path:
     """``$XDG_STATE_HOME/narwhal/narwhal-handoff.json``, else under ``~/.local/state``.
 
@@ -404,20 +413,14 @@ class Config(_Section, frozen=True):
         """Where the handoff lives: ``[handoff] path`` (relative to ``config_dir``), else the state directory."""
         if self.handoff.path is None:
             return default_handoff_path(env)
-        path = Path(self.handoff.path).expanduser()
-        if not path.is_absolute() and config_dir is not None:
-            path = config_dir / path
-        return path
+        return resolve_config_path(self.handoff.path, config_dir)
 
     def attestation_key_bytes(self, base_dir: Path | None = None) -> bytes | None:
         """The fleet's HMAC key, read from the file when one is named."""
         if self.fleet.attestation_key is not None:
             return self.fleet.attestation_key.encode()
         if self.fleet.attestation_key_file is not None:
-            path = Path(self.fleet.attestation_key_file)
-            if base_dir is not None and not path.is_absolute():
-                path = base_dir / path
-            return path.read_bytes().strip()
+            return resolve_config_path(self.fleet.attestation_key_file, base_dir).read_bytes().strip()
         return None
 
 
@@ -444,9 +447,8 @@ def parse_config(data: bytes | str, source: str = "<config>") -> Config:
     except msgspec.DecodeError as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
     if config.fleet.attestation_key_file is not None:
-        key_path = Path(config.fleet.attestation_key_file)
-        if not key_path.is_absolute() and source != "<config>":
-            key_path = Path(source).parent / key_path
+        key_path = resolve_config_path(config.fleet.attestation_key_file,
+                                       None if source == "<config>" else Path(source).parent)
         try:
             key_path.read_bytes()
         except OSError as exc:

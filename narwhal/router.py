@@ -1,10 +1,15 @@
-"""The router process: builds every part from the config and runs them under one nursery.
+"""The router process: the composition root that builds every part from the config and runs them.
 
-Ownership: ``Router.run`` opens the nursery that owns the supervisor (probes),
-the monitor, the optional admin listener and the data-plane server.
-``shutdown`` closes admission, stops accepting, lets in-flight requests finish
-within the grace period, then cancels the rest. ``reload_tls`` (SIGHUP) reads
-the certificates again and swaps the contexts of every listener and pool.
+The data plane is one ``DataPlane`` (``narwhal/serving/data_plane.py``),
+served in this process or by worker processes; the control plane, the control
+app and the lease are built once either way. Ownership: ``Router.run`` opens
+the nursery that owns the supervisor (probes), the monitor, the optional
+admin listener (the same HTTP/1.1 server, with its own bounds), the data
+plane and the lease. ``shutdown`` closes admission, stops accepting, lets
+in-flight requests finish within the grace period, then cancels the rest.
+``reload_tls`` (SIGHUP) is the one reload path: this process's contexts (the
+admin listener's too), then the data plane's (each worker's), and
+``tls_reloaded`` only once every part reloaded.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import trio
 
 from narwhal.app.admin_routes import register_admin_routes
 from narwhal.app.control_app import create_app
+from narwhal.clocks import to_monotonic
 from narwhal.config import Config, ConfigError, parse_listen
 from narwhal.control.engine_view import EngineViewer
 from narwhal.control.fleet_writer import FleetWriter
@@ -32,24 +38,23 @@ from narwhal.control.supervisor import Supervisor
 from narwhal.errors import StartupError
 from narwhal.fleet import Fleet
 from narwhal.fleet.admission import Admission
-from narwhal.fleet.placement import InFlight
 from narwhal.fleet.telemetry import Telemetry
 from narwhal.http1.asgi import ASGILifespan, call_asgi
-from narwhal.http1.server import HTTPServer, Request, Responder
+from narwhal.http1.server import HTTPServer
 from narwhal.lease import EtcdLeaseBackend, build_backend
 from narwhal.lease.service import LeaseService, LeaseView
 from narwhal.obs.logs import flush_logs, log_event
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.pools.control import ControlPool
-from narwhal.pools.data import DataPool
-from narwhal.serving.front import Front, build_admin_server, build_front_server
-from narwhal.serving.request_core import RequestCore
+from narwhal.serving.data_plane import DataPlane, LocalDataPlane
+from narwhal.serving.front import build_admin_server
 from narwhal.stages import build_stages
 from narwhal.stages.persistence import HandoffExtra, PersistenceStage
 from narwhal.state.handoff import LeaseOwnership
 from narwhal.state.resume import apply_resume, plan_resume
 from narwhal.tls import ExpiryWatch, TLSContexts
-from narwhal.workers.hub import WorkerHub, monotonic_offset
+from narwhal.workers.hub import WorkerHub
+from narwhal.workers.plane import WorkerDataPlane
 from narwhal.workers.process import WorkerSet
 from narwhal.workers.view import WorkerView
 
@@ -118,7 +123,11 @@ def preflight(config: Config, listen: str, handoff_path: Path | None = None) -> 
 
 
 class Router:
-    """One Narwhal router: data plane, control app and control plane over one fleet."""
+    """One Narwhal router: the composition root of the data plane, the control app and the control plane.
+
+    The data plane is one ``DataPlane``: this process's own (``serving.workers
+    = 1``) or worker processes'; nothing else here depends on which.
+    """
 
     def __init__(self, config: Config, *, listen: str | None = None, resume: bool = False,
                  config_dir: Path | None = None) -> None:
@@ -128,8 +137,6 @@ class Router:
         self.router_id = config.lease.router_id or f"{socket.gethostname()}-{os.getpid()}"
         self.metrics = RouterMetrics()
         self.admission = Admission(clock=trio.current_time)
-        names = [spec.name for spec in config.engines]
-        self.in_flight = InFlight(names)
         recovery = config.recovery
         # The one writer: every part that changes the fleet gets this, never the bare Fleet.
         self.fleet = FleetWriter(Fleet(
@@ -141,40 +148,28 @@ class Router:
         ), self.metrics)
         # Every engine request says it came from this router: one arriving back here is a loop.
         self.via_token = f"narwhal-{secrets.token_hex(8)}"
-        via = f"1.1 {self.via_token}"
         # Certificates are read here: a problem is a ConfigError naming the key.
         self.tls = TLSContexts(config, config_dir)
+        # Warns before the serving certificate expires; feeds narwhal_tls_cert_expiry_seconds.
         self.cert_expiry = ExpiryWatch(self.tls)
-        # Only bounded serving may queue; the default policy reports saturation at once.
-        self.data_pool = DataPool(max_connections=config.serving.max_connections, engine_config=config.engine,
-                                  wait_for_slot=config.serving.policy == "bounded", via=via,
-                                  ssl_context=self.tls.engine)
         self.control_pool = ControlPool(control_connections=config.engine.control_connections,
-                                        engine_config=config.engine, via=via, ssl_context=self.tls.engine)
+                                        engine_config=config.engine, via=f"1.1 {self.via_token}",
+                                        ssl_context=self.tls.engine)
         self.supervisor = Supervisor(config=config, fleet=self.fleet, control_pool=self.control_pool,
                                      metrics=self.metrics)
-        roles = [(spec.name, spec.role) for spec in config.engines]
-        self.telemetry = Telemetry(roles, clock=trio.current_time, interval_s=config.telemetry.interval_s,
+        self.telemetry = Telemetry([(spec.name, spec.role) for spec in config.engines], clock=trio.current_time,
+                                   interval_s=config.telemetry.interval_s,
                                    keep_intervals=config.telemetry.keep_intervals)
-        # The request path reads snapshots and sends evidence as messages, in
-        # memory here or over a socket from worker processes: one code path.
+        # The app reads this router's state as it answers: built here, the data plane hands it other routes.
+        self.app = create_app(self)
         self.worker_count = config.serving.workers
-        in_memory = self.worker_count == 1
-        self.hub = WorkerHub(self.supervisor, self.admission, engines=names, clock=trio.current_time,
-                             to_link_clock=None if in_memory else monotonic_offset(trio.current_time),
-                             record_sample=self.telemetry.record_request, share_in_flight=not in_memory)
-        self.workers: WorkerSet | None = None
-        if in_memory:
-            self.view = WorkerView(lambda message: self.hub.receive(0, message), clock=trio.current_time,
-                                   refresh=self.hub.refresh_if_fleet_changed)
-            self.hub.attach(0, self.view.apply)
-            # In one process admission and in-flight counts are read directly, not reported.
-            self.core = RequestCore(config=config, supervisor=self.view, data_pool=self.data_pool,
-                                    in_flight=self.in_flight, admission=self.admission, metrics=self.metrics,
-                                    telemetry=self.telemetry)
-        else:
-            self.in_flight = self.hub.in_flight  # type: ignore[assignment]
-            self.hub.metrics.attach_to(self.metrics.registry)
+        self.hub = WorkerHub(self.supervisor, self.admission, engines=[spec.name for spec in config.engines],
+                             clock=trio.current_time,
+                             to_link_clock=None if self.worker_count == 1
+                             else functools.partial(to_monotonic, clock=trio.current_time),
+                             record_sample=self.telemetry.record_request, share_in_flight=self.worker_count > 1)
+        self.data_plane = self._build_data_plane(config_dir)
+        self.in_flight = self.data_plane.in_flight
         self.handoff_path = config.handoff_path(config_dir)
         self.persistence = PersistenceStage(path=self.handoff_path, router_id=self.router_id,
                                             fleet=self.fleet, config=config)
@@ -188,28 +183,7 @@ class Router:
         self.controller = self.stages.controller
         self.drain = self.stages.drain
         self.persistence.extra = self._handoff_extra
-        backend = build_backend(config, self.handoff_path, config_dir)
-        # With a lease backend every router starts as a standby (the service closes admission).
-        self.lease: LeaseService | None = None
-        if backend is not None:
-            self.lease = LeaseService(config=config, router_id=self.router_id, backend=backend,
-                                      admission=self.admission, persistence=self.persistence, fleet=self.fleet,
-                                      metrics=self.metrics, own_readiness=self.own_readiness)
-            if isinstance(backend, EtcdLeaseBackend):
-                etcd = backend
-
-                async def publish(data: bytes) -> bool:
-                    lease = self.lease
-                    record = lease.record if lease is not None else None
-                    if lease is None or record is None or not lease.valid_threadsafe():
-                        return False
-                    return await etcd.write_handoff(data, record)
-
-                self.persistence.publish = publish
-            lease = self.lease
-            # Worker processes check the same deadline on their own clocks (the hub converts it).
-            self.hub.set_admit_until(
-                lambda: lease.admission_deadline if math.isfinite(lease.admission_deadline) else None)
+        self.lease = self._build_lease(config_dir)
         controller = config.controller
         self.monitor = Monitor(self.stages.in_spec_order(), interval_s=controller.monitor_interval_s,
                                stage_timeout_s=controller.stage_timeout_s,
@@ -217,24 +191,54 @@ class Router:
                                admission=self.admission, metrics=self.metrics)
         self.engine_view = EngineViewer(config=config, fleet=self.fleet, in_flight=self.in_flight,
                                         readmitter=self.readmitter, controller=self.controller, monitor=self.monitor)
-        self.app = create_app(self)
         register_admin_routes(self.app, self)
-        # One process serves the data plane itself; a controller leaves it to its workers.
-        self.server: HTTPServer | None = None
         # The [admin] listen server while it runs.
         self.admin_server: HTTPServer | None = None
-        self.front: Front | None = None
-        if in_memory:
-            # With [admin] listen the admin API is off the traffic port entirely.
-            self.front = Front(self.core, functools.partial(call_asgi, self.app), via_token=self.via_token,
-                               admin_elsewhere=config.admin.listen is not None)
-            self.server = build_front_server(config, self.front, self.tls.server)
-        else:
-            self.workers = WorkerSet(count=self.worker_count, config=config, config_dir=config_dir, hub=self.hub,
-                                     app=self.app, via_token=self.via_token)
         self.bound_port: int | None = None
         self._nursery: trio.Nursery | None = None
         self._register_gauges()
+
+    def _build_data_plane(self, config_dir: Path | None) -> DataPlane:
+        """This process serves the data plane itself, or leaves it to ``serving.workers`` processes."""
+        config, hub = self.config, self.hub
+        if self.worker_count > 1:
+            # /metrics shows the controller's own series plus the sums over workers.
+            hub.metrics.attach_to(self.metrics.registry)
+            return WorkerDataPlane(WorkerSet(count=self.worker_count, config=config, config_dir=config_dir,
+                                             hub=hub, app=self.app, via_token=self.via_token), hub)
+        # The request path reads snapshots and sends evidence as messages, here
+        # by a function call, from worker processes over a socket: one code path.
+        view = WorkerView(lambda message: hub.receive(0, message), clock=trio.current_time,
+                          refresh=hub.refresh_if_fleet_changed)
+        hub.attach(0, view.apply)
+        # In one process admission and telemetry are the controller's own, not reported.
+        return LocalDataPlane(config, tls=self.tls, via_token=self.via_token, supervisor=view,
+                              admission=self.admission, metrics=self.metrics, telemetry=self.telemetry,
+                              serve_rest=functools.partial(call_asgi, self.app))
+
+    def _build_lease(self, config_dir: Path | None) -> LeaseService | None:
+        """With a lease backend every router starts as a standby (the service closes admission)."""
+        config = self.config
+        backend = build_backend(config, self.handoff_path, config_dir)
+        if backend is None:
+            return None
+        lease = LeaseService(config=config, router_id=self.router_id, backend=backend, admission=self.admission,
+                             persistence=self.persistence, fleet=self.fleet, metrics=self.metrics,
+                             own_readiness=self.own_readiness)
+        if isinstance(backend, EtcdLeaseBackend):
+            etcd = backend
+
+            async def publish(data: bytes) -> bool:
+                record = lease.record
+                if record is None or not lease.valid_threadsafe():
+                    return False
+                return await etcd.write_handoff(data, record)
+
+            self.persistence.publish = publish
+        # Worker processes check the same deadline on their own clocks (the hub converts it).
+        self.hub.set_admit_until(
+            lambda: lease.admission_deadline if math.isfinite(lease.admission_deadline) else None)
+        return lease
 
     # -- state views -----------------------------------------------------------------
 
@@ -266,17 +270,10 @@ class Router:
                     lambda: {(name,): float(n) for name, n in self.in_flight.counts.items()})
 
         def pools() -> dict[tuple[str, ...], float]:
-            data = self.data_pool.statistics()
+            data = self.data_plane.pool_usage()
             control = self.control_pool.statistics()
-            in_use, waiting, capacity = float(data.in_use), float(data.waiting), float(data.max_connections)
-            if self.workers is not None:
-                # Each worker has its own data pool: the figures are sums over workers.
-                workers = self.hub.workers.values()
-                in_use = float(sum(w.data_in_use for w in workers))
-                waiting = float(sum(w.data_waiting for w in workers))
-                capacity *= self.worker_count
-            return {("data", "in_use"): in_use, ("data", "capacity"): capacity, ("data", "waiting"): waiting,
-                    ("control", "in_use"): float(control.in_use),
+            return {("data", "in_use"): float(data.in_use), ("data", "capacity"): float(data.capacity),
+                    ("data", "waiting"): float(data.waiting), ("control", "in_use"): float(control.in_use),
                     ("control", "capacity"): float(control.control_connections)}
 
         m.add_gauge("narwhal_pool_connections", "Connection pool occupancy.", ("pool", "state"), pools)
@@ -291,10 +288,10 @@ class Router:
                     "(negative once it has); no sample without TLS.", (), self.cert_expiry.gauge)
         m.add_gauge("narwhal_ready", "1 when /ready answers 200.", (),
                     lambda: {(): float(self.readiness() is None)})
-        if self.worker_count > 1:
-            self._register_worker_gauges()
+        if isinstance(self.data_plane, WorkerDataPlane):
+            self._register_worker_gauges(self.data_plane.workers)
 
-    def _register_worker_gauges(self) -> None:
+    def _register_worker_gauges(self, workers: WorkerSet) -> None:
         m = self.metrics
         hub = self.hub
 
@@ -305,18 +302,11 @@ class Router:
         m.add_gauge("narwhal_worker_up", "1 while the worker process is connected to the controller.",
                     ("worker",), up)
         m.add_gauge("narwhal_worker_restarts", "Times the controller restarted the worker.", ("worker",),
-                    lambda: {(str(i),): float(n) for i, n in (self.workers.restarts if self.workers else {}).items()})
+                    lambda: {(str(i),): float(n) for i, n in workers.restarts.items()})
         m.add_gauge("narwhal_worker_requests_in_flight", "Client requests in flight per worker.", ("worker",),
                     lambda: {(str(i),): float(s.requests_in_flight) for i, s in hub.workers.items()})
         m.add_gauge("narwhal_worker_requests_finished", "Client requests each live worker finished since it started.",
                     ("worker",), lambda: {(str(i),): n for i, n in hub.metrics.per_worker("narwhal_requests")})
-
-    # -- the front ---------------------------------------------------------------------
-
-    async def handle(self, request: Request, responder: Responder) -> None:
-        """The data-plane front: completion routes to the core, the rest to the app."""
-        assert self.front is not None, "a controller with workers serves no requests itself"
-        await self.front.handle(request, responder)
 
     # -- lifetime ----------------------------------------------------------------------
 
@@ -333,7 +323,6 @@ class Router:
             async with ASGILifespan(self.app), trio.open_nursery() as nursery:
                 self._nursery = nursery
                 nursery.start_soon(self._flush_logs_periodically)
-                await nursery.start(self.data_pool.run)
                 await nursery.start(self.supervisor.run)
                 if self.resume:
                     self._resume()
@@ -342,10 +331,7 @@ class Router:
                 if admin_fd is not None:
                     await nursery.start(self._serve_admin, admin_fd)
                     admin_fd = None
-                if self.workers is not None:
-                    self.bound_port = await nursery.start(self._run_workers_then_stop, nursery, listeners)
-                else:
-                    self.bound_port = await nursery.start(self._serve_then_stop, nursery, listeners)
+                self.bound_port = await nursery.start(self._serve_then_stop, nursery, listeners)
                 listeners = []
                 if self.lease is not None:
                     if not self.lease.advertise_url:
@@ -365,7 +351,6 @@ class Router:
                 os.close(admin_fd)
             # Close sockets even when cancelled: leaked engine connections outlive the router.
             with trio.CancelScope(shield=True):
-                await self.data_pool.aclose()
                 await self.control_pool.aclose()
             log_event("router_stopped", router_id=self.router_id)
             flush_logs()
@@ -417,23 +402,18 @@ class Router:
 
     async def _serve_then_stop(self, nursery: trio.Nursery, listeners: list[trio.SocketListener], *,
                                task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        # The server returns once shutdown has drained it; everything else stops with it.
-        bound_port = listeners[0].socket.getsockname()[1]
-        assert self.server is not None
-        await self.server.serve_listeners(listeners, task_status=_Reported(task_status, bound_port))
-        nursery.cancel_scope.cancel()
-
-    async def _run_workers_then_stop(self, nursery: trio.Nursery, listeners: list[trio.SocketListener], *,
-                                     task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        # The worker set returns once every worker has stopped; the controller stops with them.
-        assert self.workers is not None
-        await self.workers.run(listeners, task_status=task_status)
+        # The data plane returns once shutdown has drained it; everything else stops with it.
+        await self.data_plane.run(listeners, task_status=task_status)
         nursery.cancel_scope.cancel()
 
     async def reload_tls(self) -> bool:
         """Read every certificate and key again and swap them in; connections open stay as they are.
 
-        On a problem the old contexts stay in use and ``tls_reload_failed`` names the key.
+        ``tls_reloaded`` is logged only once every part uses the new files: this
+        process's listeners and pools, and each worker process. On a problem
+        here the old contexts stay in use and ``tls_reload_failed`` names the
+        key; a worker that failed is named with its reason (it keeps its old
+        contexts, the other parts use the new ones).
         """
         if not self.tls.configured:
             log_event("tls_reload_skipped", reason="no TLS configured")
@@ -443,16 +423,16 @@ class Router:
         except ConfigError as exc:
             log_event("tls_reload_failed", level=logging.ERROR, message=str(exc))
             return False
-        if self.server is not None:
-            self.server.ssl_context = self.tls.server
         if self.admin_server is not None:
             self.admin_server.ssl_context = self.tls.server
-        if self.workers is not None:
-            # Each worker reads the files itself: its own contexts serve its own connections.
-            self.workers.reload_tls()
-        self.data_pool.set_ssl_context(self.tls.engine)
         await self.control_pool.set_ssl_context(self.tls.engine)
-        log_event("tls_reloaded", server=self.tls.server is not None, engines=self.tls.engine is not None)
+        failures = await self.data_plane.reload_tls(self.tls)
+        if failures:
+            log_event("tls_reload_failed", level=logging.ERROR, parts=sorted(failures),
+                      message="; ".join(f"{part}: {reason}" for part, reason in sorted(failures.items())))
+            return False
+        log_event("tls_reloaded", server=self.tls.server is not None, engines=self.tls.engine is not None,
+                  workers=self.worker_count)
         self.cert_expiry.check(force=True)
         return True
 
@@ -464,11 +444,7 @@ class Router:
         if self.lease is not None and self._nursery is not None:
             # Hand the lease over now: the standby need not wait for it to expire.
             self._nursery.start_soon(self.lease.release_for_shutdown)
-        if self.workers is not None:
-            self.hub.publish()
-            self.workers.shutdown(grace)
-        elif self.server is not None:
-            self.server.shutdown(grace)
+        self.data_plane.shutdown(grace)
 
     async def _serve_admin(self, fd: int, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         # The control app on its own listener, with its own bounds (build_admin_server).
@@ -479,14 +455,3 @@ class Router:
             await server.serve_listeners([listener], task_status=task_status)
         finally:
             self.admin_server = None
-
-
-class _Reported:
-    """Passes ``started(value)`` on to ``task_status`` as ``started(report)``: the port, not the listeners."""
-
-    def __init__(self, task_status: Any, report: Any) -> None:
-        self._task_status = task_status
-        self._report = report
-
-    def started(self, value: Any = None) -> None:
-        self._task_status.started(self._report)

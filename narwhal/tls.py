@@ -29,7 +29,7 @@ from pathlib import Path
 
 import trio
 
-from narwhal.config import Config, ConfigError, EngineConfig, ServingConfig
+from narwhal.config import Config, ConfigError, EngineConfig, ServingConfig, resolve_config_path
 from narwhal.obs.logs import log_event
 
 __all__ = [
@@ -142,13 +142,6 @@ def _iso(unix: float) -> str:
     return datetime.datetime.fromtimestamp(unix, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _resolve(path: str, base_dir: Path | None) -> Path:
-    resolved = Path(path)
-    if base_dir is not None and not resolved.is_absolute():
-        resolved = base_dir / resolved
-    return resolved
-
-
 def _readable(key: str, path: Path) -> str:
     try:
         with open(path, "rb") as handle:
@@ -195,8 +188,9 @@ def server_context(serving: ServingConfig, base_dir: Path | None = None,
         return None
     client_ca = serving.tls_client_ca_file
     return server_context_from_files(
-        _resolve(serving.tls_cert_file, base_dir), _resolve(serving.tls_key_file, base_dir),
-        _resolve(client_ca, base_dir) if client_ca is not None else None,
+        resolve_config_path(serving.tls_cert_file, base_dir),
+        resolve_config_path(serving.tls_key_file, base_dir),
+        resolve_config_path(client_ca, base_dir) if client_ca is not None else None,
         names=("serving.tls_cert_file", "serving.tls_key_file", "serving.tls_client_ca_file"), now=now)
 
 
@@ -204,7 +198,7 @@ def serving_lifetime(serving: ServingConfig, base_dir: Path | None = None) -> Ce
     """The serving certificate's validity (None without one); ConfigError naming the key if unreadable."""
     if serving.tls_cert_file is None:
         return None
-    path = _resolve(serving.tls_cert_file, base_dir)
+    path = resolve_config_path(serving.tls_cert_file, base_dir)
     try:
         return certificate_lifetime(path.read_bytes())
     except OSError as exc:
@@ -242,7 +236,7 @@ def engine_context(engine: EngineConfig, base_dir: Path | None = None) -> ssl.SS
     if engine.tls_ca_file is not None:
         # A private CA replaces the system store: only engines it signed are trusted.
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        _load_ca(context, "engine.tls_ca_file", _resolve(engine.tls_ca_file, base_dir))
+        _load_ca(context, "engine.tls_ca_file", resolve_config_path(engine.tls_ca_file, base_dir))
     else:
         context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
     # Both already default to these; stated because the engine contract depends on them.
@@ -252,7 +246,8 @@ def engine_context(engine: EngineConfig, base_dir: Path | None = None) -> ssl.SS
     context.set_alpn_protocols(_ALPN)
     if engine.tls_cert_file is not None and engine.tls_key_file is not None:
         _load_chain(context, "engine.tls_cert_file", "engine.tls_key_file",
-                    _resolve(engine.tls_cert_file, base_dir), _resolve(engine.tls_key_file, base_dir))
+                    resolve_config_path(engine.tls_cert_file, base_dir),
+                    resolve_config_path(engine.tls_key_file, base_dir))
     return context
 
 

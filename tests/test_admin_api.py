@@ -48,13 +48,17 @@ class MockFleet:
         self._stopped[name] = stopped
         return self.services[name]
 
-    async def restart(self, name: str) -> MockService:
-        """Stop ``name`` and start a new process on the same port, started now."""
+    async def restart(self, name: str, *, started_at: float) -> MockService:
+        """Stop ``name`` and start a new process on the same port whose identity says it started at ``started_at``.
+
+        The start time is an input, not the clock: a test says "after the maintenance began" exactly, and
+        no sleep has to make the wall clock move past it first.
+        """
         old = self.services[name]
         old.stop(0)
         await self._stopped[name].wait()
         return await self.start(name, old.engine.settings.role, port=old.engine.port,
-                                process_started_at=time.time())
+                                process_started_at=started_at)
 
     def url(self, name: str) -> str:
         return f"http://127.0.0.1:{self.services[name].engine.port}"
@@ -126,7 +130,7 @@ async def harness(nursery: trio.Nursery, tmp_path: Path):
     yield make
     for router in routers:
         await router.control_pool.aclose()
-        await router.data_pool.aclose()
+        await router.data_plane.data_pool.aclose()
     mocks.stop_all()
 
 
@@ -186,7 +190,8 @@ async def test_maintenance_readmit_is_refused_until_the_engine_restarts(harness)
     before = time.time()
     status, body = await h.post("/admin/engines/d1/maintenance")
     assert status == 200
-    assert before <= body["maintenance_started_at"] <= time.time()
+    maintenance_started_at = body["maintenance_started_at"]
+    assert before <= maintenance_started_at <= time.time()
     assert body["engine"]["maintenance_started_at"] == pytest.approx(body["maintenance_started_at"])
     assert h.hold_kinds("d1") == ["maintenance"]
 
@@ -196,8 +201,12 @@ async def test_maintenance_readmit_is_refused_until_the_engine_restarts(harness)
     assert "restart the engine" in body["readmission"]["reason"]
     assert h.hold_kinds("d1") == ["maintenance"]
 
-    await trio.sleep(0.01)
-    await h.mocks.restart("d1")
+    # A process that started before the maintenance began is still the old one ...
+    await h.mocks.restart("d1", started_at=maintenance_started_at - 1.0)
+    status, body = await h.post("/admin/engines/d1/readmit")
+    assert status == 409 and body["readmission"]["check"] == "newer_process"
+    # ... one started after it is the restart the operator was asked for.
+    await h.mocks.restart("d1", started_at=maintenance_started_at + 1.0)
     status, body = await h.post("/admin/engines/d1/readmit")
     assert status == 200, body
     assert "newer_process" in body["readmission"]["passed"]

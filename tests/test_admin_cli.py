@@ -202,8 +202,9 @@ async def drain_maintain_and_readmit(router: Router, mocks: MockFleet, url: str)
     assert err.startswith("narwhal admin: HTTP 409: readmission of d2 refused by check newer_process: ")
     assert err.count("\n") == 1
 
-    await trio.sleep(0.01)
-    await mocks.restart("d2")
+    started_at = router.readmitter.maintenance_started_at("d2")
+    assert started_at is not None
+    await mocks.restart("d2", started_at=started_at + 1.0)
     for name in ("d1", "d2"):
         code, out, err = await cli("readmit", name)
         assert code == 0, err

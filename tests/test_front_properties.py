@@ -157,16 +157,16 @@ async def _serve_one(data: bytes) -> tuple[bytes, list[dict[str, Any]], Any]:
     try:
         async with ASGILifespan(router.app), trio.open_nursery() as nursery:
             client, server_side = trio.testing.memory_stream_pair()
-            nursery.start_soon(router.server.serve_stream, server_side)
+            nursery.start_soon(router.data_plane.server.serve_stream, server_side)
             await client.send_all(data)
             await client.send_eof()
             raw = b""
             with trio.fail_after(20):
                 while chunk := await client.receive_some(65536):
                     raw += chunk
-                while router.server.statistics().connections_open:
+                while router.data_plane.server.statistics().connections_open:
                     await trio.sleep(0.001)
-            stats = router.server.statistics()
+            stats = router.data_plane.server.statistics()
     finally:
         logger.removeHandler(events)
     return raw, events.events, stats

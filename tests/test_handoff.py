@@ -393,17 +393,26 @@ async def test_stuck_write_makes_later_passes_fail_and_never_lands_last(
 
     monkeypatch.setattr("narwhal.stages.persistence.write_atomic", stuck_first)
     stage = make_stage(path, make_fleet(), Clocks())
-    with trio.move_on_after(0.05):  # the monitor's stage timeout abandons the stuck write
-        await stage.run(1)
-    assert entered.is_set()
+    stage_timeout = trio.CancelScope()
+
+    async def first_pass() -> None:
+        with stage_timeout:
+            await stage.run(1)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(first_pass)
+        # Once the write is stuck in its thread, the monitor's stage timeout abandons it.
+        assert await trio.to_thread.run_sync(entered.wait, 10)
+        stage_timeout.cancel()
+    assert stage_timeout.cancelled_caught
     with pytest.raises(HandoffWriteInProgress):
         await stage.run(2)
     assert stage.write_in_progress
     release.set()
-    for _ in range(200):  # the abandoned worker finishes on its own
-        if not stage.write_in_progress:
-            break
-        await trio.sleep(0.01)
+    # The abandoned worker finishes on its own: wait until it lets go of the stage's write lock.
+    assert await trio.to_thread.run_sync(lambda: stage._writing.acquire(timeout=10))
+    stage._writing.release()
+    assert not stage.write_in_progress
     assert read_document(path).pass_number == 1
     await stage.run(3)
     assert read_document(path).pass_number == 3

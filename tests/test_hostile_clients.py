@@ -117,9 +117,9 @@ async def router_front(cap: int = 1000) -> AsyncIterator[tuple[Router, int]]:
     """The real Router's front (handler, core, quart app) on 127.0.0.1, its fleet unreachable."""
     router = Router(parse_config(ROUTER_CONFIG.format(cap=cap)))
     async with ASGILifespan(router.app), trio.open_nursery() as nursery:
-        port = await nursery.start(router.server.serve, "127.0.0.1", 0)
+        port = await nursery.start(router.data_plane.server.serve, "127.0.0.1", 0)
         yield router, port
-        router.server.shutdown(0)
+        router.data_plane.server.shutdown(0)
 
 
 async def exchange(port: int, data: bytes, *, half_close: bool = True) -> bytes:
@@ -313,7 +313,7 @@ def test_the_default_cap_is_sized_from_the_fd_limit() -> None:
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     config = parse_config(ROUTER_CONFIG.replace("max_client_connections = {cap}\n", ""))
     router = Router(config)
-    cap = router.server._max_client_connections
+    cap = router.data_plane.server._max_client_connections
     pools = config.serving.max_connections + config.engine.control_connections
     assert cap is not None and 16 <= cap <= max(16, soft - pools - OVERFLOW_CONNECTIONS)
 

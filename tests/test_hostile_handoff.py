@@ -6,6 +6,8 @@ router's resume step must carry on.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import subprocess
 import sys
@@ -104,9 +106,11 @@ def test_the_size_bound_holds_for_a_small_bound_too(tmp_path: Path):
         read_document(path, max_bytes=100)
 
 
-async def test_the_router_starts_with_a_fifo_handoff_and_says_why_it_was_not_applied(tmp_path: Path):
+async def test_the_router_starts_with_a_fifo_handoff_and_says_why_it_was_not_applied(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture):
     from narwhal.router import Router
 
+    caplog.set_level(logging.INFO, logger="narwhal.events")
     path = tmp_path / "handoff.json"
     os.mkfifo(path)
     config = msgspec.structs.replace(CONFIG, handoff=msgspec.structs.replace(CONFIG.handoff, path=str(path)))
@@ -115,4 +119,14 @@ async def test_the_router_starts_with_a_fifo_handoff_and_says_why_it_was_not_app
         with trio.fail_after(20):
             await nursery.start(router.run)
         router.shutdown(0)
-    assert router.bound_port
+    events = [json.loads(record.getMessage()) for record in caplog.records if record.name == "narwhal.events"]
+    # It said why, naming the file and its kind, and applied nothing ...
+    [not_applied] = [event for event in events if event["event"] == "handoff_not_applied"]
+    assert not_applied["path"] == str(path)
+    assert "not a regular file (a FIFO)" in not_applied["reason"]
+    assert [event for event in events if event["event"] == "handoff_applied"] == []
+    # ... and started (a FIFO opened for reading must not hang startup) after saying so.
+    names = [event["event"] for event in events]
+    assert names.index("handoff_not_applied") < names.index("router_started")
+    [started] = [event for event in events if event["event"] == "router_started"]
+    assert started["listen"] == f"127.0.0.1:{router.bound_port}"

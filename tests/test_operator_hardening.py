@@ -226,9 +226,22 @@ async def test_without_a_token_startup_warns_naming_the_risk(nursery, tmp_path, 
 # -- 13. a request that comes back to the router that sent it -------------------------------------------
 
 
-async def forward(target: list[int], client: trio.SocketStream) -> None:
+class _Target:
+    """The router's port, known only once it has started; the relay waits for it (its health checks come first)."""
+
+    def __init__(self) -> None:
+        self.port = 0
+        self.known = trio.Event()
+
+    def set(self, port: int) -> None:
+        self.port = port
+        self.known.set()
+
+
+async def forward(target: _Target, client: trio.SocketStream) -> None:
     """A plain TCP relay to the router: the loop the static check cannot see (a proxy, a load balancer)."""
-    async with client, await trio.open_tcp_stream("127.0.0.1", target[0]) as upstream:
+    await target.known.wait()
+    async with client, await trio.open_tcp_stream("127.0.0.1", target.port) as upstream:
         async def pump(src: trio.SocketStream, dst: trio.SocketStream) -> None:
             try:
                 while data := await src.receive_some(65536):
@@ -242,14 +255,14 @@ async def forward(target: list[int], client: trio.SocketStream) -> None:
 
 
 async def test_an_engine_url_leading_back_to_the_router_is_refused_once_not_fanned_out(nursery, tmp_path, caplog):
-    target: list[int] = [0]
+    target = _Target()
     listeners = await nursery.start(functools.partial(trio.serve_tcp, functools.partial(forward, target), 0,
                                                       host="127.0.0.1"))
     relay_port = listeners[0].socket.getsockname()[1]
     router, url = await start_router(nursery, config_text(
         f'[serving]\ncount_tokens = false\n[handoff]\npath = "{tmp_path}/h.json"\n',
         prefill_port=relay_port, decode_port=relay_port))
-    target[0] = router.bound_port
+    target.set(router.bound_port)
     try:
         async with httpx.AsyncClient(timeout=20) as client:
             response = await client.post(f"{url}/v1/completions",

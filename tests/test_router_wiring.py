@@ -8,6 +8,8 @@ from narwhal.config import parse_config
 from narwhal.errors import PoolSaturated, StartupError
 from narwhal.pools.classify import pool_slot
 from narwhal.router import Router, preflight
+from narwhal.serving.data_plane import LocalDataPlane
+from narwhal.workers.plane import WorkerDataPlane
 from tests.test_admin_api import fleet_config, start_mock_fleet
 
 CONFIG = """
@@ -33,13 +35,13 @@ def router(policy: str = "saturate") -> Router:
 
 def test_data_pool_is_bounded_by_serving_max_connections_and_control_pool_by_control_connections():
     built = router()
-    assert built.data_pool.statistics().max_connections == 7
+    assert built.data_plane.data_pool.statistics().max_connections == 7
     assert built.control_pool.statistics().control_connections == 3
 
 
 @pytest.mark.parametrize(("policy", "queues"), [("saturate", False), ("bounded", True)])
 async def test_only_bounded_serving_queues_for_a_data_connection(autojump_clock, policy, queues):
-    pool = router(policy).data_pool
+    pool = router(policy).data_plane.data_pool
     limiter = trio.CapacityLimiter(1)
     await limiter.acquire()
     with trio.move_on_after(10):
@@ -49,6 +51,20 @@ async def test_only_bounded_serving_queues_for_a_data_connection(autojump_clock,
     # The default policy reports saturation at once; bounded waits until its deadline.
     assert trio.current_time() == (pytest.approx(10 - 0.05) if queues else 0)
 
+
+
+@pytest.mark.parametrize(("workers", "plane", "capacity"), [(1, LocalDataPlane, 7), (2, WorkerDataPlane, 14)])
+async def test_one_data_plane_in_this_process_or_in_workers_and_every_reader_counts_its_in_flight(
+        workers, plane, capacity):
+    built = Router(parse_config(CONFIG.format(policy="saturate").replace(
+        "[serving]\n", f"[serving]\nworkers = {workers}\n")))
+    assert isinstance(built.data_plane, plane)
+    # Drains, readmission and the admin view read the plane's counts (the hub's sums with workers).
+    assert built.in_flight is built.data_plane.in_flight
+    assert built.readmitter.in_flight is built.stages.drain.in_flight is built.engine_view.in_flight is built.in_flight
+    # The pool gauge sums every data pool: max_connections per process.
+    assert f'narwhal_pool_connections{{pool="data",state="capacity"}} {capacity}' in built.metrics.render()
+    assert ('narwhal_worker_up{worker="1"}' in built.metrics.render()) is (workers == 2)
 
 
 def test_the_handoff_defaults_to_the_state_directory_and_persistence_and_resume_use_it(tmp_path, monkeypatch):
@@ -79,9 +95,10 @@ async def test_health_checks_and_suspect_verification_use_the_control_pool(nurse
     config = msgspec.structs.replace(config, serving=msgspec.structs.replace(config.serving, max_connections=1))
     built = Router(config)
     traffic = object()
-    await built.data_pool._limiter.acquire_on_behalf_of(traffic)
+    data_pool = built.data_plane.data_pool
+    await data_pool._limiter.acquire_on_behalf_of(traffic)
     try:
-        assert built.data_pool.statistics().in_use == built.data_pool.statistics().max_connections == 1
+        assert data_pool.statistics().in_use == data_pool.statistics().max_connections == 1
         with trio.fail_after(30):
             async with trio.open_nursery() as running:
                 await running.start(built.supervisor.run)
@@ -100,9 +117,9 @@ async def test_health_checks_and_suspect_verification_use_the_control_pool(nurse
         assert d1.requests["/health"] >= 4 and d1.decode == 1
         assert mocks.services["p1"].engine.stats.prefill == 1
         # None of it took a data connection: ours is still the only one in use.
-        assert built.data_pool.statistics().in_use == 1
+        assert built.data_plane.data_pool.statistics().in_use == 1
     finally:
-        built.data_pool._limiter.release_on_behalf_of(traffic)
+        built.data_plane.data_pool._limiter.release_on_behalf_of(traffic)
         await built.control_pool.aclose()
-        await built.data_pool.aclose()
+        await built.data_plane.data_pool.aclose()
         mocks.stop_all()

@@ -18,7 +18,7 @@ from narwhal.config import Config
 from narwhal.control.readmission import ReadmissionResult, ReadmissionState
 from narwhal.errors import FailureClass
 from narwhal.fleet import EjectionCause, EngineView, HoldKind
-from narwhal.fleet.placement import InFlight
+from narwhal.fleet.placement import InFlightCounts
 
 __all__ = [
     "EngineCountersEntry",
@@ -114,7 +114,7 @@ class _Monitor(Protocol):
 class EngineViewer:
     """Builds ``EnginesView`` from the fleet and the shell's parts, at the current time."""
 
-    def __init__(self, *, config: Config, fleet: _FleetViews, in_flight: InFlight, readmitter: _Readmitter,
+    def __init__(self, *, config: Config, fleet: _FleetViews, in_flight: InFlightCounts, readmitter: _Readmitter,
                  controller: _Controller, monitor: _Monitor, clock: Callable[[], float] = trio.current_time) -> None:
         self.config = config
         self.fleet = fleet

@@ -66,7 +66,7 @@ from narwhal.control import contract
 from narwhal.control.fleet_writer import FleetWriter
 from narwhal.errors import EngineFailure, PoolSaturated, SuccessKind
 from narwhal.fleet import DRAIN_HOLDS, EngineView, HoldKind
-from narwhal.fleet.placement import InFlight
+from narwhal.fleet.placement import InFlightCounts
 from narwhal.fleet.tables import drained
 from narwhal.obs.logs import log_event
 from narwhal.obs.router_metrics import RouterMetrics
@@ -159,7 +159,7 @@ def _iso(wall: float) -> str:
 class Readmitter:
     """Runs the readmission chain for the operator and on schedule, and applies operator drains."""
 
-    def __init__(self, *, config: Config, fleet: FleetWriter, control_pool: ControlCalls, in_flight: InFlight,
+    def __init__(self, *, config: Config, fleet: FleetWriter, control_pool: ControlCalls, in_flight: InFlightCounts,
                  metrics: RouterMetrics, clock: Callable[[], float] = trio.current_time,
                  wall_clock: Callable[[], float] = time.time, attestation_key: bytes | None,
                  inference_check: Callable[[str], Awaitable[str]] | None = None) -> None:

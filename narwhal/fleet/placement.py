@@ -7,9 +7,19 @@ after a quiet spell does not pile onto the first engine in the config.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
 
-__all__ = ["InFlight", "pick_least_outstanding"]
+__all__ = ["InFlight", "InFlightCounts", "pick_least_outstanding"]
+
+
+class InFlightCounts(Protocol):
+    """What drains, readmission and views read: ``InFlight`` in one process, the hub's sums over workers."""
+
+    @property
+    def counts(self) -> Mapping[str, int]: ...
+    def __getitem__(self, name: str) -> int: ...
+    def total(self) -> int: ...
 
 
 class InFlight:

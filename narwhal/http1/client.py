@@ -3,7 +3,7 @@
 The data pool's transport: one request at a time per connection, responses
 framed by content-length, chunked encoding or connection close, and a LIFO
 stack of idle connections per (host, port). It is deliberately small: on the
-hot path every layer costs CPU per request (see perf-notes.md).
+hot path every layer costs CPU per request (docs/stack.md).
 
 Every socket and parser problem leaves this module as one of its own errors;
 ``classify.py`` turns them into failure classes::
@@ -228,7 +228,7 @@ class EngineConnection:
     def on_message_complete(self) -> None:
         assert self._parser is not None
         self._complete = True
-        # should_keep_alive() is only meaningful inside this callback (perf-notes.md).
+        # should_keep_alive() is only meaningful inside this callback (docs/stack.md, "Traps").
         self._keep_alive = self._parser.should_keep_alive()
 
     # state ------------------------------------------------------------------

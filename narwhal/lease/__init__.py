@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from narwhal.config import Config
+from narwhal.config import Config, resolve_config_path
 from narwhal.lease.backend import LeaseBackend, LeaseBackendError
 from narwhal.lease.etcd_backend import EtcdLeaseBackend
 from narwhal.lease.file_backend import FileLeaseBackend
@@ -35,11 +35,8 @@ def build_backend(config: Config, handoff_path: Path, config_dir: Path | None = 
     lease = config.lease
     if lease.backend == "file":
         assert lease.path is not None  # the config requires it
-        path = Path(lease.path).expanduser()
-        if not path.is_absolute() and config_dir is not None:
-            path = config_dir / path
-        return FileLeaseBackend(path=path, handoff_path=handoff_path, ttl_s=lease.ttl_s,
-                                lock_timeout_s=min(1.0, lease.renew_interval_s / 2))
+        return FileLeaseBackend(path=resolve_config_path(lease.path, config_dir), handoff_path=handoff_path,
+                                ttl_s=lease.ttl_s, lock_timeout_s=min(1.0, lease.renew_interval_s / 2))
     if lease.backend == "etcd":
         return EtcdLeaseBackend(endpoints=lease.endpoints, key=lease.key, ttl_s=lease.ttl_s,
                                 timeout_s=min(lease.renew_interval_s, 2.0) / max(1, len(lease.endpoints)))

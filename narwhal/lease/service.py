@@ -27,6 +27,7 @@ import httpx
 import msgspec
 import trio
 
+from narwhal.clocks import to_monotonic
 from narwhal.config import Config
 from narwhal.fleet import EngineRecord
 from narwhal.fleet.admission import FENCED_REASON, Admission
@@ -150,7 +151,7 @@ class LeaseService:
 
     def _mono(self, at: float) -> float:
         """A time on our clock, as time.monotonic() (shared by the processes on a host)."""
-        return at - self.clock() + self.monotonic()
+        return to_monotonic(at, clock=self.clock, monotonic=self.monotonic)
 
     def view(self) -> LeaseView:
         """What /admin/lease shows."""

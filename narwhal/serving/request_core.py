@@ -41,16 +41,14 @@ from narwhal.errors import (
     SuccessKind,
     UpstreamClientError,
 )
-from narwhal.fleet.admission import Admission
 from narwhal.fleet.placement import InFlight, pick_least_outstanding
-from narwhal.fleet.telemetry import Telemetry
 from narwhal.obs.logs import log_event
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.serving import continuation
 from narwhal.serving.continuation import CONTINUED_CLASSES, StreamJoin
 from narwhal.wire import PREFILL_KV_REQUEST, HandoffRejected, error_json, read_handoff
 
-__all__ = ["COMPLETION_ROUTES", "RequestCore", "Sink"]
+__all__ = ["COMPLETION_ROUTES", "AdmissionGate", "RequestCore", "Sink", "TelemetrySink"]
 
 COMPLETION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 
@@ -88,6 +86,19 @@ class Supervisor(Protocol):
     def capacity_problem(self) -> str | None: ...
     def record_failure(self, engine: str, failure_class: FailureClass) -> None: ...
     def record_success(self, engine: str, kind: SuccessKind) -> None: ...
+
+
+class AdmissionGate(Protocol):
+    """Whether a new request may start: ``Admission`` in one process, a worker's ``WorkerView``."""
+
+    def reason(self) -> str | None: ...
+
+
+class TelemetrySink(Protocol):
+    """Where each finished request's timings go: ``Telemetry`` in one process, a worker's ``TelemetryRelay``."""
+
+    def record_request(self, *, prefill: str | None, decode: str | None, ttft_s: float | None,
+                       inter_token_s: float | None, error_engine: str | None) -> None: ...
 
 
 class DecodeStream(Protocol):
@@ -182,8 +193,8 @@ class RequestCore:
     """Serves the two completion routes against the fleet."""
 
     def __init__(self, *, config: Config, supervisor: Supervisor, data_pool: DataPool,
-                 in_flight: InFlight, admission: Admission, metrics: RouterMetrics,
-                 telemetry: Telemetry | None = None,
+                 in_flight: InFlight, admission: AdmissionGate, metrics: RouterMetrics,
+                 telemetry: TelemetrySink | None = None,
                  clock: Callable[[], float] = trio.current_time, rng: random.Random | None = None) -> None:
         self.config = config
         self.supervisor = supervisor

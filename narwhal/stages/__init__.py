@@ -17,7 +17,7 @@ from narwhal.config import Config
 from narwhal.control.fleet_writer import FleetWriter
 from narwhal.control.monitor import STAGE_NAMES, Stage
 from narwhal.errors import FailureClass, SuccessKind
-from narwhal.fleet.placement import InFlight
+from narwhal.fleet.placement import InFlightCounts
 from narwhal.fleet.telemetry import Telemetry
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.pools.control import ControlCalls
@@ -76,7 +76,7 @@ def health_check_timeout_s(config: Config) -> float:
 
 
 def build_stages(*, config: Config, supervisor: StageSupervisor, control_pool: ControlCalls, telemetry: Telemetry,
-                 in_flight: InFlight, persistence_stage: Stage,
+                 in_flight: InFlightCounts, persistence_stage: Stage,
                  readmission: Readmission | None = None) -> MonitorStages:
     """The eight stages, wired from the config over the supervisor's fleet and clock."""
     fleet = supervisor.fleet

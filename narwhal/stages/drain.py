@@ -13,7 +13,7 @@ import trio
 
 from narwhal.control.fleet_writer import FleetWriter
 from narwhal.fleet import DRAIN_HOLDS
-from narwhal.fleet.placement import InFlight
+from narwhal.fleet.placement import InFlightCounts
 from narwhal.fleet.tables import drained
 from narwhal.obs.logs import log_event
 
@@ -25,7 +25,7 @@ class DrainStage:
 
     name = "drain"
 
-    def __init__(self, *, fleet: FleetWriter, in_flight: InFlight,
+    def __init__(self, *, fleet: FleetWriter, in_flight: InFlightCounts,
                  clock: Callable[[], float] = trio.current_time) -> None:
         self.fleet = fleet
         self.in_flight = in_flight

@@ -14,7 +14,6 @@ worker knew of it.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
@@ -206,12 +205,3 @@ class WorkerHub:
         key = self._published_key
         if key is None or self._control.state_version() != key[0]:
             self.publish()
-
-
-def monotonic_offset(control_clock: Callable[[], float]) -> Callable[[float], float]:
-    """Map control-clock instants (trio's clock) to CLOCK_MONOTONIC, which every process shares."""
-
-    def convert(t: float) -> float:
-        return t - control_clock() + time.monotonic()
-
-    return convert

@@ -31,7 +31,16 @@ from narwhal.serving.front import admin_elsewhere_body, is_admin_path
 from narwhal.wire import error_json
 from narwhal.workers.hub import WorkerHub
 from narwhal.workers.link import LinkClosed, StreamLink
-from narwhal.workers.protocol import Forward, ForwardReply, Hello, ReloadTLS, Stop, Welcome, WorkerMessage
+from narwhal.workers.protocol import (
+    Forward,
+    ForwardReply,
+    Hello,
+    ReloadTLS,
+    Stop,
+    TLSReloaded,
+    Welcome,
+    WorkerMessage,
+)
 
 __all__ = ["WorkerSet"]
 
@@ -43,6 +52,8 @@ _MAX_FORWARD_BODY = 32 * 1024 * 1024
 _FORWARD_TIMEOUT_S = 25.0
 # Extra time, beyond the grace period, that a stopping worker gets before it is killed.
 _KILL_MARGIN_S = 5.0
+# How long a TLS reload waits for every worker's answer; a worker that has not answered by then failed it.
+TLS_RELOAD_TIMEOUT_S = 10.0
 # How often the hub checks whether workers need a new snapshot (admission, lease, deadlines).
 PUBLISH_TICK_S = 0.005
 
@@ -91,6 +102,25 @@ class _CollectingResponder:
         return b"".join(self._body)
 
 
+class _TLSRound:
+    """One ``ReloadTLS`` sent to the running workers, and their answers as they come."""
+
+    def __init__(self, round_id: int, expected: set[int]) -> None:
+        self.id = round_id
+        self.waiting = set(expected)
+        self.failures: dict[int, str] = {}
+        self.done = trio.Event()
+
+    def answer(self, worker: int, error: str | None) -> None:
+        if worker not in self.waiting:
+            return
+        self.waiting.discard(worker)
+        if error is not None:
+            self.failures[worker] = error
+        if not self.waiting:
+            self.done.set()
+
+
 class WorkerSet:
     """N worker processes on one inherited listening socket, supervised by the controller."""
 
@@ -110,6 +140,8 @@ class WorkerSet:
         self._stop_requested = trio.Event()
         self._grace_s = config.serving.shutdown_grace_s
         self._listen_fds: list[int] = []
+        self._tls_rounds = 0
+        self._tls_round: _TLSRound | None = None
 
     def __repr__(self) -> str:
         return f"<WorkerSet [{len(self.pids)}/{self.count} running | restarts {sum(self.restarts.values())}]>"
@@ -131,13 +163,36 @@ class WorkerSet:
             for listener in listeners:
                 listener.socket.close()
 
-    def reload_tls(self) -> None:
-        """Tell every worker to read its certificates and keys again."""
-        for link in list(self._links.values()):
-            try:
-                link.send(ReloadTLS())
-            except LinkClosed:
-                pass
+    async def reload_tls(self, timeout_s: float = TLS_RELOAD_TIMEOUT_S) -> dict[int, str]:
+        """Tell every worker to read its certificates and keys again; those that did not, each with why.
+
+        A worker that answers with an error, exits, or does not answer within
+        ``timeout_s`` failed (it keeps serving with its previous contexts).
+        """
+        self._tls_rounds += 1
+        links = dict(self._links)
+        tls_round = _TLSRound(self._tls_rounds, set(links))
+        self._tls_round = tls_round
+        try:
+            for index, link in links.items():
+                try:
+                    link.send(ReloadTLS(id=tls_round.id))
+                except LinkClosed:
+                    tls_round.answer(index, "its control link is closed")
+            if tls_round.waiting:
+                with trio.move_on_after(timeout_s):
+                    await tls_round.done.wait()
+            for index in tls_round.waiting:
+                tls_round.failures[index] = f"no answer within {timeout_s:g} s"
+            return tls_round.failures
+        finally:
+            if self._tls_round is tls_round:
+                self._tls_round = None
+
+    def _tls_answer(self, worker: int, message: TLSReloaded) -> None:
+        tls_round = self._tls_round
+        if tls_round is not None and message.id == tls_round.id:
+            tls_round.answer(worker, message.error)
 
     def shutdown(self, grace_s: float | None = None) -> None:
         """Stop every worker gracefully: no new connections, streams in flight get ``grace_s``."""
@@ -205,6 +260,8 @@ class WorkerSet:
                         self.hub.publish(force_to=index)
                         if self._stopping:
                             link.send(Stop(grace_s=self._grace_s))
+                    elif isinstance(message, TLSReloaded):
+                        self._tls_answer(index, message)
                     else:
                         self.hub.receive(index, message)
 
@@ -215,6 +272,9 @@ class WorkerSet:
         finally:
             self._links.pop(index, None)
             self.pids.pop(index, None)
+            if self._tls_round is not None:
+                # Its replacement reads the files as it starts, but this worker did not reload.
+                self._tls_round.answer(index, "it exited before it answered")
             self.hub.detach(index)
             if process.returncode is None:
                 process.kill()

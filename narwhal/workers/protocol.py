@@ -37,6 +37,7 @@ __all__ = [
     "RequestSample",
     "Snapshot",
     "Stop",
+    "TLSReloaded",
     "Welcome",
     "WorkerMessage",
     "encode_frame",
@@ -99,7 +100,9 @@ class ForwardReply(_Message, tag="forward_reply"):
 
 
 class ReloadTLS(_Message, tag="reload_tls"):
-    """Read the certificates and keys again (the controller got SIGHUP)."""
+    """Read the certificates and keys again (the controller got SIGHUP); answer with ``TLSReloaded``."""
+
+    id: int = 0
 
 
 class Stop(_Message, tag="stop"):
@@ -165,6 +168,13 @@ class Report(_Message, tag="report"):
     data_waiting: int = 0
 
 
+class TLSReloaded(_Message, tag="tls_reloaded"):
+    """The answer to ``ReloadTLS`` ``id``: ``error`` is None when the new files are in use, else why not."""
+
+    id: int
+    error: str | None = None
+
+
 class Forward(_Message, tag="forward"):
     """A control-app request that a worker received and the controller answers."""
 
@@ -181,7 +191,7 @@ class Forward(_Message, tag="forward"):
 
 
 ControllerMessage = Welcome | Snapshot | ForwardReply | ReloadTLS | Stop
-WorkerMessage = Hello | Evidence | Report | Forward
+WorkerMessage = Hello | Evidence | Report | Forward | TLSReloaded
 
 
 class FrameError(NarwhalError):

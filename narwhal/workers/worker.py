@@ -21,13 +21,10 @@ from typing import Any
 import trio
 
 from narwhal.config import ConfigError
-from narwhal.fleet.placement import InFlight
 from narwhal.http1.server import Request, Responder
 from narwhal.obs.logs import flush_logs, log_event, set_log_fields
 from narwhal.obs.router_metrics import RouterMetrics
-from narwhal.pools.data import DataPool
-from narwhal.serving.front import Front, build_front_server
-from narwhal.serving.request_core import RequestCore
+from narwhal.serving.data_plane import LocalDataPlane
 from narwhal.tls import TLSContexts
 from narwhal.wire import error_json
 from narwhal.workers.link import LinkClosed, StreamLink
@@ -41,6 +38,7 @@ from narwhal.workers.protocol import (
     Report,
     Snapshot,
     Stop,
+    TLSReloaded,
     Welcome,
 )
 from narwhal.workers.view import TelemetryRelay, WorkerView
@@ -66,27 +64,21 @@ class Worker:
         self.index = index
         self.config = config
         self.link = link
-        self.view = WorkerView(self._send_evidence)
-        self.in_flight = InFlight([spec.name for spec in config.engines])
+        self.view = WorkerView(self._send)
         self.metrics = RouterMetrics()
         self.telemetry = TelemetryRelay()
         # The controller read these files a moment ago; a worker reads its own copies.
         self.tls = TLSContexts(config, None if welcome.config_dir is None else Path(welcome.config_dir))
-        self.data_pool = DataPool(max_connections=config.serving.max_connections, engine_config=config.engine,
-                                  wait_for_slot=config.serving.policy == "bounded", via=f"1.1 {welcome.via_token}",
-                                  ssl_context=self.tls.engine)
-        self.core = RequestCore(config=config, supervisor=self.view, data_pool=self.data_pool,
-                                in_flight=self.in_flight, admission=self.view,  # type: ignore[arg-type]
-                                metrics=self.metrics, telemetry=self.telemetry)  # type: ignore[arg-type]
-        self.front = Front(self.core, self._serve_rest, via_token=welcome.via_token,
-                           admin_elsewhere=config.admin.listen is not None)
-        self.server = build_front_server(config, self.front, self.tls.server)
+        self.plane = LocalDataPlane(config, tls=self.tls, via_token=welcome.via_token, supervisor=self.view,
+                                    admission=self.view, metrics=self.metrics, telemetry=self.telemetry,
+                                    serve_rest=self._serve_rest)
         self._reported_in_flight: dict[str, int] = {}
         self._forward_ids = itertools.count(1)
         self._forwards: dict[int, tuple[trio.Event, list[ForwardReply]]] = {}
         self._stopping = False
 
-    def _send_evidence(self, message: Any) -> None:
+    def _send(self, message: Any) -> None:
+        # Evidence and answers to the controller.
         try:
             self.link.send(message)
         except LinkClosed:
@@ -100,8 +92,9 @@ class Worker:
             self.view.apply(message)
             # The others' share: the router-wide totals less what this worker last reported.
             own = self._reported_in_flight
-            self.in_flight.elsewhere = {name: total - own.get(name, 0) for name, total in message.in_flight.items()
-                                        if total > own.get(name, 0)}
+            self.plane.in_flight.elsewhere = {name: total - own.get(name, 0)
+                                              for name, total in message.in_flight.items()
+                                              if total > own.get(name, 0)}
             if message.published_at is not None:
                 self.metrics.snapshot_lag.observe(max(0.0, time.monotonic() - message.published_at))
         elif isinstance(message, ForwardReply):
@@ -112,18 +105,21 @@ class Worker:
         elif isinstance(message, Stop):
             self.stop("shutting down", message.grace_s)
         elif isinstance(message, ReloadTLS):
-            self.reload_tls()
+            self.reload_tls(message.id)
 
-    def reload_tls(self) -> None:
-        """Read certificates and keys again; on a problem the old ones stay in use."""
+    def reload_tls(self, round_id: int) -> None:
+        """Read certificates and keys again and tell the controller (which logs ``tls_reloaded`` once all did).
+
+        On a problem the old ones stay in use.
+        """
         try:
             self.tls.reload()
         except ConfigError as exc:
             log_event("tls_reload_failed", level=logging.ERROR, message=str(exc))
+            self._send(TLSReloaded(id=round_id, error=str(exc)))
             return
-        self.server.ssl_context = self.tls.server
-        self.data_pool.set_ssl_context(self.tls.engine)
-        log_event("tls_reloaded", server=self.tls.server is not None, engines=self.tls.engine is not None)
+        self.plane.use_tls(self.tls)
+        self._send(TLSReloaded(id=round_id))
 
     def stop(self, reason: str, grace_s: float) -> None:
         """Refuse new requests, let those in flight finish within ``grace_s``."""
@@ -131,7 +127,7 @@ class Worker:
         if not self._stopping:
             self._stopping = True
             log_event("worker_stopping", reason=reason, grace_s=grace_s)
-        self.server.shutdown(grace_s)
+        self.plane.shutdown(grace_s)
 
     # -- the front ----------------------------------------------------------------------------
 
@@ -179,7 +175,7 @@ class Worker:
         while True:
             await trio.sleep(REPORT_INTERVAL_S)
             requests = sum(self.metrics.requests.values.values())
-            busy = self.in_flight.total() > 0 or requests != last_requests
+            busy = self.plane.in_flight.total() > 0 or requests != last_requests
             quiet = 0 if busy else quiet + 1
             if not busy and quiet % 10:
                 continue
@@ -188,11 +184,11 @@ class Worker:
                 log_event("worker_samples_dropped", level=logging.WARNING, dropped=self.telemetry.dropped,
                           reason="telemetry samples over the bound between two reports")
                 self.telemetry.dropped = 0
-            pool = self.data_pool.statistics()
-            self._reported_in_flight = {name: n for name, n in self.in_flight.counts.items() if n}
+            pool = self.plane.data_pool.statistics()
+            self._reported_in_flight = {name: n for name, n in self.plane.in_flight.counts.items() if n}
             try:
                 self.link.send(Report(snapshot_seq=self.view.snapshot.seq, in_flight=self._reported_in_flight,
-                                      requests_in_flight=self.server.statistics().requests_in_flight,
+                                      requests_in_flight=self.plane.server.statistics().requests_in_flight,
                                       metrics=export_state(self.metrics.registry), samples=self.telemetry.take(),
                                       data_in_use=pool.in_use, data_waiting=pool.waiting))
             except LinkClosed:
@@ -263,12 +259,10 @@ async def run_worker(index: int, control_fd: int, listen_fds: list[int]) -> None
             worker.on_message(message)
         early.clear()
         nursery.start_soon(worker.report_loop)
-        await nursery.start(worker.data_pool.run)
         try:
-            await worker.server.serve_listeners(listeners)
+            await worker.plane.run(listeners)
         finally:
             with trio.CancelScope(shield=True):
-                await worker.data_pool.aclose()
                 # A last report, so the controller counts what this worker finished.
                 try:
                     link.send(Report(snapshot_seq=worker.view.snapshot.seq, in_flight={}, requests_in_flight=0,

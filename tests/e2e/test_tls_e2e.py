@@ -290,12 +290,18 @@ async def test_engine_from_another_ca_and_wrong_hostname_are_connection_failures
     assert router.process.returncode is None
 
 
-async def test_sighup_reloads_certificates_without_dropping_connections(fleet, pki, tmp_path):
+def live_certificates(pki: PKI, tmp_path: Path) -> tuple[Path, Path]:
+    """Copies of the server certificate and key that a test rewrites before a SIGHUP."""
     live = tmp_path / "live"
     live.mkdir()
     cert_file, key_file = live / "cert.pem", live / "key.pem"
     cert_file.write_bytes(Path(pki.server[0]).read_bytes())
     key_file.write_bytes(Path(pki.server[1]).read_bytes())
+    return cert_file, key_file
+
+
+async def test_sighup_reloads_certificates_without_dropping_connections(fleet, pki, tmp_path):
+    cert_file, key_file = live_certificates(pki, tmp_path)
     engines = {"p1": await fleet.engine("prefill", "p1"), "d1": await fleet.engine("decode", "d1")}
     router, _ = await fleet.router(engines, {"serving": {"tls_cert_file": str(cert_file),
                                                          "tls_key_file": str(key_file)}})
@@ -342,6 +348,30 @@ async def test_sighup_reloads_certificates_without_dropping_connections(fleet, p
     assert (await ask(after)).startswith(b"HTTP/1.1 200")
     await after.aclose()
     assert router.process.returncode is None
+
+
+async def test_sighup_with_worker_processes_reloads_every_worker_before_tls_reloaded(fleet, pki, tmp_path):
+    # One reload path: the controller logs tls_reloaded once, after each worker answered that it reloaded;
+    # workers log no tls_reloaded of their own, and new handshakes on the shared port get the new certificate.
+    cert_file, key_file = live_certificates(pki, tmp_path)
+    engines = {"p1": await fleet.engine("prefill", "p1"), "d1": await fleet.engine("decode", "d1")}
+    router, _ = await fleet.router(engines, {"serving": {"tls_cert_file": str(cert_file),
+                                                         "tls_key_file": str(key_file), "workers": 2}})
+    assert await router.wait_event("worker_started", timeout_s=10.0, worker=1)
+    next_cert, next_key = pki.issue("next", pki.other_ca, "127.0.0.1")
+    cert_file.write_bytes(Path(next_cert).read_bytes())
+    key_file.write_bytes(Path(next_key).read_bytes())
+    router.process.send_signal(signal.SIGHUP)
+    reloaded = await router.wait_event("tls_reloaded", timeout_s=20.0)
+    assert reloaded and reloaded[0]["workers"] == 2 and "worker" not in reloaded[0]
+    assert router.events("tls_reload_failed") == []
+    assert len(router.events("tls_reloaded")) == 1
+    new_ca = pki.client_context(ca_file=pki.other_ca_file)
+    for _ in range(4):  # fresh connections, spread over both workers
+        with trio.fail_after(10):
+            stream = await trio.open_ssl_over_tcp_stream("127.0.0.1", router.port, ssl_context=new_ca)
+            await stream.do_handshake()
+            await stream.aclose()
 
 
 async def test_sighup_reloads_the_engine_ca_and_engines_are_readmitted(fleet, pki, tmp_path):

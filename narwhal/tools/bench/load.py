@@ -1,6 +1,6 @@
 """The load generator: a small HTTP/1.1 client on trio sockets, parsed with httptools.
 
-It must cost far less than the router it measures (perf-notes.md: httpx alone
+It must cost far less than the router it measures (docs/stack.md: httpx alone
 costs more per request than the whole data plane), so each connection sends
 one pre-encoded request at a time and the response is only watched, never
 decoded: SSE events are counted with ``bytes.count`` across read boundaries,
@@ -203,7 +203,7 @@ class _Exchange:
 
     def on_message_complete(self) -> None:
         self.complete = True
-        # should_keep_alive() is valid only inside this callback (perf-notes.md).
+        # should_keep_alive() is valid only inside this callback (docs/stack.md, "Traps").
         self.keep_alive = self.parser.should_keep_alive()
 
 
