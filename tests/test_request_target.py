@@ -24,6 +24,7 @@ from narwhal.http1.asgi import ASGILifespan
 from narwhal.http1.server import HTTPServer, Request, Responder
 from narwhal.http1.target import InvalidTarget, asgi_path, split_target
 from narwhal.router import Router
+from narwhal.serving.data_plane import LocalDataPlane
 from narwhal.serving.front import is_admin_path
 from narwhal.workers.process import WorkerSet
 from narwhal.workers.protocol import Forward, ForwardReply
@@ -93,8 +94,8 @@ def test_the_asgi_path_and_the_admin_check_read_the_same_path() -> None:
 
 
 async def _exchange(router: Router, data: bytes) -> bytes:
-    server = router.server
-    assert server is not None
+    assert isinstance(router.data_plane, LocalDataPlane)
+    server = router.data_plane.server
     client, server_side = trio.testing.memory_stream_pair()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(server.serve_stream, server_side)
