@@ -7,6 +7,7 @@ wrong (a bad config names the key and the problem; no traceback).
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 from collections.abc import Sequence
@@ -137,13 +138,14 @@ def _serve(args: argparse.Namespace) -> int:
         if startup is None:
             raise
         failed: dict[str, Any] = {"class": "StartupError", "message": str(startup)}
-        log_event("router_failed", **failed)
+        log_event("router_failed", level=logging.ERROR, **failed)
         flush_logs()
         print(f"narwhal: cannot start: {startup}", file=sys.stderr)
         return 2
     except OSError as exc:
         failure: dict[str, Any] = {"class": type(exc).__name__, "message": str(exc)}
-        log_event("router_failed", **failure)
+        log_event("router_failed", level=logging.ERROR, **failure)
+        flush_logs()
         print(f"narwhal: {exc}", file=sys.stderr)
         return 1
     return 0

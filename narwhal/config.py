@@ -8,9 +8,13 @@ message names the key and the problem; the CLI prints it and exits non-zero.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
+import socket
+import tomllib
+import typing
 import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
@@ -85,6 +89,14 @@ def parse_listen(value: str) -> tuple[str, int]:
     return host, port
 
 
+def _listen(name: str, value: str) -> None:
+    # "name: problem": _explain makes the field part of the key (serving.listen: port out of range ...).
+    try:
+        parse_listen(value)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+
+
 def _pair(first: str, first_value: str | None, second: str, second_value: str | None) -> None:
     for name, value in ((first, first_value), (second, second_value)):
         if value is not None and not value:
@@ -144,7 +156,7 @@ class ServingConfig(_Section, frozen=True):
     tls_client_ca_file: str | None = None
 
     def __post_init__(self) -> None:
-        parse_listen(self.listen)
+        _listen("listen", self.listen)
         if not 1 <= self.workers <= MAX_WORKERS:
             raise ValueError(f"workers must be between 1 and {MAX_WORKERS}")
         _pair("tls_cert_file", self.tls_cert_file, "tls_key_file", self.tls_key_file)
@@ -260,12 +272,13 @@ def resolve_config_path(path: str, config_dir: Path | None) -> Path:
     return resolved
 
 
-def default_handoff_path(env: Mapping[str, str] | None = None) -> Path:
-    """``$XDG_STATE_HOME/narwhal/narwhal-handoff.json``, else under ``~/.local/state``.
+def default_handoff_path(env: Mapping[str, str] | None = None, identity: str | None = None) -> Path:
+    """``$XDG_STATE_HOME/narwhal/narwhal-handoff-<identity>.json``, else under ``~/.local/state``.
 
     Never relative to the working directory: a router started from a source
     tree must not leave its state there. A relative ``XDG_STATE_HOME`` is
-    ignored, as the XDG base directory spec says.
+    ignored, as the XDG base directory spec says. Without ``identity``: the
+    bare ``narwhal-handoff.json``.
     """
     env = os.environ if env is None else env
     state = env.get("XDG_STATE_HOME", "")
@@ -274,11 +287,17 @@ def default_handoff_path(env: Mapping[str, str] | None = None) -> Path:
     else:
         home = env.get("HOME")
         base = (Path(home) if home else Path.home()) / ".local" / "state"
-    return base / "narwhal" / HANDOFF_FILE
+    name = HANDOFF_FILE if identity is None else f"narwhal-handoff-{_file_safe(identity)}.json"
+    return base / "narwhal" / name
+
+
+def _file_safe(text: str) -> str:
+    # An identity becomes part of a file name: nothing that is a path separator or hidden-file dot.
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", text).lstrip(".") or "_"
 
 
 class HandoffConfig(_Section, frozen=True):
-    # None: default_handoff_path(); a relative path is relative to the config file's directory.
+    # None: Config.handoff_path()'s default; a relative path is relative to the config file's directory.
     path: str | None = None
 
     def __post_init__(self) -> None:
@@ -331,7 +350,7 @@ class AdminConfig(_Section, frozen=True):
 
     def __post_init__(self) -> None:
         if self.listen is not None:
-            parse_listen(self.listen)
+            _listen("listen", self.listen)
         if self.token is not None:
             problem = admin_token_problem(self.token)
             if problem is not None:
@@ -409,11 +428,35 @@ class Config(_Section, frozen=True):
                 return spec
         raise KeyError(name)
 
-    def handoff_path(self, config_dir: Path | None = None, env: Mapping[str, str] | None = None) -> Path:
-        """Where the handoff lives: ``[handoff] path`` (relative to ``config_dir``), else the state directory."""
-        if self.handoff.path is None:
-            return default_handoff_path(env)
-        return resolve_config_path(self.handoff.path, config_dir)
+    def handoff_path(self, config_dir: Path | None = None, env: Mapping[str, str] | None = None,
+                     listen: str | None = None) -> Path:
+        """Where the handoff lives: ``[handoff] path`` (relative to ``config_dir``), else from the router's identity.
+
+        The default is never one file for every router on a host: with a file
+        lease it is the pair's, beside the lease file (both routers of a pair
+        read and write it); otherwise it is in the state directory, named after
+        ``[lease] router_id``, else the serving address (``listen``, default
+        ``serving.listen``), which no two routers on one host share.
+        """
+        if self.handoff.path is not None:
+            return resolve_config_path(self.handoff.path, config_dir)
+        if self.lease.backend == "file" and self.lease.path:
+            lease = resolve_config_path(self.lease.path, config_dir)
+            return lease.with_name(f"{lease.stem}.handoff.json")
+        return default_handoff_path(env, identity=self.router_identity(listen))
+
+    def router_identity(self, listen: str | None = None) -> str:
+        """What names this router on its host: ``[lease] router_id``, else ``HOST-PORT`` of its serving address.
+
+        A router on port 0 has no stable address: its process (host name and pid) names it.
+        """
+        if self.lease.router_id:
+            return self.lease.router_id
+        host, port = parse_listen(listen or self.serving.listen)
+        if port == 0:
+            return f"{socket.gethostname()}-{os.getpid()}"
+        return f"{host}-{port}"
+
 
     def attestation_key_bytes(self, base_dir: Path | None = None) -> bytes | None:
         """The fleet's HMAC key, read from the file when one is named."""
@@ -424,7 +467,50 @@ class Config(_Section, frozen=True):
         return None
 
 
-def _explain(exc: msgspec.ValidationError) -> str:
+def _key_type(key: str) -> object:
+    """The declared type at a dotted key (``engines[1].role``), or None when the path leaves the schema."""
+    current: object = Config
+    for part in re.findall(r"[^.\[\]]+|\[\d+\]", key):
+        if part.startswith("["):
+            args = typing.get_args(current)
+            if typing.get_origin(current) is not list or not args:
+                return None
+            current = args[0]
+            continue
+        if not (isinstance(current, type) and issubclass(current, msgspec.Struct)):
+            return None
+        fields = {f.name: f.type for f in msgspec.structs.fields(current)}
+        if part not in fields:
+            return None
+        current = fields[part]
+    return current
+
+
+def _engine_names(data: bytes | str) -> list[object]:
+    """Each ``[[engines]]`` table's name as written (anything), for messages; [] when the TOML does not parse."""
+    try:
+        raw = tomllib.loads(data.decode() if isinstance(data, bytes) else data)
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError):
+        return []
+    engines = raw.get("engines")
+    if not isinstance(engines, list):
+        return []
+    return [engine.get("name") if isinstance(engine, dict) else None for engine in engines]
+
+
+def _engine_by_name(key: str, names: list[object]) -> str:
+    """``engines[1].role`` as ``engine "d1".role`` when that engine has a name of its own (unique, non-empty)."""
+    match = re.match(r"engines\[(\d+)\]", key)
+    if not match:
+        return key
+    index = int(match.group(1))
+    name = names[index] if index < len(names) else None
+    if not isinstance(name, str) or not name or names.count(name) > 1:
+        return key
+    return f"engine {json.dumps(name)}{key[match.end():]}"
+
+
+def _explain(exc: msgspec.ValidationError, data: bytes | str = "") -> str:
     # msgspec says "... - at `$.serving.listen`"; operators think in TOML keys.
     text = str(exc)
     message, sep, where = text.rpartition(" - at `")
@@ -434,8 +520,22 @@ def _explain(exc: msgspec.ValidationError) -> str:
     unknown = re.fullmatch(r"Object contains unknown field `(.+)`", message)
     if unknown:
         key = f"{key}.{unknown.group(1)}" if key else unknown.group(1)
-        return f"{key}: unknown key"
-    return f"{key}: {message}" if key else message
+        message = "unknown key"
+    enum = re.fullmatch(r"Invalid enum value (.+)", message)
+    allowed = typing.get_args(_key_type(key)) if enum else ()
+    if enum and allowed:
+        message = f"must be one of {', '.join(json.dumps(v) for v in allowed)}; got {enum.group(1)}"
+    # A struct's own check that names its field ("listen: port out of range") belongs to that field's key.
+    field = re.match(r"([a-z_]+): ", message)
+    own = _key_type(key)
+    if field and isinstance(own, type) and issubclass(own, msgspec.Struct) and \
+            field.group(1) in {f.name for f in msgspec.structs.fields(own)}:
+        key = f"{key}.{field.group(1)}" if key else field.group(1)
+        message = message[field.end():]
+    if not key:
+        return message
+    key = _engine_by_name(key, _engine_names(data)) if key.startswith("engines[") else key
+    return f"{key}: {message}"
 
 
 def parse_config(data: bytes | str, source: str = "<config>") -> Config:
@@ -443,7 +543,7 @@ def parse_config(data: bytes | str, source: str = "<config>") -> Config:
     try:
         config = msgspec.toml.decode(data, type=Config)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"{source}: {_explain(exc)}") from None
+        raise ConfigError(f"{source}: {_explain(exc, data)}") from None
     except msgspec.DecodeError as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
     if config.fleet.attestation_key_file is not None:

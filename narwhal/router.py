@@ -15,6 +15,7 @@ admin listener's too), then the data plane's (each worker's), and
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import math
 import os
@@ -97,11 +98,11 @@ def preflight(config: Config, listen: str, handoff_path: Path | None = None) -> 
     if config.admin.listen is not None and _same_address(serving, parse_listen(config.admin.listen)):
         raise StartupError(f"admin.listen {config.admin.listen} is the serving address {listen}: "
                            "give the admin API a port of its own")
-    for i, spec in enumerate(config.engines):
+    for spec in config.engines:
         if _same_address(serving, (spec.host, spec.port)):
-            raise StartupError(f"engines[{i}] ({spec.name}): url {spec.url} is this router's own serving "
+            raise StartupError(f"engine {json.dumps(spec.name)}: url {spec.url} is this router's own serving "
                                f"address {listen}: requests would loop back into the router")
-    path = config.handoff_path() if handoff_path is None else handoff_path
+    path = config.handoff_path(listen=listen) if handoff_path is None else handoff_path
     key = f"handoff.path {config.handoff.path}" if config.handoff.path is not None else f"handoff (default {path})"
     directory = path.parent
     if config.handoff.path is None:
@@ -168,9 +169,12 @@ class Router:
                              to_link_clock=None if self.worker_count == 1
                              else functools.partial(to_monotonic, clock=trio.current_time),
                              record_sample=self.telemetry.record_request, share_in_flight=self.worker_count > 1)
+        # Whatever a snapshot is built from tells the hub when it changed; it publishes only then.
+        self.admission.on_change = self.hub.poke
+        self.fleet.on_change = self.hub.poke
         self.data_plane = self._build_data_plane(config_dir)
         self.in_flight = self.data_plane.in_flight
-        self.handoff_path = config.handoff_path(config_dir)
+        self.handoff_path = config.handoff_path(config_dir, listen=self.listen)
         self.persistence = PersistenceStage(path=self.handoff_path, router_id=self.router_id,
                                             fleet=self.fleet, config=config)
         self.readmitter = Readmitter(config=config, fleet=self.fleet, control_pool=self.control_pool,
@@ -315,6 +319,8 @@ class Router:
         host, port = parse_listen(self.listen)
         listeners: list[trio.SocketListener] = []
         admin_fd: int | None = None
+        # A router that never started does not report stopping: its failure is the CLI's router_failed.
+        started = False
         try:
             preflight(self.config, self.listen, self.handoff_path)
             # Bound before anything starts: a taken port is a one-line startup error, not a failed task.
@@ -340,6 +346,7 @@ class Router:
                 log_event("router_started", router_id=self.router_id, listen=f"{host}:{self.bound_port}",
                           engines=len(self.config.engines), pid=os.getpid(), handoff=str(self.handoff_path),
                           tls=self.tls.server is not None, workers=self.worker_count)
+                started = True
                 self._warn_if_admin_open(f"{host}:{self.bound_port}")
                 self.cert_expiry.check(force=True)
                 nursery.start_soon(self.cert_expiry.run)
@@ -352,7 +359,8 @@ class Router:
             # Close sockets even when cancelled: leaked engine connections outlive the router.
             with trio.CancelScope(shield=True):
                 await self.control_pool.aclose()
-            log_event("router_stopped", router_id=self.router_id)
+            if started:
+                log_event("router_stopped", router_id=self.router_id)
             flush_logs()
 
     async def _flush_logs_periodically(self) -> None:
@@ -441,9 +449,10 @@ class Router:
         grace = self.config.serving.shutdown_grace_s if grace_s is None else grace_s
         self.admission.close("shutdown", "shutting down")
         log_event("router_shutdown", grace_s=grace)
-        if self.lease is not None and self._nursery is not None:
-            # Hand the lease over now: the standby need not wait for it to expire.
-            self._nursery.start_soon(self.lease.release_for_shutdown)
+        if self.lease is not None:
+            # Hand the lease over now: the standby need not wait for it to expire. The lease
+            # service finishes the release (bounded) before it returns, so it lands before exit.
+            self.lease.begin_shutdown()
         self.data_plane.shutdown(grace)
 
     async def _serve_admin(self, fd: int, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:

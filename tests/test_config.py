@@ -1,5 +1,6 @@
 """Config decoding: defaults, and every bad case gets one message naming the key."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -47,11 +48,13 @@ def test_example_file_spells_out_exactly_the_defaults():
         ("[servng]\n", "servng: unknown key"),
         ('[serving]\nmax_connections = "many"\n', "serving.max_connections: Expected `int`, got `str`"),
         ("[serving]\nmax_connections = 0\n", "serving: max_connections must be > 0"),
-        ('[serving]\nlisten = "nowhere"\n', "serving: expected HOST:PORT"),
-        ('[serving]\npolicy = "yolo"\n', "serving.policy: Invalid enum value 'yolo'"),
+        ('[serving]\nlisten = "nowhere"\n', "serving.listen: expected HOST:PORT"),
+        ('[serving]\nlisten = "127.0.0.1:99999"\n', "serving.listen: port out of range in '127.0.0.1:99999'"),
+        ('[serving]\npolicy = "yolo"\n', """serving.policy: must be one of "saturate", "bounded"; got 'yolo'"""),
+        ('[lease]\nbackend = "zk"\n', """lease.backend: must be one of "none", "file", "etcd"; got 'zk'"""),
         ("[recovery]\neject_after = -1\n", "recovery: eject_after must be > 0"),
         ('[lease]\nbackend = "file"\n', "lease.path is required"),
-        ('[admin]\nlisten = "x"\n', "admin: expected HOST:PORT"),
+        ('[admin]\nlisten = "x"\n', "admin.listen: expected HOST:PORT"),
     ],
 )
 def test_bad_values_name_the_key(extra, expected):
@@ -76,12 +79,27 @@ def test_each_role_is_required(missing):
 
 @pytest.mark.parametrize("url", ["ftp://127.0.0.1:1", "http://", "http://h:99999", "http://h:1/v1", "nonsense"])
 def test_bad_engine_urls(url):
-    with pytest.raises(ConfigError, match=r"engines\[0\]"):
+    with pytest.raises(ConfigError, match='engine "p1": url '):
         parse_config(GOOD.replace("http://127.0.0.1:9001", url, 1))
 
 
+def test_engine_messages_name_the_engine_and_list_the_allowed_roles():
+    with pytest.raises(ConfigError) as info:
+        parse_config(GOOD.replace('role = "decode"', 'role = "decoder"'), "n.toml")
+    assert str(info.value) == """n.toml: engine "d1".role: must be one of "prefill", "decode"; got 'decoder'"""
+    with pytest.raises(ConfigError) as info:
+        parse_config(GOOD.replace('role = "decode"', 'role = "decode"\nweight = 2'), "n.toml")
+    assert str(info.value) == 'n.toml: engine "d1".weight: unknown key'
+
+
+def test_an_engine_without_a_usable_name_keeps_its_index():
+    # Two engines named p1: the name does not say which one.
+    with pytest.raises(ConfigError, match=r"engines\[1\]\.role: must be one of"):
+        parse_config(GOOD.replace('"d1"', '"p1"').replace('role = "decode"', 'role = "decoder"'))
+
+
 def test_bad_role():
-    with pytest.raises(ConfigError, match=r"engines\[0\]\.role"):
+    with pytest.raises(ConfigError, match=r'engine "p1"\.role: must be one of "prefill", "decode"; got \'both\''):
         parse_config(GOOD.replace('role = "prefill"', 'role = "both"'))
 
 
@@ -145,11 +163,35 @@ def test_without_a_usable_xdg_state_home_the_handoff_goes_under_home(state: str 
 def test_the_handoff_path_is_never_relative_to_the_working_directory(tmp_path: Path) -> None:
     config = parse_config(GOOD)
     assert config.handoff.path is None
-    assert config.handoff_path(env={"XDG_STATE_HOME": str(tmp_path)}) == tmp_path / "narwhal" / "narwhal-handoff.json"
+    assert config.handoff_path(env={"XDG_STATE_HOME": str(tmp_path)}) == (
+        tmp_path / "narwhal" / "narwhal-handoff-127.0.0.1-8000.json")
     named = parse_config(GOOD + '\n[handoff]\npath = "state/h.json"\n')
     assert named.handoff_path(Path("/etc/narwhal")) == Path("/etc/narwhal/state/h.json")
     absolute = parse_config(GOOD + '\n[handoff]\npath = "/srv/h.json"\n')
     assert absolute.handoff_path(Path("/etc/narwhal")) == Path("/srv/h.json")
+
+
+def test_the_default_handoff_is_each_routers_own() -> None:
+    # Two routers on one host never share the default file (one used to rewrite the other's).
+    env = {"XDG_STATE_HOME": "/state"}
+    plain = parse_config(GOOD)
+    assert plain.handoff_path(env=env) == Path("/state/narwhal/narwhal-handoff-127.0.0.1-8000.json")
+    assert plain.handoff_path(env=env, listen="127.0.0.1:8010") == Path(
+        "/state/narwhal/narwhal-handoff-127.0.0.1-8010.json")
+    assert plain.handoff_path(env=env, listen="[::1]:8010") == Path("/state/narwhal/narwhal-handoff-__1-8010.json")
+    named = parse_config(GOOD + '\n[lease]\nbackend = "etcd"\nrouter_id = "../router a"\n'
+                                'endpoints = ["http://127.0.0.1:2379"]\n')
+    assert named.handoff_path(env=env) == Path("/state/narwhal/narwhal-handoff-_router_a.json")
+    # Port 0: no stable address, so the process names it; two such routers still differ.
+    ephemeral = plain.handoff_path(env=env, listen="127.0.0.1:0")
+    assert ephemeral.name.endswith(f"-{os.getpid()}.json") and ephemeral != plain.handoff_path(env=env)
+
+
+def test_a_file_lease_pair_shares_the_default_handoff_beside_the_lease() -> None:
+    text = GOOD + '\n[lease]\nbackend = "file"\nrouter_id = "{}"\npath = "state/lease.json"\n'
+    a, b = parse_config(text.format("router-a")), parse_config(text.format("router-b"))
+    assert a.handoff_path(Path("/etc/narwhal")) == Path("/etc/narwhal/state/lease.handoff.json")
+    assert b.handoff_path(Path("/etc/narwhal")) == a.handoff_path(Path("/etc/narwhal"))
 
 
 def test_an_empty_handoff_path_is_a_config_error_naming_the_key() -> None:

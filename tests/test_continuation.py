@@ -524,3 +524,51 @@ async def test_a_token_id_prompt_without_output_ids_cannot_be_resumed_from_text(
     assert numbers(text_of(events[:-1], False)) == [3, 4, 5]
     assert len(decode_calls(pool)) == 1
     assert metrics.continuations.values == {("not_eligible",): 1}
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"id":"a","choices":[{"index":0,"text":" x","token_ids":[1,2],"prompt_token_ids":[3],"finish_reason":null}]}',
+    b'{"id":"a","choices":[{"index":0,"text":" x","token_ids": [1, 2],"prompt_token_ids":null}]}',
+    b'{"id":"a","prompt_token_ids":[3,4],"choices":[{"token_ids":[1,2],"text":" x"}]}',
+])
+def test_the_first_legs_events_lose_only_the_ids_narwhal_asked_for(raw):
+    join = StreamJoin(COMPLETIONS, {"prompt": "p"})
+    join.next_leg()
+    out, _ = join.feed(b"data: " + raw + b"\n\n")
+    event = json.loads(out[6:])
+    assert b"token_ids" not in out and event["id"] == "a"
+    assert event["choices"][0]["text"] == " x"
+    assert join.token_ids == [1, 2] and join.output_text == " x"
+    # Asked for by the client: relayed untouched.
+    asked = StreamJoin(COMPLETIONS, {"prompt": "p", "return_token_ids": True})
+    asked.next_leg()
+    assert asked.feed(b"data: " + raw + b"\n\n")[0] == b"data: " + raw + b"\n\n"
+
+
+async def test_a_long_first_leg_is_read_in_batches_and_still_joins_exactly(monkeypatch):
+    # Past _FOLD_BYTES the first leg's events are read as they go (bounded memory per stream).
+    monkeypatch.setattr("narwhal.serving.continuation._FOLD_BYTES", 600)
+    core, _, pool, _, _ = make(decode=("d1", "d2"))
+    pool.cuts = [30]
+    sink = ClientSink()
+    await core.handle(COMPLETIONS, request_body(COMPLETIONS, max_tokens=50), None, sink)
+    check_one_stream(sink, chat=False, prompt_tokens=3, max_tokens=50)
+    assert len(decode_calls(pool)) == 2 and decode_calls(pool)[1][2]["max_tokens"] == 20
+
+
+async def test_a_stream_that_ends_cleanly_logs_its_tokens_without_reading_its_events(caplog):
+    core, _, pool, _, _ = make()
+    sink = ClientSink()
+    with caplog.at_level("INFO", logger="narwhal.events"):
+        await core.handle(CHAT, request_body(CHAT, max_tokens=9), None, sink)
+    check_one_stream(sink, chat=True, prompt_tokens=6, max_tokens=9)
+    line = next(json.loads(r.getMessage()) for r in caplog.records if '"event":"request"' in r.getMessage())
+    assert line["tokens"] == 9 and line["continuations"] == 0 and line["join_gap_ms"] is None
+
+
+def test_done_inside_the_text_is_not_the_end_of_the_stream():
+    join = StreamJoin(COMPLETIONS, {"prompt": "p"})
+    join.next_leg()
+    out, done = join.feed(b'data: {"id":"a","choices":[{"text":" [DONE]","token_ids":[9]}]}\n\ndata: [DONE]\n\n')
+    assert done and out == b'data: {"id":"a","choices":[{"text":" [DONE]"}]}\n\n'
+    assert join.output_text == " [DONE]" and join.tokens == 1

@@ -338,15 +338,15 @@ def test_the_vllm_guide_stays_true_to_the_plugin_and_the_config(tmp_path: Path) 
     from narwhal.config import parse_config
 
     guide = (Path(__file__).resolve().parent.parent / "docs" / "vllm.md").read_text()
-    # Both vllm serve commands load the plugin by its real dotted path, with NixlConnector kv_both.
+    # Both vllm serve commands load the plugin by its real dotted path, with NixlConnector in the engine's
+    # own KV role (vLLM 0.32 logs kv_both as deprecated with NixlConnector).
     commands = re.findall(r"```bash\n(.*?)```", guide, re.S)
     serve = [c for c in commands if "vllm serve" in c]
     assert len(serve) == 2
-    for command in serve:
+    for command, kv_role in zip(serve, ("kv_producer", "kv_consumer"), strict=True):
         assert "--middleware narwhal.engine_plugin.IdentityMiddleware" in command
-        assert """--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'""" in command
-        for variable in (engine_plugin.ENGINE_ID_ENV, engine_plugin.GENERATION_ENV, attestation.KEY_FILE_ENV,
-                         engine_plugin.KV_ROLE_ENV):
+        assert f"""--kv-transfer-config '{{"kv_connector":"NixlConnector","kv_role":"{kv_role}"}}'""" in command
+        for variable in (engine_plugin.ENGINE_ID_ENV, engine_plugin.GENERATION_ENV, attestation.KEY_FILE_ENV):
             assert f"{variable}=" in command
     # Every variable the plugin reads is in the guide's table.
     for variable in (engine_plugin.ENGINE_ID_ENV, engine_plugin.GENERATION_ENV, engine_plugin.KV_ROLE_ENV,

@@ -7,9 +7,14 @@ handoff write from a writer whose lease is gone.
 
 from __future__ import annotations
 
+import base64
+import fcntl
+import os
+import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
 
@@ -17,6 +22,7 @@ from narwhal.lease.backend import LeaseBackendError
 from narwhal.lease.etcd_backend import EtcdLeaseBackend
 from narwhal.lease.file_backend import FileLeaseBackend
 from narwhal.lease.rules import TakeoverRequest
+from narwhal.state import handoff
 from tests.etcd_server import start_etcd
 
 
@@ -152,8 +158,6 @@ async def test_etcd_tries_each_endpoint_in_turn_and_says_when_none_answers(tmp_p
 
 
 async def test_file_backend_gives_up_on_a_lock_held_too_long(tmp_path: Path) -> None:
-    import fcntl
-    import os
 
     backend = FileLeaseBackend(path=tmp_path / "lease.json", handoff_path=tmp_path / "h.json", ttl_s=2.0,
                                lock_timeout_s=0.2)
@@ -165,3 +169,115 @@ async def test_file_backend_gives_up_on_a_lock_held_too_long(tmp_path: Path) -> 
     finally:
         os.close(fd)
     assert (await backend.acquire("ra", "http://127.0.0.1:1")).acquired
+
+
+async def _etcd_post(url: str, path: str, body: dict) -> dict:
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        response = await client.post(f"{url}{path}", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+
+def _b64(text: str | bytes) -> str:
+    return base64.b64encode(text.encode() if isinstance(text, str) else text).decode()
+
+
+async def delete_everything(make, backend) -> None:
+    """rm lease.json, or etcdctl del --prefix (an etcd restored empty looks the same)."""
+    if make.kind == "file":
+        backend.path.unlink()
+    else:
+        await _etcd_post(make.etcd.url, "/v3/kv/deleterange",
+                         {"key": _b64("/t/lease"), "range_end": _b64("/t/leasf")})
+
+
+async def test_a_deleted_record_is_taken_only_when_asked_and_never_with_an_old_epoch(make_backend) -> None:
+    holder, standby = make_backend(), make_backend()
+    first = await holder.acquire("ra", "http://127.0.0.1:1", after_epoch=4)
+    assert first.acquired and first.record.epoch == 5
+    await delete_everything(make_backend, holder)
+    assert await standby.read() is None
+    # A standby that saw ra's record does not take a missing one before ra surely fenced.
+    refused = await standby.acquire("rb", "http://127.0.0.1:2", after_epoch=5, take_missing=False)
+    assert not refused.acquired and refused.record is None
+    # ra finds its record gone at its next renewal: lost, so it fences at once.
+    renewal = await holder.renew(first.record)
+    assert renewal.lost
+    taken = await standby.acquire("rb", "http://127.0.0.1:2", after_epoch=5)
+    assert taken.acquired and taken.record.epoch == 6
+
+
+async def test_etcd_proves_a_term_over_only_when_its_lease_is_gone_and_the_counter_intact(tmp_path: Path) -> None:
+    etcd = await start_etcd(tmp_path / "etcd")
+    holder = EtcdLeaseBackend(endpoints=[etcd.url], key="/t/lease", ttl_s=2.0, timeout_s=2.0)
+    standby = EtcdLeaseBackend(endpoints=[etcd.url], key="/t/lease", ttl_s=2.0, timeout_s=2.0)
+    try:
+        first = (await holder.acquire("ra", "http://127.0.0.1:1")).record
+        seen = await standby.read()
+        assert seen is not None and seen.lease_id == first.lease_id != 0
+        assert not await standby.term_over(seen)  # still held
+        # etcdctl del of the key alone: the holder's lease lives on, so it may still be serving.
+        await _etcd_post(etcd.url, "/v3/kv/deleterange", {"key": _b64("/t/lease")})
+        assert not await standby.term_over(seen)
+        assert await holder.release(first)  # the holder fenced and handed its lease back
+        assert await standby.term_over(seen)
+        # A counter deleted with everything else proves nothing: the lease may have gone with it.
+        second = (await holder.acquire("ra", "http://127.0.0.1:1", after_epoch=1)).record
+        seen = await standby.read()
+        await _etcd_post(etcd.url, "/v3/kv/deleterange", {"key": _b64("/t/lease"), "range_end": _b64("/t/leasf")})
+        await _etcd_post(etcd.url, "/v3/lease/revoke", {"ID": str(second.lease_id)})
+        assert not await standby.term_over(seen)
+    finally:
+        await holder.aclose()
+        await standby.aclose()
+        await etcd.stop()
+
+
+async def test_an_etcd_record_put_by_hand_without_a_lease_expires_after_ttl(tmp_path: Path) -> None:
+    etcd = await start_etcd(tmp_path / "etcd")
+    now = [100.0]
+    backend = EtcdLeaseBackend(endpoints=[etcd.url], key="/t/lease", ttl_s=2.0, timeout_s=2.0,
+                               monotonic=lambda: now[0])
+    try:
+        record = b'{"holder":"rx","epoch":3,"advertise_url":"http://127.0.0.1:1"}'
+        await _etcd_post(etcd.url, "/v3/kv/put", {"key": _b64("/t/lease"), "value": _b64(record)})
+        held = await backend.acquire("rb", "http://127.0.0.1:2")
+        assert not held.acquired and held.record.holder == "rx" and held.record.lease_id == 0
+        now[0] += 1.9
+        assert not (await backend.acquire("rb", "http://127.0.0.1:2")).acquired
+        now[0] += 0.1
+        taken = await backend.acquire("rb", "http://127.0.0.1:2")
+        assert taken.acquired and taken.record.epoch == 4
+        current = await backend.read()
+        assert current.holder == "rb" and current.lease_id != 0
+        assert (await backend.renew(taken.record)).ok
+    finally:
+        await backend.aclose()
+        await etcd.stop()
+
+
+async def test_an_abandoned_lease_file_write_never_lands_later(tmp_path: Path, monkeypatch) -> None:
+
+
+    backend = FileLeaseBackend(path=tmp_path / "lease.json", handoff_path=tmp_path / "h.json", ttl_s=2.0)
+    stalled, resume = threading.Event(), threading.Event()
+    real_fsync = os.fsync
+
+    def stalled_fsync(fd: int) -> None:
+        stalled.set()
+        resume.wait(10.0)  # the filesystem hangs
+        real_fsync(fd)
+
+    monkeypatch.setattr(handoff.os, "fsync", stalled_fsync)
+    with trio.move_on_after(0.2) as gave_up:
+        await backend.acquire("rb", "http://127.0.0.1:2")
+    assert gave_up.cancelled_caught and stalled.is_set()
+    resume.set()
+    # The thread finishes its write only after the caller gave up: it must not take effect.
+    deadline = time.monotonic() + 5.0
+    while any(path.name.endswith(".tmp") for path in tmp_path.iterdir()) and time.monotonic() < deadline:
+        await trio.sleep(0.01)
+    monkeypatch.undo()
+    await trio.to_thread.run_sync(backend._locked, lambda: None)  # the thread let go of the lock
+    assert await backend.read() is None
+    assert not [path.name for path in tmp_path.iterdir() if path.name.endswith(".tmp")]

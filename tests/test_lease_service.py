@@ -47,6 +47,11 @@ class MemoryBackend:
         self.handoff: bytes | None = None
         self.down = False
         self.renewals = 0
+        self.terms_over = False
+        self.release_delay_s = 0.0
+        self.releases: list[tuple[float, int]] = []
+        self.stall_acquire = trio.Event()
+        self.stall_acquire.set()
 
     def _check(self) -> None:
         if self.down:
@@ -56,15 +61,21 @@ class MemoryBackend:
         self._check()
         return self.record
 
-    async def acquire(self, router_id: str, advertise_url: str) -> Acquisition:
+    async def acquire(self, router_id: str, advertise_url: str, *, after_epoch: int = 0,
+                      take_missing: bool = True) -> Acquisition:
         self._check()
+        await self.stall_acquire.wait()
         now = trio.current_time()
         current = self.record
-        if current is not None and not current.free_at(now):
+        if current is not None and not current.free_at(now) or current is None and not take_missing:
             return Acquisition(acquired=False, record=current)
-        self.record = LeaseRecord(holder=router_id, epoch=(current.epoch if current else 0) + 1,
+        self.record = LeaseRecord(holder=router_id, epoch=max(current.epoch if current else 0, after_epoch) + 1,
                                   advertise_url=advertise_url, expires_at=now + self.ttl_s)
         return Acquisition(acquired=True, record=self.record)
+
+    async def term_over(self, record: LeaseRecord) -> bool:
+        self._check()
+        return self.terms_over
 
     async def renew(self, record: LeaseRecord) -> Renewal:
         self._check()
@@ -77,9 +88,11 @@ class MemoryBackend:
 
     async def release(self, record: LeaseRecord) -> bool:
         self._check()
+        await trio.sleep(self.release_delay_s)
         if self.record is None or self.record.epoch != record.epoch or self.record.holder != record.holder:
             return False
         self.record = LeaseRecord(epoch=record.epoch)
+        self.releases.append((trio.current_time(), record.epoch))
         return True
 
     async def request_takeover(self, request: TakeoverRequest) -> bool:
@@ -320,3 +333,216 @@ async def test_an_unreachable_backend_is_said_on_ready_for_a_standby(autojump_cl
     await rig.service.tick()
     assert rig.refusal() == "standby: lease held by r2"
     assert math.isinf(rig.service.admission_deadline)
+
+
+# -- issue 19: hand-over, deleted and reset records, retried releases -------------------------
+
+
+async def test_a_shutdown_release_lands_before_the_service_returns_even_when_cancelled_at_once(
+        autojump_clock: MockClock, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    backend = MemoryBackend()
+    backend.release_delay_s = 0.5  # slower than the router's own shutdown when idle
+    rig = Rig(tmp_path, backend)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(rig.service.run)
+        await trio.sleep(1.0)
+        assert rig.service.role is Role.ACTIVE
+        rig.service.begin_shutdown()
+        # Serving stopped at once; the router's nursery is cancelled as soon as its server drained.
+        assert rig.refusal() == "standby: lease held by nobody" and rig.stage.paused
+        nursery.cancel_scope.cancel()
+    assert backend.record is not None and backend.record.holder == "" and backend.releases == [(1.5, 1)]
+    assert events(caplog, "lease_released")[0]["reason"] == "shutdown"
+
+
+async def test_a_shutdown_release_that_cannot_land_is_bounded(autojump_clock: MockClock, tmp_path: Path) -> None:
+    backend = MemoryBackend()
+    rig = Rig(tmp_path, backend)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(rig.service.run)
+        await trio.sleep(1.0)
+        backend.down = True
+        rig.service.begin_shutdown()
+        nursery.cancel_scope.cancel()
+    # Retried, then given up at the short deadline: exit is not held up by a dead backend.
+    assert trio.current_time() <= 1.0 + rig.service.shutdown_release_s
+    assert backend.record is not None and backend.record.holder == "r1"
+
+
+async def test_a_holder_whose_record_was_deleted_fences_at_once_and_no_standby_takes_it_early(
+        autojump_clock: MockClock, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    backend = MemoryBackend()
+    backend.record = LeaseRecord(holder="", epoch=6)
+    holder = Rig(tmp_path, backend, router_id="r1")
+    standby = Rig(tmp_path, backend, router_id="r2")
+    await holder.service.tick()
+    assert holder.service.role is Role.ACTIVE and holder.service.holding.epoch == 7
+    await standby.service.tick()
+    assert standby.service.role is Role.STANDBY
+    backend.record = None  # rm lease.json / etcdctl del --prefix / etcd restored empty
+    await standby.service.tick()
+    # The holder may admit until its own next renewal: the standby does not take the lease yet.
+    assert standby.service.role is Role.STANDBY and backend.record is None
+    assert events(caplog, "lease_record_missing")[0]["holder"] == "r1"
+    await trio.sleep(RENEW_S)
+    await holder.service.tick()
+    assert holder.service.role is Role.FENCED and (holder.refusal() or "").startswith(FENCED_REASON)
+    # Not before the old holder's fencing deadline has surely passed (TTL after the record went missing).
+    missing_at = trio.current_time() - RENEW_S
+    while trio.current_time() < missing_at + TTL_S - RENEW_S:
+        await standby.service.tick()
+        assert standby.service.role is Role.STANDBY
+        await trio.sleep(RENEW_S)
+    await trio.sleep_until(missing_at + TTL_S)
+    await standby.service.tick()
+    assert standby.service.role is Role.ACTIVE
+    # Epochs identify terms: never handed out again after a reset.
+    assert standby.service.holding.epoch == 8 and backend.record.epoch == 8
+
+
+async def test_a_missing_record_whose_term_the_backend_proves_over_is_taken_at_once(
+        autojump_clock: MockClock, tmp_path: Path) -> None:
+    backend = MemoryBackend()
+    backend.record = LeaseRecord(holder="r2", epoch=3, expires_at=1e9)
+    rig = Rig(tmp_path, backend)
+    await rig.service.tick()
+    backend.record = None  # an etcd key gone with its expired lease
+    backend.terms_over = True
+    await rig.service.tick()
+    assert rig.service.role is Role.ACTIVE and rig.service.holding.epoch == 4
+
+
+async def test_a_fresh_router_takes_a_lease_nobody_was_seen_holding(autojump_clock: MockClock,
+                                                                    tmp_path: Path) -> None:
+    rig = Rig(tmp_path, MemoryBackend())
+    await rig.service.tick()
+    assert rig.service.role is Role.ACTIVE and rig.service.holding.epoch == 1
+
+
+async def test_after_an_epoch_reset_the_standby_follows_the_new_term_and_says_what_it_skips(
+        autojump_clock: MockClock, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    backend = MemoryBackend()
+    backend.record = LeaseRecord(holder="r2", epoch=5, expires_at=1e9)
+    writer = Rig(tmp_path, MemoryBackend(), router_id="r2")
+
+    def document(holder: str, epoch: int, pass_number: int, drained: bool) -> bytes:
+        fleet = Rig(tmp_path, MemoryBackend(), router_id=f"w{pass_number}").fleet
+        if drained:
+            fleet.add_hold("d1", HoldKind.OPERATOR_DRAIN, "operator drain", trio.current_time())
+        writer.stage.fleet = fleet
+        writer.stage.extra = lambda: HandoffExtra(lease=LeaseOwnership(holder=holder, epoch=epoch))
+        return handoff.encode_document(writer.stage.document(pass_number))
+
+    rig = Rig(tmp_path, backend)
+    backend.handoff = document("r2", 5, 1, drained=False)
+    await rig.service.tick()
+    assert rig.service.applied_epoch == 5
+    # The epoch counter was reset (etcd restored from an old snapshot): r3 now holds epoch 1
+    # and drains d1. Its handoff is the one to follow, though its epoch is lower.
+    backend.record = LeaseRecord(holder="r3", epoch=1, expires_at=1e9)
+    backend.handoff = document("r3", 1, 7, drained=True)
+    await rig.service.tick()
+    assert (rig.service.applied_epoch, rig.service.applied_pass) == (1, 7)
+    assert [view.name for view in rig.fleet.views(trio.current_time()) if not view.eligible] == ["d1"]
+    view = rig.service.view()
+    assert (view.holder, view.epoch, view.handoff_applied_epoch) == ("r3", 1, 1)
+    # A late document of the previous term is not applied, and it is said.
+    backend.handoff = document("r2", 5, 2, drained=False)
+    await rig.service.tick()
+    assert rig.service.applied_pass == 7
+    skipped = events(caplog, "handoff_skipped")
+    assert skipped and skipped[-1]["holder"] == "r2" and skipped[-1]["epoch"] == 5
+    assert "r3 epoch 1" in skipped[-1]["reason"]
+
+
+async def test_a_fenced_holders_release_is_retried_until_it_lands_before_expiry(
+        autojump_clock: MockClock, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    backend = MemoryBackend()
+    rig = Rig(tmp_path, backend)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(rig.service.run)
+        await trio.sleep(0.5)
+        backend.down = True  # renewals at 3 and 6 fail; fenced at 0 + TTL - MARGIN = 8
+        await trio.sleep_until(9.2)  # past the first standby tick (9), which fails
+        assert rig.service.role is Role.FENCED and backend.releases == []
+        backend.down = False
+        await trio.sleep_until(TTL_S)
+        nursery.cancel_scope.cancel()
+    # Handed back before the record would have expired by itself (at TTL), not tried once.
+    assert backend.releases and backend.releases[0][1] == 1 and backend.releases[0][0] < TTL_S
+    failed = events(caplog, "lease_release_failed")
+    assert failed and failed[0]["will_retry"] and failed[0]["reason"] == "memory unreachable: down"
+
+
+async def test_an_abandoned_acquisition_that_lands_late_is_handed_back(
+        autojump_clock: MockClock, tmp_path: Path) -> None:
+    backend = MemoryBackend()
+    backend.record = LeaseRecord(holder="r2", epoch=2, expires_at=0.0)
+    rig = Rig(tmp_path, backend)
+    backend.stall_acquire = trio.Event()  # a stalled filesystem
+    await rig.service.tick()
+    assert rig.service.role is Role.STANDBY and rig.service.backend_problem is not None
+    # The write finished later after all: the record names r1, which never served under it.
+    backend.record = LeaseRecord(holder="r1", epoch=3, expires_at=trio.current_time() + TTL_S)
+    backend.stall_acquire.set()
+    await trio.sleep(RENEW_S)
+    await rig.service.tick()
+    assert backend.releases and backend.releases[0][1] == 3
+    await rig.service.tick()
+    assert rig.service.role is Role.ACTIVE and rig.service.holding.epoch == 4
+
+
+async def test_a_degraded_standby_neither_acquires_nor_requests_a_takeover(
+        autojump_clock: MockClock, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    backend = MemoryBackend()
+    rig = Rig(tmp_path, backend, ready=lambda request: httpx.Response(503, text="monitoring degraded\n"))
+    rig.admission.close("monitor", "monitoring degraded: persistence OSError")
+    await rig.service.tick()
+    assert rig.service.role is Role.STANDBY and backend.record is None  # break 2
+    backend.record = LeaseRecord(holder="r2", epoch=1, advertise_url="http://r2.test:8000", expires_at=1e9)
+    for _ in range(6):
+        await rig.service.tick()
+    assert backend.record.takeover is None and not events(caplog, "takeover_requested")  # break 1
+
+
+async def test_a_router_that_yielded_does_not_report_its_own_documents_as_skipped(
+        autojump_clock: MockClock, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    backend = MemoryBackend()
+    rig = Rig(tmp_path, backend)
+    await rig.service.tick()
+    await rig.stage.run(1)
+    backend.handoff = Path(rig.stage.path).read_bytes()  # our own document, epoch 1
+    await rig.service.release("takeover requested by r2")
+    backend.record = LeaseRecord(holder="r2", epoch=2, expires_at=1e9)
+    await rig.service.tick()
+    assert rig.service.role is Role.STANDBY and not events(caplog, "handoff_skipped")
+    # The same router id after a restart held no term: its old document is another term's.
+    restarted = Rig(tmp_path, backend)
+    await restarted.service.tick()
+    assert events(caplog, "handoff_skipped")[0]["holder"] == "r1"
+
+
+async def test_a_restarted_router_takes_over_its_predecessors_last_handoff(
+        autojump_clock: MockClock, tmp_path: Path) -> None:
+    # The same router id, restarted after a crash: its predecessor's record and handoff are
+    # another process's term, to be applied when it takes the lease again (a drain survives).
+    backend = MemoryBackend()
+    writer = Rig(tmp_path, MemoryBackend(), router_id="r1")
+    writer.fleet.add_hold("d1", HoldKind.OPERATOR_DRAIN, "operator drain", trio.current_time())
+    writer.stage.extra = lambda: HandoffExtra(lease=LeaseOwnership(holder="r1", epoch=3))
+    backend.handoff = handoff.encode_document(writer.stage.document(9))
+    backend.record = LeaseRecord(holder="r1", epoch=3, expires_at=RENEW_S)
+    rig = Rig(tmp_path, backend)
+    await rig.service.tick()
+    assert rig.service.role is Role.STANDBY
+    await trio.sleep_until(RENEW_S)
+    await rig.service.tick()
+    assert rig.service.role is Role.ACTIVE and rig.service.holding.epoch == 4
+    assert (rig.service.applied_epoch, rig.service.applied_pass) == (3, 9)
+    assert [view.name for view in rig.fleet.views(trio.current_time()) if not view.eligible] == ["d1"]

@@ -136,7 +136,7 @@ def test_admin_listen_on_the_serving_address_is_refused(tmp_path: Path):
 
 def test_an_engine_url_that_is_this_router_is_refused(tmp_path: Path):
     config = parse_config(config_text(f'[handoff]\npath = "{tmp_path}/h.json"\n', decode_port=8000))
-    with pytest.raises(StartupError, match=r"engines\[1\] \(d1\): url http://127.0.0.1:8000 is this router's own"):
+    with pytest.raises(StartupError, match=r'engine "d1": url http://127.0.0.1:8000 is this router\'s own'):
         preflight(config, "localhost:8000")
     preflight(config, "127.0.0.1:8001")
 

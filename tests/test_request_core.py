@@ -252,6 +252,63 @@ async def test_non_streaming_decode_body_is_returned_as_is():
     assert sink.json()["choices"][0]["text"] == "ab"
 
 
+CHAT = msgspec.json.encode({"model": "mock-model", "messages": [{"role": "user", "content": "x"}], "stream": True})
+ROLE_EVENT = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
+
+
+def token_event(text: str) -> bytes:
+    return b'data: {"choices":[{"index":0,"delta":{"content":"%s"},"finish_reason":null}]}\n\n' % text.encode()
+
+
+def request_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
+    return [json.loads(r.getMessage()) for r in caplog.records
+            if r.name == "narwhal.events" and '"event":"request"' in r.getMessage()]
+
+
+async def test_non_streamed_answers_do_not_show_kv_transfer_params():
+    core, _, pool, _ = make_core()
+    pool.decode.append((200, b'{"choices": [{"text": "ab"}], "usage": {"completion_tokens": 2}, '
+                             b'"kv_transfer_params": null}'))
+    sink = Sink()
+    await core.handle("/v1/completions", body(), None, sink)
+    assert sink.status == 200
+    assert sink.json() == {"choices": [{"text": "ab"}], "usage": {"completion_tokens": 2}}
+
+
+@pytest.mark.parametrize("policy", ["saturate", "bounded"])
+async def test_streamed_events_carrying_kv_transfer_params_lose_it(policy):
+    core, _, pool, _ = make_core(policy=policy)
+    pool.decode.append([b'data: {"choices":[{"text":"a"}],"kv_transfer_params":null}\n\n',
+                        b'data: {"choices":[{"text":"b"}],"kv_transfer_params":{"x":1}}\n\ndata: [DONE]\n\n'])
+    sink = Sink()
+    await core.handle("/v1/completions", body(stream=True), None, sink)
+    assert b"".join(sink.writes) == (b'data: {"choices":[{"text":"a"}]}\n\n'
+                                     b'data: {"choices":[{"text":"b"}]}\n\ndata: [DONE]\n\n')
+
+
+@pytest.mark.parametrize("policy", ["saturate", "bounded"])
+@pytest.mark.parametrize("one_read", [False, True])
+async def test_a_chat_streams_role_only_first_event_is_not_a_token(caplog, one_read, policy):
+    # bounded relays through the stream-continuation join, saturate directly: both count 8.
+    caplog.set_level("INFO", logger="narwhal.events")
+    core, _, pool, _ = make_core(policy=policy)
+    events = [ROLE_EVENT, *(token_event(t) for t in "abcdefgh"), b"data: [DONE]\n\n"]
+    pool.decode.append([b"".join(events)] if one_read else [events[0], *events[1:-2], b"".join(events[-2:])])
+    sink = Sink()
+    await core.handle("/v1/chat/completions", CHAT, None, sink)
+    assert b"".join(sink.writes) == b"".join(events)
+    assert [line["tokens"] for line in request_lines(caplog)] == [8]
+
+
+async def test_a_first_chat_event_with_content_is_a_token(caplog):
+    caplog.set_level("INFO", logger="narwhal.events")
+    core, _, pool, _ = make_core()
+    first = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":"a"}}]}\n\n'
+    pool.decode.append([first, token_event("b") + b"data: [DONE]\n\n"])
+    await core.handle("/v1/chat/completions", CHAT, None, Sink())
+    assert [line["tokens"] for line in request_lines(caplog)] == [2]
+
+
 async def test_request_id_from_client_is_sent_on_both_legs_and_echoed():
     core, _, pool, _ = make_core()
     sink = Sink()

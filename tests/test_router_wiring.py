@@ -70,7 +70,8 @@ async def test_one_data_plane_in_this_process_or_in_workers_and_every_reader_cou
 def test_the_handoff_defaults_to_the_state_directory_and_persistence_and_resume_use_it(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     built = router()
-    expected = tmp_path / "state" / "narwhal" / "narwhal-handoff.json"
+    # Named after the serving address (default serving.listen): no two routers on a host share it.
+    expected = tmp_path / "state" / "narwhal" / "narwhal-handoff-127.0.0.1-8000.json"
     assert built.handoff_path == expected
     assert built.persistence.path == str(expected)
     preflight(built.config, "127.0.0.1:0", built.handoff_path)  # creates the state directory

@@ -27,6 +27,7 @@ from narwhal.workers.protocol import (
     encode_frame,
 )
 from narwhal.workers.view import TelemetryRelay, WorkerView
+from narwhal.workers.worker import others_in_flight
 
 # -- framing -------------------------------------------------------------------------------
 
@@ -239,10 +240,20 @@ def test_quarantine_expiry_is_published_at_its_deadline() -> None:
     hub.attach(0, inbox.append)
     hub.receive(0, Evidence(engine="d1", failure_class="connection"))
     assert inbox[-1].eligible["decode"] == ["d2"]
-    if inbox[-1].valid_until is not None:
-        now[0] = inbox[-1].valid_until
-        hub.publish()
-        assert inbox[-1].valid_until is None or inbox[-1].valid_until > now[0]
+    # The snapshot says until when it is exact: the quarantine's end.
+    assert inbox[-1].valid_until == 10.0
+    sent = len(inbox)
+    now[0] = 9.999
+    hub.publish()
+    assert len(inbox) == sent
+    now[0] = 10.0
+    hub.publish()
+    # At the deadline a new snapshot goes out: the quarantine is over (d1 may be readmitted).
+    assert len(inbox) == sent + 1 and inbox[-1].valid_until is None
+    assert inbox[-1].eligible["decode"] == ["d2"]
+    fleet.readmit("d1", now[0])
+    hub.publish()
+    assert inbox[-1].eligible["decode"] == ["d1", "d2"]
 
 
 def test_samples_in_reports_reach_the_controllers_telemetry() -> None:
@@ -305,8 +316,72 @@ def test_snapshots_carry_router_wide_in_flight_and_placement_balances_on_it() ->
     assert inbox[-1].in_flight == {"d1": 5}
     # Worker 0 has nothing in flight itself, but d1 is busy elsewhere: it places on d2.
     local = InFlight(["d1", "d2"])
-    local.elsewhere = {"d1": 5}
+    local.elsewhere = others_in_flight(inbox[-1].in_flight, {})
+    assert local.elsewhere == {"d1": 5}
     assert all(pick_least_outstanding(["d1", "d2"], local) == "d2" for _ in range(20))
-    local.elsewhere = {}
-    local.acquire("d2")
-    assert pick_least_outstanding(["d1", "d2"], local) == "d1"
+    # Worker 1 reported those 5 itself: none of them is elsewhere, so its own count decides.
+    own = InFlight(["d1", "d2"])
+    for _ in range(5):
+        own.acquire("d1")
+    own.elsewhere = others_in_flight(inbox[-1].in_flight, {"d1": 5})
+    assert own.elsewhere == {}
+    own.acquire("d2")
+    assert pick_least_outstanding(["d1", "d2"], own) == "d2"
+
+
+def test_a_lease_renewal_alone_reaches_every_worker() -> None:
+    # Issue 26, break 4: an idle router with workers and a lease fenced itself after its first
+    # term when the lease deadline was not part of what decides a publish.
+    hub, _, _ = _hub()
+    deadline = [8.0]
+    hub.set_admit_until(lambda: deadline[0])
+    inbox: dict[int, list[Snapshot]] = {0: [], 1: []}
+    hub.attach(0, inbox[0].append)
+    hub.attach(1, inbox[1].append)
+    hub.publish()
+    assert [box[-1].admit_until for box in inbox.values()] == [8.0, 8.0]
+    deadline[0] = 11.0  # renewed; nothing else changed
+    hub.publish()
+    assert [box[-1].admit_until for box in inbox.values()] == [11.0, 11.0]
+    hub.publish()
+    assert len(inbox[0]) == 2  # no change, nothing sent
+
+
+async def test_the_publisher_sends_only_on_change_and_wakes_at_the_fleets_deadline(
+        autojump_clock: trio.testing.MockClock) -> None:
+    fleet = Fleet([("p1", "prefill"), ("d1", "decode"), ("d2", "decode")], eject_after=1,
+                  liveness_misses=3, failure_quarantine_s=10.0, probe_interval_s=5.0)
+
+    class TrioNow:
+        def __getitem__(self, index: int) -> float:
+            return trio.current_time()
+
+    admission = _Admission()
+    hub = WorkerHub(_Control(fleet, TrioNow()), admission, engines=["p1", "d1", "d2"],  # type: ignore[arg-type]
+                    clock=trio.current_time)
+    inbox: list[Snapshot] = []
+    hub.attach(0, inbox.append)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(hub.run_publisher)
+        await trio.sleep(60.0)
+        assert len(inbox) == 1  # idle for a minute: nothing republished
+        hub.poke()
+        await trio.sleep(1.0)
+        assert len(inbox) == 1  # poked without a change: nothing sent
+        admission.closed = "monitoring degraded: health TimeoutError"
+        hub.poke()
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(inbox) == 2 and inbox[-1].admission_reason == admission.closed
+        admission.closed = None
+        fleet.record_failure("d1", FailureClass.CONNECTION, trio.current_time())
+        ejected_at = trio.current_time()
+        hub.poke()
+        await trio.testing.wait_all_tasks_blocked()
+        assert inbox[-1].eligible["decode"] == ["d2"]
+        assert inbox[-1].valid_until == ejected_at + 10.0
+        sent = len(inbox)
+        # No poke at the quarantine's end: the publisher wakes at the deadline by itself.
+        await trio.sleep_until(ejected_at + 10.0)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(inbox) == sent + 1 and inbox[-1].valid_until is None
+        nursery.cancel_scope.cancel()

@@ -13,7 +13,7 @@ has its event logged on the spot as well.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Protocol
 
 import msgspec
@@ -53,6 +53,8 @@ class FleetWriter:
         # Actions returned before a runner was attached (e.g. by resume): run on attach.
         self._pending: list[Action] = []
         self._events_dropped_seen = 0
+        # Called after every mutation (worker processes get a new snapshot if placement changed).
+        self.on_change: Callable[[], None] | None = None
 
     def __repr__(self) -> str:
         runner = "attached" if self._runner is not None else f"none, {len(self._pending)} actions queued"
@@ -213,6 +215,8 @@ class FleetWriter:
         if dropped > self._events_dropped_seen:
             log_event("fleet_events_dropped", level=logging.ERROR, dropped=dropped - self._events_dropped_seen)
             self._events_dropped_seen = dropped
+        if self.on_change is not None:
+            self.on_change()
 
     def _log(self, event: FleetEvent) -> None:
         if event.kind is FleetEventKind.PROBE_RESULT:

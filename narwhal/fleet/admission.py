@@ -34,9 +34,21 @@ class Admission:
         self._clock = clock
         self._closed: dict[str, str] = {}
         self._reason: str | None = None
-        # Monotonic time (the request path's clock) from which new requests are
-        # refused for want of a valid lease; None when no lease is configured.
-        self.lease_deadline: float | None = None
+        self._lease_deadline: float | None = None
+        # Called after every change (worker processes get a new snapshot).
+        self.on_change: Callable[[], None] | None = None
+
+    @property
+    def lease_deadline(self) -> float | None:
+        """Monotonic time (the request path's clock) from which new requests are refused for
+        want of a valid lease; None when no lease is configured."""
+        return self._lease_deadline
+
+    @lease_deadline.setter
+    def lease_deadline(self, deadline: float | None) -> None:
+        self._lease_deadline = deadline
+        if self.on_change is not None:
+            self.on_change()
 
     def close(self, owner: str, reason: str) -> None:
         """Close admission on behalf of ``owner`` ('monitor', 'lease', 'shutdown')."""
@@ -67,8 +79,12 @@ class Admission:
         return self._closed.get(owner)
 
     def _recompute(self) -> None:
+        self._reason = self._first_reason()
+        if self.on_change is not None:
+            self.on_change()
+
+    def _first_reason(self) -> str | None:
         for owner in _PRIORITY:
             if owner in self._closed:
-                self._reason = self._closed[owner]
-                return
-        self._reason = next(iter(self._closed.values()), None)
+                return self._closed[owner]
+        return next(iter(self._closed.values()), None)

@@ -121,6 +121,8 @@ _ACCEPT_BACKOFF_S = 0.1
 _DRAIN_413_FACTOR = 4
 # Connections accepted past max_client_connections that may still ask for /health.
 OVERFLOW_CONNECTIONS = 16
+# With ``yield_at_cap``: how long a connection waits in the backlog for a sibling below its cap.
+AT_CAP_HANDOFF_S = 0.05
 # The file descriptors kept for everything but client connections (listeners,
 # the admin listener, logs, handoff writes) when the cap is sized from the fd limit.
 _FD_HEADROOM = 64
@@ -657,8 +659,14 @@ class HTTPServer:
         half_close: bool = True,
         server_name: bytes = b"narwhal",
         ssl_context: ssl.SSLContext | None = None,
+        yield_at_cap: bool = False,
     ) -> None:
         self._handler = handler
+        # A worker process shares its listening socket with siblings: at its cap it stops
+        # accepting and leaves new connections to them (see ``_wait_below_cap``).
+        self._yield_at_cap = yield_at_cap
+        self._slot_freed = trio.Event()
+        self._starting = 0
         self._header_timeout_s = header_timeout_s
         self._body_timeout_s = body_timeout_s
         self._client_write_timeout_s = client_write_timeout_s
@@ -770,6 +778,8 @@ class HTTPServer:
 
     async def _accept_loop(self, listener: Listener, connections: trio.Nursery) -> None:
         while True:
+            if self._yield_at_cap:
+                await self._wait_below_cap(listener)
             try:
                 stream = await listener.accept()
             except OSError as exc:
@@ -778,7 +788,33 @@ class HTTPServer:
                 log_event("http_accept_error", level=logging.ERROR, message=str(exc), errno=exc.errno)
                 await trio.sleep(_ACCEPT_BACKOFF_S)
                 continue
+            # Counted at once: the connection's task has not run yet when the loop looks at the cap again.
+            self._starting += 1
             connections.start_soon(self._serve_connection, stream)
+
+    def _at_cap(self) -> bool:
+        cap = self._max_client_connections
+        return cap is not None and self._accepted + self._starting - self._overflow_open >= cap
+
+    async def _wait_below_cap(self, listener: Listener) -> None:
+        """At the cap, do not accept: a sibling process waiting in accept() takes the connection.
+
+        Only when a connection stays in the backlog over two looks ``AT_CAP_HANDOFF_S``
+        apart (every process is at its cap) is it accepted here, for the overflow
+        slots and the 503. The look is one non-blocking poll, made only while at the cap.
+        """
+        seen_pending = False
+        while self._at_cap():
+            freed = self._slot_freed
+            with trio.move_on_after(AT_CAP_HANDOFF_S):
+                await freed.wait()
+            if freed.is_set():
+                seen_pending = False
+                continue
+            pending = bool(select.select([listener.socket.fileno()], [], [], 0)[0])
+            if pending and seen_pending:
+                return
+            seen_pending = pending
 
     async def serve_stream(self, stream: trio.abc.Stream) -> None:
         """Serve one accepted stream until it closes (tests drive the front over memory streams this way)."""
@@ -805,6 +841,7 @@ class HTTPServer:
 
     async def _serve_connection(self, stream: trio.abc.Stream) -> None:
         # trio sets TCP_NODELAY on accepted sockets (the hot path depends on it; a test checks it).
+        self._starting = max(0, self._starting - 1)
         cap = self._max_client_connections
         overflow = cap is not None and self._accepted - self._overflow_open >= cap
         if overflow and self._overflow_open >= OVERFLOW_CONNECTIONS:
@@ -820,6 +857,9 @@ class HTTPServer:
             self._accepted -= 1
             if overflow:
                 self._overflow_open -= 1
+            if self._yield_at_cap:
+                self._slot_freed.set()
+                self._slot_freed = trio.Event()
 
     async def _serve_accepted(self, stream: trio.abc.Stream, overflow: bool) -> None:
         accepted_at = trio.current_time()

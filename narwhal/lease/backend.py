@@ -50,8 +50,16 @@ class LeaseBackend(Protocol):
         """The current record, or None when there is none."""
         ...
 
-    async def acquire(self, router_id: str, advertise_url: str) -> Acquisition:
-        """Take the lease if it is free, with the epoch after the last one."""
+    async def acquire(self, router_id: str, advertise_url: str, *, after_epoch: int = 0,
+                      take_missing: bool = True) -> Acquisition:
+        """Take the lease if it is free, with an epoch above both the last one and ``after_epoch``.
+
+        With ``take_missing`` False a missing record (deleted, or never written) is not taken.
+        """
+        ...
+
+    async def term_over(self, record: LeaseRecord) -> bool:
+        """True when the backend proves the term of ``record`` (now missing) over; False when it cannot."""
         ...
 
     async def renew(self, record: LeaseRecord) -> Renewal:

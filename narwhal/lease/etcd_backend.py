@@ -77,7 +77,8 @@ class EtcdLeaseBackend:
     name = "etcd"
 
     def __init__(self, *, endpoints: Sequence[str], key: str, ttl_s: float, timeout_s: float,
-                 client: httpx.AsyncClient | None = None, wall_clock: Callable[[], float] = time.time) -> None:
+                 client: httpx.AsyncClient | None = None, wall_clock: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         if not endpoints:
             raise ValueError("at least one etcd endpoint is needed")
         self.endpoints = [endpoint.rstrip("/") for endpoint in endpoints]
@@ -88,7 +89,11 @@ class EtcdLeaseBackend:
         # etcd counts lease TTLs in whole seconds: round up, never down.
         self.grant_ttl_s = max(1, math.ceil(ttl_s))
         self.timeout_s = timeout_s
+        self.ttl_s = ttl_s
         self.wall_clock = wall_clock
+        self.monotonic = monotonic
+        # A record put by hand without an etcd lease: (create, mod revision) and when we first saw it.
+        self._unleased: tuple[tuple[int, int], float] | None = None
         self._client = client or httpx.AsyncClient(timeout=timeout_s)
         self._current = 0
         # The etcd lease under which we hold the key, while we hold it.
@@ -167,7 +172,7 @@ class EtcdLeaseBackend:
             record = _decode_record.decode(_unb64(kv.value))
         except (msgspec.DecodeError, ValueError) as exc:
             raise LeaseBackendError(f"etcd key {self.key} is not a lease record: {exc}") from None
-        return msgspec.structs.replace(record, revision=kv.create_revision)
+        return msgspec.structs.replace(record, revision=kv.create_revision, lease_id=kv.lease)
 
     # -- the backend -------------------------------------------------------------------
 
@@ -185,13 +190,30 @@ class EtcdLeaseBackend:
         except (msgspec.DecodeError, ValueError):
             return None  # a garbled request is no request
 
-    async def acquire(self, router_id: str, advertise_url: str) -> Acquisition:
+    def _unleased_expired(self, kv: _KeyValue) -> bool:
+        """A record without an etcd lease nobody renews: it expires ``ttl_s`` after we first saw it."""
+        seen = (kv.create_revision, kv.mod_revision)
+        if self._unleased is None or self._unleased[0] != seen:
+            self._unleased = (seen, self.monotonic())
+        return self.monotonic() - self._unleased[1] >= self.ttl_s
+
+    async def acquire(self, router_id: str, advertise_url: str, *, after_epoch: int = 0,
+                      take_missing: bool = True) -> Acquisition:
         answer = await self._txn([], [self._range_op(self.key), self._range_op(self.epoch_key)])
-        held = self._record(self._ranged(answer, 0))
-        if held is not None:
+        held_kv = self._ranged(answer, 0)
+        held = self._record(held_kv)
+        if held_kv is not None and held_kv.lease == 0 and self._unleased_expired(held_kv):
+            # Written by hand (etcdctl put): no holder renews it, so it is replaced like an expired one.
+            key_compare = [{"key": _b64(self.key), "target": "MOD", "result": "EQUAL",
+                            "mod_revision": str(held_kv.mod_revision)}]
+        elif held is not None or not take_missing:
             return Acquisition(acquired=False, record=held)
+        else:
+            key_compare = [{"key": _b64(self.key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}]
         epoch_kv = self._ranged(answer, 1)
-        last_epoch = int(_unb64(epoch_kv.value) or b"0") if epoch_kv is not None else 0
+        # Epochs identify terms: never reuse one, even after the counter was deleted or restored older.
+        last_epoch = max(int(_unb64(epoch_kv.value) or b"0") if epoch_kv is not None else 0, after_epoch,
+                         held.epoch if held is not None else 0)
         granted = await self._post("/v3/lease/grant", {"TTL": self.grant_ttl_s})
         lease_id = int(granted.get("ID") or 0)
         if not lease_id:
@@ -201,7 +223,7 @@ class EtcdLeaseBackend:
                              acquired_at=now)
         try:
             answer = await self._txn(
-                [{"key": _b64(self.key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"},
+                [*key_compare,
                  {"key": _b64(self.epoch_key), "target": "MOD", "result": "EQUAL",
                   "mod_revision": str(epoch_kv.mod_revision if epoch_kv is not None else 0)}],
                 [{"request_put": {"key": _b64(self.key), "value": _b64(_encoder.encode(record)),
@@ -217,7 +239,9 @@ class EtcdLeaseBackend:
             return Acquisition(acquired=False, record=self._record(self._ranged(answer, 0)))
         self._lease_id = lease_id
         revision = int((answer.get("header") or {}).get("revision") or 0)
-        return Acquisition(acquired=True, record=msgspec.structs.replace(record, revision=revision))
+        if held_kv is not None:
+            revision = held_kv.create_revision  # a put over the hand-written key keeps its create_revision
+        return Acquisition(acquired=True, record=msgspec.structs.replace(record, revision=revision, lease_id=lease_id))
 
     async def _revoke_quietly(self, lease_id: int) -> None:
         try:
@@ -228,7 +252,10 @@ class EtcdLeaseBackend:
     async def renew(self, record: LeaseRecord) -> Renewal:
         if not self._lease_id:
             return Renewal(ok=False, lost=True, reason="no etcd lease held")
-        answer = await self._post("/v3/lease/keepalive", {"ID": str(self._lease_id)})
+        try:
+            answer = await self._post("/v3/lease/keepalive", {"ID": str(self._lease_id)})
+        except _EtcdRefused as exc:
+            return Renewal(ok=False, lost=True, reason=f"etcd lease {self._lease_id} refused: {exc}")
         result = answer.get("result") or {}
         if int(result.get("TTL") or 0) <= 0:
             return Renewal(ok=False, lost=True, reason=f"etcd lease {self._lease_id} has expired")
@@ -241,17 +268,38 @@ class EtcdLeaseBackend:
         return Renewal(ok=True, takeover=takeover)
 
     async def release(self, record: LeaseRecord) -> bool:
-        lease_id, self._lease_id = self._lease_id, 0
-        if not lease_id:
+        lease_id = self._lease_id
+        if not lease_id or record.lease_id and record.lease_id != lease_id:
             return False
-        # Revoking deletes the key with it: the next acquirer finds create_revision 0.
+        # Revoking deletes the key with it: the next acquirer finds create_revision 0. On an
+        # unreachable etcd the lease id is kept, so that the caller can try again.
         try:
             await self._post("/v3/lease/revoke", {"ID": str(lease_id)})
         except _EtcdRefused as exc:
-            if exc.status == 404:
-                return False  # expired already: nothing left to give up
-            raise
+            if exc.status != 404:
+                raise
+            self._lease_id = 0
+            return False  # expired already: nothing left to give up
+        self._lease_id = 0
         return True
+
+    async def term_over(self, record: LeaseRecord) -> bool:
+        """The key is gone: its holder's term is surely over when its etcd lease is gone too (expired,
+        or revoked by the holder after it stopped serving) and the epoch counter was not reset."""
+        if not record.lease_id:
+            return False
+        answer = await self._txn([], [self._range_op(self.key), self._range_op(self.epoch_key)])
+        if self._ranged(answer, 0) is not None:
+            return False
+        epoch_kv = self._ranged(answer, 1)
+        epoch = int(_unb64(epoch_kv.value) or b"0") if epoch_kv is not None else 0
+        if epoch < record.epoch:
+            return False  # the counter was deleted or restored: so may the lease have been, under a live holder
+        try:
+            alive = await self._post("/v3/lease/timetolive", {"ID": str(record.lease_id)})
+        except _EtcdRefused as exc:
+            return exc.status == 404  # "requested lease not found"
+        return int(alive.get("TTL") or -1) <= 0
 
     async def request_takeover(self, request: TakeoverRequest) -> bool:
         record = await self.read()

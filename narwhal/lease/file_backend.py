@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -48,6 +49,8 @@ class FileLeaseBackend:
         self.ttl_s = ttl_s
         self.lock_timeout_s = lock_timeout_s
         self.wall_clock = wall_clock
+        # Per thread: the event that says the caller stopped waiting for this thread's write.
+        self._abandoned = threading.local()
 
     def __repr__(self) -> str:
         return f"<FileLeaseBackend {os.fspath(self.path)!r}>"
@@ -67,10 +70,14 @@ class FileLeaseBackend:
             raise LeaseBackendError(f"{self.path} is not a lease record: {exc}") from None
 
     def _write_record(self, record: LeaseRecord) -> None:
+        abandoned: threading.Event | None = getattr(self._abandoned, "event", None)
         try:
-            write_atomic(self.path, _encoder.encode(record) + b"\n")
+            written = write_atomic(self.path, _encoder.encode(record) + b"\n",
+                                   proceed=None if abandoned is None else lambda: not abandoned.is_set())
         except OSError as exc:
             raise LeaseBackendError(f"cannot write {self.path}: {exc.strerror or exc}") from None
+        if not written:
+            raise LeaseBackendError(f"a write of {self.path} was abandoned by its caller; not applied")
 
     def _locked(self, change: Callable[[], _T]) -> _T:
         """Run ``change`` holding the exclusive lock; give up after ``lock_timeout_s``."""
@@ -97,7 +104,26 @@ class FileLeaseBackend:
             os.close(fd)
 
     async def _run(self, change: Callable[[], _T]) -> _T:
-        return await trio.to_thread.run_sync(self._locked, change, abandon_on_cancel=True)
+        """Run ``change`` under the lock in a thread; if the caller stops waiting, its write never lands.
+
+        A stalled filesystem can hold the thread past the caller's deadline; the
+        abandoned write is then not renamed into place (``write_atomic``'s
+        ``proceed``), so no record appears later naming a router that gave up.
+        """
+        abandoned = threading.Event()
+
+        def in_thread() -> _T:
+            self._abandoned.event = abandoned
+            try:
+                return self._locked(change)
+            finally:
+                self._abandoned.event = None
+
+        try:
+            return await trio.to_thread.run_sync(in_thread, abandon_on_cancel=True)
+        except BaseException:
+            abandoned.set()
+            raise
 
     # -- the backend -------------------------------------------------------------------
 
@@ -105,13 +131,16 @@ class FileLeaseBackend:
         # The record is replaced by rename: a reader without the lock still sees a whole one.
         return await trio.to_thread.run_sync(self._read_record, abandon_on_cancel=True)
 
-    async def acquire(self, router_id: str, advertise_url: str) -> Acquisition:
+    async def acquire(self, router_id: str, advertise_url: str, *, after_epoch: int = 0,
+                      take_missing: bool = True) -> Acquisition:
         def change() -> Acquisition:
             current = self._read_record()
             now = self.wall_clock()
-            if current is not None and not current.free_at(now):
+            if current is not None and not current.free_at(now) or current is None and not take_missing:
                 return Acquisition(acquired=False, record=current)
-            record = LeaseRecord(holder=router_id, epoch=(current.epoch if current else 0) + 1,
+            # Epochs identify terms: never reuse one, even after the file was deleted.
+            epoch = max(current.epoch if current else 0, after_epoch) + 1
+            record = LeaseRecord(holder=router_id, epoch=epoch,
                                  advertise_url=advertise_url, acquired_at=now, expires_at=now + self.ttl_s)
             self._write_record(record)
             return Acquisition(acquired=True, record=record)
@@ -141,6 +170,10 @@ class FileLeaseBackend:
             return True
 
         return await self._run(change)
+
+    async def term_over(self, record: LeaseRecord) -> bool:
+        # A released or expired record stays in the file: a missing one was deleted, which proves nothing.
+        return False
 
     async def request_takeover(self, request: TakeoverRequest) -> bool:
         def change() -> bool:

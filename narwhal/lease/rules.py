@@ -83,6 +83,8 @@ class LeaseRecord(msgspec.Struct, frozen=True, kw_only=True):
     acquired_at: float = 0.0
     expires_at: float = 0.0
     revision: int = 0
+    # etcd: the lease the key is attached to (0: none, a record nobody renews).
+    lease_id: int = 0
     takeover: TakeoverRequest | None = None
 
     def free_at(self, wall_now: float) -> bool:
@@ -195,11 +197,12 @@ class LeaseHolding:
         if self.role is Role.ACTIVE:
             return
         holder = record.holder if record is not None else ""
-        epoch = record.epoch if record is not None else self.epoch
         if holder and holder != self.router_id or self.role is Role.STANDBY:
             self.role = Role.STANDBY
         self.holder = holder
-        self.epoch = max(self.epoch, epoch)
+        if record is not None:
+            # The record's term, as it is now: an epoch counter reset to a lower number is shown too.
+            self.epoch = record.epoch
 
 
 class TakeoverCounter:

@@ -17,6 +17,7 @@ upstream stream it is handed; the clock is injected.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any, Protocol, TypeGuard
 
@@ -50,6 +51,48 @@ _CHAT_ONLY = ("messages", "max_completion_tokens", "add_generation_prompt", "con
 
 _decode_json = msgspec.json.Decoder()
 _encode_json = msgspec.json.Encoder()
+
+
+class _Delta(msgspec.Struct):
+    content: str | None = None
+
+
+class _Choice(msgspec.Struct):
+    text: str | None = None
+    delta: _Delta | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+    finish_reason: str | None = None
+
+
+class _Event(msgspec.Struct):
+    """The fields of a first-leg chunk the join records; the chunk itself is relayed as it came."""
+
+    id: Any = None
+    created: Any = None
+    choices: list[_Choice] | None = None
+    prompt_token_ids: list[int] | None = None
+    usage: dict[str, Any] | None = None
+    kv_transfer_params: Any = None
+
+
+class _Head(msgspec.Struct):
+    id: Any = None
+    created: Any = None
+
+
+_decode_event = msgspec.json.Decoder(_Event).decode
+_decode_head = msgspec.json.Decoder(_Head).decode
+# The first leg's unread events are read once they pass this size: memory per stream stays bounded.
+_FOLD_BYTES = 128 * 1024
+# The token-ID lists of events (not the prompt's: a quote comes right before "token_ids").
+_TOKEN_LISTS = re.compile(rb'"token_ids":\s*\[([\d,\s]*)\]')
+# A token-ID list (or null) and its comma, as a key of a JSON object: the quote before the key
+# cannot occur unescaped inside a string, so this never matches text. One pass per read: the
+# compact form vLLM writes first (a literal prefix, cheap), then any spacing, only if some is left.
+_IDS_COMPACT = re.compile(rb',"(?:prompt_)?token_ids":(?:\[[\d,]*\]|null)')
+_IDS = re.compile(rb',\s*"(?:prompt_)?token_ids":\s*(?:\[[\d,\s]*\]|null)'
+                  rb'|"(?:prompt_)?token_ids":\s*(?:\[[\d,\s]*\]|null)\s*,')
 
 
 def not_continued_reason(route: str, request: dict[str, Any]) -> str | None:
@@ -116,7 +159,7 @@ class StreamJoin:
         self.id: Any = None
         self.created: Any = None
         self.text: list[str] = []
-        self.token_ids: list[int] = []
+        self._token_ids: list[int] = []
         # False once a relayed token came without its IDs: the join falls back to text.
         self.ids_complete = True
         prompt = request.get("prompt")
@@ -127,7 +170,7 @@ class StreamJoin:
         # Continuation legs started (counted by the caller when a leg gets its engines).
         self.continuations = 0
         self.continuing = False
-        self.finished = False
+        self._finished = False
         self.usage_sent = False
         self.leg_route = route
         self.leg_relayed = False
@@ -135,22 +178,68 @@ class StreamJoin:
         self._buffer = b""
         self._leg_done = False
         self._chat_as_completion = False
+        self._relayed_any = False
+        # The first leg's events, relayed but not yet read: most streams end without a failure,
+        # so they are read (``fold``) only when a continuation needs them, or in batches.
+        self._raw: list[bytes] = []
+        self._raw_size = 0
 
     # -- what was relayed ---------------------------------------------------
 
     @property
     def tokens(self) -> int:
         """Completion tokens the client has received, over all legs."""
-        return self.tokens_before + self.leg_tokens
+        return self.tokens_before + self.leg_tokens + self._raw_tokens()
 
     @property
     def output_text(self) -> str:
+        self.fold()
         return "".join(self.text)
+
+    @property
+    def token_ids(self) -> list[int]:
+        self.fold()
+        return self._token_ids
+
+    @property
+    def finished(self) -> bool:
+        """True once a chunk with a ``finish_reason`` reached the client."""
+        self.fold()
+        return self._finished
 
     @property
     def started(self) -> bool:
         """True once anything of the answer (an id, a role chunk, a token) reached the client."""
-        return self.id is not None
+        return self._relayed_any
+
+    def fold(self) -> None:
+        """Read the first leg's relayed events into the answer so far."""
+        if not self._raw:
+            return
+        raw = b"".join(self._raw)
+        self._raw.clear()
+        self._raw_size = 0
+        for event in raw.split(b"\n\n"):
+            if not event.startswith(_DATA):
+                continue
+            payload = event[len(_DATA):].strip()
+            if self._first_leg_event(payload) is None:
+                try:
+                    self._rewrite(payload)
+                except ValueError:
+                    # Relayed as the engine sent it (as without continuation); nothing to learn from it.
+                    pass
+
+    def _raw_tokens(self) -> int:
+        """The tokens in the first leg's unread events, counted without reading them."""
+        if not self._raw:
+            return 0
+        raw = b"".join(self._raw)
+        lists = _TOKEN_LISTS.findall(raw)
+        if lists:
+            return sum(1 + ids.count(b",") for ids in lists if ids.strip())
+        key = b'"content":"' if self.chat else b'"text":"'
+        return raw.count(key) - raw.count(key + b'"')
 
     def _include_usage(self) -> bool:
         options = self.request.get("stream_options")
@@ -160,6 +249,7 @@ class StreamJoin:
 
     def next_leg(self) -> tuple[str, dict[str, Any]] | None:
         """The route and body of the next decode leg; None when the answer cannot be resumed."""
+        self.fold()
         self._buffer = b""
         self._leg_done = False
         self.leg_relayed = False
@@ -182,7 +272,7 @@ class StreamJoin:
         if not self.chat:
             if exact:
                 assert self.prompt_ids is not None
-                body["prompt"] = self.prompt_ids + self.token_ids
+                body["prompt"] = self.prompt_ids + self._token_ids
             else:
                 prompt = body.get("prompt")
                 if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -202,7 +292,7 @@ class StreamJoin:
                 body.pop(key, None)
             if wanted is not None:
                 body["max_tokens"] = wanted
-            body["prompt"] = self.prompt_ids + self.token_ids
+            body["prompt"] = self.prompt_ids + self._token_ids
             self._chat_as_completion = True
             self.leg_route = COMPLETIONS
             return COMPLETIONS, body
@@ -233,6 +323,8 @@ class StreamJoin:
         self._buffer = data[end + 2:]
         if len(self._buffer) > _MAX_EVENT_BYTES:
             raise ValueError(f"an SSE event longer than {_MAX_EVENT_BYTES} bytes")
+        if not self.continuing:
+            return self._first_leg(data[:end + 2])
         out: list[bytes] = []
         for event in data[:end].split(b"\n\n"):
             if not event:
@@ -248,7 +340,50 @@ class StreamJoin:
             rewritten = self._rewrite(payload)
             if rewritten is not None:
                 out.append(rewritten)
-        return b"".join(out), self._leg_done
+        relayed = b"".join(out)
+        if relayed:
+            self._relayed_any = True
+        return relayed, self._leg_done
+
+    def _first_leg(self, complete: bytes) -> tuple[bytes, bool]:
+        """The first leg's complete events: relayed as they came, less Narwhal's token IDs and [DONE]."""
+        found = complete.find(b"[DONE]")
+        while found >= 0:
+            before = complete.rfind(b"\n\n", 0, found)
+            start = before + 2 if before >= 0 else 0
+            end = complete.find(b"\n\n", found) + 2
+            event = complete[start:end - 2]
+            if event.startswith(b"data:") and event[5:].strip() == b"[DONE]":
+                self._leg_done = True
+                complete = complete[:start] + complete[end:]
+                found = complete.find(b"[DONE]", start)
+            else:
+                found = complete.find(b"[DONE]", end)
+        if not complete:
+            return b"", self._leg_done
+        if self.id is None:
+            self._note_id(complete)
+        self._raw.append(complete)
+        self._raw_size += len(complete)
+        if self._raw_size > _FOLD_BYTES:
+            self.fold()
+        self.leg_relayed = self._relayed_any = True
+        if not self.client_ids and b"token_ids" in complete:
+            complete = _IDS_COMPACT.sub(b"", complete)
+            if b'token_ids"' in complete:
+                complete = _IDS.sub(b"", complete)
+        return complete, self._leg_done
+
+    def _note_id(self, complete: bytes) -> None:
+        """The answer's ``id`` and ``created``, from its first event: every later chunk carries them."""
+        for event in complete.split(b"\n\n", 8):
+            if event.startswith(_DATA):
+                try:
+                    head = _decode_head(event[len(_DATA):])
+                except (msgspec.DecodeError, RecursionError):
+                    continue
+                self.id, self.created = head.id, head.created
+                return
 
     def _rewrite(self, payload: bytes) -> bytes | None:
         try:
@@ -290,6 +425,42 @@ class StreamJoin:
         self.leg_relayed = True
         return _DATA + _encode_json.encode(obj) + b"\n\n"
 
+    def _first_leg_event(self, payload: bytes) -> bytes | None:
+        """The first leg's chunk, recorded and relayed as it came (less Narwhal's token IDs).
+
+        The common case, kept cheap: one typed decode and no re-encoding. None sends the
+        event down the general path (an unexpected shape, a KV field to strip).
+        """
+        try:
+            event = _decode_event(payload)
+        except (msgspec.DecodeError, RecursionError):
+            return None
+        if event.kv_transfer_params is not None:
+            return None
+        if self.id is None:
+            self.id, self.created = event.id, event.created
+        if event.prompt_token_ids is not None:
+            self._note_prompt(event.prompt_token_ids)
+        for choice in event.choices or ():
+            if choice.prompt_token_ids is not None:
+                self._note_prompt(choice.prompt_token_ids)
+            text = choice.delta.content if self.chat and choice.delta is not None else choice.text
+            if text:
+                self.text.append(text)
+            ids = choice.token_ids
+            if ids is not None:
+                self._token_ids.extend(ids)
+                self.leg_tokens += len(ids)
+            elif text:
+                self.ids_complete = False
+                self.leg_tokens += 1
+            if choice.finish_reason is not None:
+                self._finished = True
+        if event.usage is not None and not event.choices:
+            self.usage_sent = True
+        self.leg_relayed = True
+        return _DATA + payload + b"\n\n"
+
     def _note_prompt(self, prompt_ids: Any) -> None:
         ids = _int_list(prompt_ids)
         if ids is not None and self.prompt_ids is None:
@@ -326,14 +497,14 @@ class StreamJoin:
         if isinstance(text, str) and text:
             self.text.append(text)
         if ids is not None:
-            self.token_ids.extend(ids)
+            self._token_ids.extend(ids)
             self.leg_tokens += len(ids)
         elif isinstance(text, str) and text:
             # No IDs for this token: the next join resumes from text.
             self.ids_complete = False
             self.leg_tokens += 1
         if choice.get("finish_reason") is not None:
-            self.finished = True
+            self._finished = True
         return True
 
     def _usage(self, usage: dict[str, Any]) -> None:

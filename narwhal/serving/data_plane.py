@@ -69,8 +69,11 @@ class LocalDataPlane:
 
     def __init__(self, config: Config, *, tls: TLSContexts, via_token: str, supervisor: Supervisor,
                  admission: AdmissionGate, metrics: RouterMetrics, telemetry: TelemetrySink,
-                 serve_rest: Handler) -> None:
-        """``serve_rest`` answers every route but the completions (the control app, or a worker's forwarder)."""
+                 serve_rest: Handler, yield_at_cap: bool = False) -> None:
+        """``serve_rest`` answers every route but the completions (the control app, or a worker's forwarder).
+
+        ``yield_at_cap``: a worker process at its connection cap leaves new connections to its siblings.
+        """
         self.in_flight = InFlight([spec.name for spec in config.engines])
         # Only bounded serving may queue; the default policy reports saturation at once.
         self.data_pool = DataPool(max_connections=config.serving.max_connections, engine_config=config.engine,
@@ -81,7 +84,7 @@ class LocalDataPlane:
         # With [admin] listen the admin API is off the traffic port entirely.
         self.front = Front(self.core, serve_rest, via_token=via_token,
                            admin_elsewhere=config.admin.listen is not None)
-        self.server = build_front_server(config, self.front, tls.server)
+        self.server = build_front_server(config, self.front, tls.server, yield_at_cap=yield_at_cap)
 
     async def run(self, listeners: list[trio.SocketListener], *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Serve on ``listeners`` until ``shutdown`` has drained the server; ``started(port)`` once accepting."""

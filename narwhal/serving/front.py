@@ -77,8 +77,12 @@ class Front:
         await self.rest(request, responder)
 
 
-def build_front_server(config: Config, front: Front, ssl_context: ssl.SSLContext | None) -> HTTPServer:
-    """The data-plane server with every client-facing bound of ``[serving]``."""
+def build_front_server(config: Config, front: Front, ssl_context: ssl.SSLContext | None, *,
+                       yield_at_cap: bool = False) -> HTTPServer:
+    """The data-plane server with every client-facing bound of ``[serving]``.
+
+    ``yield_at_cap``: a worker process at its connection cap leaves new connections to its siblings.
+    """
     serving = config.serving
     # The admin listener's connections (and its overflow) come out of the same descriptor table.
     admin_fds = config.admin.max_connections + OVERFLOW_CONNECTIONS if config.admin.listen is not None else 0
@@ -88,7 +92,7 @@ def build_front_server(config: Config, front: Front, ssl_context: ssl.SSLContext
                       max_body_bytes=serving.max_body_bytes, idle_timeout_s=serving.idle_timeout_s,
                       header_timeout_s=serving.header_timeout_s, body_timeout_s=serving.body_timeout_s,
                       client_write_timeout_s=serving.client_write_timeout_s,
-                      max_client_connections=client_cap, ssl_context=ssl_context)
+                      max_client_connections=client_cap, ssl_context=ssl_context, yield_at_cap=yield_at_cap)
 
 
 def build_admin_server(config: Config, handler: Handler, ssl_context: ssl.SSLContext | None) -> HTTPServer:

@@ -45,12 +45,14 @@ from narwhal.fleet.placement import InFlight, pick_least_outstanding
 from narwhal.obs.logs import log_event
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.serving import continuation
+from narwhal.serving.client_view import KV_KEY, is_role_only_event, strip_kv_from_body, strip_kv_from_events
 from narwhal.serving.continuation import CONTINUED_CLASSES, StreamJoin
 from narwhal.wire import PREFILL_KV_REQUEST, HandoffRejected, error_json, read_handoff
 
 __all__ = ["COMPLETION_ROUTES", "AdmissionGate", "RequestCore", "Sink", "TelemetrySink"]
 
 COMPLETION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+_CHAT_ROUTE = COMPLETION_ROUTES[1]
 
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
@@ -583,11 +585,11 @@ class RequestCore:
                 usage = None
             outcome.tokens = usage.completion_tokens if usage else 0
             outcome.status = 200
-            await sink.respond(200, [*_JSON_HEADERS, rid_header], raw)
+            await sink.respond(200, [*_JSON_HEADERS, rid_header], strip_kv_from_body(raw))
             return
         clock = self.clock
         observe_gap = self.metrics.inter_token.observe
-        tokens = 0
+        tokens = role_events = 0
         try:
             async with self.data_pool.stream(decode, route, payload, request_id=rid) as upstream:
                 read = upstream.read
@@ -599,6 +601,10 @@ class RequestCore:
                 outcome.ttft_s = first_at - started_at
                 outcome.status = 200
                 tokens = chunk.count(_DATA)
+                # The chat stream's opening role-only event carries no token: not counted, like [DONE].
+                role_events = int(route == _CHAT_ROUTE and is_role_only_event(chunk))
+                if KV_KEY in chunk:
+                    chunk = strip_kv_from_events(chunk)
                 head = [*_SSE_HEADERS, rid_header]
                 # One client write per upstream read, except the read that carries [DONE]: it is
                 # held and goes out with the chunked terminator in one write (P5).
@@ -612,6 +618,8 @@ class RequestCore:
                         observe_gap(now - last_at)
                         last_at = now
                         tokens += chunk.count(_DATA)
+                        if KV_KEY in chunk:
+                            chunk = strip_kv_from_events(chunk)
                         if upstream.saw_terminal:
                             break
                         await sink.write(chunk)
@@ -621,10 +629,10 @@ class RequestCore:
                 if tokens > 2:
                     outcome.inter_token_s = (last_at - first_at) / (tokens - 2)
         except (EngineFailure, UpstreamClientError, PoolSaturated) as exc:
-            outcome.tokens = tokens
+            outcome.tokens = max(0, tokens - role_events)
             self._translate("decode", exc)
         # Every stream that ends cleanly ended with [DONE] (the pool raises otherwise).
-        outcome.tokens = tokens - 1 if tokens else tokens
+        outcome.tokens = max(0, tokens - 1 - role_events)
         self.supervisor.record_success(decode.name, SuccessKind.DECODE_TERMINAL)
         if sink.started:
             await sink.end_stream(held)
@@ -667,8 +675,10 @@ class RequestCore:
                 outcome.status = 0
             self._translate("decode", exc)
         outcome.tokens = join.tokens
-        if gaps[1]:
-            outcome.inter_token_s = gaps[0] / gaps[1]
+        leg_tokens = join.tokens - join.tokens_before
+        if gaps[1] and leg_tokens > 1:
+            # Per token, as the plain relay reports it (a read may carry several tokens).
+            outcome.inter_token_s = gaps[0] / (leg_tokens - 1)
         self.supervisor.record_success(decode.name, SuccessKind.DECODE_TERMINAL)
 
 

@@ -6,6 +6,11 @@ the fleet as a table or the action's result, and exits 1 with one line on
 stderr when the router cannot be reached or says no (401, 404, a refused
 readmission's 409 with the failed check and why); a token that cannot travel
 in an HTTP header (not printable ASCII) exits 2 before any request.
+
+An ``https://`` router is verified with ``--ca-file`` (default
+``$NARWHAL_ADMIN_CA_FILE``), else with OpenSSL's default store, which honours
+``$SSL_CERT_FILE`` and ``$SSL_CERT_DIR``; ``--cert-file``/``--key-file`` present
+a client certificate to a router that asks for one.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import ssl
 import sys
 import urllib.parse
 from typing import Any, TextIO
@@ -26,6 +32,7 @@ __all__ = ["add_parser", "format_engines", "run_admin"]
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 TOKEN_ENV = "NARWHAL_ADMIN_TOKEN"
+CA_FILE_ENV = "NARWHAL_ADMIN_CA_FILE"
 # A readmission runs up to six engine calls, each bounded by engine.health_timeout_s.
 _TIMEOUT_S = 120.0
 _DRAIN_KINDS = ("operator_drain", "maintenance")
@@ -42,6 +49,13 @@ def _add_connection_options(parser: argparse.ArgumentParser, *, defaults: bool) 
                         help=f"the router's admin address (default {DEFAULT_URL})")
     parser.add_argument("--token", default=None if defaults else argparse.SUPPRESS,
                         help=f"bearer token for [admin] token (default ${TOKEN_ENV})")
+    parser.add_argument("--ca-file", default=None if defaults else argparse.SUPPRESS, metavar="FILE",
+                        help=f"CA bundle that verifies an https:// router (default ${CA_FILE_ENV}, else the "
+                             "system store or $SSL_CERT_FILE)")
+    parser.add_argument("--cert-file", default=None if defaults else argparse.SUPPRESS, metavar="FILE",
+                        help="client certificate (PEM) for a router that requires one")
+    parser.add_argument("--key-file", default=None if defaults else argparse.SUPPRESS, metavar="FILE",
+                        help="the client certificate's private key (PEM; omit when it is in --cert-file)")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -76,8 +90,15 @@ def run_admin(args: argparse.Namespace, *, transport: httpx.BaseTransport | None
             return 2
     headers = {"authorization": f"Bearer {token}"} if token else {}
     try:
+        verify = _tls_context(args)
+    except _AdminError as exc:
+        err.write(f"narwhal admin: {exc}\n")
+        return 2
+    try:
+        # trust_env=False: no proxy from the environment on the way to a router; SSL_CERT_FILE is
+        # honoured by _tls_context instead.
         with httpx.Client(base_url=args.url.rstrip("/"), headers=headers, timeout=_TIMEOUT_S,
-                          transport=transport, trust_env=False) as client:
+                          transport=transport, trust_env=False, verify=verify) as client:
             if args.action == "engines":
                 out.write(format_engines(_call(client, "GET", "/admin/engines")["engines"]))
             else:
@@ -92,11 +113,45 @@ def run_admin(args: argparse.Namespace, *, transport: httpx.BaseTransport | None
     return 0
 
 
+def _tls_context(args: argparse.Namespace) -> ssl.SSLContext:
+    """The context that verifies an https:// router: --ca-file, $NARWHAL_ADMIN_CA_FILE, else OpenSSL's defaults."""
+    ca_file = getattr(args, "ca_file", None)
+    source = "--ca-file"
+    if ca_file is None and os.environ.get(CA_FILE_ENV):
+        ca_file, source = os.environ[CA_FILE_ENV], f"${CA_FILE_ENV}"
+    cert_file, key_file = getattr(args, "cert_file", None), getattr(args, "key_file", None)
+    if key_file is not None and cert_file is None:
+        raise _AdminError("--key-file needs --cert-file")
+    try:
+        # Without a CA file: the system store, or $SSL_CERT_FILE / $SSL_CERT_DIR when set.
+        context = ssl.create_default_context(cafile=ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise _AdminError(f"{source} {ca_file!r}: cannot load a CA bundle: {_reason(exc)}") from None
+    if cert_file is not None:
+        try:
+            context.load_cert_chain(cert_file, key_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise _AdminError(f"--cert-file {cert_file!r}: cannot load the client certificate"
+                              f"{'' if key_file is None else f' and key {key_file!r}'}: {_reason(exc)}") from None
+    return context
+
+
+def _reason(exc: OSError | ssl.SSLError) -> str:
+    if isinstance(exc, ssl.SSLError):
+        return exc.reason or str(exc)
+    return exc.strerror or str(exc)
+
+
 def _call(client: httpx.Client, method: str, path: str) -> dict[str, Any]:
     try:
         response = client.request(method, path)
     except httpx.HTTPError as exc:
-        raise _AdminError(f"cannot reach {client.base_url}: {exc or type(exc).__name__}") from None
+        hint = ""
+        if "CERTIFICATE_VERIFY_FAILED" in str(exc):
+            hint = f" (pass --ca-file or set {CA_FILE_ENV} to the CA that signed the router's certificate)"
+        elif "CERTIFICATE_REQUIRED" in str(exc) or "certificate required" in str(exc):
+            hint = " (the router requires a client certificate: pass --cert-file and --key-file)"
+        raise _AdminError(f"cannot reach {client.base_url}: {exc or type(exc).__name__}{hint}") from None
     try:
         body = response.json()
     except ValueError:

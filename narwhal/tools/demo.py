@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -19,16 +20,59 @@ __all__ = ["run_demo"]
 def run_demo(args: argparse.Namespace) -> int:
     """Run the demo; returns the exit status."""
     try:
-        parse_listen(args.listen)
+        host, port = parse_listen(args.listen)
     except ValueError as exc:
         print(f"narwhal demo: --listen: {exc}", file=sys.stderr)
         return 2
+    # Before any engine starts: a taken port (8000 is vLLM's default too) is one line, at once.
+    problem = _listen_problem(host, port)
+    if problem is not None:
+        print(f"narwhal demo: cannot listen on {args.listen}: {problem}; "
+              f"choose a free address with --listen HOST:PORT (e.g. --listen {host}:0 for any free port)",
+              file=sys.stderr)
+        return 2
     try:
         trio.run(_demo, args)
-    except RuntimeError as exc:
-        print(f"narwhal demo: {exc}", file=sys.stderr)
+    except (RuntimeError, BaseExceptionGroup) as exc:
+        failure = _runtime_error(exc)
+        if failure is None:
+            raise
+        print(f"narwhal demo: {failure}", file=sys.stderr)
         return 1
     return 0
+
+
+def _listen_problem(host: str, port: int) -> str | None:
+    """Why the router could not bind ``host:port`` (as it binds: SO_REUSEADDR), or None when it can."""
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        return str(exc.strerror or exc)
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            return str(exc.strerror or exc)
+    return None
+
+
+def _runtime_error(exc: BaseException) -> RuntimeError | None:
+    """The RuntimeError (a process that did not start) in ``exc``, unwrapping nursery groups."""
+    if isinstance(exc, RuntimeError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        matched, rest = exc.split(RuntimeError)
+        if rest is not None or matched is None:
+            return None
+        found: BaseException = matched
+        while isinstance(found, BaseExceptionGroup):
+            found = found.exceptions[0]
+        return found if isinstance(found, RuntimeError) else None
+    return None
 
 
 async def _demo(args: argparse.Namespace) -> None:

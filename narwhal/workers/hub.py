@@ -1,9 +1,13 @@
 """The controller's side of the workers: apply what they report, publish what they need.
 
 Evidence from every worker is applied to the one fleet in arrival order, so a
-failure streak counts across workers. After anything that can change what
-workers may do (evidence, a monitor pass, a probe, admission, the lease), the
-hub publishes a new ``Snapshot`` to every worker if its content changed.
+failure streak counts across workers. Whatever can change what workers may do
+(evidence, any change of the fleet, admission, the lease deadline, a report's
+in-flight counts) pokes the hub; its publisher then builds the snapshot and
+sends it to every worker if, and only if, its content differs from the last
+one sent. The comparison is of the snapshot itself, so no part of it can be
+left out of the decision; an idle router sends nothing. Time-based changes
+(a quarantine ending) wake the publisher at their deadline.
 
 In-flight counts and metrics arrive in periodic ``Report``s and are summed
 here. A count a worker took before it had the snapshot that excluded an engine
@@ -18,6 +22,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import msgspec
+import trio
 
 from narwhal.errors import FailureClass, SuccessKind
 from narwhal.fleet.model import ROLES
@@ -104,7 +109,10 @@ class WorkerHub:
         self.in_flight = AggregateInFlight(self, self._engines)
         self.seq = 0
         self.snapshot: Snapshot | None = None
-        self._published_key: tuple[object, ...] | None = None
+        # The content last sent (seq and published_at aside), and the fleet version it was built from.
+        self._published_content: Snapshot | None = None
+        self._published_version: int | None = None
+        self._wake = trio.Event()
         # engine -> seq of the first snapshot that took it out of placement.
         self.excluded_since: dict[str, int] = {}
         self._admit_until: Callable[[], float | None] = lambda: None
@@ -112,6 +120,21 @@ class WorkerHub:
     def set_admit_until(self, source: Callable[[], float | None]) -> None:
         """Where the lease-derived admission deadline (control clock) comes from."""
         self._admit_until = source
+
+    def poke(self) -> None:
+        """Something a snapshot is built from may have changed: the publisher looks (cheap, any thread of trio)."""
+        self._wake.set()
+
+    async def run_publisher(self) -> None:
+        """Publish whenever poked and at the fleet's next deadline; sleep otherwise."""
+        while True:
+            # A poke during publish() sets the new event: it is not lost.
+            self._wake = trio.Event()
+            self.publish()
+            valid_until = self._control.valid_until()
+            deadline = math.inf if valid_until is None else valid_until
+            with trio.move_on_at(deadline):
+                await self._wake.wait()
 
     # -- workers ---------------------------------------------------------------------------
 
@@ -144,6 +167,8 @@ class WorkerHub:
             state.data_in_use = message.data_in_use
             state.data_waiting = message.data_waiting
             self.metrics.update(worker, message.metrics)
+            if self._share_in_flight:
+                self.poke()  # the router-wide in-flight counts are part of the snapshot
             if self._record_sample is not None:
                 for sample in message.samples:
                     self._record_sample(prefill=sample.prefill, decode=sample.decode, ttft_s=sample.ttft_s,
@@ -151,27 +176,39 @@ class WorkerHub:
 
     # -- snapshots -------------------------------------------------------------------------
 
-    def publish(self, *, force_to: int | None = None) -> None:
-        """Send a new snapshot to every worker if what they need changed (to ``force_to`` anyway)."""
+    def _content(self) -> tuple[int, Snapshot]:
+        """The fleet version, and the snapshot workers need now: ``seq`` 0, deadlines on the control clock.
+
+        Deadlines are compared on the control clock and converted only to be sent:
+        a conversion read twice differs in its last bits, which is no change.
+        """
         control = self._control
         version = control.state_version()
-        admission_reason = self._admission.reason()
-        admit_until = self._admit_until()
         valid_until = control.valid_until()
-        in_flight = self._in_flight_totals() if self._share_in_flight else {}
-        key = (version, admission_reason, admit_until, valid_until, tuple(in_flight.items()))
-        if key != self._published_key or self.snapshot is None:
-            self._published_key = key
+        return version, Snapshot(
+            seq=0, eligible={role: control.eligible(role) for role in ROLES},
+            capacity_problem=control.capacity_problem(), admission_reason=self._admission.reason(),
+            admit_until=self._admit_until(),
+            valid_until=None if valid_until is None or math.isinf(valid_until) else valid_until,
+            in_flight=self._in_flight_totals() if self._share_in_flight else {})
+
+    def _for_link(self, content: Snapshot) -> Snapshot:
+        """``content`` numbered and with its deadlines on the link's clock, ready to send."""
+        to_link = self._to_link_clock
+        return msgspec.structs.replace(
+            content, seq=self.seq, published_at=to_link(self._clock()),
+            admit_until=None if content.admit_until is None else to_link(content.admit_until),
+            valid_until=None if content.valid_until is None else to_link(content.valid_until))
+
+    def publish(self, *, force_to: int | None = None) -> None:
+        """Send a new snapshot to every worker if its content changed (to ``force_to`` anyway)."""
+        version, content = self._content()
+        if content != self._published_content or self.snapshot is None:
+            self._published_content = content
+            self._published_version = version
             self.seq += 1
-            eligible = {role: control.eligible(role) for role in ROLES}
-            self.snapshot = Snapshot(
-                seq=self.seq, eligible=eligible, capacity_problem=control.capacity_problem(),
-                admission_reason=admission_reason,
-                admit_until=None if admit_until is None else self._to_link_clock(admit_until),
-                valid_until=None if valid_until is None or math.isinf(valid_until)
-                else self._to_link_clock(valid_until),
-                published_at=self._to_link_clock(self._clock()), in_flight=in_flight)
-            placeable = {name for names in eligible.values() for name in names}
+            self.snapshot = self._for_link(content)
+            placeable = {name for names in content.eligible.values() for name in names}
             for name in self._engines:
                 if name in placeable:
                     self.excluded_since.pop(name, None)
@@ -202,6 +239,5 @@ class WorkerHub:
 
     def refresh_if_fleet_changed(self) -> None:
         """Republish when the fleet's eligibility changed (the cheap check after evidence and before reads)."""
-        key = self._published_key
-        if key is None or self._control.state_version() != key[0]:
+        if self._published_version is None or self._control.state_version() != self._published_version:
             self.publish()

@@ -32,6 +32,7 @@ from narwhal.wire import error_json
 from narwhal.workers.hub import WorkerHub
 from narwhal.workers.link import LinkClosed, StreamLink
 from narwhal.workers.protocol import (
+    CONTROL_APP_TIMEOUT_S,
     Forward,
     ForwardReply,
     Hello,
@@ -49,13 +50,10 @@ _MAX_BACKOFF_S = 5.0
 _STABLE_S = 30.0
 # A forwarded control-app answer larger than this is a bug of ours, not something to relay.
 _MAX_FORWARD_BODY = 32 * 1024 * 1024
-_FORWARD_TIMEOUT_S = 25.0
 # Extra time, beyond the grace period, that a stopping worker gets before it is killed.
 _KILL_MARGIN_S = 5.0
 # How long a TLS reload waits for every worker's answer; a worker that has not answered by then failed it.
 TLS_RELOAD_TIMEOUT_S = 10.0
-# How often the hub checks whether workers need a new snapshot (admission, lease, deadlines).
-PUBLISH_TICK_S = 0.005
 
 
 _JSON = ((b"content-type", b"application/json"),)
@@ -153,7 +151,7 @@ class WorkerSet:
         bound_port = listeners[0].socket.getsockname()[1]
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._publish_loop)
+                nursery.start_soon(self.hub.run_publisher)
                 async with trio.open_nursery() as workers:
                     for index in range(self.count):
                         await workers.start(self._keep_worker, index)
@@ -205,11 +203,6 @@ class WorkerSet:
                 link.send(Stop(grace_s=self._grace_s))
             except LinkClosed:
                 pass
-
-    async def _publish_loop(self) -> None:
-        while True:
-            await trio.sleep(PUBLISH_TICK_S)
-            self.hub.publish()
 
     async def _keep_worker(self, index: int, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         backoff = _FIRST_BACKOFF_S
@@ -307,7 +300,7 @@ class WorkerSet:
                                           body=admin_elsewhere_body(request)))
             return
         try:
-            with trio.fail_after(_FORWARD_TIMEOUT_S):
+            with trio.fail_after(CONTROL_APP_TIMEOUT_S):
                 await call_asgi(self.app, request, responder)  # type: ignore[arg-type]
             reply = ForwardReply(id=message.id, status=responder.status, headers=responder.headers,
                                  body=responder.body)

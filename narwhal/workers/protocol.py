@@ -22,6 +22,8 @@ from narwhal.config import Config
 from narwhal.errors import NarwhalError
 
 __all__ = [
+    "CONTROL_APP_TIMEOUT_S",
+    "FORWARD_TIMEOUT_S",
     "MAX_FRAME_BYTES",
     "ControllerMessage",
     "Evidence",
@@ -44,6 +46,10 @@ __all__ = [
 ]
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024
+# The controller answers a forwarded request within this (its control app's bound) ...
+CONTROL_APP_TIMEOUT_S = 25.0
+# ... and a worker waits this much longer for the reply to cross the link before it gives up.
+FORWARD_TIMEOUT_S = CONTROL_APP_TIMEOUT_S + 5.0
 _LENGTH = struct.Struct(">I")
 
 

@@ -30,7 +30,9 @@ from narwhal.wire import error_json
 from narwhal.workers.link import LinkClosed, StreamLink
 from narwhal.workers.metrics_sum import export_state
 from narwhal.workers.protocol import (
+    FORWARD_TIMEOUT_S,
     ControllerMessage,
+    Evidence,
     Forward,
     ForwardReply,
     Hello,
@@ -50,7 +52,6 @@ __all__ = ["run_worker"]
 REPORT_INTERVAL_S = 0.1
 # A worker that hears nothing of its controller this long after starting gives up.
 WELCOME_TIMEOUT_S = 30.0
-FORWARD_TIMEOUT_S = 30.0
 _JSON = [(b"content-type", b"application/json")]
 _TEXT = [(b"content-type", b"text/plain; charset=utf-8")]
 _CONTROLLER_GONE = error_json("the router's controller is not answering", "server_error", "controller_unavailable")
@@ -71,30 +72,37 @@ class Worker:
         self.tls = TLSContexts(config, None if welcome.config_dir is None else Path(welcome.config_dir))
         self.plane = LocalDataPlane(config, tls=self.tls, via_token=welcome.via_token, supervisor=self.view,
                                     admission=self.view, metrics=self.metrics, telemetry=self.telemetry,
-                                    serve_rest=self._serve_rest)
+                                    serve_rest=self._serve_rest,
+                                    # Siblings share the listening socket: at its cap this one leaves
+                                    # connections to them.
+                                    yield_at_cap=True)
         self._reported_in_flight: dict[str, int] = {}
         self._forward_ids = itertools.count(1)
         self._forwards: dict[int, tuple[trio.Event, list[ForwardReply]]] = {}
         self._stopping = False
+        # Evidence lost because the controller link closed (said on the first, counted on worker_stopped).
+        self.evidence_dropped = 0
 
     def _send(self, message: Any) -> None:
         # Evidence and answers to the controller.
         try:
             self.link.send(message)
         except LinkClosed:
-            # The controller is gone; the worker is already closing admission.
-            pass
+            if not isinstance(message, Evidence):
+                return  # an answer nobody waits for any more
+            # The controller is gone (the worker is closing admission): the evidence cannot
+            # count toward any ejection. Say so once, count every one.
+            self.evidence_dropped += 1
+            if self.evidence_dropped == 1:
+                log_event("worker_evidence_dropped", level=logging.WARNING, engine=getattr(message, "engine", None),
+                          reason=f"controller link closed: {self.link.close_reason}")
 
     # -- messages from the controller -------------------------------------------------------
 
     def on_message(self, message: object) -> None:
         if isinstance(message, Snapshot):
             self.view.apply(message)
-            # The others' share: the router-wide totals less what this worker last reported.
-            own = self._reported_in_flight
-            self.plane.in_flight.elsewhere = {name: total - own.get(name, 0)
-                                              for name, total in message.in_flight.items()
-                                              if total > own.get(name, 0)}
+            self.plane.in_flight.elsewhere = others_in_flight(message.in_flight, self._reported_in_flight)
             if message.published_at is not None:
                 self.metrics.snapshot_lag.observe(max(0.0, time.monotonic() - message.published_at))
         elif isinstance(message, ForwardReply):
@@ -184,16 +192,30 @@ class Worker:
                 log_event("worker_samples_dropped", level=logging.WARNING, dropped=self.telemetry.dropped,
                           reason="telemetry samples over the bound between two reports")
                 self.telemetry.dropped = 0
-            pool = self.plane.data_pool.statistics()
-            self._reported_in_flight = {name: n for name, n in self.plane.in_flight.counts.items() if n}
             try:
-                self.link.send(Report(snapshot_seq=self.view.snapshot.seq, in_flight=self._reported_in_flight,
-                                      requests_in_flight=self.plane.server.statistics().requests_in_flight,
-                                      metrics=export_state(self.metrics.registry), samples=self.telemetry.take(),
-                                      data_in_use=pool.in_use, data_waiting=pool.waiting))
+                self.send_report()
             except LinkClosed:
                 return
             flush_logs(only_if_due=True)
+
+    def send_report(self) -> None:
+        """One report of in-flight counts, metrics and samples; remembers the counts it sent."""
+        pool = self.plane.data_pool.statistics()
+        self._reported_in_flight = {name: n for name, n in self.plane.in_flight.counts.items() if n}
+        self.link.send(Report(snapshot_seq=self.view.snapshot.seq, in_flight=self._reported_in_flight,
+                              requests_in_flight=self.plane.server.statistics().requests_in_flight,
+                              metrics=export_state(self.metrics.registry), samples=self.telemetry.take(),
+                              data_in_use=pool.in_use, data_waiting=pool.waiting))
+
+
+def others_in_flight(totals: dict[str, int], own_reported: dict[str, int]) -> dict[str, int]:
+    """The other workers' share: the router-wide totals less what this worker itself reported.
+
+    The totals already include this worker's last report; counting it again
+    would make its own engines look busier than they are.
+    """
+    return {name: total - own_reported.get(name, 0) for name, total in totals.items()
+            if total > own_reported.get(name, 0)}
 
 
 async def _stop_on_signal(current: Any) -> None:
@@ -209,6 +231,9 @@ async def _stop_on_signal(current: Any) -> None:
 async def run_worker(index: int, control_fd: int, listen_fds: list[int]) -> None:
     """Serve as worker ``index`` until stopped or orphaned."""
     set_log_fields(worker=index)
+    # SIGHUP to the process group (a closing terminal, kill -HUP -- -PGID) must not cut the streams:
+    # the controller reloads on SIGHUP and tells the workers what to do.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     control = trio.SocketStream(trio.socket.from_stdlib_socket(socket.socket(fileno=control_fd)))
     listeners = [trio.SocketListener(trio.socket.from_stdlib_socket(socket.socket(fileno=fd))) for fd in listen_fds]
     welcome: list[Welcome] = []
@@ -271,6 +296,6 @@ async def run_worker(index: int, control_fd: int, listen_fds: list[int]) -> None
                         await link.flush()
                 except LinkClosed:
                     pass
-            log_event("worker_stopped")
+            log_event("worker_stopped", evidence_dropped=worker.evidence_dropped)
             flush_logs()
             nursery.cancel_scope.cancel()

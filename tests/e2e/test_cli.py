@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -28,6 +29,25 @@ def test_help_on_every_command(command):
                             text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: narwhal")
+
+
+SUBCOMMANDS = ["serve", "demo", "mock-engine", "bench", "admin", "engine-check"]
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_the_narwhal_console_script_runs_every_subcommand(command):
+    # The installed script (what `.venv/bin/narwhal` is), not `python -m narwhal`.
+    script = Path(sys.executable).parent / "narwhal"
+    result = subprocess.run([str(script), command, "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"usage: narwhal {command}")
+
+
+def test_narwhal_serve_is_narwhal_serve_too():
+    script = Path(sys.executable).parent / "narwhal-serve"
+    result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: narwhal serve")
 
 
 async def test_demo_serves_and_stops_cleanly_on_ctrl_c():
@@ -81,6 +101,21 @@ async def test_admin_listen_serves_the_control_app_but_not_completions(start_fle
     assert json.loads(response.text)["choices"]
     hidden = await fleet.client.get(f"{fleet.url}/admin/engines", headers={"authorization": "Bearer s3cret"})
     assert hidden.status_code == 404
+
+
+def test_demo_on_a_busy_port_fails_at_once_with_one_line_suggesting_listen():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "narwhal", "demo", "--listen", f"127.0.0.1:{port}"],
+                                capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    # One line and nothing else: no engine was started (their events would be echoed), no traceback.
+    assert result.stdout == ""
+    assert result.stderr == (f"narwhal demo: cannot listen on 127.0.0.1:{port}: Address already in use; "
+                             "choose a free address with --listen HOST:PORT (e.g. --listen 127.0.0.1:0 for any "
+                             "free port)\n")
 
 
 async def _raw(port: int, data: bytes) -> bytes:

@@ -101,25 +101,29 @@ async def test_every_worker_continues_streams(start_fleet):
     body = {"model": "mock-model", "prompt": "a b", "max_tokens": 8, "stream": True,
             "stream_options": {"include_usage": True}}
     answers: list[list[Any]] = []
-    # Fresh connections spread over the workers waiting in accept().
+
+    def continued_by() -> set[int]:
+        return {line["worker"] for line in fleet.router.events("request") if line["continuations"]}
+
+    # Fresh connections spread over the workers waiting in accept(), though not evenly: batches go
+    # out until each worker has continued a stream (at most 20 batches).
     async with httpx.AsyncClient(timeout=30.0, limits=httpx.Limits(max_keepalive_connections=0)) as client:
-        limiter = trio.CapacityLimiter(8)
+        for _ in range(20):
+            async with trio.open_nursery() as nursery:
+                for _ in range(16):
+                    nursery.start_soon(_collect, client, fleet.url, body, answers)
 
-        async def one() -> None:
-            async with limiter:
-                answers.append(await stream_events(client, fleet.url, "/v1/completions", body))
+            async def logged() -> bool:
+                return len(fleet.router.events("request")) >= len(answers)
 
-        async with trio.open_nursery() as nursery:
-            for _ in range(60):
-                nursery.start_soon(one)
+            await wait_until(logged, what="a request line per answer")
+            if continued_by() == {0, 1}:
+                break
     for events in answers:
         assert_one_answer(events, chat=False, prompt_tokens=2, max_tokens=8)
+    assert continued_by() == {0, 1}
+    assert all(line["status"] == 200 for line in fleet.router.events("request"))
 
-    async def all_logged() -> list[dict[str, Any]] | None:
-        lines = fleet.router.events("request")
-        return lines if len(lines) >= 60 else None
 
-    lines = await wait_until(all_logged, what="60 request lines")
-    continued = [line for line in lines if line["continuations"]]
-    assert continued and {line["worker"] for line in continued} == {0, 1}
-    assert all(line["status"] == 200 for line in lines)
+async def _collect(client: httpx.AsyncClient, url: str, body: dict[str, Any], answers: list[list[Any]]) -> None:
+    answers.append(await stream_events(client, url, "/v1/completions", body))

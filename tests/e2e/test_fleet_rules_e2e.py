@@ -8,6 +8,7 @@ talks HTTP to them; faults are injected over the mock's own API.
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -150,12 +151,12 @@ async def test_the_default_handoff_lives_in_the_state_directory_and_the_startup_
                                      for name, p in engines.items()],
                                     {"controller": {"monitor_interval_s": 0.2}}))
     state = tmp_path / "state"  # does not exist yet: the router creates it
-    in_cwd = Path.cwd() / "narwhal-handoff.json"
-    existed_in_cwd = in_cwd.exists()
+    in_cwd = set(Path.cwd().glob("narwhal-handoff*.json"))
     router = await start_router(nursery, str(config), env={"XDG_STATE_HOME": str(state)})
     try:
-        expected = state / "narwhal" / "narwhal-handoff.json"
         [started] = router.events("router_started")
+        # Port 0: the router's process names its default file (narwhal-handoff-<host>-<pid>.json).
+        expected = state / "narwhal" / f"narwhal-handoff-{socket.gethostname()}-{router.pid}.json"
         assert started["handoff"] == str(expected)
 
         async def written() -> bool:
@@ -163,8 +164,8 @@ async def test_the_default_handoff_lives_in_the_state_directory_and_the_startup_
 
         await wait_until(written, what="the handoff written to the state directory")
         assert json.loads(expected.read_bytes())["engine_set"]
-        assert not (config.parent / "narwhal-handoff.json").exists()
-        assert in_cwd.exists() is existed_in_cwd
+        assert not list(config.parent.glob("narwhal-handoff*.json"))
+        assert set(Path.cwd().glob("narwhal-handoff*.json")) == in_cwd
     finally:
         with trio.CancelScope(shield=True):
             await router.stop(grace_s=10.0)

@@ -9,8 +9,11 @@ time.monotonic(), shared by the processes of this host).
 
 from __future__ import annotations
 
+import base64
 import itertools
+import json
 import os
+import select
 import shutil
 import signal
 import time
@@ -216,21 +219,26 @@ async def test_sigstop_past_the_ttl_the_standby_takes_over_and_the_woken_holder_
     assert (await pair.client.post(f"{active.url}/v1/completions", json=REQUEST)).status_code == 200
     os.kill(active.pid, signal.SIGSTOP)
     stopped_at = time.monotonic()
-    answers: list[httpx.Response] = []
-
-    async def send_while_stopped() -> None:
-        async with httpx.AsyncClient(timeout=30.0) as fresh:
-            answers.append(await fresh.post(f"{active.url}/v1/completions", json=REQUEST))
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(send_while_stopped)
+    # A fresh connection sent in full during the freeze: the kernel queues it in the backlog.
+    fresh = await trio.open_tcp_stream("127.0.0.1", active.port)
+    body = json.dumps(REQUEST).encode()
+    await fresh.send_all(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n"
+                         b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+    try:
         await pair.wait_ready(standby, timeout_s=TTL_S + RENEW_S + 8.0)
         assert time.monotonic() - stopped_at >= TTL_S - MARGIN_S
-        await trio.sleep(0.3)
-        assert not answers  # still queued in the frozen router's backlog
+        # Still unanswered: a frozen process cannot have written a byte (a non-blocking look).
+        assert not select.select([fresh.socket.fileno()], [], [], 0)[0]
         os.kill(active.pid, signal.SIGCONT)
-    assert answers[0].status_code == 503, answers[0].text
-    assert answers[0].json()["error"]["message"].startswith("fenced: lease not renewed")
+        answer = b""
+        with trio.fail_after(10.0):
+            while chunk := await fresh.receive_some(65536):
+                answer += chunk
+    finally:
+        await fresh.aclose()
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503"), answer
+    assert json.loads(payload)["error"]["message"].startswith("fenced: lease not renewed")
     for _ in range(3):
         again = await pair.client.post(f"{active.url}/v1/completions", json=REQUEST)
         assert again.status_code == 503
@@ -247,6 +255,60 @@ async def test_sigstop_past_the_ttl_the_standby_takes_over_and_the_woken_holder_
     (a_from, a_until), = serving_intervals(active)
     (b_from, _), = serving_intervals(standby)
     assert a_until <= b_from
+
+
+async def test_sigterm_hands_the_lease_over_before_exit_without_stray_files(pair: Pair) -> None:
+    active, standby = await pair.start_active_and_standby()
+    returncode = await active.stop(grace_s=10.0)
+    exited_at = time.monotonic()
+    assert returncode == 0
+    # The release landed before the process exited: the record no longer names ra. (Before,
+    # it named ra until its TTL ran out, and the standby waited for it.)
+    config = load_config(pair.tmp_path / "ra.toml")
+    backend = build_backend(config, pair.handoff_path("ra"))
+    assert backend is not None
+    try:
+        record = await backend.read()
+    finally:
+        await backend.aclose()
+    assert record is None or record.holder in ("", "rb"), record
+    released = active.events("lease_released", holder="ra", reason="shutdown")
+    assert released
+    acquired = await standby.wait_event("lease_acquired", timeout_s=TTL_S + 5.0, holder="rb")
+    assert acquired and acquired[0]["epoch"] == 2
+    # Well within the TTL: the standby took it at its next look, not at expiry.
+    assert acquired[0]["serving_from_mono"] - released[0]["serving_until_mono"] < TTL_S - RENEW_S
+    assert acquired[0]["serving_from_mono"] < exited_at + TTL_S - RENEW_S
+    # write_atomic's temporary files (".lease.json.<pid>.<hex>.tmp"), beside the lease and the handoffs.
+    leftovers = [path.name for path in pair.tmp_path.rglob(".*.tmp")]
+    assert not leftovers
+
+
+async def test_a_deleted_lease_record_never_gives_two_serving_routers(pair: Pair) -> None:
+    active, standby = await pair.start_active_and_standby()
+    # rm lease.json, or etcdctl del --prefix (an etcd restored empty looks the same to us).
+    if pair.backend == "file":
+        (pair.tmp_path / "lease" / "lease.json").unlink()
+    else:
+        assert pair.etcd is not None
+        key = base64.b64encode(b"/narwhal/test-lease").decode()
+        end = base64.b64encode(b"/narwhal/test-leasf").decode()
+        deleted = await pair.client.post(f"{pair.etcd.url}/v3/kv/deleterange", json={"key": key, "range_end": end})
+        assert deleted.status_code == 200
+    # The holder finds its record gone at its next renewal and fences at once.
+    fenced = await active.wait_event("fenced", timeout_s=TTL_S + 5.0, holder="ra")
+    assert fenced and fenced[0]["reason"].startswith("lease lost")
+
+    async def someone_serves_again() -> bool:
+        return any(router.events("lease_acquired", epoch=2) for router in (active, standby))
+
+    await wait_until(someone_serves_again, timeout_s=TTL_S * 2 + 5.0, what="a new term after the deletion")
+    assert_no_overlap(active, standby)
+    # Epochs identify terms: the new one is 2, never 1 again.
+    epochs = [line["epoch"] for router in (active, standby) for line in router.events("lease_acquired")]
+    assert sorted(epochs) == [1, 2]
+    served = [router for router in (active, standby) if router.events("lease_acquired", epoch=2)]
+    assert (await pair.client.post(f"{served[0].url}/v1/completions", json=REQUEST)).status_code == 200
 
 
 async def test_a_degraded_active_yields_to_the_standby_after_the_ready_failure_threshold(pair: Pair) -> None:

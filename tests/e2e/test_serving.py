@@ -45,18 +45,26 @@ async def test_non_streaming_completion_and_chat(start_fleet):
     assert response.status_code == 200, response.text
     assert response.json()["object"] == "text_completion"
     assert response.headers["x-request-id"]
+    # The decode engine answers with "kv_transfer_params": null (as vLLM does): the engines' business only.
+    assert "kv_transfer_params" not in response.text
     response = await fleet.client.post(f"{fleet.url}/v1/chat/completions", json=CHAT)
     assert response.status_code == 200, response.text
     assert response.json()["object"] == "chat.completion"
+    assert "kv_transfer_params" not in response.text
 
 
 async def test_streaming_chat(start_fleet):
     fleet = await start_fleet()
-    response = await fleet.client.post(f"{fleet.url}/v1/chat/completions", json={**CHAT, "stream": True})
+    response = await fleet.client.post(f"{fleet.url}/v1/chat/completions", json={**CHAT, "stream": True},
+                                       headers={"x-request-id": "chat-tokens"})
     assert response.status_code == 200
     events = sse_events(response.text)
     assert events[-1] == "[DONE]"
     assert all(json.loads(e)["object"] == "chat.completion.chunk" for e in events[:-1])
+    # The first event only names the role; the request line counts the 5 tokens, not 6 events.
+    assert json.loads(events[0])["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    lines = await fleet.router.wait_event("request", request_id="chat-tokens")
+    assert lines and lines[0]["tokens"] == 5
 
 
 async def test_decode_leg_receives_the_prefills_handoff(start_fleet):

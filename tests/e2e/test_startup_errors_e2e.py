@@ -6,6 +6,7 @@ that answers 503 for good.
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -33,6 +34,18 @@ def the_one_line(result: subprocess.CompletedProcess[str]) -> str:
     return lines[0]
 
 
+def the_failure(result: subprocess.CompletedProcess[str]) -> str:
+    """A start-up failure: the operator's one line, and exactly one event, ``router_failed`` at level error.
+
+    No ``router_stopped`` (the router never started) and nothing at level info.
+    """
+    events = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    assert [(e["event"], e["level"]) for e in events] == [("router_failed", "error")], result.stderr
+    line = the_one_line(result)
+    assert events[0]["message"] in line
+    return line
+
+
 def test_a_serving_port_in_use(tmp_path: Path):
     config = tmp_path / "narwhal.toml"
     config.write_text(render_config(ENGINES, {"handoff": {"path": str(tmp_path / "h.json")}}))
@@ -42,7 +55,7 @@ def test_a_serving_port_in_use(tmp_path: Path):
         port = taken.getsockname()[1]
         result = serve(config, f"127.0.0.1:{port}")
     assert result.returncode == 2
-    assert the_one_line(result) == (f"narwhal: cannot start: serving.listen: cannot listen on 127.0.0.1:{port}: "
+    assert the_failure(result) == (f"narwhal: cannot start: serving.listen: cannot listen on 127.0.0.1:{port}: "
                                     "Address already in use")
 
 
@@ -56,7 +69,7 @@ def test_an_admin_port_in_use(tmp_path: Path):
                                                   "admin": {"listen": f"127.0.0.1:{port}", "token": "t"}}))
         result = serve(config, "127.0.0.1:0")
     assert result.returncode == 2
-    assert "admin.listen: cannot listen on" in the_one_line(result)
+    assert "admin.listen: cannot listen on" in the_failure(result)
 
 
 def test_admin_listen_equal_to_the_serving_address(tmp_path: Path):
@@ -65,7 +78,7 @@ def test_admin_listen_equal_to_the_serving_address(tmp_path: Path):
                                               "admin": {"listen": "127.0.0.1:18000", "token": "t"}}))
     result = serve(config, "127.0.0.1:18000")
     assert result.returncode == 2
-    assert the_one_line(result) == ("narwhal: cannot start: admin.listen 127.0.0.1:18000 is the serving address "
+    assert the_failure(result) == ("narwhal: cannot start: admin.listen 127.0.0.1:18000 is the serving address "
                                     "127.0.0.1:18000: give the admin API a port of its own")
 
 
@@ -74,7 +87,7 @@ def test_a_missing_handoff_directory(tmp_path: Path):
     config.write_text(render_config(ENGINES, {"handoff": {"path": str(tmp_path / "gone" / "h.json")}}))
     result = serve(config, "127.0.0.1:0")
     assert result.returncode == 2
-    assert the_one_line(result).endswith("gone' does not exist")
+    assert the_failure(result).endswith("gone' does not exist")
 
 
 def test_nan_in_the_config(tmp_path: Path):

@@ -1,0 +1,96 @@
+"""A standby's warm copy of the holder's fleet state: the handoff follower.
+
+The holder writes a handoff document on every monitor pass, stamped with its
+term (``lease: {holder, epoch}``). The follower applies a document only when
+its term is the term it follows: the holder named by the lease record (or,
+while the lease is changing hands, the last holder it saw). Terms are compared
+by identity, never by order: an epoch counter restored or reset to a lower
+number is still the holder's term, and a fenced writer's late document is
+someone else's. A document that is not applied is said once
+(``handoff_skipped``), never dropped silently.
+
+Events (JSON lines): ``standby_following``, ``handoff_skipped``, ``handoff_not_applied``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol
+
+from narwhal.config import Config
+from narwhal.fleet import EngineRecord
+from narwhal.obs.logs import log_event
+from narwhal.state.handoff import HandoffError, decode_document
+from narwhal.state.resume import apply_resume, plan_document
+
+__all__ = ["HandoffFollower", "Restorable"]
+
+
+class Restorable(Protocol):
+    """The fleet's writer, as far as following a handoff needs it."""
+
+    def restore(self, records: Sequence[EngineRecord], now: float, wall_now: float) -> None: ...
+
+
+class HandoffFollower:
+    """Applies the followed term's handoff documents to this router's fleet."""
+
+    def __init__(self, *, config: Config, fleet: Restorable, router_id: str, where: str,
+                 clock: Callable[[], float], wall_clock: Callable[[], float]) -> None:
+        self.config = config
+        self.router_id = router_id
+        self.fleet = fleet
+        self.where = where
+        self.clock = clock
+        self.wall_clock = wall_clock
+        # The term followed: (holder, epoch) of the lease record, kept while the lease changes hands.
+        self.term: tuple[str, int] | None = None
+        self.applied_epoch = 0
+        self.applied_pass: int | None = None
+        # Epochs this process held (a restarted router with the same id held none of them).
+        self.own_terms: set[int] = set()
+        self._last_seen: bytes | None = None
+        self._following: tuple[str, int] | None = None
+
+    def follow(self, holder: str, epoch: int) -> None:
+        """The lease record names ``holder`` in ``epoch``: follow that term's documents from now on."""
+        if holder and (holder, epoch) != self.term:
+            self.term = (holder, epoch)
+            # A document skipped for another term may be this term's: look at it again.
+            self._last_seen = None
+
+    async def refresh(self, read: Callable[[], Awaitable[bytes | None]]) -> None:
+        """Read the handoff (``read`` raises LeaseBackendError) and apply it when it is the followed term's."""
+        data = await read()
+        if data is None or data == self._last_seen:
+            return
+        self._last_seen = data
+        try:
+            document = decode_document(data)
+        except HandoffError as exc:
+            log_event("handoff_not_applied", level=logging.WARNING, path=self.where,
+                      reason=f"handoff not applied: {exc}")
+            return
+        written_by = (document.lease.holder, document.lease.epoch)
+        if written_by[0] == self.router_id and written_by[1] in self.own_terms:
+            return  # written by this process in a term it held: its fleet state is that already
+        if self.term is None or written_by != self.term:
+            followed = "nobody" if self.term is None else f"{self.term[0]} epoch {self.term[1]}"
+            log_event("handoff_skipped", level=logging.WARNING, path=self.where, holder=written_by[0],
+                      epoch=written_by[1], writer=document.router_id, **{"pass": document.pass_number},
+                      reason=f"written in the term of {written_by[0]} epoch {written_by[1]}; "
+                             f"the lease record names {followed}")
+            return
+        plan = plan_document(document, self.config, self.where)
+        if not plan.applied:
+            log_event("handoff_not_applied", level=logging.WARNING, **plan.event_fields())
+            return
+        apply_resume(plan, self.fleet, self.clock(), self.wall_clock())
+        self.applied_epoch = document.lease.epoch
+        self.applied_pass = document.pass_number
+        if written_by != self._following:
+            self._following = written_by
+            log_event("standby_following", holder=written_by[0], epoch=written_by[1],
+                      reason="applied the holder's handoff", writer=document.router_id,
+                      **{"pass": document.pass_number})

@@ -1,0 +1,92 @@
+"""The README's commands work as written on a fresh machine: console scripts, `.venv/bin/` throughout, CI = README."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+from narwhal.config import load_config
+from narwhal.router import preflight
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def readme_commands() -> list[str]:
+    """The README's indented command lines and the commands in its tables."""
+    indented = [line.strip() for line in README.splitlines() if line.startswith("    ") and line.strip()]
+    tabled = re.findall(r"^\| `([^`]+)`", README, flags=re.MULTILINE)
+    return [line for line in indented + tabled if not line.startswith(("curl", "narwhal:", "#"))]
+
+
+def test_the_narwhal_console_script_is_declared_beside_narwhal_serve():
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["narwhal"] == "narwhal.cli:main"
+    assert scripts["narwhal-serve"] == "narwhal.cli:serve_main"
+
+
+def test_every_readme_command_runs_from_the_venv_without_activating_it():
+    commands = [c for c in readme_commands() if "narwhal" in c and not c.startswith(("from ", "client", "for ",
+                                                                                      "print"))]
+    assert len(commands) >= 8, commands
+    for command in commands:
+        for part in command.split("&&"):
+            part = part.strip()
+            if part.startswith("python3 -m venv"):
+                continue
+            assert part.startswith(".venv/bin/"), f"needs an activated venv: {command!r}"
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    install_and_test = [c for c in readme_commands() if "pytest" in c]
+    assert len(install_and_test) == 1
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert install_and_test[0] in ci
+    # And the first command a newcomer runs is the demo through the console script.
+    assert readme_commands()[0] == "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/narwhal demo"
+
+
+def test_the_vllm_guide_gives_each_engine_its_own_kv_role():
+    # vLLM 0.32 logs kv_both as deprecated with NixlConnector.
+    guide = (ROOT / "docs" / "vllm.md").read_text()
+    commands = re.findall(r"```bash\n(.*?)```", guide, flags=re.DOTALL)
+    serving = [c for c in commands if "vllm serve" in c and "--kv-transfer-config" in c]
+    roles = [re.search(r'"kv_role":"(\w+)"', c).group(1) for c in serving]
+    assert roles == ["kv_producer", "kv_consumer"]
+    assert '"kv_role":"kv_both"' not in guide
+
+
+EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))
+
+
+def test_every_example_starts_on_a_fresh_machine(tmp_path, monkeypatch):
+    # No /var/lib/narwhal, nothing made by hand: a home directory is all an example may assume.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("XDG_STATE_HOME", raising=False)
+    assert len(EXAMPLES) >= 3
+    for example in EXAMPLES:
+        config = load_config(example)
+        handoff = config.handoff_path(example.parent, listen=config.serving.listen)
+        preflight(config, config.serving.listen, handoff)
+        assert handoff.is_relative_to(tmp_path), example
+        if config.lease.path:
+            assert Path(config.lease.path).expanduser().parent.is_dir(), example
+
+
+def test_a_standby_pair_shares_its_handoff_and_lease():
+    a, b = (load_config(ROOT / "examples" / f"standby-{x}.toml") for x in "ab")
+    assert a.handoff_path(ROOT / "examples") == b.handoff_path(ROOT / "examples")
+    assert a.lease.path == b.lease.path and a.lease.router_id != b.lease.router_id
+
+
+def test_the_operations_recipe_starts_every_engine_the_examples_name():
+    guide = (ROOT / "docs" / "operations.md").read_text()
+    recipe = guide.split("### Trying it on one host", 1)[1].split("\n## ", 1)[0]
+    started = set(re.findall(r"narwhal mock-engine --port (\d+) --role (\w+) --engine-id (\w+)", recipe))
+    needed = {(str(e.port), e.role, e.name) for example in EXAMPLES for e in load_config(example).engines}
+    assert started == needed
+    # The recipe serves both examples of the pair, SIGKILLs and SIGTERMs the active, and times the takeover.
+    for step in ("--config examples/standby-a.toml", "--config examples/standby-b.toml", "kill -KILL", "kill -TERM",
+                 "time (until curl -sf"):
+        assert step in recipe
