@@ -33,6 +33,8 @@ _FAULT_FIGURES = (
     ("cut (SSE error / silent)", None, 0),
     ("dead engine out after s", ("faults", "dead_engine_ineligible_s"), 2),
     ("restarted engine served after s", ("faults", "restarted_engine_first_served_s"), 2),
+    ("restarted engine eligible after its health returned s",
+     ("faults", "restarted_engine_eligible_after_health_s"), 2),
     ("5xx engine requests", ("faults", "failing_engine_requests_during_fault"), 0),
     ("5xx engine last request after s", ("faults", "failing_engine_last_request_s"), 2),
 )

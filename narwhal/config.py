@@ -71,6 +71,8 @@ def _at_least(name: str, value: float | int, minimum: float | int) -> None:
 MIN_MONITOR_INTERVAL_S = 0.05
 MIN_STAGE_TIMEOUT_S = 0.01
 MIN_PROBE_INTERVAL_S = 0.05
+# Out engines are health-checked this often by default: a restart is noticed within it.
+DEFAULT_RECHECK_INTERVAL_S = 0.1
 MIN_TELEMETRY_INTERVAL_S = 0.05
 
 
@@ -252,6 +254,10 @@ class RecoveryConfig(_Section, frozen=True):
     liveness_misses: int = 3
     failure_quarantine_s: float | None = None
     probe_interval_s: float = 5.0
+    # How often the engines that are out (ejected, or quarantined) are health-checked
+    # between monitor passes; the first backoff step after a refused readmission.
+    # None: DEFAULT_RECHECK_INTERVAL_S, or probe_interval_s when that is shorter.
+    recheck_interval_s: float | None = None
 
     def __post_init__(self) -> None:
         _positive("eject_after", self.eject_after)
@@ -259,6 +265,18 @@ class RecoveryConfig(_Section, frozen=True):
         _at_least("probe_interval_s", self.probe_interval_s, MIN_PROBE_INTERVAL_S)
         if self.failure_quarantine_s is not None:
             _positive("failure_quarantine_s", self.failure_quarantine_s)
+        if self.recheck_interval_s is not None:
+            _at_least("recheck_interval_s", self.recheck_interval_s, MIN_PROBE_INTERVAL_S)
+            if self.recheck_interval_s > self.probe_interval_s:
+                raise ValueError(f"recheck_interval_s ({self.recheck_interval_s:g}) must be <= probe_interval_s "
+                                 f"({self.probe_interval_s:g}): it is the faster cadence")
+
+    @property
+    def recheck_period_s(self) -> float:
+        """``recheck_interval_s`` as set, else the default capped at ``probe_interval_s``."""
+        if self.recheck_interval_s is not None:
+            return self.recheck_interval_s
+        return min(DEFAULT_RECHECK_INTERVAL_S, self.probe_interval_s)
 
 
 HANDOFF_FILE = "narwhal-handoff.json"

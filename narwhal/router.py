@@ -183,7 +183,8 @@ class Router:
                                      inference_check=self.supervisor.inference_probe)
         self.stages = build_stages(config=config, supervisor=self.supervisor, control_pool=self.control_pool,
                                    telemetry=self.telemetry, in_flight=self.in_flight,
-                                   persistence_stage=self.persistence, readmission=self.readmitter)
+                                   persistence_stage=self.persistence, readmission=self.readmitter,
+                                   health_observer=self.readmitter)
         self.controller = self.stages.controller
         self.drain = self.stages.drain
         self.persistence.extra = self._handoff_extra

@@ -166,6 +166,12 @@ async def decode_mock(nursery):
     service.stop(0)
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def _spec(port: int, **changes: object) -> LoadSpec:
     body = completion_body(prompt_words=4, max_tokens=8, stream=True, kv_transfer_params=DECODE_KV)
     spec = LoadSpec(host="127.0.0.1", port=port, body=body, concurrency=4, requests=20, duration_s=None,
@@ -183,6 +189,27 @@ async def test_load_counts_requests_tokens_and_reuses_connections(decode_mock) -
     assert result.connections_opened == 4
     assert (state.done, state.errors, state.tokens) == (20, 0, 160)
     assert decode_mock.engine.stats.decode == 20
+
+
+async def test_pair_mode_prefills_then_decodes_with_the_prefills_handoff(nursery, decode_mock) -> None:
+    # bench --baseline pair: each request is vLLM's P/D flow by hand, with no router in between.
+    prefill = await nursery.start(serve_mock, MockSettings(role="prefill", engine_id="p1", tokens=8))
+    try:
+        prefill_body = completion_body(prompt_words=4, max_tokens=1, stream=False,
+                                       kv_transfer_params={"do_remote_decode": True})
+        spec = _spec(decode_mock.engine.port, body=completion_body(prompt_words=4, max_tokens=8, stream=True),
+                     prefill_host="127.0.0.1", prefill_port=prefill.engine.port, prefill_body=prefill_body)
+        summary = (await run_load(spec)).summary()
+        assert (summary.requests, summary.ok, summary.tokens) == (20, 20, 160)
+        assert prefill.engine.stats.prefill == 20 and decode_mock.engine.stats.decode == 20
+        # The decode leg carried the prefill's own handoff, which names the prefill engine.
+        last = json.loads(decode_mock.engine.stats.last_decode_body)
+        assert last["kv_transfer_params"]["remote_port"] == prefill.engine.port
+        # A prefill that fails is the request's error; nothing reaches decode.
+        refused = await run_load(msgspec.structs.replace(spec, prefill_port=_free_port(), requests=3))
+        assert [r.kind for r in refused.records] == ["refused"] * 3 and decode_mock.engine.stats.decode == 20
+    finally:
+        prefill.stop(0)
 
 
 async def test_new_connection_per_request(decode_mock) -> None:
@@ -309,6 +336,9 @@ def test_defaults_and_fault_defaults() -> None:
 @pytest.mark.parametrize("argv", [
     ("--scenario", "faults", "--decode", "1"),
     ("--target", "http://127.0.0.1:1", "--baseline", "direct"),
+    ("--target", "http://127.0.0.1:1", "--baseline", "pair"),
+    ("--target", "http://127.0.0.1:1", "--pair", "http://127.0.0.1:2", "http://127.0.0.1:3"),
+    ("--baseline", "pair", "--pair", "https://127.0.0.1:2", "http://127.0.0.1:3"),
     ("--target", "http://127.0.0.1:1", "--router-cmd", "x"),
     ("--tls", "--target", "https://127.0.0.1:1"),
     ("--tls", "--router-cmd", "vllm-router --port {port}"),

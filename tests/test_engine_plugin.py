@@ -353,7 +353,8 @@ def test_the_vllm_guide_stays_true_to_the_plugin_and_the_config(tmp_path: Path) 
                      engine_plugin.MODEL_ENV, attestation.KEY_FILE_ENV, attestation.KEY_ENV):
         assert f"| `{variable}` |" in guide
     # The guide's narwhal.toml is a valid config (its key file swapped for one that exists here).
-    [toml] = re.findall(r"```toml\n(.*?)```", guide, re.S)
+    # The guide's main narwhal.toml, then the one of "Try it without a GPU".
+    toml, cpu_toml = re.findall(r"```toml\n(.*?)```", guide, re.S)
     key = tmp_path / "fleet.key"
     key.write_text("k\n")
     config = parse_config(toml.replace("/etc/narwhal/fleet.key", str(key)))
@@ -361,6 +362,15 @@ def test_the_vllm_guide_stays_true_to_the_plugin_and_the_config(tmp_path: Path) 
     # And the same generation and model as the engines' commands.
     assert all(f"NARWHAL_GENERATION={config.fleet.generation}" in c for c in serve)
     assert all(f"vllm serve {config.fleet.model}" in c for c in serve)
+    # Without a GPU: the same plugin, the same variables, and a valid config for one prefill and two decode.
+    [cpu_command] = [c for c in commands if "vllm.entrypoints.openai.api_server" in c]
+    assert "--middleware narwhal.engine_plugin.IdentityMiddleware" in cpu_command
+    assert all(f"{variable}=" in cpu_command for variable in (engine_plugin.ENGINE_ID_ENV,
+                                                               engine_plugin.GENERATION_ENV))
+    cpu = parse_config(cpu_toml)
+    assert [(e.name, e.role) for e in cpu.engines] == [("p1", "prefill"), ("d1", "decode"), ("d2", "decode")]
+    assert f"NARWHAL_GENERATION={cpu.fleet.generation}" in cpu_command
+    assert f"--served-model-name {cpu.fleet.model}" in cpu_command
 
 
 @pytest.mark.parametrize("length", [1, 255, 256])

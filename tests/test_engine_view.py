@@ -157,7 +157,8 @@ def test_the_json_keeps_the_documented_keys() -> None:
     d1 = body["engines"][1]
     assert list(d1) == ["name", "role", "url", "eligible", "ejected", "ejected_reason", "ejected_cause", "holds",
                         "evidence", "liveness_misses", "in_flight", "next_probe_at", "counters", "drained",
-                        "maintenance_started_at", "readmission_running", "last_readmission"]
+                        "maintenance_started_at", "readmission_running", "last_readmission",
+                        "health_answered_at", "readmission_backoff_s", "next_readmission_at"]
     assert d1["evidence"] == {str(c): 0 for c in FailureClass}
     assert d1["last_readmission"]["check"] == "identity"
 

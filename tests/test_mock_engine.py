@@ -144,8 +144,11 @@ async def test_health_models_and_tokenize_shapes() -> None:
                                                                                          "text": "hi"}]}]
     counted = (await call(mock, "POST", "/tokenize", {"model": "mock-model", "messages": messages})).json()
     assert counted["count"] == 2 + 2 + 1  # one role token per message plus the words
-    ids = (await call(mock, "POST", "/tokenize", {"prompt": [5, 6, 7]})).json()
-    assert ids["tokens"] == [5, 6, 7]
+    # As vLLM 0.32: /tokenize takes a prompt only as a string; a completion takes token IDs.
+    ids = await call(mock, "POST", "/tokenize", {"prompt": [5, 6, 7]})
+    assert ids.status == 400 and "Input should be a valid string" in ids.json()["error"]["message"]
+    prefill = await call(mock, "POST", "/v1/completions", completion(prompt=[5, 6, 7], max_tokens=1))
+    assert prefill.status == 200 and prefill.json()["usage"]["prompt_tokens"] == 3
 
 
 async def test_bad_requests_are_openai_errors() -> None:

@@ -106,13 +106,16 @@ class World:
     def __init__(self, *, quarantine_s: float | None = None, probe_interval_s: float = 5.0,
                  key: bytes | None = KEY, engines: tuple[tuple[str, str], ...] = (("p1", "prefill"),
                                                                                  ("d1", "decode"),
-                                                                                 ("d2", "decode"))) -> None:
+                                                                                 ("d2", "decode")),
+                 recheck: bool = True, recheck_interval_s: float | None = None) -> None:
+        """``recheck=False`` leaves out the recheck of out engines: the probe_interval_s tick alone."""
         self.engines = {name: FakeEngine(name, role) for name, role in engines}
         by_port = {9001 + i: engine for i, engine in enumerate(self.engines.values())}
         self.config = Config(
             fleet=FleetConfig(model="m1", generation="g1"),
             engine=EngineConfig(health_timeout_s=30.0),
-            recovery=RecoveryConfig(probe_interval_s=probe_interval_s, failure_quarantine_s=quarantine_s),
+            recovery=RecoveryConfig(probe_interval_s=probe_interval_s, failure_quarantine_s=quarantine_s,
+                                    recheck_interval_s=recheck_interval_s),
             engines=[EngineSpec(name=name, url=f"http://127.0.0.1:{port}", role=engine.role)
                      for port, (name, engine) in zip(by_port, self.engines.items(), strict=True)])
 
@@ -129,6 +132,8 @@ class World:
         self.readmitter = Readmitter(config=self.config, fleet=self.fleet, control_pool=self.pool,
                                      in_flight=self.in_flight, metrics=self.metrics, wall_clock=self.wall,
                                      attestation_key=key)
+        if not recheck:
+            self.readmitter.rechecker.targets = lambda now: []
 
     def now(self) -> float:
         return trio.current_time()
@@ -485,7 +490,7 @@ async def run_schedule(world: World, seconds: float) -> None:
 
 async def test_an_ejected_engine_is_retried_every_probe_interval_and_never_given_up(
         autojump_clock: MockClock) -> None:
-    world = World(probe_interval_s=5.0)
+    world = World(probe_interval_s=5.0, recheck=False)
     t0 = trio.current_time()
     world.fleet.eject("d1", "connection streak", t0)
     world.engines["d1"].health = [503]
@@ -508,7 +513,7 @@ async def test_an_ejected_engine_is_retried_every_probe_interval_and_never_given
 
 
 async def test_retries_respect_the_quarantine_deadline(autojump_clock: MockClock) -> None:
-    world = World(quarantine_s=12.0, probe_interval_s=5.0)
+    world = World(quarantine_s=12.0, probe_interval_s=5.0, recheck=False)
     t0 = trio.current_time()
     world.fleet.eject("d1", "connection streak", t0)
     assert not world.fleet.view("d1", t0).readmission_allowed
@@ -537,7 +542,7 @@ async def test_drained_and_maintained_engines_wait_for_the_operator(autojump_clo
 
 async def test_attempts_run_concurrently_across_engines_and_one_at_a_time_per_engine(
         autojump_clock: MockClock) -> None:
-    world = World(probe_interval_s=5.0)
+    world = World(probe_interval_s=5.0, recheck=False)
     t0 = trio.current_time()
     for name in ("d1", "d2"):
         world.fleet.eject(name, "liveness", t0)
@@ -553,7 +558,7 @@ async def test_attempts_run_concurrently_across_engines_and_one_at_a_time_per_en
 
 async def test_an_operator_readmit_waits_for_the_automatic_attempt_in_progress(
         autojump_clock: MockClock) -> None:
-    world = World(probe_interval_s=5.0)
+    world = World(probe_interval_s=5.0, recheck=False)
     t0 = trio.current_time()
     world.fleet.eject("d1", "liveness", t0)
     world.engines["d1"].health_delay_s = 2.0

@@ -334,6 +334,10 @@ async def test_generated_request_ids_are_unique():
         (body(model=3), 400, "invalid_model"),
         (body(prompt=...), 400, "invalid_prompt"),
         (body(prompt=[]), 400, "invalid_prompt"),
+        (body(prompt=[1, "two"]), 400, "invalid_prompt"),
+        (body(prompt=[True, 2]), 400, "invalid_prompt"),
+        (body(prompt=["one", "two"]), 400, "prompt_list_unsupported"),
+        (body(prompt=[[1, 2], [3]]), 400, "prompt_list_unsupported"),
         (body(stream="yes"), 400, "invalid_stream"),
         (body(max_tokens=0), 400, "invalid_max_tokens"),
         (body(max_tokens="9"), 400, "invalid_max_tokens"),
@@ -462,6 +466,49 @@ async def test_token_counting_counts_prompt_plus_max_tokens():
     sink = Sink()
     await core.handle("/v1/completions", body(max_tokens=6), None, sink)
     assert sink.status == 400
+
+
+async def test_a_list_of_prompts_is_refused_naming_the_limitation():
+    core, _, pool, _ = make_core(count_tokens=True)
+    sink = Sink()
+    await core.handle("/v1/completions", body(prompt=["a b", "c d"]), None, sink)
+    assert sink.status == 400 and "a list of prompts is not supported" in sink.json()["error"]["message"]
+    assert pool.calls == []
+
+
+async def test_token_id_prompts_are_counted_here_never_sent_to_tokenize():
+    # vLLM 0.32's /tokenize takes only a string: a token-ID prompt is counted by its length.
+    core, _, pool, _ = make_core(count_tokens=True)
+    sink = Sink()
+    await core.handle("/v1/completions", body(prompt=[43, 395, 295]), None, sink)
+    assert sink.status == 200
+    assert [c[1] for c in pool.calls] == ["/v1/completions", "/v1/completions"]
+    assert all(c[2]["prompt"] == [43, 395, 295] for c in pool.calls)
+
+
+async def test_token_id_prompts_over_the_context_learned_from_tokenize_get_400():
+    core, _, pool, _ = make_core(count_tokens=True)
+    await core.handle("/v1/completions", body(), None, Sink())  # /tokenize says max_model_len 100
+    pool.calls.clear()
+    sink = Sink()
+    await core.handle("/v1/completions", body(prompt=list(range(101)), max_tokens=1), None, sink)
+    assert sink.status == 400 and sink.json()["error"]["code"] == "context_length_exceeded"
+    assert "101 tokens" in sink.json()["error"]["message"] and pool.calls == []
+    sink = Sink()
+    await core.handle("/v1/completions", body(prompt=list(range(95)), max_tokens=6), None, sink)
+    assert sink.status == 400 and pool.calls == []
+    sink = Sink()
+    await core.handle("/v1/completions", body(prompt=list(range(95)), max_tokens=5), None, sink)
+    assert sink.status == 200
+
+
+async def test_token_id_prompt_before_any_limit_is_known_lets_the_engine_judge():
+    core, supervisor, pool, _ = make_core(count_tokens=True)
+    pool.prefill.append(UpstreamClientError("p1", 400, b'{"error": {"message": "too long"}}'))
+    sink = Sink()
+    await core.handle("/v1/completions", body(prompt=list(range(5000))), None, sink)
+    assert sink.status == 400 and supervisor.failures == []
+    assert [c[1] for c in pool.calls] == ["/v1/completions"]
 
 
 async def test_token_counting_off_skips_tokenize():

@@ -71,6 +71,12 @@ class EngineEntry(msgspec.Struct, frozen=True, kw_only=True):
     maintenance_started_at: float | None
     readmission_running: bool
     last_readmission: ReadmissionResult | None
+    # Out engines: when a health check first saw it answer a success since its ejection,
+    # the backoff refused or short-lived readmissions have earned, the next automatic attempt
+    # (router monotonic seconds, as hold times; None when none is scheduled).
+    health_answered_at: float | None = None
+    readmission_backoff_s: float = 0.0
+    next_readmission_at: float | None = None
 
 
 class MonitorEntry(msgspec.Struct, frozen=True, kw_only=True):
@@ -164,4 +170,7 @@ class EngineViewer:
             maintenance_started_at=readmission.maintenance_started_at,
             readmission_running=readmission.readmission_running,
             last_readmission=readmission.last_readmission,
+            health_answered_at=readmission.health_answered_at,
+            readmission_backoff_s=readmission.readmission_backoff_s,
+            next_readmission_at=readmission.next_readmission_at,
         )

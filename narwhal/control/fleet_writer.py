@@ -181,9 +181,9 @@ class FleetWriter:
         """``Fleet.eject``."""
         return self._done(self._fleet.eject(name, reason, now, failure_class))
 
-    def readmit(self, name: str, now: float) -> None:
+    def readmit(self, name: str, now: float, *, health_to_eligible_s: float | None = None) -> None:
         """``Fleet.readmit``."""
-        self._fleet.readmit(name, now)
+        self._fleet.readmit(name, now, health_to_eligible_s=health_to_eligible_s)
         self._publish()
 
     def restore(self, records: Sequence[EngineRecord], now: float, wall_now: float) -> None:

@@ -32,18 +32,29 @@ checks prove nothing about decodes that fail. So while such a quarantine
 stands, the chain ends with an inference probe (``inference_check``, the
 supervisor's), whose success clears the quarantine before the readmission.
 
-Schedule. An ejected engine is tried ``recovery.probe_interval_s`` after its
-ejection and then every ``probe_interval_s`` after its previous attempt began,
-never giving up, but never while its failure quarantine is unexpired, unless
-that quarantine is one the inference step may clear. Engines
-under an operator drain or maintenance are left to the operator's readmit.
-Attempts for different engines run concurrently, in ``Readmitter.run``'s
-nursery; each engine has at most one attempt at a time.
+Schedule (``narwhal.control.readmission_schedule``). An ejected engine is
+tried as soon as a health check sees it answer with a success: the monitor's
+health sweep and the recheck (every ``recovery.recheck_interval_s``, of the
+engines that are out only, ``narwhal.control.recheck``) report each answer to
+``health_observed``, which starts the chain at once, in the same pass. After a
+refusal (or a readmission that did not last ``probe_interval_s``) the next
+health-started attempt backs off: ``recheck_interval_s``, doubling, at most
+``probe_interval_s``. Whatever health says, the engine is also tried
+``probe_interval_s`` after its ejection and then every ``probe_interval_s``
+after its previous attempt began, never giving up. Neither happens while its
+failure quarantine is unexpired, unless that quarantine is one the inference
+step may clear (a health success clears the others first). Engines under an
+operator drain or maintenance are left to the operator's readmit. Attempts for
+different engines run concurrently, in ``Readmitter.run``'s nursery; each
+engine has at most one attempt at a time.
 
 A success calls ``Fleet.readmit`` (ending the ejection and clearing drains,
 maintenance, quarantine and verification holds); a failure changes nothing in
 the fleet. Either way one ``readmission`` log event names the engine, the check
-that failed and why, and ``narwhal_readmission_attempts_total`` counts it.
+that failed and why, and ``narwhal_readmission_attempts_total`` counts it. A
+readmission also reports how long the engine waited since its health returned
+(``health_to_eligible_s`` on ``readmission`` and ``engine_readmitted``; the
+``narwhal_readmission_health_to_eligible_seconds`` histogram for automatic ones).
 """
 
 from __future__ import annotations
@@ -51,6 +62,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import enum
+import functools
 import logging
 import math
 import secrets
@@ -64,8 +76,10 @@ import trio
 from narwhal.config import Config, EngineSpec
 from narwhal.control import contract
 from narwhal.control.fleet_writer import FleetWriter
+from narwhal.control.readmission_schedule import EngineSchedule, ReadmissionSchedule
+from narwhal.control.recheck import Rechecker
 from narwhal.errors import EngineFailure, PoolSaturated, SuccessKind
-from narwhal.fleet import DRAIN_HOLDS, EngineView, HoldKind
+from narwhal.fleet import DRAIN_HOLDS, EjectionCause, EngineView, HoldKind
 from narwhal.fleet.placement import InFlightCounts
 from narwhal.fleet.tables import drained
 from narwhal.obs.logs import log_event
@@ -115,6 +129,9 @@ class ReadmissionResult(msgspec.Struct, frozen=True, kw_only=True):
     # Wall-clock unix seconds when the attempt began, and how long it took.
     at: float
     duration_s: float
+    # Readmitted: seconds from the engine's first health success since its ejection to
+    # its return to placement; None when refused or no such answer was seen.
+    health_to_eligible_s: float | None = None
 
     @property
     def readmitted(self) -> bool:
@@ -128,7 +145,18 @@ class ReadmissionState(msgspec.Struct, frozen=True, kw_only=True):
     maintenance_started_at: float | None
     readmission_running: bool
     last_readmission: ReadmissionResult | None
+    # Out engines: when a health check first saw it answer since its ejection (monotonic),
+    # the backoff its refusals or flaps have earned, and its next automatic attempt
+    # (monotonic; None when none is scheduled, e.g. drained or in placement).
+    health_answered_at: float | None = None
+    readmission_backoff_s: float = 0.0
+    next_readmission_at: float | None = None
 
+
+# Ejections for failed inference: a health success says nothing about them, so on its own
+# (without a failed or silent check before it: a restart) it does not start the chain.
+_INFERENCE_EJECTIONS = frozenset({EjectionCause.STREAM, EjectionCause.INFERENCE_STATUS, EjectionCause.KV_HANDOFF,
+                                  EjectionCause.PROBE})
 
 # A check failed; ``reason`` is the operator-facing why (the contract's own verdicts raise it too).
 _Refused = contract.ContractViolation
@@ -178,12 +206,15 @@ class Readmitter:
         self.wall_clock = wall_clock
         self._key = attestation_key
         self._inference_check = inference_check
-        self._interval_s = config.recovery.probe_interval_s
+        recovery = config.recovery
         self._specs: dict[str, EngineSpec] = {spec.name: spec for spec in config.engines}
         self._locks: dict[str, trio.Lock] = {name: trio.Lock() for name in self._specs}
         self._last: dict[str, ReadmissionResult] = {}
-        # Monotonic start of each engine's latest attempt: the schedule's anchor.
-        self._last_started: dict[str, float] = {}
+        self.schedule = ReadmissionSchedule(self._specs, probe_interval_s=recovery.probe_interval_s,
+                                            backoff_base_s=recovery.recheck_period_s)
+        self.rechecker = Rechecker(engines=self._specs, control_pool=control_pool, targets=self.recheck_targets,
+                                   on_health=self._rechecked, interval_s=recovery.recheck_period_s,
+                                   timeout_s=config.engine.health_timeout_s, clock=clock)
         self._scheduled: set[str] = set()
         self._nursery: trio.Nursery | None = None
 
@@ -240,8 +271,17 @@ class Readmitter:
 
     def admin_state(self, name: str) -> ReadmissionState:
         """What ``/admin/engines`` shows of ``name`` from here: drained, maintenance start, last attempt."""
+        now = self.clock()
+        view = self.fleet.view(name, now)
+        schedule = self._synced(view)
+        next_at = self.next_attempt_at(view)
+        if next_at is not None and schedule.health_since is not None:
+            next_at = min(next_at, max(schedule.not_before, now))
         return ReadmissionState(drained=self.drained(name), maintenance_started_at=self.maintenance_started_at(name),
-                                readmission_running=self._locks[name].locked(), last_readmission=self._last.get(name))
+                                readmission_running=self._locks[name].locked(), last_readmission=self._last.get(name),
+                                health_answered_at=schedule.health_since if view.ejected else None,
+                                readmission_backoff_s=self.schedule.backoff_s(schedule.level) if view.ejected else 0.0,
+                                next_readmission_at=next_at)
 
     # ----- the chain -----------------------------------------------------------------------
 
@@ -255,14 +295,16 @@ class Readmitter:
         async with self._locks[name]:
             return await self._attempt(spec, operator=operator)
 
-    async def _attempt(self, spec: EngineSpec, *, operator: bool) -> ReadmissionResult:
+    async def _attempt(self, spec: EngineSpec, *, operator: bool, on_health: bool = False) -> ReadmissionResult:
         started = self.clock()
         started_wall = self.wall_clock()
-        self._last_started[spec.name] = started
+        self._synced(self.fleet.view(spec.name, started))
+        self.schedule.started(spec.name, started)
         held_before = self._drain_kinds(spec.name, started)
         attempt = _Attempt(spec, self.maintenance_started_at(spec.name),
                            needs_inference=self.fleet.quarantine_needs_inference_check(spec.name, started))
         check: str | None = None
+        health_to_eligible_s: float | None = None
         try:
             await self._run_chain(attempt)
         except _Refused as refused:
@@ -280,13 +322,17 @@ class Readmitter:
                 reason = (f"{' and '.join(sorted(late))} began while this readmission ran; "
                           f"ask for readmission again to clear it")
             else:
-                self.fleet.readmit(spec.name, now)
+                health_to_eligible_s = self.schedule.readmitted(spec.name, now)
+                self.fleet.readmit(spec.name, now, health_to_eligible_s=health_to_eligible_s)
                 reason = "every check passed"
+        if check is not None and not operator:
+            self.schedule.refused(spec.name, self.clock(), check=check, on_health=on_health)
         # The reason quotes the engine; it is logged, kept for /admin/engines and counted: bounded once more here.
         result = ReadmissionResult(
             engine=spec.name, outcome="refused" if check else "readmitted", check=check,
             reason=contract.bounded(reason, _MAX_REASON_CHARS),
-            operator=operator, passed=attempt.passed, at=started_wall, duration_s=self.clock() - started)
+            operator=operator, passed=attempt.passed, at=started_wall, duration_s=self.clock() - started,
+            health_to_eligible_s=health_to_eligible_s)
         self._record(result)
         return result
 
@@ -377,18 +423,23 @@ class Readmitter:
     def _record(self, result: ReadmissionResult) -> None:
         self._last[result.engine] = result
         self.metrics.readmissions.inc(result.engine, result.outcome, result.check or "none")
+        if result.health_to_eligible_s is not None and not result.operator:
+            self.metrics.health_to_eligible.observe(result.health_to_eligible_s, result.engine)
         level = logging.INFO if result.readmitted else logging.WARNING
+        extra = ({} if result.health_to_eligible_s is None
+                 else {"health_to_eligible_s": round(result.health_to_eligible_s, 6)})
         log_event("readmission", level=level, engine=result.engine, outcome=result.outcome,
                   check=result.check, reason=result.reason, operator=result.operator,
-                  passed=result.passed, duration_s=round(result.duration_s, 6))
+                  passed=result.passed, duration_s=round(result.duration_s, 6), **extra)
 
     # ----- the schedule --------------------------------------------------------------------
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """Own the nursery that scheduled attempts run in, until cancelled."""
+        """Own the nursery that attempts and the recheck run in, until cancelled."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             try:
+                await nursery.start(self.rechecker.run)
                 task_status.started()
                 await trio.sleep_forever()
             finally:
@@ -404,37 +455,93 @@ class Readmitter:
             raise RuntimeError("readmitter is not running: start Readmitter.run first")
         now = self.clock()
         for view in self.fleet.views(now):
-            if self._due(view, now):
-                # Anchor the schedule now, so the next pass does not start it again.
-                self._last_started[view.name] = now
-                self._scheduled.add(view.name)
-                self._nursery.start_soon(self._scheduled_attempt, view.name,
-                                         name=f"readmission {view.name}")
+            on_health = self._due_on_health(view, now)
+            if on_health or self._due_on_tick(view, now):
+                self._start(view.name, now, on_health=on_health)
+
+    def health_observed(self, name: str, ok: bool) -> None:
+        """A health check of ``name`` answered (``ok``: a success); an ejected engine that is due starts now.
+
+        The health stage calls this for every answer of its sweep, after the
+        fleet recorded it (so a quarantine the success cleared is gone), and so
+        does the recheck: the chain starts in the same pass that saw the engine back.
+        """
+        now = self.clock()
+        view = self.fleet.view(name, now)
+        if not view.ejected:
+            return
+        self._synced(view)
+        self.schedule.health(name, ok, now)
+        if ok and self._nursery is not None and self._due_on_health(view, now):
+            self._start(name, now, on_health=True)
+
+    def recheck_targets(self, now: float) -> list[str]:
+        """The engines the recheck watches: ejected and not drained, or held by a failure quarantine.
+
+        A health success is what may bring either back (it starts the chain, or
+        clears a quarantine whose cause is on the health row); an engine whose
+        chain is running is left to it.
+        """
+        targets = []
+        for view in self.fleet.views(now):
+            if self._locks[view.name].locked() or any(hold.kind in DRAIN_HOLDS for hold in view.holds):
+                continue
+            quarantined = any(hold.kind is HoldKind.FAILURE_QUARANTINE and not hold.deferred for hold in view.holds)
+            if view.ejected or quarantined:
+                targets.append(view.name)
+        return targets
 
     def next_attempt_at(self, view: EngineView) -> float | None:
-        """When ``view``'s engine is next due for an automatic attempt (monotonic), or None."""
+        """When ``view``'s engine is next due on the ``probe_interval_s`` tick (monotonic), or None."""
         if not view.ejected or any(hold.kind in DRAIN_HOLDS for hold in view.holds):
             return None
-        ejected_at = view.ejected_at if view.ejected_at is not None else -math.inf
-        last = self._last_started.get(view.name)
-        anchor = last if last is not None and last >= ejected_at else ejected_at
-        return anchor + self._interval_s
+        return self.schedule.tick_at(view.name, view.ejected_at)
 
-    def _due(self, view: EngineView, now: float) -> bool:
-        due_at = self.next_attempt_at(view)
+    def _rechecked(self, name: str, ok: bool) -> None:
+        if ok:
+            # "Any successful health response" counts, as the sweep's does (clears its evidence row).
+            self.fleet.record_success(name, SuccessKind.HEALTH_200, self.clock())
+        self.health_observed(name, ok)
+
+    def _synced(self, view: EngineView) -> EngineSchedule:
+        """The engine's schedule, told of the ejection ``view`` shows (a new one resets its health run)."""
+        if view.ejected:
+            self.schedule.ejected(view.name, view.ejected_at if view.ejected_at is not None else -math.inf,
+                                  health_decides=view.ejected_cause not in _INFERENCE_EJECTIONS)
+        return self.schedule.state(view.name)
+
+    def _may_start(self, view: EngineView, now: float) -> bool:
         allowed = view.readmission_allowed or (
             self._inference_check is not None and self.fleet.quarantine_needs_inference_check(view.name, now))
-        return (due_at is not None and due_at <= now and allowed
+        return (view.ejected and allowed and not any(hold.kind in DRAIN_HOLDS for hold in view.holds)
                 and view.name not in self._scheduled and not self._locks[view.name].locked())
 
-    async def _scheduled_attempt(self, name: str) -> None:
+    def _due_on_health(self, view: EngineView, now: float) -> bool:
+        if not view.ejected:
+            return False
+        self._synced(view)
+        return self.schedule.due_on_health(view.name, now) and self._may_start(view, now)
+
+    def _due_on_tick(self, view: EngineView, now: float) -> bool:
+        due_at = self.next_attempt_at(view)
+        return due_at is not None and due_at <= now and self._may_start(view, now)
+
+    def _start(self, name: str, now: float, *, on_health: bool) -> None:
+        assert self._nursery is not None
+        # Anchor the tick now, so the next pass does not start it again.
+        self.schedule.started(name, now)
+        self._scheduled.add(name)
+        self._nursery.start_soon(functools.partial(self._scheduled_attempt, name, on_health=on_health),
+                                 name=f"readmission {name}")
+
+    async def _scheduled_attempt(self, name: str, *, on_health: bool = False) -> None:
         try:
             async with self._locks[name]:
                 # The operator may have readmitted or drained it while this waited for the lock.
                 view = self.fleet.view(name, self.clock())
                 if not view.ejected or any(hold.kind in DRAIN_HOLDS for hold in view.holds):
                     return
-                await self._attempt(self._specs[name], operator=False)
+                await self._attempt(self._specs[name], operator=False, on_health=on_health)
         finally:
             self._scheduled.discard(name)
 

@@ -413,8 +413,11 @@ class Fleet:
         self._refresh_if_stale(now)
         return actions
 
-    def readmit(self, name: str, now: float) -> None:
-        """After a successful readmission chain: end the ejection, clear its holds and evidence."""
+    def readmit(self, name: str, now: float, *, health_to_eligible_s: float | None = None) -> None:
+        """After a successful readmission chain: end the ejection, clear its holds and evidence.
+
+        ``health_to_eligible_s`` (how long since its health returned) goes on the event as is.
+        """
         engine = self._engines[name]
         for kind in READMISSION_CLEARS:
             if kind in engine.holds:
@@ -428,7 +431,8 @@ class Fleet:
         engine.liveness_misses = 0
         engine.next_probe_at = None
         engine.probe_in_flight = False
-        self._emit(FleetEventKind.READMITTED, engine, now, "readmission verified")
+        self._emit(FleetEventKind.READMITTED, engine, now, "readmission verified",
+                   health_to_eligible_s=None if health_to_eligible_s is None else round(health_to_eligible_s, 6))
         self._dirty = True
         self._refresh_if_stale(now)
 
@@ -683,9 +687,9 @@ class Fleet:
     def _emit(self, kind: FleetEventKind, engine: _Engine, now: float, reason: str, *,
               failure_class: FailureClass | None = None, hold_kind: HoldKind | None = None,
               outcome: str | None = None, leg: str | None = None,
-              ejection_cause: EjectionCause | None = None) -> None:
+              ejection_cause: EjectionCause | None = None, health_to_eligible_s: float | None = None) -> None:
         if len(self._events) == self._events.maxlen:
             self._events_dropped += 1
         self._events.append(FleetEvent(kind=kind, engine=engine.name, reason=reason, at=now,
                                        failure_class=failure_class, ejection_cause=ejection_cause, hold_kind=hold_kind,
-                                       outcome=outcome, leg=leg))
+                                       outcome=outcome, leg=leg, health_to_eligible_s=health_to_eligible_s))

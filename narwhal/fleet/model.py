@@ -133,6 +133,9 @@ class FleetEvent(msgspec.Struct, frozen=True, kw_only=True):
     hold_kind: HoldKind | None = None
     outcome: str | None = None
     leg: str | None = None
+    # Set on ``readmitted`` events when known: seconds from the engine's first health
+    # success since its ejection to its return to placement.
+    health_to_eligible_s: float | None = None
 
 
 class EngineCounters(msgspec.Struct, frozen=True, kw_only=True):

@@ -6,10 +6,12 @@ from collections.abc import Callable
 
 from narwhal.obs.metrics import Registry
 
-__all__ = ["JOIN_GAP_BUCKETS_S", "SNAPSHOT_LAG_BUCKETS_S", "RouterMetrics"]
+__all__ = ["HEALTH_TO_ELIGIBLE_BUCKETS_S", "JOIN_GAP_BUCKETS_S", "SNAPSHOT_LAG_BUCKETS_S", "RouterMetrics"]
 
 JOIN_GAP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 SNAPSHOT_LAG_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1.0)
+# Readmission after a restart: the target is well under a second; the tail is the backoff's (<= probe_interval_s).
+HEALTH_TO_ELIGIBLE_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 _GaugeReader = Callable[[], dict[tuple[str, ...], float]]
 
@@ -46,6 +48,10 @@ class RouterMetrics:
         self.readmissions = r.counter("narwhal_readmission_attempts",
                                       "Readmission attempts by outcome and failed check.",
                                       ("engine", "outcome", "check"))
+        self.health_to_eligible = r.histogram(
+            "narwhal_readmission_health_to_eligible_seconds",
+            "Automatic readmissions: from the engine's first health success since its ejection to its "
+            "return to placement.", ("engine",), HEALTH_TO_ELIGIBLE_BUCKETS_S)
         self.lease_renewals = r.counter("narwhal_lease_renewals",
                                         "Lease renewals by result (ok, failed, lost, late).", ("result",))
         self.snapshot_lag = r.histogram("narwhal_worker_snapshot_lag_seconds",

@@ -157,6 +157,11 @@ class _TokenizeResult(msgspec.Struct):
     max_model_len: int | None = None
 
 
+def _is_token_ids(prompt: list[Any]) -> bool:
+    """A prompt given as token IDs: a list of (non-boolean) integers."""
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+
+
 class _Outcome:
     """What one request did, for its log line and metrics."""
 
@@ -215,6 +220,8 @@ class RequestCore:
         self._continue_streams = self._bounded and config.serving.continue_streams
         self._decode_engines = frozenset(spec.name for spec in config.engines if spec.role == "decode")
         self._count_tokens = config.serving.count_tokens
+        # Each prefill engine's max_model_len, from its /tokenize answers: the limit for token-ID prompts.
+        self._max_model_len: dict[str, int] = {}
         self._max_handoff_bytes = config.engine.max_handoff_bytes
         self._ids = itertools.count(1)
         self._id_prefix = os.urandom(4).hex()
@@ -425,6 +432,14 @@ class RequestCore:
             if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt)):
                 raise ClientError(400, "'prompt' must be a string or a non-empty array",
                                   "invalid_request_error", "invalid_prompt")
+            if isinstance(prompt, list) and not _is_token_ids(prompt):
+                if all(isinstance(p, str | list) for p in prompt):
+                    # One request is one prefill/decode handoff; a batch would need one per prompt.
+                    raise ClientError(400, "a list of prompts is not supported: Narwhal hands one prompt's KV "
+                                      "cache from prefill to decode per request; send each prompt as its own "
+                                      "request", "invalid_request_error", "prompt_list_unsupported")
+                raise ClientError(400, "'prompt' must be a string or an array of token IDs (integers)",
+                                  "invalid_request_error", "invalid_prompt")
         stream = request.get("stream", False)
         if not isinstance(stream, bool):
             raise ClientError(400, "'stream' must be a boolean", "invalid_request_error", "invalid_stream")
@@ -516,18 +531,26 @@ class RequestCore:
                              None, "pool_saturated") from None
 
     async def _check_context(self, route: str, request: dict[str, Any], prefill: EngineSpec, rid: str) -> None:
-        query: dict[str, Any] = {"model": request["model"]}
-        if route == "/v1/chat/completions":
-            query["messages"] = request["messages"]
+        prompt = request.get("prompt")
+        if route != "/v1/chat/completions" and isinstance(prompt, list):
+            # Token IDs count themselves, and vLLM's /tokenize takes only a string: the limit is the one this
+            # engine's last /tokenize answer gave; none known yet, the engine judges (its 400 is the client's).
+            counted = _TokenizeResult(len(prompt), self._max_model_len.get(prefill.name))
         else:
-            query["prompt"] = request["prompt"]
-        _, raw = await self._engine_call("tokenize", self.data_pool.post_json(
-            prefill, "/tokenize", _encode_json.encode(query), request_id=rid))
-        try:
-            counted = msgspec.json.decode(raw, type=_TokenizeResult)
-        except (msgspec.DecodeError, RecursionError):
-            # A tokenizer answer we cannot read is no reason to refuse the request.
-            return
+            query: dict[str, Any] = {"model": request["model"]}
+            if route == "/v1/chat/completions":
+                query["messages"] = request["messages"]
+            else:
+                query["prompt"] = prompt
+            _, raw = await self._engine_call("tokenize", self.data_pool.post_json(
+                prefill, "/tokenize", _encode_json.encode(query), request_id=rid))
+            try:
+                counted = msgspec.json.decode(raw, type=_TokenizeResult)
+            except (msgspec.DecodeError, RecursionError):
+                # A tokenizer answer we cannot read is no reason to refuse the request.
+                return
+            if counted.max_model_len is not None:
+                self._max_model_len[prefill.name] = counted.max_model_len
         limit = counted.max_model_len
         if limit is None:
             return

@@ -23,7 +23,7 @@ from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.pools.control import ControlCalls
 from narwhal.stages.controller import ControllerStage
 from narwhal.stages.drain import DrainStage
-from narwhal.stages.health import HealthStage
+from narwhal.stages.health import HealthObserver, HealthStage
 from narwhal.stages.liveness import LivenessStage
 from narwhal.stages.readmission import Readmission, ReadmissionStage
 from narwhal.stages.rollover import RolloverStage
@@ -77,13 +77,17 @@ def health_check_timeout_s(config: Config) -> float:
 
 def build_stages(*, config: Config, supervisor: StageSupervisor, control_pool: ControlCalls, telemetry: Telemetry,
                  in_flight: InFlightCounts, persistence_stage: Stage,
-                 readmission: Readmission | None = None) -> MonitorStages:
-    """The eight stages, wired from the config over the supervisor's fleet and clock."""
+                 readmission: Readmission | None = None,
+                 health_observer: HealthObserver | None = None) -> MonitorStages:
+    """The eight stages, wired from the config over the supervisor's fleet and clock.
+
+    ``health_observer`` (the readmitter) hears every health answer of the sweep as it arrives.
+    """
     fleet = supervisor.fleet
     clock = supervisor.clock
     controller = config.controller
     health = HealthStage(supervisor=supervisor, control_pool=control_pool, engines=config.engines,
-                         check_timeout_s=health_check_timeout_s(config))
+                         check_timeout_s=health_check_timeout_s(config), observer=health_observer)
     return MonitorStages(
         controller=ControllerStage(fleet=fleet, telemetry=telemetry, drift_factor=controller.drift_factor,
                                    drift_intervals=controller.drift_intervals, metrics=supervisor.metrics,

@@ -7,6 +7,11 @@ else is evidence of its class (overload, inference_status). No HTTP answer
 within the timeout (refused, reset, timed out) is a silent check: evidence of
 its class and, for the liveness stage, a miss. The sweep's results wait in
 ``sweep`` for the liveness stage.
+
+Each answer also goes, as it arrives and after the fleet has recorded it, to
+the optional ``observer`` (the readmitter's ``health_observed``): an ejected
+engine seen answering a success starts its readmission chain in this pass,
+not at the next readmission tick.
 """
 
 from __future__ import annotations
@@ -24,12 +29,18 @@ from narwhal.obs.logs import log_event
 from narwhal.pools.classify import health_answer
 from narwhal.pools.control import ControlCalls
 
-__all__ = ["HealthStage", "HealthSweep"]
+__all__ = ["HealthObserver", "HealthStage", "HealthSweep"]
 
 
 class _Supervisor(Protocol):
     def record_failure(self, engine: str, failure_class: FailureClass) -> None: ...
     def record_success(self, engine: str, kind: SuccessKind) -> None: ...
+
+
+class HealthObserver(Protocol):
+    """Told of every health answer of a sweep (``ok``: a success), as it arrives."""
+
+    def health_observed(self, name: str, ok: bool) -> None: ...
 
 
 class HealthSweep(msgspec.Struct, frozen=True, kw_only=True):
@@ -49,8 +60,9 @@ class HealthStage:
     name = "health"
 
     def __init__(self, *, supervisor: _Supervisor, control_pool: ControlCalls, engines: Sequence[EngineSpec],
-                 check_timeout_s: float) -> None:
+                 check_timeout_s: float, observer: HealthObserver | None = None) -> None:
         self.supervisor = supervisor
+        self.observer = observer
         self.control_pool = control_pool
         self.engines = list(engines)
         self.check_timeout_s = check_timeout_s
@@ -95,17 +107,28 @@ class HealthStage:
         if scope.cancelled_caught or answer is None:
             answer = EngineFailure(spec.name, FailureClass.TIMEOUT,
                                    f"no health answer within {self.check_timeout_s:g} s")
-        results[spec.name] = answer is SuccessKind.HEALTH_200
-        if status is not None and answer is not SuccessKind.HEALTH_200:
+        ok = results[spec.name] = answer is SuccessKind.HEALTH_200
+        if status is not None and not ok:
             answered.add(spec.name)
         if isinstance(answer, SuccessKind):
             self.supervisor.record_success(spec.name, answer)
-            if answer is SuccessKind.HEALTH_200:
+            self._observed(spec.name, ok)
+            if ok:
                 return
             failure_class, detail = None, f"HTTP {status}"
         else:
             self.supervisor.record_failure(spec.name, answer.failure_class)
+            self._observed(spec.name, ok)
             failure_class, detail = answer.failure_class, answer.message
         log_event("health_check_failed", level=logging.WARNING, engine=spec.name,
                   failure_class=None if failure_class is None else str(failure_class), reason=detail,
                   silent=status is None)
+
+    def _observed(self, name: str, ok: bool) -> None:
+        if self.observer is None:
+            return
+        try:
+            self.observer.health_observed(name, ok)
+        except Exception as exc:  # noqa: BLE001 - the sweep's verdicts stand whatever the observer does
+            log_event("health_observer_error", level=logging.ERROR, engine=name, stage="health",
+                      **{"class": type(exc).__name__}, message=str(exc))

@@ -143,6 +143,26 @@ async def test_prompt_longer_than_the_context_is_400(start_fleet):
     assert response.json()["error"]["code"] == "context_length_exceeded"
 
 
+async def test_token_id_prompts_work_and_lists_of_prompts_are_refused_clearly(start_fleet):
+    # The mock's /tokenize refuses token IDs as vLLM 0.32's does: the router must count them itself.
+    fleet = await start_fleet(mock_args=["--max-model-len", "8"])
+    response = await fleet.client.post(f"{fleet.url}/v1/completions",
+                                       json={**COMPLETION, "prompt": [43, 395, 295], "max_tokens": 2})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] == 3
+    # The limit learned from an earlier /tokenize answer applies to token IDs too, before any engine call.
+    await fleet.client.post(f"{fleet.url}/v1/completions", json={**COMPLETION, "max_tokens": 2})
+    prefills = (await fleet.engine_stats("p1"))["prefill"]
+    response = await fleet.client.post(f"{fleet.url}/v1/completions",
+                                       json={**COMPLETION, "prompt": list(range(9)), "max_tokens": 1})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+    assert (await fleet.engine_stats("p1"))["prefill"] == prefills
+    response = await fleet.client.post(f"{fleet.url}/v1/completions", json={**COMPLETION, "prompt": ["a", "b"]})
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "prompt_list_unsupported"
+    assert "send each prompt as its own request" in response.json()["error"]["message"]
+
+
 async def test_client_disconnect_cancels_the_decode_leg(start_fleet):
     fleet = await start_fleet(mock_args=["--tokens", "500", "--token-delay-s", "0.02"])
     payload = json.dumps({**COMPLETION, "max_tokens": 500, "stream": True}).encode()

@@ -78,8 +78,14 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
                              "(for bench/profile_top.py), FILE.svg a flame graph, else speedscope JSON")
 
     run = parser.add_argument_group("run")
-    run.add_argument("--baseline", choices=("direct",),
-                     help="also run the same load straight at one decode mock and print the ratio")
+    run.add_argument("--baseline", choices=("direct", "pair"),
+                     help="also run the same load without the router and print the ratio: direct = straight at "
+                          "one decode mock; pair = through the prefill/decode pair given by --pair, handing "
+                          "the KV over by hand as a router would (works with --target)")
+    run.add_argument("--pair", nargs=2, metavar=("PREFILL_URL", "DECODE_URL"),
+                     help="--baseline pair: the engines to send each request to, prefill then decode")
+    run.add_argument("--model", default="mock-model",
+                     help="the model named in every request (default mock-model; a real fleet's model with --target)")
     run.add_argument("--scenario", choices=("load", "faults"), default="load",
                      help="faults: kill a decode engine and restart it, make another answer 5xx, during the load")
     run.add_argument("--fault-downtime-s", type=float, default=4.0,
@@ -132,8 +138,13 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         raise ValueError("--target and --router-cmd exclude each other")
     if args.tls and (args.target or args.router_cmd):
         raise ValueError("--tls needs the fleet and Narwhal started here (not --target or --router-cmd)")
-    if args.baseline and args.target:
+    if args.baseline == "direct" and args.target:
         raise ValueError("--baseline direct needs a fleet started here; it cannot run with --target")
+    if (args.baseline == "pair") != bool(args.pair):
+        raise ValueError("--baseline pair and --pair PREFILL_URL DECODE_URL go together")
+    for url in args.pair or ():
+        if not url.startswith("http://"):
+            raise ValueError(f"--pair takes http:// URLs, got {url!r}")
     if args.tokens < 1 or args.prompt_words < 1 or args.concurrency < 1:
         raise ValueError("--tokens, --prompt-words and --concurrency must be at least 1")
     if token_delay_s < 0 or args.timeout_s <= 0:
@@ -154,7 +165,8 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         router_cmd=args.router_cmd, target=args.target, target_pid=args.target_pid,
         profile_router=args.profile_router, baseline=args.baseline, scenario=args.scenario,
         fault_downtime_s=args.fault_downtime_s, fault_5xx_s=args.fault_5xx_s, fault_status=args.fault_status,
-        label=args.label, progress=not args.quiet, tls=args.tls)
+        label=args.label, progress=not args.quiet, tls=args.tls, model=args.model,
+        pair=tuple(args.pair) if args.pair else None)
 
 
 def _leaves(group: BaseExceptionGroup) -> list[BaseException]:

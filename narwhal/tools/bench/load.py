@@ -75,6 +75,11 @@ class LoadSpec(msgspec.Struct, frozen=True, kw_only=True):
     # Streamed answers must carry exactly this many token events (a mock fleet always sends
     # max_tokens): more or fewer is "wrong_length", e.g. a join that repeated or lost tokens.
     expect_tokens: int | None = None
+    # A prefill/decode pair with no router (bench --baseline pair): each request first sends ``prefill_body``
+    # to this prefill engine, then ``body`` plus the prefill's kv_transfer_params to host:port (the decode).
+    prefill_host: str | None = None
+    prefill_port: int = 0
+    prefill_body: bytes = b""
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -97,15 +102,25 @@ def completion_body(*, prompt_words: int, max_tokens: int, stream: bool, model: 
     return msgspec.json.encode(body)
 
 
-def build_request(spec: LoadSpec) -> bytes:
-    """The request bytes every worker sends, encoded once."""
+def build_request(spec: LoadSpec, body: bytes | None = None) -> bytes:
+    """The request bytes every worker sends (``spec.body`` unless ``body`` is given), encoded once."""
     connection = b"keep-alive" if spec.keep_alive else b"close"
     accept = b"text/event-stream" if spec.stream else b"application/json"
+    body = spec.body if body is None else body
     return b"".join((
         b"POST ", spec.path.encode("ascii"), b" HTTP/1.1\r\nhost: ", f"{spec.host}:{spec.port}".encode(),
         b"\r\ncontent-type: application/json\r\naccept: ", accept, b"\r\nconnection: ", connection,
-        b"\r\ncontent-length: ", str(len(spec.body)).encode(), b"\r\n\r\n", spec.body,
+        b"\r\ncontent-length: ", str(len(body)).encode(), b"\r\n\r\n", body,
     ))
+
+
+class _Handoff(msgspec.Struct):
+    # Raw: forwarded to decode byte for byte, as a router forwards it.  (Raw cannot be in a union: an
+    # absent or null handoff is the empty Raw or b"null".)
+    kv_transfer_params: msgspec.Raw = msgspec.Raw(b"")
+
+
+_decode_handoff = msgspec.json.Decoder(_Handoff).decode
 
 
 class RequestRecord:
@@ -333,12 +348,47 @@ class _Load:
         if self.on_record is not None:
             self.on_record(record)
 
+    async def _prefill(self) -> bytes | str:
+        """Pair mode: the prefill leg on a fresh connection; the decode request to send, or what went wrong."""
+        spec = self.spec
+        assert spec.prefill_host is not None
+        try:
+            conn: trio.abc.Stream = await _connect(spec.prefill_host, spec.prefill_port)
+        except _Refused as exc:
+            return exc.kind
+        try:
+            exchange = _Exchange(False)
+            prefill = msgspec.structs.replace(spec, host=spec.prefill_host, port=spec.prefill_port, stream=False,
+                                              keep_alive=False)
+            _, ended_early, malformed = await self._exchange(conn, exchange, build_request(prefill, spec.prefill_body))
+        finally:
+            _close(conn)
+        if malformed or exchange.status == 0:
+            return "malformed" if malformed else "reset"
+        if exchange.status != 200 or ended_early:
+            return "status" if exchange.status != 200 else "truncated"
+        try:
+            kv = _decode_handoff(b"".join(exchange.body)).kv_transfer_params
+        except msgspec.DecodeError:
+            return "malformed"
+        if bytes(kv) in (b"", b"null"):
+            return "malformed"
+        return build_request(spec, spec.body[:-1] + b',"kv_transfer_params":' + bytes(kv) + b"}")
+
     async def one(self, conn: trio.abc.Stream | None, record: RequestRecord) -> trio.abc.Stream | None:
         """Send one request on ``conn`` (or a new connection); returns the connection to reuse, if any."""
         started = trio.current_time()
         exchange: _Exchange | None = None
         ended_early = False
+        request = self.request
         with trio.move_on_at(started + self.spec.timeout_s) as scope:
+            if self.spec.prefill_host is not None:
+                prepared = await self._prefill()
+                if isinstance(prepared, str):
+                    record.kind = prepared
+                    record.total_s = trio.current_time() - started
+                    return conn
+                request = prepared
             # At most two tries: a reused connection the server closed while idle gets one fresh retry.
             for _ in range(2):
                 reused = conn is not None
@@ -353,7 +403,7 @@ class _Load:
                         return None
                     self.connections_opened += 1
                 exchange = _Exchange(self.spec.stream)
-                got_bytes, ended_early, malformed = await self._exchange(conn, exchange)
+                got_bytes, ended_early, malformed = await self._exchange(conn, exchange, request)
                 if malformed:
                     record.kind = "malformed"
                     break
@@ -374,11 +424,12 @@ class _Load:
             conn = None
         return conn
 
-    async def _exchange(self, conn: trio.abc.Stream, exchange: _Exchange) -> tuple[bool, bool, bool]:
-        """Send the request and feed the response to the parser; (got bytes, ended early, malformed)."""
+    async def _exchange(self, conn: trio.abc.Stream, exchange: _Exchange,
+                        request: bytes) -> tuple[bool, bool, bool]:
+        """Send ``request`` and feed the response to the parser; (got bytes, ended early, malformed)."""
         got_bytes = False
         try:
-            await conn.send_all(self.request)
+            await conn.send_all(request)
             while not exchange.complete:
                 data = await conn.receive_some(_READ_SIZE)
                 if not data:

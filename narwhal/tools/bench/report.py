@@ -187,6 +187,11 @@ class FaultReport(msgspec.Struct, frozen=True, kw_only=True):
     failing_engine_last_request_s: float | None
     failing_engine_ineligible_s: float | None
     failing_engine_eligible_again_s: float | None = None
+    # The restart, from the new process's launch: its /health first answered 200, and (Narwhal)
+    # the router put it back in placement / it served, from that first 200.
+    restarted_engine_health_s: float | None = None
+    restarted_engine_eligible_after_health_s: float | None = None
+    restarted_engine_first_served_after_health_s: float | None = None
     # Stream continuation (Narwhal, serving.policy = "bounded"): from the router's request log lines.
     requests_continued: int | None = None
     continuations: int | None = None
@@ -285,8 +290,13 @@ def _fault_lines(faults: FaultReport) -> list[str]:
         f"{'not observable' if faults.attempts_on_dead_engine is None else faults.attempts_on_dead_engine}",
         f"  dead engine: last attempt after kill      {secs(faults.dead_engine_last_attempt_s)}",
         f"  dead engine: ineligible after kill        {secs(faults.dead_engine_ineligible_s)}",
+        f"  restarted engine: health 200 after restart {secs(faults.restarted_engine_health_s)}",
         f"  restarted engine: eligible after restart  {secs(faults.restarted_engine_eligible_s)}",
+        f"  restarted engine: eligible after its health returned "
+        f"{secs(faults.restarted_engine_eligible_after_health_s)}",
         f"  restarted engine: first served after      {secs(faults.restarted_engine_first_served_s)}",
+        f"  restarted engine: first served after its health returned "
+        f"{secs(faults.restarted_engine_first_served_after_health_s)}",
         f"  5xx engine: requests during the fault     {'-' if during_fault is None else during_fault}",
         f"  5xx engine: last request after fault set  {secs(faults.failing_engine_last_request_s)}",
         f"  5xx engine: ineligible after fault set    {secs(faults.failing_engine_ineligible_s)}",

@@ -35,6 +35,7 @@ from narwhal.tools.bench.measure import EngineRef, measured_load
 from narwhal.tools.bench.report import BenchReport, FaultReport, RunReport
 from narwhal.tools.bench.scenario import FaultScenario
 from narwhal.tools.bench.tls import BenchTLS
+from narwhal.wire import PREFILL_KV_REQUEST
 
 __all__ = ["BenchSettings", "run_bench"]
 
@@ -74,6 +75,9 @@ class BenchSettings(msgspec.Struct, frozen=True, kw_only=True):
     progress: bool = True
     # Every hop over TLS (bench --tls).
     tls: bool = False
+    model: str = "mock-model"
+    # --baseline pair: (prefill URL, decode URL).
+    pair: tuple[str, str] | None = None
 
     @property
     def mock_args(self) -> list[str]:
@@ -216,6 +220,25 @@ async def _direct_baseline(settings: BenchSettings, fleet: BenchFleet, client: h
     return run
 
 
+async def _pair_baseline(settings: BenchSettings, client: httpx.AsyncClient) -> RunReport:
+    """The same load through a prefill/decode pair with no router: prefill, then decode with its handoff."""
+    assert settings.pair is not None
+    prefill, decode = (httpx.URL(url) for url in settings.pair)
+    body = completion_body(prompt_words=settings.prompt_words, max_tokens=settings.tokens, stream=settings.stream,
+                           model=settings.model)
+    prefill_body = completion_body(prompt_words=settings.prompt_words, max_tokens=1, stream=False,
+                                   model=settings.model, kv_transfer_params=PREFILL_KV_REQUEST)
+    spec = msgspec.structs.replace(
+        _spec(settings, decode.host, decode.port or 80, body, requests=settings.requests,
+              duration_s=settings.duration_s),
+        prefill_host=prefill.host, prefill_port=prefill.port or 80, prefill_body=prefill_body)
+    if settings.warmup:
+        await run_load(msgspec.structs.replace(spec, requests=settings.warmup, duration_s=None))
+    run, _ = await measured_load(spec, label="pair (no router)", target=str(decode), client=client,
+                                 router_pid=None, progress=settings.progress)
+    return run
+
+
 def _settings_record(settings: BenchSettings, target: Target) -> dict[str, Any]:
     record: dict[str, Any] = msgspec.structs.asdict(settings)
     record["router_command"] = target.command
@@ -226,8 +249,9 @@ def _settings_record(settings: BenchSettings, target: Target) -> dict[str, Any]:
 
 async def run_bench(settings: BenchSettings) -> BenchReport:
     """Run the benchmark ``settings`` describe and return its report."""
-    body = completion_body(prompt_words=settings.prompt_words, max_tokens=settings.tokens, stream=settings.stream)
-    probe_body = completion_body(prompt_words=4, max_tokens=2, stream=True)
+    body = completion_body(prompt_words=settings.prompt_words, max_tokens=settings.tokens, stream=settings.stream,
+                           model=settings.model)
+    probe_body = completion_body(prompt_words=4, max_tokens=2, stream=True, model=settings.model)
     with make_workdir() as workdir_name:
         workdir = Path(workdir_name)
         tls = BenchTLS(workdir) if settings.tls else None
@@ -253,6 +277,8 @@ async def run_bench(settings: BenchSettings) -> BenchReport:
                 if settings.baseline == "direct":
                     assert fleet is not None
                     baseline = await _direct_baseline(settings, fleet, client, context)
+                elif settings.baseline == "pair":
+                    baseline = await _pair_baseline(settings, client)
             finally:
                 with trio.CancelScope(shield=True):
                     if target is not None:

@@ -10,6 +10,12 @@ it happened, whatever the router.
 What is watched: the mock engines' ``/mock/stats`` (which engines got requests,
 for any router), Narwhal's ``/admin/engines`` (eligibility) and its JSON logs
 (each ``engine_failure`` names the engine it was attempted on).
+
+The restart is timed from the moment the new process is launched; from then on
+the restarted engine's own ``/health`` and (Narwhal) its ``/admin/engines/{name}``
+entry are polled every 10 ms, so "eligible after its health returned" (the
+router's share of the recovery) is told apart from "eligible after restart"
+(which includes the engine's own start-up).
 """
 
 from __future__ import annotations
@@ -30,10 +36,19 @@ __all__ = ["FaultScenario"]
 _KILL_AT_S = 2.0
 _GAP_BEFORE_5XX_S = 1.0
 _POLL_S = 0.05
+# The restarted engine's health and eligibility: finer, and only until each is seen.
+_RESTART_POLL_S = 0.01
 _COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 _CUT_KINDS = ("sse_error", "truncated", "no_done")
 # The report lists at most this many failed requests and router failure lines.
 _LISTED = 50
+
+
+def _since(at: float | None, start: float | None) -> float | None:
+    """Seconds from ``start`` to ``at``, rounded to the millisecond; None when either was not seen."""
+    if at is None or start is None:
+        return None
+    return round(at - start, 3)
 
 
 def _iso_to_epoch(ts: str) -> float | None:
@@ -72,6 +87,8 @@ class FaultScenario:
         self.fault_wall: float | None = None
         self.fault_cleared_at: float | None = None
         self.first_served_at: float | None = None
+        self.health_returned_at: float | None = None
+        self.eligible_again_at: float | None = None
         self.failing_requests: int | None = None
         self.failing_last_request_at: float | None = None
         self.eligibility: dict[str, list[tuple[float, bool]]] = {self.killed: [], self.failing: []}
@@ -95,9 +112,13 @@ class FaultScenario:
             self.kill_wall = time.time()
             self.kill_at = self._mark(f"{self.killed} killed (SIGKILL)")
             await trio.sleep_until(self._t0 + self.kill_at + self.downtime_s)
-            engine = await self.fleet.restart(self.nursery, self.killed)
+            old = self.fleet.engines[self.killed]
             self.restart_wall = time.time()
-            self.restart_at = self._mark(f"{self.killed} restarted on port {engine.port}")
+            self.restart_at = self._mark(f"{self.killed} restarted on port {old.port} (process launched)")
+            watchers.start_soon(self._watch_health_returned, old.url)
+            if self.target.is_narwhal:
+                watchers.start_soon(self._watch_eligible_again)
+            engine = await self.fleet.restart(self.nursery, self.killed)
             watchers.start_soon(self._watch_first_served, engine.url)
             await trio.sleep(_GAP_BEFORE_5XX_S)
             failing_url = self.fleet.engines[self.failing].url
@@ -141,6 +162,31 @@ class FaultScenario:
                 self._mark(f"{self.killed} served its first request after the restart")
                 return
             await trio.sleep(_POLL_S)
+
+    async def _watch_health_returned(self, url: str) -> None:
+        """Poll the restarted engine's ``/health`` until it first answers 200."""
+        while True:
+            try:
+                if (await self.client.get(url + "/health")).status_code == 200:
+                    self.health_returned_at = self._now()
+                    self._mark(f"{self.killed} answered /health 200 after the restart")
+                    return
+            except httpx.HTTPError:
+                pass
+            await trio.sleep(_RESTART_POLL_S)
+
+    async def _watch_eligible_again(self) -> None:
+        """Poll Narwhal's view of the restarted engine until it is eligible again."""
+        while True:
+            try:
+                engine = (await self.client.get(f"{self.target.url}/admin/engines/{self.killed}")).json()["engine"]
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                engine = {}
+            if engine.get("eligible"):
+                self.eligible_again_at = self._now()
+                self._mark(f"{self.killed} eligible again")
+                return
+            await trio.sleep(_RESTART_POLL_S)
 
     async def _watch_eligibility(self) -> None:
         """Poll Narwhal's ``/admin/engines`` and record each change of eligibility of the two engines."""
@@ -227,8 +273,9 @@ class FaultScenario:
                 notes.append(f"the load ended {margin:.1f} s after the 5xx window, less than one probe "
                              f"interval ({self.probe_interval_s:g} s)")
         restart_after = self.restart_at
-        first_served = (round(self.first_served_at - restart_after, 3)
-                        if self.first_served_at is not None and restart_after is not None else None)
+        first_served = _since(self.first_served_at, restart_after)
+        eligible_again = (_since(self.eligible_again_at, restart_after) if self.eligible_again_at is not None
+                          else self._first_change(self.killed, True, restart_after))
         return FaultReport(
             killed_engine=self.killed, failing_engine=self.failing, failing_status=self.status,
             timeline=self.timeline,
@@ -238,8 +285,11 @@ class FaultScenario:
             cut_silently=sum(1 for r in cut if r.kind != "sse_error"),
             attempts_on_dead_engine=attempts, dead_engine_last_attempt_s=last_attempt,
             dead_engine_ineligible_s=self._first_change(self.killed, False, self.kill_at),
-            restarted_engine_eligible_s=self._first_change(self.killed, True, restart_after),
+            restarted_engine_eligible_s=eligible_again,
             restarted_engine_first_served_s=first_served,
+            restarted_engine_health_s=_since(self.health_returned_at, restart_after),
+            restarted_engine_eligible_after_health_s=_since(self.eligible_again_at, self.health_returned_at),
+            restarted_engine_first_served_after_health_s=_since(self.first_served_at, self.health_returned_at),
             failing_engine_requests_during_fault=self.failing_requests,
             failing_engine_last_request_s=(round(self.failing_last_request_at, 3)
                                            if self.failing_last_request_at is not None else None),

@@ -4,9 +4,10 @@
 ``serve_mock`` runs it on the project's HTTP/1.1 server; ``main`` is the CLI
 (``python -m narwhal mock-engine`` / ``python -m narwhal.tools.mock``).
 
-Tokenizer: a token is a whitespace-separated word of the prompt (a prompt given
-as a list of ints is taken as tokens); a chat request adds one token per message
-for its role, except the final message of a ``continue_final_message`` request,
+Tokenizer: a token is a whitespace-separated word of the prompt (a completion's
+prompt given as a list of ints is taken as tokens; ``/tokenize``, as vLLM
+0.32's, takes only a string); a chat request adds one token per message for
+its role, except the final message of a ``continue_final_message`` request,
 which the answer continues (the mock's generation prompt is empty). Token ids are
 ``crc32(word) % 32000``. Generated token ``i`` is the text ``" tok{i}"``; with
 ``numbered`` (``--numbered-tokens``) the token at sequence position ``p`` (the
@@ -451,6 +452,10 @@ class MockEngine:
         self._check_model(body.model)
         if body.messages is None and body.prompt is None:
             raise _BadRequest(400, "the request needs prompt or messages")
+        if body.messages is None and not isinstance(body.prompt, str):
+            # As vLLM 0.32: /tokenize takes a prompt only as a string (completions take token IDs too).
+            raise _BadRequest(400, "1 validation error:\n  {'type': 'string_type', 'loc': 'body.prompt', "
+                              "'msg': 'Input should be a valid string'}", "Bad Request")
         tokens = tokenize(body.prompt, body.messages, continue_final=body.continue_final_message)
         if await self._take_or_answer(Operation.TOKENIZE, responder) is None:
             return
