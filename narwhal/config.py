@@ -34,6 +34,7 @@ __all__ = [
     "FleetConfig",
     "HandoffConfig",
     "LeaseConfig",
+    "PlacementConfig",
     "RecoveryConfig",
     "ServingConfig",
     "TelemetryConfig",
@@ -358,6 +359,25 @@ class LeaseConfig(_Section, frozen=True):
             raise ValueError(f"key must start with '/', got {self.key!r}")
 
 
+class PlacementConfig(_Section, frozen=True):
+    # cache_aware: prefill on the engine that holds the prompt's prefix, within the balance bound;
+    # least_outstanding: the engine with the fewest requests in flight. Decode is least outstanding either way.
+    policy: Literal["cache_aware", "least_outstanding"] = "cache_aware"
+    # A match wins only on an engine whose load is at most max(least + balance_abs, least * balance_rel).
+    balance_abs: int = 8
+    balance_rel: float = 1.5
+    # The prefix index's memory bound (all prefill engines together).
+    max_index_mb: float = 64.0
+    # Tokens per hashed block (a text block is 4 bytes a token).
+    block_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        _at_least("balance_abs", self.balance_abs, 0)
+        _at_least("balance_rel", self.balance_rel, 1)
+        _positive("max_index_mb", self.max_index_mb)
+        _positive("block_tokens", self.block_tokens)
+
+
 class AdminConfig(_Section, frozen=True):
     token: str | None = None
     listen: str | None = None
@@ -423,6 +443,7 @@ class Config(_Section, frozen=True):
     handoff: HandoffConfig = HandoffConfig()
     lease: LeaseConfig = LeaseConfig()
     admin: AdminConfig = AdminConfig()
+    placement: PlacementConfig = PlacementConfig()
     engines: list[EngineSpec] = []
 
     def __post_init__(self) -> None:

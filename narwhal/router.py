@@ -22,6 +22,7 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,8 @@ import trio
 
 from narwhal.app.admin_routes import register_admin_routes
 from narwhal.app.control_app import create_app
+from narwhal.app.router_status import RouterStatus, router_status
+from narwhal.app.ui_routes import register_ui_routes
 from narwhal.clocks import to_monotonic
 from narwhal.config import Config, ConfigError, parse_listen
 from narwhal.control.engine_view import EngineViewer
@@ -37,8 +40,9 @@ from narwhal.control.monitor import Monitor
 from narwhal.control.readmission import Readmitter
 from narwhal.control.supervisor import Supervisor
 from narwhal.errors import StartupError
-from narwhal.fleet import Fleet
+from narwhal.fleet import Fleet, FleetEvent, FleetEventKind, HoldKind
 from narwhal.fleet.admission import Admission
+from narwhal.fleet.shared_index import SharedIndex
 from narwhal.fleet.telemetry import Telemetry
 from narwhal.http1.asgi import ASGILifespan, call_asgi
 from narwhal.http1.server import HTTPServer
@@ -46,15 +50,19 @@ from narwhal.lease import EtcdLeaseBackend, build_backend
 from narwhal.lease.service import LeaseService, LeaseView
 from narwhal.obs.logs import flush_logs, log_event
 from narwhal.obs.router_metrics import RouterMetrics
+from narwhal.obs.timeline import Timeline
+from narwhal.obs.timeline_feed import TimelineFeed
 from narwhal.pools.control import ControlPool
 from narwhal.serving.data_plane import DataPlane, LocalDataPlane
 from narwhal.serving.front import build_admin_server
+from narwhal.serving.placement import RequestPlacement, build_index, build_placer
 from narwhal.stages import build_stages
 from narwhal.stages.persistence import HandoffExtra, PersistenceStage
 from narwhal.state.handoff import LeaseOwnership
 from narwhal.state.resume import apply_resume, plan_resume
 from narwhal.tls import ExpiryWatch, TLSContexts
 from narwhal.workers.hub import WorkerHub
+from narwhal.workers.index_relay import IndexRelay
 from narwhal.workers.plane import WorkerDataPlane
 from narwhal.workers.process import WorkerSet
 from narwhal.workers.view import WorkerView
@@ -161,6 +169,9 @@ class Router:
         self.telemetry = Telemetry([(spec.name, spec.role) for spec in config.engines], clock=trio.current_time,
                                    interval_s=config.telemetry.interval_s,
                                    keep_intervals=config.telemetry.keep_intervals)
+        # /admin/timeline: fed with every finished request (the workers' via their reports) and sampled each second.
+        self.timeline = TimelineFeed(Timeline([spec.name for spec in config.engines]), self.telemetry,
+                                     in_flight=self._in_flight_counts, views=self.fleet.views)
         # The app reads this router's state as it answers: built here, the data plane hands it other routes.
         self.app = create_app(self)
         self.worker_count = config.serving.workers
@@ -168,10 +179,15 @@ class Router:
                              clock=trio.current_time,
                              to_link_clock=None if self.worker_count == 1
                              else functools.partial(to_monotonic, clock=trio.current_time),
-                             record_sample=self.telemetry.record_request, share_in_flight=self.worker_count > 1)
+                             record_sample=self.timeline.record_request, share_in_flight=self.worker_count > 1)
         # Whatever a snapshot is built from tells the hub when it changed; it publishes only then.
         self.admission.on_change = self.hub.poke
         self.fleet.on_change = self.hub.poke
+        # Cache-aware placement's prefix index: the request path's own in one process; with workers,
+        # the union of what they placed, relayed between them (narwhal.workers.index_relay).
+        self.prefix_index = SharedIndex(build_index(config))
+        self.index_relay: IndexRelay | None = None
+        self.fleet.listeners.append(self._forget_on_fleet_event)
         self.data_plane = self._build_data_plane(config_dir)
         self.in_flight = self.data_plane.in_flight
         self.handoff_path = config.handoff_path(config_dir, listen=self.listen)
@@ -195,10 +211,12 @@ class Router:
                                failure_limit=controller.monitor_failure_limit,
                                admission=self.admission, metrics=self.metrics)
         self.engine_view = EngineViewer(config=config, fleet=self.fleet, in_flight=self.in_flight,
-                                        readmitter=self.readmitter, controller=self.controller, monitor=self.monitor)
+                                        readmitter=self.readmitter, controller=self.controller, monitor=self.monitor,
+                                        prefix_index=self.prefix_index.index)
         register_admin_routes(self.app, self)
         # The [admin] listen server while it runs.
         self.admin_server: HTTPServer | None = None
+        register_ui_routes(self.app, self)
         self.bound_port: int | None = None
         self._nursery: trio.Nursery | None = None
         self._register_gauges()
@@ -209,6 +227,8 @@ class Router:
         if self.worker_count > 1:
             # /metrics shows the controller's own series plus the sums over workers.
             hub.metrics.attach_to(self.metrics.registry)
+            self.index_relay = IndexRelay(self.prefix_index, hub.workers)
+            hub.on_placements = self.index_relay.on_report
             return WorkerDataPlane(WorkerSet(count=self.worker_count, config=config, config_dir=config_dir,
                                              hub=hub, app=self.app, via_token=self.via_token), hub)
         # The request path reads snapshots and sends evidence as messages, here
@@ -218,8 +238,10 @@ class Router:
         hub.attach(0, view.apply)
         # In one process admission and telemetry are the controller's own, not reported.
         return LocalDataPlane(config, tls=self.tls, via_token=self.via_token, supervisor=view,
-                              admission=self.admission, metrics=self.metrics, telemetry=self.telemetry,
-                              serve_rest=functools.partial(call_asgi, self.app))
+                              admission=self.admission, metrics=self.metrics, telemetry=self.timeline,
+                              serve_rest=functools.partial(call_asgi, self.app),
+                              placement=RequestPlacement(config, self.metrics,
+                                                         build_placer(config, self.prefix_index.index)))
 
     def _build_lease(self, config_dir: Path | None) -> LeaseService | None:
         """With a lease backend every router starts as a standby (the service closes admission)."""
@@ -264,13 +286,48 @@ class Router:
             return LeaseView(router_id=self.router_id, backend="none", role="active")
         return self.lease.view()
 
+    def _in_flight_counts(self) -> Mapping[str, int]:
+        return self.in_flight.counts
+
+    def router_status(self) -> RouterStatus:
+        """What /admin/router shows: readiness, the lease, the monitor's stages and the workers."""
+        monitor = self.monitor
+        workers = self.data_plane.workers if isinstance(self.data_plane, WorkerDataPlane) else None
+        return router_status(router_id=self.router_id, now=trio.current_time(), readiness=self.readiness(),
+                             lease=self.lease_view(), stage_names=[stage.name for stage in monitor.stages],
+                             passes=monitor.passes, failure_streak=monitor.failure_streak,
+                             degraded=monitor.degraded_reason, last_pass=monitor.last_pass,
+                             stage_errors=self.metrics.stage_errors.values, worker_count=self.worker_count,
+                             workers=self.hub.workers, restarts=workers.restarts if workers is not None else {})
+
     def _handoff_extra(self) -> HandoffExtra:
         return HandoffExtra(consolidation_risk=self.controller.consolidation_risk(),
                             drained=sorted(self.drain.drained),
                             lease=self.lease.ownership() if self.lease is not None else LeaseOwnership())
 
+    def _forget_on_fleet_event(self, event: FleetEvent) -> None:
+        # An ejected engine may have crashed, and one under maintenance comes back only as a newer
+        # process: either way its prefix cache is empty when it returns.
+        maintenance = event.kind is FleetEventKind.HOLD_ADDED and event.hold_kind is HoldKind.MAINTENANCE
+        if event.kind is not FleetEventKind.EJECTED and not maintenance:
+            return
+        if event.engine not in self.prefix_index.index.engines:
+            return
+        if self.index_relay is not None:
+            self.index_relay.forget(event.engine)
+        else:
+            self.prefix_index.forget(event.engine)
+        log_event("prefix_index_forgotten", engine=event.engine, reason=str(event.kind if not maintenance
+                                                                            else HoldKind.MAINTENANCE))
+
     def _register_gauges(self) -> None:
         m = self.metrics
+        index = self.prefix_index.index
+        m.add_gauge("narwhal_placement_index_bytes", "Prefix index size per prefill engine, by its accounting "
+                    "(bounded by placement.max_index_mb in all).", ("engine",),
+                    lambda: {(name,): float(index.bytes(name)) for name in index.engines})
+        m.add_gauge("narwhal_placement_index_entries", "Block hashes the prefix index holds per prefill engine.",
+                    ("engine",), lambda: {(name,): float(index.entries(name)) for name in index.engines})
         m.add_gauge("narwhal_requests_in_flight", "Requests in flight per engine.", ("engine",),
                     lambda: {(name,): float(n) for name, n in self.in_flight.counts.items()})
 
@@ -335,6 +392,7 @@ class Router:
                     self._resume()
                 await nursery.start(self.readmitter.run)
                 await nursery.start(self.monitor.run)
+                await nursery.start(self.timeline.run)
                 if admin_fd is not None:
                     await nursery.start(self._serve_admin, admin_fd)
                     admin_fd = None

@@ -20,6 +20,7 @@ import trio
 from narwhal.tools.bench import procstat
 from narwhal.tools.bench.cli import build_parser, settings_from_args
 from narwhal.tools.bench.fleet import BenchFleet, CommandTemplateError, command_for
+from narwhal.tools.bench.html_report import render_html
 from narwhal.tools.bench.load import LoadSpec, LoadState, _Exchange, completion_body, run_load
 from narwhal.tools.bench.progress import progress_line
 from narwhal.tools.bench.report import (
@@ -429,4 +430,97 @@ async def test_load_over_tls(nursery, tmp_path: Path) -> None:
     # Plain HTTP against the same port gets no answer: every request fails.
     plain = await run_load(_spec(service.engine.port, requests=4))
     assert plain.ok == 0
+    service.stop(0)
+
+
+# ----- the HTML report (--report) ---------------------------------------------------------------
+
+def _timeline(states_d1: list[str | None]) -> dict[str, object]:
+    n = len(states_d1)
+    return {"bucket_s": 1, "window_s": 900, "now": 110.5, "now_unix": 1010.5, "start": 100.0, "start_unix": 1000.0,
+            "engines": ["p1", "d1"], "requests": [5] * n, "errors": {"stream": [0] * (n - 1) + [2]},
+            "recovered": {"connection": [0, 3] + [0] * (n - 2)},
+            "ttft_p50_ms": [1.0] * n, "ttft_p99_ms": [None] + [4.0] * (n - 1),
+            "in_flight": {"p1": [1] * n, "d1": [1] * n}, "state": {"p1": ["eligible"] * n, "d1": states_d1}}
+
+
+def test_the_html_report_draws_the_timeline_with_the_faults_marked() -> None:
+    faults = FaultReport(
+        killed_engine="d1", failing_engine="d2", failing_status=500,
+        timeline=[{"at_s": 2.0, "event": "d1 killed (SIGKILL)"}, {"at_s": 6.0, "event": "d1 restarted on port 1"}],
+        goodput=1.0, requests_lost=0, lost_by_kind={}, streams_cut=0, cut_with_error_event=0, cut_silently=0,
+        attempts_on_dead_engine=1, dead_engine_last_attempt_s=0.01, dead_engine_ineligible_s=0.02,
+        restarted_engine_eligible_s=1.0, restarted_engine_first_served_s=1.5,
+        failing_engine_requests_during_fault=4, failing_engine_last_request_s=0.1, failing_engine_ineligible_s=0.1)
+    states = ["eligible"] * 3 + ["ejected"] * 4 + ["eligible"] * 3
+    report = BenchReport(settings={"scenario": "faults"}, run=_run_report("narwhal <x>"), faults=faults,
+                         timeline=_timeline(states), load_started_unix=1001.0)
+    page = render_html(report)
+    # Self-contained: no script, nothing fetched; names escaped.
+    assert "<script" not in page and "src=" not in page and "href=" not in page
+    assert "narwhal &lt;x&gt;" in page and "narwhal <x>" not in page
+    assert "router CPU ms / request" in page  # the figures table
+    assert page.count('class="fault-mark"') == 2 * 4  # two faults on each of the four charts
+    assert 'data-series="requests"' in page and 'data-series="recovered connection"' in page
+    assert 'data-engine="d1" data-state="ejected"' in page
+    assert "d1 killed (SIGKILL)" in page
+    # Without a timeline (another router) the table is still there and the page says why there is no chart.
+    plain = render_html(BenchReport(settings={}, run=_run_report("other")))
+    assert "No timeline" in plain and "<svg" not in plain
+
+
+def test_report_option_is_parsed() -> None:
+    assert _args("--report", "out.html").report == "out.html"
+
+
+# ----- the prefix scenario ------------------------------------------------------------------
+
+
+def test_prefix_scenario_defaults_and_checks() -> None:
+    settings = settings_from_args(_args("--scenario", "prefix"))
+    assert (settings.prefill, settings.decode, settings.tokens, settings.requests) == (4, 2, 8, 800)
+    # About 3 prefixes' worth of cache per prefill mock: 3 x ceil((512 + 32) / 16) blocks.
+    assert (settings.mock_cache_blocks, settings.prefill_s_per_token) == (102, 0.0002)
+    assert "--prefix-cache-blocks" in settings.mock_args
+    assert "--prefix-cache-blocks" not in settings_from_args(_args()).mock_args
+    for argv in (("--prefix-skew", "1"), ("--prefixes", "0"), ("--chat-turns", "-1"),
+                 ("--target", "http://127.0.0.1:1")):
+        with pytest.raises(ValueError):
+            settings_from_args(_args("--scenario", "prefix", *argv))
+
+
+def test_prefix_workload_shares_prefixes_and_never_a_suffix() -> None:
+    from narwhal.tools.bench.prefix import PrefixWorkload
+
+    workload = PrefixWorkload(prefixes=8, prefix_words=20, suffix_words=4, skew=0.5, chat_turns=0,
+                              max_tokens=2, stream=True)
+    prompts = [json.loads(workload())["prompt"] for _ in range(2000)]
+    heads = [" ".join(p.split()[:20]) for p in prompts]
+    tails = [" ".join(p.split()[20:]) for p in prompts]
+    assert len(set(heads)) == 8 and len(set(tails)) == 2000
+    hot = heads.count(heads[0] if heads[0].startswith("g0") else next(h for h in heads if h.startswith("g0")))
+    assert 0.45 < hot / 2000 < 0.55
+    chat = PrefixWorkload(prefixes=2, prefix_words=5, suffix_words=3, skew=0.0, chat_turns=3, max_tokens=2,
+                          stream=False)
+    assert chat.path == "/v1/chat/completions"
+    conversations = [json.loads(chat())["messages"] for _ in range(200)]
+    assert all(messages[0]["role"] == "system" for messages in conversations)
+    # Conversations grow turn by turn (user, assistant, user, ...) up to 3 user turns, then start again.
+    lengths = {len(messages) for messages in conversations}
+    assert lengths == {2, 4, 6}
+    assert all([m["role"] for m in messages[1:]] == ["user", "assistant"] * ((len(messages) - 2) // 2) + ["user"]
+               for messages in conversations)
+
+
+async def test_a_load_with_a_body_per_request(nursery) -> None:
+    service = await nursery.start(serve_mock, MockSettings(role="prefill", engine_id="p1", tokens=2,
+                                                           prefix_cache_blocks=50))
+    bodies = iter(completion_body(prompt_words=32 + i, max_tokens=1, stream=False) for i in range(10))
+    spec = LoadSpec(host="127.0.0.1", port=service.engine.port, body=b"", concurrency=1, requests=10,
+                    duration_s=None, stream=False, timeout_s=5.0)
+    result = await run_load(spec, bodies=lambda: next(bodies))
+    assert result.ok == 10
+    cache = service.engine.prefix_cache.describe()
+    # Every prompt shares the first 32 words with the one before: all but the first hit.
+    assert cache["queries"] == 10 and cache["hits"] == 9
     service.stop(0)

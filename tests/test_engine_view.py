@@ -158,7 +158,7 @@ def test_the_json_keeps_the_documented_keys() -> None:
     assert list(d1) == ["name", "role", "url", "eligible", "ejected", "ejected_reason", "ejected_cause", "holds",
                         "evidence", "liveness_misses", "in_flight", "next_probe_at", "counters", "drained",
                         "maintenance_started_at", "readmission_running", "last_readmission",
-                        "health_answered_at", "readmission_backoff_s", "next_readmission_at"]
+                        "health_answered_at", "readmission_backoff_s", "next_readmission_at", "prefix_index"]
     assert d1["evidence"] == {str(c): 0 for c in FailureClass}
     assert d1["last_readmission"]["check"] == "identity"
 
@@ -238,3 +238,16 @@ async def test_the_app_serves_from_any_object_with_the_app_state() -> None:
     readmit = await (await client.post("/admin/engines/d2/readmit")).get_json()
     assert readmit["readmission"]["outcome"] == "readmitted"
     assert (await client.get("/admin/engines/zz")).status_code == 404
+
+
+def test_prefill_engines_show_their_prefix_index_size() -> None:
+    from narwhal.fleet.prefix_index import ENTRY_BYTES, PrefixIndex
+
+    index = PrefixIndex(["p1"], max_bytes=1 << 20)
+    index.record("p1", [1, 2, 3], 1.0)
+    viewer = EngineViewer(config=make_config(), fleet=make_fleet(), in_flight=InFlight([n for n, _ in ENGINES]),
+                          readmitter=FakeReadmitter(), controller=FakeController(), monitor=FakeMonitor(),
+                          clock=lambda: 10.0, prefix_index=index)
+    p1, d1, _ = viewer.engines().engines
+    assert p1.prefix_index is not None and (p1.prefix_index.entries, p1.prefix_index.bytes) == (3, 3 * ENTRY_BYTES)
+    assert d1.prefix_index is None

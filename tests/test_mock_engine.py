@@ -713,3 +713,49 @@ async def test_cut_closes_a_stream_or_a_body_halfway() -> None:
     with pytest.raises(FaultError):
         FaultTable().validate(parse_fault_spec("cut:after_tokens=-1"))
 
+
+
+# ----- the prefix cache ------------------------------------------------------------------------
+
+def test_prefix_cache_hits_whole_block_prefixes_and_evicts_tails_first() -> None:
+    from narwhal.tools.mock.prefix_cache import PrefixCache
+
+    cache = PrefixCache(capacity_blocks=6, block_tokens=4)
+    a = list(range(16))  # 4 blocks
+    assert cache.prefill(a) == 0
+    assert cache.prefill(a) == 15  # all but the last token, as vLLM computes at least one
+    assert cache.prefill(a[:8] + [99, 98, 97, 96, 95]) == 8
+    # 5 blocks held: a's 4 and the new tail; 2 more evict a's last block, never its prefix.
+    assert cache.prefill(list(range(50, 58))) == 0
+    assert cache.prefill(a) == 12
+    described = cache.describe()
+    assert described["queries"] == 5 and described["hits"] == 3 and described["blocks"] == 6
+    assert (described["prompt_tokens"], described["cached_tokens"]) == (16 + 16 + 13 + 8 + 16, 15 + 8 + 12)
+
+
+async def test_prefills_run_one_at_a_time_and_misses_cost_time(autojump_clock: Any) -> None:
+    mock = engine("prefill", prefix_cache_blocks=100, prefill_s_per_token=0.01)
+    prompt = " ".join(f"w{i}" for i in range(64))
+    times: list[float] = []
+
+    async def one(text: str) -> None:
+        started = trio.current_time()
+        answer = await call(mock, "POST", "/v1/completions", completion(PREFILL_KV, prompt=text, max_tokens=1))
+        assert answer.status == 200
+        times.append(trio.current_time() - started)
+
+    await one(prompt)
+    assert times[-1] == pytest.approx(0.64)  # 64 uncached tokens
+    await one(prompt)
+    assert times[-1] == pytest.approx(0.01)  # one token computed
+    async with trio.open_nursery() as nursery:
+        # Two misses at once: the second waits for the first (one prefill at a time).
+        nursery.start_soon(one, prompt.replace("w", "x"))
+        nursery.start_soon(one, prompt.replace("w", "y"))
+    assert sorted(times[-2:]) == [pytest.approx(0.64), pytest.approx(1.28)]
+    stats = (await call(mock, "GET", "/mock/stats")).json()["prefix_cache"]
+    assert stats["queries"] == 4 and stats["hits"] == 1
+    assert (stats["prompt_tokens"], stats["cached_tokens"]) == (256, 63)
+    reset = (await call(mock, "POST", "/mock/stats/reset")).json()["prefix_cache"]
+    assert reset["queries"] == 0 and reset["blocks"] == stats["blocks"]
+    assert (await call(engine("prefill"), "GET", "/mock/stats")).json()["prefix_cache"] is None

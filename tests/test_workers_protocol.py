@@ -265,8 +265,12 @@ def test_samples_in_reports_reach_the_controllers_telemetry() -> None:
                     record_sample=lambda **kw: got.append(kw))
     hub.attach(0, lambda s: None)
     hub.receive(0, Report(snapshot_seq=1, in_flight={}, requests_in_flight=0, metrics=MetricsState(),
-                          samples=[RequestSample("p1", "d1", 0.05, 0.01, None)]))
-    assert got == [{"prefill": "p1", "decode": "d1", "ttft_s": 0.05, "inter_token_s": 0.01, "error_engine": None}]
+                          samples=[RequestSample("p1", "d1", 0.05, 0.01, None),
+                                   RequestSample("p1", "d1", None, None, "d1", 502, "connection", True)]))
+    assert got == [{"prefill": "p1", "decode": "d1", "ttft_s": 0.05, "inter_token_s": 0.01, "error_engine": None,
+                    "status": 0, "error_class": None, "failed": False},
+                   {"prefill": "p1", "decode": "d1", "ttft_s": None, "inter_token_s": None, "error_engine": "d1",
+                    "status": 502, "error_class": "connection", "failed": True}]
 
 
 # -- metrics summed over workers ---------------------------------------------------------------

@@ -45,6 +45,9 @@ def create_app(router: AppState) -> QuartTrio:
     async def _admin_auth() -> Response | None:
         if token is None or not request.path.startswith("/admin/"):
             return None
+        if request.path == "/admin/ui" and request.method in ("GET", "HEAD"):
+            # The page's HTML holds no state; every request it makes for data carries the token.
+            return None
         given = request.headers.get("authorization", "")
         scheme, _, value = given.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token):

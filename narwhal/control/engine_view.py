@@ -27,6 +27,7 @@ __all__ = [
     "EnginesView",
     "HoldEntry",
     "MonitorEntry",
+    "PrefixIndexEntry",
 ]
 
 
@@ -48,6 +49,18 @@ class EngineCountersEntry(msgspec.Struct, frozen=True, kw_only=True):
     ejections: int
     probes: dict[str, int]
     failures: dict[FailureClass, int]
+
+
+class PrefixIndexEntry(msgspec.Struct, frozen=True, kw_only=True):
+    """What the prefix index holds for one prefill engine: block hashes, and their bytes by its accounting."""
+
+    entries: int
+    bytes: int
+
+
+class _PrefixIndex(Protocol):
+    def entries(self, engine: str) -> int: ...
+    def bytes(self, engine: str) -> int: ...
 
 
 class EngineEntry(msgspec.Struct, frozen=True, kw_only=True):
@@ -77,6 +90,8 @@ class EngineEntry(msgspec.Struct, frozen=True, kw_only=True):
     health_answered_at: float | None = None
     readmission_backoff_s: float = 0.0
     next_readmission_at: float | None = None
+    # Cache-aware placement's prefix index for this engine (prefill engines; None for decode).
+    prefix_index: PrefixIndexEntry | None = None
 
 
 class MonitorEntry(msgspec.Struct, frozen=True, kw_only=True):
@@ -121,8 +136,10 @@ class EngineViewer:
     """Builds ``EnginesView`` from the fleet and the shell's parts, at the current time."""
 
     def __init__(self, *, config: Config, fleet: _FleetViews, in_flight: InFlightCounts, readmitter: _Readmitter,
-                 controller: _Controller, monitor: _Monitor, clock: Callable[[], float] = trio.current_time) -> None:
+                 controller: _Controller, monitor: _Monitor, clock: Callable[[], float] = trio.current_time,
+                 prefix_index: _PrefixIndex | None = None) -> None:
         self.config = config
+        self.prefix_index = prefix_index
         self.fleet = fleet
         self.in_flight = in_flight
         self.readmitter = readmitter
@@ -173,4 +190,11 @@ class EngineViewer:
             health_answered_at=readmission.health_answered_at,
             readmission_backoff_s=readmission.readmission_backoff_s,
             next_readmission_at=readmission.next_readmission_at,
+            prefix_index=self._prefix_entry(view),
         )
+
+    def _prefix_entry(self, view: EngineView) -> PrefixIndexEntry | None:
+        index = self.prefix_index
+        if index is None or view.role != "prefill":
+            return None
+        return PrefixIndexEntry(entries=index.entries(view.name), bytes=index.bytes(view.name))

@@ -53,6 +53,8 @@ class FleetWriter:
         # Actions returned before a runner was attached (e.g. by resume): run on attach.
         self._pending: list[Action] = []
         self._events_dropped_seen = 0
+        # Told of every event after it is logged (cache-aware placement forgets ejected engines).
+        self.listeners: list[Callable[[FleetEvent], None]] = []
         # Called after every mutation (worker processes get a new snapshot if placement changed).
         self.on_change: Callable[[], None] | None = None
 
@@ -211,6 +213,8 @@ class FleetWriter:
     def _publish(self) -> None:
         for event in self._fleet.drain_events():
             self._log(event)
+            for listener in self.listeners:
+                listener(event)
         dropped = self._fleet.events_dropped
         if dropped > self._events_dropped_seen:
             log_event("fleet_events_dropped", level=logging.ERROR, dropped=dropped - self._events_dropped_seen)

@@ -40,6 +40,10 @@ class InFlight:
     def __getitem__(self, name: str) -> int:
         return self.counts[name]
 
+    def load(self, name: str) -> int:
+        """Requests in flight on the engine router-wide: this process's and the other workers' last report."""
+        return self.counts[name] + self.elsewhere.get(name, 0)
+
     def total(self) -> int:
         return sum(self.counts.values())
 

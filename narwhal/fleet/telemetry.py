@@ -99,8 +99,12 @@ class Telemetry:
                 f"interval_s {self.interval_s} | open since {self._opened_at}]>")
 
     def record_request(self, *, prefill: str | None, decode: str | None, ttft_s: float | None,
-                       inter_token_s: float | None, error_engine: str | None) -> None:
-        """Charge one finished request to its engines (hot path: O(1)); unknown names are ignored."""
+                       inter_token_s: float | None, error_engine: str | None, status: int = 0,
+                       error_class: str | None = None, failed: bool = False) -> None:
+        """Charge one finished request to its engines (hot path: O(1)); unknown names are ignored.
+
+        ``status`` and ``error_class`` are the timeline's (``narwhal.obs.timeline``), not drift's.
+        """
         current = self._current
         if prefill is not None and (acc := current.get(prefill)) is not None:
             acc.requests += 1

@@ -6,12 +6,15 @@ from collections.abc import Callable
 
 from narwhal.obs.metrics import Registry
 
-__all__ = ["HEALTH_TO_ELIGIBLE_BUCKETS_S", "JOIN_GAP_BUCKETS_S", "SNAPSHOT_LAG_BUCKETS_S", "RouterMetrics"]
+__all__ = ["HEALTH_TO_ELIGIBLE_BUCKETS_S", "JOIN_GAP_BUCKETS_S", "MATCH_BUCKETS", "SNAPSHOT_LAG_BUCKETS_S",
+           "RouterMetrics"]
 
 JOIN_GAP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 SNAPSHOT_LAG_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1.0)
 # Readmission after a restart: the target is well under a second; the tail is the backoff's (<= probe_interval_s).
 HEALTH_TO_ELIGIBLE_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# Matched share of a prompt: 0 (a miss) and 1 (whole prompt held) get buckets of their own.
+MATCH_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 
 _GaugeReader = Callable[[], dict[tuple[str, ...], float]]
 
@@ -57,6 +60,11 @@ class RouterMetrics:
         self.snapshot_lag = r.histogram("narwhal_worker_snapshot_lag_seconds",
                                         "Delay from the controller publishing a fleet snapshot to a worker "
                                         "applying it (serving.workers > 1).", (), SNAPSHOT_LAG_BUCKETS_S)
+        self.placements = r.counter("narwhal_placement", "Engine choices by role and reason (hit, miss, spill, "
+                                    "only_choice, least_outstanding).", ("role", "reason"))
+        self.placement_match = r.histogram("narwhal_placement_matched_fraction",
+                                           "Share of a prompt's blocks the chosen prefill engine held.", (),
+                                           MATCH_BUCKETS)
         self.continuations = r.counter("narwhal_continuations",
                                         "Stream continuations by outcome: completed, failed (continued again "
                                         "or ended), exhausted (no attempts or deadline left), not_eligible.",

@@ -24,6 +24,7 @@ from typing import Any, Protocol, TypeGuard
 import msgspec
 
 from narwhal.errors import EngineFailure, FailureClass
+from narwhal.serving.client_view import KV_KEY, strip_kv_from_events
 
 __all__ = ["CONTINUED_CLASSES", "StreamJoin", "not_continued_reason", "plan", "relay"]
 
@@ -346,7 +347,8 @@ class StreamJoin:
         return relayed, self._leg_done
 
     def _first_leg(self, complete: bytes) -> tuple[bytes, bool]:
-        """The first leg's complete events: relayed as they came, less Narwhal's token IDs and [DONE]."""
+        """The first leg's complete events: relayed as they came, less Narwhal's token IDs, any
+        ``kv_transfer_params`` (the engines' business) and [DONE] (``relay`` writes the last one)."""
         found = complete.find(b"[DONE]")
         while found >= 0:
             before = complete.rfind(b"\n\n", 0, found)
@@ -368,10 +370,15 @@ class StreamJoin:
         if self._raw_size > _FOLD_BYTES:
             self.fold()
         self.leg_relayed = self._relayed_any = True
+        if KV_KEY in complete:
+            complete = strip_kv_from_events(complete)
         if not self.client_ids and b"token_ids" in complete:
             complete = _IDS_COMPACT.sub(b"", complete)
             if b'token_ids"' in complete:
                 complete = _IDS.sub(b"", complete)
+        if KV_KEY in complete:
+            # The engine's KV handoff is never the client's (the relay without a join strips it too).
+            complete = strip_kv_from_events(complete)
         return complete, self._leg_done
 
     def _note_id(self, complete: bytes) -> None:

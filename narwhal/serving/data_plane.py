@@ -23,6 +23,7 @@ from narwhal.http1.server import Request, Responder
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.pools.data import DataPool
 from narwhal.serving.front import Front, build_front_server
+from narwhal.serving.placement import RequestPlacement
 from narwhal.serving.request_core import AdmissionGate, RequestCore, Supervisor, TelemetrySink
 from narwhal.tls import TLSContexts
 
@@ -69,10 +70,12 @@ class LocalDataPlane:
 
     def __init__(self, config: Config, *, tls: TLSContexts, via_token: str, supervisor: Supervisor,
                  admission: AdmissionGate, metrics: RouterMetrics, telemetry: TelemetrySink,
-                 serve_rest: Handler, yield_at_cap: bool = False) -> None:
+                 serve_rest: Handler, yield_at_cap: bool = False,
+                 placement: RequestPlacement | None = None) -> None:
         """``serve_rest`` answers every route but the completions (the control app, or a worker's forwarder).
 
         ``yield_at_cap``: a worker process at its connection cap leaves new connections to its siblings.
+        ``placement`` chooses engines over a prefix index the caller owns (a new one when None).
         """
         self.in_flight = InFlight([spec.name for spec in config.engines])
         # Only bounded serving may queue; the default policy reports saturation at once.
@@ -80,7 +83,8 @@ class LocalDataPlane:
                                   wait_for_slot=config.serving.policy == "bounded", via=f"1.1 {via_token}",
                                   ssl_context=tls.engine)
         self.core = RequestCore(config=config, supervisor=supervisor, data_pool=self.data_pool,
-                                in_flight=self.in_flight, admission=admission, metrics=metrics, telemetry=telemetry)
+                                in_flight=self.in_flight, admission=admission, metrics=metrics, telemetry=telemetry,
+                                placement=placement)
         # With [admin] listen the admin API is off the traffic port entirely.
         self.front = Front(self.core, serve_rest, via_token=via_token,
                            admin_elsewhere=config.admin.listen is not None)

@@ -41,12 +41,13 @@ from narwhal.errors import (
     SuccessKind,
     UpstreamClientError,
 )
-from narwhal.fleet.placement import InFlight, pick_least_outstanding
+from narwhal.fleet.placement import InFlight
 from narwhal.obs.logs import log_event
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.serving import continuation
 from narwhal.serving.client_view import KV_KEY, is_role_only_event, strip_kv_from_body, strip_kv_from_events
 from narwhal.serving.continuation import CONTINUED_CLASSES, StreamJoin
+from narwhal.serving.placement import RequestPlacement
 from narwhal.wire import PREFILL_KV_REQUEST, HandoffRejected, error_json, read_handoff
 
 __all__ = ["COMPLETION_ROUTES", "AdmissionGate", "RequestCore", "Sink", "TelemetrySink"]
@@ -100,7 +101,8 @@ class TelemetrySink(Protocol):
     """Where each finished request's timings go: ``Telemetry`` in one process, a worker's ``TelemetryRelay``."""
 
     def record_request(self, *, prefill: str | None, decode: str | None, ttft_s: float | None,
-                       inter_token_s: float | None, error_engine: str | None) -> None: ...
+                       inter_token_s: float | None, error_engine: str | None, status: int = 0,
+                       error_class: str | None = None, failed: bool = False) -> None: ...
 
 
 class DecodeStream(Protocol):
@@ -167,7 +169,7 @@ class _Outcome:
 
     __slots__ = ("status", "prefill", "decode", "ttft_s", "tokens", "error_class", "attempts",
                  "error_engine", "inter_token_s", "continuations", "continuing",
-                 "join_gap_s")
+                 "join_gap_s", "stream_error", "prefix_match")
 
     def __init__(self) -> None:
         self.status = 0
@@ -184,6 +186,10 @@ class _Outcome:
         self.continuing = False
         # The longest wait a client saw at a join of this request.
         self.join_gap_s: float | None = None
+        # The stream had begun (status 200) and ended with an SSE error event: the client saw a failure.
+        self.stream_error = False
+        # Share of the prompt the chosen prefill engine held (cache-aware placement).
+        self.prefix_match: float | None = None
 
 
 def _sse_error(message: str, type_: str, code: str | None) -> bytes:
@@ -202,7 +208,8 @@ class RequestCore:
     def __init__(self, *, config: Config, supervisor: Supervisor, data_pool: DataPool,
                  in_flight: InFlight, admission: AdmissionGate, metrics: RouterMetrics,
                  telemetry: TelemetrySink | None = None,
-                 clock: Callable[[], float] = trio.current_time, rng: random.Random | None = None) -> None:
+                 clock: Callable[[], float] = trio.current_time, rng: random.Random | None = None,
+                 placement: RequestPlacement | None = None) -> None:
         self.config = config
         self.supervisor = supervisor
         self.data_pool = data_pool
@@ -212,6 +219,7 @@ class RequestCore:
         self.telemetry = telemetry
         self.clock = clock
         self.rng = rng or random.Random()
+        self.placement = placement or RequestPlacement(config, metrics, rng=self.rng)
         self.engines: dict[str, EngineSpec] = {spec.name: spec for spec in config.engines}
         self.model = config.fleet.model
         self._deadline_s = config.serving.request_deadline_s
@@ -279,6 +287,7 @@ class RequestCore:
         if sink.started:
             # Tokens already reached the client: say why the stream ends, never replay.
             outcome.status = outcome.status or 200
+            outcome.stream_error = True
             await sink.end_stream(_sse_error(error.message, error.type, error.code))
         else:
             outcome.status = error.status
@@ -293,7 +302,9 @@ class RequestCore:
             self.metrics.ttft.observe(outcome.ttft_s, route)
         if self.telemetry is not None:
             self.telemetry.record_request(prefill=outcome.prefill, decode=outcome.decode, ttft_s=outcome.ttft_s,
-                                          inter_token_s=outcome.inter_token_s, error_engine=outcome.error_engine)
+                                          inter_token_s=outcome.inter_token_s, error_engine=outcome.error_engine,
+                                          status=outcome.status, error_class=outcome.error_class,
+                                          failed=outcome.status >= 400 or outcome.stream_error)
         log_event(
             "request",
             request_id=rid,
@@ -308,6 +319,7 @@ class RequestCore:
             continuations=outcome.continuations,
             join_gap_ms=None if outcome.join_gap_s is None else round(outcome.join_gap_s * 1000, 3),
             error=outcome.error_class,
+            prefix_match=None if outcome.prefix_match is None else round(outcome.prefix_match, 3),
         )
 
     # -- one request ---------------------------------------------------------
@@ -452,7 +464,8 @@ class RequestCore:
         request.pop("kv_transfer_params", None)
         return request
 
-    def _place(self, role: str, avoid: set[str], exclude: str | None = None) -> str:
+    def _place(self, role: str, avoid: set[str], route: str, request: dict[str, Any], outcome: _Outcome,
+               exclude: str | None = None) -> str:
         candidates = self.supervisor.eligible(role)
         if exclude is not None:
             # A continuation's decode never goes back to the engine that just broke the stream.
@@ -460,19 +473,21 @@ class RequestCore:
         if avoid:
             # Fall back to an engine that failed this request only when no other is eligible.
             candidates = [name for name in candidates if name not in avoid] or candidates
-        name = pick_least_outstanding(candidates, self.in_flight, self.rng)
-        if name is None:
+        choice = self.placement.choose(role, candidates, route, request, self.in_flight)
+        if choice is None:
             self.metrics.saturations.inc(f"no_{role}")
             problem = self.supervisor.capacity_problem() or f"serving capacity exhausted: no eligible {role} engine"
             raise _AttemptFailed(ClientError(503, problem, "service_unavailable", "no_capacity"),
                                  None, "no_capacity")
-        return name
+        if role == "prefill":
+            outcome.prefix_match = choice.matched
+        return choice.engine
 
     async def _attempt(self, route: str, request: dict[str, Any], rid: str, rid_header: tuple[bytes, bytes],
                        sink: Sink, started_at: float, outcome: _Outcome, avoid: set[str],
                        join: StreamJoin | None = None, exclude: str | None = None) -> None:
-        prefill_name = self._place("prefill", avoid)
-        decode_name = self._place("decode", avoid, exclude)
+        prefill_name = self._place("prefill", avoid, route, request, outcome)
+        decode_name = self._place("decode", avoid, route, request, outcome, exclude)
         outcome.prefill, outcome.decode = prefill_name, decode_name
         prefill = self.engines[prefill_name]
         decode = self.engines[decode_name]

@@ -116,6 +116,8 @@ class WorkerHub:
         # engine -> seq of the first snapshot that took it out of placement.
         self.excluded_since: dict[str, int] = {}
         self._admit_until: Callable[[], float | None] = lambda: None
+        # Told of the prompts each worker placed (the prefix index relay), when set.
+        self.on_placements: Callable[[int, Report], None] | None = None
 
     def set_admit_until(self, source: Callable[[], float | None]) -> None:
         """Where the lease-derived admission deadline (control clock) comes from."""
@@ -169,10 +171,14 @@ class WorkerHub:
             self.metrics.update(worker, message.metrics)
             if self._share_in_flight:
                 self.poke()  # the router-wide in-flight counts are part of the snapshot
+            if self.on_placements is not None:
+                self.on_placements(worker, message)
             if self._record_sample is not None:
                 for sample in message.samples:
                     self._record_sample(prefill=sample.prefill, decode=sample.decode, ttft_s=sample.ttft_s,
-                                        inter_token_s=sample.inter_token_s, error_engine=sample.error_engine)
+                                        inter_token_s=sample.inter_token_s, error_engine=sample.error_engine,
+                                        status=sample.status, error_class=sample.error_class,
+                                        failed=sample.failed)
 
     # -- snapshots -------------------------------------------------------------------------
 

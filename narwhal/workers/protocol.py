@@ -20,6 +20,7 @@ import msgspec
 
 from narwhal.config import Config
 from narwhal.errors import NarwhalError
+from narwhal.fleet.shared_index import IndexRecord
 
 __all__ = [
     "CONTROL_APP_TIMEOUT_S",
@@ -33,6 +34,7 @@ __all__ = [
     "FrameError",
     "Hello",
     "HistogramSeries",
+    "IndexUpdate",
     "MetricsState",
     "Report",
     "ReloadTLS",
@@ -98,6 +100,13 @@ class Snapshot(_Message, tag="snapshot"):
     in_flight: dict[str, int] = {}
 
 
+class IndexUpdate(_Message, tag="index_update"):
+    """Other workers' placements for the prefix index, and the engines' epochs (a newer one: forget it)."""
+
+    records: list[IndexRecord] = []
+    epochs: dict[str, int] = {}
+
+
 class ForwardReply(_Message, tag="forward_reply"):
     id: int
     status: int
@@ -134,13 +143,18 @@ class Evidence(_Message, tag="evidence"):
 
 
 class RequestSample(msgspec.Struct, frozen=True, array_like=True):
-    """One finished request, for the controller's telemetry (drift detection)."""
+    """One finished request, for the controller's telemetry (drift detection) and timeline."""
 
     prefill: str | None
     decode: str | None
     ttft_s: float | None
     inter_token_s: float | None
     error_engine: str | None
+    # The client's status and the request's error class (the timeline's errors by class).
+    status: int = 0
+    error_class: str | None = None
+    # The client saw a failure (an error status, or a stream ended by an error event); else a recovered one.
+    failed: bool = False
 
 
 class HistogramSeries(msgspec.Struct, frozen=True, array_like=True):
@@ -172,6 +186,8 @@ class Report(_Message, tag="report"):
     # The worker's data pool: connections in use and requests waiting for one.
     data_in_use: int = 0
     data_waiting: int = 0
+    # Prompts this worker placed since its last report, for the other workers' prefix indexes.
+    placements: list[IndexRecord] = []
 
 
 class TLSReloaded(_Message, tag="tls_reloaded"):
@@ -196,7 +212,7 @@ class Forward(_Message, tag="forward"):
     http_version: str = "1.1"
 
 
-ControllerMessage = Welcome | Snapshot | ForwardReply | ReloadTLS | Stop
+ControllerMessage = Welcome | Snapshot | ForwardReply | ReloadTLS | Stop | IndexUpdate
 WorkerMessage = Hello | Evidence | Report | Forward | TLSReloaded
 
 

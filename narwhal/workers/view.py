@@ -96,12 +96,14 @@ class TelemetryRelay:
         self.dropped = 0
 
     def record_request(self, *, prefill: str | None, decode: str | None, ttft_s: float | None,
-                       inter_token_s: float | None, error_engine: str | None) -> None:
+                       inter_token_s: float | None, error_engine: str | None, status: int = 0,
+                       error_class: str | None = None, failed: bool = False) -> None:
         if len(self._samples) >= self._max:
             # Bounded: a controller that stops reading reports must not grow a worker's memory.
             self.dropped += 1
             return
-        self._samples.append(RequestSample(prefill, decode, ttft_s, inter_token_s, error_engine))
+        self._samples.append(RequestSample(prefill, decode, ttft_s, inter_token_s, error_engine, status,
+                                           error_class, failed))
 
     def take(self) -> list[RequestSample]:
         samples, self._samples = self._samples, []

@@ -21,10 +21,12 @@ from typing import Any
 import trio
 
 from narwhal.config import ConfigError
+from narwhal.fleet.shared_index import SharedIndex
 from narwhal.http1.server import Request, Responder
 from narwhal.obs.logs import flush_logs, log_event, set_log_fields
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.serving.data_plane import LocalDataPlane
+from narwhal.serving.placement import RequestPlacement, build_index, build_placer
 from narwhal.tls import TLSContexts
 from narwhal.wire import error_json
 from narwhal.workers.link import LinkClosed, StreamLink
@@ -36,6 +38,7 @@ from narwhal.workers.protocol import (
     Forward,
     ForwardReply,
     Hello,
+    IndexUpdate,
     ReloadTLS,
     Report,
     Snapshot,
@@ -70,12 +73,16 @@ class Worker:
         self.telemetry = TelemetryRelay()
         # The controller read these files a moment ago; a worker reads its own copies.
         self.tls = TLSContexts(config, None if welcome.config_dir is None else Path(welcome.config_dir))
+        # This worker's prefix index; its placements go to the others through the controller.
+        self.prefix_index = SharedIndex(build_index(config))
+        placement = RequestPlacement(config, self.metrics, build_placer(
+            config, self.prefix_index.index, on_record=self.prefix_index.recorded))
         self.plane = LocalDataPlane(config, tls=self.tls, via_token=welcome.via_token, supervisor=self.view,
                                     admission=self.view, metrics=self.metrics, telemetry=self.telemetry,
                                     serve_rest=self._serve_rest,
                                     # Siblings share the listening socket: at its cap this one leaves
                                     # connections to them.
-                                    yield_at_cap=True)
+                                    yield_at_cap=True, placement=placement)
         self._reported_in_flight: dict[str, int] = {}
         self._forward_ids = itertools.count(1)
         self._forwards: dict[int, tuple[trio.Event, list[ForwardReply]]] = {}
@@ -105,6 +112,9 @@ class Worker:
             self.plane.in_flight.elsewhere = others_in_flight(message.in_flight, self._reported_in_flight)
             if message.published_at is not None:
                 self.metrics.snapshot_lag.observe(max(0.0, time.monotonic() - message.published_at))
+        elif isinstance(message, IndexUpdate):
+            self.prefix_index.sync(message.epochs)
+            self.prefix_index.apply(message.records)
         elif isinstance(message, ForwardReply):
             waiter = self._forwards.get(message.id)
             if waiter is not None:
@@ -205,7 +215,8 @@ class Worker:
         self.link.send(Report(snapshot_seq=self.view.snapshot.seq, in_flight=self._reported_in_flight,
                               requests_in_flight=self.plane.server.statistics().requests_in_flight,
                               metrics=export_state(self.metrics.registry), samples=self.telemetry.take(),
-                              data_in_use=pool.in_use, data_waiting=pool.waiting))
+                              data_in_use=pool.in_use, data_waiting=pool.waiting,
+                              placements=self.prefix_index.take()))
 
 
 def others_in_flight(totals: dict[str, int], own_reported: dict[str, int]) -> dict[str, int]:

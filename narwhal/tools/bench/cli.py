@@ -23,15 +23,20 @@ _DEFAULT_REQUESTS = 2000
 _DEFAULT_DURATION_S = 20.0
 _FAULTS_DURATION_S = 20.0
 _FAULTS_TOKEN_DELAY_S = 0.01
+_PREFIX_PREFILL = 4
+_PREFIX_REQUESTS = 800
+_PREFIX_S_PER_TOKEN = 0.0002
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
     """Add the benchmark's options to ``parser`` (the ``bench`` subcommand)."""
     fleet = parser.add_argument_group("mock fleet (started here unless --target)")
-    fleet.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill mock engines (default 1)")
+    fleet.add_argument("--prefill", type=int, default=None, metavar="N",
+                       help="prefill mock engines (default 1; 4 with --scenario prefix)")
     fleet.add_argument("--decode", type=int, default=None, metavar="N",
                        help="decode mock engines (default 1; 3 with --scenario faults)")
-    fleet.add_argument("--tokens", type=int, default=32, help="tokens per response (default 32)")
+    fleet.add_argument("--tokens", type=int, default=None,
+                       help="tokens per response (default 32; 8 with --scenario prefix)")
     fleet.add_argument("--token-delay-s", type=float, default=None,
                        help=f"the mock's pause before each token (default 0; {_FAULTS_TOKEN_DELAY_S:g} with "
                             f"--scenario faults, so streams are in flight when an engine dies)")
@@ -86,14 +91,35 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
                      help="--baseline pair: the engines to send each request to, prefill then decode")
     run.add_argument("--model", default="mock-model",
                      help="the model named in every request (default mock-model; a real fleet's model with --target)")
-    run.add_argument("--scenario", choices=("load", "faults"), default="load",
-                     help="faults: kill a decode engine and restart it, make another answer 5xx, during the load")
+    run.add_argument("--scenario", choices=("load", "faults", "prefix"), default="load",
+                     help="faults: kill a decode engine and restart it, make another answer 5xx, during the load; "
+                          "prefix: shared prefixes with unique suffixes on prefill mocks that model a prefix "
+                          f"cache (defaults then: --prefill {_PREFIX_PREFILL}, --decode 2, --tokens 8, "
+                          f"--requests {_PREFIX_REQUESTS})")
+    prefix = parser.add_argument_group("prefix scenario")
+    prefix.add_argument("--prefixes", type=int, default=8, help="shared prefix groups (default 8)")
+    prefix.add_argument("--prefix-words", type=int, default=512, help="words (mock tokens) per prefix (default 512)")
+    prefix.add_argument("--suffix-words", type=int, default=32,
+                        help="unique words after the prefix, or per user turn (default 32)")
+    prefix.add_argument("--prefix-skew", type=float, default=0.0, metavar="SHARE",
+                        help="this share of the requests on prefix 0, the rest spread over the others (default 0)")
+    prefix.add_argument("--chat-turns", type=int, default=0, metavar="N",
+                        help="multi-turn chat: conversations of up to N turns on each prefix as system prompt "
+                             "(default 0: completions)")
+    prefix.add_argument("--mock-cache-blocks", type=int, default=None, metavar="N",
+                        help="each prefill mock's prefix cache in 16-token blocks (default: about 3 prefixes' "
+                             "worth with their suffixes)")
+    prefix.add_argument("--prefill-s-per-token", type=float, default=None, metavar="S",
+                        help=f"the prefill mock's time per uncached prompt token (default {_PREFIX_S_PER_TOKEN:g})")
     run.add_argument("--fault-downtime-s", type=float, default=4.0,
                      help="faults: how long the killed engine stays down (default 4)")
     run.add_argument("--fault-5xx-s", type=float, default=4.0,
                      help="faults: how long the other engine answers 5xx (default 4)")
     run.add_argument("--fault-status", type=int, default=500, help="faults: the 5xx status (default 500)")
     run.add_argument("--json", metavar="FILE", help="write every figure to FILE as JSON")
+    run.add_argument("--report", metavar="FILE.html",
+                     help="write a self-contained HTML report: the figures and, from Narwhal's /admin/timeline, "
+                          "requests/s, errors, TTFT and engine states over the run, faults marked")
     run.add_argument("--label", help="name of the run in the table (default: the router's name)")
     run.add_argument("--quiet", action="store_true", help="no progress line")
 
@@ -119,16 +145,35 @@ def _parse_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
 def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     """Validate the options and resolve their defaults; ValueError names the bad option."""
     faults = args.scenario == "faults"
+    prefix = args.scenario == "prefix"
     requests, duration_s = args.requests, args.duration_s
     if requests is None and duration_s is None:
         if faults:
             duration_s = _FAULTS_DURATION_S
+        elif prefix:
+            requests, duration_s = _PREFIX_REQUESTS, 120.0
         else:
             requests, duration_s = _DEFAULT_REQUESTS, _DEFAULT_DURATION_S
-    decode = args.decode if args.decode is not None else (3 if faults else 1)
+    decode = args.decode if args.decode is not None else (3 if faults else 2 if prefix else 1)
+    prefill = args.prefill if args.prefill is not None else (_PREFIX_PREFILL if prefix else 1)
+    tokens = args.tokens if args.tokens is not None else (8 if prefix else 32)
+    cache_blocks = prefill_s = 0.0
+    if prefix:
+        if args.prefixes < 1 or args.prefix_words < 1 or args.suffix_words < 1 or args.chat_turns < 0:
+            raise ValueError("--prefixes, --prefix-words and --suffix-words must be at least 1, --chat-turns >= 0")
+        if not 0 <= args.prefix_skew < 1:
+            raise ValueError("--prefix-skew must be in [0, 1)")
+        if args.target:
+            raise ValueError("--scenario prefix needs the mock fleet started here; it cannot run with --target")
+        # About 3 prefixes' worth (each with a suffix), as the issue's target load assumes.
+        per_prompt = -(-(args.prefix_words + args.suffix_words) // 16)
+        cache_blocks = args.mock_cache_blocks if args.mock_cache_blocks is not None else 3 * per_prompt
+        prefill_s = args.prefill_s_per_token if args.prefill_s_per_token is not None else _PREFIX_S_PER_TOKEN
+        if cache_blocks < 0 or prefill_s < 0:
+            raise ValueError("--mock-cache-blocks and --prefill-s-per-token must be >= 0")
     token_delay_s = args.token_delay_s if args.token_delay_s is not None else (
         _FAULTS_TOKEN_DELAY_S if faults else 0.0)
-    if args.prefill < 1 or decode < 1:
+    if prefill < 1 or decode < 1:
         raise ValueError("--prefill and --decode must be at least 1")
     if faults and decode < 2:
         raise ValueError("--scenario faults needs at least 2 decode engines (one is killed)")
@@ -145,7 +190,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     for url in args.pair or ():
         if not url.startswith("http://"):
             raise ValueError(f"--pair takes http:// URLs, got {url!r}")
-    if args.tokens < 1 or args.prompt_words < 1 or args.concurrency < 1:
+    if tokens < 1 or args.prompt_words < 1 or args.concurrency < 1:
         raise ValueError("--tokens, --prompt-words and --concurrency must be at least 1")
     if token_delay_s < 0 or args.timeout_s <= 0:
         raise ValueError("--token-delay-s must be >= 0 and --timeout-s > 0")
@@ -157,7 +202,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         raise ValueError("--fault-status must be 500-599")
     warmup = args.warmup if args.warmup is not None else 2 * args.concurrency
     return BenchSettings(
-        prefill=args.prefill, decode=decode, tokens=args.tokens, token_delay_s=token_delay_s,
+        prefill=prefill, decode=decode, tokens=tokens, token_delay_s=token_delay_s,
         mock_writes=args.mock_writes, prompt_words=args.prompt_words, concurrency=args.concurrency,
         requests=requests, duration_s=duration_s,
         stream=args.stream, keep_alive=args.keep_alive, warmup=max(0, warmup), timeout_s=args.timeout_s,
@@ -166,7 +211,9 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         profile_router=args.profile_router, baseline=args.baseline, scenario=args.scenario,
         fault_downtime_s=args.fault_downtime_s, fault_5xx_s=args.fault_5xx_s, fault_status=args.fault_status,
         label=args.label, progress=not args.quiet, tls=args.tls, model=args.model,
-        pair=tuple(args.pair) if args.pair else None)
+        pair=tuple(args.pair) if args.pair else None, prefixes=args.prefixes,
+        prefix_words=args.prefix_words, suffix_words=args.suffix_words, prefix_skew=args.prefix_skew,
+        chat_turns=args.chat_turns, mock_cache_blocks=int(cache_blocks), prefill_s_per_token=prefill_s)
 
 
 def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
@@ -199,4 +246,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_bytes(msgspec.json.format(msgspec.json.encode(report)) + b"\n")
         print(f"figures written to {args.json}", file=sys.stderr)
+    if args.report:
+        from narwhal.tools.bench.html_report import render_html
+
+        Path(args.report).write_text(render_html(report))
+        print(f"report written to {args.report}", file=sys.stderr)
     return 0

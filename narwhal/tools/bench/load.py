@@ -302,8 +302,10 @@ class _Load:
     """One run of ``run_load``: the workers and what they share."""
 
     def __init__(self, spec: LoadSpec, state: LoadState, on_record: Callable[[RequestRecord], None] | None,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+                 ssl_context: ssl.SSLContext | None = None, bodies: Callable[[], bytes] | None = None) -> None:
         self.spec = spec
+        # A body per request (the prefix scenario), else the spec's one body, encoded once.
+        self.bodies = bodies
         self.ssl_context = ssl_context
         self.state = state
         self.on_record = on_record
@@ -380,7 +382,8 @@ class _Load:
         started = trio.current_time()
         exchange: _Exchange | None = None
         ended_early = False
-        request = self.request
+        request = self.request if self.bodies is None else build_request(
+            msgspec.structs.replace(self.spec, body=self.bodies()))
         with trio.move_on_at(started + self.spec.timeout_s) as scope:
             if self.spec.prefill_host is not None:
                 prepared = await self._prefill()
@@ -487,9 +490,12 @@ class _Load:
 
 async def run_load(spec: LoadSpec, *, state: LoadState | None = None,
                    on_record: Callable[[RequestRecord], None] | None = None,
-                   ssl_context: ssl.SSLContext | None = None) -> LoadResult:
-    """Run one bounded load and return every request's record; over TLS with ``ssl_context``."""
-    load = _Load(spec, state or LoadState(), on_record, ssl_context)
+                   ssl_context: ssl.SSLContext | None = None, bodies: Callable[[], bytes] | None = None) -> LoadResult:
+    """Run one bounded load and return every request's record; over TLS with ``ssl_context``.
+
+    ``bodies`` gives each request its own body (called once per request); else every request sends ``spec.body``.
+    """
+    load = _Load(spec, state or LoadState(), on_record, ssl_context, bodies)
     load.t0 = trio.current_time()
     load.state.started_at = load.t0
     wall_started_at = time.time()

@@ -57,7 +57,8 @@ async def measured_load(spec: LoadSpec, *, label: str, target: str, client: http
                         router_pid: int | None, engines: Sequence[EngineRef] = (), progress: bool = True,
                         alongside: Callable[[LoadState], Awaitable[None]] | None = None,
                         on_record: Callable[[RequestRecord], None] | None = None,
-                        ssl_context: ssl.SSLContext | None = None) -> tuple[RunReport, LoadResult]:
+                        ssl_context: ssl.SSLContext | None = None,
+                        bodies: Callable[[], bytes] | None = None) -> tuple[RunReport, LoadResult]:
     """Run ``spec`` and measure what it cost the router; returns the report and the raw records."""
     await reset_engine_stats(client, engines)
     state = LoadState()
@@ -71,7 +72,7 @@ async def measured_load(spec: LoadSpec, *, label: str, target: str, client: http
             nursery.start_soon(functools.partial(show_progress, state, label=label, total=spec.requests))
         if alongside is not None:
             nursery.start_soon(alongside, state)
-        result = await run_load(spec, state=state, on_record=on_record, ssl_context=ssl_context)
+        result = await run_load(spec, state=state, on_record=on_record, ssl_context=ssl_context, bodies=bodies)
         nursery.cancel_scope.cancel()
     wall_s = trio.current_time() - started
     self_after = procstat.read_stat(me)

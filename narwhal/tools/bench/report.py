@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
+
+from narwhal.tools.bench.prefix import PrefixReport, format_prefix_lines
 
 __all__ = [
     "BenchReport",
@@ -209,6 +212,11 @@ class BenchReport(msgspec.Struct, frozen=True, kw_only=True):
     baseline: RunReport | None = None
     router_vs_direct: dict[str, float | None] | None = None
     faults: FaultReport | None = None
+    # Narwhal only: its /admin/timeline at the end of the run, and when the load began (unix), for --report.
+    timeline: dict[str, Any] | None = None
+    load_started_unix: float | None = None
+    # The prefix scenario's cache figures (narwhal.tools.bench.prefix.PrefixReport).
+    prefix: PrefixReport | None = None
 
 
 # ----- the table -------------------------------------------------------------------
@@ -323,4 +331,6 @@ def format_report(report: BenchReport) -> str:
         lines.append(f"router / direct: {ratios}")
     if report.faults is not None:
         lines += _fault_lines(report.faults)
+    if report.prefix is not None:
+        lines += format_prefix_lines(report.prefix)
     return "\n".join(lines)

@@ -12,6 +12,7 @@ import signal
 import ssl
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from narwhal.tools.bench.fleet import (
 )
 from narwhal.tools.bench.load import LoadSpec, completion_body, run_load
 from narwhal.tools.bench.measure import EngineRef, measured_load
+from narwhal.tools.bench.prefix import PrefixWorkload, collect_prefix_report
 from narwhal.tools.bench.report import BenchReport, FaultReport, RunReport
 from narwhal.tools.bench.scenario import FaultScenario
 from narwhal.tools.bench.tls import BenchTLS
@@ -78,18 +80,38 @@ class BenchSettings(msgspec.Struct, frozen=True, kw_only=True):
     model: str = "mock-model"
     # --baseline pair: (prefill URL, decode URL).
     pair: tuple[str, str] | None = None
+    # The prefix scenario (bench --scenario prefix).
+    prefixes: int = 8
+    prefix_words: int = 512
+    suffix_words: int = 32
+    prefix_skew: float = 0.0
+    chat_turns: int = 0
+    mock_cache_blocks: int = 0
+    prefill_s_per_token: float = 0.0
 
     @property
     def mock_args(self) -> list[str]:
-        return ["--tokens", str(self.tokens), "--token-delay-s", repr(self.token_delay_s),
+        args = ["--tokens", str(self.tokens), "--token-delay-s", repr(self.token_delay_s),
                 "--sse-writes", self.mock_writes]
+        if self.mock_cache_blocks or self.prefill_s_per_token:
+            args += ["--prefix-cache-blocks", str(self.mock_cache_blocks),
+                     "--prefill-s-per-token", repr(self.prefill_s_per_token)]
+        return args
+
+    def prefix_workload(self) -> PrefixWorkload | None:
+        """The prefix scenario's request bodies, or None for the other scenarios."""
+        if self.scenario != "prefix":
+            return None
+        return PrefixWorkload(prefixes=self.prefixes, prefix_words=self.prefix_words,
+                              suffix_words=self.suffix_words, skew=self.prefix_skew, chat_turns=self.chat_turns,
+                              max_tokens=self.tokens, stream=self.stream, model=self.model)
 
 
 def _spec(settings: BenchSettings, host: str, port: int, body: bytes, *, requests: int | None,
-          duration_s: float | None) -> LoadSpec:
+          duration_s: float | None, path: str = "/v1/completions") -> LoadSpec:
     return LoadSpec(host=host, port=port, body=body, concurrency=settings.concurrency, requests=requests,
                     duration_s=duration_s, keep_alive=settings.keep_alive, stream=settings.stream,
-                    timeout_s=settings.timeout_s,
+                    timeout_s=settings.timeout_s, path=path,
                     # Our mocks always send max_tokens: the fault scenario checks every join's arithmetic.
                     expect_tokens=settings.tokens if settings.scenario == "faults" and settings.target is None
                     else None)
@@ -172,11 +194,11 @@ async def _start_target(nursery: trio.Nursery, settings: BenchSettings, fleet: B
 
 
 async def _measure(nursery: trio.Nursery, settings: BenchSettings, fleet: BenchFleet | None, target: Target,
-                   client: httpx.AsyncClient, body: bytes,
-                   ssl_context: ssl.SSLContext | None = None) -> tuple[RunReport, FaultReport | None]:
+                   client: httpx.AsyncClient, body: bytes, ssl_context: ssl.SSLContext | None = None,
+                   workload: PrefixWorkload | None = None) -> tuple[RunReport, FaultReport | None]:
     label = _label(settings, target)
     spec = _spec(settings, target.host, target.port, body, requests=settings.requests,
-                 duration_s=settings.duration_s)
+                 duration_s=settings.duration_s, path=workload.path if workload else "/v1/completions")
     scenario = None
     if settings.scenario == "faults":
         assert fleet is not None
@@ -194,7 +216,7 @@ async def _measure(nursery: trio.Nursery, settings: BenchSettings, fleet: BenchF
                                           router_pid=target.pid, engines=_engine_refs(fleet),
                                           progress=settings.progress,
                                           alongside=scenario.run if scenario else None,
-                                          ssl_context=ssl_context)
+                                          ssl_context=ssl_context, bodies=workload)
     finally:
         if profiler is not None:
             with trio.CancelScope(shield=True):
@@ -218,6 +240,18 @@ async def _direct_baseline(settings: BenchSettings, fleet: BenchFleet, client: h
                                  router_pid=None, engines=[(name, "decode", engine.url, engine.pid)],
                                  progress=settings.progress, ssl_context=ssl_context)
     return run
+
+
+async def _timeline(client: httpx.AsyncClient, target: Target) -> dict[str, Any] | None:
+    """A Narwhal router's ``/admin/timeline`` (for ``--report``); None from another router or on any error."""
+    if not target.is_narwhal:
+        return None
+    try:
+        response = await client.get(f"{target.url}/admin/timeline")
+        body = response.json() if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    return body if isinstance(body, dict) else None
 
 
 async def _pair_baseline(settings: BenchSettings, client: httpx.AsyncClient) -> RunReport:
@@ -252,6 +286,8 @@ async def run_bench(settings: BenchSettings) -> BenchReport:
     body = completion_body(prompt_words=settings.prompt_words, max_tokens=settings.tokens, stream=settings.stream,
                            model=settings.model)
     probe_body = completion_body(prompt_words=4, max_tokens=2, stream=True, model=settings.model)
+    workload = settings.prefix_workload()
+    prefix = None
     with make_workdir() as workdir_name:
         workdir = Path(workdir_name)
         tls = BenchTLS(workdir) if settings.tls else None
@@ -271,8 +307,15 @@ async def run_bench(settings: BenchSettings) -> BenchReport:
                                          timeout_s=10.0 if target.kind == "external" else 60.0)
                 if settings.warmup:
                     await run_load(_spec(settings, target.host, target.port, body, requests=settings.warmup,
-                                         duration_s=None), ssl_context=context)
-                run, faults = await _measure(nursery, settings, fleet, target, client, body, context)
+                                         duration_s=None, path=workload.path if workload else "/v1/completions"),
+                                   ssl_context=context, bodies=workload)
+                load_started_unix = time.time()
+                run, faults = await _measure(nursery, settings, fleet, target, client, body, context, workload)
+                timeline = await _timeline(client, target)
+                if workload is not None and fleet is not None:
+                    prefix = await collect_prefix_report(
+                        client, [(name, fleet.engines[name].url) for name in fleet.names("prefill")], workload,
+                        narwhal_url=target.url if target.is_narwhal and not settings.tls else None)
                 baseline = None
                 if settings.baseline == "direct":
                     assert fleet is not None
@@ -287,4 +330,5 @@ async def run_bench(settings: BenchSettings) -> BenchReport:
                         await fleet.stop()
                 nursery.cancel_scope.cancel()
             return BenchReport(settings=_settings_record(settings, target), run=run, baseline=baseline,
-                               router_vs_direct=_ratios(run, baseline) if baseline else None, faults=faults)
+                               router_vs_direct=_ratios(run, baseline) if baseline else None, faults=faults,
+                               timeline=timeline, load_started_unix=load_started_unix, prefix=prefix)

@@ -58,6 +58,7 @@ from narwhal.tools.mock.faults import (
     Operation,
     parse_fault_spec,
 )
+from narwhal.tools.mock.prefix_cache import PrefixCache
 from narwhal.wire import AttestRequest, AttestResponse, EngineIdentity, KVTransferParams, error_json
 
 if TYPE_CHECKING:
@@ -200,6 +201,10 @@ class MockSettings(msgspec.Struct, frozen=True, kw_only=True):
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     tls_client_ca_file: str | None = None
+    # A prefix cache of this many 16-token blocks (0: none), and the time a prefill takes per prompt
+    # token it did not find cached; prefills then run one at a time, so misses cost and queues form.
+    prefix_cache_blocks: int = 0
+    prefill_s_per_token: float = 0.0
 
     @property
     def effective_kv_roles(self) -> tuple[str, ...]:
@@ -335,6 +340,9 @@ class MockEngine:
         self._ids = itertools.count(1)
         self._id_prefix = secrets.token_hex(4)
         self._blocks = itertools.count(1)
+        self.prefix_cache = PrefixCache(settings.prefix_cache_blocks, _BLOCK_TOKENS) \
+            if settings.prefix_cache_blocks > 0 else None
+        self._prefill_lock = trio.Lock()
         for spec in settings.faults:
             self.add_fault(parse_fault_spec(spec))
         self._routes: dict[str, dict[bytes, _Route]] = {
@@ -559,6 +567,8 @@ class MockEngine:
         applied = await self._take_or_answer(job.op, responder, streamed=job.stream, handoff=job.handoff)
         if applied is None:
             return
+        if job.op is Operation.PREFILL and (self.prefix_cache is not None or self.settings.prefill_s_per_token):
+            await self._compute_prefill(body, chat)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{self._id_prefix}{next(self._ids):x}"
         created = int(time.time())
         slow = applied.get(Mode.SLOW_TOKENS)
@@ -600,6 +610,15 @@ class MockEngine:
         else:
             answer["kv_transfer_params"] = None
         await responder.respond(200, _JSON, _encode(answer))
+
+    async def _compute_prefill(self, body: _CompletionBody, chat: bool) -> None:
+        """One prefill at a time, taking ``prefill_s_per_token`` per prompt token not in the prefix cache."""
+        tokens = tokenize(messages=body.messages) if chat else tokenize(body.prompt)
+        async with self._prefill_lock:
+            cached = self.prefix_cache.prefill(tokens) if self.prefix_cache is not None else 0
+            delay_s = (len(tokens) - cached) * self.settings.prefill_s_per_token
+            if delay_s > 0:
+                await trio.sleep(delay_s)
 
     def _put_handoff(self, answer: dict[str, Any], prompt_tokens: int, bad_kv: Fault | None) -> None:
         """The prefill's KV handoff, or the unreadable one a ``bad_kv`` fault asks for."""
@@ -749,11 +768,18 @@ class MockEngine:
         await responder.respond(200, _JSON, _encode({"faults": []}))
 
     async def _get_stats(self, request: Request, responder: Responder) -> None:
-        await responder.respond(200, _JSON, _encode(self.stats.describe()))
+        await responder.respond(200, _JSON, _encode(self._describe_stats()))
 
     async def _reset_stats(self, request: Request, responder: Responder) -> None:
         self.stats = MockStats()
-        await responder.respond(200, _JSON, _encode(self.stats.describe()))
+        if self.prefix_cache is not None:
+            self.prefix_cache.reset_counters()
+        await responder.respond(200, _JSON, _encode(self._describe_stats()))
+
+    def _describe_stats(self) -> dict[str, Any]:
+        described = self.stats.describe()
+        described["prefix_cache"] = None if self.prefix_cache is None else self.prefix_cache.describe()
+        return described
 
 
 def _decode_body(raw: bytes, type_: type[_T]) -> _T:
@@ -905,6 +931,11 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--tls-key-file", metavar="PEM", help="the certificate's private key")
     parser.add_argument("--tls-client-ca-file", metavar="PEM",
                         help="require client certificates signed by this CA (mutual TLS)")
+    parser.add_argument("--prefix-cache-blocks", type=int, default=0, metavar="N",
+                        help="model a prefix cache: an LRU of N 16-token prompt blocks (default 0: none)")
+    parser.add_argument("--prefill-s-per-token", type=float, default=0.0, metavar="S",
+                        help="prefill time per prompt token not in the prefix cache; prefills run one at a time "
+                             "(default 0)")
     parser.add_argument("--fault", action="append", default=[], metavar="SPEC",
                         help="fault at start, MODE[:KEY=VALUE,...] (repeatable), e.g. status_500:count=3")
     return parser
@@ -915,6 +946,8 @@ def _settings_from_args(args: argparse.Namespace) -> MockSettings:
     unknown = set(kv_roles) - {"producer", "consumer"}
     if unknown:
         raise ValueError(f"--kv-roles: unknown role(s) {', '.join(sorted(unknown))}")
+    if args.prefix_cache_blocks < 0 or not args.prefill_s_per_token >= 0:
+        raise ValueError("--prefix-cache-blocks and --prefill-s-per-token must be >= 0")
     if args.tokens < 1 or args.max_model_len < 1 or args.token_delay_s < 0 or args.idle_timeout_s <= 0:
         raise ValueError("--tokens and --max-model-len must be >= 1, --token-delay-s >= 0, --idle-timeout-s > 0")
     if (args.tls_cert_file is None) != (args.tls_key_file is None):
@@ -927,7 +960,8 @@ def _settings_from_args(args: argparse.Namespace) -> MockSettings:
         tokens=args.tokens, numbered=args.numbered_tokens, token_delay_s=args.token_delay_s, kv_roles=kv_roles,
         faults=tuple(args.fault),
         idle_timeout_s=args.idle_timeout_s, sse_writes=args.sse_writes, tls_cert_file=args.tls_cert_file,
-        tls_key_file=args.tls_key_file, tls_client_ca_file=args.tls_client_ca_file)
+        tls_key_file=args.tls_key_file, tls_client_ca_file=args.tls_client_ca_file,
+        prefix_cache_blocks=args.prefix_cache_blocks, prefill_s_per_token=args.prefill_s_per_token)
 
 
 async def _run(settings: MockSettings) -> None:

@@ -1,0 +1,165 @@
+"""Placement policy: cache-aware prefill selection under a balance bound, least outstanding decode.
+
+Pure logic (no I/O, no clock). The caller gives the eligible engines (fleet
+rules and retry exclusions already applied), each engine's load (requests in
+flight on it router-wide, prefills and decodes) and the prompt's chained block
+hashes; ``Placer`` answers which engine, why, and how much of the prompt it
+holds, and records the prompt on the chosen engine.
+
+Prefill, ``cache_aware``:
+1. Only engines within the balance bound may win on a match: load at most
+   ``max(least + balance_abs, least * balance_rel)``, ``least`` being the least
+   loaded candidate's load (the least loaded is always within it).
+2. Among those, the longest match wins. ``hit``: the winner holds as much as any candidate. ``spill``: a better match
+   was past the bound; the next best takes the prompt and holds it from now on.
+3. Nobody holds any of it (``miss``): the least loaded; among equally loaded,
+   the one whose index holds least, so new prefixes spread over the caches.
+Equal matches go to the engine that had the prompt placed last (by the
+placement's time, which worker processes share). Remaining ties are broken by
+rendezvous hashing on the prompt's first blocks,
+so every worker process picks the same engine from the same state, and a
+prompt's first placement is deterministic while loads are equal.
+
+Decode is least outstanding (random among ties): the KV arrives from the
+prefill, so no decode engine holds a useful prefix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import random
+from collections.abc import Callable, Sequence
+from typing import Literal, NamedTuple
+
+from narwhal.fleet.prefix_index import PrefixIndex
+
+__all__ = ["ANCHOR_BLOCKS", "Choice", "Placer", "Reason"]
+
+Reason = Literal["hit", "miss", "spill", "only_choice", "least_outstanding"]
+# Rendezvous hashing keys on the hash of this many leading blocks (fewer in a shorter prompt).
+ANCHOR_BLOCKS = 4
+_MASK = (1 << 64) - 1
+
+
+class Choice(NamedTuple):
+    """One placement: the engine, why it won, and the matched share of the prompt (None: no blocks)."""
+
+    engine: str
+    reason: Reason
+    matched: float | None
+
+
+def _salt(name: str) -> int:
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+
+
+def _mix(value: int) -> int:
+    # splitmix64's finalizer: a cheap, well-spread 64-bit mix for rendezvous scores.
+    value = (value ^ (value >> 30)) * 0xBF58476D1CE4E5B9 & _MASK
+    value = (value ^ (value >> 27)) * 0x94D049BB133111EB & _MASK
+    return value ^ (value >> 31)
+
+
+class Placer:
+    """Chooses engines for one router process; ``record`` keeps the index in step with its choices."""
+
+    def __init__(self, index: PrefixIndex, *, cache_aware: bool = True, balance_abs: int = 8,
+                 balance_rel: float = 1.5, rng: random.Random | None = None,
+                 on_record: Callable[[str, Sequence[int], float], None] | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
+        self.index = index
+        # When a placement happened, on a clock all processes share (the shell gives CLOCK_MONOTONIC);
+        # by default a counter, enough in one process.
+        self.clock: Callable[[], float] = clock or itertools.count(1).__next__
+        # Told of every recorded prompt: a worker process shares its placements through the controller.
+        self.on_record = on_record
+        self.cache_aware = cache_aware
+        self.balance_abs = balance_abs
+        self.balance_rel = balance_rel
+        self.rng = rng or random.Random()
+        self._salts: dict[str, int] = {}
+
+    def rank(self, anchor: int, name: str) -> int:
+        """The engine's rendezvous score for a prompt anchor (higher wins a tie), the same in every process."""
+        salt = self._salts.get(name)
+        if salt is None:
+            salt = self._salts[name] = _salt(name)
+        return _mix(anchor ^ salt)
+
+    def prefill(self, candidates: Sequence[str], blocks: Sequence[int], load: Callable[[str], int]) -> Choice | None:
+        """The prefill engine for a prompt of ``blocks`` among ``candidates``, or None when there are none."""
+        if not candidates:
+            return None
+        n = len(blocks)
+        index = self.index
+        if len(candidates) == 1:
+            name = candidates[0]
+            return Choice(name, "only_choice", index.match(name, blocks) / n if n else None)
+        if not self.cache_aware:
+            return self._least_loaded(candidates, load, blocks, "least_outstanding")
+        loads = {name: load(name) for name in candidates}
+        least = min(loads.values())
+        bound = max(least + self.balance_abs, least * self.balance_rel)
+        matches = {name: index.match(name, blocks) for name in candidates} if n else dict.fromkeys(candidates, 0)
+        best_any = max(matches.values())
+        if best_any == 0:
+            pool = [name for name in candidates if loads[name] == least]
+            if len(pool) > 1:
+                # The emptiest index among the least loaded: new prefixes spread over the caches.
+                smallest = min(index.entries(name) for name in pool)
+                pool = [name for name in pool if index.entries(name) == smallest]
+            return self._pick(pool, blocks, "miss", 0)
+        allowed = [name for name in candidates if loads[name] <= bound]
+        best = max(matches[name] for name in allowed)
+        pool = [name for name in allowed if matches[name] == best]
+        if len(pool) > 1 and best:
+            # Equal holders: the one that had it last, whose cache most likely still has it. A spilled
+            # prefix thus concentrates again on one engine instead of crowding several caches, and
+            # worker processes agree on which (the time of a placement travels with its record).
+            deepest = blocks[best - 1]
+            latest = max(index.last_used(name, deepest) for name in pool)
+            pool = [name for name in pool if index.last_used(name, deepest) == latest]
+        elif len(pool) > 1:
+            lowest = min(loads[name] for name in pool)
+            pool = [name for name in pool if loads[name] == lowest]
+        return self._pick(pool, blocks, "hit" if best == best_any else "spill", best)
+
+    def decode(self, candidates: Sequence[str], load: Callable[[str], int]) -> Choice | None:
+        """The decode engine: least outstanding, random among ties; None when there are none."""
+        if not candidates:
+            return None
+        if len(candidates) == 1:
+            return Choice(candidates[0], "only_choice", None)
+        loads = [load(name) for name in candidates]
+        least = min(loads)
+        tied = [name for name, n in zip(candidates, loads, strict=True) if n == least]
+        return Choice(tied[0] if len(tied) == 1 else self.rng.choice(tied), "least_outstanding", None)
+
+    def record(self, engine: str, blocks: Sequence[int]) -> None:
+        """The prompt was sent to ``engine``: it holds these blocks now."""
+        if self.cache_aware and blocks:
+            at = self.clock()
+            self.index.record(engine, blocks, at)
+            if self.on_record is not None:
+                self.on_record(engine, blocks, at)
+
+    def _least_loaded(self, candidates: Sequence[str], load: Callable[[str], int], blocks: Sequence[int],
+                      reason: Reason) -> Choice:
+        loads = [load(name) for name in candidates]
+        least = min(loads)
+        tied = [name for name, n in zip(candidates, loads, strict=True) if n == least]
+        name = tied[0] if len(tied) == 1 else self.rng.choice(tied)
+        return Choice(name, reason, None)
+
+    def _pick(self, pool: list[str], blocks: Sequence[int], reason: Reason, matched: int) -> Choice:
+        n = len(blocks)
+        if len(pool) == 1:
+            name = pool[0]
+        elif not n:
+            # No blocks to key on (a short prompt): random, so such prompts do not all go to one engine.
+            name = self.rng.choice(pool)
+        else:
+            anchor = blocks[min(n, ANCHOR_BLOCKS) - 1] if n else 0
+            name = max(pool, key=lambda candidate: self.rank(anchor, candidate))
+        return Choice(name, reason, matched / n if n else None)

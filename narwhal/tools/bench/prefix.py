@@ -1,0 +1,164 @@
+"""The prefix scenario (``bench --scenario prefix``): shared prefixes, unique suffixes, and the cache hits.
+
+Each request takes one of ``prefixes`` groups: the group's shared prefix of
+``prefix_words`` words, then ``suffix_words`` words no other request has. With
+``skew`` a share of all requests goes to group 0 and the rest spread over the
+others. With ``chat_turns`` the requests are chat conversations instead: the
+group's prefix is the system message, each group has a few conversations, and
+each request is the next turn of one of them (the whole conversation so far,
+then a new user message), so conversations grow as in a chat client.
+
+The mock prefill engines model a prefix cache; after the load their
+``/mock/stats`` give the hit rate (cached prompt tokens over prompt tokens, as
+vLLM's prefix-cache metrics count it) and each engine's share of prefills.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+import msgspec
+
+__all__ = ["CONVERSATIONS_PER_GROUP", "PrefixReport", "PrefixWorkload", "collect_prefix_report",
+           "format_prefix_lines"]
+
+# Conversations that share one group's system prompt at a time (chat_turns > 0).
+CONVERSATIONS_PER_GROUP = 4
+# Words an assistant turn adds to a conversation.
+_ANSWER_WORDS = 16
+
+_encode = msgspec.json.Encoder().encode
+_PREFILL_REASON = re.compile(r'^narwhal_placement_total\{role="prefill",reason="([a-z_]+)"\} ([0-9.e+]+)$')
+
+
+class PrefixWorkload:
+    """Bodies for the prefix scenario, one per call; deterministic for a seed."""
+
+    def __init__(self, *, prefixes: int, prefix_words: int, suffix_words: int, skew: float, chat_turns: int,
+                 max_tokens: int, stream: bool, model: str = "mock-model", seed: int = 1) -> None:
+        self.prefixes = prefixes
+        self.suffix_words = suffix_words
+        self.skew = skew
+        self.chat_turns = chat_turns
+        self.max_tokens = max_tokens
+        self.stream = stream
+        self.model = model
+        self._rng = random.Random(seed)
+        self._serial = 0
+        self._prefix_text = [" ".join(f"g{g}w{i}" for i in range(prefix_words)) for g in range(prefixes)]
+        # (group, conversation) -> the conversation's messages after its system prompt.
+        self._conversations: dict[tuple[int, int], list[dict[str, str]]] = {}
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.chat_turns else "/v1/completions"
+
+    def group(self) -> int:
+        """The next request's prefix group."""
+        rng = self._rng
+        if self.prefixes > 1 and self.skew > 0:
+            if rng.random() < self.skew:
+                return 0
+            return rng.randrange(1, self.prefixes)
+        return rng.randrange(self.prefixes)
+
+    def _unique(self, words: int) -> str:
+        self._serial += 1
+        return " ".join(f"u{self._serial}x{i}" for i in range(words))
+
+    def __call__(self) -> bytes:
+        group = self.group()
+        body: dict[str, Any] = {"model": self.model, "max_tokens": self.max_tokens, "stream": self.stream}
+        if not self.chat_turns:
+            body["prompt"] = self._prefix_text[group] + " " + self._unique(self.suffix_words)
+            return _encode(body)
+        key = (group, self._rng.randrange(CONVERSATIONS_PER_GROUP))
+        turns = self._conversations.get(key)
+        if turns is None or len(turns) >= 2 * self.chat_turns - 1:
+            # A finished conversation makes way for a new one on the same system prompt.
+            turns = self._conversations[key] = []
+        elif turns:
+            turns.append({"role": "assistant", "content": self._unique(_ANSWER_WORDS)})
+        turns.append({"role": "user", "content": self._unique(self.suffix_words)})
+        body["messages"] = [{"role": "system", "content": self._prefix_text[group]}, *turns]
+        return _encode(body)
+
+
+class EngineCache(msgspec.Struct, frozen=True, kw_only=True):
+    """One prefill mock's prefix cache during the load."""
+
+    name: str
+    prefills: int
+    prompt_tokens: int
+    cached_tokens: int
+    hit_rate: float | None
+
+
+class PrefixReport(msgspec.Struct, frozen=True, kw_only=True):
+    """The prefix scenario's figures: hit rate over all prefill engines, and how prefills spread."""
+
+    hit_rate: float | None
+    largest_prefill_share: float | None
+    engines: list[EngineCache]
+    workload: dict[str, Any]
+    # Narwhal's own count of its prefill choices by reason, when the router is Narwhal.
+    placements: dict[str, float] = {}
+
+
+def _placements(metrics: str) -> dict[str, float]:
+    found: dict[str, float] = {}
+    for line in metrics.splitlines():
+        match = _PREFILL_REASON.match(line)
+        if match:
+            found[match.group(1)] = float(match.group(2))
+    return found
+
+
+async def collect_prefix_report(client: httpx.AsyncClient, prefill_urls: Sequence[tuple[str, str]],
+                                workload: PrefixWorkload, narwhal_url: str | None = None) -> PrefixReport:
+    """Read every prefill mock's prefix-cache counters (reset at the start of the measured load).
+
+    With ``narwhal_url`` also Narwhal's prefill placements by reason (warm-up included).
+    """
+    engines: list[EngineCache] = []
+    for name, url in prefill_urls:
+        stats = (await client.get(url + "/mock/stats")).json()
+        cache = stats.get("prefix_cache") or {}
+        engines.append(EngineCache(name=name, prefills=int(stats.get("prefill", 0)),
+                                   prompt_tokens=int(cache.get("prompt_tokens", 0)),
+                                   cached_tokens=int(cache.get("cached_tokens", 0)), hit_rate=cache.get("hit_rate")))
+    placements: dict[str, float] = {}
+    if narwhal_url is not None:
+        try:
+            placements = _placements((await client.get(narwhal_url + "/metrics")).text)
+        except httpx.HTTPError:
+            placements = {}
+    prompt = sum(engine.prompt_tokens for engine in engines)
+    prefills = sum(engine.prefills for engine in engines)
+    return PrefixReport(
+        hit_rate=round(sum(engine.cached_tokens for engine in engines) / prompt, 4) if prompt else None,
+        largest_prefill_share=round(max(engine.prefills for engine in engines) / prefills, 4) if prefills else None,
+        engines=engines,
+        workload={"prefixes": workload.prefixes, "skew": workload.skew, "chat_turns": workload.chat_turns,
+                  "suffix_words": workload.suffix_words},
+        placements=placements)
+
+
+def format_prefix_lines(report: PrefixReport) -> list[str]:
+    """The prefix scenario's lines under the table."""
+    def share(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    lines = ["", f"prefix scenario: {report.workload}",
+             f"  prefix hit rate (cached / prompt tokens)  {share(report.hit_rate)}",
+             f"  largest share of prefills on one engine   {share(report.largest_prefill_share)}"]
+    for engine in report.engines:
+        lines.append(f"  {engine.name}: {engine.prefills} prefills, hit rate {share(engine.hit_rate)}")
+    if report.placements:
+        counts = ", ".join(f"{reason} {int(n)}" for reason, n in sorted(report.placements.items()))
+        lines.append(f"  narwhal prefill placements (warm-up included): {counts}")
+    return lines
