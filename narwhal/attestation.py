@@ -14,11 +14,15 @@ from collections.abc import Mapping
 
 from narwhal.errors import NarwhalError
 
-__all__ = ["KEY_ENV", "KEY_FILE_ENV", "FleetKeyError", "key_from_environment", "read_key_file", "sign", "verify"]
+__all__ = ["IDENTITY_FIELD_CHARS", "KEY_ENV", "KEY_FILE_ENV", "FleetKeyError", "key_from_environment",
+           "read_key_file", "sign", "verify"]
 
 # Where an engine (or engine-check) finds the fleet key: a file, or the key itself.
 KEY_FILE_ENV = "NARWHAL_FLEET_KEY_FILE"
 KEY_ENV = "NARWHAL_FLEET_KEY"
+
+# The longest identity fields a router accepts (longer ones are refused, not cut: they are signed).
+IDENTITY_FIELD_CHARS = {"engine_id": 256, "model": 1024, "generation": 256}
 
 # A key file is a short secret; anything larger is a wrong path, not a key.
 _MAX_KEY_FILE_BYTES = 64 * 1024

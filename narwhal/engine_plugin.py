@@ -232,6 +232,12 @@ class PluginSettings:
             started_at = process_started_at(proc=proc)
         if started_at is None:
             started_at = time.time()
+        for name, value, env_name in (("engine_id", engine_id, ENGINE_ID_ENV),
+                                      ("generation", generation, GENERATION_ENV), ("model", model, MODEL_ENV)):
+            limit = attestation.IDENTITY_FIELD_CHARS[name]
+            if value and len(value) > limit:
+                # A router refuses it: say so here, where it can be fixed.
+                problems.append(f"{name} is {len(value)} characters long, more than {limit} (set {env_name})")
         key_environ = {name: env[name] for name in (attestation.KEY_FILE_ENV, attestation.KEY_ENV) if name in env}
         return cls(engine_id=engine_id, generation=generation, model=model, kv_roles=kv_roles,
                    process_started_at=started_at, problems=tuple(problems), key_environ=key_environ)

@@ -33,6 +33,7 @@ library's or a bug. The tree, with the module each class lives in:
     ├── ContractViolation ........... control.contract: an engine's answer breaks the engine contract
     ├── LeaseBackendError ........... lease.backend: the lease store (file lock, etcd) could not answer
     ├── HandoffRejected (ValueError)  wire: a prefill's kv_transfer_params that must not reach a decode
+    ├── InvalidTarget (ValueError) .. http1.target: a request target in neither origin nor absolute form
     ├── FleetKeyError ............... attestation: the fleet key cannot be had
     ├── FaultError (ValueError) ..... tools.mock.faults: a mock-engine fault that cannot be applied
     ├── CommandTemplateError (ValueError)  tools.bench.fleet: a bench --router-cmd template that cannot run

@@ -4,14 +4,15 @@ The data plane is one ``DataPlane`` (``narwhal/serving/data_plane.py``),
 served in this process or by worker processes; the control plane, the control
 app and the lease are built once either way. Ownership: ``Router.run`` opens
 the nursery that owns the supervisor (probes), the monitor, the optional
-hypercorn admin listener, the data plane and the lease. ``shutdown`` closes
-admission, stops accepting, lets in-flight requests finish within the grace
-period, then cancels the rest. ``reload`` (SIGHUP, ``POST /admin/reload``) is
-the one reload path: the config file (its reloadable keys, ``narwhal.config_diff``;
-engines added through readmission, removed after their requests finish), then
-``reload_tls``: this process's contexts, then the data plane's (each worker's),
-and ``tls_reloaded`` only once every part reloaded. The engine set reaches
-worker processes in the hub's snapshots.
+admin listener (the same HTTP/1.1 server, with its own bounds), the data
+plane and the lease. ``shutdown`` closes admission, stops accepting, lets
+in-flight requests finish within the grace period, then cancels the rest.
+``reload`` (SIGHUP, ``POST /admin/reload``) is the one reload path: the config
+file (its reloadable keys, ``narwhal.config_diff``; engines added through
+readmission, removed after their requests finish), then ``reload_tls``: this
+process's contexts (the admin listener's too), then the data plane's (each
+worker's), and ``tls_reloaded`` only once every part reloaded. The engine set
+reaches worker processes in the hub's snapshots.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from narwhal.fleet.admission import Admission
 from narwhal.fleet.shared_index import SharedIndex
 from narwhal.fleet.telemetry import Telemetry
 from narwhal.http1.asgi import ASGILifespan, call_asgi
+from narwhal.http1.server import HTTPServer
 from narwhal.lease import EtcdLeaseBackend, build_backend
 from narwhal.lease.service import LeaseService, LeaseView
 from narwhal.obs.logs import flush_logs, log_event
@@ -58,12 +60,13 @@ from narwhal.obs.timeline import Timeline
 from narwhal.obs.timeline_feed import TimelineFeed
 from narwhal.pools.control import ControlPool
 from narwhal.serving.data_plane import DataPlane, LocalDataPlane
+from narwhal.serving.front import build_admin_server
 from narwhal.serving.placement import RequestPlacement, build_index, build_placer
 from narwhal.stages import build_stages
 from narwhal.stages.persistence import HandoffExtra, PersistenceStage
 from narwhal.state.handoff import EngineSetEntry, LeaseOwnership
 from narwhal.state.resume import apply_resume, plan_resume
-from narwhal.tls import TLSContexts
+from narwhal.tls import ExpiryWatch, TLSContexts
 from narwhal.workers.hub import WorkerHub
 from narwhal.workers.index_relay import IndexRelay
 from narwhal.workers.plane import WorkerDataPlane
@@ -172,6 +175,8 @@ class Router:
         self.via_token = f"narwhal-{secrets.token_hex(8)}"
         # Certificates are read here: a problem is a ConfigError naming the key.
         self.tls = TLSContexts(config, config_dir)
+        # Warns before the serving certificate expires; feeds narwhal_tls_cert_expiry_seconds.
+        self.cert_expiry = ExpiryWatch(self.tls)
         self.control_pool = ControlPool(control_connections=config.engine.control_connections,
                                         engine_config=config.engine, via=f"1.1 {self.via_token}",
                                         ssl_context=self.tls.engine)
@@ -225,6 +230,8 @@ class Router:
                                         readmitter=self.readmitter, controller=self.controller, monitor=self.monitor,
                                         prefix_index=self.prefix_index.index)
         register_admin_routes(self.app, self)
+        # The [admin] listen server while it runs.
+        self.admin_server: HTTPServer | None = None
         register_ui_routes(self.app, self)
         # The engine set as it changes with reloads: the supervisor's specs are the one table
         # of addresses (engines being removed included); workers get it in their snapshots.
@@ -373,6 +380,8 @@ class Router:
 
         m.add_gauge("narwhal_engine_eligible", "1 when the engine may take new requests.",
                     ("engine", "role"), eligibility)
+        m.add_gauge("narwhal_tls_cert_expiry_seconds", "Seconds until the serving certificate expires "
+                    "(negative once it has); no sample without TLS.", (), self.cert_expiry.gauge)
         m.add_gauge("narwhal_ready", "1 when /ready answers 200.", (),
                     lambda: {(): float(self.readiness() is None)})
         if isinstance(self.data_plane, WorkerDataPlane):
@@ -432,6 +441,8 @@ class Router:
                           tls=self.tls.server is not None, workers=self.worker_count)
                 started = True
                 self._warn_if_admin_open(f"{host}:{self.bound_port}")
+                self.cert_expiry.check(force=True)
+                nursery.start_soon(self.cert_expiry.run)
                 task_status.started(self.bound_port)
         finally:
             for listener in listeners:
@@ -467,7 +478,7 @@ class Router:
             raise StartupError(f"serving.listen: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
     def _bind_admin(self) -> int:
-        """The admin listener's socket, bound and listening; its fd is handed to hypercorn."""
+        """The admin listener's socket, bound and listening (before the router reports started)."""
         address = self.config.admin.listen
         assert address is not None
         host, port = parse_listen(address)
@@ -672,6 +683,8 @@ class Router:
         except ConfigError as exc:
             log_event("tls_reload_failed", level=logging.ERROR, message=str(exc))
             return False
+        if self.admin_server is not None:
+            self.admin_server.ssl_context = self.tls.server
         await self.control_pool.set_ssl_context(self.tls.engine)
         failures = await self.data_plane.reload_tls(self.tls)
         if failures:
@@ -680,6 +693,7 @@ class Router:
             return False
         log_event("tls_reloaded", server=self.tls.server is not None, engines=self.tls.engine is not None,
                   workers=self.worker_count)
+        self.cert_expiry.check(force=True)
         return True
 
     def shutdown(self, grace_s: float | None = None) -> None:
@@ -694,23 +708,11 @@ class Router:
         self.data_plane.shutdown(grace)
 
     async def _serve_admin(self, fd: int, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        from hypercorn.config import Config as HypercornConfig
-        from hypercorn.trio import serve
-
-        tls = self.tls
-
-        class AdminConfig(HypercornConfig):
-            # hypercorn builds its context once; ours follows reloads (see TLSContexts).
-            @property
-            def ssl_enabled(self) -> bool:
-                return tls.server is not None
-
-            def create_ssl_context(self) -> Any:
-                return tls.follower_server_context()
-
-        hconfig = AdminConfig()
-        hconfig.bind = [f"fd://{fd}"]
-        hconfig.accesslog = None
-        hconfig.errorlog = None
-        task_status.started()
-        await serve(self.app, hconfig, mode="asgi")
+        # The control app on its own listener, with its own bounds (build_admin_server).
+        listener = trio.SocketListener(trio.socket.from_stdlib_socket(socket.socket(fileno=fd)))
+        server = self.admin_server = build_admin_server(self.config, functools.partial(call_asgi, self.app),
+                                                        self.tls.server)
+        try:
+            await server.serve_listeners([listener], task_status=task_status)
+        finally:
+            self.admin_server = None

@@ -1,23 +1,145 @@
 """TLS material: the router's server context and its client context for engines, built from files.
 
 Both are built at startup, where any problem is a ``ConfigError`` naming the
-key (missing file, not PEM, key does not match the certificate), and rebuilt
-on SIGHUP. Holders swap a context by assigning one attribute: a handshake
-already done keeps the context it began with, and the next handshake uses the
-new one, so a reload never drops a connection.
+key (missing file, not PEM, key does not match the certificate, an expired
+serving certificate), and rebuilt on SIGHUP. Holders swap a context by
+assigning one attribute: a handshake already done keeps the context it began
+with, and the next handshake uses the new one, so a reload never drops a
+connection.
+
+The config module never imports this one: ``parse_config`` checks the text,
+and the certificates are read where the contexts are built (``Router``, each
+worker, ``engine-check``), so a bad file is still a one-line error naming its key.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import calendar
+import dataclasses
+import datetime
+import logging
+import math
+import re
 import ssl
+import time
+from collections.abc import Callable
 from pathlib import Path
 
-from narwhal.config import Config, ConfigError, EngineConfig, ServingConfig, resolve_config_path
+import trio
 
-__all__ = ["TLSContexts", "engine_context", "server_context", "server_context_from_files", "tls_reason"]
+from narwhal.config import Config, ConfigError, EngineConfig, ServingConfig, resolve_config_path
+from narwhal.obs.logs import log_event
+
+__all__ = [
+    "CertificateLifetime",
+    "ExpiryWatch",
+    "TLSContexts",
+    "certificate_lifetime",
+    "engine_context",
+    "expiry_warning_due",
+    "server_context",
+    "server_context_from_files",
+    "tls_reason",
+]
 
 # The only protocol either front speaks; ALPN says so to clients that ask.
 _ALPN = ["http/1.1"]
+# How often a running router looks at its serving certificate's end, and repeats a warning.
+_EXPIRY_CHECK_INTERVAL_S = 3600.0
+_EXPIRY_REPEAT_S = 86400.0
+# A serving certificate is "expiring" in the last third of its life, and at the latest 30 days
+# before it ends: cert-manager and ACME clients renew at two thirds, so a warning means a renewal failed.
+_EXPIRY_WARNING_MAX_S = 30 * 86400.0
+_EXPIRY_WARNING_FRACTION = 1 / 3
+_PEM_CERTIFICATE = re.compile(rb"-----BEGIN CERTIFICATE-----\s*(.+?)\s*-----END CERTIFICATE-----", re.S)
+
+
+@dataclasses.dataclass(frozen=True)
+class CertificateLifetime:
+    """A certificate's validity, in unix seconds."""
+
+    not_before: float
+    not_after: float
+
+    def remaining_s(self, now: float) -> float:
+        """Seconds until it expires (negative once it has)."""
+        return self.not_after - now
+
+
+def certificate_lifetime(pem: bytes) -> CertificateLifetime:
+    """The validity of the first certificate in ``pem`` (the leaf of a chain); ValueError if unreadable.
+
+    Read from the DER by hand: the standard library loads certificates into
+    contexts but gives no public way to read a file's dates.
+    """
+    match = _PEM_CERTIFICATE.search(pem)
+    if match is None:
+        raise ValueError("no PEM certificate")
+    try:
+        der = base64.b64decode(b"".join(match.group(1).split()), validate=True)
+    except binascii.Error:
+        raise ValueError("the PEM certificate is not base64") from None
+    # Certificate ::= SEQUENCE { tbsCertificate SEQUENCE { [0] version?, serial, signature,
+    #                            issuer, validity SEQUENCE { notBefore, notAfter }, ... } ... }
+    _tag, start, _end = _der_item(der, 0)
+    _tag, pos, _end = _der_item(der, start)
+    tag, _start, end = _der_item(der, pos)
+    if tag == 0xA0:  # explicit version
+        pos = end
+    for _field in ("serial", "signature", "issuer"):
+        pos = _der_item(der, pos)[2]
+    tag, pos, _end = _der_item(der, pos)
+    if tag != 0x30:
+        raise ValueError("no validity in the certificate")
+    not_before, pos = _der_time(der, pos)
+    not_after, _pos = _der_time(der, pos)
+    return CertificateLifetime(not_before, not_after)
+
+
+def _der_item(der: bytes, pos: int) -> tuple[int, int, int]:
+    """(tag, content start, content end) of the DER item at ``pos``."""
+    if pos + 2 > len(der):
+        raise ValueError("truncated certificate")
+    tag, length = der[pos], der[pos + 1]
+    pos += 2
+    if length & 0x80:
+        count = length & 0x7F
+        if not 1 <= count <= 4 or pos + count > len(der):
+            raise ValueError("bad length in the certificate")
+        length = int.from_bytes(der[pos:pos + count], "big")
+        pos += count
+    if pos + length > len(der):
+        raise ValueError("truncated certificate")
+    return tag, pos, pos + length
+
+
+def _der_time(der: bytes, pos: int) -> tuple[float, int]:
+    tag, start, end = _der_item(der, pos)
+    text = der[start:end].decode("ascii", "replace")
+    try:
+        if tag == 0x17:  # UTCTime YYMMDDHHMMSSZ; years 50-99 are 19xx (RFC 5280)
+            parsed = datetime.datetime.strptime(text, "%y%m%d%H%M%SZ")
+            if parsed.year >= 2050:
+                parsed = parsed.replace(year=parsed.year - 100)
+        elif tag == 0x18:  # GeneralizedTime YYYYMMDDHHMMSSZ
+            parsed = datetime.datetime.strptime(text, "%Y%m%d%H%M%SZ")
+        else:
+            raise ValueError(f"unknown time tag {tag:#x}")
+    except ValueError as exc:
+        raise ValueError(f"bad validity time in the certificate: {exc}") from None
+    return float(calendar.timegm(parsed.timetuple())), end
+
+
+def expiry_warning_due(lifetime: CertificateLifetime, now: float) -> bool:
+    """True in the last third of the certificate's life (at most its last 30 days), and once expired."""
+    window = min(_EXPIRY_WARNING_MAX_S, (lifetime.not_after - lifetime.not_before) * _EXPIRY_WARNING_FRACTION)
+    return lifetime.remaining_s(now) <= window
+
+
+def _iso(unix: float) -> str:
+    return datetime.datetime.fromtimestamp(unix, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _readable(key: str, path: Path) -> str:
@@ -59,7 +181,8 @@ def _load_chain(context: ssl.SSLContext, cert_key: str, key_key: str, cert: Path
                           f"(unencrypted keys only)") from None
 
 
-def server_context(serving: ServingConfig, base_dir: Path | None = None) -> ssl.SSLContext | None:
+def server_context(serving: ServingConfig, base_dir: Path | None = None,
+                   now: float | None = None) -> ssl.SSLContext | None:
     """The context for HTTPS on ``serving.listen`` (None without a certificate); mTLS with a client CA."""
     if serving.tls_cert_file is None or serving.tls_key_file is None:
         return None
@@ -68,16 +191,40 @@ def server_context(serving: ServingConfig, base_dir: Path | None = None) -> ssl.
         resolve_config_path(serving.tls_cert_file, base_dir),
         resolve_config_path(serving.tls_key_file, base_dir),
         resolve_config_path(client_ca, base_dir) if client_ca is not None else None,
-        names=("serving.tls_cert_file", "serving.tls_key_file", "serving.tls_client_ca_file"))
+        names=("serving.tls_cert_file", "serving.tls_key_file", "serving.tls_client_ca_file"), now=now)
+
+
+def serving_lifetime(serving: ServingConfig, base_dir: Path | None = None) -> CertificateLifetime | None:
+    """The serving certificate's validity (None without one); ConfigError naming the key if unreadable."""
+    if serving.tls_cert_file is None:
+        return None
+    path = resolve_config_path(serving.tls_cert_file, base_dir)
+    try:
+        return certificate_lifetime(path.read_bytes())
+    except OSError as exc:
+        raise ConfigError(f"serving.tls_cert_file: cannot read {str(path)!r}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ConfigError(f"serving.tls_cert_file: {str(path)!r}: {exc}") from None
 
 
 def server_context_from_files(cert_file: Path, key_file: Path, client_ca_file: Path | None = None, *,
-                              names: tuple[str, str, str]) -> ssl.SSLContext:
-    """A server context from PEM files; ``names`` (cert, key, client CA) label errors (config keys, options)."""
+                              names: tuple[str, str, str], now: float | None = None) -> ssl.SSLContext:
+    """A server context from PEM files; ``names`` (cert, key, client CA) label errors (config keys, options).
+
+    An expired certificate is refused: every handshake with it would fail (``now``: unix seconds).
+    """
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.set_alpn_protocols(_ALPN)
     _load_chain(context, names[0], names[1], cert_file, key_file)
+    try:
+        lifetime = certificate_lifetime(cert_file.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{names[0]}: cannot read the validity of {str(cert_file)!r}: {exc}") from None
+    now = time.time() if now is None else now
+    if lifetime.not_after <= now:
+        raise ConfigError(f"{names[0]}: the certificate in {str(cert_file)!r} expired at "
+                          f"{_iso(lifetime.not_after)}: renew it")
     if client_ca_file is not None:
         _load_ca(context, names[2], client_ca_file)
         context.verify_mode = ssl.CERT_REQUIRED
@@ -116,33 +263,27 @@ class TLSContexts:
         self._config = config
         self._base_dir = base_dir
         self.server, self.engine = self._build()
+        # The validity of the certificate ``server`` serves (None without TLS); swapped with it.
+        self.server_lifetime = serving_lifetime(config.serving, base_dir) if self.server is not None else None
 
     @property
     def configured(self) -> bool:
         """True when there is anything to reload."""
         return self.server is not None or self.engine is not None
 
-    def follower_server_context(self) -> ssl.SSLContext | None:
-        """A server context for a listener that builds its context once (hypercorn's admin listener).
-
-        Its SNI callback, which OpenSSL calls on every ClientHello (with or without
-        SNI), moves each handshake onto the current context, so reloads reach it too.
-        """
-        if self.server is None:
-            return None
-        context = server_context(self._config.serving, self._base_dir)
-        assert context is not None
-
-        def follow(ssl_object: ssl.SSLObject, server_name: str | None, _: ssl.SSLContext) -> None:
-            if self.server is not None:
-                ssl_object.context = self.server
-
-        context.sni_callback = follow
-        return context
-
     def reload(self) -> None:
         """Read every file again; on any problem raise ConfigError and keep the current contexts."""
-        self.server, self.engine = self._build()
+        server, engine = self._build()
+        lifetime = serving_lifetime(self._config.serving, self._base_dir) if server is not None else None
+        self.server, self.engine, self.server_lifetime = server, engine, lifetime
+
+    def expiry_warning(self, now: float) -> dict[str, object] | None:
+        """The fields of a ``tls_cert_expiring`` event when the serving certificate is near its end, else None."""
+        lifetime = self.server_lifetime
+        if lifetime is None or not expiry_warning_due(lifetime, now):
+            return None
+        return {"key": "serving.tls_cert_file", "file": self._config.serving.tls_cert_file,
+                "expires_at": _iso(lifetime.not_after), "remaining_s": round(lifetime.remaining_s(now))}
 
     def _build(self) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
         server = server_context(self._config.serving, self._base_dir)
@@ -162,3 +303,44 @@ def tls_reason(exc: BaseException) -> str | None:
             return str(seen.reason or seen)
         seen = seen.__cause__ or seen.__context__
     return None
+
+
+class ExpiryWatch:
+    """Warns before the serving certificate ends: ``tls_cert_expiring``, and the gauge's value.
+
+    ``check`` runs at start, after each reload and hourly; a warning is repeated
+    at most daily (at once after a reload). ``gauge`` feeds
+    ``narwhal_tls_cert_expiry_seconds`` (no sample without TLS).
+    """
+
+    def __init__(self, contexts: TLSContexts, *, wall_clock: Callable[[], float] = time.time,
+                 clock: Callable[[], float] = trio.current_time) -> None:
+        self._contexts = contexts
+        self._wall_clock = wall_clock
+        self._clock = clock
+        self._warned_at = -math.inf
+
+    def gauge(self) -> dict[tuple[str, ...], float]:
+        """Seconds until the serving certificate expires, negative once it has."""
+        lifetime = self._contexts.server_lifetime
+        return {} if lifetime is None else {(): round(lifetime.remaining_s(self._wall_clock()), 3)}
+
+    def check(self, *, force: bool = False) -> bool:
+        """Log ``tls_cert_expiring`` when the certificate is near its end (and not warned of lately)."""
+        wall = self._wall_clock()
+        warning = self._contexts.expiry_warning(wall)
+        now = self._clock()
+        lifetime = self._contexts.server_lifetime
+        if warning is None or lifetime is None or (not force and now - self._warned_at < _EXPIRY_REPEAT_S):
+            return False
+        self._warned_at = now
+        expired = lifetime.remaining_s(wall) <= 0
+        log_event("tls_cert_expiring", level=logging.ERROR if expired else logging.WARNING, expired=expired,
+                  **warning)
+        return True
+
+    async def run(self) -> None:
+        """Check hourly, for as long as the router runs."""
+        while True:
+            await trio.sleep(_EXPIRY_CHECK_INTERVAL_S)
+            self.check()

@@ -192,3 +192,23 @@ async def test_https_engines_are_verified_with_the_routers_engine_tls_settings(t
     rows = await check_engine(url, Expectations(role="prefill", key=KEY, key_source="test"), timeout_s=5.0)
     assert rows[0].check == "health" and rows[0].failed and "CERTIFICATE_VERIFY_FAILED" in rows[0].detail
     assert {row.result for row in rows[1:]} == {"not run"}
+
+
+async def test_a_huge_engine_id_is_refused_and_the_table_stays_small() -> None:
+    """An engine reporting a 3.5 MB engine_id: one bounded row, not 10 MB of output (issue 19 item 13)."""
+    engine = Engine()
+    engine.identity["engine_id"] = "x" * 3_500_000
+    engine.listed = ["m"] + ["n" * 5000 for _ in range(50)]
+    rows = await run(engine)
+    assert rows["identity"].failed and "refused unread" in rows["identity"].detail
+    assert "(51 in all)" in rows["models"].detail
+    table = format_table(URL, list(rows.values()))
+    assert len(table) < 10_000, len(table)
+
+
+async def test_identity_fields_within_the_bound_but_long_are_shown_cut() -> None:
+    engine = Engine()
+    engine.identity["model"] = "q" * 1000
+    rows = await run(engine)
+    assert "(1000 characters)" in rows["identity"].detail
+    assert len(rows["model"].detail) < 1100

@@ -371,3 +371,22 @@ def test_the_vllm_guide_stays_true_to_the_plugin_and_the_config(tmp_path: Path) 
     assert [(e.name, e.role) for e in cpu.engines] == [("p1", "prefill"), ("d1", "decode"), ("d2", "decode")]
     assert f"NARWHAL_GENERATION={cpu.fleet.generation}" in cpu_command
     assert f"--served-model-name {cpu.fleet.model}" in cpu_command
+
+
+@pytest.mark.parametrize("length", [1, 255, 256])
+async def test_a_nonce_of_1_to_256_printable_characters_is_signed(length: int) -> None:
+    """The docs promise nonces of 1-256 characters (issue 26 break 9: the 256th was refused)."""
+    middleware, _ = plugin()
+    nonce = "n" * length
+    status, _, body = await call(middleware, "POST", "/narwhal/attest", json.dumps({"nonce": nonce}).encode())
+    assert status == 200
+    answer = json.loads(body)
+    assert answer["nonce"] == nonce
+    assert answer["signature"] == attestation.sign(b"fleet-secret", "prefill-0", nonce, "g7")
+
+
+def test_identity_fields_a_router_would_refuse_are_a_problem_here() -> None:
+    """An engine_id over 256 characters is refused by every router (issue 19 item 13): the plugin says so."""
+    s = PluginSettings.from_environment({**ENV, "NARWHAL_ENGINE_ID": "e" * 257}, ARGV, started_at=1.0)
+    assert s.problems == ("engine_id is 257 characters long, more than 256 (set NARWHAL_ENGINE_ID)",)
+    assert not PluginSettings.from_environment({**ENV, "NARWHAL_ENGINE_ID": "e" * 256}, ARGV, started_at=1.0).problems

@@ -462,16 +462,20 @@ async def test_asgi_raw_path_stays_raw() -> None:
 
 
 def test_a_half_closed_client_still_gets_its_pipelined_responses() -> None:
-    async def slow_echo(request: Request, responder: Responder) -> None:
-        await trio.sleep(0.05)  # the FIN arrives while the first request is being handled
+    fin_sent = trio.Event()
+
+    async def echo_after_the_fin(request: Request, responder: Responder) -> None:
+        with trio.fail_after(5):
+            await fin_sent.wait()  # the FIN arrives while the first request is being handled
         await echo(request, responder)
 
     async def main() -> bytes:
-        async with running(slow_echo) as (_server, port):
+        async with running(echo_after_the_fin) as (_server, port):
             def client() -> bytes:
                 with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
                     sock.sendall(b"".join(b"GET /%d HTTP/1.1\r\nhost: x\r\n\r\n" % i for i in range(3)))
                     sock.shutdown(socket.SHUT_WR)
+                    trio.from_thread.run_sync(fin_sent.set)
                     raw = b""
                     while chunk := sock.recv(65536):
                         raw += chunk
@@ -555,7 +559,31 @@ async def test_a_stream_the_client_cut_is_logged_499_not_200(caplog: pytest.LogC
 async def test_a_write_to_a_gone_client_raises_client_disconnected_with_its_reason() -> None:
     # ClientDisconnected is the front's ClientGone: the core needs no import of the server.
     assert issubclass(ClientDisconnected, ClientGone)
-    assert ClientDisconnected().reason == "client_disconnected"
+    client_left = trio.Event()
+    raised: list[BaseException] = []
+
+    async def streamer(request: Request, responder: Responder) -> None:
+        await responder.start_stream(200, [], b"first")
+        await client_left.wait()
+        try:
+            for _ in range(3):  # the first write after the close may still land in a buffer
+                await responder.write(b"more")
+        except ClientGone as exc:
+            raised.append(exc)
+        await responder.end_stream() if not raised else None
+
+    server = HTTPServer(streamer)
+    client, server_side = trio.testing.memory_stream_pair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server.serve_stream, server_side)
+        await client.send_all(b"GET /stream HTTP/1.1\r\nhost: x\r\n\r\n")
+        with trio.fail_after(5):
+            assert (await client.receive_some(65536)).startswith(b"HTTP/1.1 200")
+        await client.aclose()
+        client_left.set()
+    [exc] = raised
+    assert isinstance(exc, ClientDisconnected) and exc.reason == "client_disconnected"
+    assert server.statistics().connections_open == 0
 
 
 @pytest.mark.parametrize("tls", [False, True])

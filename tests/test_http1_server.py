@@ -273,6 +273,21 @@ async def test_too_many_header_bytes_get_431_and_close() -> None:
     assert error["error"]["code"] == "request_header_fields_too_large"
 
 
+@pytest.mark.parametrize(("target_bytes", "status"), [(700, 200), (900, 431)])
+async def test_the_request_target_counts_toward_max_header_bytes(target_bytes: int, status: int) -> None:
+    """A 900-byte target and a 200-byte header under a 1,000-byte bound: 431 (issue 26 break 6)."""
+    target = b"/" + b"t" * (target_bytes - 1)
+    head = b"GET " + target + b" HTTP/1.1\r\nx-pad: " + b"h" * 193 + b"\r\n\r\n"  # the header: 200 bytes counted
+    async with running(echo, max_header_bytes=1000) as (_server, port), raw_client(port) as client:
+        await client.send(head)  # one write: the bound is the parser's count, not the per-read one
+        if status == 431:
+            error = await _expect_error_and_close(client, 431)
+            assert error["error"]["code"] == "request_header_fields_too_large"
+        else:
+            (response,) = await client.responses_complete(1)
+            assert response.status == 200 and json.loads(response.body)["path"] == target.decode()
+
+
 async def test_one_endless_header_line_gets_431() -> None:
     async with running(echo, max_header_bytes=1024) as (_server, port), raw_client(port) as client:
         await client.send(b"GET / HTTP/1.1\r\nX-Long: ")
@@ -333,19 +348,34 @@ async def test_expect_100_continue_is_answered_before_the_body() -> None:
     assert json.loads(final.body)["body"] == "hello"
 
 
+def nothing_received(stream: trio.SocketStream) -> bool:
+    """True when no byte waits in the socket: on loopback a byte sent is a byte here, with no delay to wait out."""
+    with socket.socket(fileno=os.dup(stream.socket.fileno())) as sock:  # a blocking-call view of the same socket
+        try:
+            data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return True
+    return data == b""
+
+
 async def test_expect_100_continue_waits_for_the_response_ahead_of_it() -> None:
     release = trio.Event()
+    slow_running = trio.Event()
 
     async def handler(request: Request, responder: Responder) -> None:
         if request.path == "/slow":
+            slow_running.set()
             await release.wait()
         await responder.respond(200, [], request.path.encode() + request.body)
 
     async with running(handler) as (_server, port), raw_client(port) as client:
-        await client.send(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
-        await client.send(b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nExpect: 100-continue\r\n\r\n")
-        await trio.sleep(0.05)
-        assert client.raw == b""  # nothing may interleave with the pending response
+        # One write: both heads are parsed before /slow's handler starts, so the interim
+        # response for /upload is decided while /slow's response is still due.
+        await client.send(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"
+                          b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nExpect: 100-continue\r\n\r\n")
+        with trio.fail_after(5):
+            await slow_running.wait()
+        assert nothing_received(client.stream)  # nothing may interleave with the pending response
         release.set()
         first, interim = await client.responses_complete(2)
         assert (first.body, interim.status) == (b"/slow", 100)
@@ -427,21 +457,25 @@ async def test_pipelined_requests_are_answered_in_order() -> None:
 async def test_requests_arriving_while_a_handler_runs_are_buffered_in_order() -> None:
     release = trio.Event()
 
+    slow_running = trio.Event()
+
     async def handler(request: Request, responder: Responder) -> None:
         if request.path == "/slow":
+            slow_running.set()
             await release.wait()
         await responder.respond(200, [], request.path.encode())
 
     def requests(*paths: str) -> bytes:
         return b"".join(b"GET %b HTTP/1.1\r\nHost: x\r\n\r\n" % p.encode() for p in paths)
 
-    async with running(handler) as (_server, port), raw_client(port) as client:
+    async with running(handler) as (server, port), raw_client(port) as client:
         await client.send(requests("/slow", "/1", "/2"))
-        await trio.sleep(0.05)
+        with trio.fail_after(5):
+            await slow_running.wait()
         # Two requests are already queued: these wait in the socket until there is room.
         await client.send(requests("/3", "/4"))
-        await trio.sleep(0.05)
-        assert client.raw == b""
+        assert nothing_received(client.stream)
+        assert server.statistics().requests_total == 1
         release.set()
         responses = await client.responses_complete(5)
     assert [r.body for r in responses] == [b"/slow", b"/1", b"/2", b"/3", b"/4"]
@@ -503,10 +537,12 @@ async def test_client_reset_cancels_the_handler() -> None:
 
 async def test_eof_is_noticed_while_pipelined_requests_are_queued_when_half_close_is_off() -> None:
     cancelled = trio.Event()
+    entered = trio.Event()
     paths: list[str] = []
 
     async def handler(request: Request, responder: Responder) -> None:
         paths.append(request.path)
+        entered.set()
         try:
             await trio.sleep_forever()
         finally:
@@ -515,7 +551,8 @@ async def test_eof_is_noticed_while_pipelined_requests_are_queued_when_half_clos
     async with running(handler, half_close=False) as (_server, port):
         stream = await trio.open_tcp_stream("127.0.0.1", port)
         await stream.send_all(b"".join(b"GET /%d HTTP/1.1\r\nHost: x\r\n\r\n" % i for i in range(4)))
-        await trio.sleep(0.05)
+        with trio.fail_after(5):
+            await entered.wait()  # /0 is being handled, /1-/3 are queued behind it
         await stream.aclose()
         with trio.fail_after(2):
             await cancelled.wait()

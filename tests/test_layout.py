@@ -137,14 +137,9 @@ def test_every_module_imports_first_in_a_fresh_interpreter() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-# The one cycle known today, allowed by name until it is gone: ``narwhal.config.parse_config`` reads the
-# certificates through ``narwhal.tls`` (an import inside the function), and ``narwhal.tls`` imports
-# ``narwhal.config``. Issue 26 moves certificate loading out of ``parse_config``; delete this entry then.
-KNOWN_CYCLES = [["narwhal.config", "narwhal.tls"]]
-
-
 def test_no_import_cycles_between_modules() -> None:
-    assert [cycle for cycle in cycles(import_graph()) if cycle not in KNOWN_CYCLES] == []
+    # None allowed: the last one (config <-> tls, certificates read inside parse_config) went with issue 26.
+    assert cycles(import_graph()) == []
 
 
 def test_imports_inside_functions_count(tmp_path: Path) -> None:

@@ -275,3 +275,56 @@ async def test_an_engine_url_leading_back_to_the_router_is_refused_once_not_fann
     [loop] = [e for e in events(caplog, "request_loop") if e["path"] == "/v1/completions"]
     assert router.via_token in loop["via"]
     assert [e["status"] for e in events(caplog, "request")] == [502]
+
+
+# -- issue 19 item 12: the admin listener has its own connection cap and head timeout --------------------
+
+
+async def test_a_connection_flood_on_the_admin_listener_is_capped_and_cut_at_its_head_timeout(
+        nursery, tmp_path, autojump_clock):
+    admin_port = free_port()
+    router, url = await start_router(nursery, config_text(
+        f'[admin]\nlisten = "127.0.0.1:{admin_port}"\ntoken = "s3cret"\nmax_connections = 4\n'
+        f'header_timeout_s = 2.0\n[handoff]\npath = "{tmp_path}/h.json"\n'))
+    admin = router.admin_server
+    assert admin is not None
+    flood = []
+    try:
+        start = trio.current_time()
+        for _ in range(60):
+            flood.append(await trio.open_tcp_stream("127.0.0.1", admin_port))
+        assert admin.statistics().connections_open <= 4 + 16
+        answers = []
+        for stream in flood:
+            raw = b""
+            with trio.fail_after(10):
+                while data := await stream.receive_some(65536):
+                    raw += data
+            answers.append(raw)
+        # Every connection past the cap and its 16 overflow slots was answered 503 and closed unread ...
+        assert sum(raw.startswith(b"HTTP/1.1 503") for raw in answers) == 60 - 20
+        # ... and the silent ones held their slots no longer than admin.header_timeout_s.
+        assert answers.count(b"") == 20
+        assert trio.current_time() - start <= 2.0 + 1.0
+        assert admin.statistics().connections_open == 0
+        # And the admin API answers again.
+        stream = await trio.open_tcp_stream("127.0.0.1", admin_port)
+        await stream.send_all(b"GET /admin/engines HTTP/1.1\r\nhost: x\r\nauthorization: Bearer s3cret\r\n"
+                              b"connection: close\r\n\r\n")
+        raw = b""
+        with trio.fail_after(10):
+            while data := await stream.receive_some(65536):
+                raw += data
+        assert raw.startswith(b"HTTP/1.1 200")
+        flood.append(stream)
+    finally:
+        for stream in flood:
+            await trio.aclose_forcefully(stream)
+        router.shutdown(0)
+
+
+def test_the_admin_listener_bounds_are_config_keys_with_defaults():
+    config = parse_config(config_text(""))
+    assert (config.admin.max_connections, config.admin.header_timeout_s) == (64, 5.0)
+    with pytest.raises(ConfigError, match="admin: max_connections must be > 0, got 0"):
+        parse_config(config_text("[admin]\nmax_connections = 0\n"))

@@ -666,3 +666,66 @@ async def test_the_chains_health_checks_use_the_one_status_table(
     assert result.readmitted is readmitted
     if not readmitted:
         assert result.check == "health" and str(status) in result.reason
+
+
+# ----- engine-supplied strings are bounded (issue 19 item 13) ---------------------------------
+
+HUGE = 3_500_000
+
+
+def _huge_engine_id(e: FakeEngine) -> None:
+    e.engine_id = "x" * HUGE
+
+
+def _huge_model(e: FakeEngine) -> None:
+    e.model = "m" * 10_000
+
+
+def _huge_generation(e: FakeEngine) -> None:
+    e.generation = "g" * 2_000
+
+
+def _many_long_model_ids(e: FakeEngine) -> None:
+    e.models_listed = ["n" * 900 + str(i) for i in range(200)]
+
+
+def _long_kv_roles(e: FakeEngine) -> None:
+    e.kv_roles = ["r" * 20 for _ in range(7)]
+
+
+def _foreign_attest_engine_id(e: FakeEngine) -> None:
+    e.attest_engine_id = "y" * 3000
+
+
+@pytest.mark.parametrize(("knob", "check", "words"), [
+    (_huge_engine_id, "attestation", "refused unread"),
+    (_huge_model, "attestation", "model is 10000 characters long, more than 1024"),
+    (_huge_generation, "attestation", "generation is 2000 characters long"),
+    (_many_long_model_ids, "model", "(200 in all)"),
+    (_long_kv_roles, "kv_role", "engine reports kv_roles"),
+    (_foreign_attest_engine_id, "attestation", "(3000 characters)"),
+])
+async def test_engine_supplied_strings_are_bounded_in_the_reason_the_log_and_the_admin_view(
+        autojump_clock: MockClock, caplog: pytest.LogCaptureFixture, knob, check, words) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.events")
+    world = World()
+    knob(world.engines["d1"])
+    world.fleet.eject("d1", "connection streak", world.now())
+    result = await world.readmitter.readmit("d1", operator=True)
+    assert result.outcome == "refused" and result.check == check
+    assert words in result.reason and len(result.reason) <= 1100
+    # What the log line and /admin/engines/d1 carry.
+    [line] = [r.getMessage() for r in caplog.records if r.name == "narwhal.events" and '"readmission"' in
+              r.getMessage()]
+    assert len(line) < 2000
+    shown = msgspec.json.encode(world.readmitter.admin_state("d1"))
+    assert len(shown) < 2000
+
+
+async def test_an_identity_document_over_the_bound_is_refused_before_decoding(autojump_clock: MockClock) -> None:
+    world = World()
+    world.engines["d1"].kv_roles = ["consumer"] + ["z"] * 20_000  # small strings, a large document
+    world.fleet.eject("d1", "connection streak", world.now())
+    result = await world.readmitter.readmit("d1", operator=True)
+    assert result.check == "attestation"
+    assert "identity document is" in result.reason and "more than 16384" in result.reason

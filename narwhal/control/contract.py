@@ -18,8 +18,10 @@ from narwhal.wire import PREFILL_KV_REQUEST, AttestResponse, EngineIdentity
 
 __all__ = [
     "KV_ROLE_FOR",
+    "MAX_IDENTITY_BYTES",
     "PROBE_PROMPT",
     "ContractViolation",
+    "bounded",
     "check_generation",
     "check_identity_model",
     "check_kv_role",
@@ -28,6 +30,8 @@ __all__ = [
     "probe_decode_body",
     "probe_prefill_body",
     "read_identity",
+    "shown",
+    "shown_list",
     "status_reason",
     "verify_attestation",
 ]
@@ -39,6 +43,17 @@ PROBE_PROMPT = "narwhal inference probe"
 
 # An engine's error message quoted in a reason is cut here: reasons go to logs and tables.
 _MAX_QUOTED_CHARS = 200
+# Every engine-supplied string is cut to this where it is quoted (reasons, logs, /admin, engine-check).
+_MAX_SHOWN_CHARS = 120
+# A list from an engine (model ids, kv_roles) shows at most this many items.
+_MAX_SHOWN_ITEMS = 8
+_MAX_SHOWN_ITEM_CHARS = 60
+# The identity document is a handful of short fields; anything larger is refused unread.
+MAX_IDENTITY_BYTES = 16 * 1024
+_MAX_ATTEST_ANSWER_BYTES = 4096
+# Field bounds of the identity (attestation.IDENTITY_FIELD_CHARS, which the plugin checks too) and its roles.
+_MAX_KV_ROLES = 8
+_MAX_KV_ROLE_CHARS = 32
 
 
 class ContractViolation(NarwhalError):
@@ -80,25 +95,61 @@ def status_reason(method: str, path: str, status: int, body: bytes = b"") -> str
     return f"{reason}: {message}"
 
 
+def bounded(text: str, limit: int = _MAX_SHOWN_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, saying how long it was when cut."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
+def shown(value: str, limit: int = _MAX_SHOWN_CHARS) -> str:
+    """An engine-supplied string as a reason quotes it: repr, cut to a bound."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value)} characters)"
+
+
+def shown_list(values: list[str]) -> str:
+    """An engine-supplied list as a reason quotes it: at most a few items, each cut to a bound."""
+    items = ", ".join(shown(value, _MAX_SHOWN_ITEM_CHARS) for value in values[:_MAX_SHOWN_ITEMS])
+    more = f", ... ({len(values)} in all)" if len(values) > _MAX_SHOWN_ITEMS else ""
+    return f"[{items}{more}]"
+
+
 def read_identity(raw: bytes) -> EngineIdentity:
-    """The ``GET /narwhal/identity`` answer, typed."""
+    """The ``GET /narwhal/identity`` answer, typed; an oversized document or field is refused."""
+    if len(raw) > MAX_IDENTITY_BYTES:
+        raise ContractViolation(f"GET /narwhal/identity: the identity document is {len(raw)} bytes, "
+                                f"more than {MAX_IDENTITY_BYTES}: refused unread")
     try:
-        return msgspec.json.decode(raw, type=EngineIdentity)
+        identity = msgspec.json.decode(raw, type=EngineIdentity)
     except msgspec.DecodeError as exc:
-        raise ContractViolation(f"GET /narwhal/identity: unreadable identity: {exc}") from None
+        raise ContractViolation(f"GET /narwhal/identity: unreadable identity: {bounded(str(exc))}") from None
+    for field, limit in attestation.IDENTITY_FIELD_CHARS.items():
+        value: str = getattr(identity, field)
+        if len(value) > limit:
+            raise ContractViolation(f"GET /narwhal/identity: {field} is {len(value)} characters long, "
+                                    f"more than {limit}: refused")
+    if len(identity.kv_roles) > _MAX_KV_ROLES or any(len(role) > _MAX_KV_ROLE_CHARS for role in identity.kv_roles):
+        raise ContractViolation(f"GET /narwhal/identity: kv_roles must be at most {_MAX_KV_ROLES} roles of at most "
+                                f"{_MAX_KV_ROLE_CHARS} characters: refused")
+    return identity
 
 
 def verify_attestation(key: bytes, identity: EngineIdentity, nonce: str, raw_answer: bytes) -> None:
     """The ``POST /narwhal/attest`` answer echoes ``nonce`` for the identity's engine, signed with ``key``."""
+    if len(raw_answer) > _MAX_ATTEST_ANSWER_BYTES:
+        raise ContractViolation(f"POST /narwhal/attest: the answer is {len(raw_answer)} bytes, "
+                                f"more than {_MAX_ATTEST_ANSWER_BYTES}: refused unread")
     try:
         answer = msgspec.json.decode(raw_answer, type=AttestResponse)
     except msgspec.DecodeError as exc:
-        raise ContractViolation(f"POST /narwhal/attest: unreadable answer: {exc}") from None
+        raise ContractViolation(f"POST /narwhal/attest: unreadable answer: {bounded(str(exc))}") from None
     if not hmac.compare_digest(answer.nonce.encode(), nonce.encode()):
         raise ContractViolation("attestation did not echo our nonce (a replayed or stale answer)")
     if answer.engine_id != identity.engine_id:
-        raise ContractViolation(f"attestation answered for engine_id {answer.engine_id!r}, "
-                                f"identity names {identity.engine_id!r}")
+        raise ContractViolation(f"attestation answered for engine_id {shown(answer.engine_id)}, "
+                                f"identity names {shown(identity.engine_id)}")
     # The signature covers the generation the engine claims; the generation check judges the claim.
     if not attestation.verify(key, identity.engine_id, nonce, identity.generation, answer.signature):
         raise ContractViolation("attestation signature does not verify with the fleet attestation key")
@@ -109,25 +160,25 @@ def listed_models(raw: bytes) -> list[str]:
     try:
         return [card.id for card in msgspec.json.decode(raw, type=_ModelList).data]
     except msgspec.DecodeError as exc:
-        raise ContractViolation(f"GET /v1/models: unreadable model list: {exc}") from None
+        raise ContractViolation(f"GET /v1/models: unreadable model list: {bounded(str(exc))}") from None
 
 
 def check_identity_model(identity: EngineIdentity, model: str) -> None:
     """The identity names ``model``."""
     if identity.model != model:
-        raise ContractViolation(f"/narwhal/identity names model {identity.model!r}; fleet.model is {model!r}")
+        raise ContractViolation(f"/narwhal/identity names model {shown(identity.model)}; fleet.model is {model!r}")
 
 
 def check_listed_model(listed: list[str], model: str) -> None:
     """vLLM itself serves ``model``: a plugin claiming another model cannot pass."""
     if model not in listed:
-        raise ContractViolation(f"/v1/models lists {listed}; fleet.model {model!r} is not among them")
+        raise ContractViolation(f"/v1/models lists {shown_list(listed)}; fleet.model {model!r} is not among them")
 
 
 def check_generation(identity: EngineIdentity, generation: str) -> None:
     """The identity reports ``generation``."""
     if identity.generation != generation:
-        raise ContractViolation(f"engine reports generation {identity.generation!r}; "
+        raise ContractViolation(f"engine reports generation {shown(identity.generation)}; "
                                 f"fleet.generation is {generation!r}")
 
 
@@ -136,7 +187,7 @@ def check_kv_role(role: str, identity: EngineIdentity) -> None:
     needed = KV_ROLE_FOR[role]
     if needed not in identity.kv_roles:
         raise ContractViolation(f"a {role} engine needs KV role {needed!r}; "
-                                f"engine reports kv_roles {identity.kv_roles}")
+                                f"engine reports kv_roles {shown_list(identity.kv_roles)}")
 
 
 def probe_prefill_body(model: str) -> bytes:

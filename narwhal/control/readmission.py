@@ -88,6 +88,9 @@ from narwhal.pools.classify import health_answer
 from narwhal.pools.control import ControlCalls
 from narwhal.wire import AttestRequest, EngineIdentity
 
+# A readmission reason (logged, kept, shown) is cut here, whatever the engine sent.
+_MAX_REASON_CHARS = 1000
+
 __all__ = ["CHAIN", "DRAIN_HOLDS", "Check", "ReadmissionResult", "ReadmissionState", "Readmitter"]
 
 
@@ -334,9 +337,10 @@ class Readmitter:
         except _Refused as refused:
             check, reason = str(attempt.current), refused.reason
         except Exception as exc:  # noqa: BLE001 - a broken check is a refusal, never a readmission
-            check, reason = str(attempt.current), f"internal error: {type(exc).__name__}: {exc}"
+            message = contract.bounded(str(exc), _MAX_REASON_CHARS)
+            check, reason = str(attempt.current), f"internal error: {type(exc).__name__}: {message}"
             log_event("readmission_error", level=logging.ERROR, engine=spec.name, check=check,
-                      **{"class": type(exc).__name__}, message=str(exc))
+                      **{"class": type(exc).__name__}, message=message)
         else:
             now = self.clock()
             if self._specs.get(spec.name) is not spec:
@@ -354,8 +358,10 @@ class Readmitter:
             return self._dropped(attempt, operator, started, started_wall)
         if check is not None and not operator:
             self.schedule.refused(spec.name, self.clock(), check=check, on_health=on_health)
+        # The reason quotes the engine; it is logged, kept for /admin/engines and counted: bounded once more here.
         result = ReadmissionResult(
-            engine=spec.name, outcome="refused" if check else "readmitted", check=check, reason=reason,
+            engine=spec.name, outcome="refused" if check else "readmitted", check=check,
+            reason=contract.bounded(reason, _MAX_REASON_CHARS),
             operator=operator, passed=attempt.passed, at=started_wall, duration_s=self.clock() - started,
             health_to_eligible_s=health_to_eligible_s)
         self._record(result)

@@ -7,13 +7,13 @@ runs the app's lifespan protocol around the server's life.
 from __future__ import annotations
 
 import contextlib
-import urllib.parse
 from collections.abc import Awaitable
 from typing import Any, Protocol
 
 import trio
 
 from narwhal.http1.server import Request, Responder
+from narwhal.http1.target import asgi_path
 
 __all__ = ["ASGIApp", "ASGILifespan", "call_asgi"]
 
@@ -103,7 +103,7 @@ async def call_asgi(
     app: ASGIApp, request: Request, responder: Responder, *, server: tuple[str, int] | None = None
 ) -> None:
     """Serve ``request`` with the ASGI ``app``, writing the response through ``responder``."""
-    raw_path = request.target.partition(b"?")[0]
+    raw_path = request.raw_path
     scope = {
         "type": "http",
         "asgi": {"version": "3.0"},
@@ -111,7 +111,7 @@ async def call_asgi(
         "method": request.method.decode("ascii"),
         "scheme": "https" if responder.secure else "http",
         # ASGI's path is percent-decoded (UTF-8); raw_path keeps the bytes as sent.
-        "path": urllib.parse.unquote_to_bytes(raw_path).decode("utf-8", "replace"),
+        "path": asgi_path(raw_path),
         "raw_path": raw_path,
         "query_string": request.query,
         "root_path": "",

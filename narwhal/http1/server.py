@@ -1,12 +1,16 @@
 """A small HTTP/1.1 server on trio streams, parsed by httptools.
 
-Theory of operation: each connection is served by one task.
+Theory of operation: each connection is served by one task, a thin socket
+loop around the connection's ``HTTP1Protocol`` (``narwhal/http1/protocol.py``:
+parsing, limits, deadlines and response framing, with no I/O; tested with
+bytes in and bytes out).
 
 - While no request is being handled, the connection task owns every receive:
-  it feeds bytes to the httptools parser, whose callbacks build ``Request``
-  objects into a queue (pipelined requests queue up in order), and it sends
-  the interim ``100 Continue`` when a body is expected. It waits at most
-  ``idle_timeout_s`` for the next bytes.
+  it feeds bytes to the protocol, which queues ``Request`` objects (pipelined
+  requests in order) or records a protocol error, and it sends the interim
+  ``100 Continue`` when the protocol says one is due. It waits at most
+  ``idle_timeout_s`` for the next bytes, or until the protocol's deadline for
+  the head or body being received.
 - It then takes requests off the queue one at a time, runs the handler in its
   own cancel scope, makes sure a response went out, and decides whether the
   connection goes on. Nothing is read while a handler runs: later pipelined
@@ -26,7 +30,8 @@ kernel did not take goes through trio's ``send_all`` (which waits until the
 socket is writable). Any other trio Stream (TLS) uses the stream's methods.
 
 With an ``ssl_context`` every accepted connection is wrapped in a
-``trio.SSLStream`` and must finish its handshake within the idle timeout; a
+``trio.SSLStream`` and must finish its handshake within ``header_timeout_s`` of
+the accept (the first request's head shares that window); a
 plain-HTTP client on that port fails the handshake and is closed unanswered
 (after the TLS alert, if OpenSSL wrote one). The wrapped stream is not a
 ``SocketStream``, so it never takes the plain-socket fast paths.
@@ -56,7 +61,6 @@ requests in flight may finish within the grace period and are cut after it.
 from __future__ import annotations
 
 import errno
-import http
 import logging
 import math
 import os
@@ -64,16 +68,25 @@ import resource
 import select
 import ssl
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from email.utils import formatdate
 from typing import Any, Protocol
 
-import httptools
 import msgspec
 import trio
 
-from narwhal.errors import ClientGone, NarwhalError
+from narwhal.errors import ClientGone
+from narwhal.http1.protocol import (
+    CHUNK_TERMINATOR,
+    CHUNKED_HEADER,
+    CLOSE_HEADER,
+    STATUS_LINES,
+    HTTP1Protocol,
+    Limits,
+    Request,
+    error_response,
+    response_head,
+)
 from narwhal.http1.readiness import Readiness
 from narwhal.http1.sockets import socket_of
 from narwhal.obs.logs import log_event
@@ -124,16 +137,7 @@ class Listener(Protocol):
 
     async def accept(self) -> trio.SocketStream: ...
 
-_STATUS_LINES = {
-    status.value: b"HTTP/1.1 %d %b\r\n" % (status.value, status.phrase.encode("latin-1"))
-    for status in http.HTTPStatus
-}
-_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-_CLOSE_HEADER = b"connection: close\r\n"
-_KEEP_ALIVE_HEADER = b"connection: keep-alive\r\n"
-_CHUNKED_HEADER = b"transfer-encoding: chunked\r\n"
 _JSON_HEADERS = [(b"content-type", b"application/json")]
-_CHUNK_TERMINATOR = b"0\r\n\r\n"
 _TOO_MANY_CONNECTIONS = error_json("too many client connections; only /health is served now",
                                    type_="service_unavailable", code="too_many_connections")
 # The peer closed or reset: what the disconnect watch waits for (not EPOLLIN: pipelined bytes stay unread).
@@ -157,62 +161,6 @@ class ServerStatistics(msgspec.Struct, frozen=True, kw_only=True):
     requests_total: int
     connections_refused: int = 0
     clients_stalled: int = 0
-
-
-class Request:
-    """One parsed request with its complete body."""
-
-    __slots__ = (
-        "_client",
-        "_conn",
-        "body",
-        "headers",
-        "http_version",
-        "keep_alive",
-        "method",
-        "path",
-        "query",
-        "target",
-    )
-
-    def __init__(
-        self,
-        method: bytes,
-        target: bytes,
-        headers: list[tuple[bytes, bytes]] | None = None,
-        body: bytes = b"",
-        http_version: str = "1.1",
-        keep_alive: bool = True,
-        client: tuple[str, int] | None = None,
-        conn: _Connection | None = None,
-    ) -> None:
-        self.method = method
-        self.target = target
-        path, _, self.query = target.partition(b"?")
-        self.path = path.decode("latin-1")
-        self.headers = headers if headers is not None else []
-        self.body = body
-        self.http_version = http_version
-        self.keep_alive = keep_alive
-        self._client = client
-        self._conn = conn
-
-    @property
-    def client(self) -> tuple[str, int] | None:
-        """The peer's (host, port); looked up only when asked for (a syscall the data path never needs)."""
-        if self._client is None and self._conn is not None:
-            self._client = self._conn.peer()
-        return self._client
-
-    def get_header(self, name: bytes) -> bytes | None:
-        """The value of the first header called ``name`` (lower-case), or None."""
-        for key, value in self.headers:
-            if key == name:
-                return value
-        return None
-
-    def __repr__(self) -> str:
-        return f"<Request {self.method.decode()} {self.target.decode('latin-1')} HTTP/{self.http_version}>"
 
 
 Handler = Callable[[Request, "Responder"], Awaitable[None]]
@@ -271,8 +219,8 @@ class Responder:
             self._chunked = True
             chunk = b"%x\r\n%b\r\n" % (len(first), first) if first else b""
             if end:
-                chunk += _CHUNK_TERMINATOR
-            head = self._head(status, headers, _CHUNKED_HEADER, chunk)
+                chunk += CHUNK_TERMINATOR
+            head = self._head(status, headers, CHUNKED_HEADER, chunk)
         else:
             # HTTP/1.0 has no chunked coding: the body ends when the connection closes.
             self._closes = True
@@ -295,7 +243,7 @@ class Responder:
             raise RuntimeError("end_stream() needs a started, unfinished stream")
         self.finished = True
         if self._chunked:
-            data = b"%x\r\n%b\r\n0\r\n\r\n" % (len(last), last) if last else _CHUNK_TERMINATOR
+            data = b"%x\r\n%b\r\n0\r\n\r\n" % (len(last), last) if last else CHUNK_TERMINATOR
         else:
             data = last
         if data:
@@ -311,70 +259,35 @@ class Responder:
     def _head(self, status: int, headers: list[tuple[bytes, bytes]], framing: bytes, payload: bytes) -> bytes:
         """The response head followed by ``payload``, joined into one buffer for one write."""
         conn = self._conn
-        request = self._request
-        if not request.keep_alive or conn.server._closing:
+        if not self._request.keep_alive or conn.server._closing:
             self._closes = True
-        if self._closes:
-            connection = _CLOSE_HEADER
-        elif request.http_version == "1.0":
-            connection = _KEEP_ALIVE_HEADER
-        else:
-            connection = b""
-        status_line = _STATUS_LINES.get(status) or b"HTTP/1.1 %d Unknown\r\n" % status
-        lines = [status_line]
-        for name, value in headers:
-            lines.append(b"%b: %b\r\n" % (name, value))
-        lines.append(conn.server._common_head_lines())
-        lines.append(framing)
-        lines.append(connection)
-        lines.append(b"\r\n")
-        lines.append(payload)
-        return b"".join(lines)
-
-
-class _ProtocolViolation(NarwhalError):
-    """Raised inside a parser callback to stop parsing; the reason is on the connection."""
+        return response_head(self._request, status, headers, conn.server._common_head_lines(), framing, payload,
+                             closes=self._closes)
 
 
 class _Connection:
-    """One client connection: the parser's callbacks and the task that serves it."""
+    """The socket loop of one client connection: drives its ``HTTP1Protocol``, runs the handler, writes."""
 
     __slots__ = (
-        "_body_parts",
-        "_body_size",
-        "_client",
-        "_content_length",
-        "_continue_pending",
         "_drained",
-        "_expect",
-        "_expect_continue",
-        "_fatal",
         "_fd",
         "_gone_reason",
         "_handler_scope",
-        "_head_bytes",
-        "_head_fed",
-        "_headers",
         "_idle",
-        "_in_head",
-        "_in_message",
-        "_messages_begun",
-        "_parser",
-        "_phase_deadline",
-        "_queue",
         "_scope",
-        "_upgrade",
-        "_url",
         "_watch",
+        "_client",
         "disconnected",
         "overflow",
+        "protocol",
         "server",
         "sock",
         "stream",
         "write_since",
     )
 
-    def __init__(self, server: HTTPServer, stream: trio.abc.Stream, *, overflow: bool = False) -> None:
+    def __init__(self, server: HTTPServer, stream: trio.abc.Stream, *, overflow: bool = False,
+                 accepted_at: float | None = None) -> None:
         self.server = server
         self.stream = stream
         # None for a stream with no socket under it (tests' memory streams).
@@ -390,34 +303,17 @@ class _Connection:
         self._gone_reason = "client_disconnected"
         # When the pending write to the client began (inf: none pending); the watchdog reads it.
         self.write_since = _INF
-        # The head's deadline while a head arrives, the body's while a body does, +inf between
-        # requests. A connection's first head is timed from the accept.
-        self._phase_deadline = trio.current_time() + server._header_timeout_s
+        # Bytes to requests and responses to bytes; the first head is timed from the accept
+        # (a TLS handshake included).
+        self.protocol = HTTP1Protocol(server._limits, trio.current_time, started_at=accepted_at, owner=self)
         self._client: tuple[str, int] | None = None
         self.disconnected = False
-        self._parser = httptools.HttpRequestParser(self)
-        self._queue: deque[Request] = deque()
-        self._fatal: tuple[int, str, str] | None = None
         self._handler_scope: trio.CancelScope | None = None
         # The connection's scope: its deadline is the idle timeout while idle, +inf while handling.
         self._scope: trio.CancelScope | None = None
         self._idle = False
         # A new connection's request is usually there already: read before waiting.
         self._drained = False
-        self._continue_pending = False
-        self._in_message = False
-        self._in_head = False
-        self._messages_begun = 0
-        self._head_bytes = 0
-        self._head_fed = 0
-        self._url = b""
-        self._headers: list[tuple[bytes, bytes]] = []
-        self._body_parts: list[bytes] = []
-        self._body_size = 0
-        self._content_length: bytes | None = None
-        self._expect: bytes | None = None
-        self._expect_continue = False
-        self._upgrade = False
 
     def peer(self) -> tuple[str, int] | None:
         """The client's (host, port), or None when the socket cannot say."""
@@ -429,158 +325,40 @@ class _Connection:
             self._client = (peer[0], peer[1])
         return self._client
 
-    # ---- httptools callbacks: synchronous, called from feed_data ----
-
-    def on_message_begin(self) -> None:
-        self._in_message = True
-        self._in_head = True
-        self._messages_begun += 1
-        self._head_bytes = 0
-        self._head_fed = 0
-        self._url = b""
-        self._headers = []
-        self._body_parts = []
-        self._body_size = 0
-        self._content_length = None
-        self._expect = None
-        self._expect_continue = False
-        self._upgrade = False
-        if self._messages_begun > 1:
-            # The first request's head is timed from the accept; later ones from their first byte.
-            self._phase_deadline = trio.current_time() + self.server._header_timeout_s
-
-    def on_url(self, url: bytes) -> None:
-        self._url += url
-        self._head_bytes += len(url)
-        if self._head_bytes > self.server._max_header_bytes:
-            self._violation(431, "request header fields too large", "request_header_fields_too_large")
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._head_bytes += len(name) + len(value) + 4
-        if self._head_bytes > self.server._max_header_bytes:
-            self._violation(431, "request header fields too large", "request_header_fields_too_large")
-        name = name.lower()
-        self._headers.append((name, value))
-        if name == b"content-length":
-            self._content_length = value
-        elif name == b"expect":
-            self._expect = value.lower()
-        elif name == b"upgrade":
-            self._upgrade = True
-
-    def on_headers_complete(self) -> None:
-        self._in_head = False
-        parser = self._parser
-        version = parser.get_http_version()
-        if not version.startswith("1."):
-            self._violation(505, f"HTTP version {version} is not supported; use HTTP/1.1",
-                            "http_version_not_supported")
-        # httptools stops at the head of an upgrade or CONNECT and would leave the
-        # bytes after it to be parsed as the next request: refuse both outright.
-        if self._upgrade:
-            self._violation(400, "protocol upgrades are not supported", "upgrade_not_supported")
-        if parser.get_method() == b"CONNECT":
-            self._violation(400, "CONNECT is not supported", "method_not_supported")
-        if self._expect is not None:
-            if self._expect != b"100-continue":
-                self._violation(417, "only 'Expect: 100-continue' is supported", "expectation_failed")
-            # HTTP/1.0 clients never get an interim response.
-            self._expect_continue = version == "1.1"
-        # llhttp has already rejected a malformed or duplicated content-length.
-        if self._content_length is not None and int(self._content_length) > self.server._max_body_bytes:
-            self._violation(413, "request body too large", "request_too_large")
-        self._phase_deadline = trio.current_time() + self.server._body_timeout_s
-
-    def on_body(self, body: bytes) -> None:
-        self._body_size += len(body)
-        if self._body_size > self.server._max_body_bytes:
-            self._violation(413, "request body too large", "request_too_large")
-        self._body_parts.append(body)
-
-    def on_message_complete(self) -> None:
-        parser = self._parser
-        parts = self._body_parts
-        body = parts[0] if len(parts) == 1 else b"".join(parts)
-        # should_keep_alive() is only valid inside this callback.
-        self._queue.append(
-            Request(
-                parser.get_method(),
-                self._url,
-                self._headers,
-                body,
-                parser.get_http_version(),
-                parser.should_keep_alive(),
-                None,
-                self,
-            )
-        )
-        self._in_message = False
-        self._in_head = False
-        self._phase_deadline = _INF
-        # The client sent the body without waiting: no interim response is due.
-        self._expect_continue = False
-        self._continue_pending = False
-
-    def _violation(self, status: int, message: str, code: str) -> None:
-        self._fatal = (status, message, code)
-        raise _ProtocolViolation(message)
-
-    def _feed(self, data: bytes) -> None:
-        """Parse ``data``; on a protocol error, record it in ``_fatal``."""
-        begun = self._messages_begun
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            # on_headers_complete refuses upgrades; this is the parser's own view
-            # of one. Nothing after it is ever parsed as a request.
-            if self._fatal is None:
-                self._fatal = (400, "protocol upgrades are not supported", "upgrade_not_supported")
-            return
-        except httptools.HttpParserError as exc:
-            if self._fatal is None:
-                if "HTTP version" in str(exc):
-                    self._fatal = (505, "HTTP version not supported; use HTTP/1.1", "http_version_not_supported")
-                else:
-                    self._fatal = (400, f"malformed HTTP request: {exc}", "malformed_request")
-            return
-        if self._in_head and self._messages_begun == begun:
-            # The whole chunk belonged to one unfinished head; this also bounds a
-            # single endless header line, which the callbacks never see.
-            self._head_fed += len(data)
-            if self._head_fed > self.server._max_header_bytes:
-                self._fatal = (431, "request header fields too large", "request_header_fields_too_large")
-
     # ---- the connection task ----
 
     async def run(self) -> None:
         """Read and answer requests in order until the connection should close."""
+        protocol = self.protocol
         with trio.CancelScope() as scope:
             self._scope = scope
             await self._serve_requests(scope)
-        if (scope.cancel_called and self._in_message and self._fatal is None and not self.disconnected
-                and not self.server._closing and self._phase_deadline <= trio.current_time()):
+        if (scope.cancel_called and protocol.in_message and protocol.error is None and not self.disconnected
+                and not self.server._closing and protocol.deadline() <= trio.current_time()):
             # A head or body too slow: answered outside the scope its deadline cancelled.
-            self._fatal = self._timeout_error()
-            await self._send_fatal()
+            protocol.error = protocol.timeout_error()
+            await self._send_error()
 
     async def _serve_requests(self, scope: trio.CancelScope) -> None:
         server = self.server
-        queue = self._queue
+        protocol = self.protocol
+        queue = protocol.requests
         while True:
             while not queue:
                 if self.disconnected:
                     return
-                if self._fatal is not None:
+                if protocol.error is not None:
                     scope.deadline = _INF
-                    await self._send_fatal()
+                    await self._send_error()
                     return
-                if server._closing and not self._in_message:
+                if server._closing and not protocol.in_message:
                     return
-                if self._continue_pending:
-                    self._continue_pending = False
-                    await self._send_continue()
+                interim = protocol.interim_response()
+                if interim is not None:
+                    # Only now: the interim response may not overtake responses due ahead of it.
+                    await self._send_interim(interim)
                     continue
-                phase_deadline = self._phase_deadline
+                phase_deadline = protocol.deadline()
                 scope.deadline = (phase_deadline if phase_deadline != _INF
                                   else trio.current_time() + server._idle_timeout_s)
                 self._idle = True
@@ -593,31 +371,14 @@ class _Connection:
                 if not data:
                     self.disconnected = True
                     return
-                self._feed(data)
-                if self._expect_continue and self._in_message and self._fatal is None:
-                    self._expect_continue = False
-                    # The interim response may not overtake responses still due ahead of it.
-                    if queue:
-                        self._continue_pending = True
-                    else:
-                        await self._send_continue()
+                protocol.receive_data(data)
             scope.deadline = _INF
             request = queue.popleft()
             if not await self._handle(request):
                 return
-            if self._in_message:
-                # A pipelined request begun meanwhile: nothing was read while we answered,
-                # so its head or body gets a whole window from now.
-                timeout_s = server._header_timeout_s if self._in_head else server._body_timeout_s
-                self._phase_deadline = trio.current_time() + timeout_s
+            protocol.response_sent()
             # The response just went out: the client's next request comes later, so wait first.
             self._drained = True
-
-    def _timeout_error(self) -> tuple[int, str, str]:
-        server = self.server
-        if self._in_head:
-            return (408, f"request head not received within {server._header_timeout_s:g} s", "header_timeout")
-        return (408, f"request body not received within {server._body_timeout_s:g} s", "body_timeout")
 
     async def _receive(self) -> bytes:
         """The next bytes from the client; b"" on EOF or a reset."""
@@ -649,9 +410,9 @@ class _Connection:
         if self._idle and self._scope is not None:
             self._scope.cancel()
 
-    async def _send_continue(self) -> None:
+    async def _send_interim(self, interim: bytes) -> None:
         try:
-            await self.send(_CONTINUE)
+            await self.send(interim)
         except ClientDisconnected:
             pass
 
@@ -783,23 +544,13 @@ class _Connection:
                 return False
         return not responder._closes
 
-    async def _send_fatal(self) -> None:
+    async def _send_error(self) -> None:
         """Answer a protocol error with a JSON body, then close gracefully."""
-        assert self._fatal is not None
-        status, message, code = self._fatal
-        body = error_json(message, type_="invalid_request_error", code=code)
-        head = b"".join(
-            [
-                _STATUS_LINES[status],
-                b"content-type: application/json\r\n",
-                self.server._common_head_lines(),
-                b"content-length: %d\r\n" % len(body),
-                _CLOSE_HEADER,
-                b"\r\n",
-            ]
-        )
+        error = self.protocol.error
+        assert error is not None
+        status = error[0]
         try:
-            await self.send(head + body)
+            await self.send(error_response(error, self.server._common_head_lines()))
             if isinstance(self.stream, trio.abc.HalfCloseableStream):
                 await self.stream.send_eof()
         except (ClientDisconnected, trio.BrokenResourceError, trio.ClosedResourceError):
@@ -933,6 +684,9 @@ class HTTPServer:
         self.ssl_context = ssl_context
         self._max_header_bytes = max_header_bytes
         self._max_body_bytes = max_body_bytes
+        # What every connection's protocol enforces.
+        self._limits = Limits(max_header_bytes=max_header_bytes, max_body_bytes=max_body_bytes,
+                              header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s)
         self._idle_timeout_s = idle_timeout_s
         self._server_header = b"server: " + server_name + b"\r\n"
         self._common_head = b""
@@ -1108,13 +862,14 @@ class HTTPServer:
                 self._slot_freed = trio.Event()
 
     async def _serve_accepted(self, stream: trio.abc.Stream, overflow: bool) -> None:
+        accepted_at = trio.current_time()
         context = self.ssl_context
         if context is not None and isinstance(stream, trio.SocketStream):
-            secure = await self._handshake(stream, context)
+            secure = await self._handshake(stream, context, accepted_at + self._header_timeout_s)
             if secure is None:
                 return
             stream = secure
-        conn = _Connection(self, stream, overflow=overflow)
+        conn = _Connection(self, stream, overflow=overflow, accepted_at=accepted_at)
         self._connections.add(conn)
         try:
             await conn.run()
@@ -1136,8 +891,8 @@ class HTTPServer:
         self._note_refusal()
         if self.ssl_context is None:
             body = _TOO_MANY_CONNECTIONS
-            response = b"".join([_STATUS_LINES[503], b"content-type: application/json\r\n",
-                                 self._common_head_lines(), b"content-length: %d\r\n" % len(body), _CLOSE_HEADER,
+            response = b"".join([STATUS_LINES[503], b"content-type: application/json\r\n",
+                                 self._common_head_lines(), b"content-length: %d\r\n" % len(body), CLOSE_HEADER,
                                  b"\r\n", body])
             with trio.move_on_after(1.0):
                 try:
@@ -1157,13 +912,18 @@ class HTTPServer:
             log_event("http_connections_capped", level=logging.WARNING, cap=self._max_client_connections,
                       open=self._accepted, refused_total=self._connections_refused)
 
-    async def _handshake(self, raw: trio.SocketStream, context: ssl.SSLContext) -> trio.SSLStream | None:
-        """The TLS stream once its handshake is done within the idle timeout; None (closed) otherwise."""
+    async def _handshake(self, raw: trio.SocketStream, context: ssl.SSLContext,
+                         deadline: float) -> trio.SSLStream | None:
+        """The TLS stream once its handshake is done by ``deadline``; None (closed) otherwise.
+
+        The deadline is the head's (``header_timeout_s`` from the accept): a silent or
+        half-sent ClientHello holds a connection slot no longer than a slow head does.
+        """
         stream = trio.SSLStream(raw, context, server_side=True, https_compatible=True)
         failure: BaseException | None = None
         done = False
         try:
-            with trio.move_on_after(self._idle_timeout_s):
+            with trio.move_on_at(deadline):
                 try:
                     await stream.do_handshake()
                     done = True
@@ -1176,7 +936,7 @@ class HTTPServer:
             log_event("tls_handshake_failed", level=logging.WARNING,
                       client=f"{peer[0]}:{peer[1]}" if peer else None,
                       reason=(tls_reason(failure) or str(failure) or type(failure).__name__) if failure
-                      else f"no handshake within {self._idle_timeout_s:g} s")
+                      else f"no handshake within {self._header_timeout_s:g} s (the head timeout)")
             if failure is not None:
                 await _send_alert(stream, raw)
             return None

@@ -13,28 +13,35 @@ from __future__ import annotations
 
 import logging
 import ssl
-import urllib.parse
 from collections.abc import Awaitable, Callable
 
 from narwhal.config import Config
-from narwhal.http1.server import HTTPServer, Request, Responder, client_connection_budget
+from narwhal.http1.server import OVERFLOW_CONNECTIONS, Handler, HTTPServer, Request, Responder, client_connection_budget
+from narwhal.http1.target import asgi_path
 from narwhal.obs.logs import log_event
 from narwhal.serving.request_core import COMPLETION_ROUTES, RequestCore
 from narwhal.wire import error_json
 
-__all__ = ["Front", "build_front_server", "is_admin_path"]
+__all__ = ["Front", "admin_elsewhere_body", "build_admin_server", "build_front_server", "is_admin_path"]
 
 _JSON = [(b"content-type", b"application/json")]
 _NOT_ALLOWED = error_json("completion routes accept POST only", "invalid_request_error", "method_not_allowed")
 _NOT_ALLOWED_HEADERS = [*_JSON, (b"allow", b"POST")]
+# Admin requests carry small JSON bodies, if any.
+_ADMIN_MAX_BODY_BYTES = 64 * 1024
 
 
-def is_admin_path(path: str) -> bool:
-    """Would the app route ``path`` to the admin API? (percent-decoded, leading slashes collapsed)."""
-    if "%" in path:
-        path = urllib.parse.unquote(path)
-    path = "/" + path.lstrip("/")
+def is_admin_path(request: Request) -> bool:
+    """Would the app route ``request`` to the admin API? Read from the path the ASGI scope gets
+    (``split_target``, absolute form included; percent-decoded), leading slashes collapsed."""
+    path = "/" + asgi_path(request.raw_path).lstrip("/")
     return path == "/admin" or path.startswith("/admin/")
+
+
+def admin_elsewhere_body(request: Request) -> bytes:
+    """The 404 body for an admin path asked of the traffic port while ``[admin] listen`` serves them."""
+    return error_json(f"no route for {request.method.decode('latin-1')} {request.path}", "invalid_request_error",
+                      "not_found")
 
 
 class Front:
@@ -64,9 +71,8 @@ class Front:
             else:
                 await responder.respond(405, _NOT_ALLOWED_HEADERS, _NOT_ALLOWED)
             return
-        if self._admin_elsewhere and is_admin_path(request.path):
-            await responder.respond(404, _JSON, error_json(f"no route for {request.method.decode('latin-1')} "
-                                                           f"{request.path}", "invalid_request_error", "not_found"))
+        if self._admin_elsewhere and is_admin_path(request):
+            await responder.respond(404, _JSON, admin_elsewhere_body(request))
             return
         await self.rest(request, responder)
 
@@ -78,10 +84,27 @@ def build_front_server(config: Config, front: Front, ssl_context: ssl.SSLContext
     ``yield_at_cap``: a worker process at its connection cap leaves new connections to its siblings.
     """
     serving = config.serving
+    # The admin listener's connections (and its overflow) come out of the same descriptor table.
+    admin_fds = config.admin.max_connections + OVERFLOW_CONNECTIONS if config.admin.listen is not None else 0
     client_cap = serving.max_client_connections or client_connection_budget(
-        serving.max_connections + config.engine.control_connections)
+        serving.max_connections + config.engine.control_connections + admin_fds)
     return HTTPServer(front.handle, max_header_bytes=serving.max_header_bytes,
                       max_body_bytes=serving.max_body_bytes, idle_timeout_s=serving.idle_timeout_s,
                       header_timeout_s=serving.header_timeout_s, body_timeout_s=serving.body_timeout_s,
                       client_write_timeout_s=serving.client_write_timeout_s,
                       max_client_connections=client_cap, ssl_context=ssl_context, yield_at_cap=yield_at_cap)
+
+
+def build_admin_server(config: Config, handler: Handler, ssl_context: ssl.SSLContext | None) -> HTTPServer:
+    """The ``[admin] listen`` server: the control app behind its own connection cap and head timeout.
+
+    The same HTTP/1.1 server as the traffic port (absolute-form targets, handshake
+    deadline, slow-client bounds), so a flood there holds at most
+    ``admin.max_connections`` (+16 for /health) descriptors of the controller.
+    """
+    serving, admin = config.serving, config.admin
+    return HTTPServer(handler, max_header_bytes=serving.max_header_bytes,
+                      max_body_bytes=min(serving.max_body_bytes, _ADMIN_MAX_BODY_BYTES),
+                      idle_timeout_s=serving.idle_timeout_s, header_timeout_s=admin.header_timeout_s,
+                      body_timeout_s=serving.body_timeout_s, client_write_timeout_s=serving.client_write_timeout_s,
+                      max_client_connections=admin.max_connections, ssl_context=ssl_context)

@@ -51,6 +51,7 @@ from narwhal.wire import AttestRequest, EngineIdentity, extract_handoff
 __all__ = ["CheckRow", "add_parser", "check_engine", "format_table", "run_engine_check"]
 
 _DEFAULT_TIMEOUT_S = 10.0
+_MAX_DETAIL_CHARS = 1000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +95,8 @@ class _Checker:
         self.rows: list[CheckRow] = []
 
     def row(self, check: str, result: str, detail: str) -> None:
-        self.rows.append(CheckRow(check, result, detail))
+        # Details quote what the engine said: bounded, whatever a check forgot to cut.
+        self.rows.append(CheckRow(check, result, contract.bounded(detail, _MAX_DETAIL_CHARS)))
 
     async def call(self, method: str, path: str, body: bytes | None = None,
                    engine: EngineSpec | None = None) -> ControlResponse:
@@ -139,7 +141,7 @@ class _Checker:
             listed = contract.listed_models(await self.ok("GET", "/v1/models"))
             if expect.model is not None:
                 contract.check_listed_model(listed, expect.model)
-            self.row("models", "pass", f"/v1/models lists {listed}")
+            self.row("models", "pass", f"/v1/models lists {contract.shown_list(listed)}")
         except contract.ContractViolation as exc:
             self.row("models", "FAIL", exc.reason)
 
@@ -158,12 +160,12 @@ class _Checker:
         if expect.role is not None:
             self._judge("kv_role", identity, lambda i: contract.check_kv_role(expect.role or "", i),
                         f"a {expect.role} engine needs KV role {contract.KV_ROLE_FOR[expect.role]!r}; "
-                        f"engine reports kv_roles {identity.kv_roles if identity else []}")
+                        f"engine reports kv_roles {contract.shown_list(identity.kv_roles if identity else [])}")
         elif identity is not None and not identity.kv_roles:
             self.row("kv_role", "FAIL", "engine reports no kv_roles: it has no KV connector "
                                         "(--kv-transfer-config) and cannot serve P/D")
         elif identity is not None:
-            self.row("kv_role", "pass", f"kv_roles {identity.kv_roles} (give --role to check one)")
+            self.row("kv_role", "pass", f"kv_roles {contract.shown_list(identity.kv_roles)} (give --role to check one)")
         else:
             self.row("kv_role", "not run", "no identity")
         if expect.peer is not None:
@@ -217,10 +219,11 @@ class _Checker:
         except contract.ContractViolation as exc:
             reason = exc.reason
             if self.expect.model is None:
-                reason = f"/narwhal/identity names model {identity.model!r}; /v1/models lists {listed}"
+                reason = (f"/narwhal/identity names model {contract.shown(identity.model)}; "
+                          f"/v1/models lists {contract.shown_list(listed)}")
             self.row("model", "FAIL", reason)
         else:
-            self.row("model", "pass", f"{identity.model!r} is served by the engine itself (/v1/models)")
+            self.row("model", "pass", f"{contract.shown(identity.model)} is served by the engine itself (/v1/models)")
 
     async def _pd_probe(self, identity: EngineIdentity | None, listed: list[str] | None) -> None:
         peer = self.expect.peer
@@ -252,8 +255,9 @@ def _describe(identity: EngineIdentity) -> str:
     started = identity.process_started_at
     when = (datetime.datetime.fromtimestamp(started, datetime.UTC).isoformat(timespec="seconds")
             .replace("+00:00", "Z") if math.isfinite(started) else repr(started))
-    return (f"engine_id {identity.engine_id!r}, model {identity.model!r}, generation {identity.generation!r}, "
-            f"kv_roles {identity.kv_roles}, process started {when}")
+    return (f"engine_id {contract.shown(identity.engine_id)}, model {contract.shown(identity.model)}, "
+            f"generation {contract.shown(identity.generation)}, kv_roles {contract.shown_list(identity.kv_roles)}, "
+            f"process started {when}")
 
 
 async def check_engine(url: str, expect: Expectations, *, timeout_s: float = _DEFAULT_TIMEOUT_S,

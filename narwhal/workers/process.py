@@ -25,7 +25,10 @@ import trio
 from narwhal.config import Config
 from narwhal.http1.asgi import call_asgi
 from narwhal.http1.server import Request
+from narwhal.http1.target import InvalidTarget
 from narwhal.obs.logs import log_event
+from narwhal.serving.front import admin_elsewhere_body, is_admin_path
+from narwhal.wire import error_json
 from narwhal.workers.hub import WorkerHub
 from narwhal.workers.link import LinkClosed, StreamLink
 from narwhal.workers.protocol import (
@@ -51,6 +54,9 @@ _MAX_FORWARD_BODY = 32 * 1024 * 1024
 _KILL_MARGIN_S = 5.0
 # How long a TLS reload waits for every worker's answer; a worker that has not answered by then failed it.
 TLS_RELOAD_TIMEOUT_S = 10.0
+
+
+_JSON = ((b"content-type", b"application/json"),)
 
 
 class _CollectingResponder:
@@ -279,8 +285,20 @@ class WorkerSet:
 
     async def _answer_forward(self, link: StreamLink, message: Forward) -> None:
         responder = _CollectingResponder(message.secure)
-        request = Request(message.method, message.target, headers=message.headers, body=message.body,
-                          http_version=message.http_version, client=message.client)
+        try:
+            # The same path derivation as the worker's front (absolute form reduced), checked again here:
+            # a forwarded request never reaches the admin API while [admin] listen has it.
+            request = Request(message.method, message.target, headers=message.headers, body=message.body,
+                              http_version=message.http_version, client=message.client)
+        except InvalidTarget as exc:
+            _send_reply(link, ForwardReply(id=message.id, status=400, headers=list(_JSON),
+                                          body=error_json(str(exc), "invalid_request_error",
+                                                          "invalid_request_target")))
+            return
+        if self.config.admin.listen is not None and is_admin_path(request):
+            _send_reply(link, ForwardReply(id=message.id, status=404, headers=list(_JSON),
+                                          body=admin_elsewhere_body(request)))
+            return
         try:
             with trio.fail_after(CONTROL_APP_TIMEOUT_S):
                 await call_asgi(self.app, request, responder)  # type: ignore[arg-type]
@@ -292,7 +310,12 @@ class WorkerSet:
             reply = ForwardReply(id=message.id, status=500, headers=[(b"content-type", b"application/json")],
                                  body=b'{"error":{"message":"the control app failed","type":"server_error",'
                                       b'"code":"internal_error"}}')
-        try:
-            link.send(reply)
-        except LinkClosed:
-            pass
+        _send_reply(link, reply)
+
+
+def _send_reply(link: StreamLink, reply: ForwardReply) -> None:
+    """Send a forward's reply; a worker that has gone takes no reply."""
+    try:
+        link.send(reply)
+    except LinkClosed:
+        pass

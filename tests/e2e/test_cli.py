@@ -116,3 +116,38 @@ def test_demo_on_a_busy_port_fails_at_once_with_one_line_suggesting_listen():
     assert result.stderr == (f"narwhal demo: cannot listen on 127.0.0.1:{port}: Address already in use; "
                              "choose a free address with --listen HOST:PORT (e.g. --listen 127.0.0.1:0 for any "
                              "free port)\n")
+
+
+async def _raw(port: int, data: bytes) -> bytes:
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(data)
+        raw = b""
+        with trio.fail_after(20):
+            while chunk := await stream.receive_some(65536):
+                raw += chunk
+    return raw
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_an_absolute_form_admin_target_on_the_traffic_port_drains_nothing(start_fleet, workers):
+    """Issue 19 item 11, from outside: ``POST http://x/admin/engines/d1/drain`` on the traffic port, in each front."""
+    admin_port = free_port()
+    fleet = await start_fleet(sections={"admin": {"listen": f"127.0.0.1:{admin_port}", "token": "s3cret"},
+                                        "serving": {"workers": workers}})
+    port = int(fleet.url.rsplit(":", 1)[1])
+    for form in (b"http://x/admin/engines/d1/drain", b"HTTP://127.0.0.1:1/%61dmin/engines/d1/drain"):
+        for _ in range(4):  # the kernel spreads connections over the workers
+            raw = await _raw(port, b"POST %b HTTP/1.1\r\nhost: x\r\nauthorization: Bearer s3cret\r\n"
+                                   b"content-length: 0\r\nconnection: close\r\n\r\n" % form)
+            assert raw.startswith(b"HTTP/1.1 404"), raw[:200]
+    raw = await _raw(port, b"POST ftp://x/admin/engines/d1/drain HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+    assert raw.startswith(b"HTTP/1.1 400") and b"invalid_request_target" in raw
+    auth = {"authorization": "Bearer s3cret"}
+    engines = (await fleet.client.get(f"http://127.0.0.1:{admin_port}/admin/engines", headers=auth)).json()
+    d1 = next(e for e in engines["engines"] if e["name"] == "d1")
+    assert d1["holds"] == [] and d1["eligible"]
+    # The admin listener takes the absolute form too, under its token.
+    raw = await _raw(admin_port, b"POST http://x/admin/engines/d1/drain HTTP/1.1\r\nhost: x\r\n"
+                                 b"content-length: 0\r\nconnection: close\r\n\r\n")
+    assert raw.startswith(b"HTTP/1.1 401")
