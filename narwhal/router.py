@@ -662,9 +662,11 @@ class Router:
                                        for name, spec in specs.items() if name not in self._removing]
 
     async def _reload_tls_if_configured(self) -> Literal["reloaded", "failed", "skipped"]:
+        # reload_tls logs tls_reload_skipped itself when no TLS is configured.
+        reloaded = await self.reload_tls()
         if not self.tls.configured:
             return "skipped"
-        return "reloaded" if await self.reload_tls() else "failed"
+        return "reloaded" if reloaded else "failed"
 
     async def reload_tls(self) -> bool:
         """Read every certificate and key again and swap them in; connections open stay as they are.
