@@ -19,8 +19,6 @@ PROMPT = "A long answer about whales"
 # Long enough to be cut mid-stream (max-model-len is 2048): a busy vLLM may generate a few hundred tokens before its
 # API server writes the first one.
 MAX_TOKENS = 1500
-# The client has part of the answer (a fifth) when the engine is killed; the engine itself is further on.
-KILL_AFTER = MAX_TOKENS // 5
 
 
 def body(route: str) -> dict[str, Any]:
@@ -43,7 +41,7 @@ async def answer(narwhal: Narwhal, route: str, victim: Engine | None = None) -> 
     """The stream's events and how many tokens the client had when ``victim`` (its decode engine) was SIGKILLed.
 
     With a victim, the other decode engines are drained first, so the stream has to start on the victim; once the
-    client has received part of the answer they are readmitted (somewhere to continue) and the victim is killed."""
+    client has received part of the answer the victim is killed and they are readmitted (somewhere to continue)."""
     others = [e.name for e in narwhal.fleet.of_role("decode") if victim is not None and e is not victim]
     for name in others:
         await admin(narwhal, name, "drain")
@@ -61,12 +59,14 @@ async def answer(narwhal: Narwhal, route: str, victim: Engine | None = None) -> 
             if payload == "[DONE]":
                 continue
             tokens += sum(len(ch.get("token_ids") or []) for ch in events[-1].get("choices") or [])
-            if victim is not None and killed_at < 0 and tokens >= KILL_AFTER:
-                for name in others:
-                    await admin(narwhal, name, "readmit")
-                    await narwhal.wait_engine(name, lambda e: e["eligible"], what="readmitted", timeout_s=30)
+            if victim is not None and killed_at < 0 and tokens:
+                # At once: vLLM runs well ahead of what a client has read (1500 tokens of this model take about
+                # 3 s), so any admin round trip first would let the engine finish before it dies. The drained
+                # engines are readmitted right after; meanwhile the continuation waits for a decode engine.
                 victim.signal_group(signal.SIGKILL)
                 killed_at = tokens
+                for name in others:
+                    await admin(narwhal, name, "readmit")
     return events, killed_at
 
 
