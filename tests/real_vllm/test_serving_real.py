@@ -33,8 +33,9 @@ async def test_completions_streamed_and_not(start_narwhal) -> None:
         return texts, finish
 
     texts, finish = await narwhal.call(streamed)
-    # Greedy: the streamed pieces are the whole answer, token by token.
-    assert "".join(texts) == whole.choices[0].text and finish == "length" and len(texts) >= 2
+    # Greedy: the streamed pieces join to the whole answer. How many pieces is vLLM's choice, not ours: on a
+    # loaded CPU its output loop can coalesce all 8 tokens into one delta, so the count is not asserted.
+    assert "".join(texts) == whole.choices[0].text and finish == "length" and len(texts) >= 1
 
 
 async def test_chat_streamed_and_not(start_narwhal) -> None:
