@@ -13,9 +13,11 @@
 #                 the order rotated from one repetition to the next
 #   CASES         subset of: paced-c64 paced-c8 unpaced-c64 unpaced-c8 (default all)
 #   PACED_S       duration of each paced run (default 20); UNPACED_N requests of each unpaced run (default 10000)
-#   PROFILE       1 (default): a paced-c64 run per tree under py-spy (PROFILE_S seconds, default 10)
-#   STRACE        1 (default): paced-c64 runs of STRACE_N1 and STRACE_N2 requests (default 64 and 192) per
-#                 router under `strace -f -c`; the difference is the syscalls of (N2 - N1) x 256 tokens
+#   PROFILE       1 (default): per tree, a paced-c64 run (PROFILE_S seconds, default 10) and an unpaced-c64 run
+#                 under py-spy
+#   STRACE        1 (default): per router under `strace -f -c`, paced-c64 runs of STRACE_N1 and STRACE_N2
+#                 requests (default 64 and 192; the difference: syscalls per 1,000 tokens) and unpaced-c64 runs
+#                 of STRACE_REQ_N1 and STRACE_REQ_N2 (1000 and 3000; the difference: syscalls per request)
 #   SET_<LABEL>   space-separated SECTION.KEY=VALUE config values for that tree's router (label's - as _)
 #
 # Every run is one `python -m narwhal bench` (from the tree's directory, so bench, mocks and router are the
@@ -25,7 +27,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 HERE=$(pwd)
 
-if [ $# -lt 2 ]; then sed -n '2,24p' "$0" >&2; exit 2; fi
+if [ $# -lt 2 ]; then sed -n '2,25p' "$0" >&2; exit 2; fi
 OUT=$1; shift
 if [ -z "${PYTHON:-}" ]; then
   if [ -x .venv/bin/python ]; then PYTHON=$HERE/.venv/bin/python; else PYTHON=python3; fi
@@ -40,6 +42,8 @@ PROFILE_S=${PROFILE_S:-10}
 STRACE=${STRACE:-1}
 STRACE_N1=${STRACE_N1:-64}
 STRACE_N2=${STRACE_N2:-192}
+STRACE_REQ_N1=${STRACE_REQ_N1:-1000}
+STRACE_REQ_N2=${STRACE_REQ_N2:-3000}
 TREES_DIR=${TREES_DIR:-/tmp}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -126,10 +130,13 @@ done
 
 if [ "$PROFILE" = 1 ]; then
   for label in "${LABELS[@]}"; do
+    # paced-c64 for ~PROFILE_S seconds, unpaced-c64 for UNPACED_N requests.
     # shellcheck disable=SC2046
     run "$label" "profile__$label" "" $(case_args paced-c64 | sed "s/--duration-s [0-9.]*/--duration-s $PROFILE_S/") \
       --profile-router "$OUT/profile__$label.collapsed.txt"
-    "$PYTHON" bench/profile_top.py "$OUT/profile__$label.collapsed.txt" --top 20 > "$OUT/profile__$label.top.txt" || true
+    # shellcheck disable=SC2046
+    run "$label" "profile-unpaced__$label" "" $(case_args unpaced-c64) \
+      --profile-router "$OUT/profile-unpaced__$label.collapsed.txt"
   done
 fi
 
@@ -143,6 +150,12 @@ if [ "$STRACE" = 1 ]; then
       # shellcheck disable=SC2046
       run "$router" "$name" "$OUT/$name.strace" \
         $(case_args paced-c64 | sed "s/--duration-s [0-9.]*/--requests $count/") --warmup 0
+    done
+    for count in "$STRACE_REQ_N1" "$STRACE_REQ_N2"; do
+      name="strace-unpaced__${router}__$count"
+      # shellcheck disable=SC2046
+      run "$router" "$name" "$OUT/$name.strace" \
+        $(case_args unpaced-c64 | sed "s/--requests [0-9]*/--requests $count/") --warmup 0
     done
   done
 fi

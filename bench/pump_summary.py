@@ -120,46 +120,51 @@ def parse_strace(text: str) -> dict[str, tuple[int, int]]:
     return counts
 
 
-def syscalls_table(directory: Path, routers: list[str], top: int = 10) -> str | None:
-    """Syscalls per 1,000 relayed tokens by kind: the larger strace run minus the smaller, per router."""
+def syscalls_table(directory: Path, routers: list[str], top: int = 10, *, prefix: str = "strace",
+                   per_request: bool = False) -> str | None:
+    """Syscalls by kind per 1,000 relayed tokens (or per request): the larger strace run minus the smaller."""
+    unit, scale, figure = ("requests", 1, "ok") if per_request else ("tokens", 1000, "tokens")
     per_1k: dict[str, dict[str, tuple[float, float]]] = {}
     notes = []
     for router in routers:
         runs = []
-        for path in directory.glob(f"strace__{router}__*.strace"):
+        for path in directory.glob(f"{prefix}__{router}__*.strace"):
             report_path = path.with_suffix(".json")
             if not report_path.exists():
                 continue
             report = json.loads(report_path.read_text())
-            runs.append((_get(report, ("run", "load", "tokens")) or 0, parse_strace(path.read_text()),
+            runs.append((_get(report, ("run", "load", figure)) or 0, parse_strace(path.read_text()),
                          _get(report, ("run", "load", "errors")) or 0))
         if len(runs) < 2:
             continue
         runs.sort(key=lambda r: r[0])
-        (small_tokens, small, _), (large_tokens, large, _) = runs[0], runs[-1]
-        tokens = large_tokens - small_tokens
-        if tokens <= 0:
+        (small_n, small, _), (large_n, large, _) = runs[0], runs[-1]
+        amount = large_n - small_n
+        if amount <= 0:
             continue
-        notes.append(f"{router}: {tokens:,} tokens between the runs"
+        notes.append(f"{router}: {amount:,} {unit} between the runs"
                      + (f" ({sum(r[2] for r in runs)} errors)" if any(r[2] for r in runs) else ""))
         per_1k[router] = {}
         for name in set(small) | set(large):
             calls = large.get(name, (0, 0))[0] - small.get(name, (0, 0))[0]
             errors = large.get(name, (0, 0))[1] - small.get(name, (0, 0))[1]
-            per_1k[router][name] = (1000 * calls / tokens, 1000 * errors / tokens)
+            per_1k[router][name] = (scale * calls / amount, scale * errors / amount)
     if not per_1k:
         return None
     shown = list(per_1k)
-    kinds = sorted({k for r in shown for k, (c, _) in per_1k[r].items() if c >= 5},
+    digits = 2 if per_request else 0
+    least = 0.05 if per_request else 5  # leave out the syscalls of startup noise
+    kinds = sorted({k for r in shown for k, (c, _) in per_1k[r].items() if c >= least},
                    key=lambda k: -max(per_1k[r].get(k, (0, 0))[0] for r in shown))[:top]
     lines = ["| syscall | " + " | ".join(shown) + " |", "|---|" + "---|" * len(shown)]
     for kind in kinds:
         cells = []
         for router in shown:
             calls, errors = per_1k[router].get(kind, (0.0, 0.0))
-            cells.append(f"{calls:,.0f}" + (f" ({errors:,.0f} failed)" if errors >= 1 else ""))
+            failed = errors >= (0.01 if per_request else 1)
+            cells.append(f"{calls:,.{digits}f}" + (f" ({errors:,.{digits}f} failed)" if failed else ""))
         lines.append(f"| {kind} | " + " | ".join(cells) + " |")
-    totals = [f"**{sum(c for c, _ in per_1k[r].values()):,.0f}**" for r in shown]
+    totals = [f"**{sum(c for c, _ in per_1k[r].values()):,.{digits}f}**" for r in shown]
     lines.append("| all | " + " | ".join(totals) + " |")
     return "\n".join(lines) + "\n\n" + "; ".join(notes) + "."
 
@@ -215,12 +220,18 @@ def main() -> None:
         print("#### Syscalls per 1,000 tokens (paced c64, strace -f -c)\n")
         print(table)
         print()
-    for tree in trees:
-        profile = directory / f"profile__{tree}.collapsed.txt"
-        if profile.exists():
-            print(f"#### py-spy, {tree}, paced c64: top self costs\n")
-            print(profile_table(profile.read_text().splitlines()))
-            print()
+    table = syscalls_table(directory, routers, prefix="strace-unpaced", per_request=True)
+    if table:
+        print("#### Syscalls per request (unpaced c64, strace -f -c)\n")
+        print(table)
+        print()
+    for prefix, case in (("profile", "paced c64"), ("profile-unpaced", "unpaced c64")):
+        for tree in trees:
+            profile = directory / f"{prefix}__{tree}.collapsed.txt"
+            if profile.exists():
+                print(f"#### py-spy, {tree}, {case}: top self costs\n")
+                print(profile_table(profile.read_text().splitlines()))
+                print()
 
 if __name__ == "__main__":
     main()

@@ -81,3 +81,18 @@ def test_syscalls_per_1k_tokens_are_the_difference_of_two_runs(tmp_path: Path) -
     # epoll_wait is the same in both runs of each router: it costs nothing per token.
     assert "| all | **2,014** | **2,014** |" in lines
     assert "new: 32,768 tokens between the runs" in out
+
+
+def test_syscalls_per_request_come_from_the_unpaced_pair_of_runs(tmp_path: Path) -> None:
+    (tmp_path / "trees.txt").write_text("new: commit bbb\n")
+    for requests, read, write in ((1000, 4_000, 3_000), (3000, 10_000, 9_000)):
+        name = f"strace-unpaced__new__{requests}"
+        report = _report(tokens=32 * requests, ttft_ms=1, cpu_req=1, cpu_1k=1)
+        report["run"]["load"]["ok"] = requests  # type: ignore[index]
+        _write(tmp_path, name, report)
+        (tmp_path / f"{name}.strace").write_text(_STRACE.format(read=read, write=write, write_errors="    "))
+    out = _summary(tmp_path)
+    assert "#### Syscalls per request (unpaced c64, strace -f -c)" in out
+    # 6,000 more reads and writes over 2,000 more requests: 3 each per request.
+    assert "| read | 3.00 |" in out.splitlines()
+    assert "| all | **6.00** |" in out.splitlines()
