@@ -61,8 +61,8 @@ from narwhal.obs.timeline_feed import TimelineFeed
 from narwhal.pools.control import ControlPool
 from narwhal.serving.data_plane import DataPlane, LocalDataPlane
 from narwhal.serving.front import build_admin_server
-from narwhal.serving.placement import RequestPlacement, build_index, build_placer
-from narwhal.stages import build_stages
+from narwhal.serving.placement import RequestPlacement, build_index, build_placer, reconfigure_index
+from narwhal.stages import build_stages, health_check_timeout_s
 from narwhal.stages.persistence import HandoffExtra, PersistenceStage
 from narwhal.state.handoff import EngineSetEntry, LeaseOwnership
 from narwhal.state.resume import apply_resume, plan_resume
@@ -237,6 +237,7 @@ class Router:
         # of addresses (engines being removed included); workers get it in their snapshots.
         self.engine_view.specs = self.supervisor.engines
         self.hub.engine_specs = lambda: list(self.supervisor.engines.values())
+        self.hub.running_config = lambda: self.config
         # Engines a reload removed that still finish their requests, and additions waiting for
         # an engine of the same name (a changed url or role) to leave first.
         self._removing: set[str] = set()
@@ -267,6 +268,7 @@ class Router:
                                placement=RequestPlacement(config, self.metrics,
                                                           build_placer(config, self.prefix_index.index)))
         view.on_engines = plane.core.set_engines
+        view.on_settings = plane.configure
         return plane
 
     def _build_lease(self, config_dir: Path | None) -> LeaseService | None:
@@ -536,6 +538,9 @@ class Router:
             changes = diff_configs(self.config, new)
             self._apply_config(merge_reloadable(self.config, new), key)
             self._apply_engines(changes, new)
+            await self.control_pool.set_timeouts(self.config.engine)
+            # The data plane (each worker's) takes placement, the engine timeouts and the engine set now.
+            self.hub.publish()
             log_event("config_reloaded", level=logging.WARNING if changes.keys_needing_restart else logging.INFO,
                       file=file, **msgspec.structs.asdict(changes))
             tls = await self._reload_tls_if_configured()
@@ -559,8 +564,16 @@ class Router:
         return None
 
     def _apply_config(self, config: Config, attestation_key: bytes | None) -> None:
-        """Hand every part that reads a reloadable key the merged config (see ``RELOADABLE_KEYS``)."""
-        self.config = config
+        """Hand every part that reads a reloadable key the merged config (see ``RELOADABLE_KEYS``).
+
+        The data plane (this process's or each worker's) takes ``[placement]`` and the
+        engine timeouts from the next snapshot; the control pool in ``reload``.
+        """
+        old, self.config = self.config, config
+        if isinstance(self.data_plane, WorkerDataPlane):
+            # The workers place on their own indexes; the copy here, which relays between them, follows too.
+            reconfigure_index(self.prefix_index.index, old.placement, config.placement)
+        self.stages.health.check_timeout_s = health_check_timeout_s(config)
         recovery = config.recovery
         self.fleet.reconfigure(eject_after=recovery.eject_after, liveness_misses=recovery.liveness_misses,
                                failure_quarantine_s=recovery.failure_quarantine_s,
