@@ -9,7 +9,8 @@ plane and the lease. ``shutdown`` closes admission, stops accepting, lets
 in-flight requests finish within the grace period, then cancels the rest.
 ``reload`` (SIGHUP, ``POST /admin/reload``) is the one reload path: the config
 file (its reloadable keys, ``narwhal.config_diff``; engines added through
-readmission, removed after their requests finish), then ``reload_tls``: this
+readmission, removed after their requests finish or are cut at
+serving.shutdown_grace_s), then ``reload_tls``: this
 process's contexts (the admin listener's too), then the data plane's (each
 worker's), and ``tls_reloaded`` only once every part reloaded. The engine set
 reaches worker processes in the hub's snapshots.
@@ -628,7 +629,7 @@ class Router:
         grace = self.config.serving.shutdown_grace_s
         self.fleet.start_removal(name, trio.current_time(),
                                  f"removed from the config: no new requests; leaves once its "
-                                 f"{self.in_flight[name]} request(s) in flight finish (at most {grace:g} s)")
+                                 f"{self.in_flight[name]} request(s) in flight finish (cut after {grace:g} s)")
         self._engine_set_changed()
         if self._nursery is None:
             self._finish_removal_now(name)
@@ -646,7 +647,8 @@ class Router:
         left = self.in_flight[name]
         reason = ("removed from the config; its requests finished" if not left else
                   f"removed from the config; {left} request(s) still in flight after serving.shutdown_grace_s "
-                  "are no longer evidence")
+                  "are cut (their clients get an error, or the stream continues on another engine; "
+                  "never evidence)")
         self._removing.discard(name)
         self.fleet.remove_engine(name, trio.current_time(), reason)
         self.supervisor.engines.pop(name, None)
@@ -673,6 +675,9 @@ class Router:
         # The handoff records the running set: what this router serves and keeps serving.
         self.persistence.engine_set = [EngineSetEntry(name=spec.name, url=spec.base_url, role=spec.role)
                                        for name, spec in specs.items() if name not in self._removing]
+        # Now, not at the publisher's next turn: an engine that left has its legs cut by the
+        # data plane as it takes this snapshot (one in this process reads it only per request).
+        self.hub.publish()
 
     async def _reload_tls_if_configured(self) -> Literal["reloaded", "failed", "skipped"]:
         # reload_tls logs tls_reload_skipped itself when no TLS is configured.

@@ -463,3 +463,51 @@ async def test_placement_and_an_engine_timeout_change_live_by_sighup_in_every_wo
         response = await client.post(f"{fleet.url}/v1/completions", json={**PROMPT, "stream": True})
         assert response.status_code == 502, response.text
         assert "no first token within 0.5 s" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("workers", "policy"), [(1, "saturate"), (2, "saturate"), (2, "bounded")])
+async def test_a_stream_still_running_on_a_removed_engine_is_cut_at_the_grace_without_blame(
+        start_fleet, nursery, workers: int, policy: str) -> None:
+    grace_s = 1.0
+    fleet = await start_fleet(prefill=1, decode=1, mock_args=["--token-delay-s", "0.05"], sections={
+        **sections(workers), "serving": {"workers": workers, "policy": policy, "shutdown_grace_s": grace_s}})
+    d2 = await start_mock_engine(nursery, "decode", engine_id="d2")
+    try:
+        await eligible(fleet, "d1")
+        # 200 tokens, one per 50 ms: about 10 s, far past the grace.
+        stream = await LongStream.start(nursery, fleet, max_tokens=200)
+        rewrite(fleet.config_path, engines={**engine_map(fleet.config_path), "d2": (d2.url, "decode")})
+        sighup(fleet.router)
+        await reloaded(fleet.router, 1)
+        await eligible(fleet, "d2")
+        current = engine_map(fleet.config_path)
+        del current["d1"]
+        rewrite(fleet.config_path, engines=current)
+        removed_at = trio.current_time()
+        sighup(fleet.router)
+        await reloaded(fleet.router, 2)
+        with trio.fail_after(8):
+            await stream.done.wait()
+        took = trio.current_time() - removed_at
+        assert await fleet.router.wait_event("engine_removal_cut", engine="d1", timeout_s=5.0)
+        [request] = await fleet.router.wait_event("request", timeout_s=5.0)
+        if policy == "saturate":
+            # Cut at the grace, long before the stream's own end, with the usual SSE error event.
+            assert grace_s <= took < 5.0, took
+            assert "data: [DONE]" not in stream.text and '"code":"engine_removed"' in stream.text
+            assert request["error"] == "engine_removed" and request["decode"] == "d1"
+        else:
+            # Bounded with continue_streams: the answer goes on from d2 in the same stream.
+            assert stream.text.rstrip().endswith("data: [DONE]") and "error" not in stream.text
+            assert stream.text.count("data: {") >= 200
+            assert request["continuations"] == 1 and request["decode"] == "d2"
+        assert await fleet.router.wait_event("engine_removed", engine="d1", timeout_s=5.0)
+        # Nobody is blamed: no failure counted on any engine, and d2 took the next requests.
+        state = await engines(fleet)
+        assert sorted(state) == ["d2", "p1"]
+        assert all(not any(entry["counters"]["failures"].values()) for entry in state.values())
+        assert all(entry["eligible"] for entry in state.values())
+        response = await fleet.client.post(f"{fleet.url}/v1/completions", json=REQUEST)
+        assert response.status_code == 200, response.text
+    finally:
+        await d2.stop()
