@@ -511,3 +511,70 @@ async def test_a_stream_still_running_on_a_removed_engine_is_cut_at_the_grace_wi
         assert response.status_code == 200, response.text
     finally:
         await d2.stop()
+
+
+CACHE_ARGS = ["--tokens", "2", "--prefix-cache-blocks", "400"]
+
+
+def group_prompt(group: int, request: int) -> dict[str, Any]:
+    """A prompt of ``group``'s long shared prefix (about 20 blocks) and a suffix of its own."""
+    prefix = " ".join(f"g{group}w{i}" for i in range(256))
+    return {"model": "mock-model", "prompt": f"{prefix} r{request}", "max_tokens": 2}
+
+
+async def test_cache_aware_placement_follows_a_reloaded_prefill_set_in_both_workers(start_fleet, nursery) -> None:
+    fleet = await start_fleet(prefill=2, decode=1, mock_args=CACHE_ARGS, sections={
+        **sections(2), "serving": {"workers": 2, "count_tokens": False}})
+    p3 = await start_mock_engine(nursery, "prefill", engine_id="p3", args=CACHE_ARGS)
+    try:
+        for name in ("p1", "p2", "d1"):
+            await eligible(fleet, name)
+        async with httpx.AsyncClient(timeout=30.0, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+
+            async def complete(group: int, request: int) -> None:
+                response = await client.post(f"{fleet.url}/v1/completions", json=group_prompt(group, request))
+                assert response.status_code == 200, response.text
+
+            # Four prefixes spread over p1 and p2 (a miss goes to the emptier index).
+            for group in range(4):
+                for request in range(3):
+                    await complete(group, request)
+            before = {name: (await fleet.engine_stats(name))["prefill"] for name in ("p1", "p2")}
+            assert before["p1"] > 0 and before["p2"] > 0, before
+
+            # One reload: p1 out, p3 in.
+            current = engine_map(fleet.config_path)
+            del current["p1"]
+            rewrite(fleet.config_path, engines={**current, "p3": (p3.url, "prefill")})
+            sighup(fleet.router)
+            event = await reloaded(fleet.router, 1)
+            assert event["engines_removed"] == ["p1"] and event["engines_added"] == ["p3"]
+            await wait_until(lambda: _has(fleet.router, "engine_removed", engine="p1"), timeout_s=10.0,
+                             what="engine_removed p1")
+            await eligible(fleet, "p3")
+
+            # A new prefix goes to the engine whose index is empty, p3, and stays there from either worker.
+            new_group = 9
+
+            async def p3_holds_it_in_both_workers() -> bool:
+                await complete(new_group, len(fleet.router.events("request")))
+                lines = [line for line in fleet.router.events("request") if line["prefill"] == "p3"]
+                return {line["worker"] for line in lines if (line["prefix_match"] or 0) > 0.9} == {0, 1}
+
+            await wait_until(p3_holds_it_in_both_workers, timeout_s=20.0, what="hits on p3 from both workers")
+            # The old prefixes: those p1 held go elsewhere, those on p2 stay.
+            for group in range(4):
+                await complete(group, 100)
+        stats = {name: await fleet.engine_stats(name) for name in ("p1", "p2")}
+        p3_stats = (await fleet.client.get(f"{p3.url}/mock/stats")).json()
+        assert stats["p1"]["prefill"] == before["p1"]  # nothing reached the removed engine
+        assert p3_stats["prefill"] >= 2 and p3_stats["prefix_cache"]["cached_tokens"] > 0
+        # The index keys follow the set: p1's gone from /metrics and /admin/engines, p3's there.
+        metrics = (await fleet.client.get(f"{fleet.url}/metrics")).text
+        assert 'narwhal_placement_index_entries{engine="p1"}' not in metrics
+        assert _sample(metrics, "narwhal_placement_index_entries", engine="p3") > 0
+        assert (await engines(fleet))["p3"]["prefix_index"]["entries"] > 0
+        assert not [line for line in fleet.router.events("request")
+                    if line["prefill"] == "p1" and line["ts"] > event["ts"]]
+    finally:
+        await p3.stop()
