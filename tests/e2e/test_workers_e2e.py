@@ -309,12 +309,31 @@ async def test_workers_fence_on_their_own_clock_when_the_controller_freezes(star
     assert (await fleet.client.post(f"{fleet.url}/v1/completions", json=body)).status_code == 200
 
 
+async def _every_worker_serving(fleet) -> None:
+    """Send requests on fresh connections until each worker has finished one: all of them accept.
+
+    /ready answers 200 as soon as one worker serves; its sibling may still be starting
+    (slowly, on a loaded machine), and a connection left for a sibling that does not
+    accept yet is rightly taken as overflow.
+    """
+    body = {"model": "mock-model", "prompt": "hi", "max_tokens": 2}
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=30.0, limits=limits) as client:
+        async def all_served() -> bool:
+            assert (await client.post(f"{fleet.url}/v1/completions", json=body)).status_code == 200
+            text = (await fleet.client.get(f"{fleet.url}/metrics")).text
+            return all(_sample(text, "narwhal_worker_requests_finished", worker=str(i)) > 0 for i in (0, 1))
+
+        await _wait(all_served, timeout_s=30.0)
+
+
 async def test_clients_under_the_total_cap_are_all_served_however_the_kernel_spreads_them(start_fleet) -> None:
     # serving.max_client_connections is per worker (2 x 12 here). The kernel spreads accepts
     # unevenly; a worker at its cap must leave new clients to its sibling, not refuse them.
     sections = {"serving": {"workers": 2, "shutdown_grace_s": 2.0, "max_client_connections": 12}}
     fleet = await start_fleet(prefill=1, decode=1, sections=sections, mock_args=["--tokens", "2"])
     await _wait(lambda: _ready(fleet))
+    await _every_worker_serving(fleet)
     port = int(fleet.url.rsplit(":", 1)[1])
     streams: list[trio.SocketStream] = []
     statuses: list[bytes] = []
