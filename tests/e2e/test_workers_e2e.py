@@ -48,6 +48,24 @@ async def _ready(fleet) -> bool:
     return (await fleet.client.get(f"{fleet.url}/ready")).status_code == 200
 
 
+async def _every_worker_serving(fleet) -> None:
+    """Send requests on fresh connections until each worker has finished one: all of them accept.
+
+    /ready answers 200 as soon as one worker serves; its sibling may still be starting
+    (slowly, on a loaded machine), and a connection left for a sibling that does not
+    accept yet is rightly taken as overflow.
+    """
+    body = {"model": "mock-model", "prompt": "hi", "max_tokens": 2}
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=30.0, limits=limits) as client:
+        async def all_served() -> bool:
+            assert (await client.post(f"{fleet.url}/v1/completions", json=body)).status_code == 200
+            text = (await fleet.client.get(f"{fleet.url}/metrics")).text
+            return all(_sample(text, "narwhal_worker_requests_finished", worker=str(i)) > 0 for i in (0, 1))
+
+        await _wait(all_served, timeout_s=30.0)
+
+
 async def test_400_streams_are_intact_and_both_workers_serve(start_fleet) -> None:
     fleet = await start_fleet(prefill=1, decode=2, sections=WORKERS, mock_args=["--tokens", "8"])
     await _wait(lambda: _ready(fleet))
@@ -192,21 +210,10 @@ async def test_sigterm_drains_a_stream_in_flight_on_each_worker(start_fleet) -> 
                               mock_args=["--tokens", "60", "--token-delay-s", "0.05"])
     await _wait(lambda: _ready(fleet))
     texts: list[str] = []
-    opened = 0
     limits = httpx.Limits(max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=30.0, limits=limits) as client:
         async with trio.open_nursery() as nursery:
-            # Open streams (new connections) until each worker has one in flight; bounded.
-            with trio.fail_after(20):
-                while True:
-                    nursery.start_soon(_collect, client, fleet.url, texts)
-                    opened += 1
-                    await trio.sleep(0.1)
-                    text = (await fleet.client.get(f"{fleet.url}/metrics")).text
-                    busy = [_sample(text, "narwhal_worker_requests_in_flight", worker=str(i)) for i in (0, 1)]
-                    if min(busy) > 0:
-                        break
-                    assert opened < 40, busy
+            opened = await _streams_on_each_worker(fleet, client, nursery, texts)
             fleet.router.process.send_signal(signal.SIGTERM)
     assert len(texts) == opened
     assert all(text.rstrip().endswith("data: [DONE]") for text in texts)
@@ -221,6 +228,36 @@ async def _collect(client: httpx.AsyncClient, url: str, sink: list[str]) -> None
     sink.append(await _stream(client, url, tokens=60))
 
 
+async def _streams_on_each_worker(fleet, client: httpx.AsyncClient, nursery: trio.Nursery, sink: list[str]) -> int:
+    """Open long streams (new connections) until each worker has one in flight; how many were opened.
+
+    Each next stream is opened once the last one is counted (in flight or finished, by the
+    workers' reports), so a slow machine opens no more of them, only later.
+    """
+    await _every_worker_serving(fleet)
+
+    async def counts() -> tuple[list[float], float]:
+        text = (await fleet.client.get(f"{fleet.url}/metrics")).text
+        busy = [_sample(text, "narwhal_worker_requests_in_flight", worker=str(i)) for i in (0, 1)]
+        return busy, sum(_sample(text, "narwhal_worker_requests_finished", worker=str(i)) for i in (0, 1))
+
+    _, finished_before = await counts()
+    opened = 0
+    with trio.fail_after(60):
+        while True:
+            nursery.start_soon(_collect, client, fleet.url, sink)
+            opened += 1
+
+            async def counted(target: int = opened) -> list[float] | None:
+                busy, finished = await counts()
+                return busy if sum(busy) + finished - finished_before >= target else None
+
+            busy = await _wait(counted)
+            if min(busy) > 0:
+                return opened
+            assert opened < 40, busy
+
+
 async def test_sighup_to_the_workers_cuts_no_stream_and_kills_no_worker(start_fleet) -> None:
     fleet = await start_fleet(prefill=1, decode=1, sections=WORKERS,
                               mock_args=["--tokens", "60", "--token-delay-s", "0.05"])
@@ -228,20 +265,10 @@ async def test_sighup_to_the_workers_cuts_no_stream_and_kills_no_worker(start_fl
     pids = [e["pid"] for e in fleet.router.events("worker_started")]
     assert len(pids) == 2
     texts: list[str] = []
-    opened = 0
     limits = httpx.Limits(max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=30.0, limits=limits) as client:
         async with trio.open_nursery() as nursery:
-            with trio.fail_after(20):
-                while True:
-                    nursery.start_soon(_collect, client, fleet.url, texts)
-                    opened += 1
-                    await trio.sleep(0.1)
-                    text = (await fleet.client.get(f"{fleet.url}/metrics")).text
-                    busy = [_sample(text, "narwhal_worker_requests_in_flight", worker=str(i)) for i in (0, 1)]
-                    if min(busy) > 0:
-                        break
-                    assert opened < 40, busy
+            opened = await _streams_on_each_worker(fleet, client, nursery, texts)
             # What a closing terminal or `kill -HUP -- -PGID` does: every process gets SIGHUP.
             for pid in pids:
                 os.kill(pid, signal.SIGHUP)
@@ -307,24 +334,6 @@ async def test_workers_fence_on_their_own_clock_when_the_controller_freezes(star
     # Nobody else holds the lease: the controller takes it anew and the workers admit again.
     await _wait(lambda: _ready(fleet), timeout_s=20.0)
     assert (await fleet.client.post(f"{fleet.url}/v1/completions", json=body)).status_code == 200
-
-
-async def _every_worker_serving(fleet) -> None:
-    """Send requests on fresh connections until each worker has finished one: all of them accept.
-
-    /ready answers 200 as soon as one worker serves; its sibling may still be starting
-    (slowly, on a loaded machine), and a connection left for a sibling that does not
-    accept yet is rightly taken as overflow.
-    """
-    body = {"model": "mock-model", "prompt": "hi", "max_tokens": 2}
-    limits = httpx.Limits(max_keepalive_connections=0)
-    async with httpx.AsyncClient(timeout=30.0, limits=limits) as client:
-        async def all_served() -> bool:
-            assert (await client.post(f"{fleet.url}/v1/completions", json=body)).status_code == 200
-            text = (await fleet.client.get(f"{fleet.url}/metrics")).text
-            return all(_sample(text, "narwhal_worker_requests_finished", worker=str(i)) > 0 for i in (0, 1))
-
-        await _wait(all_served, timeout_s=30.0)
 
 
 async def test_clients_under_the_total_cap_are_all_served_however_the_kernel_spreads_them(start_fleet) -> None:
