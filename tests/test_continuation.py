@@ -605,3 +605,40 @@ async def test_a_stream_whose_continuations_ran_out_logs_its_error(caplog):
     line = request_line(caplog)
     # Status 200 (the head went out) but the client saw the SSE error: the request's error stands.
     assert (line["status"], line["error"], line["continued_after"]) == (200, "stream", None)
+
+
+async def test_a_stream_cut_because_its_engine_was_removed_continues_on_another_without_blame():
+    core, supervisor, pool, _, metrics = make(decode=("d1", "d2"))
+    first_token = trio.Event()
+    stream = pool.stream
+
+    @contextlib.asynccontextmanager
+    async def first_leg_stalls(engine, path, body, *, request_id):
+        async with stream(engine, path, body, request_id=request_id) as upstream:
+            if not first_token.is_set():
+                read = upstream.read
+
+                async def one_token_then_nothing() -> bytes:
+                    if first_token.is_set():
+                        await trio.sleep_forever()
+                    first_token.set()
+                    return await read()
+
+                upstream.read = one_token_then_nothing  # type: ignore[method-assign]
+            yield upstream
+
+    pool.stream = first_leg_stalls  # type: ignore[method-assign]
+    sink = ClientSink()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(core.handle, COMPLETIONS, request_body(COMPLETIONS), None, sink)
+        while not sink.started:  # the client has its first token
+            await trio.lowlevel.checkpoint()
+        [(removed, _, _)] = decode_calls(pool)
+        # The removal's grace passed: the engine leaves the placement and the snapshot.
+        supervisor.roles["decode"] = [name for name in supervisor.roles["decode"] if name != removed]
+        core.set_engines(spec for spec in core.engines.values() if spec.name != removed)
+    check_one_stream(sink, chat=False, prompt_tokens=PROMPT_TOKENS[COMPLETIONS], max_tokens=10)
+    decodes = decode_calls(pool)
+    assert len(decodes) == 2 and decodes[1][0] != removed
+    assert supervisor.failures == []
+    assert metrics.continuations.values == {("completed",): 1}

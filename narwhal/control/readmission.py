@@ -232,13 +232,14 @@ class Readmitter:
         return f"<Readmitter [running: {running or '-'} | last: {last or '-'}]>"
 
     def apply_config(self, config: Config, attestation_key: bytes | None) -> None:
-        """A config reload: later checks use its fleet.generation and attestation key, the schedule its periods."""
+        """A reload: later checks use its generation, attestation key and health timeout; the schedule its periods."""
         self.config = config
         self._key = attestation_key
         recovery = config.recovery
         self.schedule.probe_interval_s = recovery.probe_interval_s
         self.schedule.backoff_base_s = min(recovery.recheck_period_s, recovery.probe_interval_s)
         self.rechecker.interval_s = recovery.recheck_period_s
+        self.rechecker.timeout_s = config.engine.health_timeout_s
 
     def add_engine(self, spec: EngineSpec) -> None:
         """An engine a config reload added (the fleet holds it ejected): try it at once, then on schedule."""

@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -296,8 +296,12 @@ class VllmFleet:
         for name in self.engines:
             self.stop(name)
 
-    def router_config(self, handoff_path: Path, **sections: dict[str, object]) -> str:
-        """A Narwhal config for this fleet (TOML), with ``sections`` merged over the tier's defaults."""
+    def router_config(self, handoff_path: Path, *, engines: Sequence[str] | None = None,
+                      **sections: dict[str, object]) -> str:
+        """A Narwhal config for this fleet (TOML), with ``sections`` merged over the tier's defaults.
+
+        ``engines``: only these (by name), in the fleet's order; None: all of them.
+        """
         from narwhal.tools.local_fleet import render_config
 
         merged: dict[str, dict[str, object]] = {
@@ -311,7 +315,8 @@ class VllmFleet:
         }
         for section, values in sections.items():
             merged.setdefault(section, {}).update(values)
-        return render_config([(e.name, e.url, e.role) for e in self.engines.values()], merged)
+        return render_config([(e.name, e.url, e.role) for e in self.engines.values()
+                              if engines is None or e.name in engines], merged)
 
 
 @contextlib.contextmanager
