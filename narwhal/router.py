@@ -214,6 +214,8 @@ class Router:
                                      in_flight=self.in_flight, metrics=self.metrics,
                                      attestation_key=config.attestation_key_bytes(config_dir),
                                      inference_check=self.supervisor.inference_probe)
+        # A drained engine restarted by its operator comes back with an empty cache: readmission sees the new process.
+        self.readmitter.on_newer_process = functools.partial(self._forget_prefixes, reason="newer_process")
         self.stages = build_stages(config=config, supervisor=self.supervisor, control_pool=self.control_pool,
                                    telemetry=self.telemetry, in_flight=self.in_flight,
                                    persistence_stage=self.persistence, readmission=self.readmitter,
@@ -348,14 +350,17 @@ class Router:
         maintenance = event.kind is FleetEventKind.HOLD_ADDED and event.hold_kind is HoldKind.MAINTENANCE
         if event.kind is not FleetEventKind.EJECTED and not maintenance:
             return
-        if event.engine not in self.prefix_index.index.engines:
+        self._forget_prefixes(event.engine, str(event.kind if not maintenance else HoldKind.MAINTENANCE))
+
+    def _forget_prefixes(self, engine: str, reason: str) -> None:
+        """Drop ``engine``'s prefix-index entries in every process, and say so."""
+        if engine not in self.prefix_index.index.engines:
             return
         if self.index_relay is not None:
-            self.index_relay.forget(event.engine)
+            self.index_relay.forget(engine)
         else:
-            self.prefix_index.forget(event.engine)
-        log_event("prefix_index_forgotten", engine=event.engine, reason=str(event.kind if not maintenance
-                                                                            else HoldKind.MAINTENANCE))
+            self.prefix_index.forget(engine)
+        log_event("prefix_index_forgotten", engine=engine, reason=reason)
 
     def _register_gauges(self) -> None:
         m = self.metrics

@@ -174,7 +174,7 @@ class _Outcome:
 
     __slots__ = ("status", "prefill", "decode", "ttft_s", "tokens", "error_class", "attempts",
                  "error_engine", "inter_token_s", "continuations", "continuing",
-                 "join_gap_s", "stream_error", "prefix_match")
+                 "join_gap_s", "stream_error", "prefix_match", "continued_after")
 
     def __init__(self) -> None:
         self.status = 0
@@ -195,6 +195,13 @@ class _Outcome:
         self.stream_error = False
         # Share of the prompt the chosen prefill engine held (cache-aware placement).
         self.prefix_match: float | None = None
+        # The failure class a stream was completed after (continued, or only its tail was lost).
+        self.continued_after: str | None = None
+
+    def stream_completed(self) -> None:
+        """The stream reached the client whole after a failure: no error for the request, the failure noted."""
+        self.continued_after = self.error_class
+        self.error_class = None
 
 
 def _sse_error(message: str, type_: str, code: str | None) -> bytes:
@@ -354,7 +361,8 @@ class RequestCore:
         if self.telemetry is not None:
             self.telemetry.record_request(prefill=outcome.prefill, decode=outcome.decode, ttft_s=outcome.ttft_s,
                                           inter_token_s=outcome.inter_token_s, error_engine=outcome.error_engine,
-                                          status=outcome.status, error_class=outcome.error_class,
+                                          status=outcome.status,
+                                          error_class=outcome.error_class or outcome.continued_after,
                                           failed=outcome.status >= 400 or outcome.stream_error)
         log_event(
             "request",
@@ -370,6 +378,7 @@ class RequestCore:
             continuations=outcome.continuations,
             join_gap_ms=None if outcome.join_gap_s is None else round(outcome.join_gap_s * 1000, 3),
             error=outcome.error_class,
+            continued_after=outcome.continued_after,
             prefix_match=None if outcome.prefix_match is None else round(outcome.prefix_match, 3),
         )
 
@@ -406,6 +415,7 @@ class RequestCore:
                                     failed_engines, join, exclude)
                 if outcome.continuing:
                     self.metrics.continuations.inc("completed")
+                    outcome.stream_completed()
                 return
             except _AttemptFailed as failed:
                 outcome.error_class = failed.failure_class
@@ -447,6 +457,7 @@ class RequestCore:
             outcome.tokens = join.tokens
             outcome.status = 200
             await sink.end_stream(join.tail())
+            outcome.stream_completed()
             return
         # A decode that broke, or a continuation's own leg that failed before relaying anything.
         continuable = failed.failure_class in CONTINUED_CLASSES or queued or (
