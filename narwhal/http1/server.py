@@ -249,6 +249,13 @@ class Responder:
         if data:
             await self._conn.send(data)
 
+    def direct(self) -> tuple[_Connection, bool] | None:
+        """For the relay pump: (connection, chunk-framed) of a started stream on a plain socket, else None."""
+        conn = self._conn
+        if conn._fd < 0 or not self.started or self.finished or conn.disconnected:
+            return None
+        return conn, self._chunked
+
     def _begin(self) -> None:
         if self.started:
             raise RuntimeError("the response has already started")
@@ -314,6 +321,11 @@ class _Connection:
         self._idle = False
         # A new connection's request is usually there already: read before waiting.
         self._drained = False
+
+    @property
+    def fd(self) -> int:
+        """The plain socket's descriptor (-1 for TLS and socketless streams)."""
+        return self._fd
 
     def peer(self) -> tuple[str, int] | None:
         """The client's (host, port), or None when the socket cannot say."""

@@ -1,0 +1,415 @@
+"""The relay pump (narwhal/http1/pump.py): every live decode stream read and written from the readiness hub.
+
+The engine side is the real data pool against scripted engines on 127.0.0.1
+(``tests/test_pools_data.py``); the client side is either a socketpair standing
+in for the front's connection, or the real front (``HTTPServer`` + request core)
+driven over TCP.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import os
+import resource
+import socket
+from typing import Any
+
+import msgspec
+import pytest
+import trio
+
+from narwhal.config import EngineConfig, parse_config
+from narwhal.errors import EngineFailure, FailureClass
+from narwhal.fleet.admission import Admission
+from narwhal.fleet.placement import InFlight
+from narwhal.http1 import client as client_module
+from narwhal.http1 import pump as pump_module
+from narwhal.http1.server import ClientDisconnected, HTTPServer
+from narwhal.obs.router_metrics import RouterMetrics
+from narwhal.pools.data import DataPool, UpstreamStream
+from narwhal.serving.request_core import RequestCore
+from tests.test_hostile_engines import KV, RecordingSupervisor
+from tests.test_pools_data import (  # noqa: F401  (serve and make_pool are fixtures)
+    EVENTS,
+    FAST,
+    LAST_CHUNK,
+    SSE_HEAD,
+    FakeEngine,
+    FakeRequest,
+    chunk,
+    make_pool,
+    serve,
+    sse,
+)
+
+SLOW_DEADLINES = msgspec.structs.replace(FAST, stream_silence_s=30.0, first_token_deadline_s=30.0,
+                                         request_timeout_s=30.0)
+
+
+class Client:
+    """The front's side of one client connection, over a socketpair: what the pump writes to."""
+
+    def __init__(self, *, small: bool = False) -> None:
+        self.ours, self.peer = socket.socketpair()
+        self.ours.setblocking(False)
+        self.peer.setblocking(False)
+        if small:
+            # A few KiB of buffer: a client that does not read fills it at once.
+            self.ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            self.peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        self.disconnected = False
+        self.write_since = math.inf
+        self.scope: trio.CancelScope | None = None
+        self.received = bytearray()
+
+    @property
+    def fd(self) -> int:
+        return self.ours.fileno()
+
+    def client_gone(self) -> None:
+        self.disconnected = True
+        if self.scope is not None:
+            self.scope.cancel()
+
+    def gone_error(self) -> Exception:
+        return ClientDisconnected("the client has gone")
+
+    async def read_until(self, size: int) -> bytes:
+        """What the client received, once it is at least ``size`` bytes."""
+        while len(self.received) < size:
+            await trio.lowlevel.wait_readable(self.peer)
+            try:
+                data = self.peer.recv(1 << 20)
+            except BlockingIOError:
+                continue
+            if not data:
+                break
+            self.received += data
+        return bytes(self.received)
+
+    async def send(self, data: bytes) -> None:
+        """Write as the front's own ``send`` would (waiting while the client's socket is full)."""
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(self.fd, view):]
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(self.ours)
+
+    def close(self) -> None:
+        self.ours.close()
+        self.peer.close()
+
+
+@pytest.fixture
+def clients():
+    made: list[Client] = []
+
+    def make(**kwargs: Any) -> Client:
+        made.append(Client(**kwargs))
+        return made[-1]
+    yield make
+    for client in made:
+        client.close()
+
+
+def until_done(upstream: UpstreamStream):
+    """The plain relay's step: every read as it came, until the read that carries [DONE]."""
+    def on_chunk(data: bytes, now: float) -> bytes | None:
+        return None if upstream.saw_terminal else data
+    return on_chunk
+
+
+async def pumped(pool: DataPool, engine: FakeEngine, client: Client, *, chunked: bool = False,
+                 request_id: str = "r1") -> tuple[bytes, bytes]:
+    """One stream: its first read (written to the client as the front's head would be), then the pump.
+
+    Returns (first read, the read carrying [DONE] that the pump handed back).
+    """
+    async with pool.stream(engine.spec, "/v1/completions", b"{}", request_id=request_id) as upstream:
+        first = await upstream.read()
+        os.write(client.fd, chunk(first) if chunked else first)
+        assert pool.pump.can_relay(upstream)
+        declined = await pool.pump.relay(upstream, client, chunked, until_done(upstream))
+        assert await upstream.read() == b""
+    # As the request task does: the read carrying [DONE] goes out with the chunked terminator.
+    await client.send(chunk(declined) + LAST_CHUNK if chunked else declined)
+    return first, declined
+
+
+def paced(events: list[bytes], delay_s: float, *, then_forever: bool = False):
+    """An engine that writes each event as its own chunk, ``delay_s`` apart (as vLLM does)."""
+    async def respond(request: FakeRequest, stream: trio.SocketStream, index: int) -> bool:
+        await stream.send_all(SSE_HEAD)
+        for event in events:
+            await stream.send_all(chunk(event))
+            await trio.sleep(delay_s)
+        if then_forever:
+            await trio.sleep_forever()
+        await stream.send_all(LAST_CHUNK)
+        return True
+    return respond
+
+
+def numbered(stream_id: int, count: int, size: int = 0) -> list[bytes]:
+    pad = b"x" * size
+    return [b'data: {"s": %d, "i": %d, "p": "%s"}\n\n' % (stream_id, i, pad) for i in range(count)] + [EVENTS[2]]
+
+
+# -- the pump and the data pool ----------------------------------------------------------------
+
+
+async def test_a_pumped_stream_reaches_its_client_chunk_framed_and_hands_back_done(serve, make_pool, clients):
+    engine = await serve(paced(EVENTS, 0.001))
+    pool = await make_pool(SLOW_DEADLINES)
+    client = clients()
+    with trio.fail_after(10):
+        first, declined = await pumped(pool, engine, client, chunked=True)
+    assert first == EVENTS[0]
+    # [DONE] goes back to the request task, which writes it with the chunked terminator.
+    assert declined == EVENTS[2]
+    whole = b"".join(map(chunk, EVENTS)) + LAST_CHUNK
+    assert await client.read_until(len(whole)) == whole
+    assert pool.pump.streams == 0
+    # Read to its end: the connection goes back to the pool for the next request.
+    assert pool.statistics().idle_connections == 1 and pool.statistics().in_use == 0
+
+
+async def test_a_stream_whose_reads_never_block_still_lets_other_streams_progress(serve, make_pool, clients,
+                                                                                 monkeypatch):
+    # Reads of a full buffer never wait; make a full buffer small and endless for one engine socket.
+    size = 256
+    monkeypatch.setattr(client_module, "_READ_SIZE", size)
+    payload = b"data: " + b"x" * (size - 6 - 6 - 2) + b"\n\n"
+    flood = chunk(payload)
+    assert len(flood) == size
+    flooded: set[int] = set()
+    real_read = client_module._read
+    monkeypatch.setattr(client_module, "_read", lambda fd, n: flood if fd in flooded else real_read(fd, n))
+
+    flooding = trio.Event()
+    other_done = trio.Event()
+    engine = await serve(sse(EVENTS[0], then=trio.sleep_forever))
+    other_engine = await serve(paced(numbered(0, 20), 0.001))
+    pool = await make_pool(SLOW_DEADLINES)
+    reads = 0
+    limit = 20000
+
+    async def flooded_stream() -> None:
+        async with pool.stream(engine.spec, "/v1/completions", b"{}", request_id="flood") as upstream:
+            assert await upstream.read() == EVENTS[0]
+            flooded.add(upstream._conn._fd)
+            upstream._conn._drained = False  # as if that first read had filled the buffer
+            flooding.set()
+
+            def on_chunk(data: bytes, now: float) -> bytes | None:
+                nonlocal reads
+                assert data == payload
+                reads += 1
+                # Bounded: a pump that never yields would read on to the limit before the other stream ends.
+                return None if other_done.is_set() or reads >= limit else b""
+            await pool.pump.relay(upstream, clients(), False, on_chunk)
+
+    async def other_stream() -> None:
+        await flooding.wait()
+        client = clients()
+        await pumped(pool, other_engine, client, request_id="other")
+        whole = b"".join(numbered(0, 20))
+        assert await client.read_until(len(whole)) == whole
+        other_done.set()
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(flooded_stream)
+            nursery.start_soon(other_stream)
+    assert other_done.is_set() and 0 < reads < limit
+
+
+async def test_a_full_client_socket_stalls_only_its_own_stream(serve, make_pool, clients):
+    events_a, events_b = numbered(1, 200, 1000), numbered(2, 200, 1000)
+    engine_a = await serve(paced(events_a, 0))
+    engine_b = await serve(paced(events_b, 0))
+    pool = await make_pool(SLOW_DEADLINES)
+    slow, fast = clients(small=True), clients()
+    done_a = trio.Event()
+    upstreams: dict[str, UpstreamStream] = {}
+
+    async def relay(name: str, engine: FakeEngine, client: Client) -> None:
+        async with pool.stream(engine.spec, "/v1/completions", b"{}", request_id=name) as upstream:
+            upstreams[name] = upstream
+            os.write(client.fd, await upstream.read())
+            declined = await pool.pump.relay(upstream, client, False, until_done(upstream))
+            assert await upstream.read() == b""
+        await client.send(declined)
+
+    async def stream_a() -> None:
+        await relay("a", engine_a, slow)
+        done_a.set()
+
+    whole_a, whole_b = b"".join(events_a), b"".join(events_b)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stream_a)
+            # B runs to its end (its client reading along) while A's client reads nothing at all.
+            nursery.start_soon(relay, "b", engine_b, fast)
+            assert await fast.read_until(len(whole_b)) == whole_b
+            assert not done_a.is_set()
+            # A is parked on its client (the front's write watchdog sees it), and that is not engine silence.
+            assert slow.write_since < math.inf
+            assert upstreams["a"]._conn.waiting_since == math.inf
+            assert pool.pump.streams == 1
+            # Now A's client reads: A resumes and finishes, every byte in order.
+            assert await slow.read_until(len(whole_a)) == whole_a
+            await done_a.wait()
+    assert slow.write_since == math.inf and pool.pump.streams == 0
+
+
+async def test_the_silence_deadline_fires_for_a_pumped_stream(serve, make_pool, clients, autojump_clock):
+    engine = await serve(paced(EVENTS[:2], 0, then_forever=True))
+    pool = await make_pool(msgspec.structs.replace(FAST, stream_silence_s=10.0, first_token_deadline_s=20.0,
+                                                   request_timeout_s=60.0))
+    client = clients()
+    started = trio.current_time()
+    with pytest.raises(EngineFailure) as caught:
+        await pumped(pool, engine, client)
+    assert caught.value.failure_class is FailureClass.STREAM
+    assert "silent for more than 10 s" in caught.value.message
+    assert 10.0 <= trio.current_time() - started <= 10.0 + pool.watchdog_tick_s + 1e-6
+    assert pool.pump.streams == 0 and pool.statistics().in_use == 0
+
+
+async def test_a_slow_client_holding_up_the_pump_is_not_engine_silence(serve, make_pool, clients, autojump_clock):
+    events = numbered(3, 100, 1000)
+    engine = await serve(paced(events, 0.01))
+    pool = await make_pool(msgspec.structs.replace(FAST, stream_silence_s=1.0, first_token_deadline_s=1.0,
+                                                   request_timeout_s=60.0))
+    client = clients(small=True)
+    result: list[tuple[bytes, bytes]] = []
+
+    async def stream() -> None:
+        result.append(await pumped(pool, engine, client))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stream)
+        # The client reads nothing for 20 silence periods: the engine answered meanwhile, so nothing fails.
+        await trio.sleep(20.0)
+        assert client.write_since < math.inf
+        received = await client.read_until(len(b"".join(events)))
+    assert received == b"".join(events) and result
+
+
+async def test_a_client_that_disconnects_mid_stream_closes_the_engine_stream(serve, make_pool, clients):
+    engine = await serve(paced([b'data: {"i": 1}\n\n'] * 100000, 0.001))
+    pool = await make_pool(SLOW_DEADLINES)
+    client = clients()
+    with trio.fail_after(10):
+        with trio.CancelScope() as scope:
+            client.scope = scope
+
+            async def leave() -> None:
+                await client.read_until(200)
+                # What the front's readiness hub does when the client's socket hangs up.
+                client.client_gone()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(leave)
+                await pumped(pool, engine, client)
+        assert scope.cancelled_caught
+        await engine.client_closed.wait()
+    assert pool.pump.streams == 0 and pool.statistics().in_use == 0
+
+
+async def test_a_write_to_a_client_that_reset_ends_the_stream_with_client_disconnected(serve, make_pool,
+                                                                                      clients):
+    engine = await serve(paced([b'data: {"i": 1}\n\n'] * 100000, 0.001))
+    pool = await make_pool(SLOW_DEADLINES)
+    client = clients()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            async def leave() -> None:
+                await client.read_until(200)
+                client.peer.close()
+            nursery.start_soon(leave)
+            with pytest.raises(ClientDisconnected):
+                await pumped(pool, engine, client)
+        await engine.client_closed.wait()
+    assert client.disconnected
+    assert pool.pump.streams == 0 and pool.statistics().in_use == 0
+
+
+async def test_a_failure_in_the_step_is_raised_in_the_request_task(serve, make_pool, clients):
+    engine = await serve(paced(EVENTS, 0.001))
+    pool = await make_pool(SLOW_DEADLINES)
+
+    def on_chunk(data: bytes, now: float) -> bytes | None:
+        raise EngineFailure("e1", FailureClass.STREAM, "unreadable decode stream")
+
+    with trio.fail_after(10), pytest.raises(EngineFailure, match="unreadable"):
+        async with pool.stream(engine.spec, "/v1/completions", b"{}", request_id="x") as upstream:
+            await upstream.read()
+            await pool.pump.relay(upstream, clients(), False, on_chunk)
+    assert pool.pump.streams == 0 and pool.statistics().in_use == 0
+
+
+async def test_a_thousand_concurrent_paced_streams_through_one_pump_arrive_whole_and_in_order(serve, make_pool,
+                                                                                              clients):
+    streams, events = 1000, 12
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = 8 * streams
+    if soft < needed:
+        if hard != resource.RLIM_INFINITY and hard < needed:
+            pytest.skip(f"needs {needed} file descriptors, the hard limit is {hard}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+
+    arrived = 0
+    all_in = trio.Event()
+
+    async def respond(request: FakeRequest, stream: trio.SocketStream, index: int) -> bool:
+        nonlocal arrived
+        mine = numbered(int(request.headers[b"x-request-id"]), events)
+        await stream.send_all(SSE_HEAD + chunk(mine[0]))
+        arrived += 1
+        if arrived == streams:
+            all_in.set()
+        # Every stream is live at once: the rest comes only when all of them have begun.
+        await all_in.wait()
+        for event in mine[1:]:
+            await trio.sleep(0.005)
+            await stream.send_all(chunk(event))
+        await stream.send_all(LAST_CHUNK)
+        return True
+
+    engine = await serve(respond)
+    pool = await make_pool(SLOW_DEADLINES, max_connections=streams)
+    most = 0
+    done = 0
+
+    async def one(i: int) -> None:
+        nonlocal done
+        client = clients()
+        await pumped(pool, engine, client, request_id=str(i))
+        expected = b"".join(numbered(i, events))
+        assert await client.read_until(len(expected)) == expected
+        done += 1
+
+    async def sample() -> None:
+        nonlocal most
+        while True:
+            most = max(most, pool.pump.streams)
+            await trio.sleep(0.005)
+
+    try:
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(sample)
+                async with trio.open_nursery() as streaming:
+                    for i in range(streams):
+                        streaming.start_soon(one, i)
+                nursery.cancel_scope.cancel()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert done == streams
+    # They were in the pump together, not one after another.
+    assert most > streams * 9 // 10
