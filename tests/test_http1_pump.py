@@ -8,9 +8,6 @@ driven over TCP.
 
 from __future__ import annotations
 
-import functools
-import json
-import logging
 import math
 import os
 import resource
@@ -21,29 +18,16 @@ import msgspec
 import pytest
 import trio
 
-from narwhal.config import EngineConfig, parse_config
 from narwhal.errors import EngineFailure, FailureClass
-from narwhal.fleet.admission import Admission
-from narwhal.fleet.placement import InFlight
 from narwhal.http1 import client as client_module
-from narwhal.http1 import pump as pump_module
-from narwhal.http1.server import ClientDisconnected, HTTPServer
-from narwhal.obs.router_metrics import RouterMetrics
+from narwhal.http1.server import ClientDisconnected
 from narwhal.pools.data import DataPool, UpstreamStream
-from narwhal.serving.request_core import RequestCore
-from tests.test_hostile_engines import KV, RecordingSupervisor
-from tests.test_pools_data import (  # noqa: F401  (serve and make_pool are fixtures)
-    EVENTS,
-    FAST,
-    LAST_CHUNK,
-    SSE_HEAD,
-    FakeEngine,
-    FakeRequest,
-    chunk,
-    make_pool,
-    serve,
-    sse,
-)
+from tests import test_pools_data
+from tests.test_pools_data import EVENTS, FAST, LAST_CHUNK, SSE_HEAD, FakeEngine, FakeRequest, chunk, sse
+
+# The scripted engines and the pool, as tests/test_pools_data.py has them.
+serve = test_pools_data.serve
+make_pool = test_pools_data.make_pool
 
 SLOW_DEADLINES = msgspec.structs.replace(FAST, stream_silence_s=30.0, first_token_deadline_s=30.0,
                                          request_timeout_s=30.0)
