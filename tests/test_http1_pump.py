@@ -8,6 +8,8 @@ driven over TCP.
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import os
 import resource
@@ -18,10 +20,16 @@ import msgspec
 import pytest
 import trio
 
-from narwhal.errors import EngineFailure, FailureClass
+from narwhal.config import parse_config
+from narwhal.errors import EngineFailure, FailureClass, SuccessKind
+from narwhal.fleet.admission import Admission
+from narwhal.fleet.placement import InFlight
 from narwhal.http1 import client as client_module
-from narwhal.http1.server import ClientDisconnected
+from narwhal.http1.server import ClientDisconnected, HTTPServer
+from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.pools.data import DataPool, UpstreamStream
+from narwhal.serving.request_core import RequestCore
+from tests import test_hostile_engines as hostile_engines
 from tests import test_pools_data
 from tests.test_pools_data import EVENTS, FAST, LAST_CHUNK, SSE_HEAD, FakeEngine, FakeRequest, chunk, sse
 
@@ -46,6 +54,7 @@ class Client:
             self.peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         self.disconnected = False
         self.write_since = math.inf
+        self.on_stall = None
         self.scope: trio.CancelScope | None = None
         self.received = bytearray()
 
@@ -397,3 +406,182 @@ async def test_a_thousand_concurrent_paced_streams_through_one_pump_arrive_whole
     assert done == streams
     # They were in the pump together, not one after another.
     assert most > streams * 9 // 10
+
+
+# -- the whole front: HTTPServer, request core, data pool and its pump ------------------------------
+
+FRONT_CONFIG = """
+[serving]
+count_tokens = false
+request_deadline_s = 1000.0
+client_write_timeout_s = {write}
+[engine]
+request_timeout_s = 100.0
+first_token_deadline_s = {first}
+stream_silence_s = {silence}
+[[engines]]
+name = "p1"
+url = "http://127.0.0.1:{prefill_port}"
+role = "prefill"
+[[engines]]
+name = "d1"
+url = "http://127.0.0.1:{decode_port}"
+role = "decode"
+"""
+STREAM_REQUEST = b'{"model": "mock-model", "prompt": "hi", "max_tokens": 8, "stream": true}'
+
+
+@pytest.fixture(autouse=True)
+def _capture_events(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.events")
+
+
+# Client connections the tests opened to the front, closed after each test (by ``front``).
+_connections: list[trio.socket.SocketType] = []
+
+
+
+def request_events(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "narwhal.events"]
+    return [line for line in lines if line["event"] == "request"]
+
+
+def decode_sse(events: list[bytes], *, delay_s: float = 0.0, then_forever: bool = False):
+    """A decode engine (``tests/test_hostile_engines.py`` style) streaming ``events`` as chunks."""
+    async def handler(stream: trio.SocketStream, _: bytes) -> None:
+        await stream.send_all(SSE_HEAD)
+        for event in events:
+            await stream.send_all(chunk(event))
+            await trio.sleep(delay_s)
+        if then_forever:
+            await trio.sleep_forever()
+        await stream.send_all(LAST_CHUNK)
+    return handler
+
+
+@pytest.fixture
+async def front(hostile, nursery: trio.Nursery):
+    """Start the front over a prefill and a decode engine; returns (port, supervisor, pool, decode engine)."""
+    async def start(decode: Any, *, first: float = 30.0, silence: float = 30.0, write: float = 30.0):
+        p, d = await hostile(hostile_engines.PREFILL_ANSWER), await hostile(decode)
+        config = parse_config(FRONT_CONFIG.format(prefill_port=p.port, decode_port=d.port, first=first,
+                                                  silence=silence, write=write))
+        pool = DataPool(max_connections=8, engine_config=config.engine)
+        await nursery.start(pool.run)
+        supervisor = hostile_engines.RecordingSupervisor()
+        core = RequestCore(config=config, supervisor=supervisor, data_pool=pool, in_flight=InFlight(["p1", "d1"]),
+                           admission=Admission(), metrics=RouterMetrics())
+
+        async def handle(request: Any, responder: Any) -> None:
+            await core.handle(request.path, request.body, None, responder)
+        server = HTTPServer(handle, client_write_timeout_s=config.serving.client_write_timeout_s)
+        port = await nursery.start(server.serve, "127.0.0.1", 0)
+        pools.append(pool)
+        return port, supervisor, pool, d
+
+    pools: list[DataPool] = []
+    yield start
+    while _connections:
+        _connections.pop().close()
+    for pool in pools:
+        await pool.aclose()
+
+
+hostile = hostile_engines.hostile
+
+
+async def post_stream(port: int, body: bytes = STREAM_REQUEST, *, rcvbuf: int | None = None) -> trio.SocketStream:
+    sock = trio.socket.socket()
+    _connections.append(sock)
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    await sock.connect(("127.0.0.1", port))
+    stream = trio.SocketStream(sock)
+    await stream.send_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                          b"content-length: %d\r\n\r\n%s" % (len(body), body))
+    return stream
+
+
+async def read_response(stream: trio.SocketStream) -> bytes:
+    """One chunked response, through its terminator."""
+    received = b""
+    while not received.endswith(b"0\r\n\r\n"):
+        data = await stream.receive_some(65536)
+        assert data, received
+        received += data
+    return received
+
+
+def sse_payloads(response: bytes) -> list[bytes]:
+    body = response.partition(b"\r\n\r\n")[2]
+    data = b""
+    while body:
+        size, _, rest = body.partition(b"\r\n")
+        length = int(size, 16)
+        data += rest[:length]
+        body = rest[length + 2:]
+    return [event.removeprefix(b"data: ") for event in data.split(b"\n\n") if event]
+
+
+TOKEN_EVENTS = [b'data: {"choices": [{"text": "t%d"}]}\n\n' % i for i in range(8)] + [EVENTS[2]]
+
+
+async def test_the_front_relays_a_stream_through_the_pump_with_counts_and_metrics(front, caplog):
+    port, supervisor, pool, _ = await front(decode_sse(TOKEN_EVENTS, delay_s=0.001))
+    with trio.fail_after(10):
+        stream = await post_stream(port)
+        response = await read_response(stream)
+    assert response.startswith(b"HTTP/1.1 200")
+    assert sse_payloads(response) == [event[6:-2] for event in TOKEN_EVENTS]
+    assert ("d1", SuccessKind.DECODE_TERMINAL) in supervisor.successes
+    (logged,) = request_events(caplog)
+    assert logged["relay"] == "pump" and logged["status"] == 200 and logged["tokens"] == 8
+    assert pool.pump.streams == 0
+
+
+async def test_the_first_token_deadline_fires_with_the_pump_on(front, caplog, autojump_clock):
+    port, supervisor, _, _ = await front(decode_sse([], then_forever=True), first=4.0, silence=30.0)
+    started = trio.current_time()
+    stream = await post_stream(port)
+    response = b""
+    while b"\r\n\r\n" not in response or not response.endswith(b"}"):
+        response += await stream.receive_some(65536)
+    assert response.startswith(b"HTTP/1.1 502")
+    assert b"first token" in response
+    assert 4.0 <= trio.current_time() - started <= 4.0 + 0.2 + 1e-6
+    assert supervisor.failures == [("d1", FailureClass.STREAM)]
+
+
+async def test_silence_mid_stream_in_the_pump_ends_the_stream_with_the_sse_error_and_blames_the_decode(
+        front, caplog, autojump_clock):
+    port, supervisor, pool, _ = await front(decode_sse(TOKEN_EVENTS[:3], then_forever=True), first=30.0,
+                                            silence=10.0)
+    stream = await post_stream(port)
+    silent_from = trio.current_time()
+    response = await read_response(stream)
+    assert 10.0 <= trio.current_time() - silent_from <= 10.0 + 0.5 + 1e-6
+    payloads = sse_payloads(response)
+    assert payloads[:3] == [event[6:-2] for event in TOKEN_EVENTS[:3]]
+    # The SSE error event, and no [DONE]: the client knows the answer is cut.
+    error = json.loads(payloads[-1])["error"]
+    assert error["code"] == "stream" and "silent for more than 10 s" in error["message"]
+    assert b"[DONE]" not in response
+    assert supervisor.failures == [("d1", FailureClass.STREAM)]
+    (logged,) = request_events(caplog)
+    assert logged["relay"] == "pump" and logged["error"] == "stream" and logged["tokens"] == 3
+    assert pool.pump.streams == 0 and pool.statistics().in_use == 0
+
+
+async def test_a_client_that_stops_reading_is_cut_by_the_write_watchdog_and_its_engine_stream_closed(
+        front, caplog, autojump_clock):
+    events = [b'data: {"choices": [{"text": "%s"}]}\n\n' % (b"x" * 2000)] * 100000
+    port, supervisor, pool, decode = await front(decode_sse(events, delay_s=0.001), write=5.0)
+    stream = await post_stream(port, rcvbuf=4096)
+    # The client reads the head, then nothing: the front's buffer fills and the pump parks the stream.
+    assert (await stream.receive_some(100)).startswith(b"HTTP/1.1 200")
+    await decode.cut_off.wait()
+    (logged,) = request_events(caplog)
+    assert logged["relay"] == "pump" and logged["status"] == 499 and logged["error"] == "client_stalled"
+    # A stalled client is no evidence against the engine.
+    assert supervisor.failures == []
+    assert pool.pump.streams == 0 and pool.statistics().in_use == 0

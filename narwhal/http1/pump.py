@@ -13,7 +13,8 @@ and writes the result to the client with one non-blocking ``write``.
   bytes wait for ``EPOLLOUT`` (an edge-triggered watch in the same set, for
   as long as it is full), and that stream's engine is not read meanwhile.
   Its pending write is visible to the front's client write watchdog
-  (``write_since``), as a blocked ``send`` is.
+  (``write_since``), as a blocked ``send`` is, and a client it gives up on
+  ends the stream with the same ``client_stalled`` error (``on_stall``).
 - A stream whose engine socket never runs dry is read once per round: the hub
   yields to the scheduler before reading it again, so others progress.
 - The request task keeps its cancel scope: a deadline (the data pool's
@@ -66,6 +67,8 @@ class ClientSocket(Protocol):
 
     disconnected: bool
     write_since: float
+    # Called by the front's write watchdog before it closes a stalled client's stream.
+    on_stall: Callable[[], None] | None
 
     @property
     def fd(self) -> int: ...
@@ -222,9 +225,14 @@ class _Stream:
         self.pending = memoryview(data)[sent:]
         # Visible to the front's write watchdog, like a send that waits; never engine silence.
         client.write_since = trio.current_time()
+        client.on_stall = self.on_stall
         self.upstream.waiting_since(_INF)
         self.writable = self.pump.readiness.watch_writable(self.fd, self.on_client)
         return False
+
+    def on_stall(self) -> None:
+        """The front's watchdog gave up on this client (client_stalled): end with its error."""
+        self._end(b"", self.client.gone_error())
 
     def _flush(self) -> None:
         client = self.client
@@ -262,6 +270,7 @@ class _Stream:
             self.pump.readiness.forget(self.writable)
             self.writable = None
             self.client.write_since = _INF
+            self.client.on_stall = None
 
     def _end(self, result: bytes, error: Exception | None) -> None:
         if self.done:

@@ -285,6 +285,7 @@ class _Connection:
         "_watch",
         "_client",
         "disconnected",
+        "on_stall",
         "overflow",
         "protocol",
         "server",
@@ -310,6 +311,9 @@ class _Connection:
         self._gone_reason = "client_disconnected"
         # When the pending write to the client began (inf: none pending); the watchdog reads it.
         self.write_since = _INF
+        # Set by the relay pump while it holds a write to this client that has to wait: called
+        # before a stalled client's stream closes, so that write fails with client_stalled too.
+        self.on_stall: Callable[[], None] | None = None
         # Bytes to requests and responses to bytes; the first head is timed from the accept
         # (a TLS handshake included).
         self.protocol = HTTP1Protocol(server._limits, trio.current_time, started_at=accepted_at, owner=self)
@@ -450,6 +454,9 @@ class _Connection:
                   timeout_s=self.server._client_write_timeout_s)
         self.disconnected = True
         self.forget_watch()
+        on_stall, self.on_stall = self.on_stall, None
+        if on_stall is not None:
+            on_stall()
         # Closing wakes the blocked send with ClosedResourceError (trio's notify_closing),
         # so the handler sees ClientDisconnected with this reason rather than a bare cancel.
         await trio.aclose_forcefully(self.stream)
