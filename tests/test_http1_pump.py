@@ -37,8 +37,9 @@ from tests.test_pools_data import EVENTS, FAST, LAST_CHUNK, SSE_HEAD, FakeEngine
 serve = test_pools_data.serve
 make_pool = test_pools_data.make_pool
 
+# Deadlines out of the way (a loaded machine connects 1,000 sockets slowly).
 SLOW_DEADLINES = msgspec.structs.replace(FAST, stream_silence_s=30.0, first_token_deadline_s=30.0,
-                                         request_timeout_s=30.0)
+                                         request_timeout_s=30.0, connect_timeout_s=30.0)
 
 
 class Client:
@@ -584,4 +585,33 @@ async def test_a_client_that_stops_reading_is_cut_by_the_write_watchdog_and_its_
     assert logged["relay"] == "pump" and logged["status"] == 499 and logged["error"] == "client_stalled"
     # A stalled client is no evidence against the engine.
     assert supervisor.failures == []
+    assert pool.pump.streams == 0 and pool.statistics().in_use == 0
+
+
+@pytest.mark.parametrize("last", [chunk(EVENTS[1]), chunk(EVENTS[1]) + b"%x\r\n" % len(EVENTS[2])],
+                         ids=["an-event", "an-event-then-bare-chunk-framing"])
+async def test_an_engine_that_closes_right_after_its_last_bytes_fails_the_stream_not_hangs(serve, make_pool,
+                                                                                           clients, last):
+    # The bytes and the close arrive together: one edge, and no edge ever again for the EOF.
+    in_pump = trio.Event()
+
+    async def respond(request: FakeRequest, stream: trio.SocketStream, index: int) -> bool:
+        await stream.send_all(SSE_HEAD + chunk(EVENTS[0]))
+        await in_pump.wait()
+        # No checkpoint between the bytes and the FIN: the router's hub sees them as one edge.
+        os.write(stream.socket.fileno(), last)
+        stream.socket.shutdown(socket.SHUT_WR)
+        await trio.sleep_forever()
+        return False
+
+    engine = await serve(respond)
+    pool = await make_pool(SLOW_DEADLINES)
+    client = clients()
+    with trio.fail_after(10), pytest.raises(EngineFailure) as caught:
+        async with pool.stream(engine.spec, "/v1/completions", b"{}", request_id="cut") as upstream:
+            os.write(client.fd, await upstream.read())
+            in_pump.set()
+            await pool.pump.relay(upstream, client, False, until_done(upstream))
+    assert caught.value.failure_class is FailureClass.STREAM and "without data: [DONE]" in caught.value.message
+    assert await client.read_until(len(EVENTS[0] + EVENTS[1])) == EVENTS[0] + EVENTS[1]
     assert pool.pump.streams == 0 and pool.statistics().in_use == 0

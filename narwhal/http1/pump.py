@@ -184,7 +184,12 @@ class _Stream:
 
     def _pull(self, readable: bool) -> None:
         upstream = self.upstream
-        chunk = upstream.read_ready(readable)
+        # After the engine's close no edge comes again: the EOF (or error) waits to be read.
+        closed = self.watch.closed
+        chunk = upstream.read_ready(readable or closed)
+        while chunk is None and closed:
+            # Bytes that carried no body (chunk framing) before the close: read on to the EOF.
+            chunk = upstream.read_ready(True)
         if chunk is None:
             upstream.waiting_since(trio.current_time())
             return
@@ -198,7 +203,7 @@ class _Stream:
             return
         if out and not self._write(out):
             return
-        if upstream.drained:
+        if upstream.drained and not closed:
             upstream.waiting_since(now if self.same_clock else trio.current_time())
         else:
             upstream.waiting_since(_INF)
