@@ -148,7 +148,9 @@ class Readiness:
                     await trio.lowlevel.checkpoint()
                 else:
                     await trio.lowlevel.wait_readable(epoll.fileno())
-                again, self._later = self._later, []
+                again = self._later
+                if again:
+                    self._later = []
                 for fd, events in epoll.poll(0):
                     watch = watches.get(fd)
                     if watch is None:
