@@ -471,7 +471,7 @@ async def front(hostile, nursery: trio.Nursery):
         await nursery.start(pool.run)
         supervisor = hostile_engines.RecordingSupervisor()
         core = RequestCore(config=config, supervisor=supervisor, data_pool=pool, in_flight=InFlight(["p1", "d1"]),
-                           admission=Admission(), metrics=RouterMetrics())
+                           admission=Admission(), metrics=metrics)
 
         async def handle(request: Any, responder: Any) -> None:
             await core.handle(request.path, request.body, None, responder)
@@ -481,6 +481,7 @@ async def front(hostile, nursery: trio.Nursery):
         return port, supervisor, pool, d
 
     pools: list[DataPool] = []
+    start.metrics = metrics = RouterMetrics()  # type: ignore[attr-defined]
     yield start
     while _connections:
         _connections.pop().close()
@@ -537,6 +538,10 @@ async def test_the_front_relays_a_stream_through_the_pump_with_counts_and_metric
     assert ("d1", SuccessKind.DECODE_TERMINAL) in supervisor.successes
     (logged,) = request_events(caplog)
     assert logged["relay"] == "pump" and logged["status"] == 200 and logged["tokens"] == 8
+    assert logged["ttft_ms"] is not None
+    # One inter-token gap per read after the first, observed by the pump's step as by the task's loop.
+    assert 1 <= front.metrics.inter_token.count() <= len(TOKEN_EVENTS) - 1
+    assert front.metrics.ttft.count("/v1/completions") == 1
     assert pool.pump.streams == 0
 
 
