@@ -128,7 +128,9 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         router = Router(config, listen=args.listen, resume=args.resume, config_path=Path(args.config))
     except ConfigError as exc:
-        # A certificate that changed between reading the config and starting.
+        # The usual place for certificate problems: load_config checks only that the TLS keys pair up,
+        # the Router reads the files (missing, unreadable, a key that does not match, an expired
+        # certificate). test_tls.py and test_tls_server.py check the one line and exit 2.
         print(f"narwhal: config error: {args.config}: {exc}", file=sys.stderr)
         return 2
     try:

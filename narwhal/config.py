@@ -30,6 +30,7 @@ __all__ = [
     "ConfigError",
     "ControllerConfig",
     "EngineConfig",
+    "ENGINE_TIMEOUT_KEYS",
     "EngineSpec",
     "FleetConfig",
     "HandoffConfig",
@@ -178,6 +179,12 @@ class ServingConfig(_Section, frozen=True):
         _at_least("shutdown_grace_s", self.shutdown_grace_s, 0)
 
 
+# The [engine] keys a running router takes from a reloaded file: calls and streams started
+# after the reload use them (the pools' sizes and memory bounds stay as built).
+ENGINE_TIMEOUT_KEYS = ("connect_timeout_s", "request_timeout_s", "first_token_deadline_s", "stream_silence_s",
+                       "health_timeout_s", "pool_idle_s")
+
+
 class EngineConfig(_Section, frozen=True):
     # The control pool: health checks, suspect verification, readmission.
     control_connections: int = 16
@@ -212,6 +219,10 @@ class EngineConfig(_Section, frozen=True):
         _at_least("max_response_bytes", self.max_response_bytes, 1024)
         _at_least("max_response_header_bytes", self.max_response_header_bytes, 1024)
         _at_least("max_handoff_bytes", self.max_handoff_bytes, 256)
+
+    def with_timeouts_of(self, other: EngineConfig) -> EngineConfig:
+        """This config with ``other``'s ``ENGINE_TIMEOUT_KEYS`` (a reload), every other key kept."""
+        return msgspec.structs.replace(self, **{key: getattr(other, key) for key in ENGINE_TIMEOUT_KEYS})
 
 
 class FleetConfig(_Section, frozen=True):

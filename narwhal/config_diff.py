@@ -18,13 +18,13 @@ from typing import Any
 
 import msgspec
 
-from narwhal.config import Config
+from narwhal.config import ENGINE_TIMEOUT_KEYS, Config
 
 __all__ = ["RELOADABLE_KEYS", "ConfigDiff", "diff_configs", "flat_keys", "is_reloadable", "merge_reloadable"]
 
 # Whole sections (every key in them) or single keys that a running router applies on reload.
 # Everything else (serving.listen, serving.workers, the lease, the handoff path, the TLS file
-# names, the pools' sizes and timeouts, ...) needs a restart: a reload logs it and keeps the running value.
+# names, the pools' sizes and memory bounds, ...) needs a restart: a reload logs it and keeps the running value.
 RELOADABLE_KEYS: frozenset[str] = frozenset({
     "engines",
     "admin.token",
@@ -38,6 +38,10 @@ RELOADABLE_KEYS: frozenset[str] = frozenset({
     "controller.drift_factor",
     "controller.drift_intervals",
     "telemetry.interval_s",
+    # The engine timeouts: calls and streams started after the reload use the new values.
+    *(f"engine.{key}" for key in ENGINE_TIMEOUT_KEYS),
+    # Placement, in every worker through its snapshot (narwhal.serving.placement.RequestPlacement.configure).
+    "placement",
 })
 
 

@@ -9,7 +9,8 @@ plane and the lease. ``shutdown`` closes admission, stops accepting, lets
 in-flight requests finish within the grace period, then cancels the rest.
 ``reload`` (SIGHUP, ``POST /admin/reload``) is the one reload path: the config
 file (its reloadable keys, ``narwhal.config_diff``; engines added through
-readmission, removed after their requests finish), then ``reload_tls``: this
+readmission, removed after their requests finish or are cut at
+serving.shutdown_grace_s), then ``reload_tls``: this
 process's contexts (the admin listener's too), then the data plane's (each
 worker's), and ``tls_reloaded`` only once every part reloaded. The engine set
 reaches worker processes in the hub's snapshots.
@@ -61,8 +62,8 @@ from narwhal.obs.timeline_feed import TimelineFeed
 from narwhal.pools.control import ControlPool
 from narwhal.serving.data_plane import DataPlane, LocalDataPlane
 from narwhal.serving.front import build_admin_server
-from narwhal.serving.placement import RequestPlacement, build_index, build_placer
-from narwhal.stages import build_stages
+from narwhal.serving.placement import RequestPlacement, build_index, build_placer, reconfigure_index
+from narwhal.stages import build_stages, health_check_timeout_s
 from narwhal.stages.persistence import HandoffExtra, PersistenceStage
 from narwhal.state.handoff import EngineSetEntry, LeaseOwnership
 from narwhal.state.resume import apply_resume, plan_resume
@@ -213,6 +214,8 @@ class Router:
                                      in_flight=self.in_flight, metrics=self.metrics,
                                      attestation_key=config.attestation_key_bytes(config_dir),
                                      inference_check=self.supervisor.inference_probe)
+        # A drained engine restarted by its operator comes back with an empty cache: readmission sees the new process.
+        self.readmitter.on_newer_process = functools.partial(self._forget_prefixes, reason="newer_process")
         self.stages = build_stages(config=config, supervisor=self.supervisor, control_pool=self.control_pool,
                                    telemetry=self.telemetry, in_flight=self.in_flight,
                                    persistence_stage=self.persistence, readmission=self.readmitter,
@@ -237,6 +240,7 @@ class Router:
         # of addresses (engines being removed included); workers get it in their snapshots.
         self.engine_view.specs = self.supervisor.engines
         self.hub.engine_specs = lambda: list(self.supervisor.engines.values())
+        self.hub.running_config = lambda: self.config
         # Engines a reload removed that still finish their requests, and additions waiting for
         # an engine of the same name (a changed url or role) to leave first.
         self._removing: set[str] = set()
@@ -267,6 +271,7 @@ class Router:
                                placement=RequestPlacement(config, self.metrics,
                                                           build_placer(config, self.prefix_index.index)))
         view.on_engines = plane.core.set_engines
+        view.on_settings = plane.configure
         return plane
 
     def _build_lease(self, config_dir: Path | None) -> LeaseService | None:
@@ -345,14 +350,17 @@ class Router:
         maintenance = event.kind is FleetEventKind.HOLD_ADDED and event.hold_kind is HoldKind.MAINTENANCE
         if event.kind is not FleetEventKind.EJECTED and not maintenance:
             return
-        if event.engine not in self.prefix_index.index.engines:
+        self._forget_prefixes(event.engine, str(event.kind if not maintenance else HoldKind.MAINTENANCE))
+
+    def _forget_prefixes(self, engine: str, reason: str) -> None:
+        """Drop ``engine``'s prefix-index entries in every process, and say so."""
+        if engine not in self.prefix_index.index.engines:
             return
         if self.index_relay is not None:
-            self.index_relay.forget(event.engine)
+            self.index_relay.forget(engine)
         else:
-            self.prefix_index.forget(event.engine)
-        log_event("prefix_index_forgotten", engine=event.engine, reason=str(event.kind if not maintenance
-                                                                            else HoldKind.MAINTENANCE))
+            self.prefix_index.forget(engine)
+        log_event("prefix_index_forgotten", engine=engine, reason=reason)
 
     def _register_gauges(self) -> None:
         m = self.metrics
@@ -536,6 +544,9 @@ class Router:
             changes = diff_configs(self.config, new)
             self._apply_config(merge_reloadable(self.config, new), key)
             self._apply_engines(changes, new)
+            await self.control_pool.set_timeouts(self.config.engine)
+            # The data plane (each worker's) takes placement, the engine timeouts and the engine set now.
+            self.hub.publish()
             log_event("config_reloaded", level=logging.WARNING if changes.keys_needing_restart else logging.INFO,
                       file=file, **msgspec.structs.asdict(changes))
             tls = await self._reload_tls_if_configured()
@@ -559,8 +570,16 @@ class Router:
         return None
 
     def _apply_config(self, config: Config, attestation_key: bytes | None) -> None:
-        """Hand every part that reads a reloadable key the merged config (see ``RELOADABLE_KEYS``)."""
-        self.config = config
+        """Hand every part that reads a reloadable key the merged config (see ``RELOADABLE_KEYS``).
+
+        The data plane (this process's or each worker's) takes ``[placement]`` and the
+        engine timeouts from the next snapshot; the control pool in ``reload``.
+        """
+        old, self.config = self.config, config
+        if isinstance(self.data_plane, WorkerDataPlane):
+            # The workers place on their own indexes; the copy here, which relays between them, follows too.
+            reconfigure_index(self.prefix_index.index, old.placement, config.placement)
+        self.stages.health.check_timeout_s = health_check_timeout_s(config)
         recovery = config.recovery
         self.fleet.reconfigure(eject_after=recovery.eject_after, liveness_misses=recovery.liveness_misses,
                                failure_quarantine_s=recovery.failure_quarantine_s,
@@ -615,7 +634,7 @@ class Router:
         grace = self.config.serving.shutdown_grace_s
         self.fleet.start_removal(name, trio.current_time(),
                                  f"removed from the config: no new requests; leaves once its "
-                                 f"{self.in_flight[name]} request(s) in flight finish (at most {grace:g} s)")
+                                 f"{self.in_flight[name]} request(s) in flight finish (cut after {grace:g} s)")
         self._engine_set_changed()
         if self._nursery is None:
             self._finish_removal_now(name)
@@ -633,7 +652,8 @@ class Router:
         left = self.in_flight[name]
         reason = ("removed from the config; its requests finished" if not left else
                   f"removed from the config; {left} request(s) still in flight after serving.shutdown_grace_s "
-                  "are no longer evidence")
+                  "are cut (their clients get an error, or the stream continues on another engine; "
+                  "never evidence)")
         self._removing.discard(name)
         self.fleet.remove_engine(name, trio.current_time(), reason)
         self.supervisor.engines.pop(name, None)
@@ -660,6 +680,9 @@ class Router:
         # The handoff records the running set: what this router serves and keeps serving.
         self.persistence.engine_set = [EngineSetEntry(name=spec.name, url=spec.base_url, role=spec.role)
                                        for name, spec in specs.items() if name not in self._removing]
+        # Now, not at the publisher's next turn: an engine that left has its legs cut by the
+        # data plane as it takes this snapshot (one in this process reads it only per request).
+        self.hub.publish()
 
     async def _reload_tls_if_configured(self) -> Literal["reloaded", "failed", "skipped"]:
         # reload_tls logs tls_reload_skipped itself when no TLS is configured.

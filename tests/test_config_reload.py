@@ -12,7 +12,9 @@ from narwhal.config import load_config
 from narwhal.errors import FailureClass
 from narwhal.router import Router
 from narwhal.tools.admin_cli import format_reload
+from tests.test_config import GOOD
 
+# The engines are test_config's minimal file (p1, d1); the sections are what the tests here change.
 BASE = """
 [serving]
 listen = "127.0.0.1:8000"
@@ -22,15 +24,7 @@ eject_after = 3
 token = "old-token"
 [handoff]
 path = "{handoff}"
-[[engines]]
-name = "p1"
-url = "http://127.0.0.1:9001"
-role = "prefill"
-[[engines]]
-name = "d1"
-url = "http://127.0.0.1:9002"
-role = "decode"
-"""
+""" + GOOD
 
 
 def events(caplog: pytest.LogCaptureFixture, name: str) -> list[dict]:
@@ -41,7 +35,7 @@ def events(caplog: pytest.LogCaptureFixture, name: str) -> list[dict]:
 @pytest.fixture
 def config_file(tmp_path: Path) -> Path:
     path = tmp_path / "narwhal.toml"
-    path.write_text(BASE.format(handoff=tmp_path / "handoff.json"))
+    path.write_text(BASE.replace("{handoff}", str(tmp_path / "handoff.json")))
     return path
 
 
@@ -197,3 +191,77 @@ async def test_the_prefix_index_follows_the_engine_set(router: Router, config_fi
     # p1 left (nothing in flight, not running: at once): its entries and its key are gone.
     assert router.prefix_index.index.engines == ["p2", "p3"]
     assert router.prefix_index.index.match("p1", [1, 2, 3]) == 0
+
+
+async def test_placement_and_the_engine_timeouts_apply_live_in_every_part_that_reads_them(
+        router: Router, config_file: Path) -> None:
+    placement = router.data_plane.core.placement  # type: ignore[attr-defined]
+    index = router.prefix_index.index
+    index.record("p1", [1, 2, 3], 1.0)
+    assert placement.placer.cache_aware and placement.choose(
+        "prefill", ["p1"], "/v1/completions", {"prompt": "x"}, router.in_flight).reason == "only_choice"
+    config_file.write_text(config_file.read_text().replace("[admin]", """[placement]
+policy = "least_outstanding"
+balance_abs = 2
+balance_rel = 2.5
+max_index_mb = 1
+block_tokens = 32
+[engine]
+connect_timeout_s = 0.7
+request_timeout_s = 7.0
+first_token_deadline_s = 0.4
+stream_silence_s = 0.6
+health_timeout_s = 0.3
+pool_idle_s = 1.5
+[admin]"""))
+    outcome = await router.reload()
+    assert outcome.changes is not None and outcome.changes.keys_needing_restart == []
+    assert outcome.changes.keys_changed == [
+        "engine.connect_timeout_s", "engine.first_token_deadline_s", "engine.health_timeout_s",
+        "engine.pool_idle_s", "engine.request_timeout_s", "engine.stream_silence_s", "placement.balance_abs",
+        "placement.balance_rel", "placement.block_tokens", "placement.max_index_mb", "placement.policy"]
+    # Placement (the data plane's, through the snapshot): the policy, the bound, the block size, the index.
+    placer = placement.placer
+    assert (placer.cache_aware, placer.balance_abs, placer.balance_rel) == (False, 2, 2.5)
+    assert placement.config.block_tokens == 32
+    assert index.max_bytes == 1024 * 1024 and index.entries("p1") == 0  # a new block size empties it
+    # The engine timeouts: the data pool's, the control pool's, the health sweep's, the probes', the rechecks'.
+    pool = router.data_plane.data_pool  # type: ignore[attr-defined]
+    assert pool._config.first_token_deadline_s == 0.4 and pool._config.stream_silence_s == 0.6
+    assert pool.watchdog_tick_s == 0.4 / 20
+    assert (pool._connections.connect_timeout_s, pool._connections.write_timeout_s,
+            pool._connections.idle_s) == (0.7, 7.0, 1.5)
+    assert router.control_pool._config.health_timeout_s == 0.3
+    assert router.control_pool._limits.keepalive_expiry == 1.5
+    assert router.stages.health.check_timeout_s == 0.3
+    assert router.supervisor._probe_timeout_s == 0.4
+    assert router.readmitter.rechecker.timeout_s == 0.3
+    # The bounds the pools are built with stay: a key outside the timeouts needs a restart.
+    config_file.write_text(config_file.read_text().replace("pool_idle_s = 1.5", "pool_idle_s = 1.5\n"
+                                                           "max_response_bytes = 4096"))
+    outcome = await router.reload()
+    assert outcome.changes is not None and outcome.changes.keys_needing_restart == ["engine.max_response_bytes"]
+    assert router.config.engine.max_response_bytes == 8 * 1024 * 1024
+
+
+async def test_the_next_prefill_choice_follows_a_reloaded_policy(router: Router, config_file: Path) -> None:
+    config_file.write_text(config_file.read_text()
+                           + '[[engines]]\nname = "p2"\nurl = "http://127.0.0.1:9005"\nrole = "prefill"\n')
+    await router.reload()
+    placement = router.data_plane.core.placement  # type: ignore[attr-defined]
+    request = {"prompt": "the same long prompt " * 20}
+
+    def choose() -> str:
+        choice = placement.choose("prefill", ["p1", "p2"], "/v1/completions", request, router.in_flight)
+        assert choice is not None
+        return choice.reason
+
+    # Cache-aware: the second time, the engine that has the prompt wins.
+    assert [choose(), choose()] == ["miss", "hit"]
+    config_file.write_text(config_file.read_text().replace("[admin]", '[placement]\npolicy = "least_outstanding"\n'
+                                                                      "[admin]"))
+    await router.reload()
+    assert {choose() for _ in range(4)} == {"least_outstanding"}
+    config_file.write_text(config_file.read_text().replace('policy = "least_outstanding"', 'policy = "cache_aware"'))
+    await router.reload()
+    assert choose() == "hit"  # the index kept what it held: only a new block size empties it

@@ -572,3 +572,73 @@ def test_done_inside_the_text_is_not_the_end_of_the_stream():
     out, done = join.feed(b'data: {"id":"a","choices":[{"text":" [DONE]","token_ids":[9]}]}\n\ndata: [DONE]\n\n')
     assert done and out == b'data: {"id":"a","choices":[{"text":" [DONE]"}]}\n\n'
     assert join.output_text == " [DONE]" and join.tokens == 1
+
+
+def request_line(caplog: pytest.LogCaptureFixture) -> dict[str, Any]:
+    """The one ``request`` event logged."""
+    [line] = [json.loads(r.getMessage()) for r in caplog.records if '"event":"request"' in r.getMessage()]
+    return line
+
+
+@pytest.mark.parametrize("cuts, continuations", [([4], 1), ([10], 0)], ids=["continued", "only_done_lost"])
+async def test_a_stream_completed_after_a_failure_logs_no_error_and_what_it_was_continued_after(
+        caplog, cuts, continuations):
+    core, supervisor, pool, _, _ = make(decode=("d1", "d2"))
+    pool.cuts = cuts
+    sink = ClientSink()
+    with caplog.at_level("INFO", logger="narwhal.events"):
+        await core.handle(COMPLETIONS, request_body(COMPLETIONS), None, sink)
+    check_one_stream(sink, chat=False, prompt_tokens=3, max_tokens=10)
+    line = request_line(caplog)
+    # The client got the whole answer: no error for the request; the failure it survived is recorded.
+    assert (line["status"], line["error"], line["continued_after"]) == (200, None, "stream")
+    assert line["continuations"] == continuations and line["tokens"] == 10
+    # The engine's failure is still evidence, and still its own event.
+    assert [f[1] for f in supervisor.failures] == [FailureClass.STREAM]
+
+
+async def test_a_stream_whose_continuations_ran_out_logs_its_error(caplog):
+    core, _, pool, _, _ = make(max_attempts=2)
+    pool.cuts = [2, 2, 2]
+    with caplog.at_level("INFO", logger="narwhal.events"):
+        await core.handle(COMPLETIONS, request_body(COMPLETIONS), None, ClientSink())
+    line = request_line(caplog)
+    # Status 200 (the head went out) but the client saw the SSE error: the request's error stands.
+    assert (line["status"], line["error"], line["continued_after"]) == (200, "stream", None)
+
+
+async def test_a_stream_cut_because_its_engine_was_removed_continues_on_another_without_blame():
+    core, supervisor, pool, _, metrics = make(decode=("d1", "d2"))
+    first_token = trio.Event()
+    stream = pool.stream
+
+    @contextlib.asynccontextmanager
+    async def first_leg_stalls(engine, path, body, *, request_id):
+        async with stream(engine, path, body, request_id=request_id) as upstream:
+            if not first_token.is_set():
+                read = upstream.read
+
+                async def one_token_then_nothing() -> bytes:
+                    if first_token.is_set():
+                        await trio.sleep_forever()
+                    first_token.set()
+                    return await read()
+
+                upstream.read = one_token_then_nothing  # type: ignore[method-assign]
+            yield upstream
+
+    pool.stream = first_leg_stalls  # type: ignore[method-assign]
+    sink = ClientSink()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(core.handle, COMPLETIONS, request_body(COMPLETIONS), None, sink)
+        while not sink.started:  # the client has its first token
+            await trio.lowlevel.checkpoint()
+        [(removed, _, _)] = decode_calls(pool)
+        # The removal's grace passed: the engine leaves the placement and the snapshot.
+        supervisor.roles["decode"] = [name for name in supervisor.roles["decode"] if name != removed]
+        core.set_engines(spec for spec in core.engines.values() if spec.name != removed)
+    check_one_stream(sink, chat=False, prompt_tokens=PROMPT_TOKENS[COMPLETIONS], max_tokens=10)
+    decodes = decode_calls(pool)
+    assert len(decodes) == 2 and decodes[1][0] != removed
+    assert supervisor.failures == []
+    assert metrics.continuations.values == {("completed",): 1}

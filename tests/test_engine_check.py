@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from narwhal import attestation
-from narwhal.config import EngineConfig
+from narwhal.config import EngineConfig, EngineSpec
 from narwhal.pools.control import ControlPool
 from narwhal.tools.engine_check import CheckRow, Expectations, add_parser, check_engine, format_table, run_engine_check
 
@@ -40,6 +40,15 @@ class Engine:
             return httpx.Response(200, json={"object": "list", "data": [{"id": m} for m in self.listed]})
         if path == "/narwhal/identity":
             return self.identity_answer or httpx.Response(200, json=self.identity)
+        if path == "/v1/completions":
+            # As vLLM's NixlConnector does: either leg runs whatever kv_role the engine was started with.
+            kv = json.loads(request.content)["kv_transfer_params"]
+            if kv.get("do_remote_decode"):
+                return httpx.Response(200, json={"choices": [{"text": "x"}], "kv_transfer_params": {
+                    "remote_engine_id": self.identity["engine_id"], "remote_block_ids": [1],
+                    "remote_host": "127.0.0.1", "remote_port": 5600}})
+            return httpx.Response(200, content=b'data: {"choices":[{"text":"y"}]}\n\ndata: [DONE]\n\n',
+                                  headers={"content-type": "text/event-stream"})
         if path == "/narwhal/attest":
             nonce = json.loads(request.content)["nonce"]
             i = self.identity
@@ -56,6 +65,54 @@ async def run(engine: Engine, **expect: Any) -> dict[str, CheckRow]:
     finally:
         await pool.aclose()
     return {row.check: row for row in rows}
+
+
+PEER_URL = "http://127.0.0.1:9200"
+
+
+async def run_with_peer(engine: Engine, peer: Engine, role: str) -> dict[str, CheckRow]:
+    """``run`` with ``--peer``: the engine at URL, the peer at PEER_URL."""
+    by_port = {9100: engine, 9200: peer}
+    pool = ControlPool(control_connections=2, engine_config=EngineConfig(),
+                       transport=httpx.MockTransport(lambda request: by_port[request.url.port].handle(request)))
+    try:
+        rows = await check_engine(URL, Expectations(key=KEY, key_source="test", role=role, model="m",
+                                                    peer=EngineSpec(name="peer", url=PEER_URL, role="decode")),
+                                  pool=pool)
+    finally:
+        await pool.aclose()
+    return {row.check: row for row in rows}
+
+
+def engine_with_roles(engine_id: str, *roles: str) -> Engine:
+    engine = Engine()
+    engine.identity.update(engine_id=engine_id, kv_roles=list(roles))
+    return engine
+
+
+async def test_the_pd_probe_passes_a_producer_prefill_handing_its_kv_to_a_consumer_decode() -> None:
+    for role, engine, peer in (("prefill", engine_with_roles("p1", "producer"), engine_with_roles("d1", "consumer")),
+                               ("decode", engine_with_roles("d1", "consumer"), engine_with_roles("p1", "producer"))):
+        rows = await run_with_peer(engine, peer, role)
+        assert rows["pd_probe"].result == "pass", rows["pd_probe"]
+        assert all(not row.failed for row in rows.values()), rows
+
+
+@pytest.mark.parametrize("role, engine_roles, peer_roles, side, url", [
+    # The engine under check is a consumer offered as prefill (kv_role fails too) ...
+    ("prefill", ("consumer",), ("consumer",), "prefill", URL),
+    # ... or its peer plays the wrong part: only the probe can see that.
+    ("decode", ("consumer",), ("consumer",), "prefill", PEER_URL),
+    ("prefill", ("producer",), ("producer",), "decode", PEER_URL),
+])
+async def test_the_pd_probe_fails_a_side_whose_kv_role_is_wrong_though_vllm_would_run_the_legs(
+        role, engine_roles, peer_roles, side, url) -> None:
+    rows = await run_with_peer(engine_with_roles("e1", *engine_roles), engine_with_roles("e2", *peer_roles), role)
+    probe = rows["pd_probe"]
+    assert probe.result == "FAIL", probe
+    needed = {"prefill": "producer", "decode": "consumer"}[side]
+    assert probe.detail.startswith(f"{side} on {url}: a {side} engine needs KV role '{needed}'"), probe.detail
+    assert "the router refuses the engine in that role" in probe.detail
 
 
 async def test_a_good_engine_passes_every_check() -> None:

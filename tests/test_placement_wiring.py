@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import time
 from typing import Any
 
+import httpx
 import msgspec
 import pytest
 import trio
@@ -17,10 +20,12 @@ from narwhal.fleet.prefix_index import PrefixIndex
 from narwhal.fleet.prefix_key import prompt_blocks
 from narwhal.fleet.shared_index import IndexRecord, SharedIndex
 from narwhal.obs.router_metrics import RouterMetrics
+from narwhal.pools.control import ControlPool
 from narwhal.router import Router
 from narwhal.serving.request_core import RequestCore
 from narwhal.workers.index_relay import IndexRelay
 from narwhal.workers.protocol import ControllerMessage, FrameDecoder, IndexUpdate, MetricsState, Report, encode_frame
+from tests.test_readmission import FakeEngine
 from tests.test_request_core import FakePool, FakeSupervisor, Sink
 
 CONFIG = """
@@ -142,6 +147,39 @@ async def test_the_router_forgets_an_engine_on_ejection_and_maintenance_not_on_o
     assert entry.prefix_index is not None and entry.prefix_index.entries == len(blocks)
     assert f'narwhal_placement_index_entries{{engine="p1"}} {len(blocks)}' in router.metrics.render()
     assert FleetEventKind.EJECTED  # the listener saw the event kinds above
+
+
+async def test_a_drained_prefill_engine_restarted_as_a_newer_process_is_forgotten_at_its_readmission(
+        caplog: pytest.LogCaptureFixture) -> None:
+    config = parse_config(CONFIG.format(policy="saturate", placement="cache_aware")
+                          + '[fleet]\nattestation_key = "fleet-key"\n')
+    router = Router(config)
+    engines = {9001: FakeEngine("p1", "prefill"), 9004: FakeEngine("p2", "prefill"), 9002: FakeEngine("d1", "decode")}
+    for engine in engines.values():
+        engine.model, engine.models_listed = "mock-model", ["mock-model"]
+
+    async def route(request: httpx.Request) -> httpx.Response:
+        return await engines[request.url.port].handle(request)
+
+    router.readmitter.control_pool = ControlPool(control_connections=4, engine_config=config.engine,
+                                                 transport=httpx.MockTransport(route))
+    index = router.prefix_index.index
+    blocks = prompt_blocks({"prompt": PROMPT}, chat=False, block_tokens=16)
+    for name in ("p1", "p2"):
+        index.record(name, blocks, 1.0)
+    caplog.set_level("INFO", logger="narwhal.events")
+    # An operator drain keeps the entries: the process and its cache stay ...
+    router.readmitter.drain("p1", trio.current_time())
+    assert (await router.readmitter.readmit("p1", operator=True)).readmitted
+    assert index.entries("p1") == len(blocks)
+    # ... unless the engine is restarted while drained: it comes back with an empty cache.
+    router.readmitter.drain("p1", trio.current_time())
+    engines[9001].process_started_at = time.time() + 1.0
+    assert (await router.readmitter.readmit("p1", operator=True)).readmitted
+    assert index.entries("p1") == 0 and index.entries("p2") == len(blocks)
+    forgotten = [json.loads(r.getMessage()) for r in caplog.records if "prefix_index_forgotten" in r.getMessage()]
+    assert [(line["engine"], line["reason"]) for line in forgotten] == [("p1", "newer_process")]
+    await router.readmitter.control_pool.aclose()
 
 
 # -- between worker processes -----------------------------------------------------------------

@@ -539,6 +539,22 @@ async def test_first_token_deadline_fires_from_the_watchdog_tick(serve, make_poo
     assert 4.0 <= trio.current_time() - started <= 4.0 + pool.watchdog_tick_s + 1e-6
 
 
+async def test_a_reload_gives_the_next_stream_its_first_token_deadline(serve, make_pool, autojump_clock):
+    engine = await serve(sse(then=trio.sleep_forever))
+    pool = await make_pool(msgspec.structs.replace(FAST, stream_silence_s=30.0, first_token_deadline_s=20.0,
+                                                   request_timeout_s=60.0))
+    pool.set_timeouts(msgspec.structs.replace(FAST, stream_silence_s=30.0, first_token_deadline_s=4.0,
+                                              request_timeout_s=60.0, max_response_bytes=1024))
+    assert pool.watchdog_tick_s == 0.2
+    assert pool._max_body == FAST.max_response_bytes  # a bound is not a timeout: kept as built
+    started = trio.current_time()
+    with pytest.raises(EngineFailure) as caught:
+        await collect(pool, engine)
+    assert "no first token within 4 s" in caught.value.message
+    # The watchdog already sleeping its old tick (1 s) takes the new one from its next tick.
+    assert 4.0 <= trio.current_time() - started <= 4.0 + 1.0 + 1e-6
+
+
 async def test_a_slow_client_holding_up_the_relay_is_not_engine_silence(serve, make_pool, autojump_clock):
     async def pause():
         await trio.sleep(0.5)

@@ -436,6 +436,60 @@ async def test_maintenance_refuses_an_engine_that_was_not_restarted_and_accepts_
     assert world.readmitter.admin_state("d1").maintenance_started_at is None
 
 
+async def test_a_drained_engine_readmitted_as_a_newer_process_is_reported_and_the_same_one_is_not(
+        autojump_clock: MockClock) -> None:
+    world = World()
+    newer: list[str] = []
+    world.readmitter.on_newer_process = newer.append
+    await trio.sleep(100)
+    # Drained, not restarted (its process is older than the drain): the same process, caches and all.
+    world.readmitter.drain("p1", world.now())
+    assert (await world.readmitter.readmit("p1", operator=True)).readmitted
+    assert newer == []
+    # Drained again and restarted meanwhile: a newer process, told before it is back in placement.
+    world.readmitter.drain("p1", world.now())
+    await trio.sleep(10)
+    world.engines["p1"].process_started_at = world.wall()
+    assert (await world.readmitter.readmit("p1", operator=True)).readmitted
+    assert newer == ["p1"]
+    # Readmitted again with that same process: nothing new.
+    world.readmitter.drain("p1", world.now())
+    assert (await world.readmitter.readmit("p1", operator=True)).readmitted
+    assert newer == ["p1"]
+    # Once attested, any other start is a newer process, whatever the engine's clock says of the drain.
+    world.readmitter.drain("p1", world.now())
+    world.engines["p1"].process_started_at = WALL_BASE - 7200.0
+    assert (await world.readmitter.readmit("p1", operator=True)).readmitted
+    assert newer == ["p1", "p1"]
+
+
+async def test_a_fresh_readmitter_judges_a_newer_process_by_the_drains_start(autojump_clock: MockClock) -> None:
+    # No identity attested yet (a router just started or resumed): a process started after the
+    # drain began was restarted during it; one started before was not.
+    for started_after_drain_s, expected in ((-5.0, []), (5.0, ["d1"])):
+        world = World()
+        newer: list[str] = []
+        world.readmitter.on_newer_process = newer.append
+        await trio.sleep(100)
+        world.readmitter.drain("d1", world.now())
+        world.engines["d1"].process_started_at = world.wall() + started_after_drain_s
+        await trio.sleep(10)
+        assert (await world.readmitter.readmit("d1", operator=True)).readmitted
+        assert newer == expected
+
+
+async def test_a_refused_attestation_tells_nothing_of_the_process(autojump_clock: MockClock) -> None:
+    world = World()
+    newer: list[str] = []
+    world.readmitter.on_newer_process = newer.append
+    world.readmitter.drain("p1", world.now())
+    await trio.sleep(10)
+    world.engines["p1"].process_started_at = world.wall()
+    world.engines["p1"].signing_key = b"not-the-fleet-key"
+    assert (await world.readmitter.readmit("p1", operator=True)).check == "attestation"
+    assert newer == []
+
+
 async def test_asking_for_maintenance_again_keeps_the_first_start(autojump_clock: MockClock) -> None:
     world = World()
     first = world.readmitter.maintenance("d1", world.now())

@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 import trio
+import trio.testing
 
 from narwhal.config import parse_config
 from narwhal.errors import EngineFailure, FailureClass, PoolSaturated, SuccessKind, UpstreamClientError
@@ -646,3 +647,64 @@ async def test_bounded_retry_falls_back_to_a_failed_engine_when_it_is_the_only_o
     await core.handle("/v1/completions", body(), None, sink)
     assert sink.status == 200
     assert [c[0] for c in pool.calls if c[0].startswith("d")] == ["d1", "d1"]
+
+
+# an engine a config reload removed: its legs still in flight are cut, without blame ---------------------
+
+async def stream_on_d1(nursery: trio.Nursery, core, supervisor, pool) -> Sink:
+    """A stream on d1 that sent its first event and then waits forever; returned once the client has it."""
+    supervisor.roles["decode"] = ["d1"]
+    pool.decode.append([SSE[0], "hang"])
+    sink = Sink()
+    nursery.start_soon(core.handle, "/v1/completions", body(stream=True), None, sink)
+    while not sink.started:
+        await trio.lowlevel.checkpoint()
+    return sink
+
+
+async def test_a_stream_on_a_removed_engine_is_cut_with_the_sse_error_and_no_evidence():
+    core, supervisor, pool, _ = make_core()
+    async with trio.open_nursery() as nursery:
+        sink = await stream_on_d1(nursery, core, supervisor, pool)
+        # The removal's grace has passed: the snapshot without d1 reaches the data plane.
+        core.set_engines(spec for spec in core.engines.values() if spec.name != "d1")
+    assert sink.writes[0] == SSE[0] and sink.ended
+    error = json.loads(sink.ended_with.removeprefix(b"data: "))["error"]
+    assert error["code"] == "engine_removed" and "d1" in error["message"]
+    assert b"[DONE]" not in b"".join(sink.writes)
+    assert supervisor.failures == [] and ("d1", SuccessKind.DECODE_TERMINAL) not in supervisor.successes
+    assert pool.closed_streams == 1
+    # Its in-flight entry went with its last request.
+    assert "d1" not in core.in_flight.counts and core.in_flight.total() == 0
+
+
+async def test_a_prefill_on_a_removed_engine_is_cut_with_a_502_before_any_byte():
+    core, supervisor, pool, _ = make_core()
+    prefilling = trio.Event()
+
+    async def hanging_prefill(engine, path, body, *, request_id):
+        prefilling.set()
+        await trio.sleep_forever()
+
+    pool.post_json = hanging_prefill
+    sink = Sink()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(core.handle, "/v1/completions", body(), None, sink)
+        await prefilling.wait()
+        core.set_engines(spec for spec in core.engines.values() if spec.name != "p1")
+    assert sink.status == 502 and sink.json()["error"]["code"] == "engine_removed"
+    assert "prefill engine p1" in sink.json()["error"]["message"]
+    assert supervisor.failures == []
+
+
+async def test_a_changed_url_cuts_the_legs_on_the_old_address_and_an_unchanged_set_cuts_nothing():
+    core, supervisor, pool, _ = make_core()
+    async with trio.open_nursery() as nursery:
+        sink = await stream_on_d1(nursery, core, supervisor, pool)
+        core.set_engines(list(core.engines.values()))
+        await trio.testing.wait_all_tasks_blocked()
+        assert not sink.ended
+        moved = msgspec.structs.replace(core.engines["d1"], url="http://127.0.0.1:9102")
+        core.set_engines([*(spec for spec in core.engines.values() if spec.name != "d1"), moved])
+    assert b"engine_removed" in sink.ended_with
+    assert core.engines["d1"].url == "http://127.0.0.1:9102"

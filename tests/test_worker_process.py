@@ -15,7 +15,7 @@ import pytest
 import trio
 import trio.testing
 
-from narwhal.config import Config, EngineSpec
+from narwhal.config import Config, EngineConfig, EngineSpec, PlacementConfig
 from narwhal.errors import FailureClass
 from narwhal.fleet.placement import pick_least_outstanding
 from narwhal.http1.server import Request
@@ -86,6 +86,24 @@ async def test_a_worker_counts_the_others_in_flight_without_its_own_twice() -> N
     assert w.plane.in_flight.elsewhere == {"d1": 3, "d2": 1}
     # So d1 carries 5 router-wide and d2 1: placement picks d2 (issue 26, break 5).
     assert all(pick_least_outstanding(["d1", "d2"], w.plane.in_flight) == "d2" for _ in range(20))
+
+
+async def test_a_snapshot_carries_reloaded_placement_and_engine_timeouts_into_the_worker() -> None:
+    w = worker(FakeLink())
+    w.on_message(snapshot(1, placement=CONFIG.placement, engine_config=CONFIG.engine))
+    placement, pool = w.plane.core.placement, w.plane.data_pool
+    w.prefix_index.index.record("p1", [1, 2], 1.0)
+    assert placement.placer.cache_aware
+    w.on_message(snapshot(2, placement=PlacementConfig(policy="least_outstanding", balance_abs=3, max_index_mb=2,
+                                                       block_tokens=8),
+                          engine_config=EngineConfig(first_token_deadline_s=1.5, connect_timeout_s=0.25)))
+    assert (placement.placer.cache_aware, placement.placer.balance_abs) == (False, 3)
+    assert placement.config.block_tokens == 8
+    assert w.prefix_index.index.max_bytes == 2 * 1024 * 1024 and w.prefix_index.index.entries("p1") == 0
+    assert pool._config.first_token_deadline_s == 1.5 and pool._connections.connect_timeout_s == 0.25
+    # An older snapshot (reordered) changes nothing back.
+    w.on_message(snapshot(1, placement=CONFIG.placement, engine_config=CONFIG.engine))
+    assert not placement.placer.cache_aware
 
 
 async def test_evidence_after_the_controller_left_is_counted_and_said_once(caplog: pytest.LogCaptureFixture) -> None:

@@ -171,6 +171,8 @@ class _Attempt:
     maintenance_started_at: float | None
     # An inference-caused quarantine stands: the chain must end with an inference probe.
     needs_inference: bool = False
+    # Wall-clock start of the oldest hold the engine is under (drain, maintenance, ...), None without one.
+    held_since_wall: float | None = None
     identity: EngineIdentity | None = None
     current: Check = Check.HEALTH
     passed: list[str] = dataclasses.field(default_factory=list)
@@ -217,6 +219,11 @@ class Readmitter:
                                    timeout_s=config.engine.health_timeout_s, clock=clock)
         self._scheduled: set[str] = set()
         self._nursery: trio.Nursery | None = None
+        # The process_started_at each engine's attested identity last reported.
+        self._process_started: dict[str, float] = {}
+        # Told when an engine proves to be a newer process than the one placement knew: its caches are
+        # empty (the router drops its prefix-index entries). Called with the engine's name.
+        self.on_newer_process: Callable[[str], None] | None = None
 
     def __repr__(self) -> str:
         last = ", ".join(f"{name} {result.outcome}" + (f" {result.check}" if result.check else "")
@@ -225,13 +232,14 @@ class Readmitter:
         return f"<Readmitter [running: {running or '-'} | last: {last or '-'}]>"
 
     def apply_config(self, config: Config, attestation_key: bytes | None) -> None:
-        """A config reload: later checks use its fleet.generation and attestation key, the schedule its periods."""
+        """A reload: later checks use its generation, attestation key and health timeout; the schedule its periods."""
         self.config = config
         self._key = attestation_key
         recovery = config.recovery
         self.schedule.probe_interval_s = recovery.probe_interval_s
         self.schedule.backoff_base_s = min(recovery.recheck_period_s, recovery.probe_interval_s)
         self.rechecker.interval_s = recovery.recheck_period_s
+        self.rechecker.timeout_s = config.engine.health_timeout_s
 
     def add_engine(self, spec: EngineSpec) -> None:
         """An engine a config reload added (the fleet holds it ejected): try it at once, then on schedule."""
@@ -248,6 +256,7 @@ class Readmitter:
         self._specs.pop(name, None)
         self._locks.pop(name, None)
         self._last.pop(name, None)
+        self._process_started.pop(name, None)
         self.schedule.remove(name)
         self.rechecker.engines.pop(name, None)
 
@@ -328,8 +337,10 @@ class Readmitter:
         self._synced(self.fleet.view(spec.name, started))
         self.schedule.started(spec.name, started)
         held_before = self._drain_kinds(spec.name, started)
+        holds = self.fleet.view(spec.name, started).holds
         attempt = _Attempt(spec, self.maintenance_started_at(spec.name),
-                           needs_inference=self.fleet.quarantine_needs_inference_check(spec.name, started))
+                           needs_inference=self.fleet.quarantine_needs_inference_check(spec.name, started),
+                           held_since_wall=started_wall - (started - min(h.since for h in holds)) if holds else None)
         check: str | None = None
         health_to_eligible_s: float | None = None
         try:
@@ -434,6 +445,23 @@ class Readmitter:
         if response.status != 200:
             raise _Refused(contract.status_reason("POST", "/narwhal/attest", response.status, response.body))
         contract.verify_attestation(self._key, identity, nonce, response.body)
+        self._note_process(attempt.spec.name, identity.process_started_at, attempt.held_since_wall)
+
+    def _note_process(self, name: str, started: float, held_since_wall: float | None) -> None:
+        """Tell ``on_newer_process`` when the attested process is not the one placement knew.
+
+        Newer: another start than the identity this router last attested for the engine;
+        or, with none attested yet (a fresh router), a start after the engine's oldest hold
+        began (an engine restarted while drained). Either way its KV cache is empty. Like
+        ``newer_process``, the second comparison trusts the engine's clock to be the router's.
+        """
+        if not math.isfinite(started):
+            return
+        seen = self._process_started.get(name)
+        self._process_started[name] = started
+        newer = started != seen if seen is not None else held_since_wall is not None and started > held_since_wall
+        if newer and self.on_newer_process is not None:
+            self.on_newer_process(name)
 
     async def _check_newer_process(self, attempt: _Attempt) -> None:
         assert attempt.identity is not None and attempt.maintenance_started_at is not None

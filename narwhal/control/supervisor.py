@@ -52,7 +52,12 @@ class Supervisor:
         self._running: set[tuple[str, str]] = set()
         # Asked for again while running: started once more when the running one ends.
         self._again: set[tuple[str, str]] = set()
-        self._probe_timeout_s = max(config.engine.health_timeout_s, config.engine.first_token_deadline_s)
+
+    @property
+    def _probe_timeout_s(self) -> float:
+        # Read per probe: a reload may change the engine timeouts.
+        engine = self.config.engine
+        return max(engine.health_timeout_s, engine.first_token_deadline_s)
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Own the nursery that probes run in, until cancelled; the fleet's actions come here meanwhile."""

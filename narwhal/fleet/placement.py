@@ -30,17 +30,26 @@ class InFlight:
         # Requests other worker processes have in flight per engine, as the
         # controller last reported; empty in a single process.
         self.elsewhere: dict[str, int] = {}
+        # Engines that left the fleet with requests still in flight: their entry goes with the last one.
+        self._gone: set[str] = set()
 
     def acquire(self, name: str) -> None:
         # .get: an engine a config reload added has no entry until its first request.
         self.counts[name] = self.counts.get(name, 0) + 1
 
     def release(self, name: str) -> None:
-        self.counts[name] -= 1
+        left = self.counts[name] - 1
+        if left or name not in self._gone:
+            self.counts[name] = left
+        else:
+            del self.counts[name]
+            self._gone.discard(name)
 
     def forget(self, name: str) -> None:
-        """Drop ``name``'s entry once it left the fleet with nothing in flight."""
-        if not self.counts.get(name):
+        """Drop ``name``'s entry (it left the fleet): now, or when its last request in flight ends."""
+        if self.counts.get(name):
+            self._gone.add(name)
+        else:
             self.counts.pop(name, None)
 
     def __getitem__(self, name: str) -> int:

@@ -42,7 +42,16 @@ class PrefixIndex:
         """
         names = list(dict.fromkeys(engines))
         self._lru = {name: self._lru.get(name) or OrderedDict() for name in names}
-        self.quota = self.max_bytes // ENTRY_BYTES // max(1, len(names))
+        self._share()
+
+    def set_max_bytes(self, max_bytes: int) -> None:
+        """A new memory bound (a config reload): a smaller one evicts each engine's least recently used blocks."""
+        self.max_bytes = max_bytes
+        self._share()
+
+    def _share(self) -> None:
+        # An equal share of the bound each; an engine over its share loses its least recently used blocks.
+        self.quota = self.max_bytes // ENTRY_BYTES // max(1, len(self._lru))
         for lru in self._lru.values():
             for _ in range(len(lru) - self.quota):
                 lru.popitem(last=False)

@@ -12,10 +12,10 @@ from typing import Any, Protocol
 
 import trio
 
-from narwhal.http1.server import Request, Responder
+from narwhal.http1.server import Request
 from narwhal.http1.target import asgi_path
 
-__all__ = ["ASGIApp", "ASGILifespan", "call_asgi"]
+__all__ = ["ASGIApp", "ASGILifespan", "ASGIResponder", "call_asgi"]
 
 
 
@@ -27,6 +27,21 @@ class ASGIApp(Protocol):
 
     def __call__(self, scope: Any, receive: Any, send: Any, /) -> Awaitable[None]: ...
 
+class ASGIResponder(Protocol):
+    """What ``call_asgi`` writes the app's answer through: the server's ``Responder``, or a worker's collector."""
+
+    @property
+    def secure(self) -> bool: ...
+    @property
+    def started(self) -> bool: ...
+    @property
+    def client_disconnected(self) -> bool: ...
+    async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None: ...
+    async def start_stream(self, status: int, headers: list[tuple[bytes, bytes]], first: bytes = b"") -> None: ...
+    async def write(self, data: bytes) -> None: ...
+    async def end_stream(self, last: bytes = b"") -> None: ...
+
+
 # The responder frames the body and decides about the connection itself.
 _FRAMING_HEADERS = frozenset({b"content-length", b"transfer-encoding", b"connection", b"keep-alive"})
 
@@ -37,7 +52,7 @@ class _HTTPCall:
     __slots__ = ("_body_delivered", "_buffered", "_headers", "_known_length", "_request", "_responder", "_sent",
                  "_status")
 
-    def __init__(self, request: Request, responder: Responder) -> None:
+    def __init__(self, request: Request, responder: ASGIResponder) -> None:
         self._request = request
         self._responder = responder
         self._body_delivered = False
@@ -100,7 +115,7 @@ class _HTTPCall:
 
 
 async def call_asgi(
-    app: ASGIApp, request: Request, responder: Responder, *, server: tuple[str, int] | None = None
+    app: ASGIApp, request: Request, responder: ASGIResponder, *, server: tuple[str, int] | None = None
 ) -> None:
     """Serve ``request`` with the ASGI ``app``, writing the response through ``responder``."""
     raw_path = request.raw_path

@@ -71,6 +71,7 @@ class ControlPool:
         self._limits = httpx.Limits(max_connections=control_connections,
                                     max_keepalive_connections=control_connections,
                                     keepalive_expiry=engine_config.pool_idle_s)
+        self._ssl_context = ssl_context
         self._client = self._new_client(ssl_context)
         # Calls in progress per client: a client replaced by a reload closes when its last call ends.
         self._calls: dict[httpx.AsyncClient, int] = {self._client: 0}
@@ -84,11 +85,26 @@ class ControlPool:
     async def set_ssl_context(self, context: ssl.SSLContext | None) -> None:
         """Use ``context`` for new calls; calls in progress finish on the client they began on."""
         old = self._client
+        self._ssl_context = context
         self._client = self._new_client(context)
         self._calls[self._client] = 0
         if not self._calls.get(old):
             self._calls.pop(old, None)
             await old.aclose()
+
+    async def set_timeouts(self, engine_config: EngineConfig) -> None:
+        """A config reload: calls from now use ``engine_config``'s timeouts (and its keep-alive, on a new client).
+
+        The pool's size and its memory bound stay as built.
+        """
+        idle_changed = engine_config.pool_idle_s != self._config.pool_idle_s
+        self._config = self._config.with_timeouts_of(engine_config)
+        if idle_changed:
+            # httpx fixes the keep-alive expiry per client.
+            self._limits = httpx.Limits(max_connections=self._limits.max_connections,
+                                        max_keepalive_connections=self._limits.max_keepalive_connections,
+                                        keepalive_expiry=engine_config.pool_idle_s)
+            await self.set_ssl_context(self._ssl_context)
 
     async def get(self, engine: EngineSpec, path: str, *, timeout_s: float | None = None) -> ControlResponse:
         """GET ``path`` on the engine; default timeout ``engine.health_timeout_s``."""

@@ -252,6 +252,19 @@ class DataPool:
         """Use ``context`` for new engine connections; pooled ones keep theirs until they expire."""
         self._connections.ssl_context = context
 
+    def set_timeouts(self, engine_config: EngineConfig) -> None:
+        """A config reload: calls and streams that start from now use ``engine_config``'s timeouts.
+
+        Streams already relaying keep the deadlines they started with. The pool's
+        size and its memory bounds stay as built.
+        """
+        self._config = self._config.with_timeouts_of(engine_config)
+        self.watchdog_tick_s = watchdog_tick(self._config)
+        connections = self._connections
+        connections.idle_s = engine_config.pool_idle_s
+        connections.connect_timeout_s = engine_config.connect_timeout_s
+        connections.write_timeout_s = engine_config.request_timeout_s
+
     async def post_json(self, engine: EngineSpec, path: str, body: bytes, *,
                         request_id: str) -> tuple[int, bytes]:
         """POST a JSON body; (status, body) for 2xx, otherwise the classified failure is raised."""
@@ -323,9 +336,9 @@ class DataPool:
         self._watchdog_running = True
         try:
             task_status.started()
-            tick_s = self.watchdog_tick_s
             while True:
-                await trio.sleep(tick_s)
+                # Read each tick: a reload may shorten the deadlines.
+                await trio.sleep(self.watchdog_tick_s)
                 if self._streams:
                     now = trio.current_time()
                     for upstream in list(self._streams):

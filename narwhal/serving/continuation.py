@@ -1,8 +1,8 @@
 """Stream continuation: one client stream across decode legs on several engines.
 
 Under ``serving.policy = "bounded"`` with ``serving.continue_streams`` on, a
-streamed request whose decode leg fails (class connection, timeout or stream)
-after its stream reached the client is continued: a fresh prefill of the
+streamed request whose decode leg fails (class connection, timeout or stream,
+or cut because a reload removed its engine) after its stream reached the client is continued: a fresh prefill of the
 original prompt plus the output so far, then a decode on another engine asking
 for the tokens still owed, relayed into the same client stream.
 
@@ -26,13 +26,16 @@ import msgspec
 from narwhal.errors import EngineFailure, FailureClass
 from narwhal.serving.client_view import KV_KEY, strip_kv_from_events
 
-__all__ = ["CONTINUED_CLASSES", "StreamJoin", "not_continued_reason", "plan", "relay"]
+__all__ = ["CONTINUED_CLASSES", "ENGINE_REMOVED", "StreamJoin", "not_continued_reason", "plan", "relay"]
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
+# A leg cut because a config reload removed its engine and serving.shutdown_grace_s passed:
+# no failure of the engine (never evidence), but the answer is owed all the same.
+ENGINE_REMOVED = "engine_removed"
 # Failure classes of a decode leg that start a continuation once the client has bytes.
 CONTINUED_CLASSES = frozenset({FailureClass.CONNECTION.value, FailureClass.TIMEOUT.value,
-                               FailureClass.STREAM.value})
+                               FailureClass.STREAM.value, ENGINE_REMOVED})
 # One SSE event larger than this is not a stream we can join (a prompt's token IDs fit easily).
 _MAX_EVENT_BYTES = 16 * 1024 * 1024
 _DONE_EVENT = b"data: [DONE]\n\n"

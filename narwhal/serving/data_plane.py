@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import msgspec
 import trio
 
-from narwhal.config import Config
+from narwhal.config import Config, EngineConfig, PlacementConfig
 from narwhal.fleet.placement import InFlight, InFlightCounts
 from narwhal.http1.server import Request, Responder
 from narwhal.obs.router_metrics import RouterMetrics
@@ -106,6 +106,11 @@ class LocalDataPlane:
     def shutdown(self, grace_s: float) -> None:
         """Stop accepting; requests in flight get ``grace_s`` to finish."""
         self.server.shutdown(grace_s)
+
+    def configure(self, placement: PlacementConfig, engine_config: EngineConfig) -> None:
+        """A config reload (through the snapshot): placement and the engine timeouts of new calls follow it."""
+        self.core.placement.configure(placement)
+        self.data_pool.set_timeouts(engine_config)
 
     def use_tls(self, tls: TLSContexts) -> None:
         """New connections (client and engine side) use ``tls``'s contexts; open ones keep theirs."""

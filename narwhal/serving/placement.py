@@ -14,22 +14,38 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from narwhal.config import Config
+from narwhal.config import Config, PlacementConfig
 from narwhal.fleet.cache_aware import Choice, Placer
 from narwhal.fleet.placement import InFlight
 from narwhal.fleet.prefix_index import PrefixIndex
 from narwhal.fleet.prefix_key import prompt_blocks
 from narwhal.obs.router_metrics import RouterMetrics
 
-__all__ = ["RequestPlacement", "build_index", "build_placer"]
+__all__ = ["RequestPlacement", "build_index", "build_placer", "reconfigure_index"]
 
 _CHAT = "/v1/chat/completions"
+
+
+def _index_bytes(placement: PlacementConfig) -> int:
+    return int(placement.max_index_mb * 1024 * 1024)
 
 
 def build_index(config: Config) -> PrefixIndex:
     """An empty prefix index over the config's prefill engines, bounded by ``placement.max_index_mb``."""
     return PrefixIndex([spec.name for spec in config.engines if spec.role == "prefill"],
-                       max_bytes=int(config.placement.max_index_mb * 1024 * 1024))
+                       max_bytes=_index_bytes(config.placement))
+
+
+def reconfigure_index(index: PrefixIndex, old: PlacementConfig, new: PlacementConfig) -> None:
+    """A reload changed ``[placement]``: the index takes the new memory bound, and is emptied on a new block size.
+
+    Blocks hashed at another size never match a prompt again; they would only take room.
+    """
+    if new.block_tokens != old.block_tokens:
+        for engine in index.engines:
+            index.forget(engine)
+    if new.max_index_mb != old.max_index_mb:
+        index.set_max_bytes(_index_bytes(new))
 
 
 def build_placer(config: Config, index: PrefixIndex | None = None, *, rng: random.Random | None = None,
@@ -52,7 +68,20 @@ class RequestPlacement:
                  rng: random.Random | None = None) -> None:
         self.placer = placer or build_placer(config, rng=rng)
         self.metrics = metrics
+        self.config = config.placement
         self._block_tokens = config.placement.block_tokens
+
+    def configure(self, placement: PlacementConfig) -> None:
+        """A config reload changed ``[placement]``: the next choice follows it (in each process, by its snapshot)."""
+        if placement == self.config:
+            return
+        placer = self.placer
+        reconfigure_index(placer.index, self.config, placement)
+        placer.cache_aware = placement.policy == "cache_aware"
+        placer.balance_abs = placement.balance_abs
+        placer.balance_rel = placement.balance_rel
+        self._block_tokens = placement.block_tokens
+        self.config = placement
 
     def choose(self, role: str, candidates: Sequence[str], route: str, request: dict[str, Any],
                in_flight: InFlight) -> Choice | None:

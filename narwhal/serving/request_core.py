@@ -15,15 +15,20 @@ already streamed to a client are never replayed: a failure after the first
 byte ends the stream with an SSE error event and no ``[DONE]``, unless the
 bounded policy continues the stream on another engine
 (``narwhal.serving.continuation``).
+
+An engine a config reload removed leaves the engine set (``set_engines``) once
+its grace ran out: each leg still in flight on it is cut as an attempt failed
+with ``engine_removed``, handled like any other failure but never evidence.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractAsyncContextManager
 from typing import Any, NoReturn, Protocol
 
@@ -47,7 +52,7 @@ from narwhal.obs.logs import log_event
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.serving import continuation
 from narwhal.serving.client_view import KV_KEY, is_role_only_event, strip_kv_from_body, strip_kv_from_events
-from narwhal.serving.continuation import CONTINUED_CLASSES, StreamJoin
+from narwhal.serving.continuation import CONTINUED_CLASSES, ENGINE_REMOVED, StreamJoin
 from narwhal.serving.placement import RequestPlacement
 from narwhal.wire import PREFILL_KV_REQUEST, HandoffRejected, error_json, read_handoff
 
@@ -170,7 +175,7 @@ class _Outcome:
 
     __slots__ = ("status", "prefill", "decode", "ttft_s", "tokens", "error_class", "attempts",
                  "error_engine", "inter_token_s", "continuations", "continuing",
-                 "join_gap_s", "stream_error", "prefix_match", "relay")
+                 "join_gap_s", "stream_error", "prefix_match", "continued_after", "relay")
 
     def __init__(self) -> None:
         self.status = 0
@@ -193,6 +198,13 @@ class _Outcome:
         self.prefix_match: float | None = None
         # Who relayed the stream after its first bytes: "pump" (the process's pump) or "task".
         self.relay: str | None = None
+        # The failure class a stream was completed after (continued, or only its tail was lost).
+        self.continued_after: str | None = None
+
+    def stream_completed(self) -> None:
+        """The stream reached the client whole after a failure: no error for the request, the failure noted."""
+        self.continued_after = self.error_class
+        self.error_class = None
 
 
 def _sse_error(message: str, type_: str, code: str | None) -> bytes:
@@ -238,16 +250,52 @@ class RequestCore:
         self._max_handoff_bytes = config.engine.max_handoff_bytes
         self._ids = itertools.count(1)
         self._id_prefix = os.urandom(4).hex()
+        # The cancel scope of every engine leg in flight, by engine: a removed engine's are cut.
+        self._legs: dict[str, set[trio.CancelScope]] = {}
 
     def set_engines(self, engines: Iterable[EngineSpec]) -> None:
         """The engine set changed (a config reload, through the snapshot): place on these from now on.
 
-        Requests already placed keep the specs they hold; placement reads names
-        from the snapshot, which never names an engine missing here.
+        Placement reads names from the snapshot, which never names an engine
+        missing here. An engine that left (or whose url or role changed) left
+        after serving.shutdown_grace_s: its legs still in flight are cut now
+        (``_cuttable``), without blame.
         """
-        specs = list(engines)
-        self.engines = {spec.name: spec for spec in specs}
-        self._decode_engines = frozenset(spec.name for spec in specs if spec.role == "decode")
+        specs = {spec.name: spec for spec in engines}
+        for name, spec in self.engines.items():
+            if specs.get(name) != spec:
+                self._cut(name)
+                if name not in specs:
+                    self.in_flight.forget(name)
+        self.engines = specs
+        self._decode_engines = frozenset(name for name, spec in specs.items() if spec.role == "decode")
+
+    def _cut(self, engine: str) -> None:
+        scopes = self._legs.pop(engine, None)
+        if scopes:
+            log_event("engine_removal_cut", level=logging.WARNING, engine=engine, legs=len(scopes),
+                      reason="still in flight after serving.shutdown_grace_s")
+            for scope in scopes:
+                scope.cancel()
+
+    @contextlib.contextmanager
+    def _cuttable(self, engine: str, leg: str) -> Iterator[None]:
+        """One leg on ``engine``, cut (as a failed attempt that blames nobody) if the engine leaves meanwhile."""
+        scope = trio.CancelScope()
+        legs = self._legs.get(engine)
+        if legs is None:
+            legs = self._legs[engine] = set()
+        legs.add(scope)
+        try:
+            with scope:
+                yield
+        finally:
+            legs.discard(scope)
+        if scope.cancelled_caught:
+            error = ClientError(502, f"{leg} engine {engine} was removed from the router's configuration and "
+                                "the request was cut after serving.shutdown_grace_s", "upstream_error",
+                                ENGINE_REMOVED)
+            raise _AttemptFailed(error, engine, ENGINE_REMOVED, leg)
 
     # -- entry point -------------------------------------------------------
 
@@ -318,7 +366,8 @@ class RequestCore:
         if self.telemetry is not None:
             self.telemetry.record_request(prefill=outcome.prefill, decode=outcome.decode, ttft_s=outcome.ttft_s,
                                           inter_token_s=outcome.inter_token_s, error_engine=outcome.error_engine,
-                                          status=outcome.status, error_class=outcome.error_class,
+                                          status=outcome.status,
+                                          error_class=outcome.error_class or outcome.continued_after,
                                           failed=outcome.status >= 400 or outcome.stream_error)
         log_event(
             "request",
@@ -334,6 +383,7 @@ class RequestCore:
             continuations=outcome.continuations,
             join_gap_ms=None if outcome.join_gap_s is None else round(outcome.join_gap_s * 1000, 3),
             error=outcome.error_class,
+            continued_after=outcome.continued_after,
             prefix_match=None if outcome.prefix_match is None else round(outcome.prefix_match, 3),
             relay=outcome.relay,
         )
@@ -371,10 +421,12 @@ class RequestCore:
                                     failed_engines, join, exclude)
                 if outcome.continuing:
                     self.metrics.continuations.inc("completed")
+                    outcome.stream_completed()
                 return
             except _AttemptFailed as failed:
                 outcome.error_class = failed.failure_class
-                outcome.error_engine = failed.engine
+                # A leg cut because its engine was removed is nobody's failure (telemetry's errors too).
+                outcome.error_engine = None if failed.failure_class == ENGINE_REMOVED else failed.engine
                 if failed.engine is not None:
                     failed_engines.add(failed.engine)
                 queued = failed.failure_class in _QUEUEABLE
@@ -411,6 +463,7 @@ class RequestCore:
             outcome.tokens = join.tokens
             outcome.status = 200
             await sink.end_stream(join.tail())
+            outcome.stream_completed()
             return
         # A decode that broke, or a continuation's own leg that failed before relaying anything.
         continuable = failed.failure_class in CONTINUED_CLASSES or queued or (
@@ -514,19 +567,21 @@ class RequestCore:
         in_flight = self.in_flight
         in_flight.acquire(prefill_name)
         try:
-            if self._count_tokens and not (join is not None and join.started):
-                # A continuation's prompt grew by exactly the tokens its max_tokens shrank by.
-                await self._check_context(route, request, prefill, rid)
-            kv = await self._prefill(route, request, prefill, rid)
+            with self._cuttable(prefill_name, "prefill"):
+                if self._count_tokens and not (join is not None and join.started):
+                    # A continuation's prompt grew by exactly the tokens its max_tokens shrank by.
+                    await self._check_context(route, request, prefill, rid)
+                kv = await self._prefill(route, request, prefill, rid)
         finally:
             in_flight.release(prefill_name)
         in_flight.acquire(decode_name)
         try:
-            if join is not None:
-                await self._decode_joined(route, request, kv, decode, rid, rid_header, sink, started_at,
-                                          outcome, join)
-            else:
-                await self._decode(route, request, kv, decode, rid, rid_header, sink, started_at, outcome)
+            with self._cuttable(decode_name, "decode"):
+                if join is not None:
+                    await self._decode_joined(route, request, kv, decode, rid, rid_header, sink, started_at,
+                                              outcome, join)
+                else:
+                    await self._decode(route, request, kv, decode, rid, rid_header, sink, started_at, outcome)
         finally:
             in_flight.release(decode_name)
 

@@ -15,8 +15,9 @@ and words), run against one URL with no router:
     generation   (with --generation) the identity reports it
     kv_role      (with --role) kv_roles allow the role's KV transfer; without
                  --role, the engine has some KV role
-    pd_probe     (with --peer) a one-token prefill on the prefill side whose
-                 handoff a one-token decode on the decode side completes
+    pd_probe     (with --peer) both sides report the KV role of their side (as
+                 kv_role), and a one-token prefill on the prefill side hands
+                 its KV to a one-token decode on the decode side
 
 A check whose input failed is "not run". Exit 0 only when every check run
 passes; 1 when one fails; 2 for bad arguments.
@@ -233,6 +234,19 @@ class _Checker:
             self.row("pd_probe", "not run", "no model to ask for")
             return
         prefill, decode = (self.engine, peer) if self.expect.role == "prefill" else (peer, self.engine)
+        peer_identity = await self._identity_of(peer)
+        # vLLM's NixlConnector runs a prefill on a kv_consumer (and a decode on a kv_producer) all the
+        # same: the legs alone would pass a pair the router refuses at readmission. Each side's role first.
+        for side, role, side_identity in ((prefill, "prefill", identity if prefill is self.engine else peer_identity),
+                                          (decode, "decode", identity if decode is self.engine else peer_identity)):
+            if side_identity is None:
+                continue  # the engine under check has its identity row; an unreadable peer shows in the legs
+            try:
+                contract.check_kv_role(role, side_identity)
+            except contract.ContractViolation as exc:
+                self.row("pd_probe", "FAIL", f"{role} on {side.url}: {exc.reason} (vLLM may run the leg all the "
+                                             f"same; the router refuses the engine in that role)")
+                return
         leg = "prefill"
         try:
             raw = await self.ok("POST", "/v1/completions", contract.probe_prefill_body(model), prefill)
@@ -249,6 +263,14 @@ class _Checker:
             self.row("pd_probe", "FAIL", f"{leg} on {(prefill if leg == 'prefill' else decode).url}: {exc.reason}")
         else:
             self.row("pd_probe", "pass", f"prefill on {prefill.url} handed its KV to a decode on {decode.url}")
+
+
+    async def _identity_of(self, engine: EngineSpec) -> EngineIdentity | None:
+        """The peer's identity for its role check; None when it cannot be read (the probe's legs then say more)."""
+        try:
+            return contract.read_identity(await self.ok("GET", "/narwhal/identity", engine=engine))
+        except contract.ContractViolation:
+            return None
 
 
 def _describe(identity: EngineIdentity) -> str:

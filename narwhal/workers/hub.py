@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import msgspec
 import trio
 
-from narwhal.config import EngineSpec
+from narwhal.config import Config, EngineSpec
 from narwhal.errors import FailureClass, SuccessKind
 from narwhal.fleet.model import ROLES
 from narwhal.obs.logs import log_event
@@ -124,6 +124,8 @@ class WorkerHub:
         self.on_placements: Callable[[int, Report], None] | None = None
         # The engine set workers place on (the supervisor's); None: as in the config they were given.
         self.engine_specs: Callable[[], list[EngineSpec]] | None = None
+        # The running config (reloads change it): workers take its placement and engine timeouts.
+        self.running_config: Callable[[], Config] | None = None
 
     def set_engines(self, names: Iterable[str]) -> None:
         """The engine set changed (a config reload): in-flight sums and exclusions follow it."""
@@ -206,13 +208,16 @@ class WorkerHub:
         control = self._control
         version = control.state_version()
         valid_until = control.valid_until()
+        config = None if self.running_config is None else self.running_config()
         return version, Snapshot(
             seq=0, eligible={role: control.eligible(role) for role in ROLES},
             capacity_problem=control.capacity_problem(), admission_reason=self._admission.reason(),
             admit_until=self._admit_until(),
             valid_until=None if valid_until is None or math.isinf(valid_until) else valid_until,
             in_flight=self._in_flight_totals() if self._share_in_flight else {},
-            engines=None if self.engine_specs is None else self.engine_specs())
+            engines=None if self.engine_specs is None else self.engine_specs(),
+            placement=None if config is None else config.placement,
+            engine_config=None if config is None else config.engine)
 
     def _for_link(self, content: Snapshot) -> Snapshot:
         """``content`` numbered and with its deadlines on the link's clock, ready to send."""

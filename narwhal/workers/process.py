@@ -23,7 +23,7 @@ from typing import Any
 import trio
 
 from narwhal.config import Config
-from narwhal.http1.asgi import call_asgi
+from narwhal.http1.asgi import ASGIApp, call_asgi
 from narwhal.http1.server import Request
 from narwhal.http1.target import InvalidTarget
 from narwhal.obs.logs import log_event
@@ -122,7 +122,7 @@ class _TLSRound:
 class WorkerSet:
     """N worker processes on one inherited listening socket, supervised by the controller."""
 
-    def __init__(self, *, count: int, config: Config, config_dir: Path | None, hub: WorkerHub, app: Any,
+    def __init__(self, *, count: int, config: Config, config_dir: Path | None, hub: WorkerHub, app: ASGIApp,
                  via_token: str, python: str = sys.executable) -> None:
         self.count = count
         self.config = config
@@ -301,7 +301,7 @@ class WorkerSet:
             return
         try:
             with trio.fail_after(CONTROL_APP_TIMEOUT_S):
-                await call_asgi(self.app, request, responder)  # type: ignore[arg-type]
+                await call_asgi(self.app, request, responder)
             reply = ForwardReply(id=message.id, status=responder.status, headers=responder.headers,
                                  body=responder.body)
         except Exception as exc:

@@ -18,7 +18,7 @@ import struct
 
 import msgspec
 
-from narwhal.config import Config, EngineSpec
+from narwhal.config import Config, EngineConfig, EngineSpec, PlacementConfig
 from narwhal.errors import NarwhalError
 from narwhal.fleet.shared_index import IndexRecord
 
@@ -100,6 +100,10 @@ class Snapshot(_Message, tag="snapshot"):
     in_flight: dict[str, int] = {}
     # Every engine the fleet has (a config reload adds and removes them); None: as in the Welcome's config.
     engines: list[EngineSpec] | None = None
+    # The reloadable keys the data plane reads (placement, the engine timeouts), as the controller
+    # runs them now; None: as in the Welcome's config.
+    placement: PlacementConfig | None = None
+    engine_config: EngineConfig | None = None
 
 
 class IndexUpdate(_Message, tag="index_update"):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from narwhal.config import EngineSpec
+from narwhal.config import EngineConfig, EngineSpec, PlacementConfig
 from narwhal.errors import FailureClass, SuccessKind
 from narwhal.workers.protocol import Evidence, RequestSample, Snapshot
 
@@ -38,17 +38,22 @@ class WorkerView:
         self._local_reason: str | None = None
         # Told the engine set when a snapshot changes it (the request core's ``set_engines``).
         self.on_engines: Callable[[list[EngineSpec]], None] | None = None
+        # Told the data plane's reloadable settings when a snapshot changes them (``LocalDataPlane.configure``).
+        self.on_settings: Callable[[PlacementConfig, EngineConfig], None] | None = None
 
     def apply(self, snapshot: Snapshot) -> None:
         """Take a newer snapshot (older ones, reordered or replayed, are ignored).
 
-        A changed engine set is handed on first, so placement never reads a name
-        whose address this process does not know yet.
+        A changed engine set (and changed settings) is handed on first, so placement
+        never reads a name whose address this process does not know yet.
         """
         if snapshot.seq >= self.snapshot.seq:
-            if (snapshot.engines is not None and snapshot.engines != self.snapshot.engines
-                    and self.on_engines is not None):
+            last = self.snapshot
+            if snapshot.engines is not None and snapshot.engines != last.engines and self.on_engines is not None:
                 self.on_engines(snapshot.engines)
+            if (snapshot.placement is not None and snapshot.engine_config is not None and self.on_settings is not None
+                    and (snapshot.placement, snapshot.engine_config) != (last.placement, last.engine_config)):
+                self.on_settings(snapshot.placement, snapshot.engine_config)
             self.snapshot = snapshot
 
     def close_locally(self, reason: str) -> None:

@@ -85,6 +85,7 @@ class Worker:
                                     yield_at_cap=True, placement=placement)
         # A config reload on the controller changes the engine set through the snapshots.
         self.view.on_engines = self._engines_changed
+        self.view.on_settings = self.plane.configure
         self._reported_in_flight: dict[str, int] = {}
         self._forward_ids = itertools.count(1)
         self._forwards: dict[int, tuple[trio.Event, list[ForwardReply]]] = {}

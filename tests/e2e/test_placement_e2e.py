@@ -17,6 +17,7 @@ import httpx
 import pytest
 import trio
 
+from narwhal.tools.local_fleet import start_mock_engine
 from tests.e2e.waiting import engines_body, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -111,3 +112,39 @@ async def test_prefixes_stick_to_their_engines_and_load_spreads(start_fleet, wor
 
 async def _ready(fleet) -> bool:
     return (await fleet.client.get(f"{fleet.url}/ready")).status_code == 200
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_a_prefill_engine_restarted_while_drained_comes_back_with_no_index_entries(
+        start_fleet, nursery, workers: int) -> None:
+    # No health sweep while p1 is down for its restart: this is about the drain, not an ejection.
+    fleet = await start_fleet(prefill=1, decode=1, mock_args=MOCK_ARGS,
+                              sections={"serving": {"workers": workers, "count_tokens": False},
+                                        "controller": {"monitor_interval_s": 600.0}})
+    await wait_until(lambda: _ready(fleet), timeout_s=20.0, what="router ready")
+
+    async def p1_entries() -> int:
+        body = await engines_body(fleet.client, fleet.url)
+        return next(e["prefix_index"]["entries"] for e in body["engines"] if e["name"] == "p1")
+
+    await _complete(fleet.client, fleet.url, 0)
+    await wait_until(p1_entries, timeout_s=10.0, what="p1's prefixes in the controller's index")
+    assert (await fleet.client.post(f"{fleet.url}/admin/engines/p1/drain")).status_code == 200
+    # The operator restarts the drained engine: a newer process (the mock reports its own start), cache empty.
+    old = fleet.engines["p1"]
+    await old.stop(grace_s=5.0)
+    fleet.engines["p1"] = await start_mock_engine(nursery, "prefill", engine_id="p1", port=old.port,
+                                                  args=MOCK_ARGS)
+    assert await p1_entries() > 0  # a drain alone keeps them
+    try:
+        readmitted = await fleet.client.post(f"{fleet.url}/admin/engines/p1/readmit")
+        assert readmitted.status_code == 200, readmitted.text
+        assert await p1_entries() == 0
+        [forgotten] = await fleet.router.wait_event("prefix_index_forgotten", engine="p1")
+        assert forgotten["reason"] == "newer_process"
+        # Placement records it afresh from here.
+        await _complete(fleet.client, fleet.url, 0)
+        await wait_until(p1_entries, timeout_s=10.0, what="p1's prefixes recorded again")
+    finally:
+        with trio.CancelScope(shield=True):
+            await fleet.engines["p1"].stop(grace_s=5.0)

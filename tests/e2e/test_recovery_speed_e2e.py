@@ -12,12 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
 import pytest
 import trio
 
 from narwhal.tools.local_fleet import start_mock_engine
-from tests.e2e.waiting import wait_until
+from tests.e2e.waiting import wait_until, watch_restart
 
 pytestmark = pytest.mark.e2e
 
@@ -46,30 +45,13 @@ async def test_a_restarted_engine_is_eligible_soon_after_its_health_returns(star
         return (await engine_state(fleet, "d2"))["ejected"]
 
     await wait_until(ejected, what="d2 ejected after it was killed")
-    health_at: list[float] = []
-    eligible_at: list[float] = []
 
-    async def watch_health(client: httpx.AsyncClient) -> None:
-        with trio.move_on_after(30):
-            while True:
-                try:
-                    if (await client.get(f"http://127.0.0.1:{old.port}/health")).status_code == 200:
-                        health_at.append(trio.current_time())
-                        return
-                except httpx.HTTPError:
-                    pass
-                await trio.sleep(POLL_S)
+    async def eligible() -> bool:
+        return (await engine_state(fleet, "d2"))["eligible"]
 
-    async def watch_eligible() -> None:
-        with trio.move_on_after(30):
-            while not (await engine_state(fleet, "d2"))["eligible"]:
-                await trio.sleep(POLL_S)
-            eligible_at.append(trio.current_time())
-
-    async with httpx.AsyncClient(timeout=1.0) as client, trio.open_nursery() as watchers:
-        watchers.start_soon(watch_health, client)
-        watchers.start_soon(watch_eligible)
-        restarted = await start_mock_engine(nursery, "decode", engine_id="d2", port=old.port)
+    restarted, health_at, eligible_at = await watch_restart(
+        lambda: start_mock_engine(nursery, "decode", engine_id="d2", port=old.port),
+        f"http://127.0.0.1:{old.port}/health", eligible, poll_s=POLL_S, timeout_s=30.0)
     try:
         await check_back_in_placement(fleet, health_at, eligible_at)
     finally:
@@ -77,9 +59,8 @@ async def test_a_restarted_engine_is_eligible_soon_after_its_health_returns(star
             await restarted.stop(grace_s=5.0)
 
 
-async def check_back_in_placement(fleet, health_at: list[float], eligible_at: list[float]) -> None:
-    assert health_at and eligible_at, "the restarted engine never answered health or never became eligible"
-    waited = eligible_at[0] - health_at[0]
+async def check_back_in_placement(fleet, health_at: float, eligible_at: float) -> None:
+    waited = eligible_at - health_at
     assert waited < SANITY_BOUND_S, f"eligible {waited:.2f} s after its health returned"
     # The router says the same: an automatic readmission, with its own health-to-eligible figure.
     [readmitted] = await fleet.router.wait_event("engine_readmitted", engine="d2")

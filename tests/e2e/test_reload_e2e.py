@@ -21,6 +21,7 @@ import trio
 from narwhal.tools.admin_cli import TOKEN_ENV
 from narwhal.tools.local_fleet import LocalProcess, render_config, start_mock_engine, start_router
 from tests.e2e.test_lease_e2e import Pair
+from tests.e2e.test_placement_e2e import _sample
 from tests.e2e.waiting import wait_for_passes, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -85,6 +86,38 @@ async def eligible(fleet, name: str, timeout_s: float = 15.0) -> dict[str, Any]:
     return await wait_until(check, timeout_s=timeout_s, what=f"{name} eligible")
 
 
+class LongStream:
+    """A paced streamed completion read in the background: its chunks as they come, ``done`` at its end."""
+
+    def __init__(self, fleet, body: dict[str, Any]) -> None:
+        self.fleet = fleet
+        self.body = body
+        self.received: list[bytes] = []
+        self.started = trio.Event()
+        self.done = trio.Event()
+
+    @classmethod
+    async def start(cls, nursery: trio.Nursery, fleet, *, max_tokens: int) -> LongStream:
+        """Start it and wait for its first bytes."""
+        stream = cls(fleet, {**REQUEST, "max_tokens": max_tokens, "stream": True})
+        nursery.start_soon(stream._read)
+        await stream.started.wait()
+        return stream
+
+    async def _read(self) -> None:
+        fleet = self.fleet
+        async with fleet.client.stream("POST", f"{fleet.url}/v1/completions", json=self.body) as response:
+            assert response.status_code == 200
+            async for chunk in response.aiter_bytes():
+                self.received.append(chunk)
+                self.started.set()
+        self.done.set()
+
+    @property
+    def text(self) -> str:
+        return b"".join(self.received).decode()
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 async def test_added_engines_enter_through_readmission_and_a_wrong_generation_stays_out(
         start_fleet, nursery, workers: int) -> None:
@@ -134,21 +167,8 @@ async def test_a_removed_engine_finishes_its_long_stream_then_leaves_and_gets_no
                               mock_args=["--token-delay-s", "0.05"])
     replacement = await start_mock_engine(nursery, "decode", engine_id="d2")
     try:
-        received: list[bytes] = []
-        stream_started = trio.Event()
-        stream_done = trio.Event()
-
-        async def long_stream() -> None:
-            body = {**REQUEST, "max_tokens": 60, "stream": True}
-            async with fleet.client.stream("POST", f"{fleet.url}/v1/completions", json=body) as response:
-                assert response.status_code == 200
-                async for chunk in response.aiter_bytes():
-                    received.append(chunk)
-                    stream_started.set()
-            stream_done.set()
-
-        nursery.start_soon(long_stream)
-        await stream_started.wait()
+        stream = await LongStream.start(nursery, fleet, max_tokens=60)
+        received = stream.received
         # Replace d1 by d2 in one reload while d1 streams.
         before = engine_map(fleet.config_path)
         rewrite(fleet.config_path, engines={"p1": before["p1"], "d2": (replacement.url, "decode")})
@@ -164,8 +184,8 @@ async def test_a_removed_engine_finishes_its_long_stream_then_leaves_and_gets_no
         assert fleet.router.events("engine_removed", engine="d1") == []
 
         with trio.fail_after(20):
-            await stream_done.wait()
-        text = b"".join(received).decode()
+            await stream.done.wait()
+        text = stream.text
         assert text.rstrip().endswith("data: [DONE]")
         assert text.count("data: {") >= 60  # every token arrived
         await wait_until(lambda: _has(fleet.router, "engine_removed", engine="d1"), timeout_s=10.0,
@@ -362,21 +382,7 @@ async def test_a_standby_reloads_its_own_config_and_says_when_its_set_differs_fr
 async def test_a_reload_while_the_router_drains_for_shutdown_applies_and_the_stream_finishes(
         start_fleet, nursery) -> None:
     fleet = await start_fleet(prefill=1, decode=2, sections=sections(1), mock_args=["--token-delay-s", "0.05"])
-    received: list[bytes] = []
-    started = trio.Event()
-    done = trio.Event()
-
-    async def long_stream() -> None:
-        body = {**REQUEST, "max_tokens": 40, "stream": True}
-        async with fleet.client.stream("POST", f"{fleet.url}/v1/completions", json=body) as response:
-            assert response.status_code == 200
-            async for chunk in response.aiter_bytes():
-                received.append(chunk)
-                started.set()
-        done.set()
-
-    nursery.start_soon(long_stream)
-    await started.wait()
+    stream = await LongStream.start(nursery, fleet, max_tokens=40)
     fleet.router.process.send_signal(signal.SIGTERM)
     assert await fleet.router.wait_event("router_shutdown", timeout_s=5.0)
     current = engine_map(fleet.config_path)
@@ -386,8 +392,189 @@ async def test_a_reload_while_the_router_drains_for_shutdown_applies_and_the_str
     event = await reloaded(fleet.router, 1)
     assert event["keys_changed"] == ["recovery.eject_after"] and event["engines_removed"] == ["d2"]
     with trio.fail_after(20):
-        await done.wait()
-    assert b"".join(received).decode().rstrip().endswith("data: [DONE]")
+        await stream.done.wait()
+    assert stream.text.rstrip().endswith("data: [DONE]")
     with trio.fail_after(15):
         assert await fleet.router.process.wait() == 0
     assert fleet.router.events("router_stopped")
+
+
+PROMPT = {"model": "mock-model", "prompt": "the same long shared prefix " * 24, "max_tokens": 2}
+REASONS = ("hit", "miss", "spill", "only_choice", "least_outstanding")
+
+
+def prefills(metrics: str, *reasons: str) -> float:
+    """Prefill placements counted in ``metrics`` for ``reasons`` (every reason when none are given)."""
+    return sum(_sample(metrics, "narwhal_placement_total", role="prefill", reason=reason)
+               for reason in reasons or REASONS)
+
+
+async def test_placement_and_an_engine_timeout_change_live_by_sighup_in_every_worker(start_fleet) -> None:
+    fleet = await start_fleet(prefill=2, decode=1, sections={
+        **sections(2), "serving": {"workers": 2, "count_tokens": False},
+        "placement": {"policy": "least_outstanding"}})
+    for name in ("p1", "p2", "d1"):
+        await eligible(fleet, name)
+    # Fresh connections, so requests spread over both worker processes.
+    async with httpx.AsyncClient(timeout=30.0, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+
+        async def complete() -> None:
+            response = await client.post(f"{fleet.url}/v1/completions", json=PROMPT)
+            assert response.status_code == 200, response.text
+
+        async def prefill_placements(at_least: int) -> str | None:
+            text = (await fleet.client.get(f"{fleet.url}/metrics")).text
+            return text if prefills(text) >= at_least else None
+
+        for _ in range(6):
+            await complete()
+        metrics = await wait_until(lambda: prefill_placements(6), what="six prefill placements reported")
+        assert prefills(metrics, "least_outstanding") == 6
+        # A first token 1 s late is within the running deadline (30 s).
+        await fleet.set_fault("d1", "first_token_delay", delay_s=1.0, legs=["decode"], count=1)
+        response = await client.post(f"{fleet.url}/v1/completions", json={**PROMPT, "stream": True})
+        assert response.status_code == 200 and response.text.rstrip().endswith("data: [DONE]")
+
+        rewrite(fleet.config_path, changes={"placement": {"policy": "cache_aware"},
+                                            "engine": {"first_token_deadline_s": 0.5}})
+        sighup(fleet.router)
+        event = await reloaded(fleet.router, 1)
+        assert event["keys_changed"] == ["engine.first_token_deadline_s", "placement.policy"]
+        assert event["keys_needing_restart"] == []
+
+        # Both workers place cache-aware now (a request's log line carries the matched share then).
+        async def both_cache_aware() -> bool:
+            await complete()
+            return {line["worker"] for line in fleet.router.events("request")
+                    if line.get("prefix_match") is not None} == {0, 1}
+
+        await wait_until(both_cache_aware, timeout_s=15.0, what="cache-aware placements in both workers")
+        before = await wait_until(lambda: prefill_placements(8), what="placements reported")
+        for _ in range(6):
+            await complete()
+        total = prefills(before)
+        after = await wait_until(lambda: prefill_placements(total + 6), what="six more placements reported")
+        # The same prompt: its engine keeps it (hits), and nothing is placed by load alone any more.
+        assert prefills(after, "least_outstanding") == 7  # the six and the stream before the reload
+        assert prefills(after, "hit") >= 6
+
+        # The same late first token now breaks the new deadline, whichever worker serves it.
+        await fleet.set_fault("d1", "first_token_delay", delay_s=1.0, legs=["decode"], count=1)
+        response = await client.post(f"{fleet.url}/v1/completions", json={**PROMPT, "stream": True})
+        assert response.status_code == 502, response.text
+        assert "no first token within 0.5 s" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("workers", "policy"), [(1, "saturate"), (2, "saturate"), (2, "bounded")])
+async def test_a_stream_still_running_on_a_removed_engine_is_cut_at_the_grace_without_blame(
+        start_fleet, nursery, workers: int, policy: str) -> None:
+    grace_s = 1.0
+    fleet = await start_fleet(prefill=1, decode=1, mock_args=["--token-delay-s", "0.05"], sections={
+        **sections(workers), "serving": {"workers": workers, "policy": policy, "shutdown_grace_s": grace_s}})
+    d2 = await start_mock_engine(nursery, "decode", engine_id="d2")
+    try:
+        await eligible(fleet, "d1")
+        # 200 tokens, one per 50 ms: about 10 s, far past the grace.
+        stream = await LongStream.start(nursery, fleet, max_tokens=200)
+        rewrite(fleet.config_path, engines={**engine_map(fleet.config_path), "d2": (d2.url, "decode")})
+        sighup(fleet.router)
+        await reloaded(fleet.router, 1)
+        await eligible(fleet, "d2")
+        current = engine_map(fleet.config_path)
+        del current["d1"]
+        rewrite(fleet.config_path, engines=current)
+        removed_at = trio.current_time()
+        sighup(fleet.router)
+        await reloaded(fleet.router, 2)
+        with trio.fail_after(8):
+            await stream.done.wait()
+        took = trio.current_time() - removed_at
+        assert await fleet.router.wait_event("engine_removal_cut", engine="d1", timeout_s=5.0)
+        [request] = await fleet.router.wait_event("request", timeout_s=5.0)
+        if policy == "saturate":
+            # Cut at the grace, long before the stream's own end, with the usual SSE error event.
+            assert grace_s <= took < 5.0, took
+            assert "data: [DONE]" not in stream.text and '"code":"engine_removed"' in stream.text
+            assert request["error"] == "engine_removed" and request["decode"] == "d1"
+        else:
+            # Bounded with continue_streams: the answer goes on from d2 in the same stream.
+            assert stream.text.rstrip().endswith("data: [DONE]") and "error" not in stream.text
+            assert stream.text.count("data: {") >= 200
+            assert request["continuations"] == 1 and request["decode"] == "d2"
+        assert await fleet.router.wait_event("engine_removed", engine="d1", timeout_s=5.0)
+        # Nobody is blamed: no failure counted on any engine, and d2 took the next requests.
+        state = await engines(fleet)
+        assert sorted(state) == ["d2", "p1"]
+        assert all(not any(entry["counters"]["failures"].values()) for entry in state.values())
+        assert all(entry["eligible"] for entry in state.values())
+        response = await fleet.client.post(f"{fleet.url}/v1/completions", json=REQUEST)
+        assert response.status_code == 200, response.text
+    finally:
+        await d2.stop()
+
+
+CACHE_ARGS = ["--tokens", "2", "--prefix-cache-blocks", "400"]
+
+
+def group_prompt(group: int, request: int) -> dict[str, Any]:
+    """A prompt of ``group``'s long shared prefix (about 20 blocks) and a suffix of its own."""
+    prefix = " ".join(f"g{group}w{i}" for i in range(256))
+    return {"model": "mock-model", "prompt": f"{prefix} r{request}", "max_tokens": 2}
+
+
+async def test_cache_aware_placement_follows_a_reloaded_prefill_set_in_both_workers(start_fleet, nursery) -> None:
+    fleet = await start_fleet(prefill=2, decode=1, mock_args=CACHE_ARGS, sections={
+        **sections(2), "serving": {"workers": 2, "count_tokens": False}})
+    p3 = await start_mock_engine(nursery, "prefill", engine_id="p3", args=CACHE_ARGS)
+    try:
+        for name in ("p1", "p2", "d1"):
+            await eligible(fleet, name)
+        async with httpx.AsyncClient(timeout=30.0, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+
+            async def complete(group: int, request: int) -> None:
+                response = await client.post(f"{fleet.url}/v1/completions", json=group_prompt(group, request))
+                assert response.status_code == 200, response.text
+
+            # Four prefixes spread over p1 and p2 (a miss goes to the emptier index).
+            for group in range(4):
+                for request in range(3):
+                    await complete(group, request)
+            before = {name: (await fleet.engine_stats(name))["prefill"] for name in ("p1", "p2")}
+            assert before["p1"] > 0 and before["p2"] > 0, before
+
+            # One reload: p1 out, p3 in.
+            current = engine_map(fleet.config_path)
+            del current["p1"]
+            rewrite(fleet.config_path, engines={**current, "p3": (p3.url, "prefill")})
+            sighup(fleet.router)
+            event = await reloaded(fleet.router, 1)
+            assert event["engines_removed"] == ["p1"] and event["engines_added"] == ["p3"]
+            await wait_until(lambda: _has(fleet.router, "engine_removed", engine="p1"), timeout_s=10.0,
+                             what="engine_removed p1")
+            await eligible(fleet, "p3")
+
+            # A new prefix goes to the engine whose index is empty, p3, and stays there from either worker.
+            new_group = 9
+
+            async def p3_holds_it_in_both_workers() -> bool:
+                await complete(new_group, len(fleet.router.events("request")))
+                lines = [line for line in fleet.router.events("request") if line["prefill"] == "p3"]
+                return {line["worker"] for line in lines if (line["prefix_match"] or 0) > 0.9} == {0, 1}
+
+            await wait_until(p3_holds_it_in_both_workers, timeout_s=20.0, what="hits on p3 from both workers")
+            # The old prefixes: those p1 held go elsewhere, those on p2 stay.
+            for group in range(4):
+                await complete(group, 100)
+        stats = {name: await fleet.engine_stats(name) for name in ("p1", "p2")}
+        p3_stats = (await fleet.client.get(f"{p3.url}/mock/stats")).json()
+        assert stats["p1"]["prefill"] == before["p1"]  # nothing reached the removed engine
+        assert p3_stats["prefill"] >= 2 and p3_stats["prefix_cache"]["cached_tokens"] > 0
+        # The index keys follow the set: p1's gone from /metrics and /admin/engines, p3's there.
+        metrics = (await fleet.client.get(f"{fleet.url}/metrics")).text
+        assert 'narwhal_placement_index_entries{engine="p1"}' not in metrics
+        assert _sample(metrics, "narwhal_placement_index_entries", engine="p3") > 0
+        assert (await engines(fleet))["p3"]["prefix_index"]["entries"] > 0
+        assert not [line for line in fleet.router.events("request")
+                    if line["prefill"] == "p1" and line["ts"] > event["ts"]]
+    finally:
+        await p3.stop()

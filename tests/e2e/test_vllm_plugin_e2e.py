@@ -306,7 +306,9 @@ async def test_engine_check_passes_a_good_engine_and_names_a_wrong_key_a_wrong_r
     assert code == 1
     rows = table(out)
     assert rows["kv_role"][0] == "FAIL" and "needs KV role 'producer'" in rows["kv_role"][1]
-    assert rows["pd_probe"][0] == "FAIL" and "HTTP 400" in rows["pd_probe"][1]
+    # The probe names the side before running a leg (real vLLM would run it on the wrong role).
+    assert rows["pd_probe"][0] == "FAIL"
+    assert rows["pd_probe"][1].startswith(f"prefill on {decode.url}: a prefill engine needs KV role 'producer'")
     assert rows["attestation"][0] == "pass"
 
     # A dead URL: health fails for the connection, nothing else runs.

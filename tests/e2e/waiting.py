@@ -2,6 +2,7 @@
 
 Tests wait for a condition or for the router's monitor to have run a number of
 passes (``GET /admin/engines`` -> ``monitor.passes``), never for a fixed time.
+The real-vLLM tier imports this module too (``watch_restart``).
 """
 
 from __future__ import annotations
@@ -18,13 +19,40 @@ POLL_S = 0.05
 
 
 async def wait_until(predicate: Callable[[], Awaitable[T]], timeout_s: float = 10.0,
-                     what: str = "condition") -> T:
-    """Poll ``predicate`` every 50 ms until it returns something truthy, and return that; fail after ``timeout_s``."""
+                     what: str = "condition", *, poll_s: float = POLL_S) -> T:
+    """Poll ``predicate`` every ``poll_s`` until it returns something truthy; return that; fail after ``timeout_s``."""
     with trio.move_on_after(timeout_s):
         while not (result := await predicate()):
-            await trio.sleep(POLL_S)
+            await trio.sleep(poll_s)
         return result
     raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+
+
+async def watch_restart(restart: Callable[[], Awaitable[T]], health_url: str, eligible: Callable[[], Awaitable[bool]],
+                        *, poll_s: float, timeout_s: float) -> tuple[T, float, float]:
+    """Run ``restart`` while polling ``health_url`` and ``eligible``, each every ``poll_s``.
+
+    Returns what ``restart`` returned, then ``trio.current_time()`` when the health
+    first answered 200 and when ``eligible()`` first held; fails after ``timeout_s``.
+    The old process must be dead: any 200 on that URL is the new one's.
+    """
+    seen: dict[str, float] = {}
+
+    async def health_200(client: httpx.AsyncClient) -> bool:
+        try:
+            return (await client.get(health_url)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def watch(key: str, what: str, predicate: Callable[[], Awaitable[bool]]) -> None:
+        await wait_until(predicate, timeout_s=timeout_s, what=what, poll_s=poll_s)
+        seen[key] = trio.current_time()
+
+    async with httpx.AsyncClient(timeout=1.0) as client, trio.open_nursery() as watchers:
+        watchers.start_soon(watch, "health", f"{health_url} answering 200", lambda: health_200(client))
+        watchers.start_soon(watch, "eligible", "the engine eligible again", eligible)
+        result = await restart()
+    return result, seen["health"], seen["eligible"]
 
 
 async def engines_body(client: httpx.AsyncClient, url: str,

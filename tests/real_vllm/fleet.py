@@ -13,12 +13,13 @@ import contextlib
 import dataclasses
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -37,9 +38,39 @@ PLUGIN = "narwhal.engine_plugin.IdentityMiddleware"
 DEFAULT_START_TIMEOUT_S = float(os.environ.get("NARWHAL_REAL_VLLM_START_TIMEOUT_S", "600"))
 
 
+_PORTS_TAKEN: set[int] = set()
+_PORT_RANDOM = random.Random()
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (outgoing connections and bind(0) draw from it)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A loopback port that was free a moment ago (vLLM cannot announce the port it bound)."""
-    with socket.socket() as s:
+    """A loopback port below the ephemeral range, free a moment ago (vLLM cannot announce the port it bound).
+
+    vLLM binds its HTTP port and its NIXL side channel tens of seconds after they are chosen, and again at
+    every restart. A port of the ephemeral range can be taken meanwhile by any outgoing connection of a busy
+    machine (seen: the side channel's bind failing with EADDRINUSE while benchmarks ran); below the range,
+    only by another listener that chose it, which the bind here checks.
+    """
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = _PORT_RANDOM.randrange(max(1024, low - 12000), low)
+        if port in _PORTS_TAKEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_TAKEN.add(port)
+        return port
+    with socket.socket() as s:  # every probe below the range was taken: the ephemeral range, as before
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
@@ -265,8 +296,12 @@ class VllmFleet:
         for name in self.engines:
             self.stop(name)
 
-    def router_config(self, handoff_path: Path, **sections: dict[str, object]) -> str:
-        """A Narwhal config for this fleet (TOML), with ``sections`` merged over the tier's defaults."""
+    def router_config(self, handoff_path: Path, *, engines: Sequence[str] | None = None,
+                      **sections: dict[str, object]) -> str:
+        """A Narwhal config for this fleet (TOML), with ``sections`` merged over the tier's defaults.
+
+        ``engines``: only these (by name), in the fleet's order; None: all of them.
+        """
         from narwhal.tools.local_fleet import render_config
 
         merged: dict[str, dict[str, object]] = {
@@ -280,7 +315,8 @@ class VllmFleet:
         }
         for section, values in sections.items():
             merged.setdefault(section, {}).update(values)
-        return render_config([(e.name, e.url, e.role) for e in self.engines.values()], merged)
+        return render_config([(e.name, e.url, e.role) for e in self.engines.values()
+                              if engines is None or e.name in engines], merged)
 
 
 @contextlib.contextmanager

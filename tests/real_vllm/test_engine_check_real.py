@@ -44,3 +44,6 @@ async def test_engine_check_refuses_a_decode_engine_offered_as_prefill(fleet) ->
     assert code == 1, out
     kv_row = next(line for line in out.splitlines() if line.split()[:1] == ["kv_role"])
     assert "FAIL" in kv_row, out
+    # vLLM's NixlConnector would run the prefill leg on this kv_consumer: the probe must fail on the role itself.
+    probe_row = next(line for line in out.splitlines() if line.split()[:1] == ["pd_probe"])
+    assert "FAIL" in probe_row and "a prefill engine needs KV role 'producer'" in probe_row, out

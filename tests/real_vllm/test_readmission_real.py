@@ -15,10 +15,10 @@ from __future__ import annotations
 import os
 import signal
 
-import httpx
 import pytest
 import trio
 
+from tests.e2e.waiting import watch_restart
 from tests.real_vllm.conftest import Narwhal, metric
 
 pytestmark = pytest.mark.real_vllm
@@ -38,33 +38,16 @@ async def restart_and_measure(narwhal: Narwhal, name: str) -> tuple[float, float
     engine.signal_group(signal.SIGKILL)
     await narwhal.wait_engine(name, lambda e: e["ejected"] and not e["eligible"], what="ejected after SIGKILL",
                               timeout_s=60)
-    health_at: list[float] = []
-    eligible_at: list[float] = []
 
-    async def watch_health(client: httpx.AsyncClient) -> None:
-        # The old process is dead (its group was killed), so any 200 on this port is the new one's.
-        while True:
-            try:
-                if (await client.get(f"{engine.url}/health")).status_code == 200:
-                    health_at.append(trio.current_time())
-                    return
-            except httpx.HTTPError:
-                pass
-            await trio.sleep(POLL_S)
-
-    async def watch_eligible() -> None:
-        while not (await narwhal.engine(name))["eligible"]:
-            await trio.sleep(POLL_S)
-        eligible_at.append(trio.current_time())
+    async def eligible() -> bool:
+        return (await narwhal.engine(name))["eligible"]
 
     started = trio.current_time()
-    with trio.fail_after(600):
-        async with httpx.AsyncClient(timeout=1.0) as client, trio.open_nursery() as watchers:
-            watchers.start_soon(watch_health, client)
-            watchers.start_soon(watch_eligible)
-            # Blocking (spawn, /health, a warm-up P/D request): the watchers run meanwhile.
-            await trio.to_thread.run_sync(narwhal.fleet.restart, name)
-    return health_at[0] - started, eligible_at[0] - health_at[0]
+    # Blocking (spawn, /health, a warm-up P/D request) in a thread: the watchers run meanwhile.
+    _, health_at, eligible_at = await watch_restart(
+        lambda: trio.to_thread.run_sync(narwhal.fleet.restart, name), f"{engine.url}/health", eligible,
+        poll_s=POLL_S, timeout_s=600.0)
+    return health_at - started, eligible_at - health_at
 
 
 async def test_a_restarted_decode_engine_is_back_in_placement_soon_after_its_health_returns(start_narwhal) -> None:

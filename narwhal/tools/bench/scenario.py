@@ -238,7 +238,9 @@ class FaultScenario:
         found = []
         for line in self.target.log_lines:
             event = line.get("event")
-            failed_request = event == "request" and (line.get("status") != 200 or line.get("error"))
+            # A stream completed after a failure (continued_after) is listed too: what the kill did to it.
+            failed_request = event == "request" and (line.get("status") != 200 or line.get("error")
+                                                     or line.get("continued_after"))
             if not (failed_request or event in ("engine_failure", "engine_ejected", "engine_readmitted",
                                                 "engine_hold_added", "engine_hold_cleared")):
                 continue

@@ -686,15 +686,7 @@ class MockEngine:
         events = self._events(shape, job, count)
         if closed:
             # Half the answer, then the connection closes: no [DONE], no chunked terminator.
-            for event in events:
-                if token_delay_s:
-                    await trio.sleep(token_delay_s)
-                if responder.started:
-                    await responder.write(event)
-                else:
-                    await responder.start_stream(200, _SSE, event)
-            if not responder.started:
-                await responder.start_stream(200, _SSE)
+            await self._write_each(responder, events, token_delay_s)
             return
         if garbage:
             tail = _GARBAGE
@@ -717,7 +709,16 @@ class MockEngine:
         if first_delay_s is not None:
             await responder.start_stream(200, _SSE)
             await trio.sleep(first_delay_s)
-        for event in events[:split]:
+        await self._write_each(responder, events[:split], token_delay_s)
+        if stall:
+            await trio.sleep_forever()
+        if token_delay_s and split < len(events):
+            await trio.sleep(token_delay_s)
+        await responder.end_stream(b"".join(events[split:]) + tail)
+
+    async def _write_each(self, responder: Responder, events: list[bytes], token_delay_s: float) -> None:
+        """One write per event, ``token_delay_s`` before each; the stream is started even with no event."""
+        for event in events:
             if token_delay_s:
                 await trio.sleep(token_delay_s)
             if responder.started:
@@ -726,11 +727,6 @@ class MockEngine:
                 await responder.start_stream(200, _SSE, event)
         if not responder.started:
             await responder.start_stream(200, _SSE)
-        if stall:
-            await trio.sleep_forever()
-        if token_delay_s and split < len(events):
-            await trio.sleep(token_delay_s)
-        await responder.end_stream(b"".join(events[split:]) + tail)
 
     async def _stream_per_event(self, responder: Responder, events: list[bytes], tail: bytes,
                                 token_delay_s: float, first_delay_s: float | None) -> None:

@@ -1,0 +1,83 @@
+"""bench/pump_summary.py: the tables of issue 24's measurement, from a results directory made up here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parent.parent
+
+# The shape `strace -c` prints: the errors column is empty for syscalls that never failed.
+_STRACE = """\
+% time     seconds  usecs/call     calls    errors syscall
+------ ----------- ----------- --------- --------- ----------------
+ 40.00    0.004000           2      {read}           read
+ 35.00    0.003500           2      {write}         {write_errors} write
+ 25.00    0.002500          10       300           epoll_wait
+------ ----------- ----------- --------- --------- ----------------
+100.00    0.010000                  2000        3 total
+"""
+
+
+def _report(*, tokens: int, ttft_ms: float, cpu_req: float, cpu_1k: float, errors: int = 0) -> dict[str, object]:
+    return {"run": {"load": {"tokens": tokens, "errors": errors, "requests_per_s": 10.0, "tokens_per_s": 100.0,
+                             "ttft": {"p50_ms": ttft_ms, "p99_ms": 2 * ttft_ms}},
+                    "router": {"cpu_ms_per_request": cpu_req, "cpu_ms_per_1k_tokens": cpu_1k,
+                               "cpu_utilization": 0.5}}}
+
+
+def _write(directory: Path, name: str, report: dict[str, object]) -> None:
+    (directory / f"{name}.json").write_text(json.dumps(report))
+
+
+def _summary(directory: Path) -> str:
+    result = subprocess.run([sys.executable, "bench/pump_summary.py", str(directory)], cwd=_REPO,
+                            capture_output=True, text=True, timeout=60, check=True)
+    return result.stdout
+
+
+def test_targets_compare_the_last_tree_to_vllm_router_per_median_and_per_repetition(tmp_path: Path) -> None:
+    (tmp_path / "trees.txt").write_text("old: commit aaa\nnew: commit bbb\n")
+    # vllm-router: 20 ms per 1,000 tokens; old 30 (1.5x); new 22, 24, 26 over the repetitions (median 24: 1.2x).
+    for rep, new_cpu in enumerate((22.0, 24.0, 26.0), start=1):
+        _write(tmp_path, f"paced-c64__vllm-router__{rep}", _report(tokens=1000, ttft_ms=10, cpu_req=5, cpu_1k=20))
+        _write(tmp_path, f"paced-c64__old__{rep}", _report(tokens=1000, ttft_ms=15, cpu_req=8, cpu_1k=30))
+        _write(tmp_path, f"paced-c64__new__{rep}", _report(tokens=1000, ttft_ms=9, cpu_req=6, cpu_1k=new_cpu))
+    out = _summary(tmp_path)
+    cpu_row = next(line for line in out.splitlines() if line.startswith("| CPU ms per 1,000 tokens, paced c64"))
+    cells = [c.strip() for c in cpu_row.strip("|").split("|")]
+    # target, old, new, vllm, old/vllm, new/vllm, new/old, per repetition, goal, met
+    assert cells[1:4] == ["30.0", "24.0", "20.0"]
+    assert cells[4:7] == ["1.50x", "1.20x", "0.80x"]
+    assert cells[7] == "1.10x, 1.20x, 1.30x"
+    assert cells[9] == "**yes**"
+    ttft_row = next(line for line in out.splitlines() if line.startswith("| TTFT p50 ms, paced c64"))
+    assert ttft_row.rstrip().endswith("| <= 1.0x | **yes** |")
+    # A case that was not run shows no figures and no verdict, not a pass.
+    missing = next(line for line in out.splitlines() if line.startswith("| TTFT p50 ms, unpaced c8"))
+    assert missing.rstrip().endswith("| <= 1.0x | - |")
+
+
+def test_syscalls_per_1k_tokens_are_the_difference_of_two_runs(tmp_path: Path) -> None:
+    (tmp_path / "trees.txt").write_text("new: commit bbb\n")
+    runs = {  # router: ((requests, tokens, read, write, write errors) for the small and the large run)
+        "new": ((64, 16_384, 20_000, 19_000, ""), (192, 49_152, 53_000, 52_000, "1000")),
+        "vllm-router": ((64, 16_384, 30_000, 30_000, ""), (192, 49_152, 63_000, 63_000, "")),
+    }
+    for router, pair in runs.items():
+        for requests, tokens, read, write, write_errors in pair:
+            name = f"strace__{router}__{requests}"
+            _write(tmp_path, name, _report(tokens=tokens, ttft_ms=1, cpu_req=1, cpu_1k=1))
+            (tmp_path / f"{name}.strace").write_text(
+                _STRACE.format(read=read, write=write, write_errors=write_errors or "    "))
+    out = _summary(tmp_path)
+    lines = out.splitlines()
+    # 32,768 tokens between the runs: new read 33,000 more (1,007 per 1,000), vllm-router 33,000 too.
+    assert "| read | 1,007 | 1,007 |" in lines
+    # Failed calls (EAGAIN reads, say) are shown per 1,000 tokens beside the calls: 1,000 / 32.768 = 31.
+    assert "| write | 1,007 (31 failed) | 1,007 |" in lines
+    # epoll_wait is the same in both runs of each router: it costs nothing per token.
+    assert "| all | **2,014** | **2,014** |" in lines
+    assert "new: 32,768 tokens between the runs" in out
