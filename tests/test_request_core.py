@@ -678,15 +678,23 @@ async def test_a_stream_on_a_removed_engine_is_cut_with_the_sse_error_and_no_evi
     assert "d1" not in core.in_flight.counts and core.in_flight.total() == 0
 
 
+def gate_prefill(pool) -> tuple[trio.Event, trio.Event]:
+    """(prefilling, go_on): the prefill call sets the first, then waits for the second before answering."""
+    prefilling, go_on = trio.Event(), trio.Event()
+    post_json = pool.post_json
+
+    async def waiting_prefill(engine, path, body, *, request_id):
+        prefilling.set()
+        await go_on.wait()
+        return await post_json(engine, path, body, request_id=request_id)
+
+    pool.post_json = waiting_prefill
+    return prefilling, go_on
+
+
 async def test_a_prefill_on_a_removed_engine_is_cut_with_a_502_before_any_byte():
     core, supervisor, pool, _ = make_core()
-    prefilling = trio.Event()
-
-    async def hanging_prefill(engine, path, body, *, request_id):
-        prefilling.set()
-        await trio.sleep_forever()
-
-    pool.post_json = hanging_prefill
+    prefilling, _ = gate_prefill(pool)
     sink = Sink()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(core.handle, "/v1/completions", body(), None, sink)
@@ -726,15 +734,7 @@ async def test_a_removed_prefill_engine_no_longer_cuts_the_request_once_its_deco
 async def test_a_removed_decode_engine_does_not_cut_a_prefill_in_progress():
     core, supervisor, pool, _ = make_core()
     supervisor.roles["decode"] = ["d1"]
-    prefilling, go_on = trio.Event(), trio.Event()
-    post_json = pool.post_json
-
-    async def waiting_prefill(engine, path, body, *, request_id):
-        prefilling.set()
-        await go_on.wait()
-        return await post_json(engine, path, body, request_id=request_id)
-
-    pool.post_json = waiting_prefill
+    prefilling, go_on = gate_prefill(pool)
     sink = Sink()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(core.handle, "/v1/completions", body(), None, sink)
