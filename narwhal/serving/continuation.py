@@ -2,9 +2,10 @@
 
 Under ``serving.policy = "bounded"`` with ``serving.continue_streams`` on, a
 streamed request whose decode leg fails (class connection, timeout or stream,
-or cut because a reload removed its engine) after its stream reached the client is continued: a fresh prefill of the
-original prompt plus the output so far, then a decode on another engine asking
-for the tokens still owed, relayed into the same client stream.
+or cut because a reload removed its engine) after its stream reached the
+client is continued: a fresh prefill of the original prompt plus the output so
+far, then a decode on another engine asking for the tokens still owed, relayed
+into the same client stream.
 
 ``plan`` says whether a request may be continued (and why not). A ``StreamJoin``
 holds one request's answer so far: it asks the engine for token IDs (exact
