@@ -150,6 +150,9 @@ class ServingConfig(_Section, frozen=True):
     # Bounded policy only: a decode that fails after the client has bytes is continued on
     # another engine into the same stream (each continuation is one of max_attempts).
     continue_streams: bool = True
+    # One pump per process reads every live decode stream and writes it to its client
+    # (plain sockets; TLS keeps the request task's own relay). false: every stream relays in its own task.
+    relay_pump: bool = True
     # Data-plane processes. 1: one process does everything. N > 1: this process
     # is the controller and N workers serve the data plane on the same port.
     workers: int = 1

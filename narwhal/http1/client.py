@@ -40,7 +40,7 @@ import msgspec
 import trio
 
 from narwhal.errors import NarwhalError
-from narwhal.http1.readiness import Readiness
+from narwhal.http1.readiness import Readiness, Watch
 from narwhal.http1.sockets import socket_of
 from narwhal.tls import tls_reason
 
@@ -449,6 +449,38 @@ class EngineConnection:
         data = body[0] if len(body) == 1 else b"".join(body)
         body.clear()
         return data
+
+    @property
+    def relay_watch(self) -> Watch | None:
+        """The socket's place in the readiness set, for a relay pump to own; None off the fast path (TLS)."""
+        return self._watch if self._fd >= 0 else None
+
+    def relay_body_ready(self, readable: bool) -> bytes | None:
+        """``read_relay_body`` without waiting: the next body bytes, b"" at the end, None if it would wait.
+
+        ``readable``: an edge just said the socket has bytes, so it is read even after
+        a short read. At most one read that finds nothing; never a wait.
+        """
+        body = self._body
+        if readable:
+            self._drained = False
+        while not body:
+            if self._complete:
+                return b""
+            if self._drained:
+                return None
+            data = self._read_now()
+            if data is None:
+                return None
+            self._parse(data)
+        data = body[0] if len(body) == 1 else b"".join(body)
+        body.clear()
+        return data
+
+    @property
+    def drained(self) -> bool:
+        """The last read was short: the socket is (almost surely) empty until its next edge."""
+        return self._drained and not self._body
 
     def _read_now(self) -> bytes | None:
         """One non-blocking read; None when there was nothing to read after all."""

@@ -12,6 +12,12 @@ next wait returns at once. The peer closing or resetting (``EPOLLRDHUP``,
 ``EPOLLHUP``, ``EPOLLERR``) also calls the watch's ``on_gone``: the front uses
 it to cancel a request whose client went away, with no task per connection.
 
+A watch may instead carry a ``handler``: the hub then calls it with the events
+(no task is woken at all). The relay pump (``narwhal/http1/pump.py``) uses this
+to read and write every live decode stream from inside the hub; a handler that
+stopped before its socket was drained asks for another call with ``later`` (on
+the next round, after the hub has yielded to the scheduler once).
+
 Only for plain sockets on Linux; anything else uses trio's waits.
 """
 
@@ -31,12 +37,16 @@ _EVENTS = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLET
 _CLOSED = select.EPOLLRDHUP | select.EPOLLHUP | select.EPOLLERR
 # What calls ``on_gone`` unless the watch says otherwise.
 GONE_EVENTS = _CLOSED
+# A socket watched for room to write (``watch_writable``): edge-triggered, never ``on_gone``.
+_WRITABLE = select.EPOLLOUT | select.EPOLLET
+# What a handler is called with when the hub stops: no more events will come.
+HUB_STOPPED = -1
 
 
 class Watch:
     """One socket in the set: who waits for it, and what the hub saw while nobody did."""
 
-    __slots__ = ("closed", "fd", "gone", "gone_events", "on_gone", "ready", "task")
+    __slots__ = ("closed", "fd", "gone", "gone_events", "handler", "on_gone", "ready", "task")
 
     def __init__(self, fd: int, on_gone: Callable[[], None] | None, gone_events: int) -> None:
         self.fd = fd
@@ -49,6 +59,8 @@ class Watch:
         # One of ``gone_events`` happened (and on_gone was called).
         self.gone = False
         self.task: trio.lowlevel.Task | None = None
+        # Called by the hub with the events instead of waking a task (the relay pump).
+        self.handler: Callable[[int], None] | None = None
 
 
 class Readiness:
@@ -57,6 +69,8 @@ class Readiness:
     def __init__(self) -> None:
         self._epoll = select.epoll()
         self._watches: dict[int, Watch] = {}
+        # Watches whose handler asked to be called again on the next round (``later``).
+        self._later: list[Watch] = []
         self.running = False
 
     def watch(self, fd: int, on_gone: Callable[[], None] | None = None,
@@ -75,6 +89,17 @@ class Readiness:
             return None
         watch = self._watches[fd] = Watch(fd, on_gone, gone_events)
         return watch
+
+    def watch_writable(self, fd: int, handler: Callable[[int], None]) -> Watch:
+        """Add a socket for room to write; the hub calls ``handler`` at each edge. OSError if it cannot."""
+        self._epoll.register(fd, _WRITABLE)
+        watch = self._watches[fd] = Watch(fd, None, 0)
+        watch.handler = handler
+        return watch
+
+    def later(self, watch: Watch) -> None:
+        """Call ``watch``'s handler (with events 0) on the hub's next round, edge or not."""
+        self._later.append(watch)
 
     def forget(self, watch: Watch) -> None:
         """Remove a socket; call before closing it, so a reused fd number is never confused with it."""
@@ -109,7 +134,7 @@ class Readiness:
         await trio.lowlevel.wait_task_rescheduled(abort)
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """The hub: wake the waiting tasks of every ready socket, once per batch."""
+        """The hub: wake the waiting tasks (or call the handlers) of every ready socket, once per batch."""
         epoll = self._epoll
         watches = self._watches
         reschedule = trio.lowlevel.reschedule
@@ -117,7 +142,15 @@ class Readiness:
         try:
             task_status.started()
             while True:
-                await trio.lowlevel.wait_readable(epoll.fileno())
+                if self._later:
+                    # Handlers that stopped short of draining their socket (fairness): yield once,
+                    # then call them again with whatever else is ready by now.
+                    await trio.lowlevel.checkpoint()
+                else:
+                    await trio.lowlevel.wait_readable(epoll.fileno())
+                again = self._later
+                if again:
+                    self._later = []
                 for fd, events in epoll.poll(0):
                     watch = watches.get(fd)
                     if watch is None:
@@ -128,13 +161,25 @@ class Readiness:
                             watch.gone = True
                             if watch.on_gone is not None:
                                 watch.on_gone()
+                    handler = watch.handler
+                    if handler is not None:
+                        handler(events)
+                        continue
                     task = watch.task
                     if task is not None:
                         watch.task = None
                         reschedule(task)
                     else:
                         watch.ready = True
+                for watch in again:
+                    handler = watch.handler
+                    if handler is not None:
+                        handler(0)
         finally:
             self.running = False
+            self._later.clear()
             for watch in list(watches.values()):
+                handler, watch.handler = watch.handler, None
+                if handler is not None:
+                    handler(HUB_STOPPED)
                 self.forget(watch)

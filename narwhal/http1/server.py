@@ -249,6 +249,13 @@ class Responder:
         if data:
             await self._conn.send(data)
 
+    def direct(self) -> tuple[_Connection, bool] | None:
+        """For the relay pump: (connection, chunk-framed) of a started stream on a plain socket, else None."""
+        conn = self._conn
+        if conn._fd < 0 or not self.started or self.finished or conn.disconnected:
+            return None
+        return conn, self._chunked
+
     def _begin(self) -> None:
         if self.started:
             raise RuntimeError("the response has already started")
@@ -278,6 +285,7 @@ class _Connection:
         "_watch",
         "_client",
         "disconnected",
+        "on_stall",
         "overflow",
         "protocol",
         "server",
@@ -303,6 +311,9 @@ class _Connection:
         self._gone_reason = "client_disconnected"
         # When the pending write to the client began (inf: none pending); the watchdog reads it.
         self.write_since = _INF
+        # Set by the relay pump while it holds a write to this client that has to wait: called
+        # before a stalled client's stream closes, so that write fails with client_stalled too.
+        self.on_stall: Callable[[], None] | None = None
         # Bytes to requests and responses to bytes; the first head is timed from the accept
         # (a TLS handshake included).
         self.protocol = HTTP1Protocol(server._limits, trio.current_time, started_at=accepted_at, owner=self)
@@ -314,6 +325,11 @@ class _Connection:
         self._idle = False
         # A new connection's request is usually there already: read before waiting.
         self._drained = False
+
+    @property
+    def fd(self) -> int:
+        """The plain socket's descriptor (-1 for TLS and socketless streams)."""
+        return self._fd
 
     def peer(self) -> tuple[str, int] | None:
         """The client's (host, port), or None when the socket cannot say."""
@@ -438,6 +454,9 @@ class _Connection:
                   timeout_s=self.server._client_write_timeout_s)
         self.disconnected = True
         self.forget_watch()
+        on_stall, self.on_stall = self.on_stall, None
+        if on_stall is not None:
+            on_stall()
         # Closing wakes the blocked send with ClosedResourceError (trio's notify_closing),
         # so the handler sees ClientDisconnected with this reason rather than a bare cancel.
         await trio.aclose_forcefully(self.stream)

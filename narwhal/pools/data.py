@@ -28,7 +28,8 @@ from narwhal.http1.client import (
     HTTPResponseHead,
     HTTPTransportError,
 )
-from narwhal.http1.readiness import Readiness
+from narwhal.http1.pump import Pump
+from narwhal.http1.readiness import Readiness, Watch
 from narwhal.pools import classify
 
 __all__ = ["DataPool", "DataPoolStatistics", "UpstreamStream"]
@@ -107,6 +108,7 @@ class UpstreamStream:
     it cancels the stream's scope and ``expired`` says why. At the end of the
     body ``read()`` raises a ``stream`` failure unless the last event was
     ``data: [DONE]``. It is also an async iterator of the same reads.
+    It can also be read without waiting (``read_ready``), by the relay pump.
     """
 
     __slots__ = ("_conn", "_engine", "_finished", "_first_token_at", "_first_token_message", "_scope",
@@ -161,14 +163,48 @@ class UpstreamStream:
             return b""
         try:
             data = await self._conn.read_relay_body()
-        except ConnectionClosed as exc:
+        except HTTPTransportError as exc:
+            data = self._failed(exc)
+        return self._took(data)
+
+    # -- for the relay pump (narwhal/http1/pump.py) ------------------------------
+
+    @property
+    def relay_watch(self) -> Watch | None:
+        """The engine socket's watch in the pool's readiness set; None when a pump cannot own it (TLS)."""
+        return None if self._finished else self._conn.relay_watch
+
+    @property
+    def drained(self) -> bool:
+        """Nothing is left to read until the engine socket's next edge."""
+        return self._conn.drained
+
+    def read_ready(self, readable: bool) -> bytes | None:
+        """``read`` without waiting: the next bytes, b"" at the end, None when it would wait."""
+        if self._finished:
+            return b""
+        try:
+            data = self._conn.relay_body_ready(readable)
+        except HTTPTransportError as exc:
+            data = self._failed(exc)
+        if data is None:
+            return None
+        return self._took(data)
+
+    def waiting_since(self, when: float) -> None:
+        """The relay waits for the engine since ``when`` (+inf: it does not), for the silence watchdog."""
+        self._conn.waiting_since = when
+
+    def _failed(self, exc: HTTPTransportError) -> bytes:
+        if isinstance(exc, ConnectionClosed):
             # Cut off after the terminal marker (e.g. before the chunked terminator):
             # every token arrived, so the client's stream is whole.
             if not exc.response_started or not self._watch.finish():
                 raise classify.stream_failure(self._engine, f"{_NO_DONE} ({exc})", cause=exc.cause) from exc
-            data = b""
-        except HTTPTransportError as exc:
-            raise classify.transport_failure(self._engine, exc) from exc
+            return b""
+        raise classify.transport_failure(self._engine, exc) from exc
+
+    def _took(self, data: bytes) -> bytes:
         if not data:
             self._finished = True
             self.saw_terminal = self._watch.finish()
@@ -207,6 +243,8 @@ class DataPool:
                                               write_timeout_s=engine_config.request_timeout_s,
                                               max_head_bytes=engine_config.max_response_header_bytes,
                                               ssl_context=ssl_context)
+        # Reads every live decode stream and writes it to its client, from inside the readiness hub.
+        self.pump = Pump(self._readiness)
         # Every body this pool buffers (prefill, token count, non-streamed decode, errors) is bounded.
         self._max_body = engine_config.max_response_bytes
 

@@ -19,7 +19,7 @@ upstream stream it is handed; the clock is injected.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeGuard
 
 import msgspec
@@ -555,48 +555,44 @@ class _Sink(Protocol):
     async def end_stream(self, last: bytes = b"") -> None: ...
 
 
+# One read through the join: the bytes for the client, or None once [DONE] came.
+_Step = Callable[[bytes, float], "bytes | None"]
+
+
 class _Upstream(Protocol):
     async def read(self) -> bytes: ...
 
 
 async def relay(join: StreamJoin, upstream: _Upstream, sink: _Sink, head: list[tuple[bytes, bytes]], *,
                 engine: str, clock: Callable[[], float],
-                on_first: Callable[[float], None], on_gap: Callable[[float], None]) -> None:
+                on_first: Callable[[float], None], on_gap: Callable[[float], None],
+                pump: Callable[[_Step], Awaitable[bytes | None]] | None = None) -> None:
     """Pump one decode leg through ``join`` into the client's stream, ending it at [DONE].
 
     ``on_first(now)`` runs once, when this leg's first bytes reach the client;
     ``on_gap`` gets the time between successive client writes within the leg.
     Unreadable events raise EngineFailure (class stream) against ``engine``.
+    ``pump``, once the client's stream has started, relays the reads through the
+    same per-read step elsewhere (the process's relay pump): it returns the read
+    the step declined ([DONE]), b"" at the end of the body, or None when it cannot.
     """
     first = True
     last_at = 0.0
-    while True:
-        chunk = await upstream.read()
-        if not chunk:
-            # The pool ended the stream cleanly, but no complete event carried [DONE].
-            raise EngineFailure(engine, FailureClass.STREAM, "decode stream ended before data: [DONE]")
+    done_out: bytes | None = None
+
+    def step(chunk: bytes, now: float) -> bytes | None:
+        """One read through the join: the bytes for the client, or None once [DONE] came (kept in done_out)."""
+        nonlocal first, last_at, done_out
         try:
             out, done = join.feed(chunk)
         except ValueError as exc:
             raise EngineFailure(engine, FailureClass.STREAM, f"unreadable decode stream: {exc}",
                                 cause="UnreadableEvent") from None
         if done:
-            rest = await upstream.read()
-            if rest:
-                raise EngineFailure(engine, FailureClass.STREAM, "events after data: [DONE]")
-            out += _DONE_EVENT
-            now = clock()
-            if first:
-                on_first(now)
-            join.last_relay_at = now
-            if sink.started:
-                await sink.end_stream(out)
-            else:
-                await sink.start_stream(200, head, out, end=True)
-            return
+            done_out = out
+            return None
         if not out:
-            continue
-        now = clock()
+            return out
         if first:
             on_first(now)
             first = False
@@ -604,7 +600,37 @@ async def relay(join: StreamJoin, upstream: _Upstream, sink: _Sink, head: list[t
             on_gap(now - last_at)
         last_at = now
         join.last_relay_at = now
+        return out
+
+    while done_out is None:
+        if pump is not None and sink.started:
+            declined = await pump(step)
+            if declined is not None:
+                if done_out is None:
+                    # The pool ended the stream cleanly, but no complete event carried [DONE].
+                    raise EngineFailure(engine, FailureClass.STREAM, "decode stream ended before data: [DONE]")
+                break
+            pump = None
+        chunk = await upstream.read()
+        if not chunk:
+            # The pool ended the stream cleanly, but no complete event carried [DONE].
+            raise EngineFailure(engine, FailureClass.STREAM, "decode stream ended before data: [DONE]")
+        out = step(chunk, clock())
+        if not out:
+            continue
         if sink.started:
             await sink.write(out)
         else:
             await sink.start_stream(200, head, out)
+    rest = await upstream.read()
+    if rest:
+        raise EngineFailure(engine, FailureClass.STREAM, "events after data: [DONE]")
+    out = done_out + _DONE_EVENT
+    now = clock()
+    if first:
+        on_first(now)
+    join.last_relay_at = now
+    if sink.started:
+        await sink.end_stream(out)
+    else:
+        await sink.start_stream(200, head, out, end=True)

@@ -47,6 +47,7 @@ from narwhal.errors import (
     UpstreamClientError,
 )
 from narwhal.fleet.placement import InFlight
+from narwhal.http1.pump import OnChunk, Pump
 from narwhal.obs.logs import log_event
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.serving import continuation
@@ -174,7 +175,7 @@ class _Outcome:
 
     __slots__ = ("status", "prefill", "decode", "ttft_s", "tokens", "error_class", "attempts",
                  "error_engine", "inter_token_s", "continuations", "continuing",
-                 "join_gap_s", "stream_error", "prefix_match", "continued_after")
+                 "join_gap_s", "stream_error", "prefix_match", "continued_after", "relay")
 
     def __init__(self) -> None:
         self.status = 0
@@ -195,6 +196,8 @@ class _Outcome:
         self.stream_error = False
         # Share of the prompt the chosen prefill engine held (cache-aware placement).
         self.prefix_match: float | None = None
+        # Who relayed the stream after its first bytes: "pump" (the process's pump) or "task".
+        self.relay: str | None = None
         # The failure class a stream was completed after (continued, or only its tail was lost).
         self.continued_after: str | None = None
 
@@ -240,6 +243,8 @@ class RequestCore:
         self._continue_streams = self._bounded and config.serving.continue_streams
         self._decode_engines = frozenset(spec.name for spec in config.engines if spec.role == "decode")
         self._count_tokens = config.serving.count_tokens
+        # The process's relay pump (the data pool's), unless serving.relay_pump is off.
+        self._pump: Pump | None = getattr(data_pool, "pump", None) if config.serving.relay_pump else None
         # Each prefill engine's max_model_len, from its /tokenize answers: the limit for token-ID prompts.
         self._max_model_len: dict[str, int] = {}
         self._max_handoff_bytes = config.engine.max_handoff_bytes
@@ -380,6 +385,7 @@ class RequestCore:
             error=outcome.error_class,
             continued_after=outcome.continued_after,
             prefix_match=None if outcome.prefix_match is None else round(outcome.prefix_match, 3),
+            relay=outcome.relay,
         )
 
     # -- one request ---------------------------------------------------------
@@ -713,19 +719,39 @@ class RequestCore:
                 # held and goes out with the chunked terminator in one write (P5).
                 if not upstream.saw_terminal:
                     await sink.start_stream(200, head, chunk)
-                    while True:
-                        chunk = await read()
-                        if not chunk:
-                            break
-                        now = clock()
+                    held = b""
+
+                    def on_chunk(chunk: bytes, now: float) -> bytes | None:
+                        # The loop below, one read at a time, for the process's pump.
+                        nonlocal tokens, last_at, held
                         observe_gap(now - last_at)
                         last_at = now
                         tokens += chunk.count(_DATA)
                         if KV_KEY in chunk:
                             chunk = strip_kv_from_events(chunk)
                         if upstream.saw_terminal:
-                            break
-                        await sink.write(chunk)
+                            held = chunk
+                            return None
+                        return chunk
+
+                    declined = await self._pump_relay(upstream, sink, on_chunk, outcome)
+                    if declined is not None:
+                        chunk = held if declined else b""
+                    else:
+                        outcome.relay = "task"
+                        while True:
+                            chunk = await read()
+                            if not chunk:
+                                break
+                            now = clock()
+                            observe_gap(now - last_at)
+                            last_at = now
+                            tokens += chunk.count(_DATA)
+                            if KV_KEY in chunk:
+                                chunk = strip_kv_from_events(chunk)
+                            if upstream.saw_terminal:
+                                break
+                            await sink.write(chunk)
                 held = chunk
                 if held and await read():
                     raise EngineFailure(decode.name, FailureClass.STREAM, "events after data: [DONE]")
@@ -742,6 +768,22 @@ class RequestCore:
         else:
             await sink.start_stream(200, head, held, end=True)
 
+
+    async def _pump_relay(self, upstream: Any, sink: Sink, on_chunk: OnChunk, outcome: _Outcome) -> bytes | None:
+        """Relay the rest of a started stream through the process's pump (``narwhal/http1/pump.py``).
+
+        The read ``on_chunk`` declined, b"" at the end of the body; None (nothing read)
+        when the pump cannot take this stream (pump off, TLS on either side, a test's sink).
+        """
+        pump = self._pump
+        if pump is None or not pump.can_relay(upstream):
+            return None
+        direct = getattr(sink, "direct", None)
+        client = direct() if direct is not None else None
+        if client is None:
+            return None
+        outcome.relay = "pump"
+        return await pump.relay(upstream, client[0], client[1], on_chunk, clock=self.clock)
 
     async def _decode_joined(self, route: str, request: dict[str, Any], kv: dict[str, Any], decode: EngineSpec,
                              rid: str, rid_header: tuple[bytes, bytes], sink: Sink, started_at: float,
@@ -770,8 +812,14 @@ class RequestCore:
         try:
             async with self.data_pool.stream(decode, route, payload, request_id=rid) as upstream:
                 outcome.status = 200
+                outcome.relay = outcome.relay or "task"
+
+                async def pump(step: OnChunk) -> bytes | None:
+                    return await self._pump_relay(upstream, sink, step, outcome)
+
                 await continuation.relay(join, upstream, sink, head, engine=decode.name, clock=self.clock,
-                                         on_first=on_first, on_gap=on_gap)
+                                         on_first=on_first, on_gap=on_gap,
+                                         pump=pump if self._pump is not None else None)
         except (EngineFailure, UpstreamClientError, PoolSaturated) as exc:
             outcome.tokens = join.tokens
             if not sink.started:

@@ -169,6 +169,9 @@ async def test_https_serving_streamed_and_not_and_plain_http_refused(fleet, pki)
         assert response.status_code == 200
         assert response.text.rstrip().endswith("data: [DONE]")
         assert response.text.count("data: {") == 4
+        # A TLS client keeps the request task's own relay (the pump writes to plain sockets only).
+        await router.wait_event("request", relay="task")
+        assert router.events("request", relay="pump") == []
         response = await client.post(f"{router.url}/v1/completions", json=REQUEST)
         assert response.status_code == 200
         assert response.json()["usage"]["completion_tokens"] == 4
@@ -219,6 +222,9 @@ async def test_engines_over_tls_with_a_private_ca_keep_connections_alive(fleet, 
         # 20 decodes over keep-alive TLS connections: a handful of handshakes, not one per request.
         assert stats["decode"] == 20
         assert stats["connections_opened"] <= 6, stats
+        # A TLS engine keeps the request task's own relay (the pump reads plain sockets only).
+        relays = {event["relay"] for event in router.events("request", status=200)}
+        assert relays <= {"task", None} and "task" in relays
         view = await engines_view(client, router)
         assert view["p1"]["eligible"] and view["d1"]["eligible"]
         assert view["d1"]["evidence"].get("connection", 0) == 0

@@ -1,0 +1,304 @@
+"""The relay pump: one per process, it reads every live decode stream and writes each to its client.
+
+Without it, each upstream read wakes the stream's request task (one trip
+through trio's scheduler per token per stream). With it, the request task
+hands its stream over after the first bytes and sleeps until the stream ends;
+the data pool's readiness hub (``narwhal/http1/readiness.py``), woken by trio
+once per batch of ready engine sockets, calls the pump for each of them, and
+the pump reads the socket, passes the bytes through the caller's ``on_chunk``
+(token counting, KV stripping, continuation rewriting: synchronous, per read)
+and writes the result to the client with one non-blocking ``write``.
+
+- A client whose socket is full parks only its own stream: the rest of the
+  bytes wait for ``EPOLLOUT`` (an edge-triggered watch in the same set, for
+  as long as it is full), and that stream's engine is not read meanwhile.
+  Its pending write is visible to the front's client write watchdog
+  (``write_since``), as a blocked ``send`` is, and a client it gives up on
+  ends the stream with the same ``client_stalled`` error (``on_stall``).
+- A stream whose engine socket never runs dry is read once per round: the hub
+  yields to the scheduler before reading it again, so others progress.
+- The request task keeps its cancel scope: a deadline (the data pool's
+  watchdog, the request deadline), the client leaving or a shutdown cancels
+  it, which takes its stream out of the pump at once. The silence watchdog
+  sees when the stream began waiting for its engine (``waiting_since``);
+  never while its client is full.
+- Whatever goes wrong in a read, in ``on_chunk`` or in a write is handed to
+  the request task and raised there, as its own read or write would have.
+- The stream goes back to the request task when ``on_chunk`` declines a read
+  (returns None: the read carrying ``[DONE]``, which the caller writes with the
+  chunked terminator) or when the body ends.
+
+Plain sockets on Linux only: a TLS engine or client, or no running hub, keeps
+the request task's own relay loop (``Pump.can_relay``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import outcome
+import trio
+
+from narwhal.http1.readiness import HUB_STOPPED, Readiness, Watch
+
+__all__ = ["ClientSocket", "OnChunk", "Pump", "PumpUpstream"]
+
+_INF = math.inf
+# The raw send syscall; a module-level name so tests can limit what the kernel takes.
+_write = os.write
+
+
+class PumpUpstream(Protocol):
+    """A decode stream the pump can read without waiting (``narwhal.pools.data.UpstreamStream``)."""
+
+    @property
+    def relay_watch(self) -> Watch | None: ...
+    @property
+    def drained(self) -> bool: ...
+    def read_ready(self, readable: bool) -> bytes | None: ...
+    def waiting_since(self, when: float) -> None: ...
+
+
+class ClientSocket(Protocol):
+    """The client connection a stream is written to (the front's ``_Connection``)."""
+
+    disconnected: bool
+    write_since: float
+    # Called by the front's write watchdog before it closes a stalled client's stream.
+    on_stall: Callable[[], None] | None
+
+    @property
+    def fd(self) -> int: ...
+    def client_gone(self) -> None: ...
+    def gone_error(self) -> Exception: ...
+
+
+OnChunk = Callable[[bytes, float], "bytes | None"]
+
+
+class Pump:
+    """The pump over one readiness hub (the data pool's): ``relay`` hands it a stream until it ends."""
+
+    def __init__(self, readiness: Readiness) -> None:
+        self.readiness = readiness
+        # Streams in the pump right now (for tests and statistics).
+        self.streams = 0
+
+    def can_relay(self, upstream: Any) -> bool:
+        """True when ``upstream``'s engine socket can be pumped (plain socket, hub running)."""
+        if not self.readiness.running:
+            return False
+        watch = getattr(upstream, "relay_watch", None)
+        return watch is not None and watch.handler is None
+
+    async def relay(self, upstream: PumpUpstream, client: ClientSocket, chunked: bool, on_chunk: OnChunk, *,
+                    clock: Callable[[], float] = trio.current_time) -> bytes:
+        """Relay ``upstream`` into ``client`` until ``on_chunk`` declines a read (that read is returned) or
+        the body ends (b""). ``on_chunk(read, now)`` returns the bytes to write (maybe none)."""
+        watch = upstream.relay_watch
+        assert watch is not None
+        stream = _Stream(self, upstream, watch, client, chunked, on_chunk, clock)
+        self.streams += 1
+        try:
+            watch.handler = stream.on_engine
+            # Bytes that came before the handover get no new edge: read what is there now.
+            readable, watch.ready = watch.ready or watch.closed, False
+            stream.pull(readable)
+            while not stream.done:
+                if stream.again and stream.pending is None:
+                    # A socket that did not run dry: yield, then read on (the hub may too, harmlessly).
+                    stream.again = False
+                    await trio.lowlevel.checkpoint()
+                    if not stream.done and stream.pending is None:
+                        stream.pull(False)
+                    continue
+                stream.task = trio.lowlevel.current_task()
+                await trio.lowlevel.wait_task_rescheduled(stream.abort)
+        finally:
+            self.streams -= 1
+            if not stream.done:
+                # Cancelled: the stream leaves the pump; the caller's scope ends it.
+                stream.detach()
+        if stream.error is not None:
+            raise stream.error
+        return stream.result
+
+
+class _Stream:
+    """One decode stream in the pump: its engine socket, its client, and a write that had to wait."""
+
+    __slots__ = ("again", "chunked", "client", "clock", "done", "error", "fd", "on_chunk", "pending", "pump",
+                 "result", "same_clock", "task", "upstream", "watch", "writable")
+
+    def __init__(self, pump: Pump, upstream: PumpUpstream, watch: Watch, client: ClientSocket, chunked: bool,
+                 on_chunk: OnChunk, clock: Callable[[], float]) -> None:
+        self.pump = pump
+        self.upstream = upstream
+        self.watch = watch
+        self.client = client
+        self.fd = client.fd
+        self.chunked = chunked
+        self.on_chunk = on_chunk
+        self.clock = clock
+        # The silence watchdog reads trio's clock; the caller's clock serves for it when it is trio's.
+        self.same_clock = clock is trio.current_time
+        self.done = False
+        self.result = b""
+        self.error: Exception | None = None
+        self.task: trio.lowlevel.Task | None = None
+        # The stream stopped with bytes still to read (no edge will come for them).
+        self.again = False
+        # What the client's full socket did not take; the stream waits for EPOLLOUT.
+        self.pending: memoryview | None = None
+        self.writable: Watch | None = None
+
+    # -- called by the hub --------------------------------------------------------
+
+    def on_engine(self, events: int) -> None:
+        if events == HUB_STOPPED:
+            self._end(b"", trio.ClosedResourceError("the relay pump stopped"))
+        elif self.pending is None:
+            # While the client is full the engine waits (its edges are not lost: the flush reads on).
+            self.pull(events != 0)
+
+    def on_client(self, events: int) -> None:
+        if events == HUB_STOPPED:
+            self._end(b"", trio.ClosedResourceError("the relay pump stopped"))
+            return
+        try:
+            self._flush()
+        except Exception as exc:  # handed to the request task, never raised into the hub
+            self._end(b"", exc)
+
+    # -- the relay ----------------------------------------------------------------------
+
+    def pull(self, readable: bool) -> None:
+        """Read once, pass it through ``on_chunk``, write it; errors end the stream with them."""
+        try:
+            self._pull(readable)
+        except Exception as exc:  # handed to the request task, never raised into the hub
+            self._end(b"", exc)
+
+    def _pull(self, readable: bool) -> None:
+        upstream = self.upstream
+        # After the engine's close no edge comes again: the EOF (or error) waits to be read.
+        closed = self.watch.closed
+        chunk = upstream.read_ready(readable or closed)
+        while chunk is None and closed:
+            # Bytes that carried no body (chunk framing) before the close: read on to the EOF.
+            chunk = upstream.read_ready(True)
+        if chunk is None:
+            upstream.waiting_since(trio.current_time())
+            return
+        if not chunk:
+            self._end(b"", None)
+            return
+        now = self.clock()
+        out = self.on_chunk(chunk, now)
+        if out is None:
+            self._end(chunk, None)
+            return
+        if out and not self._write(out):
+            return
+        if upstream.drained and not closed:
+            upstream.waiting_since(now if self.same_clock else trio.current_time())
+        else:
+            upstream.waiting_since(_INF)
+            self.again = True
+            self.pump.readiness.later(self.watch)
+
+    def _write(self, data: bytes) -> bool:
+        """One non-blocking write of ``data`` (chunk-framed); False when it parked or ended the stream."""
+        client = self.client
+        if client.disconnected:
+            self._end(b"", client.gone_error())
+            return False
+        if self.chunked:
+            data = b"%x\r\n%b\r\n" % (len(data), data)
+        try:
+            sent = _write(self.fd, data)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            self._client_failed(exc)
+            return False
+        if sent == len(data):
+            return True
+        self.pending = memoryview(data)[sent:]
+        # Visible to the front's write watchdog, like a send that waits; never engine silence.
+        client.write_since = trio.current_time()
+        client.on_stall = self.on_stall
+        self.upstream.waiting_since(_INF)
+        self.writable = self.pump.readiness.watch_writable(self.fd, self.on_client)
+        return False
+
+    def on_stall(self) -> None:
+        """The front's watchdog gave up on this client (client_stalled): end with its error."""
+        self._end(b"", self.client.gone_error())
+
+    def _flush(self) -> None:
+        client = self.client
+        if client.disconnected:
+            self._end(b"", client.gone_error())
+            return
+        pending = self.pending
+        assert pending is not None
+        try:
+            sent = _write(self.fd, pending)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._client_failed(exc)
+            return
+        if sent < len(pending):
+            self.pending = pending[sent:]
+            return
+        self.pending = None
+        self._unpark()
+        # The engine may have sent more while the client was full: read on.
+        self._pull(True)
+
+    def _client_failed(self, exc: OSError) -> None:
+        """The write failed (reset, broken pipe): the stream ends with the front's ClientDisconnected."""
+        client = self.client
+        error = client.gone_error()
+        error.__cause__ = exc
+        self._end(b"", error)
+        # After the hand-over, so the request task raises the disconnect rather than a bare cancel.
+        client.client_gone()
+
+    def _unpark(self) -> None:
+        if self.writable is not None:
+            self.pump.readiness.forget(self.writable)
+            self.writable = None
+            self.client.write_since = _INF
+            self.client.on_stall = None
+
+    def _end(self, result: bytes, error: Exception | None) -> None:
+        if self.done:
+            return
+        self.result = result
+        self.error = error
+        self.detach()
+        task, self.task = self.task, None
+        if task is not None:
+            trio.lowlevel.reschedule(task, outcome.Value(None))
+
+    def detach(self) -> None:
+        """Out of the pump: no more calls from the hub; the request task takes the stream back."""
+        self.done = True
+        self.watch.handler = None
+        self.upstream.waiting_since(_INF)
+        if self.pending is not None:
+            # Cut mid-write: part of a chunk is out, so nothing more may follow on this connection.
+            self.client.disconnected = True
+            self.pending = None
+        self._unpark()
+
+    def abort(self, _: Any) -> trio.lowlevel.Abort:
+        self.task = None
+        self.detach()
+        return trio.lowlevel.Abort.SUCCEEDED
