@@ -106,3 +106,32 @@ async def test_nothing_is_watched_while_the_hub_is_not_running() -> None:
     hub = Readiness()
     ours, _peer = pair()
     assert hub.watch(ours.fileno()) is None
+
+
+async def test_more_ready_sockets_than_a_round_takes_are_all_handled_each_once(nursery: trio.Nursery) -> None:
+    from narwhal.http1 import readiness as readiness_module
+
+    hub = Readiness()
+    await nursery.start(hub.run)
+    count = 3 * readiness_module._BATCH + 5
+    seen: dict[int, int] = {}
+    all_seen = trio.Event()
+    peers = []
+    for _ in range(count):
+        ours, peer = pair()
+        peers.append(peer)
+        watch = hub.watch(ours.fileno())
+        assert watch is not None
+
+        def handler(events: int, fd: int = ours.fileno()) -> None:
+            seen[fd] = seen.get(fd, 0) + 1
+            if len(seen) == count:
+                all_seen.set()
+        watch.handler = handler
+    # Every socket turns ready at once: the hub takes them a round at a time and loses none.
+    for peer in peers:
+        peer.send(b"x")
+    with trio.fail_after(5):
+        await all_seen.wait()
+    await trio.testing.wait_all_tasks_blocked()
+    assert sorted(seen.values()) == [1] * count
