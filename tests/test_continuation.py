@@ -642,3 +642,66 @@ async def test_a_stream_cut_because_its_engine_was_removed_continues_on_another_
     assert len(decodes) == 2 and decodes[1][0] != removed
     assert supervisor.failures == []
     assert metrics.continuations.values == {("completed",): 1}
+
+
+# The first leg's ID stripping and token count as they were before the per-read fast path, for reference:
+# one pattern for both keys, then the spaced forms; the count read from every event list at the end.
+_REFERENCE_COMPACT = re.compile(rb',"(?:prompt_)?token_ids":(?:\[[\d,]*\]|null)')
+_REFERENCE_LISTS = re.compile(rb'"token_ids":\s*\[([\d,\s]*)\]')
+
+
+def _reference_strip(data: bytes) -> bytes:
+    from narwhal.serving.continuation import _IDS
+    data = _REFERENCE_COMPACT.sub(b"", data)
+    return _IDS.sub(b"", data) if b'token_ids"' in data else data
+
+
+def _reference_tokens(raw: bytes) -> int:
+    lists = _REFERENCE_LISTS.findall(raw)
+    if lists:
+        return sum(1 + ids.count(b",") for ids in lists if ids.strip())
+    return raw.count(b'"text":"') - raw.count(b'"text":""')
+
+
+_ID_EVENTS = [
+    b'{"id":"a","choices":[{"index":0,"text":" x","token_ids":[1],"finish_reason":null}]}',
+    b'{"id":"a","choices":[{"index":0,"text":" x","prompt_token_ids":[3,4,5],"token_ids":[1]}]}',
+    b'{"id":"a","choices":[{"index":0,"text":" xy","token_ids":[1,2,7],"finish_reason":null}]}',
+    b'{"id":"a","choices":[{"index":0,"text":"","token_ids":[],"finish_reason":"length"}]}',
+    b'{"id":"a","choices":[{"index":0,"text":" x","token_ids":null}]}',
+    b'{"id":"a","choices":[{"index":0,"text":" x","token_ids": [1, 2]}]}',
+    b'{"id":"a","choices":[{"token_ids":[9],"index":0,"text":" x"}]}',
+    b'{"id":"a","prompt_token_ids":[3],"choices":[{"index":0,"text":" \\"token_ids\\":[5]","token_ids":[8]}]}',
+    b'{"id":"a","choices":[{"index":0,"text":" x"}]}',
+    b'{"id":"a","choices":[],"usage":{"completion_tokens":3}}',
+]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_first_legs_fast_strip_and_count_match_the_reference(seed):
+    # Random reads of these events (several per read, KV params on some, the client asking for IDs
+    # or not): what reaches the client and the token count are what the one-pattern strip gave.
+    import random
+    rng = random.Random(seed)
+    client_ids = seed % 5 == 0
+    join = StreamJoin(COMPLETIONS, {"prompt": "p", **({"return_token_ids": True} if client_ids else {})})
+    join.next_leg()
+    raw_all = b""
+    for _ in range(rng.randint(1, 6)):
+        events = []
+        for _ in range(rng.randint(1, 4)):
+            event = rng.choice(_ID_EVENTS)
+            if rng.random() < 0.1:
+                event = event[:-1] + b',"kv_transfer_params":{"remote_block_ids":[1,2]}}'
+            events.append(b"data: " + event + b"\n\n")
+        read = b"".join(events)
+        raw_all += read
+        out, done = join.feed(read)
+        assert not done
+        expected = read if client_ids else _reference_strip(read)
+        if b"kv_transfer_params" in read:
+            from narwhal.serving.client_view import strip_kv_from_events
+            expected = strip_kv_from_events(read)
+            expected = expected if client_ids else strip_kv_from_events(_reference_strip(expected))
+        assert out == expected
+        assert join.tokens == _reference_tokens(raw_all)

@@ -678,15 +678,23 @@ async def test_a_stream_on_a_removed_engine_is_cut_with_the_sse_error_and_no_evi
     assert "d1" not in core.in_flight.counts and core.in_flight.total() == 0
 
 
+def gate_prefill(pool) -> tuple[trio.Event, trio.Event]:
+    """(prefilling, go_on): the prefill call sets the first, then waits for the second before answering."""
+    prefilling, go_on = trio.Event(), trio.Event()
+    post_json = pool.post_json
+
+    async def waiting_prefill(engine, path, body, *, request_id):
+        prefilling.set()
+        await go_on.wait()
+        return await post_json(engine, path, body, request_id=request_id)
+
+    pool.post_json = waiting_prefill
+    return prefilling, go_on
+
+
 async def test_a_prefill_on_a_removed_engine_is_cut_with_a_502_before_any_byte():
     core, supervisor, pool, _ = make_core()
-    prefilling = trio.Event()
-
-    async def hanging_prefill(engine, path, body, *, request_id):
-        prefilling.set()
-        await trio.sleep_forever()
-
-    pool.post_json = hanging_prefill
+    prefilling, _ = gate_prefill(pool)
     sink = Sink()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(core.handle, "/v1/completions", body(), None, sink)
@@ -708,3 +716,50 @@ async def test_a_changed_url_cuts_the_legs_on_the_old_address_and_an_unchanged_s
         core.set_engines([*(spec for spec in core.engines.values() if spec.name != "d1"), moved])
     assert b"engine_removed" in sink.ended_with
     assert core.engines["d1"].url == "http://127.0.0.1:9102"
+
+
+async def test_a_removed_prefill_engine_no_longer_cuts_the_request_once_its_decode_runs():
+    # The attempt's one cancel scope moves from the prefill engine to the decode engine with the leg.
+    core, supervisor, pool, _ = make_core()
+    async with trio.open_nursery() as nursery:
+        sink = await stream_on_d1(nursery, core, supervisor, pool)
+        core.set_engines(spec for spec in core.engines.values() if spec.name != "p1")
+        await trio.testing.wait_all_tasks_blocked()
+        assert not sink.ended
+        # The decode engine's own removal still cuts it.
+        core.set_engines(spec for spec in core.engines.values() if spec.name != "d1")
+    assert b"engine_removed" in sink.ended_with and b"decode engine d1" in sink.ended_with
+
+
+async def test_a_removed_decode_engine_does_not_cut_a_prefill_in_progress():
+    core, supervisor, pool, _ = make_core()
+    supervisor.roles["decode"] = ["d1"]
+    prefilling, go_on = gate_prefill(pool)
+    sink = Sink()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(core.handle, "/v1/completions", body(), None, sink)
+        await prefilling.wait()
+        # d1 leaves while p1 prefills: nothing of this request runs on d1 yet, so nothing is cut.
+        core.set_engines(spec for spec in core.engines.values() if spec.name != "d1")
+        await trio.testing.wait_all_tasks_blocked()
+        go_on.set()
+    assert sink.status == 200
+
+
+async def test_a_prefill_engine_cut_as_its_leg_ends_lets_the_decode_run():
+    # The removal lands after the prefill's last checkpoint: the prefill's answer counts (it came), and
+    # the decode runs under a scope of its own, exactly as when each leg had its own scope.
+    core, supervisor, pool, _ = make_core()
+    post_json = pool.post_json
+
+    async def prefill_then_removed(engine, path, body, *, request_id):
+        answer = await post_json(engine, path, body, request_id=request_id)
+        core.set_engines(spec for spec in core.engines.values() if spec.name != "p1")
+        return answer
+
+    pool.post_json = prefill_then_removed
+    sink = Sink()
+    await core.handle("/v1/completions", body(stream=True), None, sink)
+    assert sink.status == 200 and sink.ended and b"[DONE]" in b"".join(sink.writes)
+    assert b"engine_removed" not in b"".join(sink.writes)
+    assert supervisor.failures == []

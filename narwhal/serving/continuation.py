@@ -93,11 +93,27 @@ _FOLD_BYTES = 128 * 1024
 # The token-ID lists of events (not the prompt's: a quote comes right before "token_ids").
 _TOKEN_LISTS = re.compile(rb'"token_ids":\s*\[([\d,\s]*)\]')
 # A token-ID list (or null) and its comma, as a key of a JSON object: the quote before the key
-# cannot occur unescaped inside a string, so this never matches text. One pass per read: the
-# compact form vLLM writes first (a literal prefix, cheap), then any spacing, only if some is left.
-_IDS_COMPACT = re.compile(rb',"(?:prompt_)?token_ids":(?:\[[\d,]*\]|null)')
+# cannot occur unescaped inside a string, so this never matches text. One pass per read and key for
+# the compact form vLLM writes (each pattern starts with a long literal, which is searched for
+# quickly), then any spacing, only if some is left. The event lists are captured, to count their IDs.
 _IDS = re.compile(rb',\s*"(?:prompt_)?token_ids":\s*(?:\[[\d,\s]*\]|null)'
                   rb'|"(?:prompt_)?token_ids":\s*(?:\[[\d,\s]*\]|null)\s*,')
+_PROMPT_IDS_COMPACT = re.compile(rb',"prompt_token_ids":(?:\[[\d,]*\]|null)')
+_TOKEN_IDS_COMPACT = re.compile(rb',"token_ids":(\[[\d,]*\]|null)')
+
+
+def _strip_compact_ids(data: bytes) -> tuple[bytes, int, int]:
+    """``data`` less its compact token-ID lists, with the event lists removed and their IDs
+    (counted as ``_TOKEN_LISTS`` would)."""
+    if b'prompt_token_ids"' in data:
+        data = _PROMPT_IDS_COMPACT.sub(b"", data)
+    parts = _TOKEN_IDS_COMPACT.split(data)
+    if len(parts) == 1:
+        return data, 0, 0
+    removed = b"".join(parts[1::2])
+    # Each list is "[...]" of digits and commas (or null): its IDs are its commas plus one, unless empty.
+    lists = removed.count(b"[")
+    return b"".join(parts[::2]), lists, lists - removed.count(b"[]") + removed.count(b",")
 
 
 def not_continued_reason(route: str, request: dict[str, Any]) -> str | None:
@@ -188,6 +204,11 @@ class StreamJoin:
         # so they are read (``fold``) only when a continuation needs them, or in batches.
         self._raw: list[bytes] = []
         self._raw_size = 0
+        # What ``_raw_tokens`` would find in them, counted as the relay strips the IDs: the event token-ID
+        # lists seen and their IDs; valid while ``_raw_counted`` (else counted from the events themselves).
+        self._raw_lists = 0
+        self._raw_ids = 0
+        self._raw_counted = True
 
     # -- what was relayed ---------------------------------------------------
 
@@ -224,6 +245,8 @@ class StreamJoin:
         raw = b"".join(self._raw)
         self._raw.clear()
         self._raw_size = 0
+        self._raw_lists = self._raw_ids = 0
+        self._raw_counted = True
         for event in raw.split(b"\n\n"):
             if not event.startswith(_DATA):
                 continue
@@ -239,8 +262,10 @@ class StreamJoin:
         """The tokens in the first leg's unread events, counted without reading them."""
         if not self._raw:
             return 0
+        if self._raw_counted and self._raw_lists:
+            return self._raw_ids
         raw = b"".join(self._raw)
-        lists = _TOKEN_LISTS.findall(raw)
+        lists = _TOKEN_LISTS.findall(raw) if not self._raw_counted else []
         if lists:
             return sum(1 + ids.count(b",") for ids in lists if ids.strip())
         key = b'"content":"' if self.chat else b'"text":"'
@@ -369,17 +394,33 @@ class StreamJoin:
             return b"", self._leg_done
         if self.id is None:
             self._note_id(complete)
-        self._raw.append(complete)
-        self._raw_size += len(complete)
+        raw = complete
+        # This read's event token-ID lists and IDs (as _raw_tokens counts them); None: not counted here.
+        counted: tuple[int, int] | None = (0, 0)
+        if KV_KEY in complete:
+            complete = strip_kv_from_events(complete)
+            counted = None
+        if b"token_ids" in complete:
+            if self.client_ids:
+                counted = None
+            else:
+                complete, lists, ids = _strip_compact_ids(complete)
+                if b'token_ids"' in complete:
+                    # Another spelling (spaces, the key first in its object): the general pattern.
+                    complete = _IDS.sub(b"", complete)
+                    counted = None
+                elif counted is not None:
+                    counted = (lists, ids)
+        if counted is None:
+            self._raw_counted = False
+        else:
+            self._raw_lists += counted[0]
+            self._raw_ids += counted[1]
+        self._raw.append(raw)
+        self._raw_size += len(raw)
         if self._raw_size > _FOLD_BYTES:
             self.fold()
         self.leg_relayed = self._relayed_any = True
-        if KV_KEY in complete:
-            complete = strip_kv_from_events(complete)
-        if not self.client_ids and b"token_ids" in complete:
-            complete = _IDS_COMPACT.sub(b"", complete)
-            if b'token_ids"' in complete:
-                complete = _IDS.sub(b"", complete)
         if KV_KEY in complete:
             # The engine's KV handoff is never the client's (the relay without a join strips it too).
             complete = strip_kv_from_events(complete)

@@ -207,6 +207,38 @@ class _Outcome:
         self.error_class = None
 
 
+class _LegCut:
+    """An attempt's cancel scope, in ``RequestCore._legs`` under the engine of its current leg."""
+
+    __slots__ = ("_by_engine", "_legs", "engine", "leg", "scope")
+
+    def __init__(self, by_engine: dict[str, set[trio.CancelScope]], engine: str, leg: str) -> None:
+        self.scope = trio.CancelScope()
+        self._by_engine = by_engine
+        self._legs: set[trio.CancelScope] | None = None
+        self.engine = engine
+        self.leg = leg
+        self._register()
+
+    def _register(self) -> None:
+        legs = self._by_engine.get(self.engine)
+        if legs is None:
+            legs = self._by_engine[self.engine] = set()
+        legs.add(self.scope)
+        self._legs = legs
+
+    def move(self, engine: str, leg: str) -> None:
+        """The next leg, on ``engine``: only its removal cuts the scope from now on."""
+        self.drop()
+        self.engine, self.leg = engine, leg
+        self._register()
+
+    def drop(self) -> None:
+        if self._legs is not None:
+            self._legs.discard(self.scope)
+            self._legs = None
+
+
 def _sse_error(message: str, type_: str, code: str | None) -> bytes:
     return b"data: " + error_json(message, type_, code) + b"\n\n"
 
@@ -292,10 +324,14 @@ class RequestCore:
         finally:
             legs.discard(scope)
         if scope.cancelled_caught:
-            error = ClientError(502, f"{leg} engine {engine} was removed from the router's configuration and "
-                                "the request was cut after serving.shutdown_grace_s", "upstream_error",
-                                ENGINE_REMOVED)
-            raise _AttemptFailed(error, engine, ENGINE_REMOVED, leg)
+            raise self._removed(engine, leg)
+
+    @staticmethod
+    def _removed(engine: str, leg: str) -> _AttemptFailed:
+        error = ClientError(502, f"{leg} engine {engine} was removed from the router's configuration and "
+                            "the request was cut after serving.shutdown_grace_s", "upstream_error",
+                            ENGINE_REMOVED)
+        return _AttemptFailed(error, engine, ENGINE_REMOVED, leg)
 
     # -- entry point -------------------------------------------------------
 
@@ -565,25 +601,49 @@ class RequestCore:
             join.continuations += 1
             outcome.continuations = join.continuations
         in_flight = self.in_flight
-        in_flight.acquire(prefill_name)
+        # One cancel scope for both legs (a scope costs as much as the rest of a leg's bookkeeping),
+        # registered under the engine of the leg in progress, so a removed engine cuts only its own leg.
+        cut = _LegCut(self._legs, prefill_name, "prefill")
+        decoded = False
         try:
-            with self._cuttable(prefill_name, "prefill"):
-                if self._count_tokens and not (join is not None and join.started):
-                    # A continuation's prompt grew by exactly the tokens its max_tokens shrank by.
-                    await self._check_context(route, request, prefill, rid)
-                kv = await self._prefill(route, request, prefill, rid)
+            with cut.scope:
+                in_flight.acquire(prefill_name)
+                try:
+                    if self._count_tokens and not (join is not None and join.started):
+                        # A continuation's prompt grew by exactly the tokens its max_tokens shrank by.
+                        await self._check_context(route, request, prefill, rid)
+                    kv = await self._prefill(route, request, prefill, rid)
+                finally:
+                    in_flight.release(prefill_name)
+                if not cut.scope.cancel_called:
+                    cut.move(decode_name, "decode")
+                    await self._decode_leg(route, request, kv, decode, rid, rid_header, sink, started_at,
+                                           outcome, join)
+                    decoded = True
         finally:
-            in_flight.release(prefill_name)
-        in_flight.acquire(decode_name)
-        try:
+            cut.drop()
+        if cut.scope.cancelled_caught:
+            raise self._removed(cut.engine, cut.leg)
+        if not decoded:
+            # The prefill engine was cut just as its leg ended (no checkpoint left to see it): the prefill
+            # counts, and the decode runs under a scope of its own, as with one scope per leg.
             with self._cuttable(decode_name, "decode"):
-                if join is not None:
-                    await self._decode_joined(route, request, kv, decode, rid, rid_header, sink, started_at,
-                                              outcome, join)
-                else:
-                    await self._decode(route, request, kv, decode, rid, rid_header, sink, started_at, outcome)
+                await self._decode_leg(route, request, kv, decode, rid, rid_header, sink, started_at,
+                                       outcome, join)
+
+    async def _decode_leg(self, route: str, request: dict[str, Any], kv: dict[str, Any], decode: EngineSpec,
+                          rid: str, rid_header: tuple[bytes, bytes], sink: Sink, started_at: float,
+                          outcome: _Outcome, join: StreamJoin | None) -> None:
+        in_flight = self.in_flight
+        in_flight.acquire(decode.name)
+        try:
+            if join is not None:
+                await self._decode_joined(route, request, kv, decode, rid, rid_header, sink, started_at,
+                                          outcome, join)
+            else:
+                await self._decode(route, request, kv, decode, rid, rid_header, sink, started_at, outcome)
         finally:
-            in_flight.release(decode_name)
+            in_flight.release(decode.name)
 
     async def _engine_call(self, leg: str, call: Any) -> Any:
         """Await one engine call, turning its failure into evidence and a client error."""

@@ -1,0 +1,110 @@
+"""Operator logs: JSON lines through the batching handler, its direct path, and the timestamp."""
+
+from __future__ import annotations
+
+import datetime
+import io
+import json
+import logging
+from collections.abc import Iterator
+
+import pytest
+
+from narwhal.obs import logs
+
+
+@pytest.fixture
+def stderr(monkeypatch: pytest.MonkeyPatch) -> Iterator[io.StringIO]:
+    """configure_logging() writing to a buffer; the logging setup it changes is restored afterwards."""
+    root = logging.getLogger()
+    events = logging.getLogger("narwhal.events")
+    saved = (root.handlers[:], root.level, events.level, logs._batching)
+    buffer = io.StringIO()
+    monkeypatch.setattr("sys.stderr", buffer)
+    monkeypatch.setattr("atexit.register", lambda *args: None)
+    logs.configure_logging()
+    yield buffer
+    root.handlers[:], root.level = saved[0], saved[1]
+    events.setLevel(saved[2])
+    logs._batching = saved[3]
+
+
+def _alone() -> None:
+    """Only the batching handler on the root logger, as in the router (pytest adds its own per test phase)."""
+    assert logs._batching is not None
+    logging.getLogger().handlers[:] = [logs._batching]
+
+
+def _lines(buffer: io.StringIO) -> list[dict[str, object]]:
+    logs.flush_logs()
+    return [json.loads(line) for line in buffer.getvalue().splitlines()]
+
+
+def test_an_event_is_one_json_line_with_event_ts_level_and_fields(stderr: io.StringIO) -> None:
+    _alone()
+    logs.log_event("request", request_id="r1", status=200, error=None)
+    [line] = _lines(stderr)
+    assert line["event"] == "request"
+    assert line["level"] == "info"
+    assert (line["request_id"], line["status"], line["error"]) == ("r1", 200, None)
+    parsed = datetime.datetime.fromisoformat(str(line["ts"]).replace("Z", "+00:00"))
+    assert abs((datetime.datetime.now(datetime.UTC) - parsed).total_seconds()) < 5
+
+
+def test_info_lines_wait_for_the_batch_and_warnings_flush_at_once(stderr: io.StringIO) -> None:
+    _alone()
+    logs.log_event("request", request_id="r1")
+    assert stderr.getvalue() == ""  # batched: at most max_delay_s late
+    logs.log_event("engine_failure", level=logging.WARNING, engine="d1")
+    written = [json.loads(line) for line in stderr.getvalue().splitlines()]
+    assert [(line["event"], line["level"]) for line in written] == [("request", "info"), ("engine_failure", "warning")]
+
+
+def test_another_handler_still_sees_every_event(stderr: io.StringIO) -> None:
+    # The direct path to the batch is only taken while the batching handler is the sole destination:
+    # a handler added later (pytest's caplog, an embedding application) gets every line too.
+    seen: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    _alone()
+    collect = Collect()
+    batching = logs._batching
+    assert batching is not None and batching.sole_destination(logging.INFO)
+    logging.getLogger().addHandler(collect)
+    try:
+        assert not batching.sole_destination(logging.INFO)
+        logs.log_event("request", request_id="r2")
+    finally:
+        logging.getLogger().removeHandler(collect)
+    assert batching.sole_destination(logging.INFO)
+    logs.log_event("request", request_id="r3")
+    assert [json.loads(line)["request_id"] for line in seen] == ["r2"]
+    assert [line["request_id"] for line in _lines(stderr)] == ["r2", "r3"]
+
+
+def test_a_disabled_level_writes_nothing(stderr: io.StringIO) -> None:
+    _alone()
+    logging.getLogger("narwhal.events").setLevel(logging.WARNING)
+    logs.log_event("request", request_id="r1")
+    assert _lines(stderr) == []
+
+
+def test_process_fields_are_on_every_line(stderr: io.StringIO, monkeypatch: pytest.MonkeyPatch) -> None:
+    _alone()
+    monkeypatch.setattr(logs, "_process_fields", {})
+    logs.set_log_fields(worker=1)
+    logs.log_event("request", request_id="r1")
+    assert _lines(stderr)[0]["worker"] == 1
+
+
+def test_timestamps_match_isoformat_at_millisecond_precision(monkeypatch: pytest.MonkeyPatch) -> None:
+    # One second formatted, then reused within it; a new second formats again.
+    for ns in (1_796_155_131_951_625_600, 1_796_155_131_999_999_999, 1_796_155_132_000_000_000,
+               1_796_155_132_000_999_999, 1_796_241_600_007_000_000):
+        monkeypatch.setattr("time.time_ns", lambda ns=ns: ns)
+        expected = datetime.datetime.fromtimestamp(ns // 1000 / 1e6, datetime.UTC).isoformat(
+            timespec="milliseconds").replace("+00:00", "Z")
+        assert logs._now_iso() == expected
