@@ -620,3 +620,24 @@ async def test_an_engine_that_closes_right_after_its_last_bytes_fails_the_stream
     assert caught.value.failure_class is FailureClass.STREAM and "without data: [DONE]" in caught.value.message
     assert await client.read_until(len(EVENTS[0] + EVENTS[1])) == EVENTS[0] + EVENTS[1]
     assert pool.pump.streams == 0 and pool.statistics().in_use == 0
+
+
+async def test_an_http_1_0_client_gets_the_pumped_stream_unframed_until_close(front, caplog):
+    port, _, pool, _ = await front(decode_sse(TOKEN_EVENTS, delay_s=0.001))
+    sock = trio.socket.socket()
+    _connections.append(sock)
+    await sock.connect(("127.0.0.1", port))
+    stream = trio.SocketStream(sock)
+    await stream.send_all(b"POST /v1/completions HTTP/1.0\r\ncontent-type: application/json\r\n"
+                          b"content-length: %d\r\n\r\n%s" % (len(STREAM_REQUEST), STREAM_REQUEST))
+    response = b""
+    with trio.fail_after(10):
+        while data := await stream.receive_some(65536):
+            response += data
+    head, _, body = response.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding" not in head.lower()
+    # No chunk framing: HTTP/1.0 has none; the body ends when the connection closes.
+    assert body == b"".join(TOKEN_EVENTS)
+    (logged,) = request_events(caplog)
+    assert logged["relay"] == "pump" and logged["tokens"] == 8
+    assert pool.pump.streams == 0

@@ -76,6 +76,8 @@ async def test_a_stream_cut_twice_reaches_the_client_whole(start_fleet, route):
 
     request = (await fleet.router.wait_event("request", route=route))[0]
     assert request["continuations"] == 2 and request["attempts"] == 3 and request["tokens"] == 12
+    # Every leg went through the process's relay pump (serving.relay_pump is on by default).
+    assert request["relay"] == "pump"
     # The client got the whole answer: no error for the request, the failure it was continued after noted.
     assert request["status"] == 200 and request["error"] is None and request["continued_after"] == "stream"
     # Evidence per failed engine: today's one stream failure each, nothing more.

@@ -501,6 +501,7 @@ async def test_a_stream_still_running_on_a_removed_engine_is_cut_at_the_grace_wi
             assert stream.text.rstrip().endswith("data: [DONE]") and "error" not in stream.text
             assert stream.text.count("data: {") >= 200
             assert request["continuations"] == 1 and request["decode"] == "d2"
+            assert request["error"] is None and request["continued_after"] == "engine_removed"
         assert await fleet.router.wait_event("engine_removed", engine="d1", timeout_s=5.0)
         # Nobody is blamed: no failure counted on any engine, and d2 took the next requests.
         state = await engines(fleet)
