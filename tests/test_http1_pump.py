@@ -449,14 +449,10 @@ def request_events(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
 
 def decode_sse(events: list[bytes], *, delay_s: float = 0.0, then_forever: bool = False):
     """A decode engine (``tests/test_hostile_engines.py`` style) streaming ``events`` as chunks."""
+    respond = paced(events, delay_s, then_forever=then_forever)
+
     async def handler(stream: trio.SocketStream, _: bytes) -> None:
-        await stream.send_all(SSE_HEAD)
-        for event in events:
-            await stream.send_all(chunk(event))
-            await trio.sleep(delay_s)
-        if then_forever:
-            await trio.sleep_forever()
-        await stream.send_all(LAST_CHUNK)
+        await respond(None, stream, 0)  # paced never reads the request
     return handler
 
 
