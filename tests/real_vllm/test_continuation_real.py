@@ -92,6 +92,8 @@ async def test_a_greedy_stream_whose_decode_engine_is_killed_halfway_equals_the_
     reference, _ = await answer(narwhal, route)
     ref_text, ref_ids, ref_usage = parts(reference, chat)
     assert len(ref_ids) == MAX_TOKENS
+    # Real vLLM's chunked SSE stream went through the process's relay pump (on by default), not the task's loop.
+    assert await narwhal.process.wait_event("request", timeout_s=10, relay="pump"), narwhal.process.events("request")
 
     victim = narwhal.fleet.of_role("decode")[0]
     try:
