@@ -313,13 +313,17 @@ class RequestCore:
     @contextlib.contextmanager
     def _cuttable(self, engine: str, leg: str) -> Iterator[None]:
         """One leg on ``engine``, cut (as a failed attempt that blames nobody) if the engine leaves meanwhile."""
-        cut = _LegCut(self._legs, engine, leg)
+        scope = trio.CancelScope()
+        legs = self._legs.get(engine)
+        if legs is None:
+            legs = self._legs[engine] = set()
+        legs.add(scope)
         try:
-            with cut.scope:
+            with scope:
                 yield
         finally:
-            cut.drop()
-        if cut.scope.cancelled_caught:
+            legs.discard(scope)
+        if scope.cancelled_caught:
             raise self._removed(engine, leg)
 
     @staticmethod
@@ -778,7 +782,7 @@ class RequestCore:
                     held = b""
 
                     def on_chunk(chunk: bytes, now: float) -> bytes | None:
-                        # One read's bookkeeping, for the process's pump and the task's own loop alike.
+                        # The loop below, one read at a time, for the process's pump.
                         nonlocal tokens, last_at, held
                         observe_gap(now - last_at)
                         last_at = now
@@ -799,11 +803,15 @@ class RequestCore:
                             chunk = await read()
                             if not chunk:
                                 break
-                            relayed = on_chunk(chunk, clock())
-                            if relayed is None:
-                                chunk = held
+                            now = clock()
+                            observe_gap(now - last_at)
+                            last_at = now
+                            tokens += chunk.count(_DATA)
+                            if KV_KEY in chunk:
+                                chunk = strip_kv_from_events(chunk)
+                            if upstream.saw_terminal:
                                 break
-                            await sink.write(relayed)
+                            await sink.write(chunk)
                 held = chunk
                 if held and await read():
                     raise EngineFailure(decode.name, FailureClass.STREAM, "events after data: [DONE]")
