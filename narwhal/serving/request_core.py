@@ -313,17 +313,13 @@ class RequestCore:
     @contextlib.contextmanager
     def _cuttable(self, engine: str, leg: str) -> Iterator[None]:
         """One leg on ``engine``, cut (as a failed attempt that blames nobody) if the engine leaves meanwhile."""
-        scope = trio.CancelScope()
-        legs = self._legs.get(engine)
-        if legs is None:
-            legs = self._legs[engine] = set()
-        legs.add(scope)
+        cut = _LegCut(self._legs, engine, leg)
         try:
-            with scope:
+            with cut.scope:
                 yield
         finally:
-            legs.discard(scope)
-        if scope.cancelled_caught:
+            cut.drop()
+        if cut.scope.cancelled_caught:
             raise self._removed(engine, leg)
 
     @staticmethod
@@ -782,7 +778,7 @@ class RequestCore:
                     held = b""
 
                     def on_chunk(chunk: bytes, now: float) -> bytes | None:
-                        # The loop below, one read at a time, for the process's pump.
+                        # One read's bookkeeping, for the process's pump and the task's own loop alike.
                         nonlocal tokens, last_at, held
                         observe_gap(now - last_at)
                         last_at = now
@@ -803,15 +799,11 @@ class RequestCore:
                             chunk = await read()
                             if not chunk:
                                 break
-                            now = clock()
-                            observe_gap(now - last_at)
-                            last_at = now
-                            tokens += chunk.count(_DATA)
-                            if KV_KEY in chunk:
-                                chunk = strip_kv_from_events(chunk)
-                            if upstream.saw_terminal:
+                            relayed = on_chunk(chunk, clock())
+                            if relayed is None:
+                                chunk = held
                                 break
-                            await sink.write(chunk)
+                            await sink.write(relayed)
                 held = chunk
                 if held and await read():
                     raise EngineFailure(decode.name, FailureClass.STREAM, "events after data: [DONE]")
