@@ -398,6 +398,7 @@ class StreamJoin:
         # This read's event token-ID lists and IDs (as _raw_tokens counts them); None: not counted here.
         counted: tuple[int, int] | None = (0, 0)
         if KV_KEY in complete:
+            # The engine's KV handoff is never the client's (the relay without a join strips it too).
             complete = strip_kv_from_events(complete)
             counted = None
         if b"token_ids" in complete:
@@ -421,9 +422,6 @@ class StreamJoin:
         if self._raw_size > _FOLD_BYTES:
             self.fold()
         self.leg_relayed = self._relayed_any = True
-        if KV_KEY in complete:
-            # The engine's KV handoff is never the client's (the relay without a join strips it too).
-            complete = strip_kv_from_events(complete)
         return complete, self._leg_done
 
     def _note_id(self, complete: bytes) -> None:
