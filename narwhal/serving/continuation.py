@@ -19,6 +19,7 @@ upstream stream it is handed; the clock is injected.
 from __future__ import annotations
 
 import re
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeGuard
 
@@ -168,6 +169,27 @@ def _int_list(value: Any) -> list[int] | None:
     return None
 
 
+def _stop_lookback(request: dict[str, Any]) -> tuple[int, int]:
+    """(characters vLLM holds back while streaming, characters a stop string can span) for ``request``."""
+    stop = request.get("stop")
+    stops = [stop] if isinstance(stop, str) else [s for s in stop if isinstance(s, str)] if isinstance(
+        stop, list) else []
+    span = max((len(s) for s in stops), default=1) - 1
+    if span <= 0:
+        return 0, 0
+    return (0 if request.get("include_stop_str_in_output") is True else span), span
+
+
+def _drop_logprobs(choice: dict[str, Any], count: int) -> None:
+    """Drop the first ``count`` tokens' entries from a completions choice's ``logprobs``."""
+    logprobs = choice.get("logprobs")
+    if isinstance(logprobs, dict):
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            entries = logprobs.get(key)
+            if isinstance(entries, list):
+                logprobs[key] = entries[count:]
+
+
 class StreamJoin:
     """One streamed request's answer so far, and the rewriting that makes its legs one stream."""
 
@@ -209,13 +231,35 @@ class StreamJoin:
         self._raw_lists = 0
         self._raw_ids = 0
         self._raw_counted = True
+        # -- where an exact join may resume (see ``_resume_point``) --
+        # The token IDs the client holds (or would hold, had it asked for them), in order; ``_token_ids`` is the
+        # sequence the current engine continues, which a join cuts back to a whole character.
+        self._sent: list[int] = []
+        self._sent_chars = 0
+        # Where the current leg's next character falls in the answer's text (the client's coordinates), and how
+        # many characters this leg has emitted.
+        self._engine_pos = 0
+        self._leg_chars = 0
+        # vLLM holds back this many characters of a stream whose stop strings are excluded from the text
+        # (a stop string is never half-sent), and a stop string can span this many characters before a join.
+        self._held, self._stop_span = _stop_lookback(request)
+        # The answer's text up to here is known to the engines to hold no stop string.
+        self._checked_chars = 0
+        # Points where the answer ends on a whole character: (output tokens, characters of text), oldest first.
+        self._resume_points: deque[tuple[int, int]] = deque([(0, 0)])
+        # The client's text after the current leg's resume point: what the leg generates again is compared with it.
+        self._overlap_text = ""
+        self._overlap_from = 0
+        # Tokens a continuation generated again (the client had them) and whether any came out different.
+        self.regenerated = 0
+        self.diverged = False
 
     # -- what was relayed ---------------------------------------------------
 
     @property
     def tokens(self) -> int:
         """Completion tokens the client has received, over all legs."""
-        return self.tokens_before + self.leg_tokens + self._raw_tokens()
+        return max(self.tokens_before + self.leg_tokens + self._raw_tokens(), len(self._sent))
 
     @property
     def output_text(self) -> str:
@@ -285,6 +329,7 @@ class StreamJoin:
         self.leg_relayed = False
         self.tokens_before += self.leg_tokens
         self.leg_tokens = 0
+        self._leg_chars = 0
         body = dict(self.request)
         if not self.client_ids:
             body["return_token_ids"] = True
@@ -292,12 +337,14 @@ class StreamJoin:
         if not self.started:
             self.leg_route = self.route
             return self.route, body
+        exact = self.ids_complete and self.prompt_ids is not None
+        if exact:
+            self._resume_exactly()
         produced = self.tokens_before
         for key in ("max_tokens", "max_completion_tokens", "min_tokens"):
             value = body.get(key)
             if _is_int(value):
                 body[key] = max(value - produced, 0 if key == "min_tokens" else 1)
-        exact = self.ids_complete and self.prompt_ids is not None
         self._chat_as_completion = False
         if not self.chat:
             if exact:
@@ -311,6 +358,8 @@ class StreamJoin:
                     # A token-ID prompt with text-only output: no exact place to resume.
                     return None
                 body["prompt"] = prompt + self.output_text
+                self._engine_pos = self._sent_chars
+                self._overlap_text = ""
             self.leg_route = COMPLETIONS
             return COMPLETIONS, body
         if exact and set(self.request) <= _CHAT_AS_COMPLETION:
@@ -326,6 +375,8 @@ class StreamJoin:
             self._chat_as_completion = True
             self.leg_route = COMPLETIONS
             return COMPLETIONS, body
+        self._engine_pos = self._sent_chars
+        self._overlap_text = ""
         messages = [dict(m) for m in body["messages"]]
         last = messages[-1]
         if (self.request.get("continue_final_message") and last.get("role") == "assistant"
@@ -338,6 +389,84 @@ class StreamJoin:
         body["add_generation_prompt"] = False
         self.leg_route = CHAT
         return CHAT, body
+
+    def _resume_exactly(self) -> None:
+        """Cut the answer's token IDs back to where the next leg resumes: the last point known to end on a whole
+        character, far enough back that the next engine sees any stop string the join could split.
+
+        Why not at the last token: vLLM's detokenizer, primed with a prompt ending inside a character (byte tokens
+        of an emoji or a CJK character), emits the prompt's whole text again in its first delta; a stop string
+        spanning the join would go unseen; text held back under a stop string would be lost. The tokens after the
+        resume point are generated again; what the client already has of them is not sent twice.
+        """
+        limit = self._checked_chars - self._stop_span
+        tokens, chars = self._resume_points[0]
+        for point in reversed(self._resume_points):
+            if point[1] <= limit and point[1] <= self._sent_chars:
+                tokens, chars = point
+                break
+        while self._resume_points[-1][0] > tokens:
+            self._resume_points.pop()
+        del self._token_ids[tokens:]
+        self.tokens_before = tokens
+        self._engine_pos = chars
+        if chars < self._sent_chars:
+            self._overlap_text = "".join(self.text)[chars:]
+            self._overlap_from = chars
+        else:
+            self._overlap_text = ""
+        self.regenerated += len(self._sent) - tokens
+
+    def _advance(self, ids: list[int] | None, text: str, first_leg: bool) -> tuple[int, int]:
+        """Take one choice's tokens and text as the engine sent them; returns how many leading IDs and characters
+        the client already has (a continuation generating again what followed its resume point)."""
+        skip_ids = skip_chars = 0
+        owed = 0
+        if not first_leg:
+            owed = len(self._sent) - len(self._token_ids)
+            if ids and owed > 0:
+                at = len(self._token_ids)
+                skip_ids = min(owed, len(ids))
+                if ids[:skip_ids] != self._sent[at:at + skip_ids]:
+                    self.diverged = True
+            if text and self.diverged:
+                # A sampled answer that came out differently: the client keeps what it has, and gets the new
+                # engine's text from the first token it did not have.
+                skip_chars = len(text) if ids and owed >= len(ids) else 0
+            elif text:
+                skip_chars = min(max(self._sent_chars - self._engine_pos, 0), len(text))
+                if skip_chars:
+                    start = self._engine_pos - self._overlap_from
+                    if text[:skip_chars] != self._overlap_text[start:start + skip_chars]:
+                        self.diverged = True
+        if ids is not None:
+            self._token_ids.extend(ids)
+            self._sent.extend(ids[skip_ids:] if skip_ids else ids)
+        if self.diverged and not first_leg and (ids is None or owed <= len(ids)):
+            # Past the tokens generated again: the text runs on from what the client has.
+            self._engine_pos = max(self._engine_pos, self._sent_chars - len(text) + skip_chars)
+        if text:
+            self._engine_pos += len(text)
+            self._leg_chars += len(text)
+            self._sent_chars += len(text) - skip_chars
+            # Held-back text is released as the engine's text grows: once some came, the engine's text is exactly
+            # ``_held`` characters ahead of what it sent.
+            known = self._engine_pos + self._held
+            if known > self._checked_chars:
+                self._checked_chars = known
+            if ids is not None and len(ids) == 1:
+                # One token that brought text: the detokenizer emits nothing while the text ends inside a
+                # character, so the answer ends on a whole one here (a read of several tokens cannot say).
+                self._resume_point(len(self._token_ids), known)
+        return skip_ids, skip_chars
+
+    def _resume_point(self, tokens: int, chars: int) -> None:
+        points = self._resume_points
+        points.append((tokens, chars))
+        limit = self._checked_chars - self._stop_span
+        # Only the newest point far enough back is ever needed: points keep at most a stop string's span of text.
+        while len(points) > 1 and points[1][1] <= limit:
+            points.popleft()
 
     # -- events ----------------------------------------------------------------
 
@@ -498,8 +627,8 @@ class StreamJoin:
             if text:
                 self.text.append(text)
             ids = choice.token_ids
+            self._advance(ids, text or "", True)
             if ids is not None:
-                self._token_ids.extend(ids)
                 self.leg_tokens += len(ids)
             elif text:
                 self.ids_complete = False
@@ -534,8 +663,8 @@ class StreamJoin:
             for key in ("finish_reason", "stop_reason", "token_ids"):
                 if key in choice:
                     choice[key] = choice.pop(key)
+        delta = choice.get("delta") if self.chat else None
         if self.chat:
-            delta = choice.get("delta")
             text = delta.get("content") if isinstance(delta, dict) else None
             if not first_leg and isinstance(delta, dict) and "role" in delta:
                 # The client had its role chunk from the first leg.
@@ -544,12 +673,33 @@ class StreamJoin:
                     return False
         else:
             text = choice.get("text")
-        if isinstance(text, str) and text:
+        if not isinstance(text, str):
+            text = None
+        skip_ids, skip_chars = self._advance(ids, text or "", first_leg)
+        if skip_ids or skip_chars:
+            # Generated again after the resume point: the client has this much of it already.
+            assert ids is not None or not skip_ids
+            if skip_chars:
+                assert text is not None
+                text = text[skip_chars:]
+                if isinstance(delta, dict):
+                    delta["content"] = text
+                else:
+                    choice["text"] = text
+            if skip_ids:
+                assert ids is not None
+                if self.client_ids:
+                    choice["token_ids"] = ids[skip_ids:]
+                _drop_logprobs(choice, skip_ids)
+            if not text and (ids is None or skip_ids == len(ids)) and choice.get("finish_reason") is None:
+                if ids is not None:
+                    self.leg_tokens += len(ids)
+                return False
+        if text:
             self.text.append(text)
         if ids is not None:
-            self._token_ids.extend(ids)
             self.leg_tokens += len(ids)
-        elif isinstance(text, str) and text:
+        elif text:
             # No IDs for this token: the next join resumes from text.
             self.ids_complete = False
             self.leg_tokens += 1

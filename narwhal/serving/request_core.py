@@ -175,7 +175,7 @@ class _Outcome:
 
     __slots__ = ("status", "prefill", "decode", "ttft_s", "tokens", "error_class", "attempts",
                  "error_engine", "inter_token_s", "continuations", "continuing",
-                 "join_gap_s", "stream_error", "prefix_match", "continued_after", "relay")
+                 "join_gap_s", "stream_error", "prefix_match", "continued_after", "relay", "regenerated")
 
     def __init__(self) -> None:
         self.status = 0
@@ -200,6 +200,8 @@ class _Outcome:
         self.relay: str | None = None
         # The failure class a stream was completed after (continued, or only its tail was lost).
         self.continued_after: str | None = None
+        # Tokens continuations generated again from a whole character back (the client had them).
+        self.regenerated = 0
 
     def stream_completed(self) -> None:
         """The stream reached the client whole after a failure: no error for the request, the failure noted."""
@@ -414,6 +416,7 @@ class RequestCore:
             attempts=outcome.attempts,
             continuations=outcome.continuations,
             join_gap_ms=None if outcome.join_gap_s is None else round(outcome.join_gap_s * 1000, 3),
+            regenerated_tokens=outcome.regenerated,
             error=outcome.error_class,
             continued_after=outcome.continued_after,
             prefix_match=None if outcome.prefix_match is None else round(outcome.prefix_match, 3),
@@ -861,6 +864,7 @@ class RequestCore:
             gaps[0] += gap
             gaps[1] += 1
 
+        diverged = join.diverged
         try:
             async with self.data_pool.stream(decode, route, payload, request_id=rid) as upstream:
                 outcome.status = 200
@@ -874,15 +878,26 @@ class RequestCore:
                                          pump=pump if self._pump is not None else None)
         except (EngineFailure, UpstreamClientError, PoolSaturated) as exc:
             outcome.tokens = join.tokens
+            self._note_regenerated(join, diverged, rid, decode.name, outcome)
             if not sink.started:
                 outcome.status = 0
             self._translate("decode", exc)
         outcome.tokens = join.tokens
+        self._note_regenerated(join, diverged, rid, decode.name, outcome)
         leg_tokens = join.tokens - join.tokens_before
         if gaps[1] and leg_tokens > 1:
             # Per token, as the plain relay reports it (a read may carry several tokens).
             outcome.inter_token_s = gaps[0] / (leg_tokens - 1)
         self.supervisor.record_success(decode.name, SuccessKind.DECODE_TERMINAL)
+
+
+    @staticmethod
+    def _note_regenerated(join: StreamJoin, diverged: bool, rid: str, engine: str, outcome: _Outcome) -> None:
+        """Count the tokens continuations generated again; say once if they came out different (sampling)."""
+        outcome.regenerated = join.regenerated
+        if join.diverged and not diverged:
+            log_event("continuation_diverged", level=logging.WARNING, request_id=rid, engine=engine,
+                      regenerated_tokens=join.regenerated)
 
 
 def _client_gone(exc: BaseException) -> ClientGone | None:
