@@ -462,6 +462,10 @@ class StreamJoin:
 
     def _resume_point(self, tokens: int, chars: int) -> None:
         points = self._resume_points
+        if not self._stop_span:
+            # Without stop strings the newest point is the only one ever needed.
+            points[0] = (tokens, chars)
+            return
         points.append((tokens, chars))
         limit = self._checked_chars - self._stop_span
         # Only the newest point far enough back is ever needed: points keep at most a stop string's span of text.
@@ -627,10 +631,22 @@ class StreamJoin:
             if text:
                 self.text.append(text)
             ids = choice.token_ids
-            self._advance(ids, text or "", True)
+            # ``_advance`` for a first leg, inlined: this runs once per token of every long continuable stream.
             if ids is not None:
+                self._token_ids.extend(ids)
+                self._sent.extend(ids)
                 self.leg_tokens += len(ids)
-            elif text:
+            if text:
+                size = len(text)
+                self._engine_pos += size
+                self._leg_chars += size
+                self._sent_chars += size
+                known = self._engine_pos + self._held
+                if known > self._checked_chars:
+                    self._checked_chars = known
+                if ids is not None and len(ids) == 1:
+                    self._resume_point(len(self._token_ids), known)
+            if ids is None and text:
                 self.ids_complete = False
                 self.leg_tokens += 1
             if choice.finish_reason is not None:
