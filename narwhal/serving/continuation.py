@@ -236,10 +236,8 @@ class StreamJoin:
         # sequence the current engine continues, which a join cuts back to a whole character.
         self._sent: list[int] = []
         self._sent_chars = 0
-        # Where the current leg's next character falls in the answer's text (the client's coordinates), and how
-        # many characters this leg has emitted.
+        # Where the current leg's next character falls in the answer's text (the client's coordinates).
         self._engine_pos = 0
-        self._leg_chars = 0
         # vLLM holds back this many characters of a stream whose stop strings are excluded from the text
         # (a stop string is never half-sent), and a stop string can span this many characters before a join.
         self._held, self._stop_span = _stop_lookback(request)
@@ -329,7 +327,6 @@ class StreamJoin:
         self.leg_relayed = False
         self.tokens_before += self.leg_tokens
         self.leg_tokens = 0
-        self._leg_chars = 0
         body = dict(self.request)
         if not self.client_ids:
             body["return_token_ids"] = True
@@ -444,10 +441,9 @@ class StreamJoin:
             self._sent.extend(ids[skip_ids:] if skip_ids else ids)
         if self.diverged and not first_leg and (ids is None or owed <= len(ids)):
             # Past the tokens generated again: the text runs on from what the client has.
-            self._engine_pos = max(self._engine_pos, self._sent_chars - len(text) + skip_chars)
+            self._engine_pos = self._sent_chars - skip_chars
         if text:
             self._engine_pos += len(text)
-            self._leg_chars += len(text)
             self._sent_chars += len(text) - skip_chars
             # Held-back text is released as the engine's text grows: once some came, the engine's text is exactly
             # ``_held`` characters ahead of what it sent.
@@ -639,7 +635,6 @@ class StreamJoin:
             if text:
                 size = len(text)
                 self._engine_pos += size
-                self._leg_chars += size
                 self._sent_chars += size
                 known = self._engine_pos + self._held
                 if known > self._checked_chars:
