@@ -759,3 +759,97 @@ async def test_prefills_run_one_at_a_time_and_misses_cost_time(autojump_clock: A
     reset = (await call(mock, "POST", "/mock/stats/reset")).json()["prefix_cache"]
     assert reset["queries"] == 0 and reset["blocks"] == stats["blocks"]
     assert (await call(engine("prefill"), "GET", "/mock/stats")).json()["prefix_cache"] is None
+
+
+# ----- vLLM 0.32 stream shapes: split characters, the echo, coalesced events, stop strings (issue 22) ----------
+
+def choices(responder: FakeResponder) -> list[dict[str, Any]]:
+    """The first choice of every token chunk of a stream (chat's role event and usage left out)."""
+    chunks = [json.loads(e) for e in responder.events() if e != "[DONE]"]
+    return [c["choices"][0] for c in chunks if c["choices"] and "role" not in c["choices"][0].get("delta", {})]
+
+
+def text_of(choice: dict[str, Any]) -> str:
+    return choice["text"] if "text" in choice else choice["delta"]["content"]
+
+
+def numbered(start: int, stop: int) -> str:
+    """The numbered mode's text of sequence positions start..stop-1."""
+    return "".join(f" n{p}" for p in range(start, stop))
+
+
+async def test_split_characters_send_the_first_half_empty_with_its_id() -> None:
+    mock = engine(numbered=True, split_every=3)
+    # Prompt positions 0-3; generated 4-9; positions 5 and 8 (p % 3 == 2) are first halves.
+    streamed = choices(await call(mock, "POST", "/v1/completions",
+                                  completion(max_tokens=6, stream=True, return_token_ids=True)))
+    assert [text_of(c) for c in streamed] == [" n4", "", " n5 n6", " n7", "", " n8 n9"]
+    assert [c["token_ids"] for c in streamed] == [tokenize(f"n{p}") for p in range(4, 10)]
+    assert [c["finish_reason"] for c in streamed] == [None] * 5 + ["length"]
+    # The answer's text is the unsplit one, streamed or not.
+    whole = (await call(mock, "POST", "/v1/completions", completion(max_tokens=6))).json()["choices"][0]
+    assert whole["text"] == "".join(text_of(c) for c in streamed) == numbered(4, 10)
+    # A first half that is the answer's last token has its text in the final event.
+    last = choices(await call(mock, "POST", "/v1/completions", completion(max_tokens=2, stream=True)))
+    assert [(text_of(c), c["finish_reason"]) for c in last] == [(" n4", None), (" n5", "length")]
+    # Chat: the first half is a delta with empty content (the chat prompt is 3 tokens: positions 0-2).
+    chat_stream = choices(await call(mock, "POST", "/v1/chat/completions", chat(max_tokens=4, stream=True)))
+    assert [c["delta"] for c in chat_stream] == [{"content": " n3"}, {"content": " n4"}, {"content": ""},
+                                                 {"content": " n5 n6"}]
+
+
+async def test_a_stream_cut_after_a_first_half_never_sends_its_text() -> None:
+    mock = engine(numbered=True, split_every=3)
+    set_fault(mock, "cut:after_tokens=2,count=1")
+    cut = await call(mock, "POST", "/v1/completions", completion(max_tokens=6, stream=True, return_token_ids=True))
+    assert not cut.ended
+    assert [(text_of(c), c["token_ids"]) for c in choices(cut)] == [(" n4", tokenize("n4")), ("", tokenize("n5"))]
+
+
+async def test_the_echo_comes_exactly_when_a_token_id_prompt_ends_on_a_first_half() -> None:
+    mock = engine(numbered=True, split_every=3)
+    six = tokenize("a b c d e f")  # position 5 is a first half
+    echoed = choices(await call(mock, "POST", "/v1/completions", completion(prompt=six, max_tokens=3, stream=True)))
+    # As vLLM 0.32's detokenizer: the whole prompt's text, the completed character, then on as usual.
+    assert [text_of(c) for c in echoed] == [numbered(0, 6) + " n6", " n7", " n8"]
+    whole = (await call(mock, "POST", "/v1/completions", completion(prompt=six, max_tokens=3))).json()
+    assert whole["choices"][0]["text"] == numbered(0, 9)
+    # Not for a token-ID prompt ending elsewhere, a string prompt, or without split characters.
+    five = choices(await call(mock, "POST", "/v1/completions", completion(prompt=six[:5], max_tokens=2,
+                                                                          stream=True)))
+    assert [text_of(c) for c in five] == ["", " n5 n6"]
+    text = choices(await call(mock, "POST", "/v1/completions", completion(prompt="a b c d e f", max_tokens=2,
+                                                                          stream=True)))
+    assert [text_of(c) for c in text] == [" n6", " n7"]
+    plain = choices(await call(engine(numbered=True), "POST", "/v1/completions",
+                               completion(prompt=six, max_tokens=2, stream=True)))
+    assert [text_of(c) for c in plain] == [" n6", " n7"]
+
+
+async def test_tokens_per_event_coalesces_tokens_and_their_ids(autojump_clock: Any) -> None:
+    mock = engine(numbered=True, tokens_per_event=3)
+    answer = await call(mock, "POST", "/v1/completions",
+                        completion(max_tokens=7, stream=True, return_token_ids=True,
+                                   stream_options={"include_usage": True}))
+    streamed = choices(answer)
+    assert [text_of(c) for c in streamed] == [numbered(4, 7), numbered(7, 10), " n10"]
+    assert [c["token_ids"] for c in streamed] == [tokenize(numbered(4, 7)), tokenize(numbered(7, 10)),
+                                                  tokenize("n10")]
+    assert [c["finish_reason"] for c in streamed] == [None, None, "length"]
+    assert streamed[0]["prompt_token_ids"] == tokenize("the quick brown fox")
+    assert json.loads(answer.events()[-2])["usage"]["completion_tokens"] == 7
+    assert answer.events()[-1] == "[DONE]"
+    # With split characters: a first half ending an event has its text in the next one.
+    both = engine(numbered=True, tokens_per_event=2, split_every=3)
+    mixed = choices(await call(both, "POST", "/v1/completions",
+                               completion(max_tokens=6, stream=True, return_token_ids=True)))
+    # Positions 4-9 in pairs; first halves at 5 (ends the first event) and 8 (starts the last).
+    assert [(text_of(c), c["token_ids"]) for c in mixed] == [
+        (" n4", tokenize("n4 n5")), (" n5 n6 n7", tokenize("n6 n7")), (" n8 n9", tokenize("n8 n9"))]
+    # A fault cuts after that many tokens, not events: the event before the cut carries what there was.
+    set_fault(mock, "stall:after_tokens=4,count=1")
+    stalled = FakeResponder()
+    with trio.move_on_after(60):
+        await call(mock, "POST", "/v1/completions", completion(max_tokens=7, stream=True, return_token_ids=True),
+                   responder=stalled)
+    assert [c["token_ids"] for c in choices(stalled)] == [tokenize(numbered(4, 7)), tokenize("n7")]
