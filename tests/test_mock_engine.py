@@ -6,6 +6,7 @@ the socket tests serve it with the project's HTTP server and talk httpx to it.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import hmac
@@ -23,7 +24,15 @@ import pytest
 import trio
 
 from narwhal.http1.server import ClientDisconnected
-from narwhal.tools.mock.engine import MockEngine, MockSettings, main, serve_mock, tokenize
+from narwhal.tools.mock.engine import (
+    MockEngine,
+    MockSettings,
+    _settings_from_args,
+    build_parser,
+    main,
+    serve_mock,
+    tokenize,
+)
 from narwhal.tools.mock.faults import FaultError, FaultRequest, FaultTable, Leg, Mode, Operation, parse_fault_spec
 from narwhal.wire import KVTransferParams
 
@@ -759,3 +768,198 @@ async def test_prefills_run_one_at_a_time_and_misses_cost_time(autojump_clock: A
     reset = (await call(mock, "POST", "/mock/stats/reset")).json()["prefix_cache"]
     assert reset["queries"] == 0 and reset["blocks"] == stats["blocks"]
     assert (await call(engine("prefill"), "GET", "/mock/stats")).json()["prefix_cache"] is None
+
+
+# ----- vLLM 0.32 stream shapes: split characters, the echo, coalesced events, stop strings (issue 22) ----------
+
+def choices(responder: FakeResponder) -> list[dict[str, Any]]:
+    """The first choice of every token chunk of a stream (chat's role event and usage left out)."""
+    chunks = [json.loads(e) for e in responder.events() if e != "[DONE]"]
+    return [c["choices"][0] for c in chunks if c["choices"] and "role" not in c["choices"][0].get("delta", {})]
+
+
+def text_of(choice: dict[str, Any]) -> str:
+    return choice["text"] if "text" in choice else choice["delta"]["content"]
+
+
+def numbered(start: int, stop: int) -> str:
+    """The numbered mode's text of sequence positions start..stop-1."""
+    return "".join(f" n{p}" for p in range(start, stop))
+
+
+async def test_split_characters_send_the_first_half_empty_with_its_id() -> None:
+    mock = engine(numbered=True, split_every=3)
+    # Prompt positions 0-3; generated 4-9; positions 5 and 8 (p % 3 == 2) are first halves.
+    streamed = choices(await call(mock, "POST", "/v1/completions",
+                                  completion(max_tokens=6, stream=True, return_token_ids=True)))
+    assert [text_of(c) for c in streamed] == [" n4", "", " n5 n6", " n7", "", " n8 n9"]
+    assert [c["token_ids"] for c in streamed] == [tokenize(f"n{p}") for p in range(4, 10)]
+    assert [c["finish_reason"] for c in streamed] == [None] * 5 + ["length"]
+    # The answer's text is the unsplit one, streamed or not.
+    whole = (await call(mock, "POST", "/v1/completions", completion(max_tokens=6))).json()["choices"][0]
+    assert whole["text"] == "".join(text_of(c) for c in streamed) == numbered(4, 10)
+    # A first half that is the answer's last token has its text in the final event.
+    last = choices(await call(mock, "POST", "/v1/completions", completion(max_tokens=2, stream=True)))
+    assert [(text_of(c), c["finish_reason"]) for c in last] == [(" n4", None), (" n5", "length")]
+    # Chat: the first half is a delta with empty content (the chat prompt is 3 tokens: positions 0-2).
+    chat_stream = choices(await call(mock, "POST", "/v1/chat/completions", chat(max_tokens=4, stream=True)))
+    assert [c["delta"] for c in chat_stream] == [{"content": " n3"}, {"content": " n4"}, {"content": ""},
+                                                 {"content": " n5 n6"}]
+
+
+async def test_a_stream_cut_after_a_first_half_never_sends_its_text() -> None:
+    mock = engine(numbered=True, split_every=3)
+    set_fault(mock, "cut:after_tokens=2,count=1")
+    cut = await call(mock, "POST", "/v1/completions", completion(max_tokens=6, stream=True, return_token_ids=True))
+    assert not cut.ended
+    assert [(text_of(c), c["token_ids"]) for c in choices(cut)] == [(" n4", tokenize("n4")), ("", tokenize("n5"))]
+
+
+async def test_the_echo_comes_exactly_when_a_token_id_prompt_ends_on_a_first_half() -> None:
+    mock = engine(numbered=True, split_every=3)
+    six = tokenize("a b c d e f")  # position 5 is a first half
+    echoed = choices(await call(mock, "POST", "/v1/completions", completion(prompt=six, max_tokens=3, stream=True)))
+    # As vLLM 0.32's detokenizer: the whole prompt's text, the completed character, then on as usual.
+    assert [text_of(c) for c in echoed] == [numbered(0, 6) + " n6", " n7", " n8"]
+    whole = (await call(mock, "POST", "/v1/completions", completion(prompt=six, max_tokens=3))).json()
+    assert whole["choices"][0]["text"] == numbered(0, 9)
+    # Not for a token-ID prompt ending elsewhere, a string prompt, or without split characters.
+    five = choices(await call(mock, "POST", "/v1/completions", completion(prompt=six[:5], max_tokens=2,
+                                                                          stream=True)))
+    assert [text_of(c) for c in five] == ["", " n5 n6"]
+    text = choices(await call(mock, "POST", "/v1/completions", completion(prompt="a b c d e f", max_tokens=2,
+                                                                          stream=True)))
+    assert [text_of(c) for c in text] == [" n6", " n7"]
+    plain = choices(await call(engine(numbered=True), "POST", "/v1/completions",
+                               completion(prompt=six, max_tokens=2, stream=True)))
+    assert [text_of(c) for c in plain] == [" n6", " n7"]
+
+
+async def test_tokens_per_event_coalesces_tokens_and_their_ids(autojump_clock: Any) -> None:
+    mock = engine(numbered=True, tokens_per_event=3)
+    answer = await call(mock, "POST", "/v1/completions",
+                        completion(max_tokens=7, stream=True, return_token_ids=True,
+                                   stream_options={"include_usage": True}))
+    streamed = choices(answer)
+    assert [text_of(c) for c in streamed] == [numbered(4, 7), numbered(7, 10), " n10"]
+    assert [c["token_ids"] for c in streamed] == [tokenize(numbered(4, 7)), tokenize(numbered(7, 10)),
+                                                  tokenize("n10")]
+    assert [c["finish_reason"] for c in streamed] == [None, None, "length"]
+    assert streamed[0]["prompt_token_ids"] == tokenize("the quick brown fox")
+    assert json.loads(answer.events()[-2])["usage"]["completion_tokens"] == 7
+    assert answer.events()[-1] == "[DONE]"
+    # With split characters: a first half ending an event has its text in the next one.
+    both = engine(numbered=True, tokens_per_event=2, split_every=3)
+    mixed = choices(await call(both, "POST", "/v1/completions",
+                               completion(max_tokens=6, stream=True, return_token_ids=True)))
+    # Positions 4-9 in pairs; first halves at 5 (ends the first event) and 8 (starts the last).
+    assert [(text_of(c), c["token_ids"]) for c in mixed] == [
+        (" n4", tokenize("n4 n5")), (" n5 n6 n7", tokenize("n6 n7")), (" n8 n9", tokenize("n8 n9"))]
+    # A fault cuts after that many tokens, not events: the event before the cut carries what there was.
+    set_fault(mock, "stall:after_tokens=4,count=1")
+    stalled = FakeResponder()
+    with trio.move_on_after(60):
+        await call(mock, "POST", "/v1/completions", completion(max_tokens=7, stream=True, return_token_ids=True),
+                   responder=stalled)
+    assert [c["token_ids"] for c in choices(stalled)] == [tokenize(numbered(4, 7)), tokenize("n7")]
+
+
+async def test_stop_string_spanning_two_tokens_ends_the_answer() -> None:
+    mock = engine(numbered=True)
+    # " n10 n11" holds "0 n11": token n11 completes it, the 8th generated token (positions 4-11).
+    for include, text in ((False, numbered(4, 10) + " n1"), (True, numbered(4, 12))):
+        fields = {"max_tokens": 20, "stop": ["zzz", "0 n11"], "include_stop_str_in_output": include}
+        whole = (await call(mock, "POST", "/v1/completions", completion(**fields))).json()
+        assert whole["choices"][0]["text"] == text
+        assert (whole["choices"][0]["finish_reason"], whole["choices"][0]["stop_reason"]) == ("stop", "0 n11")
+        assert whole["usage"]["completion_tokens"] == 8
+        answer = await call(mock, "POST", "/v1/completions",
+                            completion(**fields, stream=True, stream_options={"include_usage": True}))
+        streamed = choices(answer)
+        assert "".join(text_of(c) for c in streamed) == text
+        assert len(streamed) == 8 and [c["finish_reason"] for c in streamed] == [None] * 7 + ["stop"]
+        assert streamed[-1]["stop_reason"] == "0 n11"
+        assert json.loads(answer.events()[-2])["usage"]["completion_tokens"] == 8
+        # Held back while streaming: max(len(stop)) - 1 = 4 characters, none when the stop string is sent.
+        hold = 0 if include else 4
+        sent = ""
+        for i, choice in enumerate(streamed[:-1]):
+            sent += text_of(choice)
+            assert sent == numbered(4, 5 + i)[:max(0, len(numbered(4, 5 + i)) - hold)], i
+    # Chat, the same way; a string stop.
+    whole_chat = (await call(mock, "POST", "/v1/chat/completions", chat(max_tokens=20, stop="1 n12"))).json()
+    assert whole_chat["choices"][0]["message"]["content"] == numbered(3, 11) + " n1"
+    assert whole_chat["choices"][0]["stop_reason"] == "1 n12" and whole_chat["usage"]["completion_tokens"] == 10
+    chat_stream = choices(await call(mock, "POST", "/v1/chat/completions",
+                                     chat(max_tokens=20, stop="1 n12", stream=True)))
+    assert "".join(text_of(c) for c in chat_stream) == numbered(3, 11) + " n1"
+    assert (chat_stream[-1]["finish_reason"], chat_stream[-1]["stop_reason"]) == ("stop", "1 n12")
+    # Never found: the answer runs to max_tokens, all its text out by the final chunk.
+    unfound = choices(await call(mock, "POST", "/v1/completions",
+                                 completion(max_tokens=3, stop=["n99"], stream=True)))
+    assert [text_of(c) for c in unfound] == [" ", "n4 ", "n5 n6"]  # held back: len("n99") - 1
+    assert (unfound[-1]["finish_reason"], unfound[-1]["stop_reason"]) == ("length", None)
+
+
+async def test_stop_strings_are_searched_in_the_generated_text_only() -> None:
+    mock = engine(numbered=True, split_every=3)
+    # The echoed prompt holds " n2 " and the prompt string "fox": neither stops the answer.
+    six = tokenize("a b c d e f")
+    echoed = (await call(mock, "POST", "/v1/completions", completion(prompt=six, max_tokens=3, stop=["n2 "]))).json()
+    assert echoed["choices"][0]["text"] == numbered(0, 9) and echoed["choices"][0]["finish_reason"] == "length"
+    streamed = choices(await call(mock, "POST", "/v1/completions",
+                                  completion(prompt=six, max_tokens=3, stop=["n2 "], stream=True)))
+    assert "".join(text_of(c) for c in streamed) == numbered(0, 9)
+    by_text = (await call(mock, "POST", "/v1/completions", completion(max_tokens=2, stop="fox"))).json()
+    assert by_text["choices"][0]["text"] == " n4 n5" and by_text["choices"][0]["stop_reason"] is None
+    # With split characters and coalescing too, the streamed text is the non-streamed text.
+    shaped = engine(numbered=True, split_every=2, tokens_per_event=3)
+    fields = {"max_tokens": 30, "stop": ["n17 n"]}
+    whole = (await call(shaped, "POST", "/v1/completions", completion(**fields))).json()["choices"][0]
+    assert whole["text"] == numbered(4, 17) + " " and whole["stop_reason"] == "n17 n"
+    streamed = choices(await call(shaped, "POST", "/v1/completions", completion(**fields, stream=True)))
+    assert "".join(text_of(c) for c in streamed) == whole["text"] and streamed[-1]["finish_reason"] == "stop"
+
+
+async def test_a_bad_stop_is_a_400() -> None:
+    mock = engine()
+    for stop in (3, [1, 2], {"s": 1}, [""]):
+        answer = await call(mock, "POST", "/v1/completions", completion(stop=stop))
+        assert answer.status == 400 and "stop" in answer.json()["error"]["message"], stop
+    assert (await call(mock, "POST", "/v1/chat/completions", chat(stop=[None]))).status == 400
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--split-chars-every", "1"], "--split-chars-every"), (["--split-chars-every", "-2"], "--split-chars-every"),
+    (["--tokens-per-event", "0"], "--tokens-per-event")])
+def test_main_rejects_bad_stream_shape_flags(flags: list[str], named: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--role", "decode", *flags])
+    assert exited.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_stream_shape_flags_make_settings() -> None:
+    args = build_parser(argparse.ArgumentParser()).parse_args(
+        ["--role", "decode", "--split-chars-every", "4", "--tokens-per-event", "3"])
+    settings = _settings_from_args(args)
+    assert (settings.split_every, settings.tokens_per_event) == (4, 3)
+    assert (MockSettings(role="decode").split_every, MockSettings(role="decode").tokens_per_event) == (0, 1)
+
+
+async def test_socket_stream_with_every_shape_at_once(nursery: trio.Nursery) -> None:
+    settings = MockSettings(role="decode", numbered=True, split_every=2, tokens_per_event=2, sse_writes="per-event")
+    service = await nursery.start(serve_mock, settings)
+    body = completion(max_tokens=10, stream=True, return_token_ids=True, stop=" n9")
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{service.engine.port}", timeout=5) as client:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            lines = [line async for line in response.aiter_lines() if line]
+    service.stop(0)
+    assert lines[-1] == "data: [DONE]"
+    streamed = [json.loads(line.removeprefix("data: "))["choices"][0] for line in lines[:-1]]
+    # Two tokens to an event, odd positions first halves, the last 2 characters held back for " n9"; the
+    # first half n9 gives no text, so token n10 (" n9 n10") completes the stop string and ends the answer.
+    assert [(c["text"], c["token_ids"]) for c in streamed] == [
+        (" ", tokenize("n4 n5")), ("n4 n5 ", tokenize("n6 n7")), ("n6 n7 ", tokenize("n8 n9")),
+        ("n8", tokenize("n10"))]
+    assert (streamed[-1]["finish_reason"], streamed[-1]["stop_reason"]) == ("stop", " n9")

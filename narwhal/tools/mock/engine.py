@@ -15,6 +15,22 @@ prompt takes positions 0..L-1) is ``" n{p}"``, so an answer continued from its
 prompt plus its output so far reads on without a repeat or a gap.
 ``return_token_ids`` and ``continue_final_message`` behave as in vLLM 0.32.
 
+Three vLLM 0.32 stream behaviours a router must survive, off by default:
+``split_every`` K (``--split-chars-every``) makes the generated token at each
+position ``p`` with ``p % K == K - 1`` the first half of a character, sent as
+vLLM sends a token that ends inside a character: its own token ID and empty
+text, its text going out with the next token's. A token-ID prompt that ends on
+such a first half then gets the *echo* of vLLM 0.32's detokenizer (tokenizers'
+``DecodeStream`` finds no clean prefix of the prompt to start from): the first
+text it sends is the whole prompt's text (the mock's stand-in:
+``" n0 n1 ... n{L-1}"``) followed by the generated text. ``tokens_per_event``
+N (``--tokens-per-event``) puts N tokens in one SSE event, as vLLM does when
+its output loop falls behind. A request's ``stop`` strings (and
+``include_stop_str_in_output``) end the answer as vLLM's: searched in the
+generated text only, ``finish_reason`` "stop" with the string as
+``stop_reason``, and while streaming the last ``max(len(stop)) - 1``
+characters held back until more text or the end comes.
+
 Fault injection (``narwhal.tools.mock.faults``) is set with ``--fault`` or at run time
 through ``/mock/faults``; ``/mock/stats`` reports what the engine saw.
 """
@@ -113,6 +129,8 @@ class _CompletionBody(msgspec.Struct):
     return_token_ids: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
 
 
 class _BadRequest(NarwhalError):
@@ -205,6 +223,10 @@ class MockSettings(msgspec.Struct, frozen=True, kw_only=True):
     # token it did not find cached; prefills then run one at a time, so misses cost and queues form.
     prefix_cache_blocks: int = 0
     prefill_s_per_token: float = 0.0
+    # vLLM 0.32's stream shapes (see the module docstring): every K-th sequence position a character's
+    # first half (0: none), and N tokens per SSE event.
+    split_every: int = 0
+    tokens_per_event: int = 1
 
     @property
     def effective_kv_roles(self) -> tuple[str, ...]:
@@ -317,6 +339,45 @@ class _Completion(msgspec.Struct, frozen=True, kw_only=True):
     include_usage: bool
     # The prompt's token IDs when the request asked for token IDs back (return_token_ids).
     prompt_ids: list[int] | None = None
+    # The prompt was given as token IDs (only such a prompt can end inside a character).
+    ids_prompt: bool = False
+    stop: tuple[str, ...] = ()
+    include_stop: bool = False
+    # Some option changes the answer's shape: it goes through ``_generate``, not the fast path.
+    shaped: bool = False
+
+
+@dataclasses.dataclass
+class _Answer:
+    """A shaped answer: per generated token its ID and the text its SSE event carries."""
+
+    ids: list[int] = dataclasses.field(default_factory=list)
+    texts: list[str] = dataclasses.field(default_factory=list)
+    # The stop string that ended the answer; None when max_tokens did.
+    stop: str | None = None
+
+
+def _find_stop(output: str, new_chars: int, stops: tuple[str, ...], include: bool,
+               searched_from: int) -> tuple[str, int] | None:
+    """The stop string the newest ``new_chars`` completed and where the text ends, as vLLM's stop checker."""
+    # vLLM checks the strings in the request's order and looks only where the new text could complete one.
+    for stop in stops:
+        at = output.find(stop, max(searched_from, len(output) + 1 - new_chars - len(stop)))
+        if at != -1:
+            return stop, at + len(stop) if include else at
+    return None
+
+
+def _lead(shape: _Shape, job: _Completion, events: list[bytes]) -> list[bytes]:
+    """Put a chat's role event in front of the first token event."""
+    if events and shape.role_event:
+        role = shape.role_event
+        if job.prompt_ids is not None:
+            # vLLM 0.32 sends a chat's prompt IDs at the top level of its first chunk.
+            role = role.replace(b'"choices":', b'"prompt_token_ids":' + _encode(job.prompt_ids)
+                                + b',"choices":', 1)
+        events[0] = role + events[0]
+    return events
 
 
 # ----- the engine ----------------------------------------------------------------
@@ -540,10 +601,17 @@ class MockEngine:
                               f"tokens. However, you requested {prompt_tokens + max_tokens} tokens "
                               f"({prompt_tokens} in the messages, {max_tokens} in the completion).")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        if "" in stop:
+            raise _BadRequest(400, "stop strings must not be empty")
+        settings = self.settings
         # A prefill is answered in one JSON body, whatever it asked for.
         return _Completion(op=op, handoff=handoff, chat=chat, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
                            stream=body.stream and not handoff, include_usage=include_usage,
-                           prompt_ids=prompt_ids if body.return_token_ids else None)
+                           prompt_ids=prompt_ids if body.return_token_ids else None,
+                           ids_prompt=not chat and isinstance(body.prompt, list), stop=stop,
+                           include_stop=body.include_stop_str_in_output,
+                           shaped=bool(stop) or settings.split_every > 0 or settings.tokens_per_event > 1)
 
     def _record(self, request: Request, job: _Completion, kv: dict[str, Any] | None) -> None:
         stats = self.stats
@@ -581,11 +649,16 @@ class MockEngine:
             return
         if first_delay_s is not None:
             await trio.sleep(first_delay_s)
+        if job.shaped:
+            shaped = self._generate(job)
+            text, token_ids, stop_reason = "".join(shaped.texts), shaped.ids, shaped.stop
+        else:
+            texts = [self._text(job, i) for i in range(job.max_tokens)]
+            text, token_ids, stop_reason = b"".join(texts).decode(), [_text_id(t) for t in texts], None
         if token_delay_s:
-            await trio.sleep(token_delay_s * job.max_tokens)
-        texts = [self._text(job, i) for i in range(job.max_tokens)]
-        text = b"".join(texts).decode()
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": "length", "stop_reason": None}
+            await trio.sleep(token_delay_s * len(token_ids))
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": "length" if stop_reason is None
+                                  else "stop", "stop_reason": stop_reason}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -593,12 +666,12 @@ class MockEngine:
         answer: dict[str, Any] = {
             "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": self.settings.model, "choices": [choice],
-            "usage": _usage(job.prompt_tokens, job.max_tokens),
+            "usage": _usage(job.prompt_tokens, len(token_ids)),
         }
         if job.prompt_ids is not None:
             # vLLM 0.32: completions carry prompt IDs in the choice, chat at the top level.
             (choice if not chat else answer)["prompt_token_ids"] = job.prompt_ids
-            choice["token_ids"] = [_text_id(t) for t in texts]
+            choice["token_ids"] = token_ids
         cut = applied.get(Mode.CUT)
         if cut and not job.handoff:
             raw = _encode(answer)
@@ -661,19 +734,73 @@ class MockEngine:
                 if i == 0 and not job.chat:
                     extra = b',"prompt_token_ids":' + _encode(job.prompt_ids) + extra
                 events.append(shape.token_event(text, i == n - 1, extra))
-        if events and shape.role_event:
-            role = shape.role_event
+        return _lead(shape, job, events)
+
+    def _generate(self, job: _Completion) -> _Answer:
+        """The answer token by token as vLLM's detokenizer emits it: split characters, the echo, stop strings."""
+        split = self.settings.split_every
+        length = job.prompt_tokens
+        # vLLM 0.32's echo: a token-ID prompt ending inside a character makes the first text the whole
+        # prompt's (the completed character's first half, at position L-1, included).
+        echo = split > 0 and job.ids_prompt and length > 0 and (length - 1) % split == split - 1
+        output = "".join(f" n{p}" for p in range(length)) if echo else ""
+        searched_from = len(output)  # stop strings are looked for in the generated text only
+        hold = max(map(len, job.stop)) - 1 if job.stop and not job.include_stop else 0
+        answer = _Answer()
+        sent = 0
+        pending = ""  # a character's first half, waiting for the token that completes it
+        for i in range(job.max_tokens):
+            raw = self._text(job, i)
+            answer.ids.append(_text_id(raw))
+            final = i == job.max_tokens - 1
+            if split and (length + i) % split == split - 1 and not final:
+                pending, new = raw.decode(), ""
+            else:
+                new, pending = pending + raw.decode(), ""
+            output += new
+            end = len(output)
+            if new and job.stop:
+                found = _find_stop(output, len(new), job.stop, job.include_stop, searched_from)
+                if found is not None:
+                    answer.stop, end = found
+                    final = True
+            # Until the end, the last ``hold`` characters wait: they may be the start of a stop string.
+            upto = end if final else max(sent, end - hold)
+            answer.texts.append(output[sent:upto])
+            sent = upto
+            if final:
+                break
+        return answer
+
+    def _shaped_events(self, shape: _Shape, job: _Completion, answer: _Answer, count: int) -> list[bytes]:
+        """The SSE events of the answer's first ``count`` tokens, ``tokens_per_event`` tokens to an event."""
+        per = self.settings.tokens_per_event
+        total = len(answer.ids)
+        if answer.stop is None:
+            last = shape.last
+        else:
+            last = b',"logprobs":null,"finish_reason":"stop","stop_reason":%b}]}\n\n' % _encode(answer.stop)
+        events = []
+        # A fault that cuts after ``count`` tokens cuts after exactly that many: the event before the cut
+        # carries what the output loop had, which may be fewer than ``per`` tokens.
+        for start in range(0, count, per):
+            end = min(start + per, count)
+            extra = b""
             if job.prompt_ids is not None:
-                # vLLM 0.32 sends a chat's prompt IDs at the top level of its first chunk.
-                role = role.replace(b'"choices":', b'"prompt_token_ids":' + _encode(job.prompt_ids)
-                                    + b',"choices":', 1)
-            events[0] = role + events[0]
-        return events
+                extra = b',"token_ids":' + _encode(answer.ids[start:end])
+                if start == 0 and not job.chat:
+                    extra = b',"prompt_token_ids":' + _encode(job.prompt_ids) + extra
+            # The mock's texts are ASCII words: JSON-safe as they are.
+            text = "".join(answer.texts[start:end]).encode()
+            events.append(b"".join((shape.head, shape.open_text, text, shape.close_text, extra,
+                                    last if end == total else shape.mid)))
+        return _lead(shape, job, events)
 
     async def _stream(self, responder: Responder, shape: _Shape, job: _Completion, applied: Applied,
                       token_delay_s: float, first_delay_s: float | None) -> None:
         """Write the SSE answer: one write per token when paced, else head+first token, then the rest."""
-        n = job.max_tokens
+        answer = self._generate(job) if job.shaped else None
+        n = job.max_tokens if answer is None else len(answer.ids)
         stall = applied.get(Mode.STALL)
         garbage = applied.get(Mode.GARBAGE_STREAM)
         closed = applied.get(Mode.CUT)
@@ -683,7 +810,12 @@ class MockEngine:
             count = min(n, n // 2 if after is None else after)
         else:
             count = min(n, cut.params["after_tokens"]) if cut else n
-        events = self._events(shape, job, count)
+        if answer is None:
+            events = self._events(shape, job, count)
+        else:
+            events = self._shaped_events(shape, job, answer, count)
+            # The pause is per token: an event of N tokens comes N pauses after the one before.
+            token_delay_s *= self.settings.tokens_per_event
         if closed:
             # Half the answer, then the connection closes: no [DONE], no chunked terminator.
             await self._write_each(responder, events, token_delay_s)
@@ -916,6 +1048,11 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help='generated token at sequence position P is " nP" (a continuation shows a repeat '
                              "or a gap at once)")
     parser.add_argument("--token-delay-s", type=float, default=0.0, help="pause before each token (default 0)")
+    parser.add_argument("--split-chars-every", type=int, default=0, metavar="K",
+                        help="the generated token at every sequence position P with P %% K == K-1 is the first "
+                             "half of a character, sent as vLLM does: its ID, empty text (K >= 2; default 0: off)")
+    parser.add_argument("--tokens-per-event", type=int, default=1, metavar="N",
+                        help="N tokens per SSE event, as vLLM sends when its output loop is behind (default 1)")
     parser.add_argument("--sse-writes", choices=("batched", "per-event"), default="batched",
                         help="batched: head and first token, then the rest in one write (default); "
                              "per-event: every SSE event, [DONE] and the terminator in its own write, as vLLM does")
@@ -948,6 +1085,10 @@ def _settings_from_args(args: argparse.Namespace) -> MockSettings:
         raise ValueError("--tokens and --max-model-len must be >= 1, --token-delay-s >= 0, --idle-timeout-s > 0")
     if (args.tls_cert_file is None) != (args.tls_key_file is None):
         raise ValueError("--tls-cert-file and --tls-key-file go together")
+    if args.split_chars_every < 0 or args.split_chars_every == 1:
+        raise ValueError(f"--split-chars-every must be 0 (off) or >= 2, got {args.split_chars_every}")
+    if args.tokens_per_event < 1:
+        raise ValueError(f"--tokens-per-event must be >= 1, got {args.tokens_per_event}")
     if args.tls_client_ca_file is not None and args.tls_cert_file is None:
         raise ValueError("--tls-client-ca-file needs --tls-cert-file and --tls-key-file")
     return MockSettings(
@@ -957,7 +1098,8 @@ def _settings_from_args(args: argparse.Namespace) -> MockSettings:
         faults=tuple(args.fault),
         idle_timeout_s=args.idle_timeout_s, sse_writes=args.sse_writes, tls_cert_file=args.tls_cert_file,
         tls_key_file=args.tls_key_file, tls_client_ca_file=args.tls_client_ca_file,
-        prefix_cache_blocks=args.prefix_cache_blocks, prefill_s_per_token=args.prefill_s_per_token)
+        prefix_cache_blocks=args.prefix_cache_blocks, prefill_s_per_token=args.prefill_s_per_token,
+        split_every=args.split_chars_every, tokens_per_event=args.tokens_per_event)
 
 
 async def _run(settings: MockSettings) -> None:
