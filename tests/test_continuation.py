@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import zlib
 from typing import Any
 
 import msgspec
@@ -705,3 +706,84 @@ def test_the_first_legs_fast_strip_and_count_match_the_reference(seed):
             expected = expected if client_ids else strip_kv_from_events(_reference_strip(expected))
         assert out == expected
         assert join.tokens == _reference_tokens(raw_all)
+
+
+def make_shaped(**shape: Any):
+    """``make`` with mock engines that stream as a busy vLLM with a byte-level tokenizer does."""
+    core, supervisor, pool, engines, metrics = make(decode=("d1", "d2"))
+    for name, engine in list(engines.items()):
+        engines[name] = MockEngine(msgspec.structs.replace(engine.settings, **shape))
+    return core, supervisor, pool, engines, metrics
+
+
+@pytest.mark.parametrize("route", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("client_ids", [False, True], ids=["ids_stripped", "ids_asked"])
+async def test_a_join_inside_a_character_resumes_before_it_and_nothing_is_echoed(caplog, route, client_ids):
+    # Every third position is the first half of a character. Cut after 3 tokens, the engine dies right after one:
+    # resuming at the exact token would make the next engine echo its whole prompt (as vLLM does).
+    core, _, pool, _, _ = make_shaped(split_every=3)
+    pool.cuts = [3]
+    sink = ClientSink()
+    extra = {"return_token_ids": True} if client_ids else {}
+    with caplog.at_level("INFO", logger="narwhal.events"):
+        await core.handle(route, request_body(route, **extra), None, sink)
+    prompt = PROMPT_TOKENS[route]
+    assert (prompt + 2) % 3 == 2, "the third generated token must be a first half"
+    if client_ids:
+        events = sink.events()
+        ids = [i for e in events[:-1] for c in e["choices"] for i in c.get("token_ids") or []]
+        # Each token's ID once, in order (the mock's ID of " nP" is crc32("nP") % 32000).
+        assert ids == [zlib.crc32(b"n%d" % p) % 32000 for p in range(prompt, prompt + 10)]
+        for event in events[:-1]:
+            for choice in event["choices"]:
+                choice.pop("token_ids", None)
+                event.pop("prompt_token_ids", None)
+                choice.pop("prompt_token_ids", None)
+        sink.body = b"".join(b"data: " + (json.dumps(e).encode() if e != "[DONE]" else b"[DONE]") + b"\n\n"
+                             for e in events)
+    check_one_stream(sink, chat=route == CHAT, prompt_tokens=prompt, max_tokens=10)
+    second = decode_calls(pool)[1][2]
+    # The continuation's prompt ends before the half character; the new engine generates it again.
+    assert len(second["prompt"]) == prompt + 2 and second["max_tokens"] == 8
+    line = request_line(caplog)
+    assert line["regenerated_tokens"] == 1 and line["tokens"] == 10 and line["continuations"] == 1
+
+
+# A four-word prompt, two tokens per event, every third position the first half of a character (5, 8, ...). Cut after
+# 4 tokens: events " n4" (4 and 5) and " n5 n6 n7" (6 and 7), no event of one token with text, so no point inside the
+# answer is known to end on a whole character: back to the original prompt. Cut after 3: the last event is token 6
+# alone with text " n5 n6", a known whole character.
+@pytest.mark.parametrize("cut_after, resumed_after", [(4, 0), (3, 3)])
+async def test_a_join_after_events_of_several_tokens_goes_back_to_a_known_whole_character(
+        caplog, cut_after, resumed_after):
+    core, _, pool, _, _ = make_shaped(split_every=3, tokens_per_event=2)
+    pool.cuts = [cut_after]
+    sink = ClientSink()
+    with caplog.at_level("INFO", logger="narwhal.events"):
+        await core.handle(COMPLETIONS, request_body(COMPLETIONS, prompt="one two three four"), None, sink)
+    # The client gets nothing twice.
+    check_one_stream(sink, chat=False, prompt_tokens=4, max_tokens=10)
+    second = decode_calls(pool)[1][2]
+    assert len(second["prompt"]) == 4 + resumed_after and second["max_tokens"] == 10 - resumed_after
+    assert request_line(caplog)["regenerated_tokens"] == cut_after - resumed_after
+
+
+@pytest.mark.parametrize("include", [False, True])
+async def test_a_stop_string_across_a_join_ends_the_answer_as_without_the_failure(include):
+    # " n3 n4 n5 n6 ...": "5 n6" spans tokens 5 and 6; the engine dies after token 5.
+    request = request_body(COMPLETIONS, stop=["5 n6"], include_stop_str_in_output=include)
+    core, _, pool, _, _ = make(decode=("d1", "d2"))
+    reference = ClientSink()
+    await core.handle(COMPLETIONS, request, None, reference)
+    core, _, pool, _, _ = make(decode=("d1", "d2"))
+    pool.cuts = [3]
+    sink = ClientSink()
+    await core.handle(COMPLETIONS, request, None, sink)
+    assert len(decode_calls(pool)) == 2
+    ref_events, events = reference.events(), sink.events()
+    assert text_of(events, False) == text_of(ref_events, False) == (" n3 n4 n5 n6" if include else " n3 n4 n")
+    finals = [(c["finish_reason"], c.get("stop_reason")) for e in events[:-1] for c in e["choices"]
+              if c.get("finish_reason")]
+    assert finals == [("stop", "5 n6")]
+    assert [e["usage"] for e in events[:-1] if e.get("usage")] == [e["usage"] for e in ref_events[:-1]
+                                                                     if e.get("usage")]

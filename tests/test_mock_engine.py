@@ -817,7 +817,8 @@ async def test_a_stream_cut_after_a_first_half_never_sends_its_text() -> None:
 
 async def test_the_echo_comes_exactly_when_a_token_id_prompt_ends_on_a_first_half() -> None:
     mock = engine(numbered=True, split_every=3)
-    six = tokenize("a b c d e f")  # position 5 is a first half
+    # Position 5 is a first half, and the prompt's last token is the one the mock generates there (" n5").
+    six = tokenize("a b c d e n5")
     echoed = choices(await call(mock, "POST", "/v1/completions", completion(prompt=six, max_tokens=3, stream=True)))
     # As vLLM 0.32's detokenizer: the whole prompt's text, the completed character, then on as usual.
     assert [text_of(c) for c in echoed] == [numbered(0, 6) + " n6", " n7", " n8"]
@@ -833,6 +834,10 @@ async def test_the_echo_comes_exactly_when_a_token_id_prompt_ends_on_a_first_hal
     plain = choices(await call(engine(numbered=True), "POST", "/v1/completions",
                                completion(prompt=six, max_tokens=2, stream=True)))
     assert [text_of(c) for c in plain] == [" n6", " n7"]
+    # A prompt's own words are whole characters, wherever they end.
+    words = choices(await call(mock, "POST", "/v1/completions", completion(prompt=tokenize("a b c d e f"),
+                                                                           max_tokens=2, stream=True)))
+    assert [text_of(c) for c in words] == [" n6", " n7"]
 
 
 async def test_tokens_per_event_coalesces_tokens_and_their_ids(autojump_clock: Any) -> None:
@@ -904,7 +909,7 @@ async def test_stop_string_spanning_two_tokens_ends_the_answer() -> None:
 async def test_stop_strings_are_searched_in_the_generated_text_only() -> None:
     mock = engine(numbered=True, split_every=3)
     # The echoed prompt holds " n2 " and the prompt string "fox": neither stops the answer.
-    six = tokenize("a b c d e f")
+    six = tokenize("a b c d e n5")
     echoed = (await call(mock, "POST", "/v1/completions", completion(prompt=six, max_tokens=3, stop=["n2 "]))).json()
     assert echoed["choices"][0]["text"] == numbered(0, 9) and echoed["choices"][0]["finish_reason"] == "length"
     streamed = choices(await call(mock, "POST", "/v1/completions",

@@ -92,6 +92,33 @@ async def test_a_stream_cut_twice_reaches_the_client_whole(start_fleet, route):
     assert isinstance(stats["last_decode_body"]["prompt"], list)
 
 
+@pytest.mark.parametrize(("route", "cut_after"), [("/v1/completions", 3), ("/v1/chat/completions", 2)])
+async def test_a_join_inside_a_character_under_a_stop_string_reaches_the_client_whole(start_fleet, route, cut_after):
+    # Engines that stream as vLLM does with a byte-level tokenizer: every third position is the first half of a
+    # character (no text until the next token), and a token-ID prompt ending on one makes the engine echo its whole
+    # prompt. The engine dies right after a first half, while a stop string holds back 3 characters of text.
+    fleet = await start_fleet(prefill=1, decode=2, sections=BOUNDED, mock_args=[*MOCK, "--split-chars-every", "3"])
+    for name in ("d1", "d2"):
+        await fleet.set_fault(name, "cut", after_tokens=cut_after, count=1)
+    chat = route == "/v1/chat/completions"
+    body: dict[str, Any] = {"model": "mock-model", "max_tokens": 12, "stream": True, "stop": ["@@@@"],
+                            "stream_options": {"include_usage": True}}
+    if chat:
+        body["messages"] = [{"role": "user", "content": "count from here"}]
+    else:
+        body["prompt"] = "count from here"
+    events = await stream_events(fleet.client, fleet.url, route, body)
+    assert_one_answer(events, chat=chat, prompt_tokens=4 if chat else 3, max_tokens=12)
+    request = (await fleet.router.wait_event("request", route=route))[0]
+    assert request["continuations"] >= 1 and request["tokens"] == 12
+    # The join went back to a whole character, before the held-back text: the next engine generated those
+    # tokens again and the client got each once.
+    assert request["regenerated_tokens"] >= 1
+    stats = await fleet.engine_stats(request["decode"])
+    prompt = stats["last_decode_body"]["prompt"]
+    assert isinstance(prompt, list) and len(prompt) < (4 if chat else 3) + cut_after
+
+
 async def test_every_worker_continues_streams(start_fleet):
     sections = {**BOUNDED, "serving": {**BOUNDED["serving"], "workers": 2}}
     fleet = await start_fleet(prefill=1, decode=2, sections=sections, mock_args=MOCK)

@@ -20,7 +20,8 @@ Three vLLM 0.32 stream behaviours a router must survive, off by default:
 position ``p`` with ``p % K == K - 1`` the first half of a character, sent as
 vLLM sends a token that ends inside a character: its own token ID and empty
 text, its text going out with the next token's. A token-ID prompt that ends on
-such a first half then gets the *echo* of vLLM 0.32's detokenizer (tokenizers'
+such a generated first half (numbered mode: the last ID is that of ``" n{L-1}"``;
+a prompt's own words are whole characters) then gets the *echo* of vLLM 0.32's detokenizer (tokenizers'
 ``DecodeStream`` finds no clean prefix of the prompt to start from): the first
 text it sends is the whole prompt's text (the mock's stand-in:
 ``" n0 n1 ... n{L-1}"``) followed by the generated text. ``tokens_per_event``
@@ -339,7 +340,8 @@ class _Completion(msgspec.Struct, frozen=True, kw_only=True):
     include_usage: bool
     # The prompt's token IDs when the request asked for token IDs back (return_token_ids).
     prompt_ids: list[int] | None = None
-    # The prompt was given as token IDs (only such a prompt can end inside a character).
+    # The prompt was given as token IDs and ends on a generated token (only such a prompt can end inside a
+    # character: a prompt's own words are whole).
     ids_prompt: bool = False
     stop: tuple[str, ...] = ()
     include_stop: bool = False
@@ -609,9 +611,17 @@ class MockEngine:
         return _Completion(op=op, handoff=handoff, chat=chat, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
                            stream=body.stream and not handoff, include_usage=include_usage,
                            prompt_ids=prompt_ids if body.return_token_ids else None,
-                           ids_prompt=not chat and isinstance(body.prompt, list), stop=stop,
+                           ids_prompt=not chat and isinstance(body.prompt, list) and self._ends_generated(prompt_ids),
+                           stop=stop,
                            include_stop=body.include_stop_str_in_output,
                            shaped=bool(stop) or settings.split_every > 0 or settings.tokens_per_event > 1)
+
+    def _ends_generated(self, prompt_ids: list[int]) -> bool:
+        """Whether a token-ID prompt's last token is one this mock generates at that position (numbered mode;
+        without it any last token is taken as generated)."""
+        if not self.settings.numbered or not prompt_ids:
+            return True
+        return prompt_ids[-1] == _text_id(b" n%d" % (len(prompt_ids) - 1))
 
     def _record(self, request: Request, job: _Completion, kv: dict[str, Any] | None) -> None:
         stats = self.stats
