@@ -56,16 +56,11 @@ def assert_one_answer(events: list[Any], *, chat: bool, prompt_tokens: int, max_
         assert all("token_ids" not in ch for ch in chunk["choices"])
 
 
-@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
-async def test_a_stream_cut_twice_reaches_the_client_whole(start_fleet, route):
-    fleet = await start_fleet(prefill=1, decode=2, sections=BOUNDED, mock_args=MOCK)
-    # Each decode engine cuts its next stream after 4 tokens: leg 1 on one, its continuation on the
-    # other (cut again), the second continuation back on the first, which now finishes.
-    for name in ("d1", "d2"):
-        await fleet.set_fault(name, "cut", after_tokens=4, count=1)
+async def count_from_here(fleet: Any, route: str, **extra: Any) -> None:
+    """Stream a 12-token answer to "count from here" and check the client got it whole."""
     chat = route == "/v1/chat/completions"
     body: dict[str, Any] = {"model": "mock-model", "max_tokens": 12, "stream": True,
-                            "stream_options": {"include_usage": True}}
+                            "stream_options": {"include_usage": True}, **extra}
     if chat:
         body["messages"] = [{"role": "user", "content": "count from here"}]
     else:
@@ -73,6 +68,16 @@ async def test_a_stream_cut_twice_reaches_the_client_whole(start_fleet, route):
     events = await stream_events(fleet.client, fleet.url, route, body)
     # The mock's tokenizer: a token per word, plus one per chat message for its role.
     assert_one_answer(events, chat=chat, prompt_tokens=4 if chat else 3, max_tokens=12)
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+async def test_a_stream_cut_twice_reaches_the_client_whole(start_fleet, route):
+    fleet = await start_fleet(prefill=1, decode=2, sections=BOUNDED, mock_args=MOCK)
+    # Each decode engine cuts its next stream after 4 tokens: leg 1 on one, its continuation on the
+    # other (cut again), the second continuation back on the first, which now finishes.
+    for name in ("d1", "d2"):
+        await fleet.set_fault(name, "cut", after_tokens=4, count=1)
+    await count_from_here(fleet, route)
 
     request = (await fleet.router.wait_event("request", route=route))[0]
     assert request["continuations"] == 2 and request["attempts"] == 3 and request["tokens"] == 12
@@ -101,14 +106,7 @@ async def test_a_join_inside_a_character_under_a_stop_string_reaches_the_client_
     for name in ("d1", "d2"):
         await fleet.set_fault(name, "cut", after_tokens=cut_after, count=1)
     chat = route == "/v1/chat/completions"
-    body: dict[str, Any] = {"model": "mock-model", "max_tokens": 12, "stream": True, "stop": ["@@@@"],
-                            "stream_options": {"include_usage": True}}
-    if chat:
-        body["messages"] = [{"role": "user", "content": "count from here"}]
-    else:
-        body["prompt"] = "count from here"
-    events = await stream_events(fleet.client, fleet.url, route, body)
-    assert_one_answer(events, chat=chat, prompt_tokens=4 if chat else 3, max_tokens=12)
+    await count_from_here(fleet, route, stop=["@@@@"])
     request = (await fleet.router.wait_event("request", route=route))[0]
     assert request["continuations"] >= 1 and request["tokens"] == 12
     # The join went back to a whole character, before the held-back text: the next engine generated those
