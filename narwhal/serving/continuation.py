@@ -55,12 +55,22 @@ _CHAT_AS_COMPLETION = frozenset({
 _CHAT_ONLY = ("messages", "max_completion_tokens", "add_generation_prompt", "continue_final_message",
               "chat_template", "chat_template_kwargs")
 
+# A completions request without max_tokens gets 16 (OpenAI's default, and vLLM's).
+_COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
 _decode_json = msgspec.json.Decoder()
 _encode_json = msgspec.json.Encoder()
 
 
 class _Delta(msgspec.Struct):
     content: str | None = None
+    # A reasoning parser's output (vLLM names it either way across versions).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
+class EngineErrorEvent(ValueError):
+    """An engine ended its stream with an error event (vLLM does when its engine core dies): a failed stream."""
 
 
 class _Choice(msgspec.Struct):
@@ -177,7 +187,41 @@ def _stop_lookback(request: dict[str, Any]) -> tuple[int, int]:
     span = max((len(s) for s in stops), default=1) - 1
     if span <= 0:
         return 0, 0
-    return (0 if request.get("include_stop_str_in_output") is True else span), span
+    return (0 if _lax_bool(request.get("include_stop_str_in_output")) else span), span
+
+
+_TRUE_WORDS = frozenset({"1", "on", "t", "true", "y", "yes"})
+
+
+def _lax_bool(value: Any) -> bool:
+    """A boolean request field as vLLM reads it (pydantic's lax mode: 1 and "true" are true)."""
+    if isinstance(value, str):
+        return value.strip().lower() in _TRUE_WORDS
+    return value is True or (_is_int(value) and value == 1)
+
+
+# How an engine's error event starts (vLLM 0.32: {"error": {...}}; older: {"object": "error", ...}). A JSON string
+# cannot hold either unescaped, so a token's text never matches.
+_ERROR_MARK = b'data: {"error"'
+_OLD_ERROR_MARK = b'"object":"error"'
+
+
+def _error_message(obj: dict[str, Any]) -> str:
+    error = obj.get("error")
+    message = error.get("message") if isinstance(error, dict) else obj.get("message")
+    return f"the engine ended its stream with an error event: {str(message)[:200]}"
+
+
+def _raise_error_events(complete: bytes) -> None:
+    """Raise EngineErrorEvent if one of these complete events is an engine's error event."""
+    for event in complete.split(b"\n\n"):
+        if event.startswith(_DATA) and (_ERROR_MARK[6:] in event or _OLD_ERROR_MARK in event):
+            try:
+                obj = _decode_json.decode(event[len(_DATA):])
+            except (msgspec.DecodeError, RecursionError):
+                continue
+            if isinstance(obj, dict) and ("error" in obj or obj.get("object") == "error"):
+                raise EngineErrorEvent(_error_message(obj))
 
 
 def _drop_logprobs(choice: dict[str, Any], count: int) -> None:
@@ -248,9 +292,13 @@ class StreamJoin:
         # The client's text after the current leg's resume point: what the leg generates again is compared with it.
         self._overlap_text = ""
         self._overlap_from = 0
-        # Tokens a continuation generated again (the client had them) and whether any came out different.
+        # Tokens a continuation generated again (the client had them) and whether any came out different
+        # (ever, and in the current leg).
         self.regenerated = 0
         self.diverged = False
+        self._leg_diverged = False
+        # Why the answer cannot be resumed once started (None: it can).
+        self.not_resumable: str | None = None
 
     # -- what was relayed ---------------------------------------------------
 
@@ -320,11 +368,13 @@ class StreamJoin:
     # -- legs ------------------------------------------------------------------
 
     def next_leg(self) -> tuple[str, dict[str, Any]] | None:
-        """The route and body of the next decode leg; None when the answer cannot be resumed."""
+        """The route and body of the next decode leg; None when the answer cannot be resumed
+        (``not_resumable`` says why)."""
         self.fold()
         self._buffer = b""
         self._leg_done = False
         self.leg_relayed = False
+        self._leg_diverged = False
         self.tokens_before += self.leg_tokens
         self.leg_tokens = 0
         body = dict(self.request)
@@ -334,10 +384,18 @@ class StreamJoin:
         if not self.started:
             self.leg_route = self.route
             return self.route, body
-        exact = self.ids_complete and self.prompt_ids is not None
+        if self.not_resumable is not None:
+            return None
+        ids = self.ids_complete and self.prompt_ids is not None
+        exact = ids and (not self.chat or set(self.request) <= _CHAT_AS_COMPLETION)
         if exact:
             self._resume_exactly()
+        else:
+            self._resume_from_text()
         produced = self.tokens_before
+        if not self.chat and "max_tokens" not in body:
+            # The completions default (OpenAI's and vLLM's) holds for the whole answer, not for each leg.
+            body["max_tokens"] = _COMPLETIONS_DEFAULT_MAX_TOKENS
         for key in ("max_tokens", "max_completion_tokens", "min_tokens"):
             value = body.get(key)
             if _is_int(value):
@@ -352,28 +410,25 @@ class StreamJoin:
                 if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
                     prompt = prompt[0]
                 if not isinstance(prompt, str):
-                    # A token-ID prompt with text-only output: no exact place to resume.
+                    self.not_resumable = "token_id_prompt_without_ids"
                     return None
                 body["prompt"] = prompt + self.output_text
-                self._engine_pos = self._sent_chars
-                self._overlap_text = ""
             self.leg_route = COMPLETIONS
             return COMPLETIONS, body
-        if exact and set(self.request) <= _CHAT_AS_COMPLETION:
+        if exact:
             # The chat template was applied once, by the first leg: its prompt IDs plus the
             # output IDs resume at the exact token, which only a completions request accepts.
             assert self.prompt_ids is not None
             wanted = body.get("max_completion_tokens", body.get("max_tokens"))
             for key in _CHAT_ONLY:
                 body.pop(key, None)
-            if wanted is not None:
-                body["max_tokens"] = wanted
+            # Explicitly, even when null: a completions request left without one stops after 16 tokens, a chat
+            # answer runs to the end of the context.
+            body["max_tokens"] = wanted
             body["prompt"] = self.prompt_ids + self._token_ids
             self._chat_as_completion = True
             self.leg_route = COMPLETIONS
             return COMPLETIONS, body
-        self._engine_pos = self._sent_chars
-        self._overlap_text = ""
         messages = [dict(m) for m in body["messages"]]
         last = messages[-1]
         if (self.request.get("continue_final_message") and last.get("role") == "assistant"
@@ -386,6 +441,14 @@ class StreamJoin:
         body["add_generation_prompt"] = False
         self.leg_route = CHAT
         return CHAT, body
+
+    def _resume_from_text(self) -> None:
+        """A text join resumes after everything the client has: nothing is generated again."""
+        self.tokens_before = max(self.tokens_before, len(self._sent))
+        if len(self._token_ids) < len(self._sent):
+            self._token_ids.extend(self._sent[len(self._token_ids):])
+        self._engine_pos = self._sent_chars
+        self._overlap_text = ""
 
     def _resume_exactly(self) -> None:
         """Cut the answer's token IDs back to where the next leg resumes: the last point known to end on a whole
@@ -412,7 +475,6 @@ class StreamJoin:
             self._overlap_from = chars
         else:
             self._overlap_text = ""
-        self.regenerated += len(self._sent) - tokens
 
     def _advance(self, ids: list[int] | None, text: str, first_leg: bool) -> tuple[int, int]:
         """Take one choice's tokens and text as the engine sent them; returns how many leading IDs and characters
@@ -424,27 +486,38 @@ class StreamJoin:
             if ids and owed > 0:
                 at = len(self._token_ids)
                 skip_ids = min(owed, len(ids))
+                self.regenerated += skip_ids
                 if ids[:skip_ids] != self._sent[at:at + skip_ids]:
-                    self.diverged = True
-            if text and self.diverged:
+                    self.diverged = self._leg_diverged = True
+            if text and self._leg_diverged:
                 # A sampled answer that came out differently: the client keeps what it has, and gets the new
-                # engine's text from the first token it did not have.
+                # engine's text from the first event that brings a token it did not have.
                 skip_chars = len(text) if ids and owed >= len(ids) else 0
             elif text:
                 skip_chars = min(max(self._sent_chars - self._engine_pos, 0), len(text))
                 if skip_chars:
                     start = self._engine_pos - self._overlap_from
                     if text[:skip_chars] != self._overlap_text[start:start + skip_chars]:
-                        self.diverged = True
+                        self.diverged = self._leg_diverged = True
         if ids is not None:
             self._token_ids.extend(ids)
             self._sent.extend(ids[skip_ids:] if skip_ids else ids)
-        if self.diverged and not first_leg and (ids is None or owed <= len(ids)):
+        in_overlap = owed > 0 and (ids is None or owed > len(ids))
+        if self._leg_diverged and not in_overlap:
             # Past the tokens generated again: the text runs on from what the client has.
             self._engine_pos = self._sent_chars - skip_chars
         if text:
             self._engine_pos += len(text)
             self._sent_chars += len(text) - skip_chars
+            if ids is None and owed > 0 and self._engine_pos >= self._sent_chars:
+                # An engine without token IDs generated again all the client had (its text matched): the same
+                # tokens, so the answer's IDs run on as the client's.
+                self.regenerated += owed
+                self.leg_tokens += owed
+                self._token_ids.extend(self._sent[len(self._token_ids):])
+            if self._leg_diverged and in_overlap:
+                # Positions inside tokens that came out differently say nothing about the client's text.
+                return skip_ids, skip_chars
             # Held-back text is released as the engine's text grows: once some came, the engine's text is exactly
             # ``_held`` characters ahead of what it sent.
             known = self._engine_pos + self._held
@@ -521,6 +594,8 @@ class StreamJoin:
                 found = complete.find(b"[DONE]", end)
         if not complete:
             return b"", self._leg_done
+        if _ERROR_MARK in complete or _OLD_ERROR_MARK in complete:
+            _raise_error_events(complete)
         if self.id is None:
             self._note_id(complete)
         raw = complete
@@ -571,6 +646,8 @@ class StreamJoin:
             raise ValueError("an SSE data line that is not JSON") from None
         if not isinstance(obj, dict):
             raise ValueError("an SSE event that is not a JSON object")
+        if "error" in obj or obj.get("object") == "error":
+            raise EngineErrorEvent(_error_message(obj))
         first_leg = not self.continuing
         if self.id is None:
             self.id, self.created = obj.get("id"), obj.get("created")
@@ -591,7 +668,9 @@ class StreamJoin:
             for choice in choices:
                 if isinstance(choice, dict) and self._choice(choice, first_leg):
                     kept.append(choice)
-            if not kept and choices and obj.get("usage") is None:
+            if not kept and choices:
+                # Nothing of it for the client (a chat continuation's role chunk, tokens it already has); a usage
+                # it carried (continuous_usage_stats) is not the answer's: without choices it would read as the end.
                 return None
             obj["choices"] = kept
         if self._chat_as_completion:
@@ -624,6 +703,9 @@ class StreamJoin:
             if choice.prompt_token_ids is not None:
                 self._note_prompt(choice.prompt_token_ids)
             text = choice.delta.content if self.chat and choice.delta is not None else choice.text
+            if choice.delta is not None and (choice.delta.reasoning_content is not None
+                                             or choice.delta.reasoning is not None):
+                self.not_resumable = "reasoning"
             if text:
                 self.text.append(text)
             ids = choice.token_ids
@@ -677,6 +759,10 @@ class StreamJoin:
         delta = choice.get("delta") if self.chat else None
         if self.chat:
             text = delta.get("content") if isinstance(delta, dict) else None
+            if isinstance(delta, dict) and (delta.get("reasoning_content") is not None
+                                            or delta.get("reasoning") is not None):
+                # The failed engine's reasoning parser knew where the thinking ends; a continuation cannot.
+                self.not_resumable = "reasoning"
             if not first_leg and isinstance(delta, dict) and "role" in delta:
                 # The client had its role chunk from the first leg.
                 del delta["role"]
@@ -724,7 +810,8 @@ class StreamJoin:
             return
         if not self.continuing:
             return
-        usage["completion_tokens"] = completion + self.tokens_before
+        # A sampled leg may end among the tokens it generated again: the client has more than it made.
+        usage["completion_tokens"] = max(completion + self.tokens_before, len(self._sent))
         if self.prompt_ids is not None:
             usage["prompt_tokens"] = len(self.prompt_ids)
         elif _is_int(usage.get("prompt_tokens")):
@@ -737,7 +824,7 @@ class StreamJoin:
         out = b""
         if self._include_usage() and not self.usage_sent:
             prompt = len(self.prompt_ids) if self.prompt_ids is not None else 0
-            total = self.tokens_before + self.leg_tokens
+            total = max(self.tokens_before + self.leg_tokens, len(self._sent))
             obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                    "created": self.created, "model": self.request.get("model"), "choices": [],
                    "usage": {"prompt_tokens": prompt, "total_tokens": prompt + total, "completion_tokens": total}}
@@ -785,6 +872,8 @@ async def relay(join: StreamJoin, upstream: _Upstream, sink: _Sink, head: list[t
         nonlocal first, last_at, done_out
         try:
             out, done = join.feed(chunk)
+        except EngineErrorEvent as exc:
+            raise EngineFailure(engine, FailureClass.STREAM, str(exc), cause="ErrorEvent") from None
         except ValueError as exc:
             raise EngineFailure(engine, FailureClass.STREAM, f"unreadable decode stream: {exc}",
                                 cause="UnreadableEvent") from None

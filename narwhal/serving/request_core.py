@@ -447,9 +447,10 @@ class RequestCore:
                 leg = join.next_leg()
                 if leg is None:
                     self.metrics.continuations.inc("not_eligible")
-                    raise ClientError(502, "the decode failed and its answer cannot be resumed: the engine "
-                                      "sent no token IDs for a token-ID prompt", "upstream_error",
-                                      "not_continued")
+                    log_event("stream_not_continued", request_id=rid, reason=join.not_resumable)
+                    raise ClientError(502, "the decode failed and its answer cannot be resumed: "
+                                      + _NOT_RESUMABLE.get(join.not_resumable or "", "no place to resume"),
+                                      "upstream_error", "not_continued")
                 leg_route, leg_request = leg
             try:
                 await self._attempt(leg_route, leg_request, rid, rid_header, sink, started_at, outcome,
@@ -898,6 +899,13 @@ class RequestCore:
         if join.diverged and not diverged:
             log_event("continuation_diverged", level=logging.WARNING, request_id=rid, engine=engine,
                       regenerated_tokens=join.regenerated)
+
+
+# Why a started answer cannot be resumed (StreamJoin.not_resumable), for the client's error event.
+_NOT_RESUMABLE = {
+    "token_id_prompt_without_ids": "the engine sent no token IDs for a token-ID prompt",
+    "reasoning": "the answer carried a reasoning model's thinking, whose end only the failed engine's parser knew",
+}
 
 
 def _client_gone(exc: BaseException) -> ClientGone | None:
