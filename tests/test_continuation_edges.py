@@ -1,7 +1,9 @@
-"""Stream continuation edge cases: legs of mixed kinds, divergence, usage, engine error events, defaults."""
+"""Stream continuation edge cases: legs of mixed kinds, divergence, usage, engine error events, defaults (each of
+these failed in a review of the whole-character join)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from typing import Any
@@ -12,12 +14,16 @@ from test_continuation import (
     COMPLETIONS,
     PROMPT_TOKENS,
     ClientSink,
+    Upstream,
     check_one_stream,
     decode_calls,
     make_shaped,
+    numbers,
     request_body,
     request_line,
+    text_of,
 )
+from test_continuation_joins import ORIGINAL, FakeVLLM, _client_view, _request, _sequence, feed_in_pieces
 
 from narwhal.serving.continuation import StreamJoin
 
@@ -26,10 +32,8 @@ from narwhal.serving.continuation import StreamJoin
                          ids=["logprobs", "response_format_text"])
 async def test_a_chat_continued_as_text_resumes_after_all_the_client_has(caplog, extra):
     # A chat request with a key outside _CHAT_AS_COMPLETION (here logprobs, or a plain-text response_format) has
-    # complete token IDs, so next_leg runs _resume_exactly (tokens_before cut back to the resume point, regenerated
-    # counted) and only then takes the text path: the messages carry the client's WHOLE text, but max_tokens is
-    # reduced only by the resume point, and the new engine's first tokens are compared with the client's overlap IDs,
-    # flagged "diverged" and their text dropped.
+    # complete token IDs but continues as text: the messages carry the client's whole text, so nothing is cut back,
+    # max_tokens counts all the client has, and nothing the new engine says is taken for a token generated again.
     core, _, pool, _, _ = make_shaped(tokens_per_event=2)
     pool.cuts = [4]
     sink = ClientSink()
@@ -73,7 +77,7 @@ def test_regenerated_is_counted_once_per_join_not_once_per_next_leg_call():
 async def test_regenerated_tokens_in_the_request_log_grow_while_a_continuation_waits(
         caplog, autojump_clock):
     # The continuation finds no eligible decode engine for a while (queued: polled every 50 ms, no attempt
-    # counted); each poll re-runs next_leg and adds the same overlap to regenerated_tokens again.
+    # counted); each poll re-runs next_leg, which must not count the same overlap again.
     core, supervisor, pool, _, _ = make_shaped(tokens_per_event=2)
     pool.cuts = [4]
     eligible = supervisor.eligible
@@ -90,7 +94,6 @@ async def test_regenerated_tokens_in_the_request_log_grow_while_a_continuation_w
     sink = ClientSink()
     with caplog.at_level("INFO", logger="narwhal.events"):
         await core.handle(COMPLETIONS, request_body(COMPLETIONS), None, sink)
-    from test_continuation import numbers, text_of
     assert numbers(text_of(sink.events()[:-1], False)) == list(range(3, 13))
     check_one_stream(sink, chat=False, prompt_tokens=3, max_tokens=10)
     assert calls["decode"] > 5
@@ -101,7 +104,6 @@ async def test_regenerated_tokens_in_the_request_log_grow_while_a_continuation_w
 
 # -- after a divergence: a second cut in a continuation must change nothing the client sees ---------------------
 
-from test_continuation_joins import ORIGINAL, FakeVLLM, _client_view, _request, _sequence  # noqa: E402
 
 
 class _SampledVLLM(FakeVLLM):
@@ -140,13 +142,8 @@ def _run_legs(route: str, request: dict[str, Any], engines: list[FakeVLLM], cuts
             join.continuations += 1
         cut = cuts[number] if number < len(cuts) else None
         raw = engines[min(number, len(engines) - 1)].leg(leg_route, body, events_of=sizes[number], cut_after=cut)
-        at = 0
-        done = False
-        while at < len(raw):
-            step = rng.randint(1, 200)
-            out, done = join.feed(raw[at:at + step])
-            client += out
-            at += step
+        out, done = feed_in_pieces(join, raw, rng)
+        client += out
         if done:
             return client, join
     raise AssertionError("the last leg did not end")
@@ -175,8 +172,8 @@ def test_after_a_divergence_a_second_cut_changes_nothing_the_client_sees(seed):
     # Under a stop string (text held back). Leg 1 on engine A is cut; leg 2 on engine B (sampled: it differs from A)
     # runs on; in the second run B is cut too, after it passed the tokens it generated again (so the client holds B's
     # text there), and leg 3 on B regenerates exactly what B said. The client must see the same answer in both runs.
-    # With ``diverged`` sticky, leg 3 aligns text by token count only, and B's text lags its tokens by the held-back
-    # characters: text is repeated or lost at the second join.
+    # Leg 3 regenerates B's own tokens: it must align by characters again (B's text lags its tokens by the
+    # held-back characters, so aligning by events would repeat or lose text).
     once, twice, join, owed, c2 = _diverged_case(seed, True, client_ids=seed % 2 == 0)
     if c2 <= owed + 1:
         pytest.skip("the second cut falls among the tokens leg 2 generated again: no text of B's there to align on")
@@ -196,10 +193,8 @@ def test_after_a_divergence_a_second_cut_changes_nothing_the_client_sees(seed):
 async def test_a_text_join_after_a_leg_without_ids_drops_nothing():
     # A fleet mid-upgrade: one decode engine returns no token IDs. Leg 1 (IDs, two tokens an event) is cut after 4
     # tokens: the exact join resumes at the prompt and leg 2 is to regenerate 4 tokens. Leg 2 lands on the engine
-    # without IDs: the overlap is skipped by characters (right), but _token_ids stays at the resume point while
-    # _sent holds 4 IDs. Leg 2 is cut after 6 tokens; the join is now a text join (prompt + text so far), and
-    # leg 3 (IDs again) has its first tokens compared with _sent[0:4] as if they were regenerated: "diverged",
-    # and their text is dropped.
+    # without IDs: the overlap is skipped by characters. Leg 2 is cut after 6 tokens; the join is now a text join
+    # (prompt + text so far), and leg 3 (IDs again) must not take its first tokens for ones generated again.
     core, _, pool, engines, _ = make_shaped(tokens_per_event=2)
     pool.cuts = [4, 6]
     original = type(pool)._answer
@@ -222,7 +217,6 @@ async def test_a_text_join_after_a_leg_without_ids_drops_nothing():
     await core.handle(COMPLETIONS, request_body(COMPLETIONS), None, sink)
     assert len(decode_calls(pool)) == 3
     assert isinstance(decode_calls(pool)[2][2]["prompt"], str)
-    from test_continuation import numbers, text_of
     # Nothing repeated or lost. (How many tokens: a leg without token IDs is counted by its events, here of two
     # tokens each, so the answer may run a little longer than max_tokens, as with any engine that sends no IDs.)
     got = numbers(text_of(sink.events()[:-1], False))
@@ -236,8 +230,7 @@ def _event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
 
 def test_usage_counts_the_tokens_the_client_got_when_a_sampled_leg_ends_inside_the_overlap():
     # Resumed one event back (two tokens in one event); the new engine samples differently and ends (EOS) after one
-    # token, inside the overlap. The client got 3 token IDs (and their text); the usage chunk says 2 and the request
-    # log's ``tokens`` says 3.
+    # token, inside the overlap. The client got 3 token IDs (and their text): usage and ``tokens`` say 3.
     request = {"model": "m", "prompt": [1, 2], "max_tokens": 8, "stream": True, "return_token_ids": True,
                "stream_options": {"include_usage": True}}
     join = StreamJoin(COMPLETIONS, request)
@@ -304,9 +297,8 @@ class _LaxVLLM(FakeVLLM):
 
 @pytest.mark.parametrize("include", [1, "true"])
 def test_a_stop_string_across_the_join_with_include_given_as_a_truthy_value(include):
-    # _stop_lookback takes include_stop_str_in_output only when it `is True`; vLLM coerces 1 and "true" to True and
-    # holds nothing back. The join then believes the engine checked len(stop) - 1 characters it never generated,
-    # resumes right at the end, and the new engine misses the stop string spanning the join.
+    # vLLM coerces include_stop_str_in_output 1 and "true" to True and holds nothing back; the join must read it
+    # the same way, or it resumes too late and the new engine misses the stop string spanning the join.
     from test_continuation_joins import _ID
     truth = [_ID[p] for p in (b" whale", b" sea", b" deep", b" blue", b" song", b".", b" a")]
     engine = _LaxVLLM(truth, ORIGINAL)
@@ -318,13 +310,10 @@ def test_a_stop_string_across_the_join_with_include_given_as_a_truthy_value(incl
 
 
 async def test_an_engine_core_that_dies_mid_stream_is_continued_not_ended_with_done():
-    # Outside the diff, but the most common mid-stream death of a real vLLM: its EngineCore process dies (GPU fault,
-    # OOM) while the API server lives on. vLLM's stream generators catch the EngineDeadError and end the stream
-    # with `data: {"error": ...}` then `data: [DONE]`. The join takes that as a clean end: no continuation, the
-    # client gets the error event, then [DONE], no finish_reason; the engine is credited a terminal success.
-    import contextlib
+    # The most common mid-stream death of a real vLLM: its EngineCore process dies (GPU fault, OOM) while the API
+    # server lives on; vLLM ends the stream with `data: {"error": ...}` then `data: [DONE]`. That is a failed
+    # stream: continued, the client never sees the error event.
 
-    from test_continuation import Upstream
 
     core, supervisor, pool, _, _ = make_shaped()
     pool.cuts = [4]
@@ -348,11 +337,9 @@ async def test_an_engine_core_that_dies_mid_stream_is_continued_not_ended_with_d
 
 
 def test_a_chat_without_max_tokens_continued_as_a_completion_is_not_cut_to_16_tokens():
-    # Outside the diff (older than it). A chat request without max_tokens/max_completion_tokens may run to the end of
-    # the context. Its exact join goes to /v1/completions, whose max_tokens defaults to 16 in vLLM's
-    # CompletionRequest (`max_tokens: int | None = 16`); the leg's body carries no max_tokens at all, so the
-    # continuation stops 16 tokens later with finish_reason "length". An explicit `"max_tokens": null` keeps
-    # vLLM's chat meaning (the rest of the context).
+    # A chat request without max_tokens/max_completion_tokens may run to the end of the context. Its exact join goes
+    # to /v1/completions, whose max_tokens defaults to 16 in vLLM's CompletionRequest: an explicit
+    # `"max_tokens": null` keeps the chat meaning (the rest of the context).
     request = {"model": "m", "messages": [{"role": "user", "content": "q"}], "stream": True}
     join = StreamJoin(CHAT, request)
     join.next_leg()
@@ -366,9 +353,8 @@ def test_a_chat_without_max_tokens_continued_as_a_completion_is_not_cut_to_16_to
 
 def test_continuous_usage_chunks_of_regenerated_tokens_do_not_become_final_usage_chunks():
     # With stream_options.continuous_usage_stats every vLLM chunk carries usage. A chunk whose tokens the client
-    # already has loses its choice but keeps its usage: the client gets `"choices": []` + usage mid-stream, the
-    # shape of the final usage chunk (OpenAI clients take it as the end-of-stream usage), and usage_sent turns
-    # True, so a tail() after a later lost [DONE] writes no usage chunk.
+    # already has goes whole: `"choices": []` with usage mid-stream would read as the final usage chunk (OpenAI
+    # clients take it as the end-of-stream usage), and a tail() after a later lost [DONE] would write none.
     request = {"model": "m", "prompt": [1, 2], "max_tokens": 8, "stream": True,
                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
 

@@ -183,18 +183,24 @@ def _run(route: str, request: dict[str, Any], engine: FakeVLLM, cuts: list[int],
             join.continuations += 1
         cut = cuts[leg_number] if leg_number < len(cuts) else None
         sizes = [rng.choice([1, 1, 1, 2, 3, 5]) for _ in range(7)]
-        raw = engine.leg(leg_route, body, events_of=sizes, cut_after=cut)
-        # Reads split anywhere: the join holds an event until it is whole.
-        at = 0
-        done = False
-        while at < len(raw):
-            step = rng.randint(1, 200)
-            out, done = join.feed(raw[at:at + step])
-            client += out
-            at += step
+        out, done = feed_in_pieces(join, engine.leg(leg_route, body, events_of=sizes, cut_after=cut), rng)
+        client += out
         if done:
             return client + b"data: [DONE]\n\n", join
     raise AssertionError("the last leg did not end")
+
+
+def feed_in_pieces(join: StreamJoin, raw: bytes, rng: random.Random) -> tuple[bytes, bool]:
+    """Feed one leg's bytes in reads split anywhere (the join holds an event until it is whole)."""
+    client = b""
+    done = False
+    at = 0
+    while at < len(raw):
+        step = rng.randint(1, 200)
+        out, done = join.feed(raw[at:at + step])
+        client += out
+        at += step
+    return client, done
 
 
 ORIGINAL = [_ID[b" whale"], _ID[b" sea"]]
