@@ -25,7 +25,7 @@ from typing import Any, Protocol, TypeGuard
 
 import msgspec
 
-from narwhal.errors import EngineFailure, FailureClass
+from narwhal.errors import EngineFailure, FailureClass, NarwhalError
 from narwhal.serving.client_view import KV_KEY, strip_kv_from_events
 
 __all__ = ["CONTINUED_CLASSES", "ENGINE_REMOVED", "StreamJoin", "not_continued_reason", "plan", "relay"]
@@ -69,7 +69,7 @@ class _Delta(msgspec.Struct):
     reasoning: str | None = None
 
 
-class EngineErrorEvent(ValueError):
+class EngineErrorEvent(NarwhalError, ValueError):
     """An engine ended its stream with an error event (vLLM does when its engine core dies): a failed stream."""
 
 
