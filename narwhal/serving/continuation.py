@@ -182,8 +182,12 @@ def _int_list(value: Any) -> list[int] | None:
 def _stop_lookback(request: dict[str, Any]) -> tuple[int, int]:
     """(characters vLLM holds back while streaming, characters a stop string can span) for ``request``."""
     stop = request.get("stop")
-    stops = [stop] if isinstance(stop, str) else [s for s in stop if isinstance(s, str)] if isinstance(
-        stop, list) else []
+    if isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, list):
+        stops = [s for s in stop if isinstance(s, str)]
+    else:
+        stops = []
     span = max((len(s) for s in stops), default=1) - 1
     if span <= 0:
         return 0, 0
@@ -515,19 +519,23 @@ class StreamJoin:
                 self.regenerated += owed
                 self.leg_tokens += owed
                 self._token_ids.extend(self._sent[len(self._token_ids):])
-            if self._leg_diverged and in_overlap:
-                # Positions inside tokens that came out differently say nothing about the client's text.
-                return skip_ids, skip_chars
-            # Held-back text is released as the engine's text grows: once some came, the engine's text is exactly
-            # ``_held`` characters ahead of what it sent.
-            known = self._engine_pos + self._held
-            if known > self._checked_chars:
-                self._checked_chars = known
-            if ids is not None and len(ids) == 1:
-                # One token that brought text: the detokenizer emits nothing while the text ends inside a
-                # character, so the answer ends on a whole one here (a read of several tokens cannot say).
-                self._resume_point(len(self._token_ids), known)
+            if not (self._leg_diverged and in_overlap):
+                # (Positions inside tokens that came out differently say nothing about the client's text.)
+                self._text_came(ids)
         return skip_ids, skip_chars
+
+    def _text_came(self, ids: list[int] | None) -> None:
+        """The engine sent text with ``ids``: what the engines have checked for stop strings, and whether the
+        answer ends on a whole character here."""
+        # Held-back text is released as the engine's text grows: once some came, the engine's text is exactly
+        # ``_held`` characters ahead of what it sent.
+        known = self._engine_pos + self._held
+        if known > self._checked_chars:
+            self._checked_chars = known
+        if ids is not None and len(ids) == 1:
+            # One token that brought text: the detokenizer emits nothing while the text ends inside a
+            # character, so the answer ends on a whole one here (a read of several tokens cannot say).
+            self._resume_point(len(self._token_ids), known)
 
     def _resume_point(self, tokens: int, chars: int) -> None:
         points = self._resume_points
@@ -709,20 +717,15 @@ class StreamJoin:
             if text:
                 self.text.append(text)
             ids = choice.token_ids
-            # ``_advance`` for a first leg, inlined: this runs once per token of every long continuable stream.
+            # ``_advance`` for a first leg, less its continuation cases: this runs per token of long streams.
             if ids is not None:
                 self._token_ids.extend(ids)
                 self._sent.extend(ids)
                 self.leg_tokens += len(ids)
             if text:
-                size = len(text)
-                self._engine_pos += size
-                self._sent_chars += size
-                known = self._engine_pos + self._held
-                if known > self._checked_chars:
-                    self._checked_chars = known
-                if ids is not None and len(ids) == 1:
-                    self._resume_point(len(self._token_ids), known)
+                self._engine_pos += len(text)
+                self._sent_chars += len(text)
+                self._text_came(ids)
             if ids is None and text:
                 self.ids_complete = False
                 self.leg_tokens += 1

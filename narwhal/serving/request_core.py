@@ -891,7 +891,6 @@ class RequestCore:
             outcome.inter_token_s = gaps[0] / (leg_tokens - 1)
         self.supervisor.record_success(decode.name, SuccessKind.DECODE_TERMINAL)
 
-
     @staticmethod
     def _note_regenerated(join: StreamJoin, diverged: bool, rid: str, engine: str, outcome: _Outcome) -> None:
         """Count the tokens continuations generated again; say once if they came out different (sampling)."""
