@@ -336,10 +336,10 @@ async def test_an_engine_core_that_dies_mid_stream_is_continued_not_ended_with_d
     check_one_stream(sink, chat=False, prompt_tokens=3, max_tokens=10)
 
 
-def test_a_chat_without_max_tokens_continued_as_a_completion_is_not_cut_to_16_tokens():
-    # A chat request without max_tokens/max_completion_tokens may run to the end of the context. Its exact join goes
-    # to /v1/completions, whose max_tokens defaults to 16 in vLLM's CompletionRequest: an explicit
-    # `"max_tokens": null` keeps the chat meaning (the rest of the context).
+def test_a_chat_without_max_tokens_continues_as_chat_so_it_is_not_cut_to_16_tokens():
+    # A chat request without max_tokens/max_completion_tokens may run to the end of the context. As a completion it
+    # would stop after 16 tokens: vLLM 0.32 turns a missing or null max_tokens into 16 (measured with real vLLM), and
+    # the router does not know the engine's context length. So it continues as chat, from its text.
     request = {"model": "m", "messages": [{"role": "user", "content": "q"}], "stream": True}
     join = StreamJoin(CHAT, request)
     join.next_leg()
@@ -347,8 +347,15 @@ def test_a_chat_without_max_tokens_continued_as_a_completion_is_not_cut_to_16_to
                        "finish_reason": None}], prompt_token_ids=[1, 2, 3])
               + _event([{"index": 0, "delta": {"content": " a"}, "token_ids": [7], "finish_reason": None}]))
     route, body = join.next_leg() or ("", {})
-    assert route == COMPLETIONS and body["prompt"] == [1, 2, 3, 7]
-    assert "max_tokens" in body, "vLLM's completions default (16 tokens) would end the answer"
+    assert route == CHAT and "max_tokens" not in body and "max_completion_tokens" not in body
+    assert body["messages"][-1] == {"role": "assistant", "content": " a"} and body["continue_final_message"]
+    # With a limit it resumes exactly, as a token-ID completion asking for the rest.
+    join = StreamJoin(CHAT, {**request, "max_completion_tokens": 9})
+    join.next_leg()
+    join.feed(_event([{"index": 0, "delta": {"content": " a"}, "token_ids": [7], "finish_reason": None}],
+                     prompt_token_ids=[1, 2, 3]))
+    route, body = join.next_leg() or ("", {})
+    assert route == COMPLETIONS and body["prompt"] == [1, 2, 3, 7] and body["max_tokens"] == 8
 
 
 def test_continuous_usage_chunks_of_regenerated_tokens_do_not_become_final_usage_chunks():

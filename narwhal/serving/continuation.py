@@ -391,7 +391,7 @@ class StreamJoin:
         if self.not_resumable is not None:
             return None
         ids = self.ids_complete and self.prompt_ids is not None
-        exact = ids and (not self.chat or set(self.request) <= _CHAT_AS_COMPLETION)
+        exact = ids and (not self.chat or self._chat_resumes_as_completion())
         if exact:
             self._resume_exactly()
         else:
@@ -426,8 +426,6 @@ class StreamJoin:
             wanted = body.get("max_completion_tokens", body.get("max_tokens"))
             for key in _CHAT_ONLY:
                 body.pop(key, None)
-            # Explicitly, even when null: a completions request left without one stops after 16 tokens, a chat
-            # answer runs to the end of the context.
             body["max_tokens"] = wanted
             body["prompt"] = self.prompt_ids + self._token_ids
             self._chat_as_completion = True
@@ -445,6 +443,15 @@ class StreamJoin:
         body["add_generation_prompt"] = False
         self.leg_route = CHAT
         return CHAT, body
+
+    def _chat_resumes_as_completion(self) -> bool:
+        """Whether a chat answer may continue as a token-ID completion: only when the request asks for nothing a
+        completion reads differently, and says how long the answer may be (a chat answer without a limit runs to
+        the end of the context; vLLM 0.32 turns a completion's missing or null max_tokens into 16, and the router
+        does not know the engine's context length)."""
+        request = self.request
+        return set(request) <= _CHAT_AS_COMPLETION and (
+            _is_int(request.get("max_completion_tokens")) or _is_int(request.get("max_tokens")))
 
     def _resume_from_text(self) -> None:
         """A text join resumes after everything the client has: nothing is generated again."""

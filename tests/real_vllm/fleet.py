@@ -110,6 +110,26 @@ class Engine:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, sig)
 
+    def kill_engine_core(self) -> int:
+        """SIGKILL only the engine's EngineCore process(es), leaving its API server up (a GPU fault or an OOM kill
+        looks like this); returns how many were killed."""
+        if self.process is None:
+            return 0
+        killed = 0
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                pid = int(entry.name)
+                if pid == self.process.pid or os.getpgid(pid) != self.process.pid:
+                    continue
+                if b"EngineCore" in (entry / "cmdline").read_bytes():
+                    os.kill(pid, signal.SIGKILL)
+                    killed += 1
+            except (OSError, ProcessLookupError):
+                continue
+        return killed
+
     def log_tail(self, lines: int = 25) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
