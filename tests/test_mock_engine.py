@@ -968,3 +968,135 @@ async def test_socket_stream_with_every_shape_at_once(nursery: trio.Nursery) -> 
         (" ", tokenize("n4 n5")), ("n4 n5 ", tokenize("n6 n7")), ("n6 n7 ", tokenize("n8 n9")),
         ("n8", tokenize("n10"))]
     assert (streamed[-1]["finish_reason"], streamed[-1]["stop_reason"]) == ("stop", " n9")
+
+
+# ----- n choices and vLLM's request validation ----------------------------------------------------------------
+
+def stream_choices(answer: FakeResponder) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The streamed chunks that carry a choice, and the rest (usage), before [DONE]."""
+    events = answer.events()
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    return [c for c in chunks if c["choices"]], [c for c in chunks if not c["choices"]]
+
+
+async def test_n_answers_n_choices_in_one_body() -> None:
+    mock = engine()
+    one = (await call(mock, "POST", "/v1/completions", completion(max_tokens=3))).json()
+    body = (await call(mock, "POST", "/v1/completions", completion(max_tokens=3, n=2, return_token_ids=True))).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    # Choice 0 is the answer n=1 gets; the others differ (as sampled choices do), deterministically.
+    assert body["choices"][0]["text"] == one["choices"][0]["text"] == " tok0 tok1 tok2"
+    assert body["choices"][1]["text"] == " tok0-1 tok1-1 tok2-1"
+    assert all(c["prompt_token_ids"] == tokenize("the quick brown fox") and len(c["token_ids"]) == 3
+               for c in body["choices"])
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10}
+    chat_body = (await call(mock, "POST", "/v1/chat/completions", chat(max_tokens=2, n=3))).json()
+    assert [(c["index"], c["message"]["content"]) for c in chat_body["choices"]] == [
+        (0, " tok0 tok1"), (1, " tok0-1 tok1-1"), (2, " tok0-2 tok1-2")]
+    assert chat_body["usage"]["completion_tokens"] == 6
+
+
+async def test_n_streams_choices_interleaved_with_their_index() -> None:
+    mock = engine()
+    answer = await call(mock, "POST", "/v1/completions",
+                        completion(max_tokens=3, n=2, stream=True, stream_options={"include_usage": True}))
+    chunks, usage = stream_choices(answer)
+    assert all(len(c["choices"]) == 1 for c in chunks)
+    assert [c["choices"][0]["index"] for c in chunks] == [0, 1, 0, 1, 0, 1]
+    texts = {i: "".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i) for i in (0, 1)}
+    assert texts == {0: " tok0 tok1 tok2", 1: " tok0-1 tok1-1 tok2-1"}
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, None, None, "length", "length"]
+    assert usage[0]["usage"] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10}
+    # Chat: one role chunk per choice first (each with the prompt's IDs when asked), then the tokens.
+    chat_chunks, _ = stream_choices(await call(mock, "POST", "/v1/chat/completions",
+                                               chat(max_tokens=2, n=2, stream=True, return_token_ids=True)))
+    assert [(c["choices"][0]["index"], c["choices"][0]["delta"]) for c in chat_chunks] == [
+        (0, {"role": "assistant", "content": ""}), (1, {"role": "assistant", "content": ""}),
+        (0, {"content": " tok0"}), (1, {"content": " tok0-1"}), (0, {"content": " tok1"}), (1, {"content": " tok1-1"})]
+    assert [("prompt_token_ids" in c) for c in chat_chunks] == [True, True, False, False, False, False]
+
+
+async def test_n_with_stream_shapes_stop_strings_and_faults() -> None:
+    shaped = engine(tokens_per_event=2)
+    chunks, _ = stream_choices(await call(shaped, "POST", "/v1/completions",
+                                          completion(max_tokens=6, n=2, stream=True, stop="tok3-1")))
+    by_choice = {i: [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i] for i in (0, 1)}
+    assert "".join(c["text"] for c in by_choice[0]) == " tok0 tok1 tok2 tok3 tok4 tok5"
+    assert by_choice[0][-1]["finish_reason"] == "length"
+    # The stop string is choice 1's: it ends that choice alone.
+    assert "".join(c["text"] for c in by_choice[1]) == " tok0-1 tok1-1 tok2-1 "
+    assert (by_choice[1][-1]["finish_reason"], by_choice[1][-1]["stop_reason"]) == ("stop", "tok3-1")
+    mock = engine()
+    set_fault(mock, "cut:after_tokens=2")
+    cut = await call(mock, "POST", "/v1/completions", completion(DECODE_KV, max_tokens=5, n=2, stream=True))
+    assert b"[DONE]" not in cut.body
+    indexes = [json.loads(e)["choices"][0]["index"] for e in cut.events()]
+    assert indexes == [0, 1, 0, 1]  # after_tokens counts each choice's tokens
+
+
+async def test_n_on_a_prefill_answers_n_one_token_choices_and_one_handoff() -> None:
+    mock = engine("prefill")
+    body = (await call(mock, "POST", "/v1/completions", completion(PREFILL_KV, max_tokens=1, n=2))).json()
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, " tok0"), (1, " tok0-1")]
+    assert body["usage"]["completion_tokens"] == 2 and body["kv_transfer_params"]["remote_block_ids"] == [1]
+
+
+def vllm_error(answer: FakeResponder) -> dict[str, Any]:
+    assert answer.status == 400, answer.body
+    error = answer.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == 400
+    return error
+
+
+@pytest.mark.parametrize(("path", "fields", "type_", "param", "message"), [
+    # vLLM's SamplingParams checks: BadRequestError, the message names the parameter.
+    ("/v1/completions", {"n": 0}, "BadRequestError", None, "n must be at least 1, got 0."),
+    ("/v1/chat/completions", {"n": -1}, "BadRequestError", None, "n must be at least 1, got -1."),
+    ("/v1/completions", {"temperature": -0.5}, "BadRequestError", "temperature",
+     "temperature must be non-negative, got -0.5. (parameter=temperature, value=-0.5)"),
+    ("/v1/chat/completions", {"temperature": 3}, "BadRequestError", "temperature",
+     "temperature must be in [0, 2], got 3.0. (parameter=temperature, value=3.0)"),
+    ("/v1/completions", {"n": 2, "temperature": 0}, "BadRequestError", None,
+     "n must be 1 when using greedy sampling, got 2."),
+    ("/v1/completions", {"max_tokens": 0}, "BadRequestError", "max_tokens",
+     "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)"),
+    ("/v1/chat/completions", {"max_completion_tokens": -3}, "BadRequestError", "max_tokens",
+     "max_tokens must be at least 1, got -3. (parameter=max_tokens, value=-3)"),
+    ("/v1/completions", {"prompt": []}, "BadRequestError", None, "The decoder prompt cannot be empty"),
+    # vLLM's request model (pydantic): "Bad Request", the message lists the error.
+    ("/v1/completions", {"temperature": "hot"}, "Bad Request", "body.temperature",
+     "'float_parsing', 'loc': 'body.temperature'"),
+    ("/v1/completions", {"n": "two"}, "Bad Request", "body.n", "'int_parsing', 'loc': 'body.n'"),
+    ("/v1/completions", {"n": 1.5}, "Bad Request", "body.n", "'int_type', 'loc': 'body.n'"),
+    ("/v1/completions", {"n": None}, "Bad Request", "body.n", "'int_type', 'loc': 'body.n'"),
+    ("/v1/chat/completions", {"max_tokens": [3]}, "Bad Request", "body.max_tokens", "'loc': 'body.max_tokens'"),
+    ("/v1/completions", {"stream": "sometimes"}, "Bad Request", "body.stream", "'bool_parsing'"),
+    ("/v1/completions", {"prompt": ""}, "Bad Request", "prompt",
+     "Either prompt or prompt_embeds must be provided and non-empty."),
+    ("/v1/completions", {"prompt": None}, "Bad Request", "prompt",
+     "Either prompt or prompt_embeds must be provided and non-empty."),
+    ("/v1/completions", {"stream_options": {"include_usage": True}}, "Bad Request", "stream_options",
+     "Stream options can only be defined when `stream=True`."),
+])
+async def test_invalid_requests_are_vllm_400s(path: str, fields: dict[str, Any], type_: str, param: str | None,
+                                              message: str) -> None:
+    mock = engine()
+    body = completion(**fields) if path == "/v1/completions" else chat(**fields)
+    error = vllm_error(await call(mock, "POST", path, body))
+    assert (error["type"], error["param"]) == (type_, param)
+    assert message in error["message"]
+    assert mock.stats.plain == 0
+
+
+async def test_what_vllm_accepts_the_mock_accepts() -> None:
+    mock = engine()
+    # A lax model: numbers and booleans in strings, a whole float for an int, null for chat's n and for stream.
+    for path, body in [("/v1/completions", completion(n="2", temperature="0.5", max_tokens=2.0, stream=None)),
+                       ("/v1/chat/completions", chat(n=None, temperature=None, max_tokens=2)),
+                       ("/v1/completions", completion(n=2, temperature=0.7, max_tokens=2)),
+                       ("/v1/completions", completion(temperature=0, max_tokens=2))]:
+        answer = await call(mock, "POST", path, body)
+        assert answer.status == 200, (body, answer.body)
+    # Every error the mock answers has vLLM's four fields.
+    assert set((await call(mock, "GET", "/nope")).json()["error"]) == {"message", "type", "param", "code"}

@@ -43,6 +43,7 @@ import dataclasses
 import hashlib
 import itertools
 import logging
+import re
 import secrets
 import signal
 import socket
@@ -76,7 +77,7 @@ from narwhal.tools.mock.faults import (
     parse_fault_spec,
 )
 from narwhal.tools.mock.prefix_cache import PrefixCache
-from narwhal.wire import AttestRequest, AttestResponse, EngineIdentity, KVTransferParams, error_json
+from narwhal.wire import AttestRequest, AttestResponse, EngineIdentity, KVTransferParams
 
 if TYPE_CHECKING:
     from narwhal.http1.server import Request, Responder
@@ -100,6 +101,8 @@ _DONE = b"data: [DONE]\n\n"
 _GARBAGE = b"<html><body>502 upstream confused</body></html>\r\n\x00\xff not server-sent events\r\n"
 _BLOCK_TOKENS = 16
 _VOCAB = 32000
+# vLLM samples greedily below this temperature, and then refuses n > 1.
+_GREEDY_EPS = 1e-5
 
 _encode = msgspec.json.Encoder().encode
 _decode_any = msgspec.json.Decoder().decode
@@ -117,29 +120,64 @@ class _StreamOptions(msgspec.Struct):
 
 
 class _CompletionBody(msgspec.Struct):
-    """The fields of an OpenAI completion / chat request that the mock reads."""
+    """The fields of an OpenAI completion / chat request that the mock reads, typed as vLLM's request models."""
 
     model: str | None = None
     prompt: str | list[Any] | None = None
     messages: list[_ChatMessage] | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    stream: bool = False
+    # Completions type ``n`` as ``int`` (null is a 400), chat as ``int | None`` (null is 1).
+    n: int | None = 1
+    temperature: float | None = None
+    stream: bool | None = False
     stream_options: _StreamOptions | None = None
     kv_transfer_params: dict[str, Any] | None = None
-    return_token_ids: bool = False
+    return_token_ids: bool | None = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False
 
 
+class _ErrorInfo(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class _ErrorResponse(msgspec.Struct):
+    error: _ErrorInfo
+
+
+def _error_body(message: str, type_: str, code: int, param: str | None = None) -> bytes:
+    """vLLM's error body: ``{"error": {"message", "type", "param", "code"}}``, ``param`` always present."""
+    return _encode(_ErrorResponse(_ErrorInfo(message=message, type=type_, param=param, code=code)))
+
+
 class _BadRequest(NarwhalError):
-    def __init__(self, status: int, message: str, type_: str = "BadRequestError") -> None:
+    def __init__(self, status: int, message: str, type_: str = "BadRequestError", param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type_ = type_
+        self.param = param
+
+
+def _invalid(message: str, parameter: str | None = None, value: Any = None) -> _BadRequest:
+    """A ``VLLMValidationError`` raised while serving: its text names the parameter and the value."""
+    extras = [f"parameter={parameter}"] if parameter is not None else []
+    if value is not None:
+        extras.append(f"value={value}")
+    text = f"{message} ({', '.join(extras)})" if extras else message
+    return _BadRequest(400, text, "BadRequestError", parameter)
+
+
+def _request_invalid(kind: str, loc: str, msg: str, param: str | None = None) -> _BadRequest:
+    """A 400 from vLLM's request-model validation (FastAPI's handler): one error, type "Bad Request"."""
+    text = f"1 validation error:\n  {{'type': '{kind}', 'loc': '{loc}', 'msg': '{msg}'}}"
+    return _BadRequest(400, text, "Bad Request", param or loc)
 
 
 # ----- tokenizer ---------------------------------------------------------------
@@ -287,6 +325,14 @@ class _Shape:
     def token_event(self, text: bytes, final: bool, extra: bytes = b"") -> bytes:
         return b"".join((self.head, self.open_text, text, self.close_text, extra, self.last if final else self.mid))
 
+    def for_choice(self, index: int) -> _Shape:
+        """The same pieces for choice ``index`` of an ``n`` > 1 answer."""
+        if index == 0:
+            return self
+        first, other = b'"choices":[{"index":0,', b'"choices":[{"index":%d,' % index
+        return dataclasses.replace(self, head=self.head.replace(first, other, 1),
+                                   role_event=self.role_event.replace(first, other, 1))
+
 
 def _stream_shape(chat: bool, rid: str, created: int, model_json: bytes) -> _Shape:
     if chat:
@@ -336,6 +382,8 @@ class _Completion(msgspec.Struct, frozen=True, kw_only=True):
     chat: bool
     prompt_tokens: int
     max_tokens: int
+    # Choices to answer (vLLM's ``n``): streamed interleaved, each chunk's ``choices[0].index`` naming its own.
+    n: int
     stream: bool
     include_usage: bool
     # The prompt's token IDs when the request asked for token IDs back (return_token_ids).
@@ -371,15 +419,33 @@ def _find_stop(output: str, new_chars: int, stops: tuple[str, ...], include: boo
 
 
 def _lead(shape: _Shape, job: _Completion, events: list[bytes]) -> list[bytes]:
-    """Put a chat's role event in front of the first token event."""
+    """Put a chat's role events, one per choice, in front of the first token event."""
     if events and shape.role_event:
-        role = shape.role_event
-        if job.prompt_ids is not None:
-            # vLLM 0.32 sends a chat's prompt IDs at the top level of its first chunk.
-            role = role.replace(b'"choices":', b'"prompt_token_ids":' + _encode(job.prompt_ids)
-                                + b',"choices":', 1)
-        events[0] = role + events[0]
+        roles = []
+        for index in range(job.n):
+            role = shape.for_choice(index).role_event
+            if job.prompt_ids is not None:
+                # vLLM 0.32 sends a chat's prompt IDs at the top level of its role chunks.
+                role = role.replace(b'"choices":', b'"prompt_token_ids":' + _encode(job.prompt_ids)
+                                    + b',"choices":', 1)
+            roles.append(role)
+        events[0] = b"".join(roles) + events[0]
     return events
+
+
+def _check_sampling(n: int, temperature: float | None, max_tokens: int) -> None:
+    """vLLM's ``SamplingParams`` checks of the fields the mock reads, with its messages."""
+    if n < 1:
+        raise _invalid(f"n must be at least 1, got {n}.")
+    if temperature is not None:
+        if temperature < 0.0:
+            raise _invalid(f"temperature must be non-negative, got {temperature}.", "temperature", temperature)
+        if temperature > 2.0:
+            raise _invalid(f"temperature must be in [0, 2], got {temperature}.", "temperature", temperature)
+    if max_tokens < 1:
+        raise _invalid(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens)
+    if temperature is not None and temperature < _GREEDY_EPS and n > 1:
+        raise _invalid(f"n must be 1 when using greedy sampling, got {n}.")
 
 
 # ----- the engine ----------------------------------------------------------------
@@ -446,13 +512,13 @@ class MockEngine:
         path = request.path
         methods = self._routes.get(path)
         if methods is None:
-            await responder.respond(404, _JSON, error_json(f"no route {path}", "NotFoundError", 404))
+            await responder.respond(404, _JSON, _error_body(f"no route {path}", "NotFoundError", 404))
             return
         handler = methods.get(request.method)
         if handler is None:
             allow = b", ".join(methods)
             await responder.respond(405, [*_JSON, (b"allow", allow)],
-                                    error_json(f"method not allowed on {path}", "MethodNotAllowed", 405))
+                                    _error_body(f"method not allowed on {path}", "MethodNotAllowed", 405))
             return
         if not path.startswith("/mock/"):
             self.stats.requests[path] += 1
@@ -460,7 +526,7 @@ class MockEngine:
             try:
                 await handler(request, responder)
             except _BadRequest as exc:
-                await responder.respond(exc.status, _JSON, error_json(exc.message, exc.type_, exc.status))
+                await responder.respond(exc.status, _JSON, _error_body(exc.message, exc.type_, exc.status, exc.param))
         except ClientDisconnected:
             self.stats.disconnects += 1
         except trio.Cancelled:
@@ -476,10 +542,10 @@ class MockEngine:
             await trio.sleep_forever()
         if fault.mode is Mode.STATUS_5XX:
             status = fault.params["status"]
-            body = error_json(f"engine error {status} (injected fault)", "InternalServerError", status)
+            body = _error_body(f"engine error {status} (injected fault)", "InternalServerError", status)
         else:
             status, message, type_ = _STATUS_ERRORS[fault.mode]
-            body = error_json(message, type_, status)
+            body = _error_body(message, type_, status)
         await responder.respond(status, _JSON, body)
 
     async def _take_or_answer(self, op: Operation, responder: Responder, *, streamed: bool = False,
@@ -519,14 +585,13 @@ class MockEngine:
             raise _BadRequest(404, f"The model `{model}` does not exist.", "NotFoundError")
 
     async def _tokenize(self, request: Request, responder: Responder) -> None:
-        body = _decode_body(request.body, _CompletionBody)
+        body = _decode_request(request.body)
         self._check_model(body.model)
         if body.messages is None and body.prompt is None:
             raise _BadRequest(400, "the request needs prompt or messages")
         if body.messages is None and not isinstance(body.prompt, str):
             # As vLLM 0.32: /tokenize takes a prompt only as a string (completions take token IDs too).
-            raise _BadRequest(400, "1 validation error:\n  {'type': 'string_type', 'loc': 'body.prompt', "
-                              "'msg': 'Input should be a valid string'}", "Bad Request")
+            raise _request_invalid("string_type", "body.prompt", "Input should be a valid string")
         tokens = tokenize(body.prompt, body.messages, continue_final=body.continue_final_message)
         if await self._take_or_answer(Operation.TOKENIZE, responder) is None:
             return
@@ -566,17 +631,28 @@ class MockEngine:
     # ----- completions ---------------------------------------------------------------
 
     def _classify(self, body: _CompletionBody, chat: bool) -> _Completion:
-        """Validate a completion request and name its leg."""
+        """Validate a completion request as vLLM does (its request model, then its renderer, then its sampling
+        parameters) and name its leg."""
+        if chat and body.messages is None:
+            raise _request_invalid("missing", "body.messages", "Field required")
+        if not chat and (body.prompt is None or body.prompt == ""):
+            raise _request_invalid("value_error", "body", "Value error, Either prompt or prompt_embeds must be "
+                                   "provided and non-empty.", param="prompt")
+        if not chat and body.n is None:
+            raise _request_invalid("int_type", "body.n", "Input should be a valid integer")
+        if body.stream_options is not None and not body.stream:
+            raise _request_invalid("value_error", "body", "Value error, Stream options can only be defined when "
+                                   "`stream=True`.", param="stream_options")
         self._check_model(body.model)
         if chat and not body.messages:
             raise _BadRequest(400, "the request needs messages")
-        if not chat and body.prompt is None:
-            raise _BadRequest(400, "the request needs prompt")
         if chat and body.continue_final_message and body.add_generation_prompt:
             raise _BadRequest(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
         prompt_ids = (tokenize(messages=body.messages, continue_final=body.continue_final_message) if chat
                       else tokenize(body.prompt))
         prompt_tokens = len(prompt_ids)
+        if not prompt_tokens and not chat and isinstance(body.prompt, list):
+            raise _BadRequest(400, "The decoder prompt cannot be empty")
         kv = body.kv_transfer_params
         roles = self.settings.effective_kv_roles
         if kv is not None and kv.get("do_remote_prefill"):
@@ -595,13 +671,14 @@ class MockEngine:
             # Served as a non-disaggregated engine would; faults see this engine's role's leg.
             op, handoff = (Operation.PREFILL if self.settings.role == "prefill" else Operation.DECODE), False
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        max_tokens = 1 if handoff else self.settings.tokens if requested is None else requested
-        if max_tokens < 1:
-            raise _BadRequest(400, "max_tokens must be at least 1")
+        max_tokens = 1 if handoff and (requested is None or requested >= 1) else \
+            self.settings.tokens if requested is None else requested
         if prompt_tokens + max_tokens > self.settings.max_model_len:
             raise _BadRequest(400, f"This model's maximum context length is {self.settings.max_model_len} "
                               f"tokens. However, you requested {prompt_tokens + max_tokens} tokens "
                               f"({prompt_tokens} in the messages, {max_tokens} in the completion).")
+        n = 1 if body.n is None else body.n
+        _check_sampling(n, body.temperature, max_tokens)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         if "" in stop:
@@ -609,7 +686,7 @@ class MockEngine:
         settings = self.settings
         # A prefill is answered in one JSON body, whatever it asked for.
         return _Completion(op=op, handoff=handoff, chat=chat, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
-                           stream=body.stream and not handoff, include_usage=include_usage,
+                           n=n, stream=bool(body.stream) and not handoff, include_usage=include_usage,
                            prompt_ids=prompt_ids if body.return_token_ids else None,
                            ids_prompt=not chat and isinstance(body.prompt, list) and self._ends_generated(prompt_ids),
                            stop=stop,
@@ -639,7 +716,7 @@ class MockEngine:
 
     async def _completion(self, request: Request, responder: Responder) -> None:
         chat = request.path == "/v1/chat/completions"
-        body = _decode_body(request.body, _CompletionBody)
+        body = _decode_request(request.body)
         job = self._classify(body, chat)
         self._record(request, job, body.kv_transfer_params)
         applied = await self._take_or_answer(job.op, responder, streamed=job.stream, handoff=job.handoff)
@@ -659,29 +736,24 @@ class MockEngine:
             return
         if first_delay_s is not None:
             await trio.sleep(first_delay_s)
-        if job.shaped:
-            shaped = self._generate(job)
-            text, token_ids, stop_reason = "".join(shaped.texts), shaped.ids, shaped.stop
-        else:
-            texts = [self._text(job, i) for i in range(job.max_tokens)]
-            text, token_ids, stop_reason = b"".join(texts).decode(), [_text_id(t) for t in texts], None
+        choices = [self._choice(job, index) for index in range(job.n)]
+        generated = [len(choice.get("token_ids") or ()) for choice in choices]
         if token_delay_s:
-            await trio.sleep(token_delay_s * len(token_ids))
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": "length" if stop_reason is None
-                                  else "stop", "stop_reason": stop_reason}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
+            # The choices are generated side by side: the longest takes longest.
+            await trio.sleep(token_delay_s * max(generated))
         answer: dict[str, Any] = {
             "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": self.settings.model, "choices": [choice],
-            "usage": _usage(job.prompt_tokens, len(token_ids)),
+            "model": self.settings.model, "choices": choices,
+            "usage": _usage(job.prompt_tokens, sum(generated)),
         }
-        if job.prompt_ids is not None:
-            # vLLM 0.32: completions carry prompt IDs in the choice, chat at the top level.
-            (choice if not chat else answer)["prompt_token_ids"] = job.prompt_ids
-            choice["token_ids"] = token_ids
+        for choice in choices:
+            if job.prompt_ids is None:
+                del choice["prompt_token_ids"], choice["token_ids"]
+            elif chat:
+                del choice["prompt_token_ids"]
+        if job.prompt_ids is not None and chat:
+            # vLLM 0.32: completions carry prompt IDs in each choice, chat at the top level.
+            answer["prompt_token_ids"] = job.prompt_ids
         cut = applied.get(Mode.CUT)
         if cut and not job.handoff:
             raw = _encode(answer)
@@ -726,27 +798,46 @@ class MockEngine:
             kv["remote_port"] = "not-a-port"
         answer["kv_transfer_params"] = kv
 
-    def _text(self, job: _Completion, i: int) -> bytes:
-        """The text of generated token ``i``."""
-        if self.settings.numbered:
-            return b" n%d" % (job.prompt_tokens + i)
-        return _token_text(i)
+    def _choice(self, job: _Completion, index: int) -> dict[str, Any]:
+        """Choice ``index`` of a JSON answer, with its ``prompt_token_ids`` and ``token_ids`` (the caller keeps
+        what the request asked for)."""
+        if job.shaped:
+            shaped = self._generate(job, index)
+            text, token_ids, stop_reason = "".join(shaped.texts), shaped.ids, shaped.stop
+        else:
+            texts = [self._text(job, i, index) for i in range(job.max_tokens)]
+            text, token_ids, stop_reason = b"".join(texts).decode(), [_text_id(t) for t in texts], None
+        choice: dict[str, Any] = {"index": index, "logprobs": None,
+                                  "finish_reason": "length" if stop_reason is None else "stop",
+                                  "stop_reason": stop_reason}
+        if job.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice["prompt_token_ids"] = job.prompt_ids
+        choice["token_ids"] = token_ids
+        return choice
 
-    def _events(self, shape: _Shape, job: _Completion, count: int) -> list[bytes]:
+    def _text(self, job: _Completion, i: int, choice: int = 0) -> bytes:
+        """The text of generated token ``i`` of choice ``choice`` (choices after the first are marked ``-c``)."""
+        if self.settings.numbered:
+            return b" n%d-%d" % (job.prompt_tokens + i, choice) if choice else b" n%d" % (job.prompt_tokens + i)
+        return b" tok%d-%d" % (i, choice) if choice else _token_text(i)
+
+    def _events(self, shape: _Shape, job: _Completion, count: int, choice: int = 0) -> list[bytes]:
         n = job.max_tokens
         if job.prompt_ids is None:
-            events = [shape.token_event(self._text(job, i), i == n - 1) for i in range(count)]
-        else:
-            events = []
-            for i in range(count):
-                text = self._text(job, i)
-                extra = b',"token_ids":[%d]' % _text_id(text)
-                if i == 0 and not job.chat:
-                    extra = b',"prompt_token_ids":' + _encode(job.prompt_ids) + extra
-                events.append(shape.token_event(text, i == n - 1, extra))
-        return _lead(shape, job, events)
+            return [shape.token_event(self._text(job, i, choice), i == n - 1) for i in range(count)]
+        events = []
+        for i in range(count):
+            text = self._text(job, i, choice)
+            extra = b',"token_ids":[%d]' % _text_id(text)
+            if i == 0 and not job.chat:
+                extra = b',"prompt_token_ids":' + _encode(job.prompt_ids) + extra
+            events.append(shape.token_event(text, i == n - 1, extra))
+        return events
 
-    def _generate(self, job: _Completion) -> _Answer:
+    def _generate(self, job: _Completion, choice: int = 0) -> _Answer:
         """The answer token by token as vLLM's detokenizer emits it: split characters, the echo, stop strings."""
         split = self.settings.split_every
         length = job.prompt_tokens
@@ -760,7 +851,7 @@ class MockEngine:
         sent = 0
         pending = ""  # a character's first half, waiting for the token that completes it
         for i in range(job.max_tokens):
-            raw = self._text(job, i)
+            raw = self._text(job, i, choice)
             answer.ids.append(_text_id(raw))
             final = i == job.max_tokens - 1
             if split and (length + i) % split == split - 1 and not final:
@@ -804,26 +895,37 @@ class MockEngine:
             text = "".join(answer.texts[start:end]).encode()
             events.append(b"".join((shape.head, shape.open_text, text, shape.close_text, extra,
                                     last if end == total else shape.mid)))
-        return _lead(shape, job, events)
+        return events
 
     async def _stream(self, responder: Responder, shape: _Shape, job: _Completion, applied: Applied,
                       token_delay_s: float, first_delay_s: float | None) -> None:
         """Write the SSE answer: one write per token when paced, else head+first token, then the rest."""
-        answer = self._generate(job) if job.shaped else None
-        n = job.max_tokens if answer is None else len(answer.ids)
+        answers = [self._generate(job, index) for index in range(job.n)] if job.shaped else None
+        lengths = [job.max_tokens] * job.n if answers is None else [len(answer.ids) for answer in answers]
         stall = applied.get(Mode.STALL)
         garbage = applied.get(Mode.GARBAGE_STREAM)
         closed = applied.get(Mode.CUT)
         cut = stall or garbage
-        if closed:
-            after = closed.params["after_tokens"]
-            count = min(n, n // 2 if after is None else after)
+        # Faults that end the stream early count tokens per choice: every choice stops after that many.
+        per_choice = []
+        for index, n in enumerate(lengths):
+            if closed:
+                after = closed.params["after_tokens"]
+                count = min(n, n // 2 if after is None else after)
+            else:
+                count = min(n, cut.params["after_tokens"]) if cut else n
+            choice_shape = shape.for_choice(index)
+            per_choice.append(self._events(choice_shape, job, count, index) if answers is None
+                              else self._shaped_events(choice_shape, job, answers[index], count))
+        if job.n == 1:
+            events = per_choice[0]
         else:
-            count = min(n, cut.params["after_tokens"]) if cut else n
-        if answer is None:
-            events = self._events(shape, job, count)
-        else:
-            events = self._shaped_events(shape, job, answer, count)
+            # vLLM steps the choices together: one engine step's events, one per choice still going, go
+            # out together (and are paced as one).
+            events = [b"".join(choice[step] for choice in per_choice if step < len(choice))
+                      for step in range(max(map(len, per_choice)))]
+        events = _lead(shape, job, events)
+        if answers is not None:
             # The pause is per token: an event of N tokens comes N pauses after the one before.
             token_delay_s *= self.settings.tokens_per_event
         if closed:
@@ -835,7 +937,8 @@ class MockEngine:
         elif stall:
             tail = b""
         else:
-            tail = shape.usage_head + _encode(_usage(job.prompt_tokens, n)) + b"}\n\n" if job.include_usage else b""
+            tail = (shape.usage_head + _encode(_usage(job.prompt_tokens, sum(lengths))) + b"}\n\n"
+                    if job.include_usage else b"")
             if not applied.get(Mode.NO_DONE):
                 tail += _DONE
         if self.settings.sse_writes == "per-event" and not stall:
@@ -925,6 +1028,49 @@ def _decode_body(raw: bytes, type_: type[_T]) -> _T:
         return msgspec.json.decode(raw, type=type_)
     except msgspec.DecodeError as exc:
         raise _BadRequest(400, f"invalid JSON body: {exc}") from None
+
+
+_EXPECTED = re.compile(r"Expected `([^`]*)`")
+_PATH_PART = re.compile(r"\.(\w+)|\[(\d+)\]")
+# pydantic's error type and message for a value of the wrong kind, by the field's type and whether the
+# value was a string (a lax model parses numbers and booleans out of strings).
+_TYPE_ERRORS = {
+    ("float", True): ("float_parsing", "Input should be a valid number, unable to parse string as a number"),
+    ("float", False): ("float_type", "Input should be a valid number"),
+    ("int", True): ("int_parsing", "Input should be a valid integer, unable to parse string as an integer"),
+    ("int", False): ("int_type", "Input should be a valid integer"),
+    ("bool", True): ("bool_parsing", "Input should be a valid boolean, unable to interpret input"),
+    ("bool", False): ("bool_type", "Input should be a valid boolean"),
+    ("str", False): ("string_type", "Input should be a valid string"),
+}
+
+
+def _decode_request(raw: bytes) -> _CompletionBody:
+    """A completion request read as vLLM's (pydantic, lax) request model reads it: ``"2"`` is an int, ``"hot"``
+    no float; a field of the wrong type is vLLM's validation 400 naming it."""
+    try:
+        data = _decode_any(raw)
+    except msgspec.DecodeError as exc:
+        raise _BadRequest(400, f"invalid JSON body: {exc}") from None
+    if not isinstance(data, dict):
+        raise _request_invalid("model_attributes_type", "body", "Input should be a valid dictionary or object")
+    try:
+        return msgspec.convert(data, _CompletionBody, strict=False)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        message, _, path = text.partition(" - at `$")
+        loc = "body" + "".join(f".{name or index}" for name, index in _PATH_PART.findall(path.rstrip("`")))
+        expected = _EXPECTED.search(message)
+        value: Any = data
+        for name, index in _PATH_PART.findall(path.rstrip("`")):
+            value = value.get(name) if name and isinstance(value, dict) else \
+                value[int(index)] if index and isinstance(value, list) and int(index) < len(value) else None
+        kind = next((k for k in ("float", "int", "bool", "str")
+                     if expected and k in expected.group(1).replace("|", " ").split()), "")
+        known = _TYPE_ERRORS.get((kind, isinstance(value, str) and kind != "str"))
+        if known is None:
+            raise _request_invalid("type_error", loc, message) from None
+        raise _request_invalid(known[0], loc, known[1]) from None
 
 
 def _request_id(request: Request) -> str | None:
