@@ -1053,6 +1053,7 @@ def vllm_error(answer: FakeResponder) -> dict[str, Any]:
     # vLLM's SamplingParams checks: BadRequestError, the message names the parameter.
     ("/v1/completions", {"n": 0}, "BadRequestError", None, "n must be at least 1, got 0."),
     ("/v1/chat/completions", {"n": -1}, "BadRequestError", None, "n must be at least 1, got -1."),
+    ("/v1/completions", {"n": 16385}, "BadRequestError", None, "n must be at most 16384, got 16385."),
     ("/v1/completions", {"temperature": -0.5}, "BadRequestError", "temperature",
      "temperature must be non-negative, got -0.5. (parameter=temperature, value=-0.5)"),
     ("/v1/chat/completions", {"temperature": 3}, "BadRequestError", "temperature",

@@ -32,6 +32,11 @@ generated text only, ``finish_reason`` "stop" with the string as
 ``stop_reason``, and while streaming the last ``max(len(stop)) - 1``
 characters held back until more text or the end comes.
 
+``n`` choices are answered as vLLM answers them: listed with their ``index``, or streamed interleaved one
+choice per chunk (``choices[0].index``), an engine step's events together; choice ``c`` > 0 has its tokens
+marked ``-c``. Requests vLLM's request model or sampling parameters refuse (``n`` < 1, ``temperature``
+out of [0, 2] or not a number, an empty prompt, ...) get vLLM's 400 and error body.
+
 Fault injection (``narwhal.tools.mock.faults``) is set with ``--fault`` or at run time
 through ``/mock/faults``; ``/mock/stats`` reports what the engine saw.
 """
@@ -103,6 +108,8 @@ _BLOCK_TOKENS = 16
 _VOCAB = 32000
 # vLLM samples greedily below this temperature, and then refuses n > 1.
 _GREEDY_EPS = 1e-5
+# vLLM's default VLLM_MAX_N_SEQUENCES: the most choices one request may ask for.
+_MAX_N = 16384
 
 _encode = msgspec.json.Encoder().encode
 _decode_any = msgspec.json.Decoder().decode
@@ -437,6 +444,9 @@ def _check_sampling(n: int, temperature: float | None, max_tokens: int) -> None:
     """vLLM's ``SamplingParams`` checks of the fields the mock reads, with its messages."""
     if n < 1:
         raise _invalid(f"n must be at least 1, got {n}.")
+    if n > _MAX_N:
+        raise _invalid(f"n must be at most {_MAX_N}, got {n}. To increase this limit, set the "
+                       "VLLM_MAX_N_SEQUENCES environment variable.")
     if temperature is not None:
         if temperature < 0.0:
             raise _invalid(f"temperature must be non-negative, got {temperature}.", "temperature", temperature)
@@ -682,7 +692,7 @@ class MockEngine:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         if "" in stop:
-            raise _BadRequest(400, "stop strings must not be empty")
+            raise _invalid("stop cannot contain an empty string.")
         settings = self.settings
         # A prefill is answered in one JSON body, whatever it asked for.
         return _Completion(op=op, handoff=handoff, chat=chat, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
