@@ -113,6 +113,9 @@ _TOKEN_LISTS = re.compile(rb'"token_ids":\s*\[([\d,\s]*)\]')
 # quickly), then any spacing, only if some is left. The event lists are captured, to count their IDs.
 _IDS = re.compile(rb',\s*"(?:prompt_)?token_ids":\s*(?:\[[\d,\s]*\]|null)'
                   rb'|"(?:prompt_)?token_ids":\s*(?:\[[\d,\s]*\]|null)\s*,')
+# A choice's non-empty text (completions) or delta content (chat).
+_TEXT_EVENTS = re.compile(rb'"text":\s*"[^"]')
+_CONTENT_EVENTS = re.compile(rb'"content":\s*"[^"]')
 _PROMPT_IDS_COMPACT = re.compile(rb',"prompt_token_ids":(?:\[[\d,]*\]|null)')
 _TOKEN_IDS_COMPACT = re.compile(rb',"token_ids":(\[[\d,]*\]|null)')
 
@@ -411,8 +414,8 @@ class StreamJoin:
         lists = _TOKEN_LISTS.findall(raw) if not self._raw_counted else []
         if lists:
             return sum(1 + ids.count(b",") for ids in lists if ids.strip())
-        key = b'"content":"' if self.chat else b'"text":"'
-        return raw.count(key) - raw.count(key + b'"')
+        # No IDs: the events with text (a lower bound: an event may carry several tokens), in any JSON spacing.
+        return len((_CONTENT_EVENTS if self.chat else _TEXT_EVENTS).findall(raw))
 
     def _include_usage(self) -> bool:
         options = self.request.get("stream_options")

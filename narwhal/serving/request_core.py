@@ -634,6 +634,7 @@ class RequestCore:
                         leg = join.next_leg()
                         assert leg is not None
                         route, request = leg
+                        outcome.tokens = join.tokens
                     kv = await self._prefill(route, request, prefill, rid)
                 finally:
                     in_flight.release(prefill_name)
@@ -881,6 +882,11 @@ class RequestCore:
         except (EngineFailure, UpstreamClientError, PoolSaturated) as exc:
             outcome.tokens = max(0, tokens - role_events)
             self._translate("decode", exc)
+        except BaseException:
+            # Cancelled (the client left, its engine was removed, the deadline) or the client's write failed:
+            # the log counts what was relayed all the same.
+            outcome.tokens = max(0, tokens - role_events)
+            raise
         # Every stream that ends cleanly ended with [DONE] (the pool raises otherwise).
         outcome.tokens = max(0, tokens - 1 - role_events)
         self.supervisor.record_success(decode.name, SuccessKind.DECODE_TERMINAL)
@@ -948,6 +954,11 @@ class RequestCore:
             if not sink.started:
                 outcome.status = 0
             self._translate("decode", exc)
+        except BaseException:
+            # Cancelled or the client's write failed: the log counts what was relayed all the same.
+            outcome.tokens = join.tokens
+            outcome.regenerated = join.regenerated
+            raise
         outcome.tokens = join.tokens
         self._note_regenerated(join, diverged, rid, decode.name, outcome)
         leg_tokens = join.tokens - join.tokens_before
