@@ -352,14 +352,15 @@ class StreamJoin:
             prompt = prompt[0]
         return {"prompt": prompt} if isinstance(prompt, str) else None
 
-    def counted(self, tokens: int, prompt_tokens: int | None = None) -> None:
+    def counted(self, tokens: int | None, prompt_tokens: int | None = None) -> None:
         """An engine's count (/tokenize) of the tokens in all the text the client has, and of the original
         prompt: what the answer's length and its usage are built from after tokens without IDs."""
         self.fold()
-        self.tokens_before = max(tokens, len(self._sent))
-        self.leg_tokens = 0
-        self._leg_usage = None
-        self.uncounted = False
+        if tokens is not None and self.uncounted:
+            self.tokens_before = max(tokens, len(self._sent))
+            self.leg_tokens = 0
+            self._leg_usage = None
+            self.uncounted = False
         if prompt_tokens is not None:
             self.note_prompt_tokens(prompt_tokens)
 

@@ -743,24 +743,33 @@ class RequestCore:
         that cannot count (a 4xx, an unreadable body) raises _Uncountable.
         """
         model = join.request.get("model")
-        queries: list[dict[str, Any]] = [{"model": model, "prompt": join.output_text, "add_special_tokens": False}]
+        text_query = ({"model": model, "prompt": join.output_text, "add_special_tokens": False}
+                      if join.uncounted else None)
         prompt_query = join.prompt_query()
-        if prompt_query is not None:
-            queries.append({"model": model, **prompt_query})
-        counts: list[int] = []
+        queries = [text_query, None if prompt_query is None else {"model": model, **prompt_query}]
+        counts: list[int | None] = []
         for query in queries:
+            if query is None:
+                counts.append(None)
+                continue
             try:
                 _, raw = await self.data_pool.post_json(engine, "/tokenize", _encode_json.encode(query),
                                                         request_id=rid)
                 counts.append(msgspec.json.decode(raw, type=_TokenizeResult).count)
             except UpstreamClientError as exc:
                 self.supervisor.record_success(exc.engine, SuccessKind.CLIENT_4XX)
-                raise _Uncountable(f"{engine.name}'s /tokenize answered HTTP {exc.status}") from None
+                why = f"{engine.name}'s /tokenize answered HTTP {exc.status}"
             except (msgspec.DecodeError, RecursionError):
-                raise _Uncountable(f"{engine.name}'s /tokenize answer is unreadable") from None
+                why = f"{engine.name}'s /tokenize answer is unreadable"
             except (EngineFailure, PoolSaturated) as exc:
                 self._translate("tokenize", exc)
-        join.counted(counts[0], counts[1] if len(counts) > 1 else None)
+            else:
+                continue
+            if query is text_query:
+                raise _Uncountable(why)
+            # The prompt's count only makes the usage exact; the answer goes on without it.
+            counts.append(None)
+        join.counted(counts[0], counts[1])
 
     async def _count_tail(self, join: StreamJoin, rid: str) -> None:
         """The counts a tail's usage chunk needs, from the first eligible prefill engine that gives them; if none
