@@ -313,8 +313,11 @@ async def test_a_decode_cut_halfway_is_continued_into_one_exact_stream(route, wi
         assert second[2]["prompt"].startswith("one two three n3 n4 n5 n6")
     assert second[2]["max_tokens"] == 6
     # The continuation's prefill is a fresh one (fresh KV ownership) before its decode.
-    legs = [bool(c[2].get("kv_transfer_params", {}).get("do_remote_decode")) for c in pool.calls]
+    legs = [bool(c[2].get("kv_transfer_params", {}).get("do_remote_decode")) for c in pool.calls
+            if c[1] != "/tokenize"]
     assert legs == [True, False, True, False]
+    # Tokens without IDs are counted by the continuation's prefill engine (the text, and the prompt): never by events.
+    assert len([c for c in pool.calls if c[1] == "/tokenize"]) == (0 if with_ids else 2)
     assert metrics.continuations.values == {("completed",): 1}
     assert "narwhal_continuation_join_gap_seconds_count 1" in metrics.render()
 

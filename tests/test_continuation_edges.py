@@ -8,6 +8,7 @@ import json
 import random
 from typing import Any
 
+import msgspec
 import pytest
 from test_continuation import (
     CHAT,
@@ -17,6 +18,7 @@ from test_continuation import (
     Upstream,
     check_one_stream,
     decode_calls,
+    make,
     make_shaped,
     numbers,
     request_body,
@@ -25,7 +27,10 @@ from test_continuation import (
 )
 from test_continuation_joins import ORIGINAL, FakeVLLM, _client_view, _request, _sequence, feed_in_pieces
 
+from narwhal.errors import FailureClass, UpstreamClientError
 from narwhal.serving.continuation import StreamJoin
+from narwhal.tools.mock.engine import MockEngine
+from narwhal.tools.mock.faults import FaultRequest
 
 
 @pytest.mark.parametrize("extra", [{"logprobs": True}, {"response_format": {"type": "text"}}],
@@ -217,10 +222,10 @@ async def test_a_text_join_after_a_leg_without_ids_drops_nothing():
     await core.handle(COMPLETIONS, request_body(COMPLETIONS), None, sink)
     assert len(decode_calls(pool)) == 3
     assert isinstance(decode_calls(pool)[2][2]["prompt"], str)
-    # Nothing repeated or lost. (How many tokens: a leg without token IDs is counted by its events, here of two
-    # tokens each, so the answer may run a little longer than max_tokens, as with any engine that sends no IDs.)
+    # Nothing repeated or lost, and exactly max_tokens: the leg without token IDs (events of two tokens each) is
+    # counted by the third leg's prefill engine (/tokenize of the client's text), not by its events.
     got = numbers(text_of(sink.events()[:-1], False))
-    assert got == list(range(3, 3 + len(got))) and len(got) >= 10
+    assert got == list(range(3, 13))
     assert sink.events()[-1] == "[DONE]" and sink.events().count("[DONE]") == 1
 
 
@@ -382,3 +387,114 @@ def test_continuous_usage_chunks_of_regenerated_tokens_do_not_become_final_usage
     chunks = [json.loads(e[6:]) for e in out.split(b"\n\n") if e]
     assert all(chunk["choices"] for chunk in chunks)
     assert not join.usage_sent
+
+
+# -- engines without token IDs: the tokens the client has are counted by the engine (/tokenize), never by events ----
+
+def _make_without_ids(**shape: Any):
+    """Mock engines that ignore return_token_ids (as an engine without them), streaming with ``shape``."""
+    core, supervisor, pool, engines, metrics = make(decode=("d1", "d2"), return_ids=False)
+    for name, engine in list(engines.items()):
+        engines[name] = MockEngine(msgspec.structs.replace(engine.settings, **shape))
+    return core, supervisor, pool, engines, metrics
+
+
+def _tokenize_calls(pool: Any) -> list[tuple[str, dict[str, Any]]]:
+    return [(c[0], c[2]) for c in pool.calls if c[1] == "/tokenize"]
+
+
+@pytest.mark.parametrize("route", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("shape", [{"tokens_per_event": 2}, {"split_every": 3}], ids=["two_per_event", "split"])
+async def test_a_continuation_without_token_ids_asks_for_exactly_what_is_owed(caplog, route, shape):
+    # No token IDs; events of two tokens (or empty events for half a character). Cut after 5 tokens: the client has
+    # 5 tokens in 3 events, so 7 are owed (counting events said 9, and the client got 14 of 12). The usage counts
+    # the original prompt (not the continuation's) and the 12 tokens the client got.
+    core, _, pool, _, _ = _make_without_ids(**shape)
+    pool.cuts = [5]
+    sink = ClientSink()
+    with caplog.at_level("INFO", logger="narwhal.events"):
+        await core.handle(route, request_body(route, max_tokens=12), None, sink)
+    check_one_stream(sink, chat=route == CHAT, prompt_tokens=PROMPT_TOKENS[route], max_tokens=12)
+    second = decode_calls(pool)[1][2]
+    assert second["max_tokens"] == 7
+    # The text the client had, counted by the continuation's prefill engine; the prompt too (count_tokens is off).
+    (engine, text), (same, prompt) = _tokenize_calls(pool)
+    assert engine == same and engine.startswith("p")
+    assert text["add_special_tokens"] is False and numbers(text["prompt"]) == list(range(PROMPT_TOKENS[route],
+                                                                                      PROMPT_TOKENS[route] + 5))
+    assert ("messages" in prompt) == (route == CHAT)
+    assert request_line(caplog)["tokens"] == 12
+
+
+async def test_the_prompt_count_from_token_counting_is_used_and_not_asked_again(caplog):
+    core, _, pool, _, _ = _make_without_ids(tokens_per_event=2)
+    core._count_tokens = True
+    pool.cuts = [5]
+    sink = ClientSink()
+    await core.handle(COMPLETIONS, request_body(COMPLETIONS, max_tokens=12), None, sink)
+    check_one_stream(sink, chat=False, prompt_tokens=3, max_tokens=12)
+    # One /tokenize for the prompt before the first leg (count_tokens), one for the client's text at the join.
+    assert [c[1].get("add_special_tokens") for c in _tokenize_calls(pool)] == [None, False]
+
+
+@pytest.mark.parametrize("route", [COMPLETIONS, CHAT])
+async def test_a_lost_usage_written_by_the_router_counts_the_true_prompt_and_tokens(route):
+    # The last token and its finish_reason came (events of two tokens, no IDs); the usage and [DONE] were lost. The
+    # router writes the usage: the prompt's count and the 12 tokens, from /tokenize (never 0, never events).
+    core, _, pool, _, _ = _make_without_ids(tokens_per_event=2)
+    pool.cuts = [12]
+    sink = ClientSink()
+    await core.handle(route, request_body(route, max_tokens=12), None, sink)
+    check_one_stream(sink, chat=route == CHAT, prompt_tokens=PROMPT_TOKENS[route], max_tokens=12)
+    assert len(decode_calls(pool)) == 1
+
+
+async def test_a_lost_usage_that_no_engine_can_count_is_left_out_not_invented(caplog):
+    core, _, pool, engines, _ = _make_without_ids(tokens_per_event=2)
+    for name in ("p1", "p2"):
+        engines[name].add_fault(FaultRequest(mode="status_5xx", legs=["tokenize"]))
+    pool.cuts = [12]
+    sink = ClientSink()
+    await core.handle(COMPLETIONS, request_body(COMPLETIONS, max_tokens=12), None, sink)
+    check_one_stream(sink, chat=False, prompt_tokens=3, max_tokens=12, usage=False)
+    assert not [e for e in sink.events()[:-1] if e.get("usage")]
+
+
+async def test_a_tokenize_failure_at_a_join_is_the_attempts_failure_and_the_next_engine_counts(caplog):
+    core, supervisor, pool, engines, _ = _make_without_ids(tokens_per_event=2)
+    # p1's /tokenize fails: evidence against p1 (stage tokenize), and the next attempt counts on p2.
+    supervisor.roles["prefill"] = ["p1"]
+    engines["p1"].add_fault(FaultRequest(mode="status_5xx", legs=["tokenize"]))
+    pool.cuts = [5]
+    sink = ClientSink()
+    eligible = supervisor.eligible
+
+    def p2_after_p1_failed(role: str) -> list[str]:
+        return ["p1", "p2"] if role == "prefill" and supervisor.failures[1:] else eligible(role)
+
+    supervisor.eligible = p2_after_p1_failed  # type: ignore[method-assign]
+    with caplog.at_level("INFO", logger="narwhal.events"):
+        await core.handle(COMPLETIONS, request_body(COMPLETIONS, max_tokens=12), None, sink)
+    assert ("p1", FailureClass.INFERENCE_STATUS) in supervisor.failures
+    check_one_stream(sink, chat=False, prompt_tokens=3, max_tokens=12)
+    assert [name for name, _ in _tokenize_calls(pool)] == ["p1", "p2", "p2"]
+
+
+async def test_an_engine_whose_tokenize_cannot_count_ends_the_stream_as_not_continued(caplog):
+    core, _, pool, engines, metrics = _make_without_ids(tokens_per_event=2)
+    original = pool._answer
+
+    async def no_tokenize(engine, path, body):
+        if path == "/tokenize":
+            raise UpstreamClientError(engine.name, 404, b'{"detail": "Not Found"}')
+        return await original(engine, path, body)
+
+    pool._answer = no_tokenize  # type: ignore[method-assign]
+    pool.cuts = [5]
+    sink = ClientSink()
+    with caplog.at_level("INFO", logger="narwhal.events"):
+        await core.handle(COMPLETIONS, request_body(COMPLETIONS, max_tokens=12), None, sink)
+    error = sink.events()[-1]["error"]
+    assert error["code"] == "not_continued" and "counted" in error["message"]
+    assert metrics.continuations.values.get(("not_eligible",)) == 1
+    assert len(decode_calls(pool)) == 1

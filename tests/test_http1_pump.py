@@ -14,6 +14,7 @@ import math
 import os
 import resource
 import socket
+import struct
 from typing import Any
 
 import msgspec
@@ -416,6 +417,8 @@ FRONT_CONFIG = """
 count_tokens = false
 request_deadline_s = 1000.0
 client_write_timeout_s = {write}
+relay_pump = {pump}
+policy = "{policy}"
 [engine]
 request_timeout_s = 100.0
 first_token_deadline_s = {first}
@@ -459,10 +462,12 @@ def decode_sse(events: list[bytes], *, delay_s: float = 0.0, then_forever: bool 
 @pytest.fixture
 async def front(hostile, nursery: trio.Nursery):
     """Start the front over a prefill and a decode engine; returns (port, supervisor, pool, decode engine)."""
-    async def start(decode: Any, *, first: float = 30.0, silence: float = 30.0, write: float = 30.0):
+    async def start(decode: Any, *, first: float = 30.0, silence: float = 30.0, write: float = 30.0,
+                    pump: bool = True, policy: str = "saturate"):
         p, d = await hostile(hostile_engines.PREFILL_ANSWER), await hostile(decode)
         config = parse_config(FRONT_CONFIG.format(prefill_port=p.port, decode_port=d.port, first=first,
-                                                  silence=silence, write=write))
+                                                  silence=silence, write=write, pump=str(pump).lower(),
+                                                  policy=policy))
         pool = DataPool(max_connections=8, engine_config=config.engine)
         await nursery.start(pool.run)
         supervisor = hostile_engines.RecordingSupervisor()
@@ -637,3 +642,28 @@ async def test_an_http_1_0_client_gets_the_pumped_stream_unframed_until_close(fr
     (logged,) = request_events(caplog)
     assert logged["relay"] == "pump" and logged["tokens"] == 8
     assert pool.pump.streams == 0
+
+
+@pytest.mark.parametrize("policy", ["saturate", "bounded"])
+@pytest.mark.parametrize("pump", [True, False], ids=["pump", "task"])
+async def test_a_client_that_leaves_mid_stream_is_logged_with_the_tokens_it_received(front, caplog, pump, policy):
+    # Ten tokens, then the engine goes on (silent, connection open); the client reads the ten and closes.
+    port, supervisor, pool, _ = await front(decode_sse(TOKEN_EVENTS[:8] + TOKEN_EVENTS[:2], then_forever=True),
+                                            pump=pump, policy=policy)
+    with trio.fail_after(10):
+        stream = await post_stream(port)
+        received = b""
+        while received.count(b"data: ") < 10:
+            data = await stream.receive_some(65536)
+            assert data, received
+            received += data
+        # A reset: a FIN alone is a half-close, which the front answers on.
+        stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        await stream.aclose()
+        while not request_events(caplog):
+            await trio.sleep(0.01)
+    (logged,) = request_events(caplog)
+    assert logged["status"] == 499 and logged["error"] == "client_disconnected"
+    assert logged["relay"] == ("pump" if pump else "task") and logged["tokens"] == 10
+    # The client leaving is no evidence against the engine.
+    assert supervisor.failures == []

@@ -763,3 +763,56 @@ async def test_a_prefill_engine_cut_as_its_leg_ends_lets_the_decode_run():
     assert sink.status == 200 and sink.ended and b"[DONE]" in b"".join(sink.writes)
     assert b"engine_removed" not in b"".join(sink.writes)
     assert supervisor.failures == []
+
+
+# -- a stream ended by cancellation logs the tokens the client received -----------------------------------------
+
+TEN = [b'data: {"choices":[{"text":"t%d"}]}\n\n' % i for i in range(10)]
+
+
+@pytest.mark.parametrize("policy", ["saturate", "bounded"])
+async def test_a_stream_the_client_leaves_logs_the_tokens_it_received(caplog, policy):
+    # The client goes away (the front cancels the handler) after 10 tokens; the engine is still streaming.
+    core, _, pool, _ = make_core(policy=policy)
+    pool.decode.append([*TEN, "hang"])
+    sink = Sink()
+    caplog.set_level("INFO", logger="narwhal.events")
+    client = trio.CancelScope()
+
+    async def request() -> None:
+        with client:
+            await core.handle("/v1/completions", body(stream=True), None, sink)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(request)
+        while len(b"".join(sink.writes).split(b"\n\n")) <= 10:
+            await trio.lowlevel.checkpoint()
+        client.cancel()
+    [line] = request_lines(caplog)
+    assert line["status"] == 499 and line["error"] == "client_disconnected"
+    assert line["tokens"] == 10
+
+
+async def test_a_stream_cut_because_its_engine_was_removed_logs_the_tokens_relayed(caplog):
+    core, supervisor, pool, _ = make_core()
+    supervisor.roles["decode"] = ["d1"]
+    pool.decode.append([*TEN, "hang"])
+    sink = Sink()
+    caplog.set_level("INFO", logger="narwhal.events")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(core.handle, "/v1/completions", body(stream=True), None, sink)
+        while len(b"".join(sink.writes).split(b"\n\n")) <= 10:
+            await trio.lowlevel.checkpoint()
+        core.set_engines(spec for spec in core.engines.values() if spec.name != "d1")
+    [line] = request_lines(caplog)
+    assert line["error"] == "engine_removed" and line["tokens"] == 10
+
+
+async def test_a_stream_cut_by_the_request_deadline_logs_the_tokens_relayed(caplog, autojump_clock):
+    core, _, pool, _ = make_core()
+    pool.decode.append([*TEN, "hang"])
+    sink = Sink()
+    caplog.set_level("INFO", logger="narwhal.events")
+    await core.handle("/v1/completions", body(stream=True), None, sink)
+    [line] = request_lines(caplog)
+    assert line["error"] == "deadline" and line["tokens"] == 10

@@ -55,6 +55,10 @@ _CHAT_AS_COMPLETION = frozenset({
 _CHAT_ONLY = ("messages", "max_completion_tokens", "add_generation_prompt", "continue_final_message",
               "chat_template", "chat_template_kwargs")
 
+# The chat request's keys vLLM's /tokenize reads to count a chat's prompt as its chat route does.
+_TOKENIZE_CHAT_KEYS = ("messages", "add_generation_prompt", "continue_final_message", "chat_template",
+                       "chat_template_kwargs", "tools")
+
 # A completions request without max_tokens gets 16 (OpenAI's default, and vLLM's).
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
@@ -109,6 +113,9 @@ _TOKEN_LISTS = re.compile(rb'"token_ids":\s*\[([\d,\s]*)\]')
 # quickly), then any spacing, only if some is left. The event lists are captured, to count their IDs.
 _IDS = re.compile(rb',\s*"(?:prompt_)?token_ids":\s*(?:\[[\d,\s]*\]|null)'
                   rb'|"(?:prompt_)?token_ids":\s*(?:\[[\d,\s]*\]|null)\s*,')
+# A choice's non-empty text (completions) or delta content (chat).
+_TEXT_EVENTS = re.compile(rb'"text":\s*"[^"]')
+_CONTENT_EVENTS = re.compile(rb'"content":\s*"[^"]')
 _PROMPT_IDS_COMPACT = re.compile(rb',"prompt_token_ids":(?:\[[\d,]*\]|null)')
 _TOKEN_IDS_COMPACT = re.compile(rb',"token_ids":(\[[\d,]*\]|null)')
 
@@ -255,6 +262,13 @@ class StreamJoin:
         self.ids_complete = True
         prompt = request.get("prompt")
         self.prompt_ids: list[int] | None = _int_list(prompt) if not self.chat else None
+        # The original prompt's token count when its IDs are unknown: from the first leg's usage or /tokenize.
+        self._prompt_count: int | None = None
+        # Tokens without IDs reached the client since an engine last counted them (``counted``): how many
+        # tokens the client holds is then known only as a lower bound (events), never to build a leg from.
+        self.uncounted = False
+        # The completion_tokens of the current leg's latest usage (continuous_usage_stats, or the final one).
+        self._leg_usage: int | None = None
         # Completion tokens relayed by legs before the current one, and by the current one.
         self.tokens_before = 0
         self.leg_tokens = 0
@@ -309,7 +323,46 @@ class StreamJoin:
     @property
     def tokens(self) -> int:
         """Completion tokens the client has received, over all legs."""
-        return max(self.tokens_before + self.leg_tokens + self._raw_tokens(), len(self._sent))
+        leg = self.leg_tokens
+        if self._leg_usage is not None and self._leg_usage > leg:
+            # The engine's own count beats one from events (an event may carry several tokens).
+            leg = self._leg_usage
+        return max(self.tokens_before + leg + self._raw_tokens(), len(self._sent))
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        """The original prompt's token count, when known (its IDs, the first leg's usage, /tokenize)."""
+        return len(self.prompt_ids) if self.prompt_ids is not None else self._prompt_count
+
+    def note_prompt_tokens(self, count: int) -> None:
+        """The original prompt's token count, as an engine gave it (the first leg's usage, /tokenize)."""
+        if self._prompt_count is None and _is_int(count) and count >= 0:
+            self._prompt_count = count
+
+    def prompt_query(self) -> dict[str, Any] | None:
+        """The /tokenize body (less ``model``) that counts the original prompt as the first leg's engine
+        did; None when the count is known, or cannot be asked (a token-ID prompt counts itself)."""
+        if self.prompt_tokens is not None:
+            return None
+        if self.chat:
+            query = {key: self.request[key] for key in _TOKENIZE_CHAT_KEYS if key in self.request}
+            return query if isinstance(query.get("messages"), list) else None
+        prompt = self.request.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        return {"prompt": prompt} if isinstance(prompt, str) else None
+
+    def counted(self, tokens: int | None, prompt_tokens: int | None = None) -> None:
+        """An engine's count (/tokenize) of the tokens in all the text the client has, and of the original
+        prompt: what the answer's length and its usage are built from after tokens without IDs."""
+        self.fold()
+        if tokens is not None and self.uncounted:
+            self.tokens_before = max(tokens, len(self._sent))
+            self.leg_tokens = 0
+            self._leg_usage = None
+            self.uncounted = False
+        if prompt_tokens is not None:
+            self.note_prompt_tokens(prompt_tokens)
 
     @property
     def output_text(self) -> str:
@@ -362,8 +415,8 @@ class StreamJoin:
         lists = _TOKEN_LISTS.findall(raw) if not self._raw_counted else []
         if lists:
             return sum(1 + ids.count(b",") for ids in lists if ids.strip())
-        key = b'"content":"' if self.chat else b'"text":"'
-        return raw.count(key) - raw.count(key + b'"')
+        # No IDs: the events with text (a lower bound: an event may carry several tokens), in any JSON spacing.
+        return len((_CONTENT_EVENTS if self.chat else _TEXT_EVENTS).findall(raw))
 
     def _include_usage(self) -> bool:
         options = self.request.get("stream_options")
@@ -379,6 +432,9 @@ class StreamJoin:
         self._leg_done = False
         self.leg_relayed = False
         self._leg_diverged = False
+        if self._leg_usage is not None and self._leg_usage > self.leg_tokens:
+            self.leg_tokens = self._leg_usage
+        self._leg_usage = None
         self.tokens_before += self.leg_tokens
         self.leg_tokens = 0
         body = dict(self.request)
@@ -692,6 +748,7 @@ class StreamJoin:
             obj["object"] = "chat.completion.chunk"
         usage = obj.get("usage")
         if isinstance(usage, dict):
+            self._leg_usage_came(usage, first_leg)
             self._usage(usage)
             if not obj.get("choices"):
                 self.usage_sent = True
@@ -735,11 +792,14 @@ class StreamJoin:
                 self._text_came(ids)
             if ids is None and text:
                 self.ids_complete = False
+                self.uncounted = True
                 self.leg_tokens += 1
             if choice.finish_reason is not None:
                 self._finished = True
-        if event.usage is not None and not event.choices:
-            self.usage_sent = True
+        if event.usage is not None:
+            self._leg_usage_came(event.usage, True)
+            if not event.choices:
+                self.usage_sent = True
         self.leg_relayed = True
         return _DATA + payload + b"\n\n"
 
@@ -807,12 +867,22 @@ class StreamJoin:
         if ids is not None:
             self.leg_tokens += len(ids)
         elif text:
-            # No IDs for this token: the next join resumes from text.
+            # No IDs for this token: the next join resumes from text, and counts it with /tokenize.
             self.ids_complete = False
+            self.uncounted = True
             self.leg_tokens += 1
         if choice.get("finish_reason") is not None:
             self._finished = True
         return True
+
+    def _leg_usage_came(self, usage: dict[str, Any], first_leg: bool) -> None:
+        """Note what a usage says before it is rewritten: the leg's tokens so far, the first leg's prompt."""
+        completion = usage.get("completion_tokens")
+        if _is_int(completion):
+            self._leg_usage = completion
+        prompt = usage.get("prompt_tokens")
+        if first_leg and _is_int(prompt):
+            self.note_prompt_tokens(prompt)
 
     def _usage(self, usage: dict[str, Any]) -> None:
         completion = usage.get("completion_tokens")
@@ -822,19 +892,31 @@ class StreamJoin:
             return
         # A sampled leg may end among the tokens it generated again: the client has more than it made.
         usage["completion_tokens"] = max(completion + self.tokens_before, len(self._sent))
-        if self.prompt_ids is not None:
-            usage["prompt_tokens"] = len(self.prompt_ids)
+        prompt = self.prompt_tokens
+        if prompt is not None:
+            usage["prompt_tokens"] = prompt
         elif _is_int(usage.get("prompt_tokens")):
             usage["prompt_tokens"] = max(usage["prompt_tokens"] - self.tokens_before, 0)
         if _is_int(usage.get("prompt_tokens")):
             usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
 
+    @property
+    def tail_needs_count(self) -> bool:
+        """Whether ``tail`` owes a usage chunk whose numbers no engine has given yet (``counted`` gives them)."""
+        return (self._include_usage() and not self.usage_sent
+                and (self.uncounted or self.prompt_tokens is None))
+
     def tail(self) -> bytes:
-        """The end of an answer whose last token came but whose leg failed before [DONE]."""
+        """The end of an answer whose last token came but whose leg failed before [DONE].
+
+        Its usage chunk, when the client asked for one, carries the engines' counts; if
+        they could not be had (``tail_needs_count`` still true), it is left out: no usage
+        rather than a wrong one."""
         out = b""
-        if self._include_usage() and not self.usage_sent:
-            prompt = len(self.prompt_ids) if self.prompt_ids is not None else 0
-            total = max(self.tokens_before + self.leg_tokens, len(self._sent))
+        if self._include_usage() and not self.usage_sent and not self.tail_needs_count:
+            prompt = self.prompt_tokens
+            assert prompt is not None
+            total = self.tokens
             obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                    "created": self.created, "model": self.request.get("model"), "choices": [],
                    "usage": {"prompt_tokens": prompt, "total_tokens": prompt + total, "completion_tokens": total}}

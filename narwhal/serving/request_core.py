@@ -141,6 +141,10 @@ class ClientError(NarwhalError):
         return error_json(self.message, self.type, self.code)
 
 
+class _Uncountable(NarwhalError):
+    """An engine's /tokenize could not count the tokens of an answer whose tokens came without IDs."""
+
+
 class _AttemptFailed(NarwhalError):
     """One prefill/decode attempt failed before anything reached the client."""
 
@@ -496,6 +500,8 @@ class RequestCore:
             raise failed.error from None
         if join.finished:
             # The last token reached the client; only usage and [DONE] were lost.
+            if join.tail_needs_count:
+                await self._count_tail(join, rid)
             outcome.tokens = join.tokens
             outcome.status = 200
             await sink.end_stream(join.tail())
@@ -611,7 +617,24 @@ class RequestCore:
                 try:
                     if self._count_tokens and not (join is not None and join.started):
                         # A continuation's prompt grew by exactly the tokens its max_tokens shrank by.
-                        await self._check_context(route, request, prefill, rid)
+                        prompt_tokens = await self._check_context(route, request, prefill, rid)
+                        if join is not None and prompt_tokens is not None:
+                            join.note_prompt_tokens(prompt_tokens)
+                    if join is not None and join.started and join.uncounted:
+                        # Tokens came without IDs: the engine counts what the client has, and the leg is
+                        # built again from its count (never from events, which may carry several tokens).
+                        try:
+                            await self._count_join(join, prefill, rid)
+                        except _Uncountable as exc:
+                            self.metrics.continuations.inc("not_eligible")
+                            log_event("stream_not_continued", request_id=rid, reason="uncounted")
+                            raise ClientError(502, "the decode failed and its answer cannot be resumed: the engine "
+                                              "sent no token IDs and the tokens the client has cannot be counted "
+                                              f"({exc})", "upstream_error", "not_continued") from None
+                        leg = join.next_leg()
+                        assert leg is not None
+                        route, request = leg
+                        outcome.tokens = join.tokens
                     kv = await self._prefill(route, request, prefill, rid)
                 finally:
                     in_flight.release(prefill_name)
@@ -676,7 +699,9 @@ class RequestCore:
                                          "service_unavailable", "pool_saturated"),
                              None, "pool_saturated") from None
 
-    async def _check_context(self, route: str, request: dict[str, Any], prefill: EngineSpec, rid: str) -> None:
+    async def _check_context(self, route: str, request: dict[str, Any], prefill: EngineSpec,
+                             rid: str) -> int | None:
+        """Refuse a prompt the context cannot hold; returns the prompt's token count when /tokenize gave it."""
         prompt = request.get("prompt")
         if route != "/v1/chat/completions" and isinstance(prompt, list):
             # Token IDs count themselves, and vLLM's /tokenize takes only a string: the limit is the one this
@@ -694,12 +719,12 @@ class RequestCore:
                 counted = msgspec.json.decode(raw, type=_TokenizeResult)
             except (msgspec.DecodeError, RecursionError):
                 # A tokenizer answer we cannot read is no reason to refuse the request.
-                return
+                return None
             if counted.max_model_len is not None:
                 self._max_model_len[prefill.name] = counted.max_model_len
         limit = counted.max_model_len
         if limit is None:
-            return
+            return counted.count
         if counted.count > limit:
             raise ClientError(400, f"the prompt is {counted.count} tokens, more than the model's "
                               f"context length of {limit}", "invalid_request_error", "context_length_exceeded")
@@ -708,6 +733,56 @@ class RequestCore:
             raise ClientError(400, f"the prompt ({counted.count} tokens) plus max_tokens ({wanted}) exceeds "
                               f"the model's context length of {limit}", "invalid_request_error",
                               "context_length_exceeded")
+        return counted.count
+
+    async def _count_join(self, join: StreamJoin, engine: EngineSpec, rid: str) -> None:
+        """Count, with ``engine``'s /tokenize, the tokens of all the text the client has (and the original prompt,
+        when no engine has said yet): a leg without token IDs tells the router only how many events it sent.
+
+        The engine's failure is this attempt's (evidence, and the next attempt counts elsewhere); an answer
+        that cannot count (a 4xx, an unreadable body) raises _Uncountable.
+        """
+        model = join.request.get("model")
+        text_query = ({"model": model, "prompt": join.output_text, "add_special_tokens": False}
+                      if join.uncounted else None)
+        prompt_query = join.prompt_query()
+        queries = [text_query, None if prompt_query is None else {"model": model, **prompt_query}]
+        counts: list[int | None] = []
+        for query in queries:
+            if query is None:
+                counts.append(None)
+                continue
+            try:
+                _, raw = await self.data_pool.post_json(engine, "/tokenize", _encode_json.encode(query),
+                                                        request_id=rid)
+                counts.append(msgspec.json.decode(raw, type=_TokenizeResult).count)
+            except UpstreamClientError as exc:
+                self.supervisor.record_success(exc.engine, SuccessKind.CLIENT_4XX)
+                why = f"{engine.name}'s /tokenize answered HTTP {exc.status}"
+            except (msgspec.DecodeError, RecursionError):
+                why = f"{engine.name}'s /tokenize answer is unreadable"
+            except (EngineFailure, PoolSaturated) as exc:
+                self._translate("tokenize", exc)
+            else:
+                continue
+            if query is text_query:
+                raise _Uncountable(why)
+            # The prompt's count only makes the usage exact; the answer goes on without it.
+            counts.append(None)
+        join.counted(counts[0], counts[1])
+
+    async def _count_tail(self, join: StreamJoin, rid: str) -> None:
+        """The counts a tail's usage chunk needs, from the first eligible prefill engine that gives them; if none
+        does, the tail goes without usage (``StreamJoin.tail``)."""
+        for name in self.supervisor.eligible("prefill"):
+            engine = self.engines.get(name)
+            if engine is None:
+                continue
+            try:
+                await self._count_join(join, engine, rid)
+                return
+            except (_AttemptFailed, _Uncountable):
+                continue
 
     async def _prefill(self, route: str, request: dict[str, Any], prefill: EngineSpec, rid: str) -> dict[str, Any]:
         body = dict(request)
@@ -816,6 +891,11 @@ class RequestCore:
         except (EngineFailure, UpstreamClientError, PoolSaturated) as exc:
             outcome.tokens = max(0, tokens - role_events)
             self._translate("decode", exc)
+        except BaseException:
+            # Cancelled (the client left, its engine was removed, the deadline) or the client's write failed:
+            # the log counts what was relayed all the same.
+            outcome.tokens = max(0, tokens - role_events)
+            raise
         # Every stream that ends cleanly ended with [DONE] (the pool raises otherwise).
         outcome.tokens = max(0, tokens - 1 - role_events)
         self.supervisor.record_success(decode.name, SuccessKind.DECODE_TERMINAL)
@@ -883,6 +963,11 @@ class RequestCore:
             if not sink.started:
                 outcome.status = 0
             self._translate("decode", exc)
+        except BaseException:
+            # Cancelled or the client's write failed: the log counts what was relayed all the same.
+            outcome.tokens = join.tokens
+            outcome.regenerated = join.regenerated
+            raise
         outcome.tokens = join.tokens
         self._note_regenerated(join, diverged, rid, decode.name, outcome)
         leg_tokens = join.tokens - join.tokens_before
