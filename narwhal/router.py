@@ -245,6 +245,8 @@ class Router:
         # an engine of the same name (a changed url or role) to leave first.
         self._removing: set[str] = set()
         self._pending_additions: dict[str, EngineSpec] = {}
+        # Each running removal's wait, cancelled when its engine is put back unchanged.
+        self._removal_scopes: dict[str, trio.CancelScope] = {}
         self.bound_port: int | None = None
         self._nursery: trio.Nursery | None = None
         self._register_gauges()
@@ -603,12 +605,18 @@ class Router:
     # -- the engine set --------------------------------------------------------------------
 
     def _apply_engines(self, changes: ConfigDiff, new: Config) -> None:
-        """Start removing what the reload removed, then add what it added (after a same-named one left)."""
+        """Start removing what the reload removed, then add what it added (after a same-named one left).
+
+        The same engine (name, url and role as written) put back while it is still
+        being removed was never gone: its removal is called off, its streams go on.
+        """
         specs = {spec.name: spec for spec in new.engines}
         for name in changes.engines_removed:
             self._start_removal(name)
         for name in changes.engines_added:
-            if self.fleet.knows(name):
+            if name in self._removing and self.supervisor.engines.get(name) == specs[name]:
+                self._cancel_removal(name)
+            elif self.fleet.knows(name):
                 # The old engine of this name is still finishing its requests: added once it left.
                 self._pending_additions[name] = specs[name]
             else:
@@ -639,14 +647,28 @@ class Router:
         if self._nursery is None:
             self._finish_removal_now(name)
         else:
-            self._nursery.start_soon(self._finish_removal, name, grace, name=f"removal {name}")
+            scope = self._removal_scopes[name] = trio.CancelScope()
+            self._nursery.start_soon(self._finish_removal, name, grace, scope, name=f"removal {name}")
 
-    async def _finish_removal(self, name: str, grace_s: float) -> None:
-        # Requests in flight finish (the count falls as they end), bounded by the grace period.
-        with trio.move_on_after(grace_s):
-            while self.in_flight[name] > 0:
-                await trio.sleep(REMOVAL_POLL_S)
-        self._finish_removal_now(name)
+    def _cancel_removal(self, name: str) -> None:
+        """``name`` came back unchanged before it left: it stays, with its requests, evidence and holds."""
+        self._removing.discard(name)
+        scope = self._removal_scopes.pop(name, None)
+        if scope is not None:
+            scope.cancel()
+        self.fleet.cancel_removal(name, trio.current_time(),
+                                  "put back into the config unchanged before it left: its removal is called off")
+        self._engine_set_changed()
+
+    async def _finish_removal(self, name: str, grace_s: float, scope: trio.CancelScope) -> None:
+        # Requests in flight finish (the count falls as they end), bounded by the grace period;
+        # ``scope`` is cancelled when the engine comes back before that (_cancel_removal).
+        with scope:
+            with trio.move_on_after(grace_s):
+                while self.in_flight[name] > 0:
+                    await trio.sleep(REMOVAL_POLL_S)
+            self._removal_scopes.pop(name, None)
+            self._finish_removal_now(name)
 
     def _finish_removal_now(self, name: str) -> None:
         left = self.in_flight[name]

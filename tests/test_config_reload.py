@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import trio
 
 from narwhal.config import load_config
 from narwhal.errors import FailureClass
@@ -265,3 +266,87 @@ async def test_the_next_prefill_choice_follows_a_reloaded_policy(router: Router,
     config_file.write_text(config_file.read_text().replace('policy = "least_outstanding"', 'policy = "cache_aware"'))
     await router.reload()
     assert choose() == "hit"  # the index kept what it held: only a new block size empties it
+
+
+# -- an engine removed and put back within serving.shutdown_grace_s ---------------------------------
+
+D2 = '\n[[engines]]\nname = "d2"\nurl = "http://127.0.0.1:9003"\nrole = "decode"\n'
+D1 = '[[engines]]\nname = "d1"\nurl = "http://127.0.0.1:9002"\nrole = "decode"\n'
+
+
+async def streams_on_d1(router: Router, nursery, count: int) -> tuple[trio.Event, list[BaseException]]:
+    """``count`` streams on d1 as the request path holds them (in flight, a leg the removal may cut).
+
+    They run until the returned event is set; a cut is appended to the list.
+    """
+    core = router.data_plane.core  # type: ignore[attr-defined]
+    finish, cuts = trio.Event(), []
+
+    async def stream(task_status=trio.TASK_STATUS_IGNORED) -> None:
+        router.in_flight.acquire("d1")  # type: ignore[attr-defined]
+        try:
+            with core._cuttable("d1", "decode"):
+                task_status.started()
+                await finish.wait()
+        except Exception as exc:
+            cuts.append(exc)
+        finally:
+            router.in_flight.release("d1")  # type: ignore[attr-defined]
+
+    for _ in range(count):
+        await nursery.start(stream)
+    return finish, cuts
+
+
+async def test_an_identical_engine_put_back_within_the_grace_period_keeps_its_streams(
+        router: Router, config_file: Path, nursery, autojump_clock, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.events")
+    config_file.write_text(config_file.read_text() + D2)
+    await router.reload()
+    router._nursery = nursery  # as Router.run sets it: removals wait for their requests
+    finish, cuts = await streams_on_d1(router, nursery, 8)
+    with_d1 = config_file.read_text()
+    config_file.write_text(with_d1.replace(D1, ""))
+    outcome = await router.reload()
+    assert outcome.changes is not None and outcome.changes.engines_removed == ["d1"]
+    assert router.fleet.view("d1", trio.current_time()).removing
+    await trio.sleep(5.0)
+    config_file.write_text(with_d1)
+    outcome = await router.reload()
+    assert outcome.changes is not None and outcome.changes.engines_added == ["d1"]
+    # Past the grace deadline of the first reload: nothing was cut, d1 never left.
+    await trio.sleep(router.config.serving.shutdown_grace_s + 5.0)
+    assert cuts == []
+    assert router.in_flight["d1"] == 8
+    now = trio.current_time()
+    view = router.fleet.view("d1", now)
+    assert not view.removing and not view.ejected and router.fleet.is_eligible("d1", now)
+    assert "d1" in router.supervisor.engines and "d1" in router.data_plane.core.engines  # type: ignore[attr-defined]
+    assert [e.name for e in router.persistence.engine_set] == ["p1", "d1", "d2"]
+    assert events(caplog, "engine_removed") == [] and events(caplog, "engine_removal_cut") == []
+    assert [e["engine"] for e in events(caplog, "engine_removal_cancelled")] == ["d1"]
+    finish.set()
+
+
+async def test_a_changed_engine_put_back_within_the_grace_period_is_still_a_removal_and_an_addition(
+        router: Router, config_file: Path, nursery, autojump_clock, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.events")
+    config_file.write_text(config_file.read_text() + D2)
+    await router.reload()
+    router._nursery = nursery
+    finish, cuts = await streams_on_d1(router, nursery, 3)
+    with_d1 = config_file.read_text()
+    config_file.write_text(with_d1.replace(D1, ""))
+    await router.reload()
+    await trio.sleep(5.0)
+    config_file.write_text(with_d1.replace("127.0.0.1:9002", "127.0.0.1:9102"))
+    await router.reload()
+    await trio.sleep(router.config.serving.shutdown_grace_s + 5.0)
+    # The old d1's streams were cut at its grace deadline; the new d1 came in fresh and held.
+    assert len(cuts) == 3
+    assert events(caplog, "engine_removal_cancelled") == []
+    assert [e["engine"] for e in events(caplog, "engine_removed")] == ["d1"]
+    assert router.supervisor.engines["d1"].url == "http://127.0.0.1:9102"
+    view = router.fleet.view("d1", trio.current_time())
+    assert view.ejected and str(view.ejected_cause) == "added"
+    finish.set()
