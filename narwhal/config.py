@@ -23,6 +23,7 @@ from typing import Literal
 import msgspec
 
 from narwhal.errors import NarwhalError
+from narwhal.files import FileRefused, read_regular_file
 
 __all__ = [
     "AdminConfig",
@@ -296,6 +297,11 @@ class RecoveryConfig(_Section, frozen=True):
 
 HANDOFF_FILE = "narwhal-handoff.json"
 
+# A config of a thousand engines is about 100 KB; a bigger file is a mistake, refused before it is read.
+MAX_CONFIG_BYTES = 1024 * 1024
+# The fleet key file holds one key.
+MAX_KEY_FILE_BYTES = 64 * 1024
+
 
 def resolve_config_path(path: str, config_dir: Path | None) -> Path:
     """A path given in the config: ``~`` expanded, and a relative one taken from the config file's directory."""
@@ -516,7 +522,11 @@ class Config(_Section, frozen=True):
         if self.fleet.attestation_key is not None:
             return self.fleet.attestation_key.encode()
         if self.fleet.attestation_key_file is not None:
-            return resolve_config_path(self.fleet.attestation_key_file, base_dir).read_bytes().strip()
+            path = resolve_config_path(self.fleet.attestation_key_file, base_dir)
+            try:
+                return read_regular_file(path, MAX_KEY_FILE_BYTES).strip()
+            except FileRefused as exc:
+                raise ConfigError(f"fleet.attestation_key_file: cannot read {str(path)!r}: {exc}") from None
         return None
 
 
@@ -603,21 +613,23 @@ def parse_config(data: bytes | str, source: str = "<config>") -> Config:
         key_path = resolve_config_path(config.fleet.attestation_key_file,
                                        None if source == "<config>" else Path(source).parent)
         try:
-            key_path.read_bytes()
-        except OSError as exc:
-            raise ConfigError(
-                f"{source}: fleet.attestation_key_file: cannot read {str(key_path)!r}: {exc.strerror}"
-            ) from None
+            read_regular_file(key_path, MAX_KEY_FILE_BYTES)
+        except (OSError, FileRefused) as exc:
+            raise ConfigError(f"{source}: fleet.attestation_key_file: cannot read {str(key_path)!r}: "
+                              f"{getattr(exc, 'strerror', None) or exc}") from None
     # Certificates and keys are read where their contexts are built (narwhal.tls), not here.
     return config
 
 
 def load_config(path: str | Path) -> Config:
-    """Read and decode the config file at ``path``."""
+    """Read and decode the config file at ``path``: a regular file of at most ``MAX_CONFIG_BYTES``.
+
+    Blocking file I/O: a running router calls it off the event loop (``Router.reload``).
+    """
     path = Path(path)
     try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read config file: {exc.strerror or exc}") from None
+        data = read_regular_file(path, MAX_CONFIG_BYTES)
+    except (OSError, FileRefused) as exc:
+        raise ConfigError(f"{path}: cannot read config file: {getattr(exc, 'strerror', None) or exc}") from None
     return parse_config(data, source=str(path))
 

@@ -533,8 +533,8 @@ class Router:
                                      error=ReloadError(file="", key=None, problem="no config file to read again"))
             file = str(self.config_path)
             try:
-                new = load_config(self.config_path)
-                key = new.attestation_key_bytes(self.config_dir)
+                # Off the event loop: file reads (the config, the fleet key) must not stall streams.
+                new, key = await trio.to_thread.run_sync(self._read_config_file, self.config_path)
             except ConfigError as exc:
                 return self._reload_failed(split_config_error(str(exc), file))
             except OSError as exc:
@@ -553,6 +553,11 @@ class Router:
                       file=file, **msgspec.structs.asdict(changes))
             tls = await self._reload_tls_if_configured()
             return ReloadOutcome(file=file, reloaded=True, changes=changes, tls=tls)
+
+    def _read_config_file(self, path: Path) -> tuple[Config, bytes | None]:
+        """The config file and the fleet key it names, read and checked (blocking: run in a thread)."""
+        new = load_config(path)
+        return new, new.attestation_key_bytes(self.config_dir)
 
     @staticmethod
     def _reload_failed(error: ReloadError) -> ReloadOutcome:

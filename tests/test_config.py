@@ -197,3 +197,22 @@ def test_a_file_lease_pair_shares_the_default_handoff_beside_the_lease() -> None
 def test_an_empty_handoff_path_is_a_config_error_naming_the_key() -> None:
     with pytest.raises(ConfigError, match=r"^<config>: handoff: path must not be empty"):
         parse_config(GOOD + '\n[handoff]\npath = ""\n')
+
+
+def test_a_config_or_key_path_that_is_no_regular_file_is_refused_without_blocking(tmp_path):
+    # A FIFO with no writer: a blocking read would wait for one forever.
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match=r"cannot read config file: not a regular file \(a FIFO\)"):
+        load_config(fifo)
+    config = tmp_path / "narwhal.toml"
+    config.write_text(f'[fleet]\nattestation_key_file = "{fifo}"\n' + GOOD)
+    with pytest.raises(ConfigError, match=r"fleet.attestation_key_file: .*not a regular file \(a FIFO\)"):
+        load_config(config)
+
+
+def test_a_config_file_over_one_mib_is_refused_naming_the_bound(tmp_path):
+    config = tmp_path / "narwhal.toml"
+    config.write_text(GOOD + "#" * (1024 * 1024) + "\n")
+    with pytest.raises(ConfigError, match="over the 1048576 byte bound"):
+        load_config(config)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import threading
 from pathlib import Path
 
 import pytest
 import trio
 
-from narwhal.config import load_config
+from narwhal.config import MAX_CONFIG_BYTES, load_config
 from narwhal.errors import FailureClass
 from narwhal.router import Router
 from narwhal.tools.admin_cli import format_reload
@@ -350,3 +352,73 @@ async def test_a_changed_engine_put_back_within_the_grace_period_is_still_a_remo
     view = router.fleet.view("d1", trio.current_time())
     assert view.ejected and str(view.ejected_cause) == "added"
     finish.set()
+
+
+# -- the file is read off the event loop: regular files only, bounded ---------------------------------
+
+def _write_if_read(path: Path, text: str) -> None:
+    """Give a reader blocked on the FIFO at ``path`` its content; nothing when nobody reads it."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        return  # no reader (ENXIO): the reload did not block on it
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+async def test_a_fifo_at_the_config_path_is_refused_without_blocking_the_loop(
+        router: Router, config_file: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.events")
+    text = config_file.read_text()
+    config_file.unlink()
+    os.mkfifo(config_file)
+    # A reader that blocked on the FIFO would hold the whole loop until a writer came: one comes after 10 s.
+    unblock = threading.Timer(10.0, _write_if_read, (config_file, text))
+    unblock.start()
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await trio.sleep(0)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ticker)
+            with trio.fail_after(5):
+                outcome = await router.reload()
+            nursery.cancel_scope.cancel()
+    finally:
+        unblock.cancel()
+    assert not outcome.reloaded and outcome.error is not None
+    assert outcome.error.key is None and "not a regular file (a FIFO)" in outcome.error.problem
+    [failed] = events(caplog, "config_reload_failed")
+    assert "FIFO" in failed["problem"]
+    assert ticks > 0
+
+
+async def test_a_config_file_over_the_bound_is_refused_before_it_is_read(
+        router: Router, config_file: Path) -> None:
+    before = router.config
+    config_file.write_text(config_file.read_text() + "#" * MAX_CONFIG_BYTES + "\n")
+    outcome = await router.reload()
+    assert not outcome.reloaded and outcome.error is not None
+    assert f"over the {MAX_CONFIG_BYTES} byte bound" in outcome.error.problem
+    assert router.config is before
+
+
+async def test_the_config_file_is_read_in_a_worker_thread(
+        router: Router, config_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    threads = []
+
+    def recording_load(path):
+        threads.append(threading.current_thread())
+        return load_config(path)
+
+    monkeypatch.setattr("narwhal.router.load_config", recording_load)
+    outcome = await router.reload()
+    assert outcome.reloaded
+    assert threads and threads[0] is not threading.main_thread()
