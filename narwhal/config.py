@@ -442,7 +442,7 @@ class EngineSpec(_Section, frozen=True):
     @property
     def tls(self) -> bool:
         """True for an ``https://`` engine."""
-        return self.url.startswith("https://")
+        return urllib.parse.urlsplit(self.url).scheme == "https"  # urlsplit lowercases it: HTTPS:// too
 
     @property
     def port(self) -> int:
@@ -451,6 +451,11 @@ class EngineSpec(_Section, frozen=True):
     @property
     def base_url(self) -> str:
         return self.url.rstrip("/")
+
+    @property
+    def address(self) -> tuple[str, str, int]:
+        """Scheme, host and port, normalised (case, default port, trailing slash); names are not resolved."""
+        return urllib.parse.urlsplit(self.url).scheme.lower(), self.host.lower(), self.port
 
 
 class Config(_Section, frozen=True):
@@ -468,10 +473,17 @@ class Config(_Section, frozen=True):
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
+        by_address: dict[tuple[str, str, int, str], EngineSpec] = {}
         for i, engine in enumerate(self.engines):
             if engine.name in seen:
                 raise ValueError(f"duplicate engine name {engine.name!r} - at `$.engines[{i}].name`")
             seen.add(engine.name)
+            # One engine listed twice for a role would pass readmission twice and take a double share.
+            first = by_address.setdefault((*engine.address, engine.role), engine)
+            if first is not engine:
+                raise ValueError(f"{engine.url} is also engine {json.dumps(first.name)}'s url ({first.url}), "
+                                 f"both {engine.role}: one engine listed twice would get a double share of "
+                                 f"placement - at `$.engines[{i}].url`")
         roles = {engine.role for engine in self.engines}
         for role in ("prefill", "decode"):
             if role not in roles:

@@ -422,3 +422,15 @@ async def test_the_config_file_is_read_in_a_worker_thread(
     outcome = await router.reload()
     assert outcome.reloaded
     assert threads and threads[0] is not threading.main_thread()
+
+
+async def test_a_second_entry_for_one_engine_is_refused_naming_both(
+        router: Router, config_file: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.events")
+    before = router.config
+    config_file.write_text(config_file.read_text() + D1.replace('"d1"', '"d1-copy"').replace("9002", "9002/"))
+    outcome = await router.reload()
+    assert not outcome.reloaded and router.config is before
+    [failed] = events(caplog, "config_reload_failed")
+    assert failed["key"] == 'engine "d1-copy".url' and 'engine "d1"' in failed["problem"]
+    assert not router.fleet.knows("d1-copy")
