@@ -400,6 +400,8 @@ class PlacementConfig(_Section, frozen=True):
 
 class AdminConfig(_Section, frozen=True):
     token: str | None = None
+    # A reload may take the token away (open the admin API) only when the new file says so here.
+    allow_unauthenticated: bool = False
     listen: str | None = None
     # The admin listener's own bounds, so a flood on it cannot take the controller's file
     # descriptors: connections at once (16 more may ask for /health), and the time for a head.

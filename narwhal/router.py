@@ -540,7 +540,7 @@ class Router:
             except OSError as exc:
                 return self._reload_failed(ReloadError(file=file, key="fleet.attestation_key_file",
                                                        problem=exc.strerror or str(exc)))
-            problem = self._loops_back(new)
+            problem = self._loops_back(new) or self._opens_admin(new)
             if problem is not None:
                 return self._reload_failed(problem)
             changes = diff_configs(self.config, new)
@@ -551,6 +551,7 @@ class Router:
             self.hub.publish()
             log_event("config_reloaded", level=logging.WARNING if changes.keys_needing_restart else logging.INFO,
                       file=file, **msgspec.structs.asdict(changes))
+            self._warn_if_admin_open(self._serving_address())
             tls = await self._reload_tls_if_configured()
             return ReloadOutcome(file=file, reloaded=True, changes=changes, tls=tls)
 
@@ -564,6 +565,19 @@ class Router:
         """Nothing changed: say why, once."""
         log_event("config_reload_failed", level=logging.ERROR, file=error.file, key=error.key, problem=error.problem)
         return ReloadOutcome(file=error.file, reloaded=False, error=error)
+
+    def _opens_admin(self, new: Config) -> ReloadError | None:
+        """A reload that would take the admin token away without ``[admin] allow_unauthenticated = true``."""
+        if self.config.admin.token is None or new.admin.token is not None or new.admin.allow_unauthenticated:
+            return None
+        return ReloadError(file=str(self.config_path), key="admin.token",
+                           problem="the file has no token: the reload would open the admin API to anyone who "
+                                   "can reach it; set [admin] allow_unauthenticated = true to mean that, or keep "
+                                   "the token")
+
+    def _serving_address(self) -> str:
+        host, port = parse_listen(self.listen)
+        return f"{host}:{self.bound_port if self.bound_port is not None else port}"
 
     def _loops_back(self, new: Config) -> ReloadError | None:
         """An engine URL in ``new`` that is this router's own serving address (as ``preflight`` refuses)."""

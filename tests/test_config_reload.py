@@ -434,3 +434,48 @@ async def test_a_second_entry_for_one_engine_is_refused_naming_both(
     [failed] = events(caplog, "config_reload_failed")
     assert failed["key"] == 'engine "d1-copy".url' and 'engine "d1"' in failed["problem"]
     assert not router.fleet.knows("d1-copy")
+
+
+# -- a reload that would take the admin token away ----------------------------------------------------
+
+def warnings_named(caplog: pytest.LogCaptureFixture, name: str) -> list[dict]:
+    return [event for event in events(caplog, name) if event["level"] == "warning"]
+
+
+async def test_a_reload_that_drops_the_admin_token_is_refused_and_the_api_stays_closed(
+        router: Router, config_file: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.events")
+    client = router.app.test_client()
+    config_file.write_text(config_file.read_text().replace('token = "old-token"', ""))
+    response = await client.post("/admin/reload", headers={"authorization": "Bearer old-token"})
+    assert response.status_code == 422
+    error = (await response.get_json())["reload"]["error"]
+    assert error["key"] == "admin.token" and "allow_unauthenticated" in error["problem"]
+    [failed] = events(caplog, "config_reload_failed")
+    assert failed["key"] == "admin.token"
+    assert router.config.admin.token == "old-token"
+    assert (await client.get("/admin/engines")).status_code == 401
+
+
+async def test_with_allow_unauthenticated_the_token_goes_and_every_reload_warns(
+        router: Router, config_file: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.events")
+    config_file.write_text(config_file.read_text().replace('token = "old-token"', "allow_unauthenticated = true"))
+    outcome = await router.reload()
+    assert outcome.reloaded and outcome.changes is not None
+    assert outcome.changes.keys_changed == ["admin.allow_unauthenticated", "admin.token"]
+    assert router.config.admin.token is None
+    assert (await router.app.test_client().get("/admin/engines")).status_code == 200
+    assert len(warnings_named(caplog, "admin_unauthenticated")) == 1
+    # Every reload that leaves the API open says so again, changed or not.
+    assert (await router.reload()).reloaded
+    assert len(warnings_named(caplog, "admin_unauthenticated")) == 2
+
+
+async def test_a_reload_that_keeps_or_changes_the_token_does_not_warn(
+        router: Router, config_file: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.events")
+    config_file.write_text(config_file.read_text().replace('"old-token"', '"new-token"'))
+    assert (await router.reload()).reloaded
+    assert router.config.admin.token == "new-token"
+    assert events(caplog, "admin_unauthenticated") == []
