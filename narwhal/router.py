@@ -66,7 +66,7 @@ from narwhal.serving.placement import RequestPlacement, build_index, build_place
 from narwhal.stages import build_stages, health_check_timeout_s
 from narwhal.stages.persistence import HandoffExtra, PersistenceStage
 from narwhal.state.handoff import EngineSetEntry, LeaseOwnership
-from narwhal.state.resume import apply_resume, plan_resume
+from narwhal.state.resume import apply_resume, operator_holds, plan_resume
 from narwhal.tls import ExpiryWatch, TLSContexts
 from narwhal.workers.hub import WorkerHub
 from narwhal.workers.index_relay import IndexRelay
@@ -434,6 +434,9 @@ class Router:
                 await nursery.start(self.supervisor.run)
                 if self.resume:
                     self._resume()
+                elif self.lease is None:
+                    # (With a lease the handoff is the pair's: a standby follows it, drains included.)
+                    self._warn_if_drains_dropped()
                 await nursery.start(self.readmitter.run)
                 await nursery.start(self.monitor.run)
                 await nursery.start(self.timeline.run)
@@ -480,6 +483,16 @@ class Router:
             log_event("handoff_applied", **plan.event_fields())
         else:
             log_event("handoff_not_applied", **plan.event_fields())
+
+    def _warn_if_drains_dropped(self) -> None:
+        """A start without --resume forgets the handoff's drains and maintenance: say so, naming them."""
+        held = operator_holds(self.handoff_path, self.config)
+        if held:
+            log_event("handoff_drains_dropped", level=logging.WARNING, path=str(self.handoff_path),
+                      engines=list(held), holds=held,
+                      message=f"started without --resume: the handoff's drains and maintenance of "
+                              f"{', '.join(held)} are not applied and these engines take requests; restart "
+                              "with --resume to keep them, or drain them again")
 
     async def _bind(self, host: str, port: int) -> list[trio.SocketListener]:
         try:
