@@ -23,6 +23,7 @@ from typing import Literal
 import msgspec
 
 from narwhal.errors import NarwhalError
+from narwhal.files import FileRefused, read_regular_file
 
 __all__ = [
     "AdminConfig",
@@ -296,6 +297,11 @@ class RecoveryConfig(_Section, frozen=True):
 
 HANDOFF_FILE = "narwhal-handoff.json"
 
+# A config of a thousand engines is about 100 KB; a bigger file is a mistake, refused before it is read.
+MAX_CONFIG_BYTES = 1024 * 1024
+# The fleet key file holds one key.
+MAX_KEY_FILE_BYTES = 64 * 1024
+
 
 def resolve_config_path(path: str, config_dir: Path | None) -> Path:
     """A path given in the config: ``~`` expanded, and a relative one taken from the config file's directory."""
@@ -394,6 +400,8 @@ class PlacementConfig(_Section, frozen=True):
 
 class AdminConfig(_Section, frozen=True):
     token: str | None = None
+    # A reload may take the token away (open the admin API) only when the new file says so here.
+    allow_unauthenticated: bool = False
     listen: str | None = None
     # The admin listener's own bounds, so a flood on it cannot take the controller's file
     # descriptors: connections at once (16 more may ask for /health), and the time for a head.
@@ -436,7 +444,7 @@ class EngineSpec(_Section, frozen=True):
     @property
     def tls(self) -> bool:
         """True for an ``https://`` engine."""
-        return self.url.startswith("https://")
+        return urllib.parse.urlsplit(self.url).scheme == "https"  # urlsplit lowercases it: HTTPS:// too
 
     @property
     def port(self) -> int:
@@ -445,6 +453,11 @@ class EngineSpec(_Section, frozen=True):
     @property
     def base_url(self) -> str:
         return self.url.rstrip("/")
+
+    @property
+    def address(self) -> tuple[str, str, int]:
+        """Scheme, host and port, normalised (case, default port, trailing slash); names are not resolved."""
+        return urllib.parse.urlsplit(self.url).scheme.lower(), self.host.lower(), self.port
 
 
 class Config(_Section, frozen=True):
@@ -462,10 +475,17 @@ class Config(_Section, frozen=True):
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
+        by_address: dict[tuple[str, str, int, str], EngineSpec] = {}
         for i, engine in enumerate(self.engines):
             if engine.name in seen:
                 raise ValueError(f"duplicate engine name {engine.name!r} - at `$.engines[{i}].name`")
             seen.add(engine.name)
+            # One engine listed twice for a role would pass readmission twice and take a double share.
+            first = by_address.setdefault((*engine.address, engine.role), engine)
+            if first is not engine:
+                raise ValueError(f"{engine.url} is also engine {json.dumps(first.name)}'s url ({first.url}), "
+                                 f"both {engine.role}: one engine listed twice would get a double share of "
+                                 f"placement - at `$.engines[{i}].url`")
         roles = {engine.role for engine in self.engines}
         for role in ("prefill", "decode"):
             if role not in roles:
@@ -516,7 +536,11 @@ class Config(_Section, frozen=True):
         if self.fleet.attestation_key is not None:
             return self.fleet.attestation_key.encode()
         if self.fleet.attestation_key_file is not None:
-            return resolve_config_path(self.fleet.attestation_key_file, base_dir).read_bytes().strip()
+            path = resolve_config_path(self.fleet.attestation_key_file, base_dir)
+            try:
+                return read_regular_file(path, MAX_KEY_FILE_BYTES).strip()
+            except FileRefused as exc:
+                raise ConfigError(f"fleet.attestation_key_file: cannot read {str(path)!r}: {exc}") from None
         return None
 
 
@@ -603,21 +627,23 @@ def parse_config(data: bytes | str, source: str = "<config>") -> Config:
         key_path = resolve_config_path(config.fleet.attestation_key_file,
                                        None if source == "<config>" else Path(source).parent)
         try:
-            key_path.read_bytes()
-        except OSError as exc:
-            raise ConfigError(
-                f"{source}: fleet.attestation_key_file: cannot read {str(key_path)!r}: {exc.strerror}"
-            ) from None
+            read_regular_file(key_path, MAX_KEY_FILE_BYTES)
+        except (OSError, FileRefused) as exc:
+            raise ConfigError(f"{source}: fleet.attestation_key_file: cannot read {str(key_path)!r}: "
+                              f"{getattr(exc, 'strerror', None) or exc}") from None
     # Certificates and keys are read where their contexts are built (narwhal.tls), not here.
     return config
 
 
 def load_config(path: str | Path) -> Config:
-    """Read and decode the config file at ``path``."""
+    """Read and decode the config file at ``path``: a regular file of at most ``MAX_CONFIG_BYTES``.
+
+    Blocking file I/O: a running router calls it off the event loop (``Router.reload``).
+    """
     path = Path(path)
     try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read config file: {exc.strerror or exc}") from None
+        data = read_regular_file(path, MAX_CONFIG_BYTES)
+    except (OSError, FileRefused) as exc:
+        raise ConfigError(f"{path}: cannot read config file: {getattr(exc, 'strerror', None) or exc}") from None
     return parse_config(data, source=str(path))
 

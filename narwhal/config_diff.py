@@ -28,6 +28,7 @@ __all__ = ["RELOADABLE_KEYS", "ConfigDiff", "diff_configs", "flat_keys", "is_rel
 RELOADABLE_KEYS: frozenset[str] = frozenset({
     "engines",
     "admin.token",
+    "admin.allow_unauthenticated",
     "fleet.generation",
     "fleet.attestation_key",
     "fleet.attestation_key_file",

@@ -29,6 +29,7 @@ library's or a bug. The tree, with the module each class lives in:
     │   ├── HandoffMissing
     │   ├── HandoffUnreadable
     │   └── HandoffSchemaMismatch
+    ├── FileRefused ................. files: a config or handoff path that is not a regular file, or too large
     ├── HandoffWriteInProgress ...... stages.persistence: the previous pass's write has not finished
     ├── ContractViolation ........... control.contract: an engine's answer breaks the engine contract
     ├── LeaseBackendError ........... lease.backend: the lease store (file lock, etcd) could not answer

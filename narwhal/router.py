@@ -66,7 +66,7 @@ from narwhal.serving.placement import RequestPlacement, build_index, build_place
 from narwhal.stages import build_stages, health_check_timeout_s
 from narwhal.stages.persistence import HandoffExtra, PersistenceStage
 from narwhal.state.handoff import EngineSetEntry, LeaseOwnership
-from narwhal.state.resume import apply_resume, plan_resume
+from narwhal.state.resume import apply_resume, operator_holds, plan_resume
 from narwhal.tls import ExpiryWatch, TLSContexts
 from narwhal.workers.hub import WorkerHub
 from narwhal.workers.index_relay import IndexRelay
@@ -245,6 +245,8 @@ class Router:
         # an engine of the same name (a changed url or role) to leave first.
         self._removing: set[str] = set()
         self._pending_additions: dict[str, EngineSpec] = {}
+        # Each running removal's wait, cancelled when its engine is put back unchanged.
+        self._removal_scopes: dict[str, trio.CancelScope] = {}
         self.bound_port: int | None = None
         self._nursery: trio.Nursery | None = None
         self._register_gauges()
@@ -432,6 +434,9 @@ class Router:
                 await nursery.start(self.supervisor.run)
                 if self.resume:
                     self._resume()
+                elif self.lease is None:
+                    # (With a lease the handoff is the pair's: a standby follows it, drains included.)
+                    self._warn_if_drains_dropped()
                 await nursery.start(self.readmitter.run)
                 await nursery.start(self.monitor.run)
                 await nursery.start(self.timeline.run)
@@ -478,6 +483,16 @@ class Router:
             log_event("handoff_applied", **plan.event_fields())
         else:
             log_event("handoff_not_applied", **plan.event_fields())
+
+    def _warn_if_drains_dropped(self) -> None:
+        """A start without --resume forgets the handoff's drains and maintenance: say so, naming them."""
+        held = operator_holds(self.handoff_path, self.config)
+        if held:
+            log_event("handoff_drains_dropped", level=logging.WARNING, path=str(self.handoff_path),
+                      engines=list(held), holds=held,
+                      message=f"started without --resume: the handoff's drains and maintenance of "
+                              f"{', '.join(held)} are not applied and these engines take requests; restart "
+                              "with --resume to keep them, or drain them again")
 
     async def _bind(self, host: str, port: int) -> list[trio.SocketListener]:
         try:
@@ -531,14 +546,14 @@ class Router:
                                      error=ReloadError(file="", key=None, problem="no config file to read again"))
             file = str(self.config_path)
             try:
-                new = load_config(self.config_path)
-                key = new.attestation_key_bytes(self.config_dir)
+                # Off the event loop: file reads (the config, the fleet key) must not stall streams.
+                new, key = await trio.to_thread.run_sync(self._read_config_file, self.config_path)
             except ConfigError as exc:
                 return self._reload_failed(split_config_error(str(exc), file))
             except OSError as exc:
                 return self._reload_failed(ReloadError(file=file, key="fleet.attestation_key_file",
                                                        problem=exc.strerror or str(exc)))
-            problem = self._loops_back(new)
+            problem = self._loops_back(new) or self._opens_admin(new)
             if problem is not None:
                 return self._reload_failed(problem)
             changes = diff_configs(self.config, new)
@@ -549,14 +564,33 @@ class Router:
             self.hub.publish()
             log_event("config_reloaded", level=logging.WARNING if changes.keys_needing_restart else logging.INFO,
                       file=file, **msgspec.structs.asdict(changes))
+            self._warn_if_admin_open(self._serving_address())
             tls = await self._reload_tls_if_configured()
             return ReloadOutcome(file=file, reloaded=True, changes=changes, tls=tls)
+
+    def _read_config_file(self, path: Path) -> tuple[Config, bytes | None]:
+        """The config file and the fleet key it names, read and checked (blocking: run in a thread)."""
+        new = load_config(path)
+        return new, new.attestation_key_bytes(self.config_dir)
 
     @staticmethod
     def _reload_failed(error: ReloadError) -> ReloadOutcome:
         """Nothing changed: say why, once."""
         log_event("config_reload_failed", level=logging.ERROR, file=error.file, key=error.key, problem=error.problem)
         return ReloadOutcome(file=error.file, reloaded=False, error=error)
+
+    def _opens_admin(self, new: Config) -> ReloadError | None:
+        """A reload that would take the admin token away without ``[admin] allow_unauthenticated = true``."""
+        if self.config.admin.token is None or new.admin.token is not None or new.admin.allow_unauthenticated:
+            return None
+        return ReloadError(file=str(self.config_path), key="admin.token",
+                           problem="the file has no token: the reload would open the admin API to anyone who "
+                                   "can reach it; set [admin] allow_unauthenticated = true to mean that, or keep "
+                                   "the token")
+
+    def _serving_address(self) -> str:
+        host, port = parse_listen(self.listen)
+        return f"{host}:{self.bound_port if self.bound_port is not None else port}"
 
     def _loops_back(self, new: Config) -> ReloadError | None:
         """An engine URL in ``new`` that is this router's own serving address (as ``preflight`` refuses)."""
@@ -603,12 +637,18 @@ class Router:
     # -- the engine set --------------------------------------------------------------------
 
     def _apply_engines(self, changes: ConfigDiff, new: Config) -> None:
-        """Start removing what the reload removed, then add what it added (after a same-named one left)."""
+        """Start removing what the reload removed, then add what it added (after a same-named one left).
+
+        The same engine (name, url and role as written) put back while it is still
+        being removed was never gone: its removal is called off, its streams go on.
+        """
         specs = {spec.name: spec for spec in new.engines}
         for name in changes.engines_removed:
             self._start_removal(name)
         for name in changes.engines_added:
-            if self.fleet.knows(name):
+            if name in self._removing and self.supervisor.engines.get(name) == specs[name]:
+                self._cancel_removal(name)
+            elif self.fleet.knows(name):
                 # The old engine of this name is still finishing its requests: added once it left.
                 self._pending_additions[name] = specs[name]
             else:
@@ -639,14 +679,28 @@ class Router:
         if self._nursery is None:
             self._finish_removal_now(name)
         else:
-            self._nursery.start_soon(self._finish_removal, name, grace, name=f"removal {name}")
+            scope = self._removal_scopes[name] = trio.CancelScope()
+            self._nursery.start_soon(self._finish_removal, name, grace, scope, name=f"removal {name}")
 
-    async def _finish_removal(self, name: str, grace_s: float) -> None:
-        # Requests in flight finish (the count falls as they end), bounded by the grace period.
-        with trio.move_on_after(grace_s):
-            while self.in_flight[name] > 0:
-                await trio.sleep(REMOVAL_POLL_S)
-        self._finish_removal_now(name)
+    def _cancel_removal(self, name: str) -> None:
+        """``name`` came back unchanged before it left: it stays, with its requests, evidence and holds."""
+        self._removing.discard(name)
+        scope = self._removal_scopes.pop(name, None)
+        if scope is not None:
+            scope.cancel()
+        self.fleet.cancel_removal(name, trio.current_time(),
+                                  "put back into the config unchanged before it left: its removal is called off")
+        self._engine_set_changed()
+
+    async def _finish_removal(self, name: str, grace_s: float, scope: trio.CancelScope) -> None:
+        # Requests in flight finish (the count falls as they end), bounded by the grace period;
+        # ``scope`` is cancelled when the engine comes back before that (_cancel_removal).
+        with scope:
+            with trio.move_on_after(grace_s):
+                while self.in_flight[name] > 0:
+                    await trio.sleep(REMOVAL_POLL_S)
+            self._removal_scopes.pop(name, None)
+            self._finish_removal_now(name)
 
     def _finish_removal_now(self, name: str) -> None:
         left = self.in_flight[name]

@@ -197,3 +197,46 @@ def test_a_file_lease_pair_shares_the_default_handoff_beside_the_lease() -> None
 def test_an_empty_handoff_path_is_a_config_error_naming_the_key() -> None:
     with pytest.raises(ConfigError, match=r"^<config>: handoff: path must not be empty"):
         parse_config(GOOD + '\n[handoff]\npath = ""\n')
+
+
+def test_a_config_or_key_path_that_is_no_regular_file_is_refused_without_blocking(tmp_path):
+    # A FIFO with no writer: a blocking read would wait for one forever.
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match=r"cannot read config file: not a regular file \(a FIFO\)"):
+        load_config(fifo)
+    config = tmp_path / "narwhal.toml"
+    config.write_text(f'[fleet]\nattestation_key_file = "{fifo}"\n' + GOOD)
+    with pytest.raises(ConfigError, match=r"fleet.attestation_key_file: .*not a regular file \(a FIFO\)"):
+        load_config(config)
+
+
+def test_a_config_file_over_one_mib_is_refused_naming_the_bound(tmp_path):
+    config = tmp_path / "narwhal.toml"
+    config.write_text(GOOD + "#" * (1024 * 1024) + "\n")
+    with pytest.raises(ConfigError, match="over the 1048576 byte bound"):
+        load_config(config)
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:9002", "http://127.0.0.1:9002/", "HTTP://127.0.0.1:9002"])
+def test_two_entries_for_one_engine_and_role_are_refused_naming_both(url):
+    text = GOOD + f'\n[[engines]]\nname = "d2"\nurl = "{url}"\nrole = "decode"\n'
+    with pytest.raises(ConfigError) as caught:
+        parse_config(text, "narwhal.toml")
+    message = str(caught.value)
+    assert message.startswith('narwhal.toml: engine "d2".url: ') and 'engine "d1"' in message
+
+
+def test_one_url_per_role_is_allowed_and_names_are_not_resolved():
+    # An engine on kv_both may serve both roles; localhost and 127.0.0.1 are different strings (never resolved).
+    text = GOOD + ('\n[[engines]]\nname = "pd"\nurl = "http://127.0.0.1:9002"\nrole = "prefill"\n'
+                   '\n[[engines]]\nname = "d2"\nurl = "http://localhost:9002"\nrole = "decode"\n'
+                   '\n[[engines]]\nname = "d3"\nurl = "https://127.0.0.1:9002"\nrole = "decode"\n')
+    assert [e.name for e in parse_config(text).engines] == ["p1", "d1", "pd", "d2", "d3"]
+    assert parse_config(text).engines[4].address == ("https", "127.0.0.1", 9002)
+
+
+def test_an_uppercase_https_scheme_is_tls_with_its_default_port():
+    text = GOOD.replace("http://127.0.0.1:9002", "HTTPS://Engine.example")
+    spec = parse_config(text).engine_spec("d1")
+    assert spec.tls and spec.port == 443 and spec.address == ("https", "engine.example", 443)

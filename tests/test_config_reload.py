@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import threading
 from pathlib import Path
 
 import pytest
+import trio
 
-from narwhal.config import load_config
+from narwhal.config import MAX_CONFIG_BYTES, load_config
 from narwhal.errors import FailureClass
 from narwhal.router import Router
 from narwhal.tools.admin_cli import format_reload
@@ -265,3 +268,214 @@ async def test_the_next_prefill_choice_follows_a_reloaded_policy(router: Router,
     config_file.write_text(config_file.read_text().replace('policy = "least_outstanding"', 'policy = "cache_aware"'))
     await router.reload()
     assert choose() == "hit"  # the index kept what it held: only a new block size empties it
+
+
+# -- an engine removed and put back within serving.shutdown_grace_s ---------------------------------
+
+D2 = '\n[[engines]]\nname = "d2"\nurl = "http://127.0.0.1:9003"\nrole = "decode"\n'
+D1 = '[[engines]]\nname = "d1"\nurl = "http://127.0.0.1:9002"\nrole = "decode"\n'
+
+
+async def streams_on_d1(router: Router, nursery, count: int) -> tuple[trio.Event, list[BaseException]]:
+    """``count`` streams on d1 as the request path holds them (in flight, a leg the removal may cut).
+
+    They run until the returned event is set; a cut is appended to the list.
+    """
+    core = router.data_plane.core  # type: ignore[attr-defined]
+    finish, cuts = trio.Event(), []
+
+    async def stream(task_status=trio.TASK_STATUS_IGNORED) -> None:
+        router.in_flight.acquire("d1")  # type: ignore[attr-defined]
+        try:
+            with core._cuttable("d1", "decode"):
+                task_status.started()
+                await finish.wait()
+        except Exception as exc:
+            cuts.append(exc)
+        finally:
+            router.in_flight.release("d1")  # type: ignore[attr-defined]
+
+    for _ in range(count):
+        await nursery.start(stream)
+    return finish, cuts
+
+
+async def test_an_identical_engine_put_back_within_the_grace_period_keeps_its_streams(
+        router: Router, config_file: Path, nursery, autojump_clock, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.events")
+    config_file.write_text(config_file.read_text() + D2)
+    await router.reload()
+    router._nursery = nursery  # as Router.run sets it: removals wait for their requests
+    finish, cuts = await streams_on_d1(router, nursery, 8)
+    with_d1 = config_file.read_text()
+    config_file.write_text(with_d1.replace(D1, ""))
+    outcome = await router.reload()
+    assert outcome.changes is not None and outcome.changes.engines_removed == ["d1"]
+    assert router.fleet.view("d1", trio.current_time()).removing
+    await trio.sleep(5.0)
+    config_file.write_text(with_d1)
+    outcome = await router.reload()
+    assert outcome.changes is not None and outcome.changes.engines_added == ["d1"]
+    # Past the grace deadline of the first reload: nothing was cut, d1 never left.
+    await trio.sleep(router.config.serving.shutdown_grace_s + 5.0)
+    assert cuts == []
+    assert router.in_flight["d1"] == 8
+    now = trio.current_time()
+    view = router.fleet.view("d1", now)
+    assert not view.removing and not view.ejected and router.fleet.is_eligible("d1", now)
+    assert "d1" in router.supervisor.engines and "d1" in router.data_plane.core.engines  # type: ignore[attr-defined]
+    assert [e.name for e in router.persistence.engine_set] == ["p1", "d1", "d2"]
+    assert events(caplog, "engine_removed") == [] and events(caplog, "engine_removal_cut") == []
+    assert [e["engine"] for e in events(caplog, "engine_removal_cancelled")] == ["d1"]
+    finish.set()
+
+
+async def test_a_changed_engine_put_back_within_the_grace_period_is_still_a_removal_and_an_addition(
+        router: Router, config_file: Path, nursery, autojump_clock, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.events")
+    config_file.write_text(config_file.read_text() + D2)
+    await router.reload()
+    router._nursery = nursery
+    finish, cuts = await streams_on_d1(router, nursery, 3)
+    with_d1 = config_file.read_text()
+    config_file.write_text(with_d1.replace(D1, ""))
+    await router.reload()
+    await trio.sleep(5.0)
+    config_file.write_text(with_d1.replace("127.0.0.1:9002", "127.0.0.1:9102"))
+    await router.reload()
+    await trio.sleep(router.config.serving.shutdown_grace_s + 5.0)
+    # The old d1's streams were cut at its grace deadline; the new d1 came in fresh and held.
+    assert len(cuts) == 3
+    assert events(caplog, "engine_removal_cancelled") == []
+    assert [e["engine"] for e in events(caplog, "engine_removed")] == ["d1"]
+    assert router.supervisor.engines["d1"].url == "http://127.0.0.1:9102"
+    view = router.fleet.view("d1", trio.current_time())
+    assert view.ejected and str(view.ejected_cause) == "added"
+    finish.set()
+
+
+# -- the file is read off the event loop: regular files only, bounded ---------------------------------
+
+def _write_if_read(path: Path, text: str) -> None:
+    """Give a reader blocked on the FIFO at ``path`` its content; nothing when nobody reads it."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        return  # no reader (ENXIO): the reload did not block on it
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+async def test_a_fifo_at_the_config_path_is_refused_without_blocking_the_loop(
+        router: Router, config_file: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.events")
+    text = config_file.read_text()
+    config_file.unlink()
+    os.mkfifo(config_file)
+    # A reader that blocked on the FIFO would hold the whole loop until a writer came: one comes after 10 s.
+    unblock = threading.Timer(10.0, _write_if_read, (config_file, text))
+    unblock.start()
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await trio.sleep(0)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ticker)
+            with trio.fail_after(5):
+                outcome = await router.reload()
+            nursery.cancel_scope.cancel()
+    finally:
+        unblock.cancel()
+    assert not outcome.reloaded and outcome.error is not None
+    assert outcome.error.key is None and "not a regular file (a FIFO)" in outcome.error.problem
+    [failed] = events(caplog, "config_reload_failed")
+    assert "FIFO" in failed["problem"]
+    assert ticks > 0
+
+
+async def test_a_config_file_over_the_bound_is_refused_before_it_is_read(
+        router: Router, config_file: Path) -> None:
+    before = router.config
+    config_file.write_text(config_file.read_text() + "#" * MAX_CONFIG_BYTES + "\n")
+    outcome = await router.reload()
+    assert not outcome.reloaded and outcome.error is not None
+    assert f"over the {MAX_CONFIG_BYTES} byte bound" in outcome.error.problem
+    assert router.config is before
+
+
+async def test_the_config_file_is_read_in_a_worker_thread(
+        router: Router, config_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    threads = []
+
+    def recording_load(path):
+        threads.append(threading.current_thread())
+        return load_config(path)
+
+    monkeypatch.setattr("narwhal.router.load_config", recording_load)
+    outcome = await router.reload()
+    assert outcome.reloaded
+    assert threads and threads[0] is not threading.main_thread()
+
+
+async def test_a_second_entry_for_one_engine_is_refused_naming_both(
+        router: Router, config_file: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.events")
+    before = router.config
+    config_file.write_text(config_file.read_text() + D1.replace('"d1"', '"d1-copy"').replace("9002", "9002/"))
+    outcome = await router.reload()
+    assert not outcome.reloaded and router.config is before
+    [failed] = events(caplog, "config_reload_failed")
+    assert failed["key"] == 'engine "d1-copy".url' and 'engine "d1"' in failed["problem"]
+    assert not router.fleet.knows("d1-copy")
+
+
+# -- a reload that would take the admin token away ----------------------------------------------------
+
+def warnings_named(caplog: pytest.LogCaptureFixture, name: str) -> list[dict]:
+    return [event for event in events(caplog, name) if event["level"] == "warning"]
+
+
+async def test_a_reload_that_drops_the_admin_token_is_refused_and_the_api_stays_closed(
+        router: Router, config_file: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.events")
+    client = router.app.test_client()
+    config_file.write_text(config_file.read_text().replace('token = "old-token"', ""))
+    response = await client.post("/admin/reload", headers={"authorization": "Bearer old-token"})
+    assert response.status_code == 422
+    error = (await response.get_json())["reload"]["error"]
+    assert error["key"] == "admin.token" and "allow_unauthenticated" in error["problem"]
+    [failed] = events(caplog, "config_reload_failed")
+    assert failed["key"] == "admin.token"
+    assert router.config.admin.token == "old-token"
+    assert (await client.get("/admin/engines")).status_code == 401
+
+
+async def test_with_allow_unauthenticated_the_token_goes_and_every_reload_warns(
+        router: Router, config_file: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.events")
+    config_file.write_text(config_file.read_text().replace('token = "old-token"', "allow_unauthenticated = true"))
+    outcome = await router.reload()
+    assert outcome.reloaded and outcome.changes is not None
+    assert outcome.changes.keys_changed == ["admin.allow_unauthenticated", "admin.token"]
+    assert router.config.admin.token is None
+    assert (await router.app.test_client().get("/admin/engines")).status_code == 200
+    assert len(warnings_named(caplog, "admin_unauthenticated")) == 1
+    # Every reload that leaves the API open says so again, changed or not.
+    assert (await router.reload()).reloaded
+    assert len(warnings_named(caplog, "admin_unauthenticated")) == 2
+
+
+async def test_a_reload_that_keeps_or_changes_the_token_does_not_warn(
+        router: Router, config_file: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.events")
+    config_file.write_text(config_file.read_text().replace('"old-token"', '"new-token"'))
+    assert (await router.reload()).reloaded
+    assert router.config.admin.token == "new-token"
+    assert events(caplog, "admin_unauthenticated") == []

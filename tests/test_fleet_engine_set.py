@@ -49,6 +49,21 @@ def test_an_engine_being_removed_takes_no_new_work_whatever_clears_later() -> No
     assert fleet.probe_partners("decode", 3.0, exclude="d2") == []
 
 
+def test_a_cancelled_removal_places_the_engine_again_as_its_state_allows() -> None:
+    fleet = make_fleet()
+    fleet.start_removal("d1", 1.0, "removed from the config")
+    fleet.cancel_removal("d1", 2.0, "put back unchanged")
+    assert fleet.eligible("decode", 2.0) == ["d1", "d2"] and not fleet.view("d1", 2.0).removing
+    # An ejected engine stays ejected: a cancelled removal is no readmission.
+    fail(fleet, "d2", FailureClass.CONNECTION, 3.0)
+    fleet.start_removal("d2", 4.0, "removed")
+    fleet.cancel_removal("d2", 5.0, "put back")
+    view = fleet.view("d2", 5.0)
+    assert view.ejected and not view.removing and fleet.eligible("decode", 5.0) == ["d1"]
+    kinds = [event.kind for event in fleet.drain_events()]
+    assert kinds.count(FleetEventKind.REMOVAL_CANCELLED) == 2
+
+
 def test_a_removed_engine_leaves_every_table_and_comes_back_fresh() -> None:
     fleet = make_fleet()
     fail(fleet, "d1", FailureClass.CONNECTION, 1.0)

@@ -328,3 +328,48 @@ def test_the_admin_listener_bounds_are_config_keys_with_defaults():
     assert (config.admin.max_connections, config.admin.header_timeout_s) == (64, 5.0)
     with pytest.raises(ConfigError, match="admin: max_connections must be > 0, got 0"):
         parse_config(config_text("[admin]\nmax_connections = 0\n"))
+
+
+# -- a restart without --resume over a handoff holding drains -----------------------------------------
+
+
+async def drained_handoff(path: Path, text: str) -> None:
+    """The handoff a router of ``text`` writes with p1 drained and d1 in maintenance."""
+    from narwhal.fleet import Fleet, HoldKind
+    from narwhal.stages.persistence import HandoffExtra, PersistenceStage
+
+    config = parse_config(text)
+    fleet = Fleet([(spec.name, spec.role) for spec in config.engines], eject_after=3, liveness_misses=3,
+                  failure_quarantine_s=None, probe_interval_s=5.0)
+    fleet.add_hold("p1", HoldKind.OPERATOR_DRAIN, "operator drain", 1.0)
+    fleet.add_hold("d1", HoldKind.MAINTENANCE, "maintenance", 1.0)
+    await PersistenceStage(path=path, router_id="before", fleet=fleet, config=config,
+                           extra=lambda: HandoffExtra(drained=["p1"])).run(1)
+
+
+@pytest.mark.parametrize("resume", [False, True])
+async def test_a_start_without_resume_warns_naming_the_dropped_drains_and_the_flag(nursery, tmp_path, caplog,
+                                                                                  resume):
+    text = config_text(f'[admin]\ntoken = "t"\n[handoff]\npath = "{tmp_path}/h.json"\n')
+    await drained_handoff(tmp_path / "h.json", text)
+    router = Router(parse_config(text), listen="127.0.0.1:0", resume=resume)
+    with trio.fail_after(20):
+        await nursery.start(router.run)
+    router.shutdown(0)
+    dropped = events(caplog, "handoff_drains_dropped")
+    if resume:
+        assert dropped == [] and len(events(caplog, "handoff_applied")) == 1
+        return
+    [warning] = dropped
+    assert warning["level"] == "warning" and warning["engines"] == ["d1", "p1"]
+    assert warning["holds"] == {"d1": ["maintenance"], "p1": ["operator_drain"]}
+    assert "--resume" in warning["message"] and warning["path"] == str(tmp_path / "h.json")
+
+
+async def test_a_start_without_resume_and_without_a_handoff_says_nothing(nursery, tmp_path, caplog):
+    router = Router(parse_config(config_text(f'[admin]\ntoken = "t"\n[handoff]\npath = "{tmp_path}/h.json"\n')),
+                    listen="127.0.0.1:0")
+    with trio.fail_after(20):
+        await nursery.start(router.run)
+    router.shutdown(0)
+    assert events(caplog, "handoff_drains_dropped") == [] and events(caplog, "router_started")

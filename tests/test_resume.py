@@ -225,3 +225,17 @@ def test_unreadable_path_starts_fresh(tmp_path: Path) -> None:
     config = make_config()
     plan = plan_resume(tmp_path, config)  # a directory
     assert not plan.applied and plan.reason.startswith(f"handoff not applied: unreadable: cannot read {tmp_path}:")
+
+
+async def test_operator_holds_name_the_configured_engines_a_start_without_resume_would_drop(tmp_path: Path) -> None:
+    from narwhal.state.resume import operator_holds
+
+    config = make_config()
+    fleet = troubled_fleet(config)  # p1 drained
+    fleet.add_hold("d2", HoldKind.MAINTENANCE, "maintenance", OLD_NOW)
+    path = tmp_path / "handoff.json"
+    await write_handoff(path, config, fleet, drained=["p1", "gone"])
+    assert operator_holds(path, config) == {"d2": ["maintenance"], "p1": ["operator_drain"]}
+    # An engine no longer configured is not named; no handoff, nothing to say.
+    assert operator_holds(path, make_config([e for e in ENGINES if e[0] != "d2"])) == {"p1": ["operator_drain"]}
+    assert operator_holds(tmp_path / "none.json", config) == {}

@@ -232,6 +232,11 @@ class FleetWriter:
         self._fleet.start_removal(name, now, reason)
         self._publish()
 
+    def cancel_removal(self, name: str, now: float, reason: str) -> None:
+        """``Fleet.cancel_removal`` (logged as ``engine_removal_cancelled``)."""
+        self._fleet.cancel_removal(name, now, reason)
+        self._publish()
+
     def remove_engine(self, name: str, now: float, reason: str) -> None:
         """``Fleet.remove_engine`` (logged as ``engine_removed``)."""
         self._fleet.remove_engine(name, now, reason)

@@ -79,7 +79,8 @@ readmission schedule retries it like any ejected engine. ``start_removal``
 takes an engine out of placement for good (no hold or readmission brings it
 back) while its requests in flight finish and their evidence still counts;
 ``remove_engine`` then forgets it entirely, so the same name added later
-starts fresh.
+starts fresh. ``cancel_removal`` undoes ``start_removal`` when the same engine
+comes back before it left: it keeps its state, as if never removed.
 
 Last-engine protection. Performance-drift and failure-quarantine holds never
 take away the last eligible engine of a role: such a hold is recorded
@@ -265,6 +266,19 @@ class Fleet:
         engine.next_probe_at = None
         self._dirty = True
         self._emit(FleetEventKind.REMOVING, engine, now, reason)
+        self._refresh_if_stale(now)
+
+    def cancel_removal(self, name: str, now: float, reason: str) -> None:
+        """Undo ``start_removal``: ``name`` is placed again as its state allows (evidence, holds and ejection kept)."""
+        engine = self._engines[name]
+        if not engine.removing:
+            return
+        engine.removing = False
+        if (HoldKind.INFERENCE_VERIFICATION in engine.holds and not engine.ejected
+                and not engine.probe_in_flight and engine.next_probe_at is None):
+            engine.next_probe_at = now  # the re-probe start_removal called off is due again
+        self._dirty = True
+        self._emit(FleetEventKind.REMOVAL_CANCELLED, engine, now, reason)
         self._refresh_if_stale(now)
 
     def remove_engine(self, name: str, now: float, reason: str) -> None:

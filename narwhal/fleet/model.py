@@ -119,6 +119,8 @@ class FleetEventKind(enum.StrEnum):
     ADDED = "added"
     REMOVING = "removing"
     REMOVED = "removed"
+    # The same engine (name, url, role) came back before its removal finished.
+    REMOVAL_CANCELLED = "removal_cancelled"
 
 
 class FleetEvent(msgspec.Struct, frozen=True, kw_only=True):

@@ -19,7 +19,6 @@ import errno
 import os
 import re
 import secrets
-import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
@@ -27,6 +26,7 @@ from typing import Literal
 import msgspec
 
 from narwhal.errors import NarwhalError
+from narwhal.files import FileRefused, read_regular_file
 from narwhal.fleet import EngineRecord
 
 __all__ = [
@@ -185,48 +185,19 @@ def decode_document(data: bytes) -> HandoffDocument:
 def read_document(path: str | os.PathLike[str], *, max_bytes: int = MAX_DOCUMENT_BYTES) -> HandoffDocument:
     """Read and decode the handoff at ``path``: a regular file of at most ``max_bytes``.
 
-    The file is opened without blocking (a FIFO must not hang startup) and
-    checked with fstat, so a FIFO, a device (a symlink to /dev/zero) or a
-    directory is unreadable rather than read.
+    ``narwhal.files.read_regular_file`` reads it: a FIFO, a device or a
+    directory is unreadable rather than read, and startup never hangs on it.
     """
     where = os.fspath(path)
     try:
-        data = _read_regular_file(where, max_bytes)
+        data = read_regular_file(where, max_bytes)
     except FileNotFoundError:
         raise HandoffMissing(f"no handoff at {where}") from None
+    except FileRefused as exc:
+        raise HandoffUnreadable(f"cannot read {where}: {exc}") from None
     except (OSError, ValueError) as exc:  # ValueError: a path the OS cannot take (NUL byte)
         raise HandoffUnreadable(f"cannot read {where}: {getattr(exc, 'strerror', None) or exc}") from None
     return decode_document(data)
-
-
-def _read_regular_file(where: str, max_bytes: int) -> bytes:
-    fd = os.open(where, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise HandoffUnreadable(f"cannot read {where}: not a regular file ({_file_kind(info.st_mode)})")
-        if info.st_size > max_bytes:
-            raise HandoffUnreadable(f"cannot read {where}: {info.st_size} bytes, over the {max_bytes} byte bound")
-        parts = []
-        size = 0
-        # Read to EOF but never past the bound: the file may grow while we read it.
-        while chunk := os.read(fd, min(1 << 20, max_bytes + 1 - size)):
-            parts.append(chunk)
-            size += len(chunk)
-            if size > max_bytes:
-                raise HandoffUnreadable(f"cannot read {where}: grew over the {max_bytes} byte bound while read")
-        return b"".join(parts)
-    finally:
-        os.close(fd)
-
-
-def _file_kind(mode: int) -> str:
-    for test, kind in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"),
-                       (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return kind
-    return "not a plain file"
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes, *,

@@ -16,17 +16,21 @@ from typing import Any, Protocol
 import msgspec
 
 from narwhal.config import Config, EngineSpec
-from narwhal.fleet import EngineRecord
+from narwhal.fleet import EngineRecord, HoldKind
 from narwhal.state.handoff import (
     EngineSetEntry,
     HandoffDocument,
+    HandoffError,
     HandoffMissing,
     HandoffSchemaMismatch,
     HandoffUnreadable,
     read_document,
 )
 
-__all__ = ["ResumePlan", "apply_resume", "engine_set_difference", "plan_document", "plan_resume"]
+__all__ = ["ResumePlan", "apply_resume", "engine_set_difference", "operator_holds", "plan_document", "plan_resume"]
+
+# What an operator put an engine into: a restart without --resume forgets it.
+_OPERATOR_HOLDS = frozenset({HoldKind.OPERATOR_DRAIN, HoldKind.MAINTENANCE})
 
 
 class ResumePlan(msgspec.Struct, frozen=True, kw_only=True):
@@ -119,6 +123,24 @@ def plan_document(document: HandoffDocument, config: Config, where: str) -> Resu
     if problem is not None:
         return _not_applied(where, f"unreadable: {problem}")
     return ResumePlan(path=where, applied=True, document=document)
+
+
+def operator_holds(path: str | os.PathLike[str], config: Config) -> dict[str, list[str]]:
+    """Configured engines the handoff at ``path`` holds drained or in maintenance, with those hold kinds.
+
+    Empty when there is no readable handoff: a start without ``--resume`` has nothing to warn about then.
+    """
+    try:
+        document = read_document(path)
+    except HandoffError:
+        return {}
+    configured = {spec.name for spec in config.engines}
+    held = {record.name: sorted(hold.kind.value for hold in record.holds if hold.kind in _OPERATOR_HOLDS)
+            for record in document.engines if record.name in configured}
+    for name in document.drained:
+        if name in configured and HoldKind.OPERATOR_DRAIN.value not in held.get(name, []):
+            held[name] = sorted([*held.get(name, []), HoldKind.OPERATOR_DRAIN.value])
+    return {name: kinds for name, kinds in sorted(held.items()) if kinds}
 
 
 class _Restorable(Protocol):
