@@ -489,6 +489,7 @@ async def front(hostile, nursery: trio.Nursery):
         server = HTTPServer(handle, client_write_timeout_s=config.serving.client_write_timeout_s)
         port = await nursery.start(server.serve, "127.0.0.1", 0)
         pools.append(pool)
+        start.core = core  # type: ignore[attr-defined]
         return port, supervisor, pool, d
 
     pools: list[DataPool] = []
@@ -782,7 +783,7 @@ async def test_whatever_follows_done_ends_the_stream_whole_and_charges_the_engin
 
 
 @pytest.mark.parametrize("pump", [True, False], ids=["pump", "task-relay"])
-@pytest.mark.parametrize("cut_by", ["client-leaves", "request-deadline"])
+@pytest.mark.parametrize("cut_by", ["client-leaves", "request-deadline", "engine-removed"])
 async def test_a_stall_after_done_cut_short_by_the_client_or_the_deadline_is_still_a_whole_answer(
         front, caplog, autojump_clock, pump, cut_by):
     # The client has its [DONE]; the engine's missing terminator is waited for until something ends the wait.
@@ -791,12 +792,14 @@ async def test_a_stall_after_done_cut_short_by_the_client_or_the_deadline_is_sti
     stream = await post_stream(port, b'{"model": "mock-model", "prompt": "hi", "max_tokens": 4, "stream": true}')
     response = await read_response(stream)
     assert sse_payloads(response) == [event[6:-2] for event in ANSWER] + [b"[DONE]"]
-    if cut_by == "client-leaves":
+    if cut_by == "engine-removed":
+        front.core._cut("d1")
+    elif cut_by == "client-leaves":
         # A reset (a FIN alone is a half-close to the front): the front cancels the request's handler.
         stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         await stream.aclose()
     logged = await request_logged(caplog)
-    # Neither the client leaving nor the deadline after the whole answer went out makes it a failure.
+    # Neither the client leaving, the deadline nor a removal cut after the whole answer went out fails it.
     assert logged["status"] == 200 and logged["error"] is None and logged["tokens"] == 4
     assert supervisor.failures == []
     assert pool.pump.streams == 0 and pool.statistics().in_use == 0

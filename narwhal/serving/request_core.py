@@ -460,6 +460,9 @@ class RequestCore:
                     outcome.stream_completed()
                 return
             except _AttemptFailed as failed:
+                if _delivered(sink):
+                    # Cut (its engine removed) while the engine's body was read to its end: the answer is whole.
+                    return
                 outcome.error_class = failed.failure_class
                 # A leg cut because its engine was removed is nobody's failure (telemetry's errors too).
                 outcome.error_engine = None if failed.failure_class == ENGINE_REMOVED else failed.engine
