@@ -418,11 +418,37 @@ async def test_stream_ending_without_done_is_a_stream_failure(serve, make_pool):
     assert not upstream.saw_terminal
 
 
-async def test_events_after_done_make_the_ending_invalid(serve, make_pool):
-    engine = await serve(sse(*EVENTS, b'data: {"text": "late"}\n\n'))
-    with pytest.raises(EngineFailure) as caught:
-        await collect(await make_pool(), engine)
-    assert caught.value.failure_class is FailureClass.STREAM
+async def test_events_after_done_are_not_relayed_and_no_failure(serve, make_pool, autojump_clock):
+    # [DONE] ended the answer: what follows it in later reads is read only to see whether the connection
+    # can be reused. (Mock time: the engine's pause ends once the pool has read [DONE] and waits.)
+    async def pause():
+        await trio.sleep(0.1)
+    engine = await serve(sse(*EVENTS, then=pause, end=chunk(b'data: {"text": "late"}\n\n') + LAST_CHUNK))
+    pool = await make_pool()
+    for _ in range(2):
+        items, saw_terminal = await collect(pool, engine)
+        assert saw_terminal and b"".join(items) == b"".join(EVENTS)
+    # Read to its end after all: the connection was kept.
+    assert engine.connections == 1
+
+
+async def test_a_stall_or_a_close_after_done_is_no_failure(serve, make_pool, autojump_clock):
+    pool = await make_pool(msgspec.structs.replace(FAST, stream_silence_s=10.0, first_token_deadline_s=20.0,
+                                                   request_timeout_s=60.0))
+    for stall in (True, False):
+        async def respond(request: FakeRequest, stream: trio.SocketStream, index: int, stall: bool = stall) -> bool:
+            await stream.send_all(SSE_HEAD + b"".join(map(chunk, EVENTS)))
+            await trio.sleep(1.0)
+            if stall:
+                await trio.sleep_forever()
+            return False  # closed, without the chunked terminator
+        engine = await serve(respond)
+        started = trio.current_time()
+        items, saw_terminal = await collect(pool, engine)
+        assert saw_terminal and b"".join(items) == b"".join(EVENTS)
+        # A stall is waited for up to the silence deadline (its own, not the watchdog's: no failure).
+        assert trio.current_time() - started == pytest.approx(10.0 if stall else 1.0)
+        assert pool.statistics().idle_connections == 0 and pool.statistics().in_use == 0
 
 
 async def test_body_that_is_not_sse_is_a_stream_failure(serve, make_pool):

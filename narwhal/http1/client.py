@@ -479,8 +479,12 @@ class EngineConnection:
 
     @property
     def drained(self) -> bool:
-        """The last read was short: the socket is (almost surely) empty until its next edge."""
-        return self._drained and not self._body
+        """The last read was short and the body goes on: nothing to do until the socket's next edge.
+
+        A body that ended in that read (its last bytes and the chunked terminator together) is never
+        drained: no edge comes for an end already read, so the relay must take it now.
+        """
+        return self._drained and not self._body and not self._complete
 
     def _read_now(self) -> bytes | None:
         """One non-blocking read; None when there was nothing to read after all."""

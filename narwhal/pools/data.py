@@ -35,6 +35,8 @@ from narwhal.pools import classify
 __all__ = ["DataPool", "DataPoolStatistics", "UpstreamStream"]
 
 _NO_DONE = "stream ended without data: [DONE]"
+# What is read after data: [DONE] while waiting for the body's end (a conforming engine sends nothing).
+_AFTER_TERMINAL_BYTES = 64 * 1024
 _MIN_TICK_S = 0.001
 _MAX_TICK_S = 1.0
 
@@ -107,7 +109,8 @@ class UpstreamStream:
     (between reads) are kept by the pool's watchdog, not by a scope per read:
     it cancels the stream's scope and ``expired`` says why. At the end of the
     body ``read()`` raises a ``stream`` failure unless the last event was
-    ``data: [DONE]``. It is also an async iterator of the same reads.
+    ``data: [DONE]``; after that event, what the engine does (more bytes, a close,
+    silence) is no failure. It is also an async iterator of the same reads.
     It can also be read without waiting (``read_ready``), by the relay pump.
     """
 
@@ -158,14 +161,37 @@ class UpstreamStream:
         return data
 
     async def read(self) -> bytes:
-        """The next de-chunked body bytes, as read; b"" once the stream ended with ``data: [DONE]``."""
+        """The next de-chunked body bytes, as read; b"" once the stream ended with ``data: [DONE]``.
+
+        After the read that carried ``data: [DONE]`` the answer is whole: the next read only waits for
+        the body's end (so the connection can be reused) and returns b"" whatever comes instead.
+        """
         if self._finished:
+            return b""
+        if self.saw_terminal:
+            await self._after_terminal()
             return b""
         try:
             data = await self._conn.read_relay_body()
         except HTTPTransportError as exc:
             data = self._failed(exc)
         return self._took(data)
+
+    async def _after_terminal(self) -> None:
+        """Read on to the body's end; more bytes, a close or ``stream_silence_s`` of silence only close the
+        connection (``release`` finds the body unfinished): they are no evidence against the engine."""
+        # The watchdog leaves the stream alone from here: this wait has its own deadline and no failure.
+        self._finished = True
+        seen = 0
+        with trio.move_on_after(self._silence_s):
+            try:
+                while seen <= _AFTER_TERMINAL_BYTES:
+                    data = await self._conn.read_relay_body()
+                    if not data:
+                        return
+                    seen += len(data)
+            except HTTPTransportError:
+                pass
 
     # -- for the relay pump (narwhal/http1/pump.py) ------------------------------
 

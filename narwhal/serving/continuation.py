@@ -946,7 +946,7 @@ async def relay(join: StreamJoin, upstream: _Upstream, sink: _Sink, head: list[t
                 engine: str, clock: Callable[[], float],
                 on_first: Callable[[float], None], on_gap: Callable[[float], None],
                 pump: Callable[[_Step], Awaitable[bytes | None]] | None = None) -> None:
-    """Pump one decode leg through ``join`` into the client's stream, ending it at [DONE].
+    """Pump one decode leg through ``join`` into the client's stream, ending it as soon as [DONE] comes.
 
     ``on_first(now)`` runs once, when this leg's first bytes reach the client;
     ``on_gap`` gets the time between successive client writes within the leg.
@@ -1003,9 +1003,8 @@ async def relay(join: StreamJoin, upstream: _Upstream, sink: _Sink, head: list[t
             await sink.write(out)
         else:
             await sink.start_stream(200, head, out)
-    rest = await upstream.read()
-    if rest:
-        raise EngineFailure(engine, FailureClass.STREAM, "events after data: [DONE]")
+    # The answer is whole: it goes out now, in the write that ends the stream. The caller reads what the
+    # engine sends after [DONE] only afterwards (for the connection's reuse; none of it is a failure).
     out = done_out + _DONE_EVENT
     now = clock()
     if first:

@@ -351,7 +351,7 @@ class RequestCore:
             try:
                 with trio.move_on_after(self._deadline_s) as deadline:
                     await self._serve(route, body, rid, rid_header, sink, started_at, outcome)
-                if deadline.cancelled_caught:
+                if deadline.cancelled_caught and not _delivered(sink):
                     outcome.error_class = "deadline"
                     if outcome.continuing:
                         self.metrics.continuations.inc("exhausted")
@@ -377,7 +377,7 @@ class RequestCore:
                 # Cancelled from outside (client went away, router stopping).
                 outcome.status = 499
                 outcome.error_class = outcome.error_class or "client_disconnected"
-            elif not answered and outcome.status == 200:
+            elif not answered and outcome.status == 200 and not _delivered(sink):
                 # A stream the client cut is 499, though its head said 200.
                 outcome.status = 499
                 outcome.error_class = "client_disconnected"
@@ -464,6 +464,9 @@ class RequestCore:
                     outcome.stream_completed()
                 return
             except _AttemptFailed as failed:
+                if _delivered(sink):
+                    # Cut (its engine removed) while the engine's body was read to its end: the answer is whole.
+                    return
                 outcome.error_class = failed.failure_class
                 # A leg cut because its engine was removed is nobody's failure (telemetry's errors too).
                 outcome.error_engine = None if failed.failure_class == ENGINE_REMOVED else failed.engine
@@ -884,25 +887,27 @@ class RequestCore:
                                 break
                             await sink.write(relayed)
                 held = chunk
-                if held and await read():
-                    raise EngineFailure(decode.name, FailureClass.STREAM, "events after data: [DONE]")
                 if tokens > 2:
                     outcome.inter_token_s = (last_at - first_at) / (tokens - 2)
+                # Every stream that ends cleanly ended with [DONE] (the pool raises otherwise): the answer
+                # is whole and goes out now, before anything the engine sends after it is waited for.
+                outcome.tokens = max(0, tokens - 1 - role_events)
+                if sink.started:
+                    await sink.end_stream(held)
+                else:
+                    await sink.start_stream(200, head, held, end=True)
+                self.supervisor.record_success(decode.name, SuccessKind.DECODE_TERMINAL)
+                # The body's end, for the connection's reuse; whatever comes instead is no failure.
+                await read()
         except (EngineFailure, UpstreamClientError, PoolSaturated) as exc:
             outcome.tokens = max(0, tokens - role_events)
             self._translate("decode", exc)
         except BaseException:
             # Cancelled (the client left, its engine was removed, the deadline) or the client's write failed:
-            # the log counts what was relayed all the same.
-            outcome.tokens = max(0, tokens - role_events)
+            # the log counts what was relayed all the same; once [DONE] went out, the count set then stands.
+            if not _delivered(sink):
+                outcome.tokens = max(0, tokens - role_events)
             raise
-        # Every stream that ends cleanly ended with [DONE] (the pool raises otherwise).
-        outcome.tokens = max(0, tokens - 1 - role_events)
-        self.supervisor.record_success(decode.name, SuccessKind.DECODE_TERMINAL)
-        if sink.started:
-            await sink.end_stream(held)
-        else:
-            await sink.start_stream(200, head, held, end=True)
 
 
     async def _pump_relay(self, upstream: Any, sink: Sink, on_chunk: OnChunk, outcome: _Outcome) -> bytes | None:
@@ -957,6 +962,16 @@ class RequestCore:
                 await continuation.relay(join, upstream, sink, head, engine=decode.name, clock=self.clock,
                                          on_first=on_first, on_gap=on_gap,
                                          pump=pump if self._pump is not None else None)
+                # The client has the whole answer and [DONE].
+                outcome.tokens = join.tokens
+                self._note_regenerated(join, diverged, rid, decode.name, outcome)
+                leg_tokens = join.tokens - join.tokens_before
+                if gaps[1] and leg_tokens > 1:
+                    # Per token, as the plain relay reports it (a read may carry several tokens).
+                    outcome.inter_token_s = gaps[0] / (leg_tokens - 1)
+                self.supervisor.record_success(decode.name, SuccessKind.DECODE_TERMINAL)
+                # The body's end, for the connection's reuse; whatever comes instead is no failure.
+                await upstream.read()
         except (EngineFailure, UpstreamClientError, PoolSaturated) as exc:
             outcome.tokens = join.tokens
             self._note_regenerated(join, diverged, rid, decode.name, outcome)
@@ -968,13 +983,6 @@ class RequestCore:
             outcome.tokens = join.tokens
             outcome.regenerated = join.regenerated
             raise
-        outcome.tokens = join.tokens
-        self._note_regenerated(join, diverged, rid, decode.name, outcome)
-        leg_tokens = join.tokens - join.tokens_before
-        if gaps[1] and leg_tokens > 1:
-            # Per token, as the plain relay reports it (a read may carry several tokens).
-            outcome.inter_token_s = gaps[0] / (leg_tokens - 1)
-        self.supervisor.record_success(decode.name, SuccessKind.DECODE_TERMINAL)
 
     @staticmethod
     def _note_regenerated(join: StreamJoin, diverged: bool, rid: str, engine: str, outcome: _Outcome) -> None:
@@ -990,6 +998,11 @@ _NOT_RESUMABLE = {
     "token_id_prompt_without_ids": "the engine sent no token IDs for a token-ID prompt",
     "reasoning": "the answer carried a reasoning model's thinking, whose end only the failed engine's parser knew",
 }
+
+
+def _delivered(sink: Sink) -> bool:
+    """The whole response went out: a cancel while the engine's body is read to its end changes nothing."""
+    return sink.started and getattr(sink, "finished", False) is True
 
 
 def _client_gone(exc: BaseException) -> ClientGone | None:

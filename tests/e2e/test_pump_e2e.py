@@ -79,3 +79,29 @@ async def test_a_client_leaving_mid_stream_closes_the_pumped_engine_stream(start
     event = (await fleet.router.wait_event("request", status=499))[0]
     assert event["relay"] == "pump"
     assert event["error"] == "client_disconnected"
+
+
+@pytest.mark.parametrize("relay_pump", [True, False], ids=["pump", "task-relay"])
+async def test_a_decode_body_ending_without_done_ends_the_client_stream_at_once(start_fleet, relay_pump):
+    # Paced, the mock writes its last event and the chunked terminator in one write (no [DONE] with no_done):
+    # the body's end comes in the read of its last bytes, which the pump once left waiting for the silence
+    # deadline (30 s). The mock keeps an idle connection for a minute, so its close does not end that wait.
+    fleet = await start_fleet(mock_args=["--token-delay-s", "0.005", "--idle-timeout-s", "60"],
+                              sections={"serving": {"relay_pump": relay_pump},
+                                        "engine": {"stream_silence_s": 30.0},
+                                        "recovery": {"eject_after": 100}})
+    tries = 6
+    await fleet.set_fault("d1", "no_done", count=tries, legs=["decode"])
+    for _ in range(tries):
+        started = trio.current_time()
+        response = await fleet.client.post(f"{fleet.url}/v1/completions", json={
+            "model": "mock-model", "prompt": PROMPT, "max_tokens": 16, "stream": True})
+        assert trio.current_time() - started < 3.0
+        assert response.status_code == 200
+        last = response.text.split("\n\n")[-2].removeprefix("data: ")
+        error = json.loads(last)["error"]
+        assert "stream ended without data: [DONE]" in error["message"], error
+    with trio.fail_after(10):
+        while len(fleet.router.events("request", error="stream")) < tries:
+            await trio.sleep(0.05)
+    assert {event["relay"] for event in fleet.router.events("request")} == {"pump" if relay_pump else "task"}
