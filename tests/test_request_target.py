@@ -188,7 +188,7 @@ async def _forward(admin: str, target: bytes) -> tuple[ForwardReply, bool]:
     link = _Link()
     async with ASGILifespan(router.app):
         await workers._answer_forward(link, Forward(  # type: ignore[arg-type]
-            id=1, method=b"POST", target=target, headers=[(b"host", b"x")], body=b"", client=None,
+            id=1, method=b"POST", target=target, headers=[(b"host", b"127.0.0.1")], body=b"", client=None,
             secure=False, http_version="1.1"))
     (reply,) = link.sent
     return reply, router.readmitter.drained("d1")
