@@ -413,3 +413,44 @@ async def test_with_a_token_the_token_is_the_protection(harness) -> None:
     response = await h.client.post("/admin/engines/d1/drain",
                                    headers={**cross, "authorization": f"Bearer {TOKEN}"})
     assert response.status_code == 200
+
+
+# ----- query parameters: ASCII digits only, a 400 naming the parameter -----------------------------------
+
+
+@pytest.mark.parametrize("value", ["\u00b2", "\uff11\uff12", "\u0661", "-5", "+5", " 5", "5 ", "0x10", "1e3",
+                                   "1_000", "1234567", "9" * 400, "", "5.0"])
+async def test_timeline_seconds_is_ascii_digits_only_else_400_naming_it(harness, value: str) -> None:
+    h = await harness()
+    response = await h.client.get("/admin/timeline", query_string={"seconds": value})
+    assert response.status_code == 400
+    assert response.content_type == "application/json"
+    error = (await response.get_json())["error"]
+    assert error["code"] == "invalid_seconds"
+    assert error["message"].startswith("query parameter seconds must be a whole number of seconds in ASCII digits")
+
+
+async def test_timeline_seconds_in_ascii_digits_is_served(harness) -> None:
+    h = await harness()
+    for value, buckets in (("0", 0), ("7", 7), ("000012", 12), ("999999", 900)):
+        status, body = await h.get("/admin/timeline", query_string={"seconds": value})
+        assert status == 200 and len(body["requests"]) == buckets, value
+
+
+async def test_a_repeated_query_parameter_is_400(harness) -> None:
+    h = await harness()
+    status, body = await h.get("/admin/timeline?seconds=5&seconds=6")
+    assert status == 400 and body["error"]["code"] == "invalid_seconds"
+    assert "given 2 times" in body["error"]["message"]
+
+
+@pytest.mark.parametrize(("method", "path"), EVERY_ADMIN_ROUTE[:-1])
+async def test_a_query_parameter_an_admin_route_does_not_take_is_400_naming_it(harness, method: str,
+                                                                               path: str) -> None:
+    h = await harness()
+    response = await h.client.open(path, method=method, query_string={"\uff53econds": "5"})
+    assert response.status_code == 400
+    error = (await response.get_json())["error"]
+    assert error["code"] == "unknown_query_parameter"
+    assert "'\uff53econds'" in error["message"]
+    assert h.hold_kinds("d1") == []

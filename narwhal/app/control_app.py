@@ -19,6 +19,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from narwhal.app.admin_guard import admin_refusal, is_admin_api_path
+from narwhal.app.query import unexpected_parameter
 from narwhal.app.state import AppState
 from narwhal.wire import error_json
 
@@ -73,6 +74,17 @@ def create_app(router: AppState) -> QuartTrio:
             response.headers["www-authenticate"] = 'Bearer realm="narwhal-admin"'
             return response
         return None
+
+    @app.before_request
+    async def _admin_query() -> Response | None:
+        # After the auth check: a parameter an admin route does not take is a 400 naming it.
+        rule = request.url_rule
+        if rule is None or not is_admin_api_path(rule.rule) or not request.args:
+            return None
+        problem = unexpected_parameter(rule.rule, request.args.keys())
+        if problem is None:
+            return None
+        return _error(400, str(problem), "invalid_request_error", problem.code)
 
     @app.get("/health")
     async def health() -> Response:
