@@ -41,6 +41,7 @@ __all__ = [
     "ServingConfig",
     "TelemetryConfig",
     "admin_token_problem",
+    "host_name_problem",
     "load_config",
     "parse_config",
     "parse_listen",
@@ -118,6 +119,17 @@ def admin_token_problem(token: str) -> str | None:
         return "must not be empty when set"
     if not all("!" <= ch <= "~" for ch in token):
         return "must be printable ASCII without spaces (it travels in an HTTP header)"
+    return None
+
+
+# A DNS name as a Host header carries it: letters, digits, hyphens, underscores, dots.
+_HOST_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?\.?")
+
+
+def host_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be an ``[admin] allowed_hosts`` entry (a bare DNS name: no scheme, port or path)."""
+    if not _HOST_NAME.fullmatch(name):
+        return f"must be a host name without scheme, port or path (e.g. \"router.internal\"), got {name!r}"
     return None
 
 
@@ -407,10 +419,16 @@ class AdminConfig(_Section, frozen=True):
     # descriptors: connections at once (16 more may ask for /health), and the time for a head.
     max_connections: int = 64
     header_timeout_s: float = 5.0
+    # Without a token: host names (beyond loopback names and IP addresses) the admin API answers as Host.
+    allowed_hosts: list[str] = []
 
     def __post_init__(self) -> None:
         if self.listen is not None:
             _listen("listen", self.listen)
+        for index, name in enumerate(self.allowed_hosts):
+            problem = host_name_problem(name)
+            if problem is not None:
+                raise ValueError(f"allowed_hosts[{index}] {problem}")
         if self.token is not None:
             problem = admin_token_problem(self.token)
             if problem is not None:

@@ -43,6 +43,8 @@ RELOADABLE_KEYS: frozenset[str] = frozenset({
     *(f"engine.{key}" for key in ENGINE_TIMEOUT_KEYS),
     # Placement, in every worker through its snapshot (narwhal.serving.placement.RequestPlacement.configure).
     "placement",
+    # Read on every admin request, as admin.token is.
+    "admin.allowed_hosts",
 })
 
 

@@ -176,6 +176,8 @@ class Router:
         self.via_token = f"narwhal-{secrets.token_hex(8)}"
         # Certificates are read here: a problem is a ConfigError naming the key.
         self.tls = TLSContexts(config, config_dir)
+        # Why the last TLS reload failed (None: it did not), for POST /admin/reload's answer.
+        self._tls_reload_problem: str | None = None
         # Warns before the serving certificate expires; feeds narwhal_tls_cert_expiry_seconds.
         self.cert_expiry = ExpiryWatch(self.tls)
         self.control_pool = ControlPool(control_connections=config.engine.control_connections,
@@ -542,7 +544,7 @@ class Router:
         async with self._reload_lock:
             if self.config_path is None:
                 tls = await self._reload_tls_if_configured()
-                return ReloadOutcome(file="", reloaded=False, tls=tls,
+                return ReloadOutcome(file="", reloaded=False, tls=tls, tls_error=self._tls_error(tls),
                                      error=ReloadError(file="", key=None, problem="no config file to read again"))
             file = str(self.config_path)
             try:
@@ -566,7 +568,7 @@ class Router:
                       file=file, **msgspec.structs.asdict(changes))
             self._warn_if_admin_open(self._serving_address())
             tls = await self._reload_tls_if_configured()
-            return ReloadOutcome(file=file, reloaded=True, changes=changes, tls=tls)
+            return ReloadOutcome(file=file, reloaded=True, changes=changes, tls=tls, tls_error=self._tls_error(tls))
 
     def _read_config_file(self, path: Path) -> tuple[Config, bytes | None]:
         """The config file and the fleet key it names, read and checked (blocking: run in a thread)."""
@@ -745,6 +747,10 @@ class Router:
             return "skipped"
         return "reloaded" if reloaded else "failed"
 
+    def _tls_error(self, tls: str) -> str | None:
+        """Why the TLS reload just done failed, for the reload's answer; None unless it failed."""
+        return (self._tls_reload_problem or "unknown") if tls == "failed" else None
+
     async def reload_tls(self) -> bool:
         """Read every certificate and key again and swap them in; connections open stay as they are.
 
@@ -754,12 +760,14 @@ class Router:
         key; a worker that failed is named with its reason (it keeps its old
         contexts, the other parts use the new ones).
         """
+        self._tls_reload_problem = None
         if not self.tls.configured:
             log_event("tls_reload_skipped", reason="no TLS configured")
             return False
         try:
             self.tls.reload()
         except ConfigError as exc:
+            self._tls_reload_problem = str(exc)
             log_event("tls_reload_failed", level=logging.ERROR, message=str(exc))
             return False
         if self.admin_server is not None:
@@ -767,8 +775,9 @@ class Router:
         await self.control_pool.set_ssl_context(self.tls.engine)
         failures = await self.data_plane.reload_tls(self.tls)
         if failures:
+            self._tls_reload_problem = "; ".join(f"{part}: {reason}" for part, reason in sorted(failures.items()))
             log_event("tls_reload_failed", level=logging.ERROR, parts=sorted(failures),
-                      message="; ".join(f"{part}: {reason}" for part, reason in sorted(failures.items())))
+                      message=self._tls_reload_problem)
             return False
         log_event("tls_reloaded", server=self.tls.server is not None, engines=self.tls.engine is not None,
                   workers=self.worker_count)

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import trio
 
+from narwhal.app.admin_guard import admin_refusal
 from narwhal.app.admin_routes import register_admin_routes
 from narwhal.config import AdminConfig, Config, EngineSpec, FleetConfig, HandoffConfig
 from narwhal.control.readmission import Readmitter
@@ -75,10 +76,13 @@ async def start_mock_fleet(nursery: trio.Nursery) -> MockFleet:
     return fleet
 
 
-def fleet_config(mocks: MockFleet, tmp_path: Path, *, token: str | None = None) -> Config:
+def fleet_config(mocks: MockFleet, tmp_path: Path, *, token: str | None = None,
+                 allowed_hosts: list[str] | None = None) -> Config:
+    admin = AdminConfig(token=token) if allowed_hosts is None else AdminConfig(token=token,
+                                                                               allowed_hosts=allowed_hosts)
     return Config(
         fleet=FleetConfig(attestation_key=ATTESTATION_KEY),
-        admin=AdminConfig(token=token),
+        admin=admin,
         handoff=HandoffConfig(path=str(tmp_path / "handoff.json")),
         engines=[EngineSpec(name=name, url=mocks.url(name), role=service.engine.settings.role)
                  for name, service in mocks.services.items()])
@@ -118,12 +122,12 @@ class Harness:
 
 @pytest.fixture
 async def harness(nursery: trio.Nursery, tmp_path: Path):
-    """``await harness(token=None)``: mock engines p1, d1, d2 and a router over them."""
+    """``await harness(token=None, allowed_hosts=None)``: mock engines p1, d1, d2 and a router over them."""
     mocks = await start_mock_fleet(nursery)
     routers: list[Router] = []
 
-    async def make(*, token: str | None = None) -> Harness:
-        router = admin_router(fleet_config(mocks, tmp_path, token=token))
+    async def make(*, token: str | None = None, allowed_hosts: list[str] | None = None) -> Harness:
+        router = admin_router(fleet_config(mocks, tmp_path, token=token, allowed_hosts=allowed_hosts))
         routers.append(router)
         return Harness(mocks, router)
 
@@ -257,4 +261,196 @@ async def test_drain_routes_accept_post_only(harness) -> None:
     h = await harness()
     response = await h.client.get("/admin/engines/d1/drain")
     assert response.status_code == 405
+    assert h.hold_kinds("d1") == []
+
+
+# ----- without a token: what a web page the operator opens may not do ---------------------------------------
+
+EVERY_ADMIN_ROUTE = [
+    *ADMIN_CALLS,
+    ("GET", "/admin/telemetry"),
+    ("GET", "/admin/lease"),
+    ("GET", "/admin/router"),
+    ("GET", "/admin/timeline"),
+    ("POST", "/admin/reload"),
+    ("GET", "/admin/nowhere"),
+]
+
+
+async def refused(response: Any) -> str:
+    assert response.status_code == 403
+    assert response.content_type == "application/json"
+    error = (await response.get_json())["error"]
+    assert (error["type"], error["code"]) == ("permission_error", "admin_request_refused")
+    return str(error["message"])
+
+
+@pytest.mark.parametrize(("method", "path"), EVERY_ADMIN_ROUTE)
+async def test_a_cross_origin_request_is_refused_403_and_changes_nothing(harness, method: str, path: str) -> None:
+    h = await harness()
+    # A form POST from a page elsewhere: no preflight, a simple content type.
+    response = await h.client.open(path, method=method, headers={
+        "origin": "http://evil.example", "content-type": "application/x-www-form-urlencoded",
+        "sec-fetch-site": "cross-site"})
+    assert "'http://evil.example' is not this router's own" in await refused(response)
+    assert h.hold_kinds("d1") == []
+    assert sorted(h.eligible("decode")) == ["d1", "d2"]
+
+
+@pytest.mark.parametrize("origin", ["null", "http://localhost.evil.example", "https://localhost",
+                                    "http://localhost:8001", "localhost", "http://", "http://localhost/x"])
+async def test_an_origin_other_than_the_routers_own_is_refused(harness, origin: str) -> None:
+    h = await harness()
+    response = await h.client.post("/admin/engines/d1/drain", headers={"host": "localhost:8000", "origin": origin})
+    await refused(response)
+    assert h.hold_kinds("d1") == []
+
+
+@pytest.mark.parametrize("site", ["cross-site", "same-site", "Cross-Site"])
+async def test_sec_fetch_site_cross_or_same_site_is_refused(harness, site: str) -> None:
+    h = await harness()
+    response = await h.client.post("/admin/engines/d1/drain", headers={"sec-fetch-site": site})
+    assert "Sec-Fetch-Site" in await refused(response)
+    assert h.hold_kinds("d1") == []
+
+
+@pytest.mark.parametrize(("host", "origin", "scheme"), [
+    ("127.0.0.1:8000", "http://127.0.0.1:8000", "http"),
+    ("localhost", "http://localhost:80", "http"),
+    ("LOCALHOST:8443", "https://localhost:8443", "https"),
+    ("[::1]:8000", "http://[::1]:8000", "http"),
+    ("router.localhost:9", "http://router.localhost:9", "http"),
+])
+async def test_the_fleet_pages_same_origin_requests_are_served(harness, host: str, origin: str,
+                                                                scheme: str) -> None:
+    h = await harness()
+    headers = {"host": host, "origin": origin, "sec-fetch-site": "same-origin"}
+    response = await h.client.post("/admin/engines/d1/drain", headers=headers, scheme=scheme)
+    assert response.status_code == 200, await response.get_json()
+    assert h.hold_kinds("d1") == ["operator_drain"]
+    for path in ("/admin/engines", "/admin/router", "/admin/timeline?seconds=5"):
+        response = await h.client.get(path, headers=headers, scheme=scheme)
+        assert response.status_code == 200, path
+
+
+@pytest.mark.parametrize("site", ["same-origin", "none"])
+async def test_sec_fetch_site_same_origin_or_none_is_served(harness, site: str) -> None:
+    h = await harness()
+    response = await h.client.post("/admin/engines/d1/drain", headers={"sec-fetch-site": site})
+    assert response.status_code == 200
+    assert h.hold_kinds("d1") == ["operator_drain"]
+
+
+async def test_a_curl_post_without_origin_or_content_type_is_served(harness) -> None:
+    h = await harness()
+    response = await h.client.post("/admin/engines/d1/drain", headers={"host": "127.0.0.1:8000"})
+    assert response.status_code == 200
+    assert h.hold_kinds("d1") == ["operator_drain"]
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:8000", "localhost.evil.example",
+                                  "127.0.0.1.evil.example"])
+async def test_a_foreign_host_is_refused(harness, host: str) -> None:
+    """DNS rebinding: a page on evil.example, its name now resolving to the router, reads the API."""
+    h = await harness()
+    response = await h.client.get("/admin/engines", headers={"host": host})
+    assert "Host" in await refused(response)
+    response = await h.client.post("/admin/engines/d1/drain", headers={"host": host})
+    await refused(response)
+    assert h.hold_kinds("d1") == []
+    # The page itself, on a name nobody gave, is refused too (its data would be).
+    await refused(await h.client.get("/admin/ui", headers={"host": host}))
+    # Not an admin path: served.
+    assert (await h.client.get("/health", headers={"host": host})).status_code == 200
+
+
+@pytest.mark.parametrize("host", ["[::1", "[evil]:80", "[::1]x", "localhost:http", "localhost:99999",
+                                  "localhost:", "a b", "::1", "", "local_host..", "\u0661.0.0.1", "127.0.0.1:\u0668"])
+def test_a_malformed_host_is_refused(host: str) -> None:
+    refusal = admin_refusal(method="GET", path="/admin/engines", scheme="http", hosts=[host], origins=[],
+                            fetch_sites=[], allowed_hosts=[])
+    assert refusal is not None and "Host" in refusal
+
+
+def test_two_hosts_or_origins_are_refused() -> None:
+    def refusal(**headers: list[str]) -> str | None:
+        return admin_refusal(method="POST", path="/admin/reload", scheme="http", allowed_hosts=[],
+                             **{"hosts": ["127.0.0.1"], "origins": [], "fetch_sites": [], **headers})
+
+    assert refusal() is None
+    assert refusal(hosts=["127.0.0.1", "evil.example"]) is not None
+    assert refusal(origins=["http://127.0.0.1", "http://evil.example"]) is not None
+    # No Host at all (HTTP/1.0 from a script): no Origin can be its own.
+    assert refusal(hosts=[]) is None
+    assert refusal(hosts=[], origins=["http://127.0.0.1"]) is not None
+
+
+@pytest.mark.parametrize("host", ["localhost:8000", "127.0.0.1:8000", "[::1]:8000", "10.1.2.3", "[fe80::1]:1",
+                                  "Router.Internal:8000", "router.internal.", "dev.localhost"])
+async def test_loopback_names_ip_addresses_and_allowed_hosts_are_served(harness, host: str) -> None:
+    h = await harness(allowed_hosts=["router.internal"])
+    response = await h.client.get("/admin/engines", headers={"host": host})
+    assert response.status_code == 200, host
+
+
+async def test_the_fleet_page_opens_from_a_link_on_another_site(harness) -> None:
+    # Its HTML holds no state; what it then asks for is same-origin.
+    h = await harness()
+    response = await h.client.get("/admin/ui", headers={"host": "127.0.0.1:8000", "sec-fetch-site": "cross-site"})
+    assert response.status_code == 200
+    # Its fetches carry no custom header that would need CORS: same-origin GETs and POSTs.
+    page = (await response.get_data()).decode()
+    assert "mode:" not in page and "credentials:" not in page
+
+
+async def test_with_a_token_the_token_is_the_protection(harness) -> None:
+    h = await harness(token=TOKEN, allowed_hosts=[])
+    cross = {"origin": "http://evil.example", "host": "evil.example", "sec-fetch-site": "cross-site"}
+    response = await h.client.post("/admin/engines/d1/drain", headers=cross)
+    assert response.status_code == 401
+    assert h.hold_kinds("d1") == []
+    # A page elsewhere cannot know the token; one who sends it is the operator.
+    response = await h.client.post("/admin/engines/d1/drain",
+                                   headers={**cross, "authorization": f"Bearer {TOKEN}"})
+    assert response.status_code == 200
+
+
+# ----- query parameters: ASCII digits only, a 400 naming the parameter -----------------------------------
+
+
+@pytest.mark.parametrize("value", ["\u00b2", "\uff11\uff12", "\u0661", "-5", "+5", " 5", "5 ", "0x10", "1e3",
+                                   "1_000", "1234567", "9" * 400, "", "5.0"])
+async def test_timeline_seconds_is_ascii_digits_only_else_400_naming_it(harness, value: str) -> None:
+    h = await harness()
+    response = await h.client.get("/admin/timeline", query_string={"seconds": value})
+    assert response.status_code == 400
+    assert response.content_type == "application/json"
+    error = (await response.get_json())["error"]
+    assert error["code"] == "invalid_seconds"
+    assert error["message"].startswith("query parameter seconds must be a whole number of seconds in ASCII digits")
+
+
+async def test_timeline_seconds_in_ascii_digits_is_served(harness) -> None:
+    h = await harness()
+    for value, buckets in (("0", 0), ("7", 7), ("000012", 12), ("999999", 900)):
+        status, body = await h.get("/admin/timeline", query_string={"seconds": value})
+        assert status == 200 and len(body["requests"]) == buckets, value
+
+
+async def test_a_repeated_query_parameter_is_400(harness) -> None:
+    h = await harness()
+    status, body = await h.get("/admin/timeline?seconds=5&seconds=6")
+    assert status == 400 and body["error"]["code"] == "invalid_seconds"
+    assert "given 2 times" in body["error"]["message"]
+
+
+@pytest.mark.parametrize(("method", "path"), EVERY_ADMIN_ROUTE[:-1])
+async def test_a_query_parameter_an_admin_route_does_not_take_is_400_naming_it(harness, method: str,
+                                                                               path: str) -> None:
+    h = await harness()
+    response = await h.client.open(path, method=method, query_string={"\uff53econds": "5"})
+    assert response.status_code == 400
+    error = (await response.get_json())["error"]
+    assert error["code"] == "unknown_query_parameter"
+    assert "'\uff53econds'" in error["message"]
     assert h.hold_kinds("d1") == []

@@ -20,8 +20,10 @@ from typing import Any
 import httpx
 import pytest
 import trio
+import trustme
 from test_admin_api import TOKEN, MockFleet, admin_router, fleet_config, start_mock_fleet
 
+from narwhal.config import load_config
 from narwhal.router import Router
 from narwhal.tools.admin_cli import TOKEN_ENV, add_parser, format_engines
 
@@ -134,8 +136,15 @@ def test_actions_print_their_result() -> None:
 @pytest.mark.parametrize(("status", "body", "words"), [
     (401, {"error": {"message": "admin API needs a valid bearer token", "type": "authentication_error"}},
      "HTTP 401: admin API needs a valid bearer token (pass --token or set NARWHAL_ADMIN_TOKEN)"),
-    (404, {"error": {"message": "no engine named 'd9'", "type": "invalid_request_error"}},
+    (404, {"error": {"message": "no engine named 'd9'", "type": "invalid_request_error",
+                     "code": "engine_not_found"}},
      "HTTP 404: no engine named 'd9'"),
+    # Not a router's admin API (the traffic port of one with [admin] listen set, or something else).
+    (404, None, "HTTP 404: Not Found (no admin API at http://127.0.0.1:8000: if the router sets [admin] listen, "
+                "pass --url ADMIN_ADDRESS)"),
+    (404, {"error": {"message": "no route for POST /admin/engines/d9/readmit", "code": "not_found"}},
+     "HTTP 404: no route for POST /admin/engines/d9/readmit (no admin API at http://127.0.0.1:8000: if the "
+     "router sets [admin] listen, pass --url ADMIN_ADDRESS)"),
     (409, {"error": {"message": "readmission of d9 refused by check newer_process: restart the engine"},
            "readmission": {"check": "newer_process"}},
      "HTTP 409: readmission of d9 refused by check newer_process: restart the engine"),
@@ -259,3 +268,34 @@ def test_reload_posts_and_prints_what_changed_or_the_refusal() -> None:
     assert code == 1 and out == ""
     assert err == ("narwhal admin: HTTP 422: config not reloaded, nothing changed: /etc/narwhal.toml: "
                    "recovery: eject_after must be > 0, got 0\n")
+
+
+async def test_a_reload_whose_tls_files_fail_prints_why_and_exits_1(tmp_path: Path) -> None:
+    """The router's answer to POST /admin/reload with a broken key file, read by the CLI."""
+    cert = trustme.CA().issue_cert("127.0.0.1")
+    (tmp_path / "cert.pem").write_bytes(b"".join(blob.bytes() for blob in cert.cert_chain_pems))
+    cert.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
+    config_file = tmp_path / "narwhal.toml"
+    config_file.write_text(
+        f'[serving]\ntls_cert_file = "{tmp_path / "cert.pem"}"\ntls_key_file = "{tmp_path / "key.pem"}"\n'
+        f'[handoff]\npath = "{tmp_path / "handoff.json"}"\n'
+        '[[engines]]\nname = "p1"\nurl = "http://127.0.0.1:9"\nrole = "prefill"\n'
+        '[[engines]]\nname = "d1"\nurl = "http://127.0.0.1:10"\nrole = "decode"\n')
+    router = Router(load_config(config_file), config_path=config_file)
+    try:
+        (tmp_path / "key.pem").write_text("not a key\n")
+        response = await router.app.test_client().post("/admin/reload")
+        assert response.status_code == 200
+        body = await response.get_json()
+    finally:
+        await router.control_pool.aclose()
+        await router.data_plane.data_pool.aclose()  # type: ignore[attr-defined]
+    assert body["reloaded"] is True and body["tls"] == "failed"
+    reason = f"serving.tls_key_file: '{tmp_path / 'key.pem'}' holds no usable PEM private key (unencrypted keys only)"
+    assert body["tls_error"] == reason
+
+    code, out, err = run(["reload"], fake_router(lambda request: httpx.Response(200, json=body)))
+    assert code == 1
+    assert out == f"reloaded {config_file}\n  nothing changed\n  TLS files: failed: {reason}\n"
+    assert err == ("narwhal admin: the TLS files were not reloaded: the router keeps its running certificates "
+                   "until a reload reads good files\n")

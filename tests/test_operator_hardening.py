@@ -205,6 +205,8 @@ async def test_with_admin_listen_the_traffic_port_answers_admin_paths_404(nurser
             response = await client.get(url + path, headers=auth)
             assert response.status_code == 404
             assert response.json()["error"]["code"] == "not_found"
+            # It says where the admin API is.
+            assert f"--url http://127.0.0.1:{admin_port}" in response.json()["error"]["message"]
             # The admin listener, bound before the router reported started, serves them.
             admin = await client.get(f"http://127.0.0.1:{admin_port}/admin/engines", headers=auth)
             assert admin.status_code == 200 and admin.json()["engines"]
@@ -212,6 +214,35 @@ async def test_with_admin_listen_the_traffic_port_answers_admin_paths_404(nurser
     finally:
         router.shutdown(0)
     assert events(caplog, "admin_unauthenticated") == []
+
+
+async def test_without_a_token_the_admin_listener_refuses_web_pages_and_the_traffic_port_names_it(
+        nursery, tmp_path):
+    admin_port = free_port()
+    router, url = await start_router(nursery, config_text(
+        f'[admin]\nlisten = "127.0.0.1:{admin_port}"\n[handoff]\npath = "{tmp_path}/h.json"\n'))
+    admin = f"http://127.0.0.1:{admin_port}"
+    try:
+        async with httpx.AsyncClient(timeout=10) as client:
+            # A form POST from a page elsewhere, and a page on a name rebound to the router.
+            cross = await client.post(f"{admin}/admin/engines/d1/drain", content=b"x=1", headers={
+                "origin": "http://evil.example", "content-type": "application/x-www-form-urlencoded"})
+            assert cross.status_code == 403 and cross.json()["error"]["code"] == "admin_request_refused"
+            rebound = await client.get(f"{admin}/admin/engines", headers={"host": f"evil.example:{admin_port}"})
+            assert rebound.status_code == 403 and rebound.json()["error"]["code"] == "admin_request_refused"
+            assert not router.readmitter.drained("d1")
+            # curl -X POST from a shell: no Origin, no content type.
+            shell = await client.post(f"{admin}/admin/engines/d1/drain")
+            assert shell.status_code == 200 and router.readmitter.drained("d1")
+        # narwhal admin pointed at the traffic port is told which --url to pass.
+        err = io.StringIO()
+        args = argparse.Namespace(url=url, token=None, action="engines")
+        assert await trio.to_thread.run_sync(functools.partial(run_admin, args, out=io.StringIO(), err=err)) == 1
+        assert err.getvalue() == (
+            f"narwhal admin: HTTP 404: no route for GET /admin/engines on the traffic port: the admin API is "
+            f"served on [admin] listen {admin} (narwhal admin --url {admin})\n")
+    finally:
+        router.shutdown(0)
 
 
 async def test_without_a_token_startup_warns_naming_the_risk(nursery, tmp_path, caplog):

@@ -6,8 +6,9 @@ import re
 import tomllib
 from pathlib import Path
 
-from narwhal.config import load_config
-from narwhal.router import preflight
+from narwhal.config import load_config, parse_config
+from narwhal.router import Router, preflight
+from tests.test_config import GOOD
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -90,3 +91,20 @@ def test_the_operations_recipe_starts_every_engine_the_examples_name():
     for step in ("--config examples/standby-a.toml", "--config examples/standby-b.toml", "kill -KILL", "kill -TERM",
                  "time (until curl -sf"):
         assert step in recipe
+
+
+async def test_the_endpoint_table_lists_every_route_of_the_control_app():
+    router = Router(parse_config(GOOD))
+    try:
+        rules = [rule for rule in router.app.url_map.iter_rules() if rule.endpoint != "static"]
+    finally:
+        await router.control_pool.aclose()
+        await router.data_plane.data_pool.aclose()
+    table = README.split("## Endpoints", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"`((?:GET|POST) /[^`]*)`", table))
+    missing = []
+    for rule in rules:
+        path = re.sub(r"<(?:\w+:)?(\w+)>", r"{\1}", rule.rule)
+        missing += [f"{method} {path}" for method in sorted(rule.methods - {"HEAD", "OPTIONS"})
+                    if f"{method} {path}" not in listed]
+    assert len(rules) >= 12 and missing == []

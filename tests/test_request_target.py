@@ -181,14 +181,15 @@ class _Link:
         self.sent.append(message)
 
 
-async def _forward(admin: str, target: bytes) -> tuple[ForwardReply, bool]:
+async def _forward(admin: str, target: bytes,
+                   headers: tuple[tuple[bytes, bytes], ...] = ((b"host", b"127.0.0.1"),)) -> tuple[ForwardReply, bool]:
     router = Router(parse_config(CONFIG.format(admin=admin)))
     workers = WorkerSet.__new__(WorkerSet)
     workers.config, workers.app = router.config, router.app
     link = _Link()
     async with ASGILifespan(router.app):
         await workers._answer_forward(link, Forward(  # type: ignore[arg-type]
-            id=1, method=b"POST", target=target, headers=[(b"host", b"x")], body=b"", client=None,
+            id=1, method=b"POST", target=target, headers=list(headers), body=b"", client=None,
             secure=False, http_version="1.1"))
     (reply,) = link.sent
     return reply, router.readmitter.drained("d1")
@@ -208,3 +209,11 @@ def test_a_forward_with_an_invalid_target_is_400_and_without_admin_listen_drains
     reply, drained = trio.run(_forward, "", b"http://x/admin/engines/d1/drain")
     assert reply.status == 200 and drained
 
+
+
+def test_a_forwarded_cross_site_admin_request_is_refused_by_the_controller() -> None:
+    """Without [admin] token, a worker's forward keeps the browser's headers and meets the same checks."""
+    for headers in (((b"host", b"127.0.0.1"), (b"origin", b"http://evil.example")),
+                    ((b"host", b"evil.example"),)):
+        reply, drained = trio.run(_forward, "", b"/admin/engines/d1/drain", headers)
+        assert reply.status == 403 and b"admin_request_refused" in reply.body and not drained

@@ -2,7 +2,9 @@
 
 ``/health`` (process alive), ``/ready`` (the load balancer's question: should
 traffic come here?), ``/metrics`` (Prometheus text), ``/v1/models`` and the
-admin API under ``/admin/``, which needs a bearer token when one is configured.
+admin API under ``/admin/``, which needs a bearer token when one is configured;
+without one, requests a browser marks as from another site or sent to a foreign
+``Host`` are refused (``narwhal.app.admin_guard``).
 The app holds no state of its own: it reads the router's through ``AppState``
 (``narwhal.app.state``), never the ``Router`` itself.
 """
@@ -16,6 +18,8 @@ import msgspec
 from quart import Response, request
 from quart_trio import QuartTrio
 
+from narwhal.app.admin_guard import admin_refusal, is_admin_api_path
+from narwhal.app.query import unexpected_parameter
 from narwhal.app.state import AppState
 from narwhal.wire import error_json
 
@@ -44,7 +48,19 @@ def create_app(router: AppState) -> QuartTrio:
     async def _admin_auth() -> Response | None:
         # Read on every request: a config reload may set, change or remove the token.
         configured = router.config.admin.token
-        if configured is None or not request.path.startswith("/admin/"):
+        if configured is None:
+            if not is_admin_api_path(request.path):
+                return None
+            headers = request.headers
+            refusal = admin_refusal(method=request.method, path=request.path, scheme=request.scheme,
+                                    hosts=headers.getlist("host"), origins=headers.getlist("origin"),
+                                    fetch_sites=headers.getlist("sec-fetch-site"),
+                                    allowed_hosts=router.config.admin.allowed_hosts)
+            if refusal is None:
+                return None
+            return _error(403, f"admin API (no [admin] token) refused this request: {refusal}",
+                          "permission_error", "admin_request_refused")
+        if not request.path.startswith("/admin/"):
             return None
         if request.path == "/admin/ui" and request.method in ("GET", "HEAD"):
             # The page's HTML holds no state; every request it makes for data carries the token.
@@ -58,6 +74,17 @@ def create_app(router: AppState) -> QuartTrio:
             response.headers["www-authenticate"] = 'Bearer realm="narwhal-admin"'
             return response
         return None
+
+    @app.before_request
+    async def _admin_query() -> Response | None:
+        # After the auth check: a parameter an admin route does not take is a 400 naming it.
+        rule = request.url_rule
+        if rule is None or not is_admin_api_path(rule.rule) or not request.args:
+            return None
+        problem = unexpected_parameter(rule.rule, request.args.keys())
+        if problem is None:
+            return None
+        return _error(400, str(problem), "invalid_request_error", problem.code)
 
     @app.get("/health")
     async def health() -> Response:

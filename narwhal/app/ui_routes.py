@@ -20,6 +20,7 @@ import msgspec
 from quart import Response, request
 from quart_trio import QuartTrio
 
+from narwhal.app.query import QueryParameterError, whole_number
 from narwhal.app.router_status import RouterStatus
 from narwhal.obs.timeline import TimelineView
 from narwhal.wire import error_json
@@ -74,14 +75,12 @@ def register_ui_routes(app: QuartTrio, router: UiState) -> None:
 
     @app.get("/admin/timeline")
     async def admin_timeline() -> Response:
-        raw = request.args.get("seconds")
-        seconds: int | None = None
-        if raw is not None:
-            if not raw.isdigit() or len(raw) > 6:
-                return Response(error_json(f"seconds must be a whole number of seconds, got {raw[:32]!r}",
-                                           "invalid_request_error", "invalid_seconds"),
-                                status=400, content_type="application/json")
-            seconds = int(raw)
+        try:
+            seconds = whole_number("seconds", request.args.getlist("seconds"), max_digits=6,
+                                   what="a whole number of seconds")
+        except QueryParameterError as exc:
+            return Response(error_json(str(exc), "invalid_request_error", exc.code),
+                            status=400, content_type="application/json")
         return _json(router.timeline.view(seconds))
 
     @app.get("/admin/router")

@@ -22,7 +22,7 @@ from narwhal.fleet.placement import InFlight, InFlightCounts
 from narwhal.http1.server import Request, Responder
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.pools.data import DataPool
-from narwhal.serving.front import Front, build_front_server
+from narwhal.serving.front import Front, admin_url, build_front_server
 from narwhal.serving.placement import RequestPlacement
 from narwhal.serving.request_core import AdmissionGate, RequestCore, Supervisor, TelemetrySink
 from narwhal.tls import TLSContexts
@@ -87,7 +87,7 @@ class LocalDataPlane:
                                 placement=placement)
         # With [admin] listen the admin API is off the traffic port entirely.
         self.front = Front(self.core, serve_rest, via_token=via_token,
-                           admin_elsewhere=config.admin.listen is not None)
+                           admin_elsewhere=admin_url(config))
         self.server = build_front_server(config, self.front, tls.server, yield_at_cap=yield_at_cap)
 
     async def run(self, listeners: list[trio.SocketListener], *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:

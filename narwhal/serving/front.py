@@ -4,7 +4,7 @@ One handler for ``narwhal.http1.server.HTTPServer``. A request carrying this
 router's own ``Via`` token came back to it (an engine URL points at a router):
 508 ``loop_detected``. Completion routes accept POST only (405 with
 ``Allow: POST`` otherwise). With ``[admin] listen`` the admin paths are 404
-here. The rest goes to ``rest``: in one process the ASGI adapter to the
+here, the body naming the admin address. The rest goes to ``rest``: in one process the ASGI adapter to the
 quart-trio control app, so both share one port; in a worker, the answers it
 gives from its snapshot and the controller for everything else.
 """
@@ -22,7 +22,7 @@ from narwhal.obs.logs import log_event
 from narwhal.serving.request_core import COMPLETION_ROUTES, RequestCore
 from narwhal.wire import error_json
 
-__all__ = ["Front", "admin_elsewhere_body", "build_admin_server", "build_front_server", "is_admin_path"]
+__all__ = ["Front", "admin_elsewhere_body", "admin_url", "build_admin_server", "build_front_server", "is_admin_path"]
 
 _JSON = [(b"content-type", b"application/json")]
 _NOT_ALLOWED = error_json("completion routes accept POST only", "invalid_request_error", "method_not_allowed")
@@ -38,17 +38,27 @@ def is_admin_path(request: Request) -> bool:
     return path == "/admin" or path.startswith("/admin/")
 
 
-def admin_elsewhere_body(request: Request) -> bytes:
-    """The 404 body for an admin path asked of the traffic port while ``[admin] listen`` serves them."""
-    return error_json(f"no route for {request.method.decode('latin-1')} {request.path}", "invalid_request_error",
-                      "not_found")
+def admin_url(config: Config) -> str | None:
+    """The URL of ``[admin] listen`` (https when the router serves TLS), or None when admin is on the traffic port."""
+    if config.admin.listen is None:
+        return None
+    return f"{'https' if config.serving.tls_cert_file is not None else 'http'}://{config.admin.listen}"
+
+
+def admin_elsewhere_body(request: Request, admin_address: str) -> bytes:
+    """The 404 body for an admin path asked of the traffic port while ``[admin] listen`` serves them at
+    ``admin_address``: it says where, so ``narwhal admin`` can say which ``--url`` to pass."""
+    return error_json(f"no route for {request.method.decode('latin-1')} {request.path} on the traffic port: "
+                      f"the admin API is served on [admin] listen {admin_address} "
+                      f"(narwhal admin --url {admin_address})", "invalid_request_error", "not_found")
 
 
 class Front:
     """Routes each request of the data-plane server to the core or to the app."""
 
     def __init__(self, core: RequestCore, rest: Callable[[Request, Responder], Awaitable[None]], *,
-                 via_token: str, admin_elsewhere: bool) -> None:
+                 via_token: str, admin_elsewhere: str | None) -> None:
+        """``admin_elsewhere``: the ``[admin] listen`` URL that serves the admin paths instead of this port."""
         self.core = core
         self.rest = rest
         self._via_token = via_token.encode()
@@ -71,8 +81,8 @@ class Front:
             else:
                 await responder.respond(405, _NOT_ALLOWED_HEADERS, _NOT_ALLOWED)
             return
-        if self._admin_elsewhere and is_admin_path(request):
-            await responder.respond(404, _JSON, admin_elsewhere_body(request))
+        if self._admin_elsewhere is not None and is_admin_path(request):
+            await responder.respond(404, _JSON, admin_elsewhere_body(request, self._admin_elsewhere))
             return
         await self.rest(request, responder)
 

@@ -4,8 +4,9 @@ Each talks to a running router's admin API (``--url``, default
 http://127.0.0.1:8000; ``--token``, default ``$NARWHAL_ADMIN_TOKEN``), prints
 the fleet as a table or the action's result, and exits 1 with one line on
 stderr when the router cannot be reached or says no (401, 404, a refused
-readmission's 409 with the failed check and why); a token that cannot travel
-in an HTTP header (not printable ASCII) exits 2 before any request.
+readmission's 409 with the failed check and why, a reload whose TLS files
+failed); a token that cannot travel in an HTTP header (not printable ASCII)
+exits 2 before any request.
 
 An ``https://`` router is verified with ``--ca-file`` (default
 ``$NARWHAL_ADMIN_CA_FILE``), else with OpenSSL's default store, which honours
@@ -106,7 +107,12 @@ def run_admin(args: argparse.Namespace, *, transport: httpx.BaseTransport | None
             if args.action == "engines":
                 out.write(format_engines(_call(client, "GET", "/admin/engines")["engines"]))
             elif args.action == "reload":
-                out.write(format_reload(_call(client, "POST", "/admin/reload")))
+                body = _call(client, "POST", "/admin/reload")
+                out.write(format_reload(body))
+                if body.get("tls") == "failed":
+                    # The config part applied; the TLS files did not, and the router keeps its old ones.
+                    raise _AdminError("the TLS files were not reloaded: the router keeps its running "
+                                      "certificates until a reload reads good files")
             else:
                 path = f"/admin/engines/{urllib.parse.quote(args.name, safe='')}/{args.action}"
                 out.write(_format_action(_call(client, "POST", path)))
@@ -164,10 +170,16 @@ def _call(client: httpx.Client, method: str, path: str) -> dict[str, Any]:
         body = None
     if response.status_code == 200 and isinstance(body, dict):
         return body
-    message = body.get("error", {}).get("message") if isinstance(body, dict) else None
+    error = body.get("error") if isinstance(body, dict) else None
+    error = error if isinstance(error, dict) else {}
+    message = error.get("message") if isinstance(error.get("message"), str) else None
     message = message or response.text.strip()[:200] or response.reason_phrase
     if response.status_code == 401:
         message += f" (pass --token or set {TOKEN_ENV})"
+    elif response.status_code == 404 and error.get("code") != "engine_not_found" and "--url" not in message:
+        # Not this router's admin API: the traffic port of one with [admin] listen set, or not a router.
+        message += (f" (no admin API at {client.base_url}: if the router sets [admin] listen, "
+                    "pass --url ADMIN_ADDRESS)")
     raise _AdminError(f"HTTP {response.status_code}: {message}")
 
 
@@ -183,8 +195,11 @@ def format_reload(body: dict[str, Any]) -> str:
             lines.append(f"  {label}: {', '.join(changes[field])}")
     if len(lines) == 1:
         lines.append("  nothing changed")
-    if body.get("tls") in ("reloaded", "failed"):
-        lines.append(f"  TLS files: {body['tls']}")
+    if body.get("tls") == "reloaded":
+        lines.append("  TLS files: reloaded")
+    elif body.get("tls") == "failed":
+        reason = body.get("tls_error") or "no reason given (see the router's tls_reload_failed log line)"
+        lines.append(f"  TLS files: failed: {reason}")
     return "\n".join(lines) + "\n"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import socket
 import sys
@@ -12,9 +13,11 @@ from pathlib import Path
 import trio
 
 from narwhal.config import parse_listen
+from narwhal.obs.logs import configure_logging, flush_logs, log_event
+from narwhal.tools.admin_cli import DEFAULT_URL
 from narwhal.tools.local_fleet import LocalProcess, render_config, start_mock_engine, start_router
 
-__all__ = ["run_demo"]
+__all__ = ["banner", "run_demo", "watch_engine"]
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -31,6 +34,8 @@ def run_demo(args: argparse.Namespace) -> int:
               f"choose a free address with --listen HOST:PORT (e.g. --listen {host}:0 for any free port)",
               file=sys.stderr)
         return 2
+    # The demo's own events (an engine that died) as JSON lines on stderr, beside the router's.
+    configure_logging("info")
     try:
         trio.run(_demo, args)
     except (RuntimeError, BaseExceptionGroup) as exc:
@@ -75,17 +80,41 @@ def _runtime_error(exc: BaseException) -> RuntimeError | None:
     return None
 
 
+def banner(url: str, config_path: Path) -> str:
+    """What the demo prints once serving: where to send requests, the fleet page, the config, the admin CLI."""
+    # `narwhal admin` reaches http://127.0.0.1:8000 by default; any other address needs --url.
+    url_option = "" if url == DEFAULT_URL else f" --url {url}"
+    return (f"\nNarwhal is serving at {url} (model 'mock-model'); Ctrl-C stops everything.\n"
+            f"Fleet page: {url}/admin/ui\n"
+            f"Config: {config_path} (removed on exit; edit it, then: narwhal admin reload{url_option})\n"
+            f"Try:\n  curl -N {url}/v1/completions -H 'content-type: application/json' "
+            f"-d '{{\"model\": \"mock-model\", \"prompt\": \"Hello\", \"max_tokens\": 8, "
+            f"\"stream\": true}}'\n  curl {url}/admin/engines\n  narwhal admin engines{url_option}\n")
+
+
+async def watch_engine(engine: LocalProcess, stopping: trio.Event) -> None:
+    """Log ``demo_engine_exited`` when ``engine`` exits before the demo stops it; its requests now fail."""
+    code = await engine.process.wait()
+    if not stopping.is_set():
+        log_event("demo_engine_exited", level=logging.WARNING, name=engine.name, pid=engine.pid, exit_code=code,
+                  message=f"mock engine {engine.name} (pid {engine.pid}) exited with code {code}; the router "
+                          "ejects it, and the demo goes on with the others until Ctrl-C")
+        flush_logs()
+
+
 async def _demo(args: argparse.Namespace) -> None:
     mock_args = ["--tokens", str(args.tokens), "--token-delay-s", str(args.token_delay_s)]
     with tempfile.TemporaryDirectory(prefix="narwhal-demo-") as workdir, \
             trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             engines: list[LocalProcess] = []
+            stopping = trio.Event()
             try:
                 for role, count in (("prefill", 2), ("decode", 2)):
                     for i in range(1, count + 1):
-                        engines.append(await start_mock_engine(nursery, role, engine_id=f"{role[0]}{i}",
-                                                               args=mock_args))
+                        engine = await start_mock_engine(nursery, role, engine_id=f"{role[0]}{i}", args=mock_args)
+                        engines.append(engine)
+                        nursery.start_soon(watch_engine, engine, stopping)
                 config_path = Path(workdir) / "narwhal.toml"
                 config_path.write_text(render_config(
                     [(e.name, e.url, "prefill" if e.name.startswith("p") else "decode") for e in engines],
@@ -96,15 +125,13 @@ async def _demo(args: argparse.Namespace) -> None:
                 ))
                 router = await start_router(nursery, str(config_path), listen=args.listen, echo=sys.stderr)
                 url = f"http://{args.listen.rpartition(':')[0]}:{router.port}"
-                print(f"\nNarwhal is serving at {url} (model 'mock-model'); Ctrl-C stops everything.\n"
-                      f"Try:\n  curl -N {url}/v1/completions -H 'content-type: application/json' "
-                      f"-d '{{\"model\": \"mock-model\", \"prompt\": \"Hello\", \"max_tokens\": 8, "
-                      f"\"stream\": true}}'\n  curl {url}/admin/engines\n", flush=True)
+                print(banner(url, config_path), flush=True)
                 async for _ in signals:
                     break
                 print("\nstopping...", flush=True)
                 await router.stop()
             finally:
+                stopping.set()
                 with trio.CancelScope(shield=True):
                     for engine in engines:
                         await engine.stop()

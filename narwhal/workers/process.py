@@ -27,7 +27,7 @@ from narwhal.http1.asgi import ASGIApp, call_asgi
 from narwhal.http1.server import Request
 from narwhal.http1.target import InvalidTarget
 from narwhal.obs.logs import log_event
-from narwhal.serving.front import admin_elsewhere_body, is_admin_path
+from narwhal.serving.front import admin_elsewhere_body, admin_url, is_admin_path
 from narwhal.wire import error_json
 from narwhal.workers.hub import WorkerHub
 from narwhal.workers.link import LinkClosed, StreamLink
@@ -295,9 +295,10 @@ class WorkerSet:
                                           body=error_json(str(exc), "invalid_request_error",
                                                           "invalid_request_target")))
             return
-        if self.config.admin.listen is not None and is_admin_path(request):
+        admin_address = admin_url(self.config)
+        if admin_address is not None and is_admin_path(request):
             _send_reply(link, ForwardReply(id=message.id, status=404, headers=list(_JSON),
-                                          body=admin_elsewhere_body(request)))
+                                          body=admin_elsewhere_body(request, admin_address)))
             return
         try:
             with trio.fail_after(CONTROL_APP_TIMEOUT_S):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import socket
@@ -50,29 +51,68 @@ def test_narwhal_serve_is_narwhal_serve_too():
     assert result.stdout.startswith("usage: narwhal serve")
 
 
+def _child_pid(parent: int, *argv_part: str) -> int:
+    """The pid of ``parent``'s child whose command line holds ``argv_part`` in order (Linux /proc)."""
+    # Every thread's children: trio starts processes from a worker thread.
+    children = [pid for task in Path(f"/proc/{parent}/task").iterdir()
+                for pid in (task / "children").read_text().split()]
+    for child in children:
+        argv = Path(f"/proc/{child}/cmdline").read_bytes().decode().split("\0")
+        if any(argv[i:i + len(argv_part)] == list(argv_part) for i in range(len(argv))):
+            return int(child)
+    raise AssertionError(f"no child of {parent} runs {argv_part}")
+
+
 async def test_demo_serves_and_stops_cleanly_on_ctrl_c():
     process = await trio.lowlevel.open_process(
         [sys.executable, "-m", "narwhal", "demo", "--listen", "127.0.0.1:0", "--token-delay-s", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    stderr = bytearray()
+
+    async def drain_stderr() -> None:
+        while chunk := await process.stderr.receive_some(65536):
+            stderr.extend(chunk)
+
     try:
-        output = b""
-        with trio.fail_after(30):
-            while b"curl -N" not in output:
-                chunk = await process.stdout.receive_some(4096)
-                assert chunk, output
-                output += chunk
-        url = re.search(rb"serving at (http://\S+)", output).group(1).decode()
-        async with httpx.AsyncClient(timeout=10) as client:
-            response = await client.post(f"{url}/v1/completions",
-                                         json={"model": "mock-model", "prompt": "hi", "max_tokens": 4, "stream": True})
-            assert response.text.rstrip().endswith("data: [DONE]")
-            engines = (await client.get(f"{url}/admin/engines")).json()["engines"]
-            assert sorted(e["name"] for e in engines) == ["d1", "d2", "p1", "p2"]
-        process.send_signal(signal.SIGINT)
-        with trio.fail_after(20):
-            assert await process.wait() == 0
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(drain_stderr)
+            output = b""
+            with trio.fail_after(30):
+                while b"narwhal admin engines" not in output:
+                    chunk = await process.stdout.receive_some(4096)
+                    assert chunk, output
+                    output += chunk
+            url = re.search(rb"serving at (http://\S+)", output).group(1).decode()
+            # Off the default port the banner gives the --url for narwhal admin, the fleet page and the config.
+            assert f"narwhal admin engines --url {url}".encode() in output
+            assert f"Fleet page: {url}/admin/ui".encode() in output
+            config = re.search(rb"Config: (\S+narwhal\.toml)", output).group(1).decode()
+            assert "[[engines]]" in Path(config).read_text()
+            async with httpx.AsyncClient(timeout=10) as client:
+                response = await client.post(f"{url}/v1/completions",
+                                             json={"model": "mock-model", "prompt": "hi", "max_tokens": 4,
+                                                   "stream": True})
+                assert response.text.rstrip().endswith("data: [DONE]")
+                engines = (await client.get(f"{url}/admin/engines")).json()["engines"]
+                assert sorted(e["name"] for e in engines) == ["d1", "d2", "p1", "p2"]
+                assert (await client.get(f"{url}/admin/ui")).status_code == 200
+            # A mock engine that dies is logged.
+            pid = _child_pid(process.pid, "--engine-id", "d1")
+            os.kill(pid, signal.SIGKILL)
+            with trio.fail_after(20):
+                while b'"demo_engine_exited"' not in stderr:
+                    await trio.sleep(0.05)
+            [line] = [json.loads(raw) for raw in bytes(stderr).splitlines() if b'"demo_engine_exited"' in raw]
+            assert (line["name"], line["pid"], line["exit_code"]) == ("d1", pid, -signal.SIGKILL)
+            process.send_signal(signal.SIGINT)
+            with trio.fail_after(20):
+                assert await process.wait() == 0
     finally:
         if process.returncode is None:
+            # Ctrl-C first: the demo stops the engines and the router it started (each in its own session).
+            process.send_signal(signal.SIGINT)
+            with trio.move_on_after(20):
+                await process.wait()
             process.kill()
             await process.wait()
 
