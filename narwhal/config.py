@@ -8,6 +8,7 @@ message names the key and the problem; the CLI prints it and exits non-zero.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -563,6 +564,15 @@ def _engine_by_name(key: str, names: list[object]) -> str:
     return f"engine {json.dumps(name)}{key[match.end():]}"
 
 
+def _did_you_mean(section: str, name: str) -> str:
+    """``" (did you mean 'workers'?)"`` when ``name`` is close to a key of the struct at ``section``."""
+    owner = _key_type(section) if section else Config
+    if not (isinstance(owner, type) and issubclass(owner, msgspec.Struct)):
+        return ""
+    close = difflib.get_close_matches(name, [f.name for f in msgspec.structs.fields(owner)], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def _explain(exc: msgspec.ValidationError, data: bytes | str = "") -> str:
     # msgspec says "... - at `$.serving.listen`"; operators think in TOML keys.
     text = str(exc)
@@ -572,8 +582,8 @@ def _explain(exc: msgspec.ValidationError, data: bytes | str = "") -> str:
     key = where.rstrip("`").removeprefix("$").lstrip(".")
     unknown = re.fullmatch(r"Object contains unknown field `(.+)`", message)
     if unknown:
+        message = "unknown key" + _did_you_mean(key, unknown.group(1))
         key = f"{key}.{unknown.group(1)}" if key else unknown.group(1)
-        message = "unknown key"
     enum = re.fullmatch(r"Invalid enum value (.+)", message)
     allowed = typing.get_args(_key_type(key)) if enum else ()
     if enum and allowed:

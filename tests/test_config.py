@@ -64,6 +64,20 @@ def test_bad_values_name_the_key(extra, expected):
     assert expected in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ("[serving]\nworkrs = 2\n", "n.toml: serving.workrs: unknown key (did you mean 'workers'?)"),
+        ("[servng]\n", "n.toml: servng: unknown key (did you mean 'serving'?)"),
+        ("[serving]\nzzzz = 1\n", "n.toml: serving.zzzz: unknown key"),
+    ],
+)
+def test_an_unknown_key_suggests_a_close_one(extra, expected):
+    with pytest.raises(ConfigError) as info:
+        parse_config(GOOD + extra, "n.toml")
+    assert str(info.value) == expected
+
+
 def test_duplicate_engine_name():
     with pytest.raises(ConfigError, match=r"engines\[1\]\.name: duplicate engine name 'p1'"):
         parse_config(GOOD.replace('"d1"', '"p1"'))
