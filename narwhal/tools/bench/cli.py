@@ -16,6 +16,7 @@ import msgspec
 import trio
 
 from narwhal.tools.bench.runner import BenchSettings, run_bench
+from narwhal.tools.cli_args import http_url
 
 __all__ = ["build_parser", "run_from_args", "settings_from_args"]
 
@@ -74,7 +75,8 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     router.add_argument("--tls", action="store_true",
                         help="every hop over TLS: certificates from trustme for this run; the mocks and Narwhal "
                              "serve HTTPS, Narwhal verifies the engines against the run's CA")
-    router.add_argument("--target", metavar="URL", help="load a router already running at URL; start no fleet")
+    router.add_argument("--target", metavar="URL", type=http_url,
+                        help="load a router already running at URL; start no fleet")
     router.add_argument("--target-pid", type=int, metavar="PID",
                         help="with --target: the pid whose CPU to measure (default: the process listening "
                              "on the target's port, when it is on this host)")
