@@ -94,6 +94,11 @@ def parse_listen(value: str) -> tuple[str, int]:
     return host, port
 
 
+def join_listen(host: str, port: int) -> str:
+    """``HOST:PORT`` as ``parse_listen`` reads it: an IPv6 host in brackets (``[::1]:8000``)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _listen(name: str, value: str) -> None:
     # "name: problem": _explain makes the field part of the key (serving.listen: port out of range ...).
     try:
