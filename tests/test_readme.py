@@ -73,6 +73,15 @@ def test_the_gpu_free_recipe_runs_narwhal_where_its_dependencies_are():
     assert "kill $(cat d1.pid)" in recipe and "NixlConnector" in recipe.split("**The engines**")[0]
 
 
+def test_the_standby_recipe_polls_for_the_lease_instead_of_sleeping():
+    # A standby says "lease not read yet" before its first read; a fixed sleep raced it.
+    guide = (ROOT / "docs" / "operations.md").read_text()
+    recipe = guide[guide.index("examples/standby-a.toml 2> a.log"):]
+    recipe = recipe[:recipe.index("\n\n", recipe.index("kill -TERM $B"))]
+    assert not re.search(r"^\s*sleep \d+\s*$", recipe, flags=re.MULTILINE)
+    assert "| grep -q 'lease held by'" in recipe
+
+
 EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))
 
 
