@@ -8,6 +8,7 @@ message names the key and the problem; the CLI prints it and exits non-zero.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -93,6 +94,11 @@ def parse_listen(value: str) -> tuple[str, int]:
     if not 0 <= port <= 65535:
         raise ValueError(f"port out of range in {value!r}")
     return host, port
+
+
+def join_listen(host: str, port: int) -> str:
+    """``HOST:PORT`` as ``parse_listen`` reads it: an IPv6 host in brackets (``[::1]:8000``)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _listen(name: str, value: str) -> None:
@@ -605,6 +611,15 @@ def _engine_by_name(key: str, names: list[object]) -> str:
     return f"engine {json.dumps(name)}{key[match.end():]}"
 
 
+def _did_you_mean(section: str, name: str) -> str:
+    """``" (did you mean 'workers'?)"`` when ``name`` is close to a key of the struct at ``section``."""
+    owner = _key_type(section) if section else Config
+    if not (isinstance(owner, type) and issubclass(owner, msgspec.Struct)):
+        return ""
+    close = difflib.get_close_matches(name, [f.name for f in msgspec.structs.fields(owner)], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def _explain(exc: msgspec.ValidationError, data: bytes | str = "") -> str:
     # msgspec says "... - at `$.serving.listen`"; operators think in TOML keys.
     text = str(exc)
@@ -614,8 +629,8 @@ def _explain(exc: msgspec.ValidationError, data: bytes | str = "") -> str:
     key = where.rstrip("`").removeprefix("$").lstrip(".")
     unknown = re.fullmatch(r"Object contains unknown field `(.+)`", message)
     if unknown:
+        message = "unknown key" + _did_you_mean(key, unknown.group(1))
         key = f"{key}.{unknown.group(1)}" if key else unknown.group(1)
-        message = "unknown key"
     enum = re.fullmatch(r"Invalid enum value (.+)", message)
     allowed = typing.get_args(_key_type(key)) if enum else ()
     if enum and allowed:

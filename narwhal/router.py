@@ -38,7 +38,7 @@ from narwhal.app.control_app import create_app
 from narwhal.app.router_status import RouterStatus, router_status
 from narwhal.app.ui_routes import register_ui_routes
 from narwhal.clocks import to_monotonic
-from narwhal.config import Config, ConfigError, EngineSpec, load_config, parse_listen
+from narwhal.config import Config, ConfigError, EngineSpec, join_listen, load_config, parse_listen
 from narwhal.config_diff import ConfigDiff, diff_configs, merge_reloadable
 from narwhal.control.engine_view import EngineViewer
 from narwhal.control.fleet_writer import FleetWriter
@@ -451,11 +451,11 @@ class Router:
                     if not self.lease.advertise_url:
                         self.lease.advertise_url = _advertise_url(host, self.bound_port, self.tls.server is not None)
                     await nursery.start(self.lease.run)
-                log_event("router_started", router_id=self.router_id, listen=f"{host}:{self.bound_port}",
+                log_event("router_started", router_id=self.router_id, listen=join_listen(host, self.bound_port),
                           engines=len(self.config.engines), pid=os.getpid(), handoff=str(self.handoff_path),
                           tls=self.tls.server is not None, workers=self.worker_count)
                 started = True
-                self._warn_if_admin_open(f"{host}:{self.bound_port}")
+                self._warn_if_admin_open(join_listen(host, self.bound_port))
                 self.cert_expiry.check(force=True)
                 nursery.start_soon(self.cert_expiry.run)
                 task_status.started(self.bound_port)
@@ -500,7 +500,8 @@ class Router:
         try:
             return await trio.open_tcp_listeners(port, host=host)
         except OSError as exc:
-            raise StartupError(f"serving.listen: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+            raise StartupError(f"serving.listen: cannot listen on {join_listen(host, port)}: "
+                               f"{exc.strerror or exc}") from None
 
     def _bind_admin(self) -> int:
         """The admin listener's socket, bound and listening (before the router reports started)."""

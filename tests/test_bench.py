@@ -13,13 +13,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import msgspec
 import pytest
 import trio
 
 from narwhal.tools.bench import procstat
 from narwhal.tools.bench.cli import build_parser, settings_from_args
-from narwhal.tools.bench.fleet import BenchFleet, CommandTemplateError, command_for
+from narwhal.tools.bench.fleet import (
+    BenchFleet,
+    CommandTemplateError,
+    command_for,
+    external_target,
+    start_narwhal,
+    wait_until_serving,
+)
 from narwhal.tools.bench.html_report import render_html
 from narwhal.tools.bench.load import LoadSpec, LoadState, _Exchange, completion_body, run_load
 from narwhal.tools.bench.progress import progress_line
@@ -349,6 +357,46 @@ def test_defaults_and_fault_defaults() -> None:
 def test_bad_option_combinations(argv: tuple[str, ...]) -> None:
     with pytest.raises(ValueError):
         settings_from_args(_args(*argv))
+
+
+def test_a_faults_run_shorter_than_its_timeline_is_refused_up_front() -> None:
+    with pytest.raises(ValueError) as info:
+        settings_from_args(_args("--scenario", "faults", "--duration-s", "5"))
+    assert str(info.value).startswith("--scenario faults: --duration-s 5 ends before the fault timeline does")
+    assert "at least 11 s" in str(info.value)
+    assert settings_from_args(_args("--scenario", "faults", "--duration-s", "12")).duration_s == 12.0
+
+
+def test_a_set_key_the_router_would_refuse_is_refused_before_anything_starts() -> None:
+    with pytest.raises(ValueError) as info:
+        settings_from_args(_args("--set", "serving.workrs=2"))
+    assert str(info.value) == "--set: serving.workrs: unknown key (did you mean 'workers'?)"
+    with pytest.raises(ValueError, match="serving: max_connections must be > 0"):
+        settings_from_args(_args("--set", "serving.max_connections=0"))
+
+
+async def test_a_router_that_exits_at_start_is_reported_as_exited(nursery, tmp_path: Path) -> None:
+    class Engine:
+        def __init__(self, port: int) -> None:
+            self.url = f"http://127.0.0.1:{port}"
+
+    fleet = BenchFleet({"p1": Engine(9), "d1": Engine(9)},  # type: ignore[dict-item]
+                       {"p1": "prefill", "d1": "decode"}, [])
+    with pytest.raises(RuntimeError) as info:
+        await start_narwhal(nursery, fleet, tmp_path, {"serving": {"workrs": 2}}, timeout_s=60.0)
+    assert str(info.value).startswith("the router exited with status 2 before it started")
+    assert "did you mean 'workers'" in str(info.value)
+
+
+async def test_a_target_where_nothing_listens_fails_at_once(autojump_clock) -> None:
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+        target = external_target(f"http://127.0.0.1:{port}", pid=None)
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            with pytest.raises(RuntimeError) as info:
+                await wait_until_serving(client, target, probe_body=b"{}", timeout_s=10.0)
+    assert str(info.value).startswith(f"nothing answers at http://127.0.0.1:{port}")
 
 
 def test_router_command_template() -> None:

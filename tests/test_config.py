@@ -1,10 +1,13 @@
 """Config decoding: defaults, and every bad case gets one message naming the key."""
 
 import os
+import re
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from narwhal.config import Config, ConfigError, default_handoff_path, load_config, parse_config
@@ -41,6 +44,38 @@ def test_example_file_spells_out_exactly_the_defaults():
     assert config == Config(engines=config.engines, fleet=config.fleet)
 
 
+def _schema_keys() -> dict[str, list[str]]:
+    """Each section of the config schema (``engines`` for ``[[engines]]``) with its keys."""
+    sections: dict[str, list[str]] = {}
+    for field in msgspec.structs.fields(Config):
+        kind = typing.get_args(field.type)[0] if typing.get_origin(field.type) is list else field.type
+        sections[field.name] = [f.name for f in msgspec.structs.fields(kind)]
+    return sections
+
+
+def _example_keys() -> dict[str, set[str]]:
+    """The keys the example names in each section: set, or shown in a comment as ``# key = value``."""
+    named: dict[str, set[str]] = {}
+    section = ""
+    for line in (ROOT / "examples" / "narwhal.toml").read_text().splitlines():
+        header = re.fullmatch(r"\[\[?([a-z_]+)\]\]?", line.strip())
+        if header:
+            section = header.group(1)
+            continue
+        key = re.match(r"#? ?([a-z_]+) = ", line)
+        if key and section:
+            named.setdefault(section, set()).add(key.group(1))
+    return named
+
+
+def test_example_file_names_every_key_of_the_schema():
+    # "Every key, with its default": a key added to the schema is added to the example too.
+    named = _example_keys()
+    missing = [f"{section}.{key}" for section, keys in _schema_keys().items() for key in keys
+               if key not in named.get(section, set())]
+    assert missing == []
+
+
 @pytest.mark.parametrize(
     ("extra", "expected"),
     [
@@ -62,6 +97,20 @@ def test_bad_values_name_the_key(extra, expected):
         parse_config(GOOD + extra, "n.toml")
     assert str(info.value).startswith("n.toml: ")
     assert expected in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ("[serving]\nworkrs = 2\n", "n.toml: serving.workrs: unknown key (did you mean 'workers'?)"),
+        ("[servng]\n", "n.toml: servng: unknown key (did you mean 'serving'?)"),
+        ("[serving]\nzzzz = 1\n", "n.toml: serving.zzzz: unknown key"),
+    ],
+)
+def test_an_unknown_key_suggests_a_close_one(extra, expected):
+    with pytest.raises(ConfigError) as info:
+        parse_config(GOOD + extra, "n.toml")
+    assert str(info.value) == expected
 
 
 def test_duplicate_engine_name():

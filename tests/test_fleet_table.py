@@ -155,6 +155,20 @@ def test_success_row_clears_exactly_its_evidence(success: SuccessKind, cleared: 
     assert {e.failure_class or LIVENESS for e in events} == set(cleared)
 
 
+def test_a_cleared_streak_reads_as_english_whatever_its_class() -> None:
+    # "cleared a inference_status streak" / "a overload streak": the class is a name, not a word.
+    fleet = make_fleet(eject_after=3, liveness_misses=10)
+    for failure_class in FailureClass:
+        fail(fleet, "d1", failure_class, 2)
+    fleet.drain_events()
+    for success in SuccessKind:
+        fleet.record_success("d1", success, NOW)
+    cleared = [e for e in fleet.drain_events() if e.failure_class is not None]
+    assert {e.failure_class for e in cleared} == set(FailureClass)
+    for event in cleared:
+        assert event.reason.endswith(f" cleared the {event.failure_class} streak of 2"), event.reason
+
+
 @pytest.mark.parametrize("success", list(SuccessKind))
 def test_success_row_touches_only_its_engine(success: SuccessKind) -> None:
     fleet = make_fleet()

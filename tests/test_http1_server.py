@@ -302,7 +302,7 @@ async def test_content_length_over_limit_gets_413_without_reading_body() -> None
     async with running(echo, max_body_bytes=100) as (_server, port), raw_client(port) as client:
         await client.send(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 101\r\n\r\n")
         error = await _expect_error_and_close(client, 413)
-    assert error["error"] == {"message": "request body too large", "type": "invalid_request_error",
+    assert error["error"] == {"message": "request body larger than 100 bytes", "type": "invalid_request_error",
                               "code": "request_too_large"}
 
 

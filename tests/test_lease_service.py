@@ -172,7 +172,8 @@ async def test_a_standby_opens_admission_only_once_it_acquires(autojump_clock: M
     backend = MemoryBackend()
     backend.record = LeaseRecord(holder="r2", epoch=7, expires_at=5.0)
     rig = Rig(tmp_path, backend)
-    assert rig.refusal() == "standby: lease held by nobody"
+    # Before its first read a standby does not know who holds the lease: it does not say "nobody".
+    assert rig.refusal() == "standby: lease not read yet"
     assert rig.stage.paused
     await rig.service.tick()
     assert rig.refusal() == "standby: lease held by r2"
@@ -318,6 +319,20 @@ async def test_a_standby_applies_newer_handoffs_warm_and_ignores_older_epochs(
     await rig.service.tick()
     assert rig.service.applied_pass == 3
     assert all(view.eligible for view in rig.fleet.views(trio.current_time()))
+
+
+async def test_a_standby_whose_first_read_fails_says_the_lease_was_not_read(autojump_clock: MockClock,
+                                                                            tmp_path: Path) -> None:
+    backend = MemoryBackend()
+    backend.record = LeaseRecord(holder="", epoch=3, expires_at=0.0)
+    backend.down = True
+    rig = Rig(tmp_path, backend)
+    await rig.service.tick()
+    assert rig.refusal() == "standby: lease not read yet (memory unreachable: down)"
+    backend.record = LeaseRecord(holder="r2", epoch=4, expires_at=1e9)
+    backend.down = False
+    await rig.service.tick()
+    assert rig.refusal() == "standby: lease held by r2"
 
 
 async def test_an_unreachable_backend_is_said_on_ready_for_a_standby(autojump_clock: MockClock,

@@ -58,6 +58,31 @@ def test_the_vllm_guide_gives_each_engine_its_own_kv_role():
     assert '"kv_role":"kv_both"' not in guide
 
 
+def test_the_gpu_free_recipe_runs_narwhal_where_its_dependencies_are():
+    guide = (ROOT / "docs" / "vllm.md").read_text()
+    recipe = guide[guide.index("## Try it without a GPU"):guide.index("## Tested versions")]
+    # Narwhal in the engines' venv is the plugin only (--no-deps): no router command may run there.
+    assert "python -m narwhal" not in recipe
+    router_venv = re.search(r"python3\.11 -m venv (\S+) && \1/bin/pip install /path/to/narwhal", recipe)
+    assert router_venv is not None
+    commands = re.findall(r"([^\s`]*narwhal) (?:engine-check|serve|admin)\b", recipe)
+    assert commands and set(commands) == {f"{router_venv.group(1)}/bin/narwhal"}
+    # All three engines in full, each with its id, port and role; and how to stop or crash one.
+    engines = re.findall(r"NARWHAL_ENGINE_ID=(\w+) \\\n.*?--port (\d+) .*?\"kv_role\":\"(\w+)\"", recipe,
+                         flags=re.DOTALL)
+    assert engines == [("p1", "8100", "kv_producer"), ("d1", "8200", "kv_consumer"), ("d2", "8201", "kv_consumer")]
+    assert "kill $(cat d1.pid)" in recipe and "NixlConnector" in recipe.split("**The engines**")[0]
+
+
+def test_the_standby_recipe_polls_for_the_lease_instead_of_sleeping():
+    # A standby says "lease not read yet" before its first read; a fixed sleep raced it.
+    guide = (ROOT / "docs" / "operations.md").read_text()
+    recipe = guide[guide.index("examples/standby-a.toml 2> a.log"):]
+    recipe = recipe[:recipe.index("\n\n", recipe.index("kill -TERM $B"))]
+    assert not re.search(r"^\s*sleep \d+\s*$", recipe, flags=re.MULTILINE)
+    assert "| grep -q 'lease held by'" in recipe
+
+
 EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))
 
 

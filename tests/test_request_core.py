@@ -354,6 +354,27 @@ async def test_bad_requests_get_openai_errors_and_reach_no_engine(raw, status, c
     assert pool.calls == []
 
 
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"", "request body is empty"),
+        (b" \r\n", "request body is empty"),
+        (b'{"model": "mock-model", "prompt": "\\ud800"}',
+         "request body is not valid JSON: lone UTF-16 surrogate escape \\ud800 at byte 35"),
+        (b'{"model": "mock-model", "prompt": "\\ud800"', "request body is not valid JSON: Input data was truncated"),
+        (b'{"model": ', "request body is not valid JSON: Input data was truncated"),
+    ],
+)
+async def test_a_body_that_is_not_json_says_why_in_words_that_fit(raw, message):
+    core, _, pool, _ = make_core()
+    sink = Sink()
+    await core.handle("/v1/completions", raw, None, sink)
+    assert sink.status == 400
+    assert sink.json()["error"]["message"] == message
+    assert sink.json()["error"]["code"] == "invalid_json"
+    assert pool.calls == []
+
+
 async def test_chat_needs_messages():
     core, _, pool, _ = make_core()
     sink = Sink()

@@ -132,6 +132,7 @@ def create_app(router: AppState) -> QuartTrio:
 
     @app.errorhandler(413)
     async def too_large(_: Exception) -> Response:
-        return _error(413, "request body too large", "invalid_request_error", "body_too_large")
+        return _error(413, f"request body larger than {app.config['MAX_CONTENT_LENGTH']} bytes",
+                      "invalid_request_error", "body_too_large")
 
     return app

@@ -701,7 +701,7 @@ class Fleet:
     def _clear_streak(self, engine: _Engine, failure_class: FailureClass, why: str,
                       now: float) -> None:
         self._emit(FleetEventKind.EVIDENCE_CLEARED, engine, now,
-                   f"{why} cleared a {failure_class} streak of {engine.streaks[failure_class]}",
+                   f"{why} cleared the {failure_class} streak of {engine.streaks[failure_class]}",
                    failure_class=failure_class)
         engine.streaks[failure_class] = 0
         engine.any_streak = any(engine.streaks.values())

@@ -330,13 +330,13 @@ class HTTP1Protocol:
             self._continue_wanted = version == "1.1"
         # llhttp has already rejected a malformed or duplicated content-length.
         if self._content_length is not None and int(self._content_length) > self._limits.max_body_bytes:
-            self._violation(413, "request body too large", "request_too_large")
+            self._violation(413, f"request body larger than {self._limits.max_body_bytes} bytes", "request_too_large")
         self._phase_deadline = self._clock() + self._limits.body_timeout_s
 
     def on_body(self, body: bytes) -> None:
         self._body_size += len(body)
         if self._body_size > self._limits.max_body_bytes:
-            self._violation(413, "request body too large", "request_too_large")
+            self._violation(413, f"request body larger than {self._limits.max_body_bytes} bytes", "request_too_large")
         self._body_parts.append(body)
 
     def on_message_complete(self) -> None:

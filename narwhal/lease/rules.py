@@ -45,8 +45,10 @@ class Role(enum.StrEnum):
     FENCED = "fenced"
 
 
-def standby_reason(holder: str) -> str:
-    """The /ready text of a standby (the interface text)."""
+def standby_reason(holder: str | None) -> str:
+    """The /ready text of a standby (the interface text); ``None``: the lease has not been read yet."""
+    if holder is None:
+        return "standby: lease not read yet"
     return f"standby: lease held by {holder or 'nobody'}"
 
 

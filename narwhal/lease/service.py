@@ -146,7 +146,9 @@ class LeaseService:
             "narwhal_lease_releases", "Lease releases by result (ok, gone: no longer ours, failed).", ("result",))
         persistence.paused = True
         persistence.lease_valid = self.valid_threadsafe
-        self._standby_text("")
+        # Until the first read, "held by nobody" would be a guess: /ready says the lease was not read yet.
+        self._lease_read = False
+        self._standby_text(None)
         self._register_gauges()
 
     def __repr__(self) -> str:
@@ -237,7 +239,7 @@ class LeaseService:
     def _suffix(self) -> str:
         return f" ({self.backend_problem})" if self.backend_problem else ""
 
-    def _standby_text(self, holder: str) -> None:
+    def _standby_text(self, holder: str | None) -> None:
         self.admission.close("lease", standby_reason(holder) + self._suffix())
 
     def _changed_now(self) -> None:
@@ -546,6 +548,7 @@ class LeaseService:
             self._refresh_refusal()
             return
         self._backend_ok()
+        self._lease_read = True
         if record is not None and record.holder == self.router_id and self._acquire_abandoned \
                 and self._released_term_epoch != record.epoch:
             # An acquisition we gave up on was written after all: we never served under it.
@@ -567,7 +570,7 @@ class LeaseService:
         if self.holding.role is Role.FENCED:
             self.admission.close("lease", FENCED_REASON + self._suffix())
         else:
-            self._standby_text(self.holding.holder)
+            self._standby_text(self.holding.holder if self._lease_read else None)
 
     async def _request_takeover(self, request: TakeoverRequest) -> bool:
         try:

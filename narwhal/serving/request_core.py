@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import logging
 import os
 import random
+import re
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractAsyncContextManager
 from typing import Any, NoReturn, Protocol
@@ -531,8 +533,7 @@ class RequestCore:
         try:
             request = _decode_json.decode(body)
         except msgspec.DecodeError as exc:
-            raise ClientError(400, f"request body is not valid JSON: {exc}", "invalid_request_error",
-                              "invalid_json") from None
+            raise ClientError(400, _json_problem(body, exc), "invalid_request_error", "invalid_json") from None
         except RecursionError:
             # msgspec stops at the interpreter's recursion limit (~1,000 levels).
             raise ClientError(400, "request body is nested too deeply", "invalid_request_error",
@@ -1027,3 +1028,22 @@ def _upstream_message(exc: UpstreamClientError) -> str:
     except (msgspec.DecodeError, RecursionError, AttributeError, KeyError, TypeError):
         pass
     return f"engine {exc.engine} rejected the request with HTTP {exc.status}"
+
+
+# A \uD800-\uDBFF escape not followed by another escape: msgspec calls it "Input data was truncated".
+_LONE_HIGH_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u)")
+
+
+def _json_problem(body: bytes, exc: msgspec.DecodeError) -> str:
+    """Why ``body`` is refused: msgspec's reason, except where it misleads (an empty body, a lone surrogate)."""
+    if not body.strip():
+        return "request body is empty"
+    match = _LONE_HIGH_SURROGATE.search(body) if "truncated" in str(exc) else None
+    if match is not None:
+        try:
+            json.loads(body)  # complete JSON but for the surrogate (the stdlib accepts lone ones)
+        except (ValueError, RecursionError):
+            return f"request body is not valid JSON: {exc}"
+        return f"request body is not valid JSON: lone UTF-16 surrogate escape {match.group().decode()} " \
+               f"at byte {match.start()}"
+    return f"request body is not valid JSON: {exc}"

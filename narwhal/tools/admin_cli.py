@@ -28,6 +28,7 @@ import httpx
 
 from narwhal.config import admin_token_problem
 from narwhal.errors import NarwhalError
+from narwhal.tools.cli_args import http_url
 
 __all__ = ["add_parser", "format_engines", "format_reload", "run_admin"]
 
@@ -46,7 +47,7 @@ class _AdminError(NarwhalError):
 def _add_connection_options(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
     # On the sub-actions the defaults are suppressed, so options given before the
     # action are not overwritten by the action parser's defaults.
-    parser.add_argument("--url", default=DEFAULT_URL if defaults else argparse.SUPPRESS,
+    parser.add_argument("--url", default=DEFAULT_URL if defaults else argparse.SUPPRESS, type=http_url,
                         help=f"the router's admin address (default {DEFAULT_URL})")
     parser.add_argument("--token", default=None if defaults else argparse.SUPPRESS,
                         help=f"bearer token for [admin] token (default ${TOKEN_ENV})")

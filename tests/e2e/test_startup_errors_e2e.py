@@ -59,6 +59,33 @@ def test_a_serving_port_in_use(tmp_path: Path):
                                     "Address already in use")
 
 
+def test_an_ipv6_address_is_logged_and_told_in_brackets(tmp_path: Path):
+    config = tmp_path / "narwhal.toml"
+    config.write_text(render_config(ENGINES, {"handoff": {"path": str(tmp_path / "h.json")}}))
+    with socket.socket(socket.AF_INET6) as taken:
+        taken.bind(("::1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = serve(config, f"[::1]:{port}")
+    assert result.returncode == 2
+    assert the_failure(result).endswith(f"cannot listen on [::1]:{port}: Address already in use")
+    # Started: router_started's listen reads back as HOST:PORT, brackets included.
+    process = subprocess.Popen([sys.executable, "-m", "narwhal", "serve", "--config", str(config), "--listen",
+                                "[::1]:0"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stderr is not None
+        for line in process.stderr:
+            event = json.loads(line) if line.startswith("{") else {}
+            if event.get("event") == "router_started":
+                assert event["listen"].startswith("[::1]:") and int(event["listen"].rpartition(":")[2]) > 0
+                break
+        else:
+            raise AssertionError("the router did not start")
+    finally:
+        process.terminate()
+        process.communicate(timeout=30)
+
+
 def test_an_admin_port_in_use(tmp_path: Path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -15,7 +15,11 @@ from typing import Any
 import msgspec
 import trio
 
+from narwhal.config import ConfigError
+from narwhal.tools.bench.fleet import check_overrides
 from narwhal.tools.bench.runner import BenchSettings, run_bench
+from narwhal.tools.bench.scenario import fault_timeline_problem, fault_timeline_s
+from narwhal.tools.cli_args import http_url
 
 __all__ = ["build_parser", "run_from_args", "settings_from_args"]
 
@@ -74,7 +78,8 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     router.add_argument("--tls", action="store_true",
                         help="every hop over TLS: certificates from trustme for this run; the mocks and Narwhal "
                              "serve HTTPS, Narwhal verifies the engines against the run's CA")
-    router.add_argument("--target", metavar="URL", help="load a router already running at URL; start no fleet")
+    router.add_argument("--target", metavar="URL", type=http_url,
+                        help="load a router already running at URL; start no fleet")
     router.add_argument("--target-pid", type=int, metavar="PID",
                         help="with --target: the pid whose CPU to measure (default: the process listening "
                              "on the target's port, when it is on this host)")
@@ -179,6 +184,12 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         raise ValueError("--scenario faults needs at least 2 decode engines (one is killed)")
     if faults and args.target:
         raise ValueError("--scenario faults needs a fleet started here; it cannot run with --target")
+    if faults and (args.fault_downtime_s < 0 or args.fault_5xx_s <= 0):
+        raise ValueError("--fault-downtime-s must be >= 0 and --fault-5xx-s > 0")
+    problem = fault_timeline_problem(duration_s, args.fault_downtime_s, args.fault_5xx_s) \
+        if faults and duration_s is not None else None
+    if problem is not None:
+        raise ValueError(f"--scenario faults: {problem}")
     if args.target and args.router_cmd:
         raise ValueError("--target and --router-cmd exclude each other")
     if args.tls and (args.target or args.router_cmd):
@@ -201,12 +212,18 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     if not 500 <= args.fault_status <= 599:
         raise ValueError("--fault-status must be 500-599")
     warmup = args.warmup if args.warmup is not None else 2 * args.concurrency
+    overrides = _parse_overrides(args.overrides)
+    if overrides and not args.router_cmd and not args.target:
+        try:
+            check_overrides(overrides)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
     return BenchSettings(
         prefill=prefill, decode=decode, tokens=tokens, token_delay_s=token_delay_s,
         mock_writes=args.mock_writes, prompt_words=args.prompt_words, concurrency=args.concurrency,
         requests=requests, duration_s=duration_s,
         stream=args.stream, keep_alive=args.keep_alive, warmup=max(0, warmup), timeout_s=args.timeout_s,
-        count_tokens=args.count_tokens == "on", overrides=_parse_overrides(args.overrides),
+        count_tokens=args.count_tokens == "on", overrides=overrides,
         router_cmd=args.router_cmd, target=args.target, target_pid=args.target_pid,
         profile_router=args.profile_router, baseline=args.baseline, scenario=args.scenario,
         fault_downtime_s=args.fault_downtime_s, fault_5xx_s=args.fault_5xx_s, fault_status=args.fault_status,
@@ -231,6 +248,10 @@ def run_from_args(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"narwhal bench: {exc}", file=sys.stderr)
         return 2
+    if settings.scenario == "faults" and settings.duration_s is None:
+        least = fault_timeline_s(settings.fault_downtime_s, settings.fault_5xx_s)
+        print(f"narwhal bench: warning: --scenario faults with --requests only may end before its fault timeline "
+              f"({least:g} s); add --duration-s to be sure", file=sys.stderr)
     failures: list[BaseException] = []
     try:
         report = trio.run(run_bench, settings)

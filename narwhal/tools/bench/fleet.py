@@ -201,9 +201,24 @@ async def start_narwhal(nursery: trio.Nursery, fleet: BenchFleet, workdir: Path,
                 target.set_url(f"{scheme}://" + str(started["listen"]))
                 return target
             await trio.sleep(0.05)
+    if process.returncode is not None:
+        raise RuntimeError(f"the router exited with status {process.returncode} before it started"
+                           f"{_log_tail(target)}")
     await _stop_group(process, grace_s=2.0)
     raise RuntimeError(f"the router did not start within {timeout_s:g} s (exit status {process.returncode})"
                        f"{_log_tail(target)}")
+
+
+def check_overrides(overrides: Mapping[str, Mapping[str, Any]]) -> None:
+    """Refuse ``--set`` values the router would refuse (ConfigError), before anything starts."""
+    from narwhal.config import ConfigError, parse_config
+
+    engines = [("p1", "http://127.0.0.1:1", "prefill"), ("d1", "http://127.0.0.1:2", "decode")]
+    try:
+        text = render_config(engines, narwhal_sections(Path("."), count_tokens=True, overrides=overrides))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"--set: {exc}") from None
+    parse_config(text, "--set")
 
 
 def free_port() -> int:
@@ -277,6 +292,14 @@ async def probe_completion(client: httpx.AsyncClient, url: str, *, body: bytes) 
 async def wait_until_serving(client: httpx.AsyncClient, target: Target, *, probe_body: bytes,
                              timeout_s: float = 60.0) -> None:
     """Wait until ``target`` serves: ``/ready`` 200 for Narwhal, then a streamed completion for any router."""
+    if target.kind == "external":
+        # A router that is already running answers at once; a refused connection will not change in 10 s.
+        try:
+            await client.get(target.url + "/health")
+        except httpx.ConnectError as exc:
+            raise RuntimeError(f"nothing answers at {target.url}: {exc or 'connection refused'}") from None
+        except httpx.HTTPError:
+            pass
     with trio.move_on_after(timeout_s) as scope:
         if target.is_narwhal:
             while True:

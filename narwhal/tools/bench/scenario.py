@@ -36,6 +36,24 @@ __all__ = ["FaultScenario"]
 _KILL_AT_S = 2.0
 _GAP_BEFORE_5XX_S = 1.0
 _POLL_S = 0.05
+
+
+def fault_timeline_s(downtime_s: float, fault_5xx_s: float) -> float:
+    """The least load duration that covers the fault timeline: kill, downtime, a gap, the 5xx window.
+
+    The restarted engine's own start-up comes on top; a load shorter than this ends before the 5xx window does.
+    """
+    return _KILL_AT_S + downtime_s + _GAP_BEFORE_5XX_S + fault_5xx_s
+
+
+def fault_timeline_problem(duration_s: float, downtime_s: float, fault_5xx_s: float) -> str | None:
+    """Why a load of ``duration_s`` cannot show the fault timeline, or None when it is long enough."""
+    least = fault_timeline_s(downtime_s, fault_5xx_s)
+    if duration_s >= least:
+        return None
+    return (f"--duration-s {duration_s:g} ends before the fault timeline does (kill at {_KILL_AT_S:g} s, "
+            f"--fault-downtime-s {downtime_s:g}, a {_GAP_BEFORE_5XX_S:g} s gap, --fault-5xx-s {fault_5xx_s:g}: "
+            f"at least {least:g} s, and a few more to see the recovery)")
 # The restarted engine's health and eligibility: finer, and only until each is seen.
 _RESTART_POLL_S = 0.01
 _COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -271,7 +289,10 @@ class FaultScenario:
             notes.append(f"{self.killed} served no request after its restart before the load ended")
         if self.load_duration_s is not None and self.fault_at is not None:
             margin = self.load_duration_s - (self.fault_at + self.fault_5xx_s)
-            if margin < self.probe_interval_s:
+            if margin < 0:
+                notes.append(f"the load ended {-margin:.1f} s before the end of the 5xx window (the restarted "
+                             "engine's start-up delayed it): recovery was not measured; give a longer --duration-s")
+            elif margin < self.probe_interval_s:
                 notes.append(f"the load ended {margin:.1f} s after the 5xx window, less than one probe "
                              f"interval ({self.probe_interval_s:g} s)")
         restart_after = self.restart_at

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import hashlib
 import itertools
 import logging
@@ -71,6 +72,7 @@ from narwhal.errors import NarwhalError
 from narwhal.http1.server import ClientDisconnected, HTTPServer
 from narwhal.obs.logs import configure_logging, log_event
 from narwhal.tls import server_context_from_files
+from narwhal.tools.cli_args import OneLineParser
 from narwhal.tools.mock.faults import (
     Applied,
     Fault,
@@ -1203,12 +1205,15 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the mock engine's options to ``parser``."""
     parser.add_argument("--host", default="127.0.0.1", help="address to bind and advertise (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=0, help="port to bind; 0 picks one (default 0)")
-    parser.add_argument("--role", choices=("prefill", "decode"), required=True)
+    parser.add_argument("--role", choices=("prefill", "decode"), required=True,
+                        help="the engine's role: prefill answers with a KV handoff, decode takes one")
     parser.add_argument("--engine-id", help="engine id (default ROLE-PORT)")
-    parser.add_argument("--model", default="mock-model")
-    parser.add_argument("--generation", default="g1")
-    parser.add_argument("--attestation-key", default="narwhal-dev-key")
-    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--model", default="mock-model", help="model name in /v1/models (default mock-model)")
+    parser.add_argument("--generation", default="g1", help="generation in its identity (default g1)")
+    parser.add_argument("--attestation-key", default="narwhal-dev-key",
+                        help="the fleet key it signs attestations with (default narwhal-dev-key)")
+    parser.add_argument("--max-model-len", type=int, default=4096,
+                        help="context length in /v1/models; longer prompts get 400 (default 4096)")
     parser.add_argument("--tokens", type=int, default=16, help="tokens per decode without max_tokens (default 16)")
     parser.add_argument("--numbered-tokens", action="store_true",
                         help='generated token at sequence position P is " nP" (a continuation shows a repeat '
@@ -1284,7 +1289,7 @@ async def _run(settings: MockSettings) -> None:
 
 def main(argv: list[str]) -> int:
     """Run a mock engine until SIGTERM/SIGINT; prints a ready line with the bound port."""
-    parser = build_parser(argparse.ArgumentParser(
+    parser = build_parser(OneLineParser(
         prog="narwhal mock-engine", description="A mock vLLM engine with P/D handoffs and fault injection."))
     args = parser.parse_args(argv)
     try:
@@ -1298,7 +1303,26 @@ def main(argv: list[str]) -> int:
     configure_logging()
     try:
         trio.run(_run, settings)
-    except OSError as exc:
-        log_event("mock_engine_error", level=logging.ERROR, **{"class": type(exc).__name__}, message=str(exc))
+    except (OSError, BaseExceptionGroup) as caught:
+        error = _os_error(caught)
+        if error is None:
+            raise
+        log_event("mock_engine_error", level=logging.ERROR, **{"class": type(error).__name__}, message=str(error))
+        if isinstance(error, socket.gaierror) or error.errno in _CANNOT_BIND:
+            # As `narwhal serve` does: one line, exit 2, no traceback.
+            print(f"narwhal mock-engine: cannot listen on {settings.host}:{settings.port}: "
+                  f"{error.strerror or error}", file=sys.stderr)
+            return 2
+        print(f"narwhal mock-engine: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+_CANNOT_BIND = frozenset({errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES})
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError in ``exc``, unwrapping the exception groups nurseries add around it."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc if isinstance(exc, OSError) else None
