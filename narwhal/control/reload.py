@@ -34,6 +34,8 @@ class ReloadOutcome(msgspec.Struct, frozen=True, kw_only=True):
     error: ReloadError | None = None
     # The TLS files re-read (SIGHUP's older job): skipped when no TLS is configured or the config failed.
     tls: Literal["reloaded", "failed", "skipped"] = "skipped"
+    # Why the TLS files failed (the key and the problem, as ``tls_reload_failed`` says); None otherwise.
+    tls_problem: str | None = None
 
 
 def split_config_error(message: str, file: str) -> ReloadError:

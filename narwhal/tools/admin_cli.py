@@ -184,7 +184,8 @@ def format_reload(body: dict[str, Any]) -> str:
     if len(lines) == 1:
         lines.append("  nothing changed")
     if body.get("tls") in ("reloaded", "failed"):
-        lines.append(f"  TLS files: {body['tls']}")
+        problem = body.get("tls_problem")
+        lines.append(f"  TLS files: {body['tls']}" + (f" ({problem})" if problem else ""))
     return "\n".join(lines) + "\n"
 
 
