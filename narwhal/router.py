@@ -176,8 +176,6 @@ class Router:
         self.via_token = f"narwhal-{secrets.token_hex(8)}"
         # Certificates are read here: a problem is a ConfigError naming the key.
         self.tls = TLSContexts(config, config_dir)
-        # Why the last TLS reload failed (None: it did not), for POST /admin/reload's answer.
-        self._tls_reload_problem: str | None = None
         # Warns before the serving certificate expires; feeds narwhal_tls_cert_expiry_seconds.
         self.cert_expiry = ExpiryWatch(self.tls)
         self.control_pool = ControlPool(control_connections=config.engine.control_connections,
@@ -544,8 +542,8 @@ class Router:
         """
         async with self._reload_lock:
             if self.config_path is None:
-                tls = await self._reload_tls_if_configured()
-                return ReloadOutcome(file="", reloaded=False, tls=tls, tls_error=self._tls_error(tls),
+                tls, tls_error = await self._reload_tls_outcome()
+                return ReloadOutcome(file="", reloaded=False, tls=tls, tls_error=tls_error,
                                      error=ReloadError(file="", key=None, problem="no config file to read again"))
             file = str(self.config_path)
             try:
@@ -568,8 +566,8 @@ class Router:
             log_event("config_reloaded", level=logging.WARNING if changes.keys_needing_restart else logging.INFO,
                       file=file, **msgspec.structs.asdict(changes))
             self._warn_if_admin_open(self._serving_address())
-            tls = await self._reload_tls_if_configured()
-            return ReloadOutcome(file=file, reloaded=True, changes=changes, tls=tls, tls_error=self._tls_error(tls))
+            tls, tls_error = await self._reload_tls_outcome()
+            return ReloadOutcome(file=file, reloaded=True, changes=changes, tls=tls, tls_error=tls_error)
 
     def _read_config_file(self, path: Path) -> tuple[Config, bytes | None]:
         """The config file and the fleet key it names, read and checked (blocking: run in a thread)."""
@@ -741,18 +739,11 @@ class Router:
         # data plane as it takes this snapshot (one in this process reads it only per request).
         self.hub.publish()
 
-    async def _reload_tls_if_configured(self) -> Literal["reloaded", "failed", "skipped"]:
-        # reload_tls logs tls_reload_skipped itself when no TLS is configured.
-        reloaded = await self.reload_tls()
-        if not self.tls.configured:
-            return "skipped"
-        return "reloaded" if reloaded else "failed"
-
-    def _tls_error(self, tls: str) -> str | None:
-        """Why the TLS reload just done failed, for the reload's answer; None unless it failed."""
-        return (self._tls_reload_problem or "unknown") if tls == "failed" else None
-
     async def reload_tls(self) -> bool:
+        """``_reload_tls_outcome``: True when every part reloaded."""
+        return (await self._reload_tls_outcome())[0] == "reloaded"
+
+    async def _reload_tls_outcome(self) -> tuple[Literal["reloaded", "failed", "skipped"], str | None]:
         """Read every certificate and key again and swap them in; connections open stay as they are.
 
         ``tls_reloaded`` is logged only once every part uses the new files: this
@@ -761,29 +752,27 @@ class Router:
         key; a worker that failed is named with its reason (it keeps its old
         contexts, the other parts use the new ones).
         """
-        self._tls_reload_problem = None
         if not self.tls.configured:
             log_event("tls_reload_skipped", reason="no TLS configured")
-            return False
+            return "skipped", None
         try:
-            self.tls.reload()
+            # Off the event loop, bounded: a FIFO or a huge file at a certificate path never stalls streams.
+            await self.tls.reload()
         except ConfigError as exc:
-            self._tls_reload_problem = str(exc)
             log_event("tls_reload_failed", level=logging.ERROR, message=str(exc))
-            return False
+            return "failed", str(exc)
         if self.admin_server is not None:
             self.admin_server.ssl_context = self.tls.server
         await self.control_pool.set_ssl_context(self.tls.engine)
         failures = await self.data_plane.reload_tls(self.tls)
         if failures:
-            self._tls_reload_problem = "; ".join(f"{part}: {reason}" for part, reason in sorted(failures.items()))
-            log_event("tls_reload_failed", level=logging.ERROR, parts=sorted(failures),
-                      message=self._tls_reload_problem)
-            return False
+            message = "; ".join(f"{part}: {reason}" for part, reason in sorted(failures.items()))
+            log_event("tls_reload_failed", level=logging.ERROR, parts=sorted(failures), message=message)
+            return "failed", message
         log_event("tls_reloaded", server=self.tls.server is not None, engines=self.tls.engine is not None,
                   workers=self.worker_count)
         self.cert_expiry.check(force=True)
-        return True
+        return "reloaded", None
 
     def shutdown(self, grace_s: float | None = None) -> None:
         """Stop taking requests; in-flight ones get ``grace_s`` to finish."""

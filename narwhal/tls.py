@@ -2,7 +2,10 @@
 
 Both are built at startup, where any problem is a ``ConfigError`` naming the
 key (missing file, not PEM, key does not match the certificate, an expired
-serving certificate), and rebuilt on SIGHUP. Holders swap a context by
+serving certificate), and rebuilt on SIGHUP. Every file is read with
+``narwhal.files.read_regular_file``: a FIFO, a device or a file over
+``MAX_PEM_BYTES`` is refused, never read. A running router reads them off the
+event loop (``TLSContexts.reload``). Holders swap a context by
 assigning one attribute: a handshake already done keeps the context it began
 with, and the next handshake uses the new one, so a reload never drops a
 connection.
@@ -30,9 +33,12 @@ from pathlib import Path
 import trio
 
 from narwhal.config import Config, ConfigError, EngineConfig, ServingConfig, resolve_config_path
+from narwhal.files import FileRefused, read_regular_file
 from narwhal.obs.logs import log_event
 
 __all__ = [
+    "MAX_PEM_BYTES",
+    "TLS_READ_TIMEOUT_S",
     "CertificateLifetime",
     "ExpiryWatch",
     "TLSContexts",
@@ -53,6 +59,10 @@ _EXPIRY_REPEAT_S = 86400.0
 # before it ends: cert-manager and ACME clients renew at two thirds, so a warning means a renewal failed.
 _EXPIRY_WARNING_MAX_S = 30 * 86400.0
 _EXPIRY_WARNING_FRACTION = 1 / 3
+# A certificate chain, a key or a CA bundle is a few KiB (a large bundle some hundreds): 1 MiB per file.
+MAX_PEM_BYTES = 1024 * 1024
+# A reload gives up on the files after this long; they are read in a thread, so the loop never waits on them.
+TLS_READ_TIMEOUT_S = 10.0
 _PEM_CERTIFICATE = re.compile(rb"-----BEGIN CERTIFICATE-----\s*(.+?)\s*-----END CERTIFICATE-----", re.S)
 
 
@@ -142,26 +152,31 @@ def _iso(unix: float) -> str:
     return datetime.datetime.fromtimestamp(unix, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _readable(key: str, path: Path) -> str:
+def _read_pem(key: str, path: Path) -> bytes:
+    """The file's bytes; ConfigError naming ``key`` when it is missing, not a regular file or over the bound."""
     try:
-        with open(path, "rb") as handle:
-            handle.read(1)
-    except OSError as exc:
-        raise ConfigError(f"{key}: cannot read {str(path)!r}: {exc.strerror or exc}") from None
-    return str(path)
+        return read_regular_file(path, MAX_PEM_BYTES)
+    except FileRefused as exc:
+        raise ConfigError(f"{key}: cannot read {str(path)!r}: {exc}") from None
+    except (OSError, ValueError) as exc:  # ValueError: a path the OS cannot take (NUL byte)
+        raise ConfigError(f"{key}: cannot read {str(path)!r}: {getattr(exc, 'strerror', None) or exc}") from None
 
 
 def _load_ca(context: ssl.SSLContext, key: str, path: Path) -> None:
-    cafile = _readable(key, path)
+    # Checked before the ssl module opens it (it takes only paths): a FIFO there would block its open.
+    _read_pem(key, path)
+    cafile = str(path)
     try:
         context.load_verify_locations(cafile=cafile)
     except ssl.SSLError as exc:
         raise ConfigError(f"{key}: {str(path)!r} holds no PEM certificate ({exc.reason or exc})") from None
 
 
-def _load_chain(context: ssl.SSLContext, cert_key: str, key_key: str, cert: Path, key: Path) -> None:
-    certfile = _readable(cert_key, cert)
-    keyfile = _readable(key_key, key)
+def _load_chain(context: ssl.SSLContext, cert_key: str, key_key: str, cert: Path, key: Path) -> bytes:
+    """Load the pair into ``context``; the certificate file's bytes (checked as ``_read_pem`` does)."""
+    cert_pem = _read_pem(cert_key, cert)
+    _read_pem(key_key, key)
+    certfile, keyfile = str(cert), str(key)
     # Parsed as a CA bundle first in a throwaway context: it tells a bad certificate
     # file apart from a bad key file, which load_cert_chain reports alike.
     probe = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
@@ -179,32 +194,27 @@ def _load_chain(context: ssl.SSLContext, cert_key: str, key_key: str, cert: Path
                               f"{cert_key}") from None
         raise ConfigError(f"{key_key}: {str(key)!r} holds no usable PEM private key "
                           f"(unencrypted keys only)") from None
+    return cert_pem
 
 
 def server_context(serving: ServingConfig, base_dir: Path | None = None,
                    now: float | None = None) -> ssl.SSLContext | None:
     """The context for HTTPS on ``serving.listen`` (None without a certificate); mTLS with a client CA."""
+    served = _serving(serving, base_dir, now)
+    return None if served is None else served[0]
+
+
+def _serving(serving: ServingConfig, base_dir: Path | None,
+             now: float | None) -> tuple[ssl.SSLContext, CertificateLifetime] | None:
+    """``server_context`` and the validity of the certificate it serves (read once, from the same bytes)."""
     if serving.tls_cert_file is None or serving.tls_key_file is None:
         return None
     client_ca = serving.tls_client_ca_file
-    return server_context_from_files(
+    return _server_context_and_lifetime(
         resolve_config_path(serving.tls_cert_file, base_dir),
         resolve_config_path(serving.tls_key_file, base_dir),
         resolve_config_path(client_ca, base_dir) if client_ca is not None else None,
         names=("serving.tls_cert_file", "serving.tls_key_file", "serving.tls_client_ca_file"), now=now)
-
-
-def serving_lifetime(serving: ServingConfig, base_dir: Path | None = None) -> CertificateLifetime | None:
-    """The serving certificate's validity (None without one); ConfigError naming the key if unreadable."""
-    if serving.tls_cert_file is None:
-        return None
-    path = resolve_config_path(serving.tls_cert_file, base_dir)
-    try:
-        return certificate_lifetime(path.read_bytes())
-    except OSError as exc:
-        raise ConfigError(f"serving.tls_cert_file: cannot read {str(path)!r}: {exc.strerror or exc}") from None
-    except ValueError as exc:
-        raise ConfigError(f"serving.tls_cert_file: {str(path)!r}: {exc}") from None
 
 
 def server_context_from_files(cert_file: Path, key_file: Path, client_ca_file: Path | None = None, *,
@@ -213,13 +223,19 @@ def server_context_from_files(cert_file: Path, key_file: Path, client_ca_file: P
 
     An expired certificate is refused: every handshake with it would fail (``now``: unix seconds).
     """
+    return _server_context_and_lifetime(cert_file, key_file, client_ca_file, names=names, now=now)[0]
+
+
+def _server_context_and_lifetime(cert_file: Path, key_file: Path, client_ca_file: Path | None, *,
+                                 names: tuple[str, str, str],
+                                 now: float | None) -> tuple[ssl.SSLContext, CertificateLifetime]:
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.set_alpn_protocols(_ALPN)
-    _load_chain(context, names[0], names[1], cert_file, key_file)
+    cert_pem = _load_chain(context, names[0], names[1], cert_file, key_file)
     try:
-        lifetime = certificate_lifetime(cert_file.read_bytes())
-    except (OSError, ValueError) as exc:
+        lifetime = certificate_lifetime(cert_pem)
+    except ValueError as exc:
         raise ConfigError(f"{names[0]}: cannot read the validity of {str(cert_file)!r}: {exc}") from None
     now = time.time() if now is None else now
     if lifetime.not_after <= now:
@@ -228,7 +244,7 @@ def server_context_from_files(cert_file: Path, key_file: Path, client_ca_file: P
     if client_ca_file is not None:
         _load_ca(context, names[2], client_ca_file)
         context.verify_mode = ssl.CERT_REQUIRED
-    return context
+    return context, lifetime
 
 
 def engine_context(engine: EngineConfig, base_dir: Path | None = None) -> ssl.SSLContext:
@@ -257,25 +273,43 @@ def _engines_use_tls(config: Config) -> bool:
 
 
 class TLSContexts:
-    """The process's current contexts; ``reload`` reads the files again and swaps both at once."""
+    """The process's current contexts; ``reload`` reads the files again and swaps both at once.
+
+    Built at startup by reading the files where it is called (blocking, bounded:
+    startup has no streams to stall); ``reload`` reads them in a thread.
+    """
 
     def __init__(self, config: Config, base_dir: Path | None = None) -> None:
         self._config = config
         self._base_dir = base_dir
-        self.server, self.engine = self._build()
+        self.server: ssl.SSLContext | None
+        self.engine: ssl.SSLContext | None
         # The validity of the certificate ``server`` serves (None without TLS); swapped with it.
-        self.server_lifetime = serving_lifetime(config.serving, base_dir) if self.server is not None else None
+        self.server_lifetime: CertificateLifetime | None
+        self.server, self.engine, self.server_lifetime = self._build()
 
     @property
     def configured(self) -> bool:
         """True when there is anything to reload."""
         return self.server is not None or self.engine is not None
 
-    def reload(self) -> None:
-        """Read every file again; on any problem raise ConfigError and keep the current contexts."""
-        server, engine = self._build()
-        lifetime = serving_lifetime(self._config.serving, self._base_dir) if server is not None else None
-        self.server, self.engine, self.server_lifetime = server, engine, lifetime
+    async def reload(self, timeout_s: float = TLS_READ_TIMEOUT_S) -> None:
+        """Read every file again off the event loop; on any problem raise ConfigError, keeping the contexts.
+
+        The files are checked before they are opened to read (a FIFO is refused
+        at once); should an open still hang (a path swapped for a FIFO between
+        the check and the ssl module's open), the reload fails after
+        ``timeout_s`` and the thread is left to finish on its own.
+        """
+        with trio.move_on_after(timeout_s):
+            built = await trio.to_thread.run_sync(self._build, abandon_on_cancel=True)
+            self.server, self.engine, self.server_lifetime = built
+            return
+        raise ConfigError(f"the TLS files were not read within {timeout_s:g} s")
+
+    def reload_blocking(self) -> None:
+        """``reload`` where there is no thread to run it in (a worker process): checked and bounded the same."""
+        self.server, self.engine, self.server_lifetime = self._build()
 
     def expiry_warning(self, now: float) -> dict[str, object] | None:
         """The fields of a ``tls_cert_expiring`` event when the serving certificate is near its end, else None."""
@@ -285,10 +319,11 @@ class TLSContexts:
         return {"key": "serving.tls_cert_file", "file": self._config.serving.tls_cert_file,
                 "expires_at": _iso(lifetime.not_after), "remaining_s": round(lifetime.remaining_s(now))}
 
-    def _build(self) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
-        server = server_context(self._config.serving, self._base_dir)
+    def _build(self) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None, CertificateLifetime | None]:
+        """The server context, the engine context and the served certificate's validity (blocking file reads)."""
+        served = _serving(self._config.serving, self._base_dir, None)
         engine = engine_context(self._config.engine, self._base_dir) if _engines_use_tls(self._config) else None
-        return server, engine
+        return (None, engine, None) if served is None else (served[0], engine, served[1])
 
 
 def tls_reason(exc: BaseException) -> str | None:

@@ -281,3 +281,76 @@ async def test_an_abandoned_lease_file_write_never_lands_later(tmp_path: Path, m
     await trio.to_thread.run_sync(backend._locked, lambda: None)  # the thread let go of the lock
     assert await backend.read() is None
     assert not [path.name for path in tmp_path.iterdir() if path.name.endswith(".tmp")]
+
+
+# -- the files are read bounded, regular files only, never blocking --------------------------------
+
+def _write_if_read(path: Path, data: bytes) -> None:
+    """Give a reader blocked on the FIFO at ``path`` its content; nothing when nobody reads it."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        return  # no reader (ENXIO): nothing blocked on it
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+async def _ticking_while(call, ticks: list[int]):
+    """``call()``'s outcome, with a ticker counting the loop's turns meanwhile; fails after 5 s."""
+
+    async def ticker() -> None:
+        while True:
+            ticks[0] += 1
+            await trio.sleep(0)
+
+    failure: BaseException | None = None
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ticker)
+        try:
+            with trio.fail_after(5):
+                result = await call()
+        except (LeaseBackendError, trio.TooSlowError) as exc:
+            failure = exc  # raised outside the nursery, not in an exception group
+        nursery.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
+    return result
+
+
+@pytest.mark.parametrize("which", ["lease", "handoff"])
+async def test_a_fifo_at_a_lease_file_path_is_unreadable_at_once(tmp_path: Path, which: str) -> None:
+    backend = FileLeaseBackend(path=tmp_path / "lease.json", handoff_path=tmp_path / "h.json", ttl_s=2.0)
+    fifo = backend.path if which == "lease" else backend.handoff_path
+    os.mkfifo(fifo)
+    # A reader blocked on the FIFO would wait until a writer came: one comes after 10 s.
+    unblock = threading.Timer(10.0, _write_if_read, (fifo, b"{}"))
+    unblock.start()
+    ticks = [0]
+    try:
+        call = backend.read if which == "lease" else backend.read_handoff
+        with pytest.raises(LeaseBackendError, match=r"not a regular file \(a FIFO\)"):
+            await _ticking_while(call, ticks)
+        if which == "lease":
+            # Unreadable is never free: the lease is not taken over a record nobody could read.
+            with pytest.raises(LeaseBackendError, match="FIFO"):
+                await _ticking_while(lambda: backend.acquire("ra", "http://127.0.0.1:1"), ticks)
+    finally:
+        unblock.cancel()
+    assert ticks[0] > 0
+
+
+async def test_an_oversize_lease_or_handoff_file_is_unreadable_not_read(tmp_path: Path, monkeypatch) -> None:
+    from narwhal.lease import file_backend
+
+    backend = FileLeaseBackend(path=tmp_path / "lease.json", handoff_path=tmp_path / "h.json", ttl_s=2.0)
+    backend.path.write_bytes(b" " * (file_backend.MAX_LEASE_RECORD_BYTES + 1))
+    with pytest.raises(LeaseBackendError, match=f"over the {file_backend.MAX_LEASE_RECORD_BYTES} byte bound"):
+        await backend.read()
+    with pytest.raises(LeaseBackendError, match="byte bound"):
+        await backend.acquire("ra", "http://127.0.0.1:1", take_missing=True)
+    monkeypatch.setattr(file_backend, "MAX_DOCUMENT_BYTES", 1024)
+    backend.handoff_path.write_bytes(b" " * 1025)
+    with pytest.raises(LeaseBackendError, match="over the 1024 byte bound"):
+        await backend.read_handoff()

@@ -10,15 +10,22 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
+import msgspec
 import pytest
 import trio
 import trustme
 
-from narwhal.config import parse_config
+from narwhal.config import ConfigError, parse_config
 from narwhal.router import Router
 from narwhal.serving.data_plane import DataPoolUsage
+from narwhal.tls import MAX_PEM_BYTES, TLSContexts
+from narwhal.tools.admin_cli import format_reload
 from narwhal.workers.link import LinkClosed
 from narwhal.workers.process import WorkerSet
 from narwhal.workers.protocol import ReloadTLS, TLSReloaded, Welcome
@@ -179,3 +186,128 @@ async def test_in_one_process_the_reload_reaches_the_server_and_the_data_pool(
     finally:
         await router.control_pool.aclose()
         await plane.data_pool.aclose()
+
+
+# -- the files are read off the loop: regular files only, at most MAX_PEM_BYTES each ----------------
+
+def _write_if_read(path: Path, data: bytes) -> None:
+    """Give a reader blocked on the FIFO at ``path`` its content; nothing when nobody reads it."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        return  # no reader (ENXIO): the reload did not block on it
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def _fifo_in_place_of(path: Path) -> threading.Timer:
+    """Replace ``path`` by a FIFO; the timer (started) feeds a reader that blocked on it after 10 s."""
+    data = path.read_bytes()
+    path.unlink()
+    os.mkfifo(path)
+    unblock = threading.Timer(10.0, _write_if_read, (path, data))
+    unblock.start()
+    return unblock
+
+
+async def test_a_fifo_at_a_certificate_path_fails_the_reload_without_blocking_the_loop(
+        tls_config_text: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.events")
+    router = Router(parse_config(tls_config_text))
+    plane = router.data_plane
+    before = router.tls.server
+    unblock = _fifo_in_place_of(tmp_path / "cert.pem")
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await trio.sleep(0)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ticker)
+            with trio.fail_after(5):
+                outcome = await router.reload()
+            nursery.cancel_scope.cancel()
+    finally:
+        unblock.cancel()
+        await router.control_pool.aclose()
+        await plane.data_pool.aclose()
+    assert ticks > 0
+    assert outcome.tls == "failed" and outcome.tls_error is not None
+    assert outcome.tls_error.startswith("serving.tls_cert_file: ")
+    assert "not a regular file (a FIFO)" in outcome.tls_error
+    assert router.tls.server is before  # the old certificates keep serving
+    [failed] = events(caplog, "tls_reload_failed")
+    assert failed["message"] == outcome.tls_error
+    assert f"TLS files: failed: {outcome.tls_error}" in format_reload(msgspec.to_builtins(outcome))
+
+
+async def test_a_pem_file_over_the_bound_fails_the_reload_unread(
+        tls_config_text: str, tmp_path: Path) -> None:
+    router = Router(parse_config(tls_config_text))
+    plane = router.data_plane
+    before = router.tls.server
+    key = tmp_path / "key.pem"
+    key.write_bytes(key.read_bytes() + b"\n" * MAX_PEM_BYTES)
+    try:
+        outcome = await router.reload()
+    finally:
+        await router.control_pool.aclose()
+        await plane.data_pool.aclose()
+    assert outcome.tls == "failed" and outcome.tls_error is not None
+    assert outcome.tls_error.startswith("serving.tls_key_file: ")
+    assert f"over the {MAX_PEM_BYTES} byte bound" in outcome.tls_error
+    assert router.tls.server is before
+
+
+def test_a_worker_refuses_a_fifo_at_a_certificate_path_at_once(tls_config_text: str, tmp_path: Path) -> None:
+    link = _Link()
+    worker = Worker(0, Welcome(worker=0, config=parse_config(tls_config_text), config_dir=None,
+                               via_token="narwhal-test"), link)
+    before = worker.plane.server.ssl_context
+    unblock = _fifo_in_place_of(tmp_path / "key.pem")
+    try:
+        worker.on_message(ReloadTLS(id=3))
+    finally:
+        unblock.cancel()
+    [answer] = link.sent
+    assert isinstance(answer, TLSReloaded) and answer.error is not None
+    assert answer.error.startswith("serving.tls_key_file: ") and "not a regular file (a FIFO)" in answer.error
+    assert worker.plane.server.ssl_context is before
+
+
+def test_at_startup_a_fifo_or_an_oversize_pem_file_is_one_error_naming_the_key(
+        tls_config_text: str, tmp_path: Path) -> None:
+    config = parse_config(tls_config_text)
+    cert = tmp_path / "cert.pem"
+    pem = cert.read_bytes()
+    cert.write_bytes(pem + b"\n" * MAX_PEM_BYTES)
+    with pytest.raises(ConfigError, match=rf"^serving.tls_cert_file: .* over the {MAX_PEM_BYTES} byte bound$"):
+        TLSContexts(config)
+    cert.write_bytes(pem)
+    unblock = _fifo_in_place_of(tmp_path / "key.pem")
+    try:
+        with pytest.raises(ConfigError, match=r"^serving.tls_key_file: .*not a regular file \(a FIFO\)$"):
+            TLSContexts(config)
+    finally:
+        unblock.cancel()
+
+
+def test_serve_exits_2_naming_the_key_when_a_certificate_path_is_a_fifo(
+        tls_config_text: str, tmp_path: Path) -> None:
+    config_path = tmp_path / "narwhal.toml"
+    config_path.write_text(tls_config_text)
+    unblock = _fifo_in_place_of(tmp_path / "cert.pem")
+    try:
+        result = subprocess.run([sys.executable, "-m", "narwhal", "serve", "--config", str(config_path)],
+                                capture_output=True, text=True, timeout=30)
+    finally:
+        unblock.cancel()
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].count("serving.tls_cert_file") == 1 and "a FIFO" in lines[0], lines

@@ -34,7 +34,7 @@ class ReloadOutcome(msgspec.Struct, frozen=True, kw_only=True):
     error: ReloadError | None = None
     # The TLS files re-read (SIGHUP's older job): skipped when no TLS is configured or the config failed.
     tls: Literal["reloaded", "failed", "skipped"] = "skipped"
-    # Why the TLS files were not reloaded (``tls`` "failed"): the key, file and problem, or the parts that failed.
+    # Why the TLS files failed (the key and the problem, as ``tls_reload_failed`` says); None otherwise.
     tls_error: str | None = None
 
 

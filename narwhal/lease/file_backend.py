@@ -25,11 +25,15 @@ from typing import TypeVar
 import msgspec
 import trio
 
+from narwhal.files import FileRefused, read_regular_file
 from narwhal.lease.backend import Acquisition, LeaseBackendError, Renewal
 from narwhal.lease.rules import LeaseRecord, TakeoverRequest
-from narwhal.state.handoff import write_atomic
+from narwhal.state.handoff import MAX_DOCUMENT_BYTES, write_atomic
 
-__all__ = ["FileLeaseBackend"]
+__all__ = ["MAX_LEASE_RECORD_BYTES", "FileLeaseBackend"]
+
+# A record is a few hundred bytes; anything far larger is not one, and is not read.
+MAX_LEASE_RECORD_BYTES = 64 * 1024
 
 _T = TypeVar("_T")
 _decode_record = msgspec.json.Decoder(LeaseRecord)
@@ -58,12 +62,16 @@ class FileLeaseBackend:
     # -- in a worker thread ----------------------------------------------------------
 
     def _read_record(self) -> LeaseRecord | None:
+        # A FIFO, a device or an oversize file is refused without blocking: an unreadable
+        # lease (LeaseBackendError), never a missing one, so it is no evidence the lease is free.
         try:
-            data = self.path.read_bytes()
+            data = read_regular_file(self.path, MAX_LEASE_RECORD_BYTES)
         except FileNotFoundError:
             return None
-        except OSError as exc:
-            raise LeaseBackendError(f"cannot read {self.path}: {exc.strerror or exc}") from None
+        except FileRefused as exc:
+            raise LeaseBackendError(f"cannot read {self.path}: {exc}") from None
+        except (OSError, ValueError) as exc:  # ValueError: a path the OS cannot take (NUL byte)
+            raise LeaseBackendError(f"cannot read {self.path}: {getattr(exc, 'strerror', None) or exc}") from None
         try:
             return _decode_record.decode(data)
         except msgspec.DecodeError as exc:
@@ -196,9 +204,12 @@ class FileLeaseBackend:
     async def read_handoff(self) -> bytes | None:
         def read() -> bytes | None:
             try:
-                return self.handoff_path.read_bytes()
+                # The bound and the checks of ``--resume`` (``read_document``).
+                return read_regular_file(self.handoff_path, MAX_DOCUMENT_BYTES)
             except FileNotFoundError:
                 return None
+            except FileRefused as exc:
+                raise LeaseBackendError(f"cannot read the handoff {self.handoff_path}: {exc}") from None
             except (OSError, ValueError) as exc:
                 raise LeaseBackendError(
                     f"cannot read the handoff {self.handoff_path}: {getattr(exc, 'strerror', None) or exc}"

@@ -139,7 +139,7 @@ class Worker:
         On a problem the old ones stay in use.
         """
         try:
-            self.tls.reload()
+            self.tls.reload_blocking()
         except ConfigError as exc:
             log_event("tls_reload_failed", level=logging.ERROR, message=str(exc))
             self._send(TLSReloaded(id=round_id, error=str(exc)))
