@@ -301,6 +301,48 @@ async def test_a_chat_streams_role_only_first_event_is_not_a_token(caplog, one_r
     assert [line["tokens"] for line in request_lines(caplog)] == [8]
 
 
+def usage_event(completion_tokens: int) -> bytes:
+    return (b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":%d,"total_tokens":%d}}\n\n'
+            % (completion_tokens, completion_tokens + 3))
+
+
+@pytest.mark.parametrize("policy", ["saturate", "bounded"])
+@pytest.mark.parametrize("split", ["usage-with-done", "usage-before-done"])
+async def test_the_usage_event_a_client_asked_for_is_not_a_token(caplog, policy, split):
+    # Four tokens and the usage-only event the client asked for: the log says 4, not 5.
+    caplog.set_level("INFO", logger="narwhal.events")
+    core, _, pool, _ = make_core(policy=policy)
+    tokens = [b'data: {"choices":[{"index":0,"text":"%s"}]}\n\n' % t for t in (b"a", b"b", b"c", b"d")]
+    if split == "usage-with-done":
+        pool.decode.append([*tokens, usage_event(4) + b"data: [DONE]\n\n"])
+    else:
+        pool.decode.append([*tokens, usage_event(4), b"data: [DONE]\n\n"])
+    await core.handle("/v1/completions", body(stream=True, stream_options={"include_usage": True}), None, Sink())
+    assert [line["tokens"] for line in request_lines(caplog)] == [4]
+
+
+async def test_events_of_several_tokens_are_counted_by_the_engines_usage(caplog):
+    # An engine that coalesces tokens (two per event here) says how many in its usage: that count is logged.
+    caplog.set_level("INFO", logger="narwhal.events")
+    core, _, pool, _ = make_core()
+    tokens = [b'data: {"choices":[{"index":0,"text":"%s"}]}\n\n' % t for t in (b"ab", b"cd", b"ef")]
+    pool.decode.append([*tokens, usage_event(6) + b"data: [DONE]\n\n"])
+    await core.handle("/v1/completions", body(stream=True, stream_options={"include_usage": True}), None, Sink())
+    assert [line["tokens"] for line in request_lines(caplog)] == [6]
+
+
+async def test_a_chat_of_two_choices_opens_with_two_role_events_neither_a_token(caplog):
+    caplog.set_level("INFO", logger="narwhal.events")
+    core, _, pool, _ = make_core()
+    role = [b'data: {"choices":[{"index":%d,"delta":{"role":"assistant","content":""}}]}\n\n' % i for i in (0, 1)]
+    tokens = [b'data: {"choices":[{"index":%d,"delta":{"content":"x"}}]}\n\n' % i for i in (0, 1, 0, 1)]
+    pool.decode.append([b"".join(role), *tokens, b"data: [DONE]\n\n"])
+    chat = msgspec.json.encode({"model": "mock-model", "messages": [{"role": "user", "content": "x"}], "stream": True,
+                                "n": 2, "temperature": 1.0})
+    await core.handle("/v1/chat/completions", chat, None, Sink())
+    assert [line["tokens"] for line in request_lines(caplog)] == [4]
+
+
 async def test_a_first_chat_event_with_content_is_a_token(caplog):
     caplog.set_level("INFO", logger="narwhal.events")
     core, _, pool, _ = make_core()

@@ -53,7 +53,15 @@ from narwhal.http1.pump import OnChunk, Pump
 from narwhal.obs.logs import log_event
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.serving import continuation
-from narwhal.serving.client_view import KV_KEY, is_role_only_event, strip_kv_from_body, strip_kv_from_events
+from narwhal.serving.client_view import (
+    KV_KEY,
+    choice_count,
+    final_usage_tokens,
+    is_role_only_event,
+    strip_kv_from_body,
+    strip_kv_from_events,
+    wants_usage,
+)
 from narwhal.serving.continuation import CONTINUED_CLASSES, ENGINE_REMOVED, StreamJoin
 from narwhal.serving.placement import RequestPlacement
 from narwhal.wire import PREFILL_KV_REQUEST, HandoffRejected, error_json, read_handoff
@@ -849,8 +857,9 @@ class RequestCore:
                 outcome.ttft_s = first_at - started_at
                 outcome.status = 200
                 tokens = chunk.count(_DATA)
-                # The chat stream's opening role-only event carries no token: not counted, like [DONE].
-                role_events = int(route == _CHAT_ROUTE and is_role_only_event(chunk))
+                # The chat stream opens with a role-only event per choice: no token, not counted, like [DONE].
+                if route == _CHAT_ROUTE and is_role_only_event(chunk):
+                    role_events = choice_count(request)
                 if KV_KEY in chunk:
                     chunk = strip_kv_from_events(chunk)
                 head = [*_SSE_HEADERS, rid_header]
@@ -892,7 +901,11 @@ class RequestCore:
                     outcome.inter_token_s = (last_at - first_at) / (tokens - 2)
                 # Every stream that ends cleanly ended with [DONE] (the pool raises otherwise): the answer
                 # is whole and goes out now, before anything the engine sends after it is waited for.
-                outcome.tokens = max(0, tokens - 1 - role_events)
+                # The engine's own count when the client asked for usage (an event may carry several
+                # tokens); else the events, less [DONE] and the usage-only event.
+                usage_asked = wants_usage(request)
+                counted = final_usage_tokens(held) if usage_asked else None
+                outcome.tokens = counted if counted is not None else max(0, tokens - 1 - role_events - usage_asked)
                 if sink.started:
                     await sink.end_stream(held)
                 else:
