@@ -760,13 +760,19 @@ DONE_EVENT = b"data: [DONE]\n\n"
 
 def answer_then(tail: str, *, whole: bool) -> Any:
     """A decode engine: the answer and [DONE] (in one read, or after a first event), then ``tail``."""
+    # "event-in-the-same-read": [DONE]'s read goes on with an event (then the body ends).
+    same_read = completion_event("late") if tail == "event-in-the-same-read" else b""
+
     async def decode(stream: trio.SocketStream, _: bytes) -> None:
         if whole:
-            await stream.send_all(SSE_HEAD + chunk(b"".join(ANSWER) + DONE_EVENT))
+            await stream.send_all(SSE_HEAD + chunk(b"".join(ANSWER) + DONE_EVENT + same_read))
         else:
             await stream.send_all(SSE_HEAD + chunk(ANSWER[0]))
             await trio.sleep(1.0)
-            await stream.send_all(chunk(b"".join(ANSWER[1:]) + DONE_EVENT))
+            await stream.send_all(chunk(b"".join(ANSWER[1:]) + DONE_EVENT + same_read))
+        if same_read:
+            await stream.send_all(LAST_CHUNK)
+            await trio.sleep_forever()
         # Mock time: the router has read [DONE] and waits for what comes next.
         await trio.sleep(1.0)
         if tail == "keep-alive":
@@ -783,7 +789,7 @@ def answer_then(tail: str, *, whole: bool) -> Any:
 @pytest.mark.parametrize("whole", [True, False], ids=["answer-in-one-read", "answer-after-a-first-event"])
 @pytest.mark.parametrize("policy", ["bounded", "saturate"])
 @pytest.mark.parametrize("pump", [True, False], ids=["pump", "task-relay"])
-@pytest.mark.parametrize("tail", ["keep-alive", "stall", "close"])
+@pytest.mark.parametrize("tail", ["keep-alive", "stall", "close", "event-in-the-same-read"])
 async def test_whatever_follows_done_ends_the_stream_whole_and_charges_the_engine_nothing(
         front, caplog, autojump_clock, tail, pump, policy, whole):
     port, supervisor, pool, _ = await front(answer_then(tail, whole=whole), silence=30.0, pump=pump, policy=policy)

@@ -432,6 +432,24 @@ async def test_events_after_done_are_not_relayed_and_no_failure(serve, make_pool
     assert engine.connections == 1
 
 
+@pytest.mark.parametrize("late", [b'data: {"text": "late"}\n\n', b": keep-alive\n\n", b"garbage"])
+@pytest.mark.parametrize("split", ["whole-answer", "done-starts-the-read"])
+async def test_what_follows_done_in_the_same_read_is_not_relayed_and_no_failure(serve, make_pool, late, split):
+    # [DONE] ends the answer even when more comes in the same read: that read is cut after [DONE].
+    parts = [b"".join(EVENTS) + late] if split == "whole-answer" else [b"".join(EVENTS[:2]), EVENTS[2] + late]
+    engine = await serve(sse(*parts))
+    pool = await make_pool()
+    items, saw_terminal = await collect(pool, engine)
+    assert saw_terminal and b"".join(items) == b"".join(EVENTS)
+
+
+async def test_a_token_whose_text_says_done_does_not_end_the_stream(serve, make_pool):
+    said = b'data: {"text": "data: [DONE]\\n\\n"}\n\n'
+    engine = await serve(sse(EVENTS[0] + said + b"data: [DONE]\n\n"))
+    items, saw_terminal = await collect(await make_pool(), engine)
+    assert saw_terminal and b"".join(items) == EVENTS[0] + said + b"data: [DONE]\n\n"
+
+
 async def test_a_stall_or_a_close_after_done_is_no_failure(serve, make_pool, autojump_clock):
     pool = await make_pool(msgspec.structs.replace(FAST, stream_silence_s=10.0, first_token_deadline_s=20.0,
                                                    request_timeout_s=60.0))

@@ -259,6 +259,11 @@ class SSEWatch:
         self._event = b""  # first bytes of the event not yet ended by a blank line
         self._after_newline = False
 
+    @property
+    def between_events(self) -> bool:
+        """True when the bytes fed so far end on an event's end: the next read starts an event."""
+        return not self._event
+
     def feed(self, data: bytes) -> bool:
         """Take one read of the body; False once it is clearly not an event stream."""
         if b"\r" in data:

@@ -34,6 +34,8 @@ from narwhal.pools import classify
 
 __all__ = ["DataPool", "DataPoolStatistics", "UpstreamStream"]
 
+# The terminal event whole, as vLLM writes it; an event after it in the same read ends the answer too.
+_DONE_EVENT = b"data: [DONE]\n\n"
 _NO_DONE = "stream ended without data: [DONE]"
 # What is read after data: [DONE] while waiting for the body's end (a conforming engine sends nothing).
 _AFTER_TERMINAL_BYTES = 64 * 1024
@@ -237,10 +239,25 @@ class UpstreamStream:
             if not self.saw_terminal:
                 raise classify.stream_failure(self._engine, _NO_DONE)
             return b""
+        done_at = data.find(_DONE_EVENT)
+        if done_at >= 0 and not data.endswith(_DONE_EVENT):
+            data = self._cut_at_done(data, done_at)
         if not self._watch.feed(data):
             raise classify.stream_failure(self._engine, "response body is not a server-sent event stream")
         self.saw_terminal = self._watch.saw_terminal
         self._started = True
+        return data
+
+    def _cut_at_done(self, data: bytes, at: int) -> bytes:
+        """``data`` up to the end of a ``data: [DONE]`` event that more follows in the same read.
+
+        The answer ended there: what follows is not relayed, not checked and no evidence, as in a later
+        read. Only a marker that starts an event counts (a token's text may say ``data: [DONE]``).
+        """
+        while at >= 0:
+            if (self._watch.between_events if at == 0 else data[at - 2:at] == b"\n\n"):
+                return data[:at + len(_DONE_EVENT)]
+            at = data.find(_DONE_EVENT, at + 1)
         return data
 
 
