@@ -95,8 +95,10 @@ async def test_the_standby_example_pair_runs_as_it_is(nursery, started, tmp_path
 
     async with httpx.AsyncClient(timeout=10) as client:
         async def one_serves() -> dict[str, str] | None:
+            # Until the standby's first lease read its /ready says "lease not read yet": wait past it.
             texts = {name: (await client.get(f"{r.url}/ready")).text.strip() for name, r in routers.items()}
-            return texts if "ready" in texts.values() else None
+            settled = "ready" in texts.values() and not any("not read yet" in text for text in texts.values())
+            return texts if settled else None
 
         texts = await wait_until(one_serves, timeout_s=30, what="one router of the pair to take the lease")
         active = next(name for name, text in texts.items() if text == "ready")
