@@ -123,7 +123,7 @@ def test_other_schema_is_refused_before_reading_the_rest() -> None:
 
 
 @pytest.mark.parametrize(("data", "message"), [
-    (b"", "not JSON"),
+    (b"", "empty"),
     (b'{"schema": 1, "router_id": "r', "not JSON"),
     (b"[1, 2]", "no schema number"),
     (b'{"router_id": "r1"}', "no schema number"),

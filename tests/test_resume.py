@@ -194,8 +194,8 @@ def test_missing_handoff_starts_fresh(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("data", "why"), [
-    (b"", "not JSON: Input data was truncated"),
-    (b'{"schema": 1, "router_id": "old", "pi', "not JSON: Input data was truncated"),
+    (b"", "empty (a write cut short before its first byte, or not a handoff)"),
+    (b'{"schema": 1, "router_id": "old", "pi', "not JSON: cut short (it ends inside the JSON)"),
     (b"\x00\xff garbage", "not JSON: JSON is malformed: invalid character (byte 0)"),
     (b'{"engines": []}', "no schema number: Object missing required field `schema`"),
 ])

@@ -166,6 +166,8 @@ def decode_document(data: bytes) -> HandoffDocument:
     Nesting is checked before decoding: a document nested deeper than any
     handoff (``MAX_DOCUMENT_DEPTH``) is unreadable, never a RecursionError.
     """
+    if not data.strip():
+        raise HandoffUnreadable("empty (a write cut short before its first byte, or not a handoff)")
     if json_nesting_exceeds(data, MAX_DOCUMENT_DEPTH):
         raise HandoffUnreadable(f"nested deeper than {MAX_DOCUMENT_DEPTH} levels")
     try:
@@ -173,7 +175,9 @@ def decode_document(data: bytes) -> HandoffDocument:
     except msgspec.ValidationError as exc:
         raise HandoffUnreadable(f"no schema number: {exc}") from None
     except msgspec.DecodeError as exc:
-        raise HandoffUnreadable(f"not JSON: {exc}") from None
+        # msgspec says "Input data was truncated" for a document that stops early.
+        detail = "cut short (it ends inside the JSON)" if "truncated" in str(exc) else str(exc)
+        raise HandoffUnreadable(f"not JSON: {detail}") from None
     if schema != HANDOFF_SCHEMA:
         raise HandoffSchemaMismatch(schema)
     try:
