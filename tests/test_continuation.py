@@ -837,3 +837,65 @@ async def test_a_text_join_continues_from_exactly_the_text_the_client_has(shape)
     else:
         assert second[2]["messages"] == [{"role": "user", "content": "count up"},
                                          {"role": "assistant", "content": "Sure:" + so_far[0]}]
+
+
+def _on_decode_leg(pool: MockPool, number: int, then: Any) -> None:
+    """Call ``then(engine)`` when decode leg ``number`` (1-based) reaches its engine."""
+    answer = pool._answer
+
+    async def answer_and_watch(engine, path, body):
+        calls = len(decode_calls(pool))
+        recorder = await answer(engine, path, body)
+        if len(decode_calls(pool)) == number > calls:
+            then(engine.name)
+        return recorder
+
+    pool._answer = answer_and_watch  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("decoders", [2, 3])
+async def test_a_continuation_never_goes_back_to_the_decode_engine_that_just_broke(decoders):
+    # Every decode engine breaks the stream once, the last one while the others are busier (another client's
+    # requests): least-outstanding placement would pick it, and every engine has failed this request already,
+    # so only the rule against the engine that just broke keeps the next leg off it.
+    decode = ("d1", "d2", "d3")[:decoders]
+    core, _, pool, _, _ = make(decode=decode, max_attempts=decoders + 1)
+    pool.cuts = [2] * decoders
+    broke: list[str] = []
+
+    def others_get_busy(engine: str) -> None:
+        broke.append(engine)
+        for name in decode:
+            if name != engine:
+                core.in_flight.acquire(name)
+
+    _on_decode_leg(pool, decoders, others_get_busy)
+    sink = ClientSink()
+    await core.handle(COMPLETIONS, request_body(COMPLETIONS), None, sink)
+    check_one_stream(sink, chat=False, prompt_tokens=3, max_tokens=10)
+    legs = [call[0] for call in decode_calls(pool)]
+    assert len(legs) == decoders + 1 and sorted(legs[:-1]) == list(decode)
+    assert legs[-2] == broke[0] and legs[-1] != broke[0]
+
+
+async def test_a_continuation_whose_broken_engine_is_the_only_eligible_one_waits_for_another(autojump_clock):
+    # The documented rule: with only the engine that broke eligible, the continuation waits for capacity (within
+    # the request's deadline) rather than going back to it.
+    core, supervisor, pool, _, _ = make(decode=("d1", "d2"))
+    pool.cuts = [4]
+    broke: list[str] = []
+
+    def others_drained(engine: str) -> None:
+        broke.append(engine)
+        supervisor.roles["decode"] = [engine]
+
+    _on_decode_leg(pool, 1, others_drained)
+    sink = ClientSink()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(core.handle, COMPLETIONS, request_body(COMPLETIONS), None, sink)
+        await trio.sleep(5.0)
+        assert len(decode_calls(pool)) == 1 and not sink.ended
+        supervisor.roles["decode"] = ["d1", "d2"]
+    check_one_stream(sink, chat=False, prompt_tokens=3, max_tokens=10)
+    legs = [call[0] for call in decode_calls(pool)]
+    assert legs[0] == broke[0] and legs[1] != broke[0] and len(legs) == 2
