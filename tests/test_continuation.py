@@ -310,7 +310,7 @@ async def test_a_decode_cut_halfway_is_continued_into_one_exact_stream(route, wi
         assert second[2]["messages"][-1]["role"] == "assistant"
         assert second[2]["continue_final_message"] is True and second[2]["add_generation_prompt"] is False
     else:
-        assert second[2]["prompt"].startswith("one two three n3 n4 n5 n6")
+        assert second[2]["prompt"] == "one two three n3 n4 n5 n6"
     assert second[2]["max_tokens"] == 6
     # The continuation's prefill is a fresh one (fresh KV ownership) before its decode.
     legs = [bool(c[2].get("kv_transfer_params", {}).get("do_remote_decode")) for c in pool.calls
@@ -790,3 +790,112 @@ async def test_a_stop_string_across_a_join_ends_the_answer_as_without_the_failur
     assert finals == [("stop", "5 n6")]
     assert [e["usage"] for e in events[:-1] if e.get("usage")] == [e["usage"] for e in ref_events[:-1]
                                                                      if e.get("usage")]
+
+
+
+def _first_leg_ends_in_spaces(pool: MockPool) -> None:
+    """The first decode leg's tokens end in a space (``"n3 "``, as a tokenizer's word-then-space pieces do): a text
+    join that trims or pads the answer so far changes the prompt the next engine continues."""
+    answer = pool._answer
+
+    async def first_leg_ends_in_spaces(engine, path, body):
+        recorder = await answer(engine, path, body)
+        if decode_calls(pool)[:1] == [pool.calls[-1]] and len(decode_calls(pool)) == 1:
+            recorder.writes = [re.sub(rb'":" (n\d+)"', rb'":"\1 "', write) for write in recorder.writes]
+        return recorder
+
+    pool._answer = first_leg_ends_in_spaces  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("shape", ["completion", "chat", "chat_continuing_its_final_message"])
+async def test_a_text_join_continues_from_exactly_the_text_the_client_has(shape):
+    # No token IDs (an engine that ignores return_token_ids): the next leg's prompt is the original one plus the
+    # answer so far, character for character: not trimmed, not padded.
+    route = COMPLETIONS if shape == "completion" else CHAT
+    core, _, pool, _, _ = make(decode=("d1", "d2"), return_ids=False)
+    _first_leg_ends_in_spaces(pool)
+    pool.cuts = [4]
+    extra: dict[str, Any] = {}
+    if shape == "chat_continuing_its_final_message":
+        extra = {"messages": [{"role": "user", "content": "count up"}, {"role": "assistant", "content": "Sure:"}],
+                 "continue_final_message": True, "add_generation_prompt": False}
+    sink = ClientSink()
+    await core.handle(route, request_body(route, **extra), None, sink)
+    events = sink.events()
+    assert sink.status == 200 and events[-1] == "[DONE]"
+    client_text = text_of(events[:-1], route == CHAT)
+    # The first leg's four tokens, each ending in its space, then the next leg's six.
+    so_far = re.match(r"(n\d+ ){4}", client_text)
+    assert so_far is not None, client_text
+    first, second = decode_calls(pool)
+    assert first[0] != second[0] and len(numbers(client_text[so_far.end():])) == 6
+    if shape == "completion":
+        assert second[2]["prompt"] == "one two three" + so_far[0]
+    elif shape == "chat":
+        assert second[2]["messages"] == [*json.loads(request_body(CHAT))["messages"],
+                                         {"role": "assistant", "content": so_far[0]}]
+    else:
+        assert second[2]["messages"] == [{"role": "user", "content": "count up"},
+                                         {"role": "assistant", "content": "Sure:" + so_far[0]}]
+
+
+def _on_decode_leg(pool: MockPool, number: int, then: Any) -> None:
+    """Call ``then(engine)`` when decode leg ``number`` (1-based) reaches its engine."""
+    answer = pool._answer
+
+    async def answer_and_watch(engine, path, body):
+        calls = len(decode_calls(pool))
+        recorder = await answer(engine, path, body)
+        if len(decode_calls(pool)) == number > calls:
+            then(engine.name)
+        return recorder
+
+    pool._answer = answer_and_watch  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("decoders", [2, 3])
+async def test_a_continuation_never_goes_back_to_the_decode_engine_that_just_broke(decoders):
+    # Every decode engine breaks the stream once, the last one while the others are busier (another client's
+    # requests): least-outstanding placement would pick it, and every engine has failed this request already,
+    # so only the rule against the engine that just broke keeps the next leg off it.
+    decode = ("d1", "d2", "d3")[:decoders]
+    core, _, pool, _, _ = make(decode=decode, max_attempts=decoders + 1)
+    pool.cuts = [2] * decoders
+    broke: list[str] = []
+
+    def others_get_busy(engine: str) -> None:
+        broke.append(engine)
+        for name in decode:
+            if name != engine:
+                core.in_flight.acquire(name)
+
+    _on_decode_leg(pool, decoders, others_get_busy)
+    sink = ClientSink()
+    await core.handle(COMPLETIONS, request_body(COMPLETIONS), None, sink)
+    check_one_stream(sink, chat=False, prompt_tokens=3, max_tokens=10)
+    legs = [call[0] for call in decode_calls(pool)]
+    assert len(legs) == decoders + 1 and sorted(legs[:-1]) == list(decode)
+    assert legs[-2] == broke[0] and legs[-1] != broke[0]
+
+
+async def test_a_continuation_whose_broken_engine_is_the_only_eligible_one_waits_for_another(autojump_clock):
+    # The documented rule: with only the engine that broke eligible, the continuation waits for capacity (within
+    # the request's deadline) rather than going back to it.
+    core, supervisor, pool, _, _ = make(decode=("d1", "d2"))
+    pool.cuts = [4]
+    broke: list[str] = []
+
+    def others_drained(engine: str) -> None:
+        broke.append(engine)
+        supervisor.roles["decode"] = [engine]
+
+    _on_decode_leg(pool, 1, others_drained)
+    sink = ClientSink()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(core.handle, COMPLETIONS, request_body(COMPLETIONS), None, sink)
+        await trio.sleep(5.0)
+        assert len(decode_calls(pool)) == 1 and not sink.ended
+        supervisor.roles["decode"] = ["d1", "d2"]
+    check_one_stream(sink, chat=False, prompt_tokens=3, max_tokens=10)
+    legs = [call[0] for call in decode_calls(pool)]
+    assert legs[0] == broke[0] and legs[1] != broke[0] and len(legs) == 2

@@ -561,3 +561,42 @@ async def test_a_restarted_router_takes_over_its_predecessors_last_handoff(
     assert rig.service.role is Role.ACTIVE and rig.service.holding.epoch == 4
     assert (rig.service.applied_epoch, rig.service.applied_pass) == (3, 9)
     assert [view.name for view in rig.fleet.views(trio.current_time()) if not view.eligible] == ["d1"]
+
+
+async def test_a_new_holder_reads_the_last_handoff_before_it_admits(
+        autojump_clock: MockClock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The old holder drains d1 and gives the lease up between two of the standby's ticks: the standby has
+    # followed every earlier handoff, but only the last one has the drain. It must read that one before it
+    # opens admission, or it places requests on the drained engine.
+    backend = MemoryBackend()
+    old = Rig(tmp_path, backend, router_id="r2")
+    await old.service.tick()
+    assert old.service.role is Role.ACTIVE
+    await old.stage.run(1)
+    backend.handoff = Path(old.stage.path).read_bytes()
+    new = Rig(tmp_path, backend, router_id="r1")
+    await new.service.tick()
+    assert new.service.role is Role.STANDBY and new.service.applied_pass == 1
+
+    def drained() -> list[str]:
+        return [view.name for view in new.fleet.views(trio.current_time()) if not view.eligible]
+
+    assert drained() == []
+    opened: list[list[str]] = []
+    real_open = new.admission.open
+
+    def open_admission(gate: str) -> None:
+        opened.append(drained())
+        real_open(gate)
+
+    monkeypatch.setattr(new.admission, "open", open_admission)
+    await trio.sleep(1.0)
+    old.fleet.add_hold("d1", HoldKind.OPERATOR_DRAIN, "operator drain", trio.current_time())
+    await old.stage.run(2)
+    backend.handoff = Path(old.stage.path).read_bytes()
+    await old.service.release("shutdown")
+    assert backend.record is not None and backend.record.holder == ""
+    await new.service.tick()
+    assert new.service.role is Role.ACTIVE and new.refusal() is None
+    # The drain was in place when admission opened, not applied afterwards.
+    assert opened == [["d1"]] and new.service.applied_pass == 2
