@@ -49,7 +49,7 @@ from narwhal.control.supervisor import Supervisor
 from narwhal.errors import StartupError
 from narwhal.fleet import Fleet, FleetEvent, FleetEventKind, HoldKind
 from narwhal.fleet.admission import Admission
-from narwhal.fleet.shared_index import SharedIndex
+from narwhal.fleet.placement import SharedIndex
 from narwhal.fleet.telemetry import Telemetry
 from narwhal.http1.asgi import ASGILifespan, call_asgi
 from narwhal.http1.server import HTTPServer
