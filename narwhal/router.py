@@ -49,12 +49,12 @@ from narwhal.control.supervisor import Supervisor
 from narwhal.errors import StartupError
 from narwhal.fleet import Fleet, FleetEvent, FleetEventKind, HoldKind
 from narwhal.fleet.admission import Admission
-from narwhal.fleet.shared_index import SharedIndex
+from narwhal.fleet.placement import SharedIndex
 from narwhal.fleet.telemetry import Telemetry
 from narwhal.http1.asgi import ASGILifespan, call_asgi
 from narwhal.http1.server import HTTPServer
 from narwhal.lease import EtcdLeaseBackend, build_backend
-from narwhal.lease.service import LeaseService, LeaseView
+from narwhal.lease.service import LeaseService, LeaseView, ServingParts
 from narwhal.obs.logs import flush_logs, log_event
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.obs.timeline import Timeline
@@ -282,9 +282,9 @@ class Router:
         backend = build_backend(config, self.handoff_path, config_dir)
         if backend is None:
             return None
-        lease = LeaseService(config=config, router_id=self.router_id, backend=backend, admission=self.admission,
-                             persistence=self.persistence, fleet=self.fleet, metrics=self.metrics,
-                             own_readiness=self.own_readiness)
+        lease = LeaseService(config=config, router_id=self.router_id, backend=backend, metrics=self.metrics,
+                             serving=ServingParts(admission=self.admission, persistence=self.persistence,
+                                                  fleet=self.fleet, own_readiness=self.own_readiness))
         if isinstance(backend, EtcdLeaseBackend):
             etcd = backend
 

@@ -242,7 +242,7 @@ async def test_the_app_serves_from_any_object_with_the_app_state() -> None:
 
 
 def test_prefill_engines_show_their_prefix_index_size() -> None:
-    from narwhal.fleet.prefix_index import ENTRY_BYTES, PrefixIndex
+    from narwhal.fleet.placement.prefix_index import ENTRY_BYTES, PrefixIndex
 
     index = PrefixIndex(["p1"], max_bytes=1 << 20)
     index.record("p1", [1, 2, 3], 1.0)

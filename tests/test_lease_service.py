@@ -27,7 +27,7 @@ from narwhal.fleet.admission import FENCED_REASON, Admission
 from narwhal.fleet.model import HoldKind
 from narwhal.lease.backend import Acquisition, LeaseBackendError, Renewal
 from narwhal.lease.rules import LeaseRecord, Role, TakeoverRequest
-from narwhal.lease.service import LeaseService
+from narwhal.lease.service import LeaseClocks, LeaseService, ServingParts
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.stages.persistence import HandoffExtra, PersistenceStage
 from narwhal.state import handoff
@@ -135,10 +135,10 @@ class Rig:
                                       fleet=self.fleet, config=self.config)
         transport = httpx.MockTransport(ready or (lambda request: httpx.Response(200, text="ready\n")))
         self.service = LeaseService(
-            config=self.config, router_id=router_id, backend=backend, admission=self.admission,
-            persistence=self.stage, fleet=self.fleet, metrics=RouterMetrics(),
-            own_readiness=lambda: self.own, http=httpx.AsyncClient(transport=transport),
-            monotonic=self.monotonic)
+            config=self.config, router_id=router_id, backend=backend, metrics=RouterMetrics(),
+            serving=ServingParts(admission=self.admission, persistence=self.stage, fleet=self.fleet,
+                                 own_readiness=lambda: self.own),
+            http=httpx.AsyncClient(transport=transport), clocks=LeaseClocks(monotonic=self.monotonic))
         self.service.advertise_url = f"http://{router_id}.test:8000"
         self.stage.extra = lambda: HandoffExtra(lease=self.service.ownership())
 

@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from narwhal.fleet.cache_aware import Placer
-from narwhal.fleet.prefix_index import ENTRY_BYTES, PrefixIndex
-from narwhal.fleet.prefix_key import MAX_BLOCKS, prompt_blocks
+from narwhal.fleet.placement import Placer
+from narwhal.fleet.placement.prefix_index import ENTRY_BYTES, PrefixIndex
+from narwhal.fleet.placement.prefix_key import MAX_BLOCKS, prompt_blocks
 
 ENGINES = ["p1", "p2", "p3", "p4"]
 BLOCK = 16

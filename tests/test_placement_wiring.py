@@ -15,10 +15,7 @@ from narwhal.config import ConfigError, parse_config
 from narwhal.errors import EngineFailure, FailureClass
 from narwhal.fleet import FleetEventKind, HoldKind
 from narwhal.fleet.admission import Admission
-from narwhal.fleet.placement import InFlight
-from narwhal.fleet.prefix_index import PrefixIndex
-from narwhal.fleet.prefix_key import prompt_blocks
-from narwhal.fleet.shared_index import IndexRecord, SharedIndex
+from narwhal.fleet.placement import IndexRecord, InFlight, PrefixIndex, SharedIndex, prompt_blocks
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.pools.control import ControlPool
 from narwhal.router import Router

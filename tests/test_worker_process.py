@@ -17,7 +17,6 @@ import trio.testing
 
 from narwhal.config import Config, EngineConfig, EngineSpec, PlacementConfig
 from narwhal.errors import FailureClass
-from narwhal.fleet.placement import pick_least_outstanding
 from narwhal.http1.server import Request
 from narwhal.workers.link import LinkClosed
 from narwhal.workers.process import WorkerSet
@@ -85,7 +84,9 @@ async def test_a_worker_counts_the_others_in_flight_without_its_own_twice() -> N
     w.on_message(snapshot(1, in_flight={"d1": 5, "d2": 1}))
     assert w.plane.in_flight.elsewhere == {"d1": 3, "d2": 1}
     # So d1 carries 5 router-wide and d2 1: placement picks d2 (issue 26, break 5).
-    assert all(pick_least_outstanding(["d1", "d2"], w.plane.in_flight) == "d2" for _ in range(20))
+    placement = w.plane.core.placement
+    assert all(placement.choose("decode", ["d1", "d2"], "/v1/completions", {}, w.plane.in_flight).engine == "d2"
+               for _ in range(20))
 
 
 async def test_a_snapshot_carries_reloaded_placement_and_engine_timeouts_into_the_worker() -> None:

@@ -305,7 +305,19 @@ def test_metrics_sum_over_workers_and_survive_a_worker_restart() -> None:
 
 
 def test_snapshots_carry_router_wide_in_flight_and_placement_balances_on_it() -> None:
-    from narwhal.fleet.placement import InFlight, pick_least_outstanding
+    from narwhal.config import Config, EngineSpec
+    from narwhal.fleet.placement import InFlight
+    from narwhal.obs.router_metrics import RouterMetrics
+    from narwhal.serving.placement import RequestPlacement
+
+    config = Config(engines=[EngineSpec(name=name, url=f"http://127.0.0.1:{9001 + i}", role=role)
+                             for i, (name, role) in enumerate([("p1", "prefill"), ("d1", "decode"), ("d2", "decode")])])
+    placement = RequestPlacement(config, RouterMetrics())
+
+    def decode_on(in_flight: InFlight) -> str | None:
+        # The request path's own call: placement balances on what ``in_flight.load`` says.
+        choice = placement.choose("decode", ["d1", "d2"], "/v1/completions", {}, in_flight)
+        return None if choice is None else choice.engine
 
     now = [0.0]
     fleet = Fleet([("p1", "prefill"), ("d1", "decode"), ("d2", "decode")], eject_after=3, liveness_misses=3,
@@ -322,7 +334,7 @@ def test_snapshots_carry_router_wide_in_flight_and_placement_balances_on_it() ->
     local = InFlight(["d1", "d2"])
     local.elsewhere = others_in_flight(inbox[-1].in_flight, {})
     assert local.elsewhere == {"d1": 5}
-    assert all(pick_least_outstanding(["d1", "d2"], local) == "d2" for _ in range(20))
+    assert all(decode_on(local) == "d2" for _ in range(20))
     # Worker 1 reported those 5 itself: none of them is elsewhere, so its own count decides.
     own = InFlight(["d1", "d2"])
     for _ in range(5):
@@ -330,7 +342,7 @@ def test_snapshots_carry_router_wide_in_flight_and_placement_balances_on_it() ->
     own.elsewhere = others_in_flight(inbox[-1].in_flight, {"d1": 5})
     assert own.elsewhere == {}
     own.acquire("d2")
-    assert pick_least_outstanding(["d1", "d2"], own) == "d2"
+    assert decode_on(own) == "d2"
 
 
 def test_a_lease_renewal_alone_reaches_every_worker() -> None:

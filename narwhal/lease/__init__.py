@@ -2,7 +2,9 @@
 
 ``rules`` holds the roles and the fencing deadline with no I/O; ``file_backend``
 and ``etcd_backend`` are the shared stores; ``service`` runs the loop in the
-router. ``build_backend`` picks the backend the config names.
+router, composed of one part per job (``term``: acquire and renew; ``follower``
+and ``watcher``: follow the holder; ``fence``; ``handover``) over a shared
+``context``. ``build_backend`` picks the backend the config names.
 """
 
 from __future__ import annotations

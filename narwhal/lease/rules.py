@@ -14,8 +14,8 @@ Once the deadline passes the term is over for good: a renewal that succeeds
 afterwards does not revive it, and only a fresh acquisition (a new epoch)
 makes the router active again.
 
-``LeaseHolding`` owns every role transition; the service in
-``narwhal.lease.service`` does the I/O and asks it what to do. It takes its
+``LeaseHolding`` owns every role transition; the lease service's parts
+(``narwhal.lease.term``, ``fence``, ``handover``) do the I/O and ask it what to do. It takes its
 clock as an argument and imports neither trio nor time.
 """
 

@@ -1,7 +1,7 @@
 """The request path's placement: config to ``Placer``, a request to its prefix key, choices counted.
 
-The policy itself is pure (``narwhal.fleet.cache_aware``); this module builds
-it from ``[placement]``, keys each request (``narwhal.fleet.prefix_key``),
+The policy itself is pure (``narwhal.fleet.placement``); this module builds
+it from ``[placement]``, keys each request (``prompt_blocks``),
 counts every choice in ``narwhal_placement_total{role,reason}`` and the
 matched-fraction histogram, and records the prompt on the chosen prefill
 engine at once, before any await, so the next placement already sees it.
@@ -15,10 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from narwhal.config import Config, PlacementConfig
-from narwhal.fleet.cache_aware import Choice, Placer
-from narwhal.fleet.placement import InFlight
-from narwhal.fleet.prefix_index import PrefixIndex
-from narwhal.fleet.prefix_key import prompt_blocks
+from narwhal.fleet.placement import Choice, InFlight, Placer, PrefixIndex, prompt_blocks
 from narwhal.obs.router_metrics import RouterMetrics
 
 __all__ = ["RequestPlacement", "build_index", "build_placer", "reconfigure_index"]

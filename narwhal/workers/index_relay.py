@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from narwhal.fleet.shared_index import SharedIndex
+from narwhal.fleet.placement import SharedIndex
 from narwhal.obs.logs import log_event
 from narwhal.workers.protocol import IndexUpdate, Report
 

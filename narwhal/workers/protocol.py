@@ -20,7 +20,7 @@ import msgspec
 
 from narwhal.config import Config, EngineConfig, EngineSpec, PlacementConfig
 from narwhal.errors import NarwhalError
-from narwhal.fleet.shared_index import IndexRecord
+from narwhal.fleet.placement import IndexRecord
 
 __all__ = [
     "CONTROL_APP_TIMEOUT_S",

@@ -21,7 +21,7 @@ from typing import Any
 import trio
 
 from narwhal.config import ConfigError, EngineSpec
-from narwhal.fleet.shared_index import SharedIndex
+from narwhal.fleet.placement import SharedIndex
 from narwhal.http1.server import Request, Responder
 from narwhal.obs.logs import flush_logs, log_event, set_log_fields
 from narwhal.obs.router_metrics import RouterMetrics

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import msgspec
 
-from narwhal.fleet.prefix_index import PrefixIndex
+from narwhal.fleet.placement.prefix_index import PrefixIndex
 
 __all__ = ["IndexRecord", "SharedIndex"]
 

@@ -1,16 +1,11 @@
-"""Placement: pick an engine among the eligible ones, and count what is in flight.
-
-Least outstanding requests wins; ties are broken at random so that a burst
-after a quiet spell does not pile onto the first engine in the config.
-"""
+"""Requests in flight per engine: what placement balances on, and drains and readmission wait for."""
 
 from __future__ import annotations
 
-import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Protocol
 
-__all__ = ["InFlight", "InFlightCounts", "pick_least_outstanding"]
+__all__ = ["InFlight", "InFlightCounts"]
 
 
 class InFlightCounts(Protocol):
@@ -62,18 +57,3 @@ class InFlight:
     def total(self) -> int:
         return sum(self.counts.values())
 
-
-def pick_least_outstanding(candidates: Sequence[str], in_flight: InFlight,
-                           rng: random.Random = random._inst) -> str | None:
-    """The candidate with the fewest requests in flight (random among ties), or None."""
-    if not candidates:
-        return None
-    if len(candidates) == 1:
-        return candidates[0]
-    counts = in_flight.counts
-    elsewhere = in_flight.elsewhere
-    if elsewhere:
-        counts = {name: counts.get(name, 0) + elsewhere.get(name, 0) for name in candidates}
-    best = min(counts.get(name, 0) for name in candidates)
-    tied = [name for name in candidates if counts.get(name, 0) == best]
-    return tied[0] if len(tied) == 1 else rng.choice(tied)

@@ -32,9 +32,9 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Literal, NamedTuple
 
-from narwhal.fleet.prefix_index import PrefixIndex
+from narwhal.fleet.placement.prefix_index import PrefixIndex
 
-__all__ = ["ANCHOR_BLOCKS", "Choice", "Placer", "Reason"]
+__all__ = ["ANCHOR_BLOCKS", "Choice", "Placer", "Reason", "least_outstanding"]
 
 Reason = Literal["hit", "miss", "spill", "only_choice", "least_outstanding"]
 # Rendezvous hashing keys on the hash of this many leading blocks (fewer in a shorter prompt).
@@ -48,6 +48,17 @@ class Choice(NamedTuple):
     engine: str
     reason: Reason
     matched: float | None
+
+
+def least_outstanding(candidates: Sequence[str], load: Callable[[str], int], rng: random.Random) -> str:
+    """The candidate (at least one) with the least ``load``; ``rng`` picks among ties.
+
+    Random, so that a burst after a quiet spell does not pile onto the first engine in the config.
+    """
+    loads = [load(name) for name in candidates]
+    least = min(loads)
+    tied = [name for name, n in zip(candidates, loads, strict=True) if n == least]
+    return tied[0] if len(tied) == 1 else rng.choice(tied)
 
 
 def _salt(name: str) -> int:
@@ -97,7 +108,7 @@ class Placer:
             name = candidates[0]
             return Choice(name, "only_choice", index.match(name, blocks) / n if n else None)
         if not self.cache_aware:
-            return self._least_loaded(candidates, load, blocks, "least_outstanding")
+            return Choice(least_outstanding(candidates, load, self.rng), "least_outstanding", None)
         loads = {name: load(name) for name in candidates}
         least = min(loads.values())
         bound = max(least + self.balance_abs, least * self.balance_rel)
@@ -131,10 +142,7 @@ class Placer:
             return None
         if len(candidates) == 1:
             return Choice(candidates[0], "only_choice", None)
-        loads = [load(name) for name in candidates]
-        least = min(loads)
-        tied = [name for name, n in zip(candidates, loads, strict=True) if n == least]
-        return Choice(tied[0] if len(tied) == 1 else self.rng.choice(tied), "least_outstanding", None)
+        return Choice(least_outstanding(candidates, load, self.rng), "least_outstanding", None)
 
     def record(self, engine: str, blocks: Sequence[int]) -> None:
         """The prompt was sent to ``engine``: it holds these blocks now."""
@@ -143,14 +151,6 @@ class Placer:
             self.index.record(engine, blocks, at)
             if self.on_record is not None:
                 self.on_record(engine, blocks, at)
-
-    def _least_loaded(self, candidates: Sequence[str], load: Callable[[str], int], blocks: Sequence[int],
-                      reason: Reason) -> Choice:
-        loads = [load(name) for name in candidates]
-        least = min(loads)
-        tied = [name for name, n in zip(candidates, loads, strict=True) if n == least]
-        name = tied[0] if len(tied) == 1 else self.rng.choice(tied)
-        return Choice(name, reason, None)
 
     def _pick(self, pool: list[str], blocks: Sequence[int], reason: Reason, matched: int) -> Choice:
         n = len(blocks)

@@ -32,10 +32,10 @@ checks prove nothing about decodes that fail. So while such a quarantine
 stands, the chain ends with an inference probe (``inference_check``, the
 supervisor's), whose success clears the quarantine before the readmission.
 
-Schedule (``narwhal.control.readmission_schedule``). An ejected engine is
+Schedule (``schedule``). An ejected engine is
 tried as soon as a health check sees it answer with a success: the monitor's
 health sweep and the recheck (every ``recovery.recheck_interval_s``, of the
-engines that are out only, ``narwhal.control.recheck``) report each answer to
+engines that are out only, ``recheck``) report each answer to
 ``health_observed``, which starts the chain at once, in the same pass. After a
 refusal (or a readmission that did not last ``probe_interval_s``) the next
 health-started attempt backs off: ``recheck_interval_s``, doubling, at most
@@ -61,14 +61,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import enum
 import functools
 import logging
 import math
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 import trio
@@ -76,8 +75,9 @@ import trio
 from narwhal.config import Config, EngineSpec
 from narwhal.control import contract
 from narwhal.control.fleet_writer import FleetWriter
-from narwhal.control.readmission_schedule import EngineSchedule, ReadmissionSchedule
-from narwhal.control.recheck import Rechecker
+from narwhal.control.readmission.model import CHAIN, Check, ReadmissionResult, ReadmissionState
+from narwhal.control.readmission.recheck import Rechecker
+from narwhal.control.readmission.schedule import EngineSchedule, ReadmissionSchedule
 from narwhal.errors import EngineFailure, PoolSaturated, SuccessKind
 from narwhal.fleet import DRAIN_HOLDS, EjectionCause, EngineView, HoldKind
 from narwhal.fleet.placement import InFlightCounts
@@ -91,66 +91,7 @@ from narwhal.wire import AttestRequest, EngineIdentity
 # A readmission reason (logged, kept, shown) is cut here, whatever the engine sent.
 _MAX_REASON_CHARS = 1000
 
-__all__ = ["CHAIN", "DRAIN_HOLDS", "Check", "ReadmissionResult", "ReadmissionState", "Readmitter"]
-
-
-
-class Check(enum.StrEnum):
-    """One step of the readmission chain (the ``check`` label of logs and metrics)."""
-
-    HEALTH = "health"
-    ATTESTATION = "attestation"
-    NEWER_PROCESS = "newer_process"
-    MODEL = "model"
-    GENERATION = "generation"
-    KV_ROLE = "kv_role"
-    FINAL_HEALTH = "final_health"
-    INFERENCE = "inference"
-    # Not a step: an operator drain or maintenance began while the chain ran,
-    # and a readmission must not clear a hold the operator asked for after it.
-    OPERATOR_HOLD = "operator_hold"
-
-
-# The chain in order; NEWER_PROCESS runs only for an engine under maintenance.
-CHAIN: tuple[Check, ...] = (Check.HEALTH, Check.ATTESTATION, Check.NEWER_PROCESS, Check.MODEL,
-                            Check.GENERATION, Check.KV_ROLE, Check.FINAL_HEALTH, Check.INFERENCE)
-
-
-class ReadmissionResult(msgspec.Struct, frozen=True, kw_only=True):
-    """One readmission attempt: who, whether it passed, and which check refused it and why."""
-
-    engine: str
-    outcome: Literal["readmitted", "refused"]
-    # The check that failed; None when readmitted.
-    check: str | None
-    reason: str
-    operator: bool
-    passed: list[str]
-    # Wall-clock unix seconds when the attempt began, and how long it took.
-    at: float
-    duration_s: float
-    # Readmitted: seconds from the engine's first health success since its ejection to
-    # its return to placement; None when refused or no such answer was seen.
-    health_to_eligible_s: float | None = None
-
-    @property
-    def readmitted(self) -> bool:
-        return self.outcome == "readmitted"
-
-
-class ReadmissionState(msgspec.Struct, frozen=True, kw_only=True):
-    """What the readmitter knows of one engine: drain settled, maintenance start, the latest attempt."""
-
-    drained: bool
-    maintenance_started_at: float | None
-    readmission_running: bool
-    last_readmission: ReadmissionResult | None
-    # Out engines: when a health check first saw it answer since its ejection (monotonic),
-    # the backoff its refusals or flaps have earned, and its next automatic attempt
-    # (monotonic; None when none is scheduled, e.g. drained or in placement).
-    health_answered_at: float | None = None
-    readmission_backoff_s: float = 0.0
-    next_readmission_at: float | None = None
+__all__ = ["Readmitter"]
 
 
 # Ejections for failed inference: a health success says nothing about them, so on its own
