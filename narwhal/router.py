@@ -8,9 +8,8 @@ admin listener (the same HTTP/1.1 server, with its own bounds), the data
 plane and the lease. ``shutdown`` closes admission, stops accepting, lets
 in-flight requests finish within the grace period, then cancels the rest.
 ``reload`` (SIGHUP, ``POST /admin/reload``) is the one reload path: the config
-file (its reloadable keys, ``narwhal.config_diff``; engines added through
-readmission, removed after their requests finish or are cut at
-serving.shutdown_grace_s), then ``reload_tls``: this
+file (its reloadable keys, ``narwhal.config_diff``; the engine set applied by
+``narwhal.control.engine_set``, whose tables follow the engine registry), then ``reload_tls``: this
 process's contexts (the admin listener's too), then the data plane's (each
 worker's), and ``tls_reloaded`` only once every part reloaded. The engine set
 reaches worker processes in the hub's snapshots.
