@@ -1,8 +1,10 @@
 """What a config reload changes: the pure diff of two ``Config``s (no I/O).
 
-Engines are matched by name. An engine whose ``url`` or ``role`` changed is a
-removal plus an addition (its evidence belonged to another process or another
-role); it is listed under ``changed`` and in both ``removed`` and ``added``.
+Engines are matched by name, as the engine registry matches them
+(``narwhal.fleet.registry.diff_entries``). An engine whose ``url`` or ``role``
+changed is a removal plus an addition (its evidence belonged to another
+process or another role); it is listed under ``changed`` and in both
+``removed`` and ``added``.
 (Were ``engines`` ever taken out of ``RELOADABLE_KEYS``, a differing set
 would also put ``engines`` among ``keys_needing_restart``.)
 Every other key is compared as its dotted TOML path (``recovery.eject_after``)
@@ -19,6 +21,7 @@ from typing import Any
 import msgspec
 
 from narwhal.config import ENGINE_TIMEOUT_KEYS, Config
+from narwhal.fleet.registry import diff_entries, entries_from_config
 
 __all__ = ["RELOADABLE_KEYS", "ConfigDiff", "diff_configs", "flat_keys", "is_reloadable", "merge_reloadable"]
 
@@ -91,17 +94,14 @@ def flat_keys(config: Config) -> dict[str, Any]:
 
 def diff_configs(old: Config, new: Config) -> ConfigDiff:
     """The changes from ``old`` (running) to ``new`` (just read); engines in ``new``'s order."""
-    old_engines = {spec.name: spec for spec in old.engines}
-    new_engines = {spec.name: spec for spec in new.engines}
-    changed = [spec.name for spec in new.engines if spec.name in old_engines
-               and (old_engines[spec.name].url, old_engines[spec.name].role) != (spec.url, spec.role)]
-    added = [spec.name for spec in new.engines if spec.name not in old_engines or spec.name in changed]
-    removed = [spec.name for spec in old.engines if spec.name not in new_engines or spec.name in changed]
+    # fleet.model needs a restart: both sides carry the running one, as the reload applies them.
+    engines = diff_entries(entries_from_config(old), entries_from_config(new, model=old.fleet.model))
+    added, removed = engines.added, engines.removed
     old_keys, new_keys = flat_keys(old), flat_keys(new)
     differing = sorted(key for key in old_keys.keys() | new_keys.keys() if old_keys.get(key) != new_keys.get(key))
     if (added or removed) and not is_reloadable("engines"):
         differing.append("engines")
-    return ConfigDiff(engines_added=added, engines_removed=removed, engines_changed=changed,
+    return ConfigDiff(engines_added=added, engines_removed=removed, engines_changed=engines.changed,
                       keys_changed=[key for key in differing if is_reloadable(key)],
                       keys_needing_restart=[key for key in differing if not is_reloadable(key)])
 

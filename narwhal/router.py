@@ -8,9 +8,8 @@ admin listener (the same HTTP/1.1 server, with its own bounds), the data
 plane and the lease. ``shutdown`` closes admission, stops accepting, lets
 in-flight requests finish within the grace period, then cancels the rest.
 ``reload`` (SIGHUP, ``POST /admin/reload``) is the one reload path: the config
-file (its reloadable keys, ``narwhal.config_diff``; engines added through
-readmission, removed after their requests finish or are cut at
-serving.shutdown_grace_s), then ``reload_tls``: this
+file (its reloadable keys, ``narwhal.config_diff``; the engine set applied by
+``narwhal.control.engine_set``, whose tables follow the engine registry), then ``reload_tls``: this
 process's contexts (the admin listener's too), then the data plane's (each
 worker's), and ``tls_reloaded`` only once every part reloaded. The engine set
 reaches worker processes in the hub's snapshots.
@@ -38,8 +37,17 @@ from narwhal.app.control_app import create_app
 from narwhal.app.router_status import RouterStatus, router_status
 from narwhal.app.ui_routes import register_ui_routes
 from narwhal.clocks import to_monotonic
-from narwhal.config import Config, ConfigError, EngineSpec, join_listen, load_config, parse_listen
-from narwhal.config_diff import ConfigDiff, diff_configs, merge_reloadable
+from narwhal.config import Config, ConfigError, join_listen, load_config, parse_listen
+from narwhal.config_diff import diff_configs, merge_reloadable
+from narwhal.control.engine_set import (
+    EngineSet,
+    EngineSetListener,
+    FleetFollower,
+    InFlightFollower,
+    PrefixIndexFollower,
+    SetFollower,
+    TablesFollower,
+)
 from narwhal.control.engine_view import EngineViewer
 from narwhal.control.fleet_writer import FleetWriter
 from narwhal.control.monitor import Monitor
@@ -50,6 +58,7 @@ from narwhal.errors import StartupError
 from narwhal.fleet import Fleet, FleetEvent, FleetEventKind, HoldKind
 from narwhal.fleet.admission import Admission
 from narwhal.fleet.placement import SharedIndex
+from narwhal.fleet.registry import EngineRegistry, entries_from_config
 from narwhal.fleet.telemetry import Telemetry
 from narwhal.http1.asgi import ASGILifespan, call_asgi
 from narwhal.http1.server import HTTPServer
@@ -65,7 +74,7 @@ from narwhal.serving.front import build_admin_server
 from narwhal.serving.placement import RequestPlacement, build_index, build_placer, reconfigure_index
 from narwhal.stages import build_stages, health_check_timeout_s
 from narwhal.stages.persistence import HandoffExtra, PersistenceStage
-from narwhal.state.handoff import EngineSetEntry, LeaseOwnership
+from narwhal.state.handoff import LeaseOwnership
 from narwhal.state.resume import apply_resume, operator_holds, plan_resume
 from narwhal.tls import ExpiryWatch, TLSContexts
 from narwhal.workers.hub import WorkerHub
@@ -76,9 +85,6 @@ from narwhal.workers.view import WorkerView
 
 __all__ = ["Router"]
 
-
-# How often a removal looks whether the engine's last request finished.
-REMOVAL_POLL_S = 0.05
 
 _WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
 _LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
@@ -163,10 +169,13 @@ class Router:
         self.router_id = config.lease.router_id or f"{socket.gethostname()}-{os.getpid()}"
         self.metrics = RouterMetrics()
         self.admission = Admission(clock=trio.current_time)
+        # The engine set every per-engine table follows (self.engine_set tells them of its changes).
+        self.registry = EngineRegistry(entries_from_config(config), grace_s=config.serving.shutdown_grace_s)
+        engines = self.registry.entries()
         recovery = config.recovery
         # The one writer: every part that changes the fleet gets this, never the bare Fleet.
         self.fleet = FleetWriter(Fleet(
-            [(spec.name, spec.role) for spec in config.engines],
+            [(entry.name, entry.role) for entry in engines],
             eject_after=recovery.eject_after,
             liveness_misses=recovery.liveness_misses,
             failure_quarantine_s=recovery.failure_quarantine_s,
@@ -183,20 +192,23 @@ class Router:
                                         ssl_context=self.tls.engine)
         self.supervisor = Supervisor(config=config, fleet=self.fleet, control_pool=self.control_pool,
                                      metrics=self.metrics)
-        self.telemetry = Telemetry([(spec.name, spec.role) for spec in config.engines], clock=trio.current_time,
+        self.telemetry = Telemetry([(entry.name, entry.role) for entry in engines], clock=trio.current_time,
                                    interval_s=config.telemetry.interval_s,
                                    keep_intervals=config.telemetry.keep_intervals)
         # /admin/timeline: fed with every finished request (the workers' via their reports) and sampled each second.
-        self.timeline = TimelineFeed(Timeline([spec.name for spec in config.engines]), self.telemetry,
+        self.timeline = TimelineFeed(Timeline([entry.name for entry in engines]), self.telemetry,
                                      in_flight=self._in_flight_counts, views=self.fleet.views)
         # The app reads this router's state as it answers: built here, the data plane hands it other routes.
         self.app = create_app(self)
         self.worker_count = config.serving.workers
-        self.hub = WorkerHub(self.supervisor, self.admission, engines=[spec.name for spec in config.engines],
+        # Workers place on the registry's engine set (engines being removed included) and the running
+        # config's placement and engine timeouts, from their snapshots.
+        self.hub = WorkerHub(self.supervisor, self.admission, engines=[entry.name for entry in engines],
                              clock=trio.current_time,
                              to_link_clock=None if self.worker_count == 1
                              else functools.partial(to_monotonic, clock=trio.current_time),
-                             record_sample=self.timeline.record_request, share_in_flight=self.worker_count > 1)
+                             record_sample=self.timeline.record_request, share_in_flight=self.worker_count > 1,
+                             engine_specs=self.registry.spec_list, running_config=lambda: self.config)
         # Whatever a snapshot is built from tells the hub when it changed; it publishes only then.
         self.admission.on_change = self.hub.poke
         self.fleet.on_change = self.hub.poke
@@ -231,25 +243,29 @@ class Router:
                                admission=self.admission, metrics=self.metrics)
         self.engine_view = EngineViewer(config=config, fleet=self.fleet, in_flight=self.in_flight,
                                         readmitter=self.readmitter, controller=self.controller, monitor=self.monitor,
-                                        prefix_index=self.prefix_index.index)
+                                        prefix_index=self.prefix_index.index, specs=self.registry.specs)
         register_admin_routes(self.app, self)
         # The [admin] listen server while it runs.
         self.admin_server: HTTPServer | None = None
         register_ui_routes(self.app, self)
-        # The engine set as it changes with reloads: the supervisor's specs are the one table
-        # of addresses (engines being removed included); workers get it in their snapshots.
-        self.engine_view.specs = self.supervisor.engines
-        self.hub.engine_specs = lambda: list(self.supervisor.engines.values())
-        self.hub.running_config = lambda: self.config
-        # Engines a reload removed that still finish their requests, and additions waiting for
-        # an engine of the same name (a changed url or role) to leave first.
-        self._removing: set[str] = set()
-        self._pending_additions: dict[str, EngineSpec] = {}
-        # Each running removal's wait, cancelled when its engine is put back unchanged.
-        self._removal_scopes: dict[str, trio.CancelScope] = {}
+        self.engine_set = EngineSet(self.registry, self._engine_tables(), in_flight=self.in_flight)
         self.bound_port: int | None = None
-        self._nursery: trio.Nursery | None = None
         self._register_gauges()
+
+    def _engine_tables(self) -> list[EngineSetListener]:
+        """Every table kept per engine, in the order each hears of a change (the fleet logs it first)."""
+        tables: list[EngineSetListener] = [
+            FleetFollower(self.fleet, self.in_flight, grace_s=self.config.serving.shutdown_grace_s),
+            TablesFollower(supervisor=self.supervisor, health=self.stages.health, readmitter=self.readmitter,
+                           drain=self.drain, controller=self.controller)]
+        if isinstance(self.data_plane, LocalDataPlane):
+            # With workers the hub's in-flight sums follow its engine set (SetFollower).
+            tables.append(InFlightFollower(self.data_plane.in_flight.forget))
+        tables.append(PrefixIndexFollower(self.registry, self.prefix_index,
+                                          self.index_relay if self.index_relay is not None else self.prefix_index))
+        tables.append(SetFollower(self.registry, telemetry=self.telemetry, persistence=self.persistence,
+                                  hub=self.hub))
+        return tables
 
     def _build_data_plane(self, config_dir: Path | None) -> DataPlane:
         """This process serves the data plane itself, or leaves it to ``serving.workers`` processes."""
@@ -340,15 +356,8 @@ class Router:
 
     def _forget_on_fleet_event(self, event: FleetEvent) -> None:
         # An ejected engine may have crashed, and one under maintenance comes back only as a newer
-        # process: either way its prefix cache is empty when it returns. One a reload removed is
-        # forgotten in every process (a later one of that name starts fresh); its key goes with
-        # the engine set (_engine_set_changed).
-        if event.kind is FleetEventKind.REMOVED and event.engine in self.prefix_index.index.engines:
-            if self.index_relay is not None:
-                self.index_relay.forget(event.engine)
-            else:
-                self.prefix_index.forget(event.engine)
-            return
+        # process: either way its prefix cache is empty when it returns. (One a reload removed is
+        # forgotten by the engine set's PrefixIndexFollower.)
         maintenance = event.kind is FleetEventKind.HOLD_ADDED and event.hold_kind is HoldKind.MAINTENANCE
         if event.kind is not FleetEventKind.EJECTED and not maintenance:
             return
@@ -429,7 +438,8 @@ class Router:
             listeners = await self._bind(host, port)
             admin_fd = self._bind_admin() if self.config.admin.listen else None
             async with ASGILifespan(self.app), trio.open_nursery() as nursery:
-                self._nursery = nursery
+                # Removals a reload starts wait for their engines' requests in here.
+                await nursery.start(self.engine_set.run)
                 nursery.start_soon(self._flush_logs_periodically)
                 await nursery.start(self.supervisor.run)
                 if self.resume:
@@ -559,7 +569,8 @@ class Router:
                 return self._reload_failed(problem)
             changes = diff_configs(self.config, new)
             self._apply_config(merge_reloadable(self.config, new), key)
-            self._apply_engines(changes, new)
+            # The new engine set (the running fleet.model kept: it needs a restart), its difference applied.
+            self.engine_set.apply(entries_from_config(self.config))
             await self.control_pool.set_timeouts(self.config.engine)
             # The data plane (each worker's) takes placement, the engine timeouts and the engine set now.
             self.hub.publish()
@@ -635,109 +646,6 @@ class Router:
         self.controller.tracker.drift_intervals = controller.drift_intervals
         self.telemetry.interval_s = config.telemetry.interval_s
 
-    # -- the engine set --------------------------------------------------------------------
-
-    def _apply_engines(self, changes: ConfigDiff, new: Config) -> None:
-        """Start removing what the reload removed, then add what it added (after a same-named one left).
-
-        The same engine (name, url and role as written) put back while it is still
-        being removed was never gone: its removal is called off, its streams go on.
-        """
-        specs = {spec.name: spec for spec in new.engines}
-        for name in changes.engines_removed:
-            self._start_removal(name)
-        for name in changes.engines_added:
-            if name in self._removing and self.supervisor.engines.get(name) == specs[name]:
-                self._cancel_removal(name)
-            elif self.fleet.knows(name):
-                # The old engine of this name is still finishing its requests: added once it left.
-                self._pending_additions[name] = specs[name]
-            else:
-                self._add_engine(specs[name])
-
-    def _add_engine(self, spec: EngineSpec) -> None:
-        """Track ``spec`` fresh and held (ejected, cause ``added``); the readmission chain admits it."""
-        now = trio.current_time()
-        self.supervisor.engines[spec.name] = spec
-        self.stages.health.engines.append(spec)
-        self.fleet.add_engine(spec.name, spec.role, now,
-                              "added by a config reload: enters placement once the readmission checks pass")
-        self._engine_set_changed()
-        self.readmitter.add_engine(spec)
-
-    def _start_removal(self, name: str) -> None:
-        """No new request for ``name`` from now on; it leaves every table once its requests finished."""
-        if self._pending_additions.pop(name, None) is not None:
-            return  # never added: the engine of that name still leaving goes on leaving
-        if name in self._removing or not self.fleet.knows(name):
-            return
-        self._removing.add(name)
-        grace = self.config.serving.shutdown_grace_s
-        self.fleet.start_removal(name, trio.current_time(),
-                                 f"removed from the config: no new requests; leaves once its "
-                                 f"{self.in_flight[name]} request(s) in flight finish (cut after {grace:g} s)")
-        self._engine_set_changed()
-        if self._nursery is None:
-            self._finish_removal_now(name)
-        else:
-            scope = self._removal_scopes[name] = trio.CancelScope()
-            self._nursery.start_soon(self._finish_removal, name, grace, scope, name=f"removal {name}")
-
-    def _cancel_removal(self, name: str) -> None:
-        """``name`` came back unchanged before it left: it stays, with its requests, evidence and holds."""
-        self._removing.discard(name)
-        scope = self._removal_scopes.pop(name, None)
-        if scope is not None:
-            scope.cancel()
-        self.fleet.cancel_removal(name, trio.current_time(),
-                                  "put back into the config unchanged before it left: its removal is called off")
-        self._engine_set_changed()
-
-    async def _finish_removal(self, name: str, grace_s: float, scope: trio.CancelScope) -> None:
-        # Requests in flight finish (the count falls as they end), bounded by the grace period;
-        # ``scope`` is cancelled when the engine comes back before that (_cancel_removal).
-        with scope:
-            with trio.move_on_after(grace_s):
-                while self.in_flight[name] > 0:
-                    await trio.sleep(REMOVAL_POLL_S)
-            self._removal_scopes.pop(name, None)
-            self._finish_removal_now(name)
-
-    def _finish_removal_now(self, name: str) -> None:
-        left = self.in_flight[name]
-        reason = ("removed from the config; its requests finished" if not left else
-                  f"removed from the config; {left} request(s) still in flight after serving.shutdown_grace_s "
-                  "are cut (their clients get an error, or the stream continues on another engine; "
-                  "never evidence)")
-        self._removing.discard(name)
-        self.fleet.remove_engine(name, trio.current_time(), reason)
-        self.supervisor.engines.pop(name, None)
-        self.stages.health.engines = [spec for spec in self.stages.health.engines if spec.name != name]
-        self.readmitter.remove_engine(name)
-        self.drain.drained.discard(name)
-        self.controller.engines_changed(removed=[name])
-        forget = getattr(self.in_flight, "forget", None)
-        if forget is not None:
-            forget(name)
-        self._engine_set_changed()
-        pending = self._pending_additions.pop(name, None)
-        if pending is not None:
-            self._add_engine(pending)
-
-    def _engine_set_changed(self) -> None:
-        """Tables keyed by engine follow the fleet: telemetry, the workers' hub, the handoff's engine set."""
-        specs = self.supervisor.engines
-        self.telemetry.set_engines([(name, spec.role) for name, spec in specs.items()])
-        # Cache-aware placement indexes the prefill engines (each worker's copy follows its snapshots).
-        self.prefix_index.index.set_engines(name for name, spec in specs.items() if spec.role == "prefill")
-        self.hub.set_engines(specs)
-        self.controller.engines_changed()
-        # The handoff records the running set: what this router serves and keeps serving.
-        self.persistence.engine_set = [EngineSetEntry(name=spec.name, url=spec.base_url, role=spec.role)
-                                       for name, spec in specs.items() if name not in self._removing]
-        # Now, not at the publisher's next turn: an engine that left has its legs cut by the
-        # data plane as it takes this snapshot (one in this process reads it only per request).
-        self.hub.publish()
 
     async def reload_tls(self) -> bool:
         """``_reload_tls_outcome``: True when every part reloaded."""

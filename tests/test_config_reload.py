@@ -305,7 +305,7 @@ async def test_an_identical_engine_put_back_within_the_grace_period_keeps_its_st
     caplog.set_level(logging.INFO, logger="narwhal.events")
     config_file.write_text(config_file.read_text() + D2)
     await router.reload()
-    router._nursery = nursery  # as Router.run sets it: removals wait for their requests
+    await nursery.start(router.engine_set.run)  # as Router.run starts it: removals wait for their requests
     finish, cuts = await streams_on_d1(router, nursery, 8)
     with_d1 = config_file.read_text()
     config_file.write_text(with_d1.replace(D1, ""))
@@ -335,7 +335,7 @@ async def test_a_changed_engine_put_back_within_the_grace_period_is_still_a_remo
     caplog.set_level(logging.INFO, logger="narwhal.events")
     config_file.write_text(config_file.read_text() + D2)
     await router.reload()
-    router._nursery = nursery
+    await nursery.start(router.engine_set.run)
     finish, cuts = await streams_on_d1(router, nursery, 3)
     with_d1 = config_file.read_text()
     config_file.write_text(with_d1.replace(D1, ""))

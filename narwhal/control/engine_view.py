@@ -139,7 +139,7 @@ class EngineViewer:
 
     def __init__(self, *, config: Config, fleet: _FleetViews, in_flight: InFlightCounts, readmitter: _Readmitter,
                  controller: _Controller, monitor: _Monitor, clock: Callable[[], float] = trio.current_time,
-                 prefix_index: _PrefixIndex | None = None) -> None:
+                 prefix_index: _PrefixIndex | None = None, specs: Mapping[str, EngineSpec] | None = None) -> None:
         self.config = config
         self.prefix_index = prefix_index
         self.fleet = fleet
@@ -150,7 +150,7 @@ class EngineViewer:
         self.clock = clock
         # Engine addresses by name, including one a reload is removing (no longer in the config);
         # None: read from the config.
-        self.specs: Mapping[str, EngineSpec] | None = None
+        self.specs = specs
 
     def engines(self) -> EnginesView:
         """Every engine in configured order, consolidation risk and the monitor."""

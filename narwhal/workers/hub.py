@@ -97,7 +97,9 @@ class WorkerHub:
 
     def __init__(self, control: ControlPlane, admission: _Gate, *, engines: Iterable[str],
                  clock: Callable[[], float], to_link_clock: Callable[[float], float] | None = None,
-                 record_sample: Callable[..., None] | None = None, share_in_flight: bool = False) -> None:
+                 record_sample: Callable[..., None] | None = None, share_in_flight: bool = False,
+                 engine_specs: Callable[[], list[EngineSpec]] | None = None,
+                 running_config: Callable[[], Config] | None = None) -> None:
         self._control = control
         self._admission = admission
         self._clock = clock
@@ -123,9 +125,9 @@ class WorkerHub:
         # Told of the prompts each worker placed (the prefix index relay), when set.
         self.on_placements: Callable[[int, Report], None] | None = None
         # The engine set workers place on (the supervisor's); None: as in the config they were given.
-        self.engine_specs: Callable[[], list[EngineSpec]] | None = None
+        self.engine_specs = engine_specs
         # The running config (reloads change it): workers take its placement and engine timeouts.
-        self.running_config: Callable[[], Config] | None = None
+        self.running_config = running_config
 
     def set_engines(self, names: Iterable[str]) -> None:
         """The engine set changed (a config reload): in-flight sums and exclusions follow it."""
