@@ -718,9 +718,7 @@ class Router:
         self.readmitter.remove_engine(name)
         self.drain.drained.discard(name)
         self.controller.engines_changed(removed=[name])
-        forget = getattr(self.in_flight, "forget", None)
-        if forget is not None:
-            forget(name)
+        self.in_flight.forget(name)
         self._engine_set_changed()
         pending = self._pending_additions.pop(name, None)
         if pending is not None:
