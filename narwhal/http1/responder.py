@@ -1,7 +1,7 @@
 """The response to one request, framed for its connection: whole, or streamed in chunks.
 
 No socket here: the ``Responder`` writes bytes to a ``Wire`` (the front's
-``Connection``; a list of writes in ``tests/test_http1_responder.py``) and
+``Connection``; a list of writes in ``tests/test_http1_connection.py``) and
 decides the framing (content-length, chunked, HTTP/1.0's close-delimited body)
 and whether the connection goes on after the response.
 """

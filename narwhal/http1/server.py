@@ -3,7 +3,11 @@
 Theory of operation: each connection is served by one task, a thin socket
 loop around the connection's ``HTTP1Protocol`` (``narwhal/http1/protocol.py``:
 parsing, limits, deadlines and response framing, with no I/O; tested with
-bytes in and bytes out).
+bytes in and bytes out). The parts live in their own modules: the socket
+loop in ``connection.py`` (``Connection``, which sees the server only through
+its ``ServerContext``), each response's framing in ``responder.py``, the TLS
+handshake in ``tls_handshake.py``, the write watchdog and the fallback
+disconnect watch in ``watchdogs.py``; this module accepts, caps and shuts down.
 
 - While no request is being handled, the connection task owns every receive:
   it feeds bytes to the protocol, which queues ``Request`` objects (pipelined
