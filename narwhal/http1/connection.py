@@ -102,7 +102,6 @@ class Connection:
     __slots__ = (
         "_client",
         "_drained",
-        "_fd",
         "_gone_reason",
         "_handler_scope",
         "_idle",
@@ -110,6 +109,7 @@ class Connection:
         "_watch",
         "context",
         "disconnected",
+        "fd",
         "on_stall",
         "overflow",
         "protocol",
@@ -124,8 +124,9 @@ class Connection:
         self.stream = stream
         # None for a stream with no socket under it (tests' memory streams).
         self.sock: trio.socket.SocketType | None = _socket_or_none(stream)
-        # Plain sockets get the syscall fast path; any other trio Stream (TLS) the generic one.
-        self._fd = self.sock.fileno() if isinstance(stream, trio.SocketStream) and self.sock else -1
+        # The plain socket's descriptor, for the syscall fast path; -1 (TLS, socketless streams) takes
+        # the generic stream methods.
+        self.fd = self.sock.fileno() if isinstance(stream, trio.SocketStream) and self.sock else -1
         # In the server's readiness set for the connection's whole life: it wakes this task when
         # bytes arrive, and sees the client go away mid-request (any stream: the TCP socket under it).
         self._watch = (context.readiness.watch(self.sock.fileno(), self.client_gone, context.gone_events)
@@ -149,11 +150,6 @@ class Connection:
         self._idle = False
         # A new connection's request is usually there already: read before waiting.
         self._drained = False
-
-    @property
-    def fd(self) -> int:
-        """The plain socket's descriptor (-1 for TLS and socketless streams)."""
-        return self._fd
 
     @property
     def secure(self) -> bool:
@@ -227,7 +223,7 @@ class Connection:
 
     async def _receive(self) -> bytes:
         """The next bytes from the client; b"" on EOF or a reset."""
-        fd = self._fd
+        fd = self.fd
         if fd < 0:
             try:
                 return bytes(await self.stream.receive_some(RECEIVE_SIZE))
@@ -320,7 +316,7 @@ class Connection:
         """One socket write, the slow part watched by the write timeout; ClientDisconnected if the client is gone."""
         if self.disconnected:
             raise self.gone_error()
-        fd = self._fd
+        fd = self.fd
         rest: bytes | memoryview = data
         if fd >= 0:
             # The kernel takes the bytes at once unless the socket buffer is full: then no

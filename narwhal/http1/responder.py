@@ -47,17 +47,19 @@ class Responder:
 
     Handlers must not pass ``content-length``, ``transfer-encoding`` or
     ``connection`` headers: the responder frames the body itself. Besides
-    ``started``, ``finished`` says the whole response went out and
-    ``client_disconnected`` that the client is known to be gone.
+    ``started``, ``finished`` says the whole response went out,
+    ``client_disconnected`` that the client is known to be gone and ``closes``
+    that the connection ends after this response.
     """
 
-    __slots__ = ("_chunked", "_closes", "_conn", "_request", "finished", "started")
+    __slots__ = ("_chunked", "_conn", "_request", "closes", "finished", "started")
 
     def __init__(self, conn: Wire, request: Request) -> None:
         self._conn = conn
         self._request = request
         self._chunked = False
-        self._closes = False
+        # The connection ends after this response (``connection: close``, or an HTTP/1.0 stream).
+        self.closes = False
         self.started = False
         self.finished = False
 
@@ -70,11 +72,6 @@ class Responder:
     def secure(self) -> bool:
         """True when the request came over TLS."""
         return self._conn.secure
-
-    @property
-    def closes(self) -> bool:
-        """The connection ends after this response (``connection: close``, or an HTTP/1.0 stream)."""
-        return self._closes
 
     async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         """Send a complete response (head and body in one write)."""
@@ -104,7 +101,7 @@ class Responder:
             head = self._head(status, headers, CHUNKED_HEADER, chunk)
         else:
             # HTTP/1.0 has no chunked coding: the body ends when the connection closes.
-            self._closes = True
+            self.closes = True
             head = self._head(status, headers, b"", first)
         await self._conn.send(head)
 
@@ -148,6 +145,6 @@ class Responder:
         """The response head followed by ``payload``, joined into one buffer for one write."""
         context = self._conn.context
         if not self._request.keep_alive or context.closing:
-            self._closes = True
+            self.closes = True
         return response_head(self._request, status, headers, context.common_head_lines(), framing, payload,
-                             closes=self._closes)
+                             closes=self.closes)
