@@ -13,7 +13,7 @@ library's or a bug. The tree, with the module each class lives in:
     ├── StartupError ................ the router cannot start: one line naming the cause (exit status 2)
     ├── ClientError ................. serving.request_core: a request refused with its status and JSON error
     ├── ClientGone .................. the client went away or stopped reading (``reason`` says which)
-    │   └── ClientDisconnected ...... http1.server: the client went away before the response was written
+    │   └── ClientDisconnected ...... http1.connection: the client went away before the response was written
     ├── HTTPTransportError .......... http1.client: engine-connection trouble, before the pools classify it
     │   ├── ConnectFailed
     │   ├── ConnectTimeout

@@ -117,6 +117,7 @@ class Upstream:
         self.chunks = chunks
         self.failure = failure
         self.saw_terminal = False
+        self.relay_watch = None
 
     async def read(self) -> bytes:
         await trio.lowlevel.checkpoint()
@@ -138,6 +139,7 @@ class MockPool:
         self.calls: list[tuple[str, str, dict[str, Any]]] = []
         # Successive decode legs, whichever engine they land on, are cut after these many tokens.
         self.cuts: list[int | None] = []
+        self.pump = None
 
     async def _answer(self, engine, path: str, body: bytes) -> Recorder:
         payload = json.loads(body)
@@ -171,15 +173,16 @@ class MockPool:
 class ClientSink:
     def __init__(self) -> None:
         self.started = False
+        self.finished = False
         self.ended = False
         self.status = 0
         self.body = b""
 
     async def respond(self, status, headers, body):
-        self.status, self.body = status, body
+        self.status, self.body, self.finished = status, body, True
 
     async def start_stream(self, status, headers, first=b"", end=False):
-        self.started, self.status, self.body, self.ended = True, status, first, end
+        self.started, self.status, self.body, self.ended, self.finished = True, status, first, end, end
 
     async def write(self, data):
         assert not self.ended
@@ -187,7 +190,11 @@ class ClientSink:
 
     async def end_stream(self, last=b""):
         self.body += last
-        self.ended = True
+        self.ended = self.finished = True
+
+    def direct(self) -> None:
+        """No client socket under this sink: the relay pump never takes its stream."""
+        return None
 
     def events(self) -> list[Any]:
         out = []

@@ -350,6 +350,7 @@ class EndlessStream:
     """A decode stream that never ends: an event every 10 ms."""
 
     saw_terminal = False
+    relay_watch = None
 
     async def read(self) -> bytes:
         await trio.sleep(0.01)

@@ -268,11 +268,12 @@ class RecordingSupervisor:
 class Sink:
     def __init__(self) -> None:
         self.started = False
+        self.finished = False
         self.status = 0
         self.body = b""
 
     async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
-        self.status, self.body = status, body
+        self.status, self.body, self.finished = status, body, True
 
     async def start_stream(self, status: int, headers: list[tuple[bytes, bytes]], first: bytes = b"") -> None:
         self.started, self.status = True, status
@@ -281,7 +282,11 @@ class Sink:
         pass
 
     async def end_stream(self, last: bytes = b"") -> None:
-        pass
+        self.finished = True
+
+    def direct(self) -> None:
+        """No client socket under this sink: the relay pump never takes its stream."""
+        return None
 
 
 def json_answer(payload: bytes) -> Handler:

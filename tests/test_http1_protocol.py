@@ -1,7 +1,7 @@
 """The HTTP/1.1 protocol object with bytes in and bytes out: no sockets, no trio, a fake clock.
 
 ``narwhal.http1.protocol.HTTP1Protocol`` is the whole of the parsing, limits,
-deadlines and framing rules; the socket loop in ``narwhal/http1/server.py``
+deadlines and framing rules; the socket loop in ``narwhal/http1/connection.py``
 only moves bytes. These tests feed it bytes (split anywhere) and read what it
 decided, and check the response bytes it builds.
 """

@@ -15,6 +15,7 @@ import os
 import resource
 import socket
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -56,13 +57,24 @@ class Client:
             self.peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         self.disconnected = False
         self.write_since = math.inf
-        self.on_stall = None
+        self.on_stall: Callable[[], None] | None = None
         self.scope: trio.CancelScope | None = None
         self.received = bytearray()
 
     @property
     def fd(self) -> int:
         return self.ours.fileno()
+
+    def write_waits(self, on_stall: Callable[[], None]) -> None:
+        self.write_since = trio.current_time()
+        self.on_stall = on_stall
+
+    def write_done(self) -> None:
+        self.write_since = math.inf
+        self.on_stall = None
+
+    def cut_mid_write(self) -> None:
+        self.disconnected = True
 
     def client_gone(self) -> None:
         self.disconnected = True

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import trio
 
-from narwhal.http1 import server as server_module
+from narwhal.http1 import connection as connection_module
 from narwhal.http1.server import ClientDisconnected, HTTPServer, Request, Responder, ServerStatistics
 
 JSON = [(b"content-type", b"application/json")]
@@ -163,7 +163,7 @@ async def test_stream_is_chunked_with_one_socket_write_per_call(monkeypatch: pyt
         await responder.end_stream(b"data: [DONE]\n\n")
 
     async with running(stream) as (_server, port), raw_client(port) as client:
-        monkeypatch.setattr(server_module, "_write", counting_write)
+        monkeypatch.setattr(connection_module, "_write", counting_write)
         await client.send(b"POST /s HTTP/1.1\r\nHost: x\r\n\r\n")
         (response,) = await client.responses_complete(1)
         monkeypatch.undo()
@@ -187,7 +187,7 @@ async def test_whole_stream_in_one_write_with_end(monkeypatch: pytest.MonkeyPatc
         assert responder.finished
 
     async with running(stream) as (_server, port), raw_client(port) as client:
-        monkeypatch.setattr(server_module, "_write", counting_write)
+        monkeypatch.setattr(connection_module, "_write", counting_write)
         await client.send(b"POST /s HTTP/1.1\r\nHost: x\r\n\r\n")
         (response,) = await client.responses_complete(1)
         monkeypatch.undo()
@@ -212,7 +212,7 @@ async def test_a_partial_non_blocking_write_finishes(monkeypatch: pytest.MonkeyP
         await responder.end_stream(body[2500:])
 
     async with running(stream) as (_server, port), raw_client(port) as client:
-        monkeypatch.setattr(server_module, "_write", short_write)
+        monkeypatch.setattr(connection_module, "_write", short_write)
         await client.send(b"POST /s HTTP/1.1\r\nHost: x\r\n\r\n")
         with trio.fail_after(5):
             (response,) = await client.responses_complete(1)

@@ -70,6 +70,8 @@ class FakeStream:
     def __init__(self, chunks: list[Any]) -> None:
         self.chunks = list(chunks)
         self.saw_terminal = False
+        # No engine socket under it: the relay pump never takes it.
+        self.relay_watch = None
 
     async def read(self) -> bytes:
         await trio.lowlevel.checkpoint()
@@ -99,6 +101,8 @@ class FakePool:
         self.decode: list[Any] = []
         self.tokenize: list[Any] = []
         self.closed_streams = 0
+        # No relay pump: streams go through the request task's own loop.
+        self.pump = None
 
     def _next(self, script: list[Any], default: Any) -> Any:
         outcome = script.pop(0) if script else default
@@ -128,6 +132,7 @@ class FakePool:
 class Sink:
     def __init__(self) -> None:
         self.started = False
+        self.finished = False
         self.status: int | None = None
         self.headers: list[tuple[bytes, bytes]] = []
         self.body = b""
@@ -136,12 +141,13 @@ class Sink:
 
     async def respond(self, status, headers, body):
         self.status, self.headers, self.body = status, headers, body
+        self.finished = True
 
     async def start_stream(self, status, headers, first=b"", end=False):
         self.started = True
         self.status, self.headers = status, headers
         self.writes.append(first)
-        self.ended = end
+        self.ended = self.finished = end
 
     async def write(self, data):
         self.writes.append(data)
@@ -149,8 +155,12 @@ class Sink:
     async def end_stream(self, last=b""):
         if last:
             self.writes.append(last)
-        self.ended = True
+        self.ended = self.finished = True
         self.ended_with = last
+
+    def direct(self) -> None:
+        """No client socket under this sink: the relay pump never takes its stream."""
+        return None
 
     def json(self) -> Any:
         return json.loads(self.body)

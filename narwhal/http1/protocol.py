@@ -1,7 +1,7 @@
 """One HTTP/1.1 server connection as a state machine: bytes in, requests out; responses in, bytes out.
 
 No I/O and no trio here (h11's ``Connection``, hypercorn's protocol/socket
-split): ``narwhal/http1/server.py`` runs the socket loop that feeds received
+split): ``narwhal/http1/connection.py`` runs the socket loop that feeds received
 bytes to ``HTTP1Protocol.receive_data``, takes ``Request`` objects off
 ``requests``, sends the bytes this module builds, and waits until
 ``deadline()``. The clock is injected, so the head, body and pipelining rules

@@ -13,8 +13,8 @@ and writes the result to the client with one non-blocking ``write``.
   bytes wait for ``EPOLLOUT`` (an edge-triggered watch in the same set, for
   as long as it is full), and that stream's engine is not read meanwhile.
   Its pending write is visible to the front's client write watchdog
-  (``write_since``), as a blocked ``send`` is, and a client it gives up on
-  ends the stream with the same ``client_stalled`` error (``on_stall``).
+  (``ClientSocket.write_waits``), as a blocked ``send`` is, and a client it
+  gives up on ends the stream with the same ``client_stalled`` error.
 - A stream whose engine socket never runs dry is read once per round: the hub
   yields to the scheduler before reading it again, so others progress.
 - The request task keeps its cancel scope: a deadline (the data pool's
@@ -37,25 +37,32 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 import outcome
 import trio
 
 from narwhal.http1.readiness import HUB_STOPPED, Readiness, Watch
 
-__all__ = ["ClientSocket", "OnChunk", "Pump", "PumpUpstream"]
+__all__ = ["ClientSocket", "OnChunk", "Pump", "PumpUpstream", "RelayWatched"]
 
 _INF = math.inf
 # The raw send syscall; a module-level name so tests can limit what the kernel takes.
 _write = os.write
 
 
-class PumpUpstream(Protocol):
-    """A decode stream the pump can read without waiting (``narwhal.pools.data.UpstreamStream``)."""
+class RelayWatched(Protocol):
+    """A decode stream that says whether the pump can own its engine socket."""
 
     @property
-    def relay_watch(self) -> Watch | None: ...
+    def relay_watch(self) -> Watch | None:
+        """The engine socket's watch in the pump's readiness set; None when no pump can own it (TLS, a fake)."""
+        ...
+
+
+class PumpUpstream(RelayWatched, Protocol):
+    """A decode stream the pump can read without waiting (``narwhal.pools.data.UpstreamStream``)."""
+
     @property
     def drained(self) -> bool: ...
     def read_ready(self, readable: bool) -> bytes | None: ...
@@ -63,15 +70,26 @@ class PumpUpstream(Protocol):
 
 
 class ClientSocket(Protocol):
-    """The client connection a stream is written to (the front's ``_Connection``)."""
-
-    disconnected: bool
-    write_since: float
-    # Called by the front's write watchdog before it closes a stalled client's stream.
-    on_stall: Callable[[], None] | None
+    """The client connection a stream is written to (the front's ``Connection``): all the pump touches of it."""
 
     @property
-    def fd(self) -> int: ...
+    def fd(self) -> int:
+        """The plain socket the pump writes to."""
+        ...
+    @property
+    def disconnected(self) -> bool:
+        """The client is known to be gone: nothing more may be written."""
+        ...
+    def write_waits(self, on_stall: Callable[[], None]) -> None:
+        """A write has to wait from now: the front's write watchdog times it, and calls ``on_stall`` before it
+        closes a client that stopped reading."""
+        ...
+    def write_done(self) -> None:
+        """The write that waited went out (or was given up): no longer timed."""
+        ...
+    def cut_mid_write(self) -> None:
+        """Part of a chunk went out and the rest never will: nothing more may follow on this connection."""
+        ...
     def client_gone(self) -> None: ...
     def gone_error(self) -> Exception: ...
 
@@ -87,11 +105,14 @@ class Pump:
         # Streams in the pump right now (for tests and statistics).
         self.streams = 0
 
-    def can_relay(self, upstream: Any) -> bool:
-        """True when ``upstream``'s engine socket can be pumped (plain socket, hub running)."""
+    def can_relay(self, upstream: RelayWatched) -> TypeGuard[PumpUpstream]:
+        """True when ``upstream``'s engine socket can be pumped (plain socket, hub running).
+
+        Only the data pool's streams have a relay watch, and they are ``PumpUpstream``s.
+        """
         if not self.readiness.running:
             return False
-        watch = getattr(upstream, "relay_watch", None)
+        watch = upstream.relay_watch
         return watch is not None and watch.handler is None
 
     async def relay(self, upstream: PumpUpstream, client: ClientSocket, chunked: bool, on_chunk: OnChunk, *,
@@ -229,8 +250,7 @@ class _Stream:
             return True
         self.pending = memoryview(data)[sent:]
         # Visible to the front's write watchdog, like a send that waits; never engine silence.
-        client.write_since = trio.current_time()
-        client.on_stall = self.on_stall
+        client.write_waits(self.on_stall)
         self.upstream.waiting_since(_INF)
         self.writable = self.pump.readiness.watch_writable(self.fd, self.on_client)
         return False
@@ -274,8 +294,7 @@ class _Stream:
         if self.writable is not None:
             self.pump.readiness.forget(self.writable)
             self.writable = None
-            self.client.write_since = _INF
-            self.client.on_stall = None
+            self.client.write_done()
 
     def _end(self, result: bytes, error: Exception | None) -> None:
         if self.done:
@@ -293,8 +312,7 @@ class _Stream:
         self.watch.handler = None
         self.upstream.waiting_since(_INF)
         if self.pending is not None:
-            # Cut mid-write: part of a chunk is out, so nothing more may follow on this connection.
-            self.client.disconnected = True
+            self.client.cut_mid_write()
             self.pending = None
         self._unpark()
 

@@ -27,7 +27,7 @@ from narwhal.serving.placement import RequestPlacement
 from narwhal.serving.request_core import AdmissionGate, RequestCore, Supervisor, TelemetrySink
 from narwhal.tls import TLSContexts
 
-__all__ = ["DataPlane", "DataPoolUsage", "LocalDataPlane"]
+__all__ = ["DataPlane", "DataPoolUsage", "EngineInFlight", "LocalDataPlane"]
 
 Handler = Callable[[Request, Responder], Awaitable[None]]
 
@@ -40,11 +40,19 @@ class DataPoolUsage(msgspec.Struct, frozen=True, kw_only=True):
     capacity: int
 
 
+class EngineInFlight(InFlightCounts, Protocol):
+    """The data plane's in-flight counts, which follow the engine set."""
+
+    def forget(self, name: str) -> None:
+        """``name`` left the fleet: drop its entry (once its last request in flight has ended)."""
+        ...
+
+
 class DataPlane(Protocol):
     """The data plane as the router drives it, in this process or in worker processes."""
 
     @property
-    def in_flight(self) -> InFlightCounts:
+    def in_flight(self) -> EngineInFlight:
         """Requests in flight per engine, for drains, readmission and the admin views."""
         ...
 

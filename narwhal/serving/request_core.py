@@ -49,7 +49,7 @@ from narwhal.errors import (
     UpstreamClientError,
 )
 from narwhal.fleet.placement import InFlight
-from narwhal.http1.pump import OnChunk, Pump
+from narwhal.http1.pump import ClientSocket, OnChunk, Pump, RelayWatched
 from narwhal.obs.logs import log_event
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.serving import continuation
@@ -90,12 +90,18 @@ class Sink(Protocol):
     """Where a response goes; the data-plane ``Responder`` is one."""
 
     started: bool
+    # The whole response went out.
+    finished: bool
 
     async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None: ...
     async def start_stream(self, status: int, headers: list[tuple[bytes, bytes]], first: bytes = b"",
                            end: bool = False) -> None: ...
     async def write(self, data: bytes) -> None: ...
     async def end_stream(self, last: bytes = b"") -> None: ...
+    def direct(self) -> tuple[ClientSocket, bool] | None:
+        """For the relay pump: the client connection of a started stream and whether it is chunk-framed;
+        None when the pump cannot write to it (TLS, a test's sink)."""
+        ...
 
 
 class Supervisor(Protocol):
@@ -121,7 +127,7 @@ class TelemetrySink(Protocol):
                        error_class: str | None = None, failed: bool = False) -> None: ...
 
 
-class DecodeStream(Protocol):
+class DecodeStream(RelayWatched, Protocol):
     """A decode stream's body as the data pool hands it over (``narwhal.pools.data.UpstreamStream``)."""
 
     @property
@@ -135,6 +141,10 @@ class DataPool(Protocol):
     async def post_json(self, engine: EngineSpec, path: str, body: bytes, *, request_id: str) -> tuple[int, bytes]: ...
     def stream(self, engine: EngineSpec, path: str, body: bytes, *,
                request_id: str) -> AbstractAsyncContextManager[DecodeStream]: ...
+    @property
+    def pump(self) -> Pump | None:
+        """The process's relay pump; None where there is none (a test's pool)."""
+        ...
 
 
 class ClientError(NarwhalError):
@@ -292,7 +302,7 @@ class RequestCore:
         self._decode_engines = frozenset(spec.name for spec in config.engines if spec.role == "decode")
         self._count_tokens = config.serving.count_tokens
         # The process's relay pump (the data pool's), unless serving.relay_pump is off.
-        self._pump: Pump | None = getattr(data_pool, "pump", None) if config.serving.relay_pump else None
+        self._pump: Pump | None = data_pool.pump if config.serving.relay_pump else None
         # Each prefill engine's max_model_len, from its /tokenize answers: the limit for token-ID prompts.
         self._max_model_len: dict[str, int] = {}
         self._max_handoff_bytes = config.engine.max_handoff_bytes
@@ -924,7 +934,8 @@ class RequestCore:
             raise
 
 
-    async def _pump_relay(self, upstream: Any, sink: Sink, on_chunk: OnChunk, outcome: _Outcome) -> bytes | None:
+    async def _pump_relay(self, upstream: DecodeStream, sink: Sink, on_chunk: OnChunk,
+                          outcome: _Outcome) -> bytes | None:
         """Relay the rest of a started stream through the process's pump (``narwhal/http1/pump.py``).
 
         The read ``on_chunk`` declined, b"" at the end of the body; None (nothing read)
@@ -933,8 +944,7 @@ class RequestCore:
         pump = self._pump
         if pump is None or not pump.can_relay(upstream):
             return None
-        direct = getattr(sink, "direct", None)
-        client = direct() if direct is not None else None
+        client = sink.direct()
         if client is None:
             return None
         outcome.relay = "pump"
@@ -1016,7 +1026,7 @@ _NOT_RESUMABLE = {
 
 def _delivered(sink: Sink) -> bool:
     """The whole response went out: a cancel while the engine's body is read to its end changes nothing."""
-    return sink.started and getattr(sink, "finished", False) is True
+    return sink.started and sink.finished
 
 
 def _client_gone(exc: BaseException) -> ClientGone | None:

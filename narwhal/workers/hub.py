@@ -73,6 +73,9 @@ class AggregateInFlight:
     def set_names(self, names: Iterable[str]) -> None:
         self._names = list(names)
 
+    def forget(self, name: str) -> None:
+        """Nothing to drop: the names follow the hub's engine set (``set_names``), the counts the workers'."""
+
     @property
     def counts(self) -> dict[str, int]:
         return {name: self[name] for name in self._names}

@@ -109,7 +109,7 @@ class Worker:
             # count toward any ejection. Say so once, count every one.
             self.evidence_dropped += 1
             if self.evidence_dropped == 1:
-                log_event("worker_evidence_dropped", level=logging.WARNING, engine=getattr(message, "engine", None),
+                log_event("worker_evidence_dropped", level=logging.WARNING, engine=message.engine,
                           reason=f"controller link closed: {self.link.close_reason}")
 
     # -- messages from the controller -------------------------------------------------------
