@@ -438,7 +438,7 @@ async def test_deeply_nested_json_is_400_and_logged_as_400(depth: int, caplog: p
 
 async def test_asgi_path_is_percent_decoded_and_finds_an_engine_with_a_space() -> None:
     async with router_front() as (_router, port):
-        raw = await exchange(port, b"GET /admin/engines/gpu%20a HTTP/1.1\r\nhost: x\r\n\r\n")
+        raw = await exchange(port, b"GET /admin/engines/gpu%20a HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
     (response,) = parse_responses(raw)
     assert response.status == 200
     assert response.json()["engine"]["name"] == "gpu a"
