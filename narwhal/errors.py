@@ -36,6 +36,7 @@ library's or a bug. The tree, with the module each class lives in:
     ├── HandoffRejected (ValueError)  wire: a prefill's kv_transfer_params that must not reach a decode
     ├── InvalidTarget (ValueError) .. http1.target: a request target in neither origin nor absolute form
     ├── FleetKeyError ............... attestation: the fleet key cannot be had
+    ├── QueryParameterError ......... app.query: an admin query parameter not taken, or not parsable (400)
     ├── FaultError (ValueError) ..... tools.mock.faults: a mock-engine fault that cannot be applied
     ├── CommandTemplateError (ValueError)  tools.bench.fleet: a bench --router-cmd template that cannot run
     ├── EngineErrorEvent (ValueError)  serving.continuation: an engine ended its stream with an error event
