@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from narwhal.tools.bench.fleet import free_port
 from narwhal.tools.local_fleet import render_config, start_router
 from tests.e2e.waiting import wait_for_passes, wait_until
 
@@ -84,11 +85,12 @@ async def test_mismatched_or_corrupt_handoff_starts_fresh(start_fleet, nursery, 
     await wait_until(lambda: trio.to_thread.run_sync((tmp_path / "handoff.json").exists))
     await fleet.router.stop()
 
-    # Another engine set: one more decode engine in the config.
+    # Another engine set: one more decode engine in the config (at an address of its own: two entries
+    # with one URL are refused at startup; nothing need answer there for this test).
     grown = tmp_path / "grown.toml"
     grown.write_text(render_config(
         [("p1", fleet.engines["p1"].url, "prefill"), ("d1", fleet.engines["d1"].url, "decode"),
-         ("d2", fleet.engines["d1"].url, "decode")],
+         ("d2", f"http://127.0.0.1:{free_port()}", "decode")],
         {**FAST, "handoff": {"path": str(tmp_path / "handoff.json")}}))
     router = await start_router(nursery, str(grown), args=["--resume"])
     try:
