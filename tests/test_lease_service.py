@@ -600,3 +600,40 @@ async def test_a_new_holder_reads_the_last_handoff_before_it_admits(
     assert new.service.role is Role.ACTIVE and new.refusal() is None
     # The drain was in place when admission opened, not applied afterwards.
     assert opened == [["d1"]] and new.service.applied_pass == 2
+
+
+async def test_a_holder_that_never_saw_the_last_one_still_reads_its_last_handoff(
+        autojump_clock: MockClock, tmp_path: Path) -> None:
+    # A router started after the old holder released the lease follows nobody (the record names nobody):
+    # taking the lease, it must still apply the last handoff of the term before its own, or a drain the
+    # old holder wrote just before it gave up is lost.
+    backend = MemoryBackend()
+    old = Rig(tmp_path, backend, router_id="r2")
+    await old.service.tick()
+    assert old.service.role is Role.ACTIVE
+    old.fleet.add_hold("d1", HoldKind.OPERATOR_DRAIN, "operator drain", trio.current_time())
+    await old.stage.run(1)
+    backend.handoff = Path(old.stage.path).read_bytes()
+    await old.service.release("shutdown")
+    assert backend.record is not None and backend.record.holder == ""
+    new = Rig(tmp_path, backend, router_id="r1")
+    await new.service.tick()
+    assert new.service.role is Role.ACTIVE and new.service.applied_pass == 1
+    assert [view.name for view in new.fleet.views(trio.current_time()) if not view.eligible] == ["d1"]
+
+
+async def test_a_new_holder_never_applies_a_handoff_of_a_later_term(autojump_clock: MockClock, tmp_path: Path) -> None:
+    # A document that claims a term after the one acquired is not the last term's: it is skipped.
+    backend = MemoryBackend()
+    old = Rig(tmp_path, backend, router_id="r2")
+    await old.service.tick()
+    old.fleet.add_hold("d1", HoldKind.OPERATOR_DRAIN, "operator drain", trio.current_time())
+    await old.stage.run(1)
+    document = json.loads(Path(old.stage.path).read_bytes())
+    document["lease"]["epoch"] = 1000
+    backend.handoff = json.dumps(document).encode()
+    await old.service.release("shutdown")
+    new = Rig(tmp_path, backend, router_id="r1")
+    await new.service.tick()
+    assert new.service.role is Role.ACTIVE and new.service.applied_pass is None
+    assert [view.name for view in new.fleet.views(trio.current_time()) if not view.eligible] == []

@@ -54,6 +54,8 @@ class HandoffFollower:
         self._following: tuple[str, int] | None = None
         # How this router's engine set differs from the followed handoff's (None: same, or none read).
         self.engine_set_differs: str | None = None
+        # Whether ``_last_seen`` was applied (a new holder reads a skipped one again: it may be the last term's).
+        self._last_applied = False
 
     def use_config(self, config: Config) -> None:
         """A config reload: plan the next documents, and the last one again, against ``config``'s engines."""
@@ -67,12 +69,17 @@ class HandoffFollower:
             # A document skipped for another term may be this term's: look at it again.
             self._last_seen = None
 
-    async def refresh(self, read: Callable[[], Awaitable[bytes | None]]) -> None:
-        """Read the handoff (``read`` raises LeaseBackendError) and apply it when it is the followed term's."""
+    async def refresh(self, read: Callable[[], Awaitable[bytes | None]], *, acquiring: int | None = None) -> None:
+        """Read the handoff (``read`` raises LeaseBackendError) and apply it when it is the followed term's.
+
+        ``acquiring``: this router takes the lease in that epoch; a document of an earlier term is the last
+        holder's, applied even when this router never followed that term (it started after a release).
+        """
         data = await read()
-        if data is None or data == self._last_seen:
+        if data is None or data == self._last_seen and (acquiring is None or self._last_applied):
             return
         self._last_seen = data
+        self._last_applied = False
         try:
             document = decode_document(data)
         except HandoffError as exc:
@@ -82,6 +89,9 @@ class HandoffFollower:
         written_by = (document.lease.holder, document.lease.epoch)
         if written_by[0] == self.router_id and written_by[1] in self.own_terms:
             return  # written by this process in a term it held: its fleet state is that already
+        if acquiring is not None and written_by[1] < acquiring and written_by != self.term:
+            # The lease record named nobody (released) or an older term: the last document is the last term's.
+            self.term = written_by
         if self.term is None or written_by != self.term:
             followed = "nobody" if self.term is None else f"{self.term[0]} epoch {self.term[1]}"
             log_event("handoff_skipped", level=logging.WARNING, path=self.where, holder=written_by[0],
@@ -102,6 +112,7 @@ class HandoffFollower:
             log_event("handoff_not_applied", level=logging.WARNING, **plan.event_fields())
             return
         apply_resume(plan, self.fleet, self.clock(), self.wall_clock())
+        self._last_applied = True
         self.applied_epoch = document.lease.epoch
         self.applied_pass = document.pass_number
         if written_by != self._following:

@@ -65,11 +65,15 @@ class TermKeeper:
             await self.handover.try_release()
             await self._stand_by()
 
-    async def follow_handoff(self) -> None:
-        """Apply the followed holder's latest handoff when it changed (see ``HandoffFollower``)."""
+    async def follow_handoff(self, *, acquiring: int | None = None) -> None:
+        """Apply the followed holder's latest handoff when it changed (see ``HandoffFollower``).
+
+        ``acquiring``: the epoch this router takes; the last term's handoff is applied whoever wrote it.
+        """
         ctx = self.ctx
         try:
-            await self.follower.refresh(lambda: ctx.call("a handoff read", ctx.backend.read_handoff))
+            await self.follower.refresh(lambda: ctx.call("a handoff read", ctx.backend.read_handoff),
+                                        acquiring=acquiring)
         except LeaseBackendError as exc:
             ctx.backend_failed(str(exc))
 
@@ -221,7 +225,7 @@ class TermKeeper:
         holding = ctx.holding
         previous = holding.holder or (self._last_held.holder if self._last_held is not None else "")
         # The last handoff the previous holder wrote, before anything is admitted.
-        await self.follow_handoff()
+        await self.follow_handoff(acquiring=record.epoch)
         holding.acquired(record.epoch, sent_at)
         self.follower.own_terms.add(record.epoch)
         ctx.record = record
