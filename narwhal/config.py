@@ -19,7 +19,7 @@ import typing
 import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 import msgspec
 
@@ -38,7 +38,9 @@ __all__ = [
     "HandoffConfig",
     "LeaseConfig",
     "PlacementConfig",
+    "Reconfigurable",
     "RecoveryConfig",
+    "RunningConfig",
     "ServingConfig",
     "TelemetryConfig",
     "admin_token_problem",
@@ -680,3 +682,16 @@ def load_config(path: str | Path) -> Config:
         raise ConfigError(f"{path}: cannot read config file: {getattr(exc, 'strerror', None) or exc}") from None
     return parse_config(data, source=str(path))
 
+
+
+class RunningConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """The config a router runs on and the fleet key it names, read together: what a reload replaces."""
+
+    config: Config
+    attestation_key: bytes | None = None
+
+
+class Reconfigurable(Protocol):
+    """A part that reads a reloadable key (``narwhal.config_diff``): a reload hands it the new running config."""
+
+    def configure(self, running: RunningConfig) -> None: ...

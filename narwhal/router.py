@@ -37,7 +37,18 @@ from narwhal.app.control_app import create_app
 from narwhal.app.router_status import RouterStatus, router_status
 from narwhal.app.ui_routes import register_ui_routes
 from narwhal.clocks import to_monotonic
-from narwhal.config import Config, ConfigError, join_listen, load_config, parse_listen
+from narwhal.config import (
+    Config,
+    ConfigError,
+    EngineConfig,
+    EngineSpec,
+    PlacementConfig,
+    Reconfigurable,
+    RunningConfig,
+    join_listen,
+    load_config,
+    parse_listen,
+)
 from narwhal.config_diff import diff_configs, merge_reloadable
 from narwhal.control.engine_set import (
     EngineSet,
@@ -63,6 +74,7 @@ from narwhal.fleet.telemetry import Telemetry
 from narwhal.http1.asgi import ASGILifespan, call_asgi
 from narwhal.http1.server import HTTPServer
 from narwhal.lease import EtcdLeaseBackend, build_backend
+from narwhal.lease.backend import LeaseBackend
 from narwhal.lease.service import LeaseService, LeaseView, ServingParts
 from narwhal.obs.logs import flush_logs, log_event
 from narwhal.obs.router_metrics import RouterMetrics
@@ -71,14 +83,13 @@ from narwhal.obs.timeline_feed import TimelineFeed
 from narwhal.pools.control import ControlPool
 from narwhal.serving.data_plane import DataPlane, LocalDataPlane
 from narwhal.serving.front import build_admin_server
-from narwhal.serving.placement import RequestPlacement, build_index, build_placer, reconfigure_index
-from narwhal.stages import build_stages, health_check_timeout_s
+from narwhal.serving.placement import FollowedIndex, RequestPlacement, build_index, build_placer
+from narwhal.stages import build_stages
 from narwhal.stages.persistence import HandoffExtra, PersistenceStage
 from narwhal.state.handoff import LeaseOwnership
 from narwhal.state.resume import apply_resume, operator_holds, plan_resume
 from narwhal.tls import ExpiryWatch, TLSContexts
-from narwhal.workers.hub import WorkerHub
-from narwhal.workers.index_relay import IndexRelay
+from narwhal.workers.hub import Poke, WorkerHub
 from narwhal.workers.plane import WorkerDataPlane
 from narwhal.workers.process import WorkerSet
 from narwhal.workers.view import WorkerView
@@ -90,7 +101,7 @@ _WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
 _LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
-def _advertise_url(host: str, port: int, tls: bool) -> str:
+def _default_advertise_url(host: str, port: int, tls: bool) -> str:
     """Where a standby reaches this router's /ready when lease.advertise_url is not set."""
     if host in _WILDCARD_HOSTS:
         host = socket.gethostname()
@@ -168,10 +179,18 @@ class Router:
         self.resume = resume
         self.router_id = config.lease.router_id or f"{socket.gethostname()}-{os.getpid()}"
         self.metrics = RouterMetrics()
-        self.admission = Admission(clock=trio.current_time)
+        # Parts are built in dependency order and given their collaborators; none is wired afterwards.
+        # Where two parts need each other, one of them gets a callable resolved when called: a
+        # method of this router reading a part built later (self._forget_on_fleet_event, ...).
+        # The publisher's wake-up: admission and the fleet writer poke it, the hub waits on it.
+        poke = Poke()
+        self.admission = Admission(clock=trio.current_time, on_change=poke)
         # The engine set every per-engine table follows (self.engine_set tells them of its changes).
         self.registry = EngineRegistry(entries_from_config(config), grace_s=config.serving.shutdown_grace_s)
         engines = self.registry.entries()
+        # Cache-aware placement's prefix index: the request path's own in one process; with workers,
+        # the union of what they placed, relayed between them by the hub (narwhal.workers.index_relay).
+        self.prefix_index = SharedIndex(build_index(config))
         recovery = config.recovery
         # The one writer: every part that changes the fleet gets this, never the bare Fleet.
         self.fleet = FleetWriter(Fleet(
@@ -180,7 +199,7 @@ class Router:
             liveness_misses=recovery.liveness_misses,
             failure_quarantine_s=recovery.failure_quarantine_s,
             probe_interval_s=recovery.probe_interval_s,
-        ), self.metrics)
+        ), self.metrics, listeners=[self._forget_on_fleet_event], on_change=poke)
         # Every engine request says it came from this router: one arriving back here is a loop.
         self.via_token = f"narwhal-{secrets.token_hex(8)}"
         # Certificates are read here: a problem is a ConfigError naming the key.
@@ -208,34 +227,35 @@ class Router:
                              to_link_clock=None if self.worker_count == 1
                              else functools.partial(to_monotonic, clock=trio.current_time),
                              record_sample=self.timeline.record_request, share_in_flight=self.worker_count > 1,
-                             engine_specs=self.registry.spec_list, running_config=lambda: self.config)
-        # Whatever a snapshot is built from tells the hub when it changed; it publishes only then.
-        self.admission.on_change = self.hub.poke
-        self.fleet.on_change = self.hub.poke
-        # Cache-aware placement's prefix index: the request path's own in one process; with workers,
-        # the union of what they placed, relayed between them (narwhal.workers.index_relay).
-        self.prefix_index = SharedIndex(build_index(config))
-        self.index_relay: IndexRelay | None = None
-        self.fleet.listeners.append(self._forget_on_fleet_event)
+                             engine_specs=self.registry.spec_list, running_config=lambda: self.config,
+                             poke=poke, index=self.prefix_index if self.worker_count > 1 else None,
+                             admit_until=self._admit_until)
+        self.index_relay = self.hub.index_relay
         self.data_plane = self._build_data_plane(config_dir)
         self.in_flight = self.data_plane.in_flight
         self.handoff_path = config.handoff_path(config_dir, listen=self.listen)
-        self.persistence = PersistenceStage(path=self.handoff_path, router_id=self.router_id,
-                                            fleet=self.fleet, config=config)
+        backend = build_backend(config, self.handoff_path, config_dir)
+        # With a lease, the handoff writer asks the lease (it pauses the writer) before it writes.
+        self.persistence = PersistenceStage(
+            path=self.handoff_path, router_id=self.router_id, fleet=self.fleet, config=config,
+            extra=self._handoff_extra, lease_valid=self._lease_valid if backend is not None else None,
+            publish=functools.partial(self._publish_handoff, backend)
+            if isinstance(backend, EtcdLeaseBackend) else None)
         self.readmitter = Readmitter(config=config, fleet=self.fleet, control_pool=self.control_pool,
                                      in_flight=self.in_flight, metrics=self.metrics,
                                      attestation_key=config.attestation_key_bytes(config_dir),
-                                     inference_check=self.supervisor.inference_probe)
-        # A drained engine restarted by its operator comes back with an empty cache: readmission sees the new process.
-        self.readmitter.on_newer_process = functools.partial(self._forget_prefixes, reason="newer_process")
+                                     inference_check=self.supervisor.inference_probe,
+                                     # A drained engine restarted by its operator comes back with an empty
+                                     # cache: readmission sees the new process.
+                                     on_newer_process=functools.partial(self._forget_prefixes,
+                                                                        reason="newer_process"))
         self.stages = build_stages(config=config, supervisor=self.supervisor, control_pool=self.control_pool,
                                    telemetry=self.telemetry, in_flight=self.in_flight,
                                    persistence_stage=self.persistence, readmission=self.readmitter,
                                    health_observer=self.readmitter)
         self.controller = self.stages.controller
         self.drain = self.stages.drain
-        self.persistence.extra = self._handoff_extra
-        self.lease = self._build_lease(config_dir)
+        self.lease = self._build_lease(backend)
         controller = config.controller
         self.monitor = Monitor(self.stages.in_spec_order(), interval_s=controller.monitor_interval_s,
                                stage_timeout_s=controller.stage_timeout_s,
@@ -249,7 +269,11 @@ class Router:
         self.admin_server: HTTPServer | None = None
         register_ui_routes(self.app, self)
         self.engine_set = EngineSet(self.registry, self._engine_tables(), in_flight=self.in_flight)
+        # Every part that reads a reloadable key, in the order a reload hands it the new config.
+        self._reconfigurable = self._reconfigurable_parts()
         self.bound_port: int | None = None
+        # Where a standby reaches this router, once the serving port is bound (lease.advertise_url unset).
+        self._own_url: str | None = None
         self._register_gauges()
 
     def _engine_tables(self) -> list[EngineSetListener]:
@@ -267,20 +291,40 @@ class Router:
                                   hub=self.hub))
         return tables
 
+    def _reconfigurable_parts(self) -> tuple[Reconfigurable, ...]:
+        """Every part that reads a reloadable key (``RELOADABLE_KEYS``), in the order a reload tells them."""
+        parts: list[Reconfigurable] = []
+        if self.index_relay is not None:
+            # The workers place on their own indexes; the copy here, which relays between them, follows too.
+            parts.append(FollowedIndex(self.prefix_index.index, self.config.placement))
+        parts += [self.stages.health, self.fleet, self.readmitter, self.supervisor, self.engine_view]
+        if self.lease is not None:
+            parts.append(self.lease)
+        parts += [self.monitor, self.controller, self.telemetry]
+        return tuple(parts)
+
     def _build_data_plane(self, config_dir: Path | None) -> DataPlane:
         """This process serves the data plane itself, or leaves it to ``serving.workers`` processes."""
         config, hub = self.config, self.hub
         if self.worker_count > 1:
             # /metrics shows the controller's own series plus the sums over workers.
             hub.metrics.attach_to(self.metrics.registry)
-            self.index_relay = IndexRelay(self.prefix_index, hub.workers)
-            hub.on_placements = self.index_relay.on_report
             return WorkerDataPlane(WorkerSet(count=self.worker_count, config=config, config_dir=config_dir,
                                              hub=hub, app=self.app, via_token=self.via_token), hub)
+
+        # The view and the data plane need each other: the view tells the plane (built next) of a
+        # snapshot's engine set and settings, and the plane reads its snapshots through the view.
+        def engines_changed(specs: list[EngineSpec]) -> None:
+            plane.core.set_engines(specs)
+
+        def settings_changed(placement: PlacementConfig, engine: EngineConfig) -> None:
+            plane.configure(placement, engine)
+
         # The request path reads snapshots and sends evidence as messages, here
         # by a function call, from worker processes over a socket: one code path.
         view = WorkerView(lambda message: hub.receive(0, message), clock=trio.current_time,
-                          refresh=hub.refresh_if_fleet_changed)
+                          refresh=hub.refresh_if_fleet_changed, on_engines=engines_changed,
+                          on_settings=settings_changed)
         hub.attach(0, view.apply)
         # In one process admission and telemetry are the controller's own, not reported.
         plane = LocalDataPlane(config, tls=self.tls, via_token=self.via_token, supervisor=view,
@@ -288,33 +332,45 @@ class Router:
                                serve_rest=functools.partial(call_asgi, self.app),
                                placement=RequestPlacement(config, self.metrics,
                                                           build_placer(config, self.prefix_index.index)))
-        view.on_engines = plane.core.set_engines
-        view.on_settings = plane.configure
         return plane
 
-    def _build_lease(self, config_dir: Path | None) -> LeaseService | None:
+    def _build_lease(self, backend: LeaseBackend | None) -> LeaseService | None:
         """With a lease backend every router starts as a standby (the service closes admission)."""
-        config = self.config
-        backend = build_backend(config, self.handoff_path, config_dir)
         if backend is None:
             return None
-        lease = LeaseService(config=config, router_id=self.router_id, backend=backend, metrics=self.metrics,
-                             serving=ServingParts(admission=self.admission, persistence=self.persistence,
-                                                  fleet=self.fleet, own_readiness=self.own_readiness))
-        if isinstance(backend, EtcdLeaseBackend):
-            etcd = backend
+        return LeaseService(config=self.config, router_id=self.router_id, backend=backend, metrics=self.metrics,
+                            serving=ServingParts(admission=self.admission, persistence=self.persistence,
+                                                 fleet=self.fleet, own_readiness=self.own_readiness),
+                            advertise_url=self._advertise_url)
 
-            async def publish(data: bytes) -> bool:
-                record = lease.record
-                if record is None or not lease.valid_threadsafe():
-                    return False
-                return await etcd.write_handoff(data, record)
+    # -- what parts built earlier ask of parts built later -----------------------------
 
-            self.persistence.publish = publish
-        # Worker processes check the same deadline on their own clocks (the hub converts it).
-        self.hub.set_admit_until(
-            lambda: lease.admission_deadline if math.isfinite(lease.admission_deadline) else None)
-        return lease
+    def _lease_valid(self) -> bool:
+        """Whether this router's lease term is still valid (thread-safe: the handoff writer's thread asks)."""
+        return self.lease is not None and self.lease.valid_threadsafe()
+
+    async def _publish_handoff(self, etcd: EtcdLeaseBackend, data: bytes) -> bool:
+        """The handoff written to etcd under this router's lease; False when the lease is no longer ours."""
+        lease = self.lease
+        record = None if lease is None else lease.record
+        if lease is None or record is None or not lease.valid_threadsafe():
+            return False
+        return await etcd.write_handoff(data, record)
+
+    def _admit_until(self) -> float | None:
+        """The lease-derived admission deadline (control clock) worker processes check on their own clocks."""
+        lease = self.lease
+        if lease is None:
+            return None
+        return lease.admission_deadline if math.isfinite(lease.admission_deadline) else None
+
+    def _advertise_url(self) -> str:
+        """Where a standby reaches this router's /ready when ``lease.advertise_url`` is not set: known once
+        the serving port is bound (before the lease runs); empty until then."""
+        if self._own_url is None and self.bound_port is not None:
+            host, _ = parse_listen(self.listen)
+            self._own_url = _default_advertise_url(host, self.bound_port, self.tls.server is not None)
+        return self._own_url or ""
 
     # -- state views -----------------------------------------------------------------
 
@@ -456,8 +512,6 @@ class Router:
                 self.bound_port = await nursery.start(self._serve_then_stop, nursery, listeners)
                 listeners = []
                 if self.lease is not None:
-                    if not self.lease.advertise_url:
-                        self.lease.advertise_url = _advertise_url(host, self.bound_port, self.tls.server is not None)
                     await nursery.start(self.lease.run)
                 log_event("router_started", router_id=self.router_id, listen=join_listen(host, self.bound_port),
                           engines=len(self.config.engines), pid=os.getpid(), handoff=str(self.handoff_path),
@@ -621,31 +675,10 @@ class Router:
         The data plane (this process's or each worker's) takes ``[placement]`` and the
         engine timeouts from the next snapshot; the control pool in ``reload``.
         """
-        old, self.config = self.config, config
-        if isinstance(self.data_plane, WorkerDataPlane):
-            # The workers place on their own indexes; the copy here, which relays between them, follows too.
-            reconfigure_index(self.prefix_index.index, old.placement, config.placement)
-        self.stages.health.check_timeout_s = health_check_timeout_s(config)
-        recovery = config.recovery
-        self.fleet.reconfigure(eject_after=recovery.eject_after, liveness_misses=recovery.liveness_misses,
-                               failure_quarantine_s=recovery.failure_quarantine_s,
-                               probe_interval_s=recovery.probe_interval_s)
-        self.readmitter.apply_config(config, attestation_key)
-        self.supervisor.config = config
-        self.engine_view.config = config
-        if self.lease is not None:
-            # A standby plans the active's handoff against its own (reloaded) engine set.
-            self.lease.config = config
-            self.lease.follower.use_config(config)
-        controller = config.controller
-        self.monitor.interval_s = controller.monitor_interval_s
-        self.monitor.stage_timeout_s = controller.stage_timeout_s
-        self.monitor.failure_limit = controller.monitor_failure_limit
-        # Read at each closed interval: the next one is judged and cut by the new values.
-        self.controller.tracker.drift_factor = controller.drift_factor
-        self.controller.tracker.drift_intervals = controller.drift_intervals
-        self.telemetry.interval_s = config.telemetry.interval_s
-
+        self.config = config
+        running = RunningConfig(config=config, attestation_key=attestation_key)
+        for part in self._reconfigurable:
+            part.configure(running)
 
     async def reload_tls(self) -> bool:
         """``_reload_tls_outcome``: True when every part reloaded."""

@@ -132,15 +132,16 @@ class Rig:
         self.monotonic_offset = 0.0
         self.last_now = 0.0
         self.stage = PersistenceStage(path=tmp_path / f"{router_id}-handoff.json", router_id=router_id,
-                                      fleet=self.fleet, config=self.config)
+                                      fleet=self.fleet, config=self.config,
+                                      extra=lambda: HandoffExtra(lease=self.service.ownership()),
+                                      lease_valid=lambda: self.service.valid_threadsafe())
         transport = httpx.MockTransport(ready or (lambda request: httpx.Response(200, text="ready\n")))
         self.service = LeaseService(
             config=self.config, router_id=router_id, backend=backend, metrics=RouterMetrics(),
             serving=ServingParts(admission=self.admission, persistence=self.stage, fleet=self.fleet,
                                  own_readiness=lambda: self.own),
-            http=httpx.AsyncClient(transport=transport), clocks=LeaseClocks(monotonic=self.monotonic))
-        self.service.advertise_url = f"http://{router_id}.test:8000"
-        self.stage.extra = lambda: HandoffExtra(lease=self.service.ownership())
+            http=httpx.AsyncClient(transport=transport), clocks=LeaseClocks(monotonic=self.monotonic),
+            advertise_url=lambda: f"http://{router_id}.test:8000")
 
     def monotonic(self) -> float:
         """trio's time in async context; in the writer's thread, the last one seen (plus any stall)."""

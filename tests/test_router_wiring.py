@@ -1,9 +1,13 @@
 """The router wires each config bound to the right part (no I/O: construction only)."""
 
+import ast
+from pathlib import Path
+
 import msgspec
 import pytest
 import trio
 
+import narwhal.router
 from narwhal.config import parse_config
 from narwhal.errors import PoolSaturated, StartupError
 from narwhal.pools.classify import pool_slot
@@ -31,6 +35,63 @@ role = "decode"
 
 def router(policy: str = "saturate") -> Router:
     return Router(parse_config(CONFIG.format(policy=policy)))
+
+
+# A part's container changed in place from outside it (``self.fleet.listeners.append(...)``).
+_MUTATORS = frozenset({"append", "extend", "insert", "update", "add", "setdefault", "__setitem__"})
+# The one assignment into another object: the TLS reload swaps the running admin listener's
+# context (read again from the files, as the data plane's server swaps its own), not wiring.
+_TLS_SWAP = "self.admin_server.ssl_context"
+
+
+def _own_field(target: ast.expr) -> bool:
+    """``self.name``: a field of the router itself."""
+    return isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self"
+
+
+def wiring_after_construction(source: str) -> list[str]:
+    """Every place ``source`` sets a field of an object other than ``self``, or fills a part's container."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(source)):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        while any(isinstance(target, (ast.Tuple, ast.List)) for target in targets):
+            targets = [element for target in targets
+                       for element in (target.elts if isinstance(target, (ast.Tuple, ast.List)) else [target])]
+        found += [ast.unparse(target) for target in targets
+                  if isinstance(target, (ast.Attribute, ast.Subscript)) and not _own_field(target)]
+        if isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Name) and func.id == "setattr":
+                found.append(ast.unparse(node))
+            elif (isinstance(func, ast.Attribute) and func.attr in _MUTATORS
+                  and isinstance(func.value, ast.Attribute) and not _own_field(func.value)):
+                found.append(ast.unparse(func))
+    return found
+
+
+def test_the_composition_root_sets_no_field_of_a_part_it_built():
+    # Every part gets its collaborators when it is built (a cycle is closed by a callable resolved when
+    # called, or by an object built first and given to both sides, like the hub's Poke); a reload hands
+    # each part the new config through its ``configure``. router.py sets only the router's own fields.
+    source = Path(narwhal.router.__file__).read_text()
+    assert wiring_after_construction(source) == [_TLS_SWAP]
+
+
+def test_the_wiring_check_sees_a_field_set_on_a_part_and_a_part_s_list_filled():
+    source = ("class Router:\n"
+              "    def __init__(self, hub, view):\n"
+              "        self.fleet = make()\n"
+              "        self.fleet.on_change = hub.poke\n"
+              "        view.on_engines, self.x = f, 1\n"
+              "        self.fleet.listeners.append(g)\n"
+              "        self.tables.append(h)\n"
+              "        setattr(hub, 'admit_until', f)\n")
+    assert sorted(wiring_after_construction(source)) == sorted([
+        "self.fleet.on_change", "view.on_engines", "setattr(hub, 'admit_until', f)", "self.fleet.listeners.append"])
 
 
 def test_data_pool_is_bounded_by_serving_max_connections_and_control_pool_by_control_connections():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 
 import pytest
 import trio
@@ -173,12 +174,14 @@ class _Control:
         return self.fleet.next_deadline(self.now[0])
 
 
-def _hub(eject_after: int = 3) -> tuple[WorkerHub, _Admission, list[float]]:
+def _hub(eject_after: int = 3, admit_until: Callable[[], float | None] | None = None,
+         ) -> tuple[WorkerHub, _Admission, list[float]]:
     now = [0.0]
     fleet = Fleet([("p1", "prefill"), ("d1", "decode"), ("d2", "decode")], eject_after=eject_after,
                   liveness_misses=3, failure_quarantine_s=None, probe_interval_s=5.0)
     admission = _Admission()
-    hub = WorkerHub(_Control(fleet, now), admission, engines=["p1", "d1", "d2"], clock=lambda: now[0])
+    hub = WorkerHub(_Control(fleet, now), admission, engines=["p1", "d1", "d2"], clock=lambda: now[0],
+                    admit_until=admit_until)
     return hub, admission, now
 
 
@@ -348,9 +351,8 @@ def test_snapshots_carry_router_wide_in_flight_and_placement_balances_on_it() ->
 def test_a_lease_renewal_alone_reaches_every_worker() -> None:
     # Issue 26, break 4: an idle router with workers and a lease fenced itself after its first
     # term when the lease deadline was not part of what decides a publish.
-    hub, _, _ = _hub()
     deadline = [8.0]
-    hub.set_admit_until(lambda: deadline[0])
+    hub, _, _ = _hub(admit_until=lambda: deadline[0])
     inbox: dict[int, list[Snapshot]] = {0: [], 1: []}
     hub.attach(0, inbox[0].append)
     hub.attach(1, inbox[1].append)

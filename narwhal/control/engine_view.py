@@ -14,7 +14,7 @@ from typing import Protocol
 import msgspec
 import trio
 
-from narwhal.config import Config, EngineSpec
+from narwhal.config import Config, EngineSpec, RunningConfig
 from narwhal.control.readmission import ReadmissionResult, ReadmissionState
 from narwhal.errors import FailureClass
 from narwhal.fleet import EjectionCause, EngineView, HoldKind
@@ -151,6 +151,10 @@ class EngineViewer:
         # Engine addresses by name, including one a reload is removing (no longer in the config);
         # None: read from the config.
         self.specs = specs
+
+    def configure(self, running: RunningConfig) -> None:
+        """A reload: engines outside the registry's addresses are read from the new config."""
+        self.config = running.config
 
     def engines(self) -> EnginesView:
         """Every engine in configured order, consolidation risk and the monitor."""

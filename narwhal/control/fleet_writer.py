@@ -18,6 +18,7 @@ from typing import Protocol
 
 import msgspec
 
+from narwhal.config import RunningConfig
 from narwhal.errors import FailureClass, SuccessKind
 from narwhal.fleet import (
     Action,
@@ -46,7 +47,9 @@ class ActionRunner(Protocol):
 class FleetWriter:
     """Owns the ``Fleet``: mutations log their events when they happen and never drop an action."""
 
-    def __init__(self, fleet: Fleet, metrics: RouterMetrics) -> None:
+    def __init__(self, fleet: Fleet, metrics: RouterMetrics, *,
+                 listeners: Sequence[Callable[[FleetEvent], None]] = (),
+                 on_change: Callable[[], None] | None = None) -> None:
         self._fleet = fleet
         self.metrics = metrics
         self._runner: ActionRunner | None = None
@@ -54,9 +57,9 @@ class FleetWriter:
         self._pending: list[Action] = []
         self._events_dropped_seen = 0
         # Told of every event after it is logged (cache-aware placement forgets ejected engines).
-        self.listeners: list[Callable[[FleetEvent], None]] = []
+        self.listeners: list[Callable[[FleetEvent], None]] = list(listeners)
         # Called after every mutation (worker processes get a new snapshot if placement changed).
-        self.on_change: Callable[[], None] | None = None
+        self.on_change = on_change
 
     def __repr__(self) -> str:
         runner = "attached" if self._runner is not None else f"none, {len(self._pending)} actions queued"
@@ -215,6 +218,13 @@ class FleetWriter:
         """``Fleet.readmit``."""
         self._fleet.readmit(name, now, health_to_eligible_s=health_to_eligible_s)
         self._publish()
+
+    def configure(self, running: RunningConfig) -> None:
+        """A reload: the fleet takes the new ``[recovery]`` rules."""
+        recovery = running.config.recovery
+        self.reconfigure(eject_after=recovery.eject_after, liveness_misses=recovery.liveness_misses,
+                         failure_quarantine_s=recovery.failure_quarantine_s,
+                         probe_interval_s=recovery.probe_interval_s)
 
     def reconfigure(self, *, eject_after: int, liveness_misses: int, failure_quarantine_s: float | None,
                     probe_interval_s: float) -> None:

@@ -42,6 +42,7 @@ from typing import Any, Protocol
 import msgspec
 import trio
 
+from narwhal.config import RunningConfig
 from narwhal.fleet.admission import Admission
 from narwhal.obs.logs import log_event
 from narwhal.obs.router_metrics import RouterMetrics
@@ -130,6 +131,13 @@ class Monitor:
         self.last_errors: list[StageError] = []
         self.last_pass: PassResult | None = None
         self._register_gauges()
+
+    def configure(self, running: RunningConfig) -> None:
+        """A reload: the next pass is timed, bounded and counted by the new ``[controller]`` values."""
+        controller = running.config.controller
+        self.interval_s = controller.monitor_interval_s
+        self.stage_timeout_s = controller.stage_timeout_s
+        self.failure_limit = controller.monitor_failure_limit
 
     def __repr__(self) -> str:
         state = f"degraded: {self.degraded_reason}" if self.degraded_reason else "ok"

@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 import msgspec
 import trio
 
-from narwhal.config import Config, EngineSpec
+from narwhal.config import Config, EngineSpec, RunningConfig
 from narwhal.control import contract
 from narwhal.control.fleet_writer import FleetWriter
 from narwhal.errors import EngineFailure, FailureClass, NarwhalError, PoolSaturated, SuccessKind, UpstreamClientError
@@ -52,6 +52,10 @@ class Supervisor:
         self._running: set[tuple[str, str]] = set()
         # Asked for again while running: started once more when the running one ends.
         self._again: set[tuple[str, str]] = set()
+
+    def configure(self, running: RunningConfig) -> None:
+        """A reload: probes read the new engine timeouts."""
+        self.config = running.config
 
     @property
     def _probe_timeout_s(self) -> float:

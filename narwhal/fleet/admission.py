@@ -29,14 +29,15 @@ _PRIORITY = ("shutdown", "lease", "monitor")
 class Admission:
     """A set of named closures; ``reason()`` is None when admission is open."""
 
-    def __init__(self, clock: Callable[[], float] | None = None) -> None:
+    def __init__(self, clock: Callable[[], float] | None = None, *,
+                 on_change: Callable[[], None] | None = None) -> None:
         """``clock`` (the request path's) lets ``reason()`` compare the lease deadline itself."""
         self._clock = clock
         self._closed: dict[str, str] = {}
         self._reason: str | None = None
         self._lease_deadline: float | None = None
         # Called after every change (worker processes get a new snapshot).
-        self.on_change: Callable[[], None] | None = None
+        self.on_change = on_change
 
     @property
     def lease_deadline(self) -> float | None:

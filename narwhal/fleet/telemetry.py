@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
+from narwhal.config import RunningConfig
+
 __all__ = ["EngineInterval", "Interval", "Telemetry", "percentile"]
 
 
@@ -93,6 +95,10 @@ class Telemetry:
         self._opened_at: float | None = None
         self._closed: collections.deque[Interval] = collections.deque(maxlen=keep_intervals)
         self._next_index = 0
+
+    def configure(self, running: RunningConfig) -> None:
+        """A reload: the open interval is cut by the new ``telemetry.interval_s``."""
+        self.interval_s = running.config.telemetry.interval_s
 
     def __repr__(self) -> str:
         return (f"<Telemetry [{len(self._closed)}/{self.keep_intervals} intervals kept | "

@@ -57,7 +57,8 @@ class LeaseContext:
     """One router's lease facts, shared by its jobs; the backend reached only through ``call``."""
 
     def __init__(self, *, config: Config, router_id: str, backend: LeaseBackend, serving: ServingParts,
-                 metrics: RouterMetrics, clocks: LeaseClocks) -> None:
+                 metrics: RouterMetrics, clocks: LeaseClocks,
+                 advertise_url: Callable[[], str] | None = None) -> None:
         self.config = config
         self.router_id = router_id
         self.backend = backend
@@ -68,7 +69,8 @@ class LeaseContext:
         lease = config.lease
         self.holding = LeaseHolding(router_id=router_id, ttl_s=lease.ttl_s, fence_margin_s=lease.fence_margin_s,
                                     clock=clocks.clock)
-        self.advertise_url = lease.advertise_url or ""
+        self._configured_url = lease.advertise_url or ""
+        self._own_url = advertise_url
         self.record: LeaseRecord | None = None
         self.backend_problem: str | None = None
         self.stopping = False
@@ -76,6 +78,13 @@ class LeaseContext:
         self.deadline_changed = trio.Event()
         # The fencing deadline on time.monotonic(), for the handoff writer's thread.
         self._deadline_mono = -math.inf
+
+    @property
+    def advertise_url(self) -> str:
+        """Where a standby reaches this router's /ready: ``lease.advertise_url``, else the router's own."""
+        if self._configured_url or self._own_url is None:
+            return self._configured_url
+        return self._own_url()
 
     # -- timing, read from the config (never copied) --------------------------------------
 

@@ -17,13 +17,14 @@ clock for every process on the host).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import msgspec
 import trio
 
-from narwhal.config import Config
+from narwhal.config import Config, RunningConfig
 from narwhal.lease.backend import LeaseBackend
 from narwhal.lease.context import LeaseClocks, LeaseContext, ServingParts
 from narwhal.lease.fence import Fence
@@ -71,11 +72,14 @@ class LeaseService:
 
     def __init__(self, *, config: Config, router_id: str, backend: LeaseBackend, serving: ServingParts,
                  metrics: RouterMetrics, http: httpx.AsyncClient | None = None,
-                 clocks: LeaseClocks | None = None) -> None:
+                 clocks: LeaseClocks | None = None, advertise_url: Callable[[], str] | None = None) -> None:
+        """``advertise_url()``: where this router's /ready is when ``lease.advertise_url`` is not
+        set, asked at each use (the serving port is bound before the lease runs)."""
         clocks = clocks or LeaseClocks()
         lease = config.lease
         ctx = self._ctx = LeaseContext(config=config, router_id=router_id, backend=backend, serving=serving,
-                                       metrics=metrics, clocks=clocks)
+                                       metrics=metrics, clocks=clocks,
+                                       advertise_url=advertise_url)
         self._http = http or httpx.AsyncClient(timeout=min(lease.renew_interval_s, 2.0))
         self.follower = HandoffFollower(config=config, fleet=serving.fleet, router_id=router_id,
                                         where=f"{backend.name} handoff",
@@ -88,7 +92,6 @@ class LeaseService:
         self.term = TermKeeper(ctx, fence=self.fence, handover=self.handover, follower=self.follower,
                                watcher=self.watcher)
         serving.persistence.paused = True
-        serving.persistence.lease_valid = ctx.valid_threadsafe
         ctx.standby_text(None)
         self._register_gauges()
 
@@ -106,14 +109,16 @@ class LeaseService:
         """A reload: timing is read from the config at each use (the follower is told apart)."""
         self._ctx.config = config
 
+    def configure(self, running: RunningConfig) -> None:
+        """A reload: timing is read from the new config; a standby plans the active's handoff against
+        its own (reloaded) engine set."""
+        self.config = running.config
+        self.follower.use_config(running.config)
+
     @property
     def advertise_url(self) -> str:
         """Where a standby reaches this router's /ready (written into the record at acquisition)."""
         return self._ctx.advertise_url
-
-    @advertise_url.setter
-    def advertise_url(self, url: str) -> None:
-        self._ctx.advertise_url = url
 
     @property
     def renew_interval_s(self) -> float:

@@ -14,11 +14,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from narwhal.config import Config, PlacementConfig
+from narwhal.config import Config, PlacementConfig, RunningConfig
 from narwhal.fleet.placement import Choice, InFlight, Placer, PrefixIndex, prompt_blocks
 from narwhal.obs.router_metrics import RouterMetrics
 
-__all__ = ["RequestPlacement", "build_index", "build_placer", "reconfigure_index"]
+__all__ = ["FollowedIndex", "RequestPlacement", "build_index", "build_placer", "reconfigure_index"]
 
 _CHAT = "/v1/chat/completions"
 
@@ -43,6 +43,19 @@ def reconfigure_index(index: PrefixIndex, old: PlacementConfig, new: PlacementCo
             index.forget(engine)
     if new.max_index_mb != old.max_index_mb:
         index.set_max_bytes(_index_bytes(new))
+
+
+class FollowedIndex:
+    """A prefix index that follows ``[placement]`` across reloads (the controller's copy of the workers')."""
+
+    def __init__(self, index: PrefixIndex, placement: PlacementConfig) -> None:
+        self._index = index
+        self._placement = placement
+
+    def configure(self, running: RunningConfig) -> None:
+        placement = running.config.placement
+        reconfigure_index(self._index, self._placement, placement)
+        self._placement = placement
 
 
 def build_placer(config: Config, index: PrefixIndex | None = None, *, rng: random.Random | None = None,

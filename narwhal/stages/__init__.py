@@ -23,7 +23,7 @@ from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.pools.control import ControlCalls
 from narwhal.stages.controller import ControllerStage
 from narwhal.stages.drain import DrainStage
-from narwhal.stages.health import HealthObserver, HealthStage
+from narwhal.stages.health import HEALTH_SHARE_OF_STAGE_TIMEOUT, HealthObserver, HealthStage, health_check_timeout_s
 from narwhal.stages.liveness import LivenessStage
 from narwhal.stages.readmission import Readmission, ReadmissionStage
 from narwhal.stages.rollover import RolloverStage
@@ -31,12 +31,6 @@ from narwhal.stages.telemetry import TelemetryStage
 
 __all__ = ["HEALTH_SHARE_OF_STAGE_TIMEOUT", "MonitorStages", "StageSupervisor", "build_stages",
            "health_check_timeout_s"]
-
-# A sweep must end inside its stage's timeout even when an engine hangs, so a
-# hanging engine is that engine's timeout evidence and not a health-stage error
-# (which, repeated, would close admission for the whole router).
-HEALTH_SHARE_OF_STAGE_TIMEOUT = 0.8
-
 
 class StageSupervisor(Protocol):
     """What the stages need of ``narwhal.control.supervisor.Supervisor``."""
@@ -67,12 +61,6 @@ class MonitorStages(msgspec.Struct, frozen=True, kw_only=True):
     def in_spec_order(self) -> list[Stage]:
         """The stages in the spec's order (``STAGE_NAMES``)."""
         return [getattr(self, name) for name in STAGE_NAMES]
-
-
-def health_check_timeout_s(config: Config) -> float:
-    """``engine.health_timeout_s``, capped to leave the health stage inside ``stage_timeout_s``."""
-    return min(config.engine.health_timeout_s,
-               config.controller.stage_timeout_s * HEALTH_SHARE_OF_STAGE_TIMEOUT)
 
 
 def build_stages(*, config: Config, supervisor: StageSupervisor, control_pool: ControlCalls, telemetry: Telemetry,

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 
 import trio
 
+from narwhal.config import RunningConfig
 from narwhal.control.fleet_writer import FleetWriter
 from narwhal.fleet import ROLES, HoldKind
 from narwhal.fleet.drift import DriftDecision, DriftTracker, Risk, consolidation_risk
@@ -50,6 +51,12 @@ class ControllerStage:
                               "Consolidation risk per role: 0 none, 1 elevated, 2 critical.", ("role",),
                               lambda: {(role,): RISK_LEVEL[Risk(risk)]
                                        for role, risk in self.consolidation_risk().items()})
+
+    def configure(self, running: RunningConfig) -> None:
+        """A reload: read at each closed interval, the next one is judged by the new drift values."""
+        controller = running.config.controller
+        self.tracker.drift_factor = controller.drift_factor
+        self.tracker.drift_intervals = controller.drift_intervals
 
     def __repr__(self) -> str:
         return f"<ControllerStage [last interval judged: {self.last_interval}]>"

@@ -23,13 +23,24 @@ from typing import Protocol
 import msgspec
 import trio
 
-from narwhal.config import EngineSpec
+from narwhal.config import Config, EngineSpec, RunningConfig
 from narwhal.errors import EngineFailure, FailureClass, LocalResourceExhausted, PoolSaturated, SuccessKind
 from narwhal.obs.logs import log_event
 from narwhal.pools.classify import health_answer
 from narwhal.pools.control import ControlCalls
 
-__all__ = ["HealthObserver", "HealthStage", "HealthSweep"]
+__all__ = ["HEALTH_SHARE_OF_STAGE_TIMEOUT", "HealthObserver", "HealthStage", "HealthSweep", "health_check_timeout_s"]
+
+# A sweep must end inside its stage's timeout even when an engine hangs, so a
+# hanging engine is that engine's timeout evidence and not a health-stage error
+# (which, repeated, would close admission for the whole router).
+HEALTH_SHARE_OF_STAGE_TIMEOUT = 0.8
+
+
+def health_check_timeout_s(config: Config) -> float:
+    """``engine.health_timeout_s``, capped to leave the health stage inside ``stage_timeout_s``."""
+    return min(config.engine.health_timeout_s,
+               config.controller.stage_timeout_s * HEALTH_SHARE_OF_STAGE_TIMEOUT)
 
 
 class _Supervisor(Protocol):
@@ -67,6 +78,10 @@ class HealthStage:
         self.engines = list(engines)
         self.check_timeout_s = check_timeout_s
         self.sweep: HealthSweep | None = None
+
+    def configure(self, running: RunningConfig) -> None:
+        """A reload: the next sweep's checks are bounded by the new timeouts."""
+        self.check_timeout_s = health_check_timeout_s(running.config)
 
     def __repr__(self) -> str:
         last = None if self.sweep is None else self.sweep.pass_number

@@ -56,9 +56,17 @@ class PersistenceStage:
 
     def __init__(self, *, path: str | os.PathLike[str], router_id: str, fleet: _Snapshotting,
                  config: Config, extra: Callable[[], HandoffExtra] | None = None,
+                 lease_valid: Callable[[], bool] | None = None,
+                 publish: Callable[[bytes], Awaitable[bool]] | None = None,
                  clock: Callable[[], float] = trio.current_time,
                  wall_clock: Callable[[], float] = time.time) -> None:
-        """``extra()`` reports consolidation risk, settled drains and the lease at each pass."""
+        """``extra()`` reports consolidation risk, settled drains and the lease at each pass.
+
+        With a lease: ``lease_valid()`` says whether the term is still valid, asked from
+        the worker thread just before the rename (so it must be thread-safe), and
+        ``publish(data)`` is the etcd write guarded by the writer's lease, which runs
+        before the local file's (False: the lease is no longer ours, nothing is written).
+        """
         self.path = os.fspath(path)
         self.router_id = router_id
         self.fleet = fleet
@@ -69,11 +77,8 @@ class PersistenceStage:
         self.wall_clock = wall_clock
         # The lease code sets this when fenced or standing by: only the active router writes.
         self.paused = False
-        # With a lease: whether the term is still valid, asked from the worker thread just
-        # before the rename (so it must be thread-safe), and the etcd write guarded by the
-        # writer's lease, which runs before the local file's.
-        self.lease_valid: Callable[[], bool] | None = None
-        self.publish: Callable[[bytes], Awaitable[bool]] | None = None
+        self.lease_valid = lease_valid
+        self.publish = publish
         # The pass number of the last document that replaced the file, if any.
         self.last_written_pass: int | None = None
         # One write at a time, newest last. The lock is taken and released by the

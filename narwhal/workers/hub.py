@@ -27,11 +27,13 @@ import trio
 from narwhal.config import Config, EngineSpec
 from narwhal.errors import FailureClass, SuccessKind
 from narwhal.fleet.model import ROLES
+from narwhal.fleet.placement import SharedIndex
 from narwhal.obs.logs import log_event
+from narwhal.workers.index_relay import IndexRelay
 from narwhal.workers.metrics_sum import MetricsSum
 from narwhal.workers.protocol import Evidence, MetricsState, Report, Snapshot
 
-__all__ = ["AggregateInFlight", "ControlPlane", "WorkerHub"]
+__all__ = ["AggregateInFlight", "ControlPlane", "Poke", "WorkerHub"]
 
 
 class ControlPlane(Protocol):
@@ -47,6 +49,24 @@ class ControlPlane(Protocol):
 
 class _Gate(Protocol):
     def reason(self) -> str | None: ...
+
+
+class Poke:
+    """The publisher's wake-up: built first, given to what pokes it (admission, the fleet writer) and to the hub."""
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+
+    def __call__(self) -> None:
+        """Something a snapshot is built from may have changed: the publisher looks (cheap, any thread of trio)."""
+        self._event.set()
+
+    def rearm(self) -> None:
+        """Before a publish: a poke from now on wakes the next ``wait``, none is lost."""
+        self._event = trio.Event()
+
+    async def wait(self) -> None:
+        await self._event.wait()
 
 
 class _WorkerState:
@@ -102,7 +122,11 @@ class WorkerHub:
                  clock: Callable[[], float], to_link_clock: Callable[[float], float] | None = None,
                  record_sample: Callable[..., None] | None = None, share_in_flight: bool = False,
                  engine_specs: Callable[[], list[EngineSpec]] | None = None,
-                 running_config: Callable[[], Config] | None = None) -> None:
+                 running_config: Callable[[], Config] | None = None, poke: Poke | None = None,
+                 index: SharedIndex | None = None,
+                 admit_until: Callable[[], float | None] | None = None) -> None:
+        """``index``: the controller's prefix index, relayed between the workers (``IndexRelay``);
+        ``admit_until``: the lease-derived admission deadline on the control clock, read at each publish."""
         self._control = control
         self._admission = admission
         self._clock = clock
@@ -121,12 +145,12 @@ class WorkerHub:
         # The content last sent (seq and published_at aside), and the fleet version it was built from.
         self._published_content: Snapshot | None = None
         self._published_version: int | None = None
-        self._wake = trio.Event()
+        self._poke = poke if poke is not None else Poke()
         # engine -> seq of the first snapshot that took it out of placement.
         self.excluded_since: dict[str, int] = {}
-        self._admit_until: Callable[[], float | None] = lambda: None
-        # Told of the prompts each worker placed (the prefix index relay), when set.
-        self.on_placements: Callable[[int, Report], None] | None = None
+        self._admit_until: Callable[[], float | None] = admit_until if admit_until is not None else lambda: None
+        # Told of the prompts each worker placed: the placements go on to the other workers.
+        self.index_relay = IndexRelay(index, self.workers) if index is not None else None
         # The engine set workers place on (the supervisor's); None: as in the config they were given.
         self.engine_specs = engine_specs
         # The running config (reloads change it): workers take its placement and engine timeouts.
@@ -141,24 +165,20 @@ class WorkerHub:
                 del self.excluded_since[name]
         self.poke()
 
-    def set_admit_until(self, source: Callable[[], float | None]) -> None:
-        """Where the lease-derived admission deadline (control clock) comes from."""
-        self._admit_until = source
-
     def poke(self) -> None:
         """Something a snapshot is built from may have changed: the publisher looks (cheap, any thread of trio)."""
-        self._wake.set()
+        self._poke()
 
     async def run_publisher(self) -> None:
         """Publish whenever poked and at the fleet's next deadline; sleep otherwise."""
         while True:
             # A poke during publish() sets the new event: it is not lost.
-            self._wake = trio.Event()
+            self._poke.rearm()
             self.publish()
             valid_until = self._control.valid_until()
             deadline = math.inf if valid_until is None else valid_until
             with trio.move_on_at(deadline):
-                await self._wake.wait()
+                await self._poke.wait()
 
     # -- workers ---------------------------------------------------------------------------
 
@@ -193,8 +213,8 @@ class WorkerHub:
             self.metrics.update(worker, message.metrics)
             if self._share_in_flight:
                 self.poke()  # the router-wide in-flight counts are part of the snapshot
-            if self.on_placements is not None:
-                self.on_placements(worker, message)
+            if self.index_relay is not None:
+                self.index_relay.on_report(worker, message)
             if self._record_sample is not None:
                 for sample in message.samples:
                     self._record_sample(prefill=sample.prefill, decode=sample.decode, ttft_s=sample.ttft_s,

@@ -28,7 +28,9 @@ class WorkerView:
     """The request path's supervisor and admission, served from snapshots."""
 
     def __init__(self, send: Callable[[Evidence], None], *, clock: Callable[[], float] = time.monotonic,
-                 refresh: Callable[[], None] | None = None) -> None:
+                 refresh: Callable[[], None] | None = None,
+                 on_engines: Callable[[list[EngineSpec]], None] | None = None,
+                 on_settings: Callable[[PlacementConfig, EngineConfig], None] | None = None) -> None:
         self._send = send
         self._clock = clock
         # In one process the hub is asked before each read whether the fleet
@@ -37,9 +39,9 @@ class WorkerView:
         self.snapshot = EMPTY_SNAPSHOT
         self._local_reason: str | None = None
         # Told the engine set when a snapshot changes it (the request core's ``set_engines``).
-        self.on_engines: Callable[[list[EngineSpec]], None] | None = None
+        self.on_engines = on_engines
         # Told the data plane's reloadable settings when a snapshot changes them (``LocalDataPlane.configure``).
-        self.on_settings: Callable[[PlacementConfig, EngineConfig], None] | None = None
+        self.on_settings = on_settings
 
     def apply(self, snapshot: Snapshot) -> None:
         """Take a newer snapshot (older ones, reordered or replayed, are ignored).

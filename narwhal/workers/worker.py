@@ -20,7 +20,7 @@ from typing import Any
 
 import trio
 
-from narwhal.config import ConfigError, EngineSpec
+from narwhal.config import ConfigError, EngineConfig, EngineSpec, PlacementConfig
 from narwhal.fleet.placement import SharedIndex
 from narwhal.http1.server import Request, Responder
 from narwhal.obs.logs import flush_logs, log_event, set_log_fields
@@ -68,7 +68,7 @@ class Worker:
         self.index = index
         self.config = config
         self.link = link
-        self.view = WorkerView(self._send)
+        self.view = WorkerView(self._send, on_engines=self._engines_changed, on_settings=self._settings_changed)
         self.metrics = RouterMetrics()
         self.telemetry = TelemetryRelay()
         # The controller read these files a moment ago; a worker reads its own copies.
@@ -83,9 +83,6 @@ class Worker:
                                     # Siblings share the listening socket: at its cap this one leaves
                                     # connections to them.
                                     yield_at_cap=True, placement=placement)
-        # A config reload on the controller changes the engine set through the snapshots.
-        self.view.on_engines = self._engines_changed
-        self.view.on_settings = self.plane.configure
         self._reported_in_flight: dict[str, int] = {}
         self._forward_ids = itertools.count(1)
         self._forwards: dict[int, tuple[trio.Event, list[ForwardReply]]] = {}
@@ -97,6 +94,10 @@ class Worker:
         """A snapshot changed the engine set: the request core places on it, the prefix index follows it."""
         self.plane.core.set_engines(specs)
         self.prefix_index.index.set_engines(spec.name for spec in specs if spec.role == "prefill")
+
+    def _settings_changed(self, placement: PlacementConfig, engine: EngineConfig) -> None:
+        """A snapshot changed the reloadable settings: the data plane takes them."""
+        self.plane.configure(placement, engine)
 
     def _send(self, message: Any) -> None:
         # Evidence and answers to the controller.

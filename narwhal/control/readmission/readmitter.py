@@ -72,7 +72,7 @@ from typing import Any
 import msgspec
 import trio
 
-from narwhal.config import Config, EngineSpec
+from narwhal.config import Config, EngineSpec, RunningConfig
 from narwhal.control import contract
 from narwhal.control.fleet_writer import FleetWriter
 from narwhal.control.readmission.model import CHAIN, Check, ReadmissionResult, ReadmissionState
@@ -133,7 +133,8 @@ class Readmitter:
     def __init__(self, *, config: Config, fleet: FleetWriter, control_pool: ControlCalls, in_flight: InFlightCounts,
                  metrics: RouterMetrics, clock: Callable[[], float] = trio.current_time,
                  wall_clock: Callable[[], float] = time.time, attestation_key: bytes | None,
-                 inference_check: Callable[[str], Awaitable[str]] | None = None) -> None:
+                 inference_check: Callable[[str], Awaitable[str]] | None = None,
+                 on_newer_process: Callable[[str], None] | None = None) -> None:
         """``clock`` is trio's (monotonic, the fleet's time base); ``wall_clock`` unix seconds.
 
         ``inference_check(name)`` runs an inference probe and returns its outcome
@@ -164,13 +165,17 @@ class Readmitter:
         self._process_started: dict[str, float] = {}
         # Told when an engine proves to be a newer process than the one placement knew: its caches are
         # empty (the router drops its prefix-index entries). Called with the engine's name.
-        self.on_newer_process: Callable[[str], None] | None = None
+        self.on_newer_process = on_newer_process
 
     def __repr__(self) -> str:
         last = ", ".join(f"{name} {result.outcome}" + (f" {result.check}" if result.check else "")
                          for name, result in self._last.items())
         running = ", ".join(sorted(name for name, lock in self._locks.items() if lock.locked()))
         return f"<Readmitter [running: {running or '-'} | last: {last or '-'}]>"
+
+    def configure(self, running: RunningConfig) -> None:
+        """A reload (``apply_config``)."""
+        self.apply_config(running.config, running.attestation_key)
 
     def apply_config(self, config: Config, attestation_key: bytes | None) -> None:
         """A reload: later checks use its generation, attestation key and health timeout; the schedule its periods."""
