@@ -39,7 +39,7 @@ library's or a bug. The tree, with the module each class lives in:
     ├── QueryParameterError ......... app.query: an admin query parameter not taken, or not parsable (400)
     ├── FaultError (ValueError) ..... tools.mock.faults: a mock-engine fault that cannot be applied
     ├── CommandTemplateError (ValueError)  tools.bench.fleet: a bench --router-cmd template that cannot run
-    ├── EngineErrorEvent (ValueError)  serving.continuation: an engine ended its stream with an error event
+    ├── EngineErrorEvent (ValueError)  serving.continuation.events: an engine ended its stream with an error event
     ├── FrameError .................. workers.protocol: a controller/worker frame no peer of ours would send
     └── LinkClosed .................. workers.link: the other process of a controller/worker link is gone
 

@@ -558,7 +558,7 @@ def test_the_first_legs_events_lose_only_the_ids_narwhal_asked_for(raw):
 
 async def test_a_long_first_leg_is_read_in_batches_and_still_joins_exactly(monkeypatch):
     # Past _FOLD_BYTES the first leg's events are read as they go (bounded memory per stream).
-    monkeypatch.setattr("narwhal.serving.continuation._FOLD_BYTES", 600)
+    monkeypatch.setattr("narwhal.serving.continuation.lazy._FOLD_BYTES", 600)
     core, _, pool, _, _ = make(decode=("d1", "d2"))
     pool.cuts = [30]
     sink = ClientSink()
@@ -662,7 +662,7 @@ _REFERENCE_LISTS = re.compile(rb'"token_ids":\s*\[([\d,\s]*)\]')
 
 
 def _reference_strip(data: bytes) -> bytes:
-    from narwhal.serving.continuation import _IDS
+    from narwhal.serving.continuation.events import IDS as _IDS
     data = _REFERENCE_COMPACT.sub(b"", data)
     return _IDS.sub(b"", data) if b'token_ids"' in data else data
 
