@@ -11,24 +11,22 @@ into the same client stream.
 holds one request's answer so far: it asks the engine for token IDs (exact
 joins), rewrites every event so the client sees one stream (one ``id`` and
 ``created``, one role chunk, usage summed, Narwhal's own additions stripped),
-and builds each continuation leg's request. ``relay`` pumps one decode leg
-through it into the client's sink. No I/O of its own beyond the sink and the
-upstream stream it is handed; the clock is injected.
+and builds each continuation leg's request (``narwhal.serving.relay.relay_joined``
+relays one decode leg through it into the client's stream). No I/O.
 """
 
 from __future__ import annotations
 
 import re
 from collections import deque
-from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, TypeGuard
+from typing import Any, TypeGuard
 
 import msgspec
 
-from narwhal.errors import EngineFailure, FailureClass, NarwhalError
+from narwhal.errors import FailureClass, NarwhalError
 from narwhal.serving.client_view import KV_KEY, strip_kv_from_events
 
-__all__ = ["CONTINUED_CLASSES", "ENGINE_REMOVED", "StreamJoin", "not_continued_reason", "plan", "relay"]
+__all__ = ["CONTINUED_CLASSES", "ENGINE_REMOVED", "StreamJoin", "not_continued_reason", "plan"]
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -923,94 +921,3 @@ class StreamJoin:
             out = _DATA + _encode_json.encode(obj) + b"\n\n"
             self.usage_sent = True
         return out + _DONE_EVENT
-
-
-class _Sink(Protocol):
-    started: bool
-
-    async def start_stream(self, status: int, headers: list[tuple[bytes, bytes]], first: bytes = b"",
-                           end: bool = False) -> None: ...
-    async def write(self, data: bytes) -> None: ...
-    async def end_stream(self, last: bytes = b"") -> None: ...
-
-
-# One read through the join: the bytes for the client, or None once [DONE] came.
-_Step = Callable[[bytes, float], "bytes | None"]
-
-
-class _Upstream(Protocol):
-    async def read(self) -> bytes: ...
-
-
-async def relay(join: StreamJoin, upstream: _Upstream, sink: _Sink, head: list[tuple[bytes, bytes]], *,
-                engine: str, clock: Callable[[], float],
-                on_first: Callable[[float], None], on_gap: Callable[[float], None],
-                pump: Callable[[_Step], Awaitable[bytes | None]] | None = None) -> None:
-    """Pump one decode leg through ``join`` into the client's stream, ending it as soon as [DONE] comes.
-
-    ``on_first(now)`` runs once, when this leg's first bytes reach the client;
-    ``on_gap`` gets the time between successive client writes within the leg.
-    Unreadable events raise EngineFailure (class stream) against ``engine``.
-    ``pump``, once the client's stream has started, relays the reads through the
-    same per-read step elsewhere (the process's relay pump): it returns the read
-    the step declined ([DONE]), b"" at the end of the body, or None when it cannot.
-    """
-    first = True
-    last_at = 0.0
-    done_out: bytes | None = None
-
-    def step(chunk: bytes, now: float) -> bytes | None:
-        """One read through the join: the bytes for the client, or None once [DONE] came (kept in done_out)."""
-        nonlocal first, last_at, done_out
-        try:
-            out, done = join.feed(chunk)
-        except EngineErrorEvent as exc:
-            raise EngineFailure(engine, FailureClass.STREAM, str(exc), cause="ErrorEvent") from None
-        except ValueError as exc:
-            raise EngineFailure(engine, FailureClass.STREAM, f"unreadable decode stream: {exc}",
-                                cause="UnreadableEvent") from None
-        if done:
-            done_out = out
-            return None
-        if not out:
-            return out
-        if first:
-            on_first(now)
-            first = False
-        else:
-            on_gap(now - last_at)
-        last_at = now
-        join.last_relay_at = now
-        return out
-
-    while done_out is None:
-        if pump is not None and sink.started:
-            declined = await pump(step)
-            if declined is not None:
-                if done_out is None:
-                    # The pool ended the stream cleanly, but no complete event carried [DONE].
-                    raise EngineFailure(engine, FailureClass.STREAM, "decode stream ended before data: [DONE]")
-                break
-            pump = None
-        chunk = await upstream.read()
-        if not chunk:
-            # The pool ended the stream cleanly, but no complete event carried [DONE].
-            raise EngineFailure(engine, FailureClass.STREAM, "decode stream ended before data: [DONE]")
-        out = step(chunk, clock())
-        if not out:
-            continue
-        if sink.started:
-            await sink.write(out)
-        else:
-            await sink.start_stream(200, head, out)
-    # The answer is whole: it goes out now, in the write that ends the stream. The caller reads what the
-    # engine sends after [DONE] only afterwards (for the connection's reuse; none of it is a failure).
-    out = done_out + _DONE_EVENT
-    now = clock()
-    if first:
-        on_first(now)
-    join.last_relay_at = now
-    if sink.started:
-        await sink.end_stream(out)
-    else:
-        await sink.start_stream(200, head, out, end=True)
