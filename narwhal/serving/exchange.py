@@ -60,10 +60,10 @@ class Exchange:
     from ``started_at``); a leg on an engine a reload removed is cut as well (``RequestCore._cut``).
     """
 
-    __slots__ = ("attempts", "continued_after", "continuing", "error_class", "error_engine",
-                 "inter_token_s", "join", "join_gap_s", "legs", "prefix_match", "regenerated", "request",
-                 "rid", "rid_header", "route", "sink", "started_at", "status", "stream_error", "tokens",
-                 "ttft_s")
+    __slots__ = ("attempts", "continuations", "continued_after", "continuing", "decode", "error_class",
+                 "error_engine", "inter_token_s", "join", "join_gap_s", "legs", "prefill", "prefix_match",
+                 "regenerated", "request", "rid", "rid_header", "route", "sink", "started_at", "status",
+                 "stream_error", "tokens", "ttft_s")
 
     def __init__(self, route: str, rid: str, sink: Sink, started_at: float) -> None:
         self.route = route
@@ -77,6 +77,10 @@ class Exchange:
         self.join: StreamJoin | None = None
         self.legs: list[Leg] = []
         self.attempts = 0
+        self.continuations = 0
+        # The engines of the last attempt's legs, for the log line and telemetry.
+        self.prefill: str | None = None
+        self.decode: str | None = None
         # -- the outcome --
         self.status = 0
         self.ttft_s: float | None = None
@@ -102,31 +106,25 @@ class Exchange:
         """A new attempt's two legs: a prefill, then a decode (a continuation once the client has bytes)."""
         self.attempts += 1
         join = self.join
-        continued = False
+        kind: LegKind = "decode"
         if join is not None and join.started:
             join.continuations += 1
-            continued = True
+            self.continuations += 1
+            kind = "continuation"
+        self.prefill, self.decode = prefill.name, decode.name
         legs = (Leg("prefill", prefill, self.attempts, route, request),
-                Leg("continuation" if continued else "decode", decode, self.attempts, route, request))
+                Leg(kind, decode, self.attempts, route, request))
         self.legs += legs
         return legs
 
-    def engine(self, role: str) -> str | None:
-        """The engine of the last ``role`` leg ("prefill", or "decode" for decodes and continuations)."""
-        for leg in reversed(self.legs):
-            if (leg.kind == "prefill") == (role == "prefill"):
-                return leg.engine.name
-        return None
-
-    @property
-    def continuations(self) -> int:
-        """The continuation legs started so far."""
-        return sum(leg.kind == "continuation" for leg in self.legs)
-
     def relay(self) -> str | None:
         """Who relayed the stream after its first bytes: "pump" if the pump relayed any leg, else "task"."""
-        kinds = {leg.relay for leg in self.legs}
-        return "pump" if "pump" in kinds else "task" if "task" in kinds else None
+        relay = None
+        for leg in self.legs:
+            if leg.relay == "pump":
+                return "pump"
+            relay = relay or leg.relay
+        return relay
 
     def stream_completed(self) -> None:
         """The stream reached the client whole after a failure: no error for the request, the failure noted."""
@@ -141,8 +139,8 @@ class Exchange:
             request_id=self.rid,
             route=self.route,
             status=self.status,
-            prefill=self.engine("prefill"),
-            decode=self.engine("decode"),
+            prefill=self.prefill,
+            decode=self.decode,
             ttft_ms=None if ttft_s is None else round(ttft_s * 1000, 3),
             tokens=self.tokens,
             duration_ms=round(duration_s * 1000, 3),

@@ -3,7 +3,9 @@
 It knows no HTTP framework: ``RequestCore.handle`` reads a parsed request (route,
 body, request id) and writes bytes to a ``Sink`` (``respond`` / ``start_stream``
 / ``write`` / ``end_stream``). The data-plane front hands it its ``Responder``;
-tests hand it a recorder.
+tests hand it a recorder. Each request is an ``Exchange`` of legs
+(``narwhal.serving.exchange``); a streamed decode leg goes through the one relay
+loop (``narwhal.serving.relay``).
 
 Evidence: every engine outcome is reported to the supervisor (failure with its
 class, or the success row it earns); a client's 4xx is never engine failure.
@@ -30,7 +32,7 @@ import logging
 import os
 import random
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from contextlib import AbstractAsyncContextManager
 from typing import Any, NoReturn, Protocol
 
@@ -363,7 +365,7 @@ class RequestCore:
         if ex.ttft_s is not None:
             self.metrics.ttft.observe(ex.ttft_s, route)
         if self.telemetry is not None:
-            self.telemetry.record_request(prefill=ex.engine("prefill"), decode=ex.engine("decode"),
+            self.telemetry.record_request(prefill=ex.prefill, decode=ex.decode,
                                           ttft_s=ex.ttft_s, inter_token_s=ex.inter_token_s,
                                           error_engine=ex.error_engine, status=ex.status,
                                           error_class=ex.error_class or ex.continued_after,
@@ -580,7 +582,11 @@ class RequestCore:
                     in_flight.release(prefill_name)
                 if not cut.scope.cancel_called:
                     cut.move(decode_name, "decode")
-                    await self._decode_leg(ex, decode, kv)
+                    in_flight.acquire(decode_name)
+                    try:
+                        await self._decode_leg(ex, decode, kv)
+                    finally:
+                        in_flight.release(decode_name)
                     decoded = True
         except _AttemptFailed as failed:
             (decode if cut.leg == "decode" else prefill).error = failed.failure_class
@@ -593,24 +599,21 @@ class RequestCore:
         if not decoded:
             # The prefill engine was cut just as its leg ended (no checkpoint left to see it): the prefill
             # counts, and the decode runs under a scope of its own, as with one scope per leg.
+            in_flight.acquire(decode_name)
             try:
                 with self._cuttable(decode_name, "decode"):
                     await self._decode_leg(ex, decode, kv)
             except _AttemptFailed as failed:
                 decode.error = failed.failure_class
                 raise
+            finally:
+                in_flight.release(decode_name)
 
-    async def _decode_leg(self, ex: Exchange, leg: Leg, kv: dict[str, Any]) -> None:
-        name = leg.engine.name
-        in_flight = self.in_flight
-        in_flight.acquire(name)
-        try:
-            if ex.join is not None:
-                await self._decode_joined(ex, leg, kv, ex.join)
-            else:
-                await self._decode(ex, leg, kv)
-        finally:
-            in_flight.release(name)
+    def _decode_leg(self, ex: Exchange, leg: Leg, kv: dict[str, Any]) -> Coroutine[Any, Any, None]:
+        """The decode leg's coroutine, awaited by its caller (no await level of its own on the relay's path)."""
+        if ex.join is not None:
+            return self._decode_joined(ex, leg, kv, ex.join)
+        return self._decode(ex, leg, kv)
 
     async def _engine_call(self, leg: str, call: Any) -> Any:
         """Await one engine call, turning its failure into evidence and a client error."""
