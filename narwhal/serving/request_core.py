@@ -247,7 +247,7 @@ class RequestCore:
         # The process's relay pump (the data pool's), unless serving.relay_pump is off.
         self._pump: Pump | None = getattr(data_pool, "pump", None) if config.serving.relay_pump else None
         # What the relay hands a started stream to (None: the request task relays every stream itself).
-        self._pump_and_relay: PumpRelay | None = self._pump_relay if self._pump is not None else None
+        self._to_pump: PumpRelay | None = self._pump_relay if self._pump is not None else None
         # Each prefill engine's max_model_len, from its /tokenize answers: the limit for token-ID prompts.
         self._max_model_len: dict[str, int] = {}
         self._max_handoff_bytes = config.engine.max_handoff_bytes
@@ -818,7 +818,7 @@ class RequestCore:
                         return chunk
 
                     # The read holding [DONE] is left in ``held``; b"" when the body ended first.
-                    await relay(upstream, sink, head, on_chunk, leg, clock=clock, pump=self._pump_and_relay)
+                    await relay(upstream, sink, head, on_chunk, leg, clock=clock, pump=self._to_pump)
                     chunk = held
                 held = chunk
                 if tokens > 2:
@@ -891,7 +891,7 @@ class RequestCore:
             async with self.data_pool.stream(decode, leg.route, payload, request_id=ex.rid) as upstream:
                 ex.status = 200
                 await relay_joined(join, upstream, sink, head, leg, clock=self.clock, on_first=on_first,
-                                   on_gap=on_gap, pump=self._pump_and_relay)
+                                   on_gap=on_gap, pump=self._to_pump)
                 # The client has the whole answer and [DONE].
                 ex.tokens = join.tokens
                 self._note_regenerated(ex, join, diverged, decode.name)
