@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from narwhal.errors import EngineFailure, FailureClass
+from narwhal.http1.pump import OnChunk
 from narwhal.serving.continuation import EngineErrorEvent, StreamJoin
 from narwhal.serving.exchange import Leg, Sink
 
@@ -25,7 +26,8 @@ __all__ = ["PumpRelay", "Step", "Upstream", "relay", "relay_joined"]
 _DONE_EVENT = b"data: [DONE]\n\n"
 
 # One read (and when it was read) in, the bytes for the client out; None ends the relay at that read.
-Step = Callable[[bytes, float], "bytes | None"]
+# The pump calls the same step per read (its ``OnChunk``).
+Step = OnChunk
 
 
 class Upstream(Protocol):
