@@ -79,10 +79,10 @@ async def test_the_same_prefix_goes_to_the_same_prefill_engine_and_is_counted() 
 
 
 async def test_the_request_log_carries_the_matched_share(monkeypatch: pytest.MonkeyPatch) -> None:
-    import narwhal.serving.request_core as request_core
+    import narwhal.serving.exchange as exchange
 
     logged: list[dict[str, Any]] = []
-    monkeypatch.setattr(request_core, "log_event", lambda event, **fields: logged.append({"event": event, **fields}))
+    monkeypatch.setattr(exchange, "log_event", lambda event, **fields: logged.append({"event": event, **fields}))
     core, _ = make_core()
     await core.handle("/v1/completions", body(), None, Sink())
     await core.handle("/v1/completions", body(), None, Sink())

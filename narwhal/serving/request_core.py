@@ -3,7 +3,9 @@
 It knows no HTTP framework: ``RequestCore.handle`` reads a parsed request (route,
 body, request id) and writes bytes to a ``Sink`` (``respond`` / ``start_stream``
 / ``write`` / ``end_stream``). The data-plane front hands it its ``Responder``;
-tests hand it a recorder.
+tests hand it a recorder. Each request is an ``Exchange`` of legs
+(``narwhal.serving.exchange``); a streamed decode leg goes through the one relay
+loop (``narwhal.serving.relay``).
 
 Evidence: every engine outcome is reported to the supervisor (failure with its
 class, or the success row it earns); a client's 4xx is never engine failure.
@@ -30,7 +32,7 @@ import logging
 import os
 import random
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from contextlib import AbstractAsyncContextManager
 from typing import Any, NoReturn, Protocol
 
@@ -49,7 +51,7 @@ from narwhal.errors import (
     UpstreamClientError,
 )
 from narwhal.fleet.placement import InFlight
-from narwhal.http1.pump import ClientSocket, OnChunk, Pump, RelayWatched
+from narwhal.http1.pump import OnChunk, Pump
 from narwhal.obs.logs import log_event
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.serving import continuation
@@ -63,7 +65,9 @@ from narwhal.serving.client_view import (
     wants_usage,
 )
 from narwhal.serving.continuation import CONTINUED_CLASSES, ENGINE_REMOVED, StreamJoin
+from narwhal.serving.exchange import Exchange, Leg, Sink
 from narwhal.serving.placement import RequestPlacement
+from narwhal.serving.relay import PumpRelay, Upstream, relay, relay_joined
 from narwhal.wire import PREFILL_KV_REQUEST, HandoffRejected, error_json, read_handoff
 
 __all__ = ["COMPLETION_ROUTES", "AdmissionGate", "RequestCore", "Sink", "TelemetrySink"]
@@ -84,24 +88,6 @@ _QUEUEABLE = frozenset({"no_capacity", "pool_saturated", "local_resource_exhaust
 
 _decode_json = msgspec.json.Decoder()
 _encode_json = msgspec.json.Encoder()
-
-
-class Sink(Protocol):
-    """Where a response goes; the data-plane ``Responder`` is one."""
-
-    started: bool
-    # The whole response went out.
-    finished: bool
-
-    async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None: ...
-    async def start_stream(self, status: int, headers: list[tuple[bytes, bytes]], first: bytes = b"",
-                           end: bool = False) -> None: ...
-    async def write(self, data: bytes) -> None: ...
-    async def end_stream(self, last: bytes = b"") -> None: ...
-    def direct(self) -> tuple[ClientSocket, bool] | None:
-        """For the relay pump: the client connection of a started stream and whether it is chunk-framed;
-        None when the pump cannot write to it (TLS, a test's sink)."""
-        ...
 
 
 class Supervisor(Protocol):
@@ -127,12 +113,8 @@ class TelemetrySink(Protocol):
                        error_class: str | None = None, failed: bool = False) -> None: ...
 
 
-class DecodeStream(RelayWatched, Protocol):
-    """A decode stream's body as the data pool hands it over (``narwhal.pools.data.UpstreamStream``)."""
-
-    @property
-    def saw_terminal(self) -> bool: ...
-    async def read(self) -> bytes: ...
+# A decode stream's body as the data pool hands it over: what the relay and the pump read.
+DecodeStream = Upstream
 
 
 class DataPool(Protocol):
@@ -192,45 +174,6 @@ class _TokenizeResult(msgspec.Struct):
 def _is_token_ids(prompt: list[Any]) -> bool:
     """A prompt given as token IDs: a list of (non-boolean) integers."""
     return all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-
-
-class _Outcome:
-    """What one request did, for its log line and metrics."""
-
-    __slots__ = ("status", "prefill", "decode", "ttft_s", "tokens", "error_class", "attempts",
-                 "error_engine", "inter_token_s", "continuations", "continuing",
-                 "join_gap_s", "stream_error", "prefix_match", "continued_after", "relay", "regenerated")
-
-    def __init__(self) -> None:
-        self.status = 0
-        self.prefill: str | None = None
-        self.decode: str | None = None
-        self.ttft_s: float | None = None
-        self.tokens = 0
-        self.error_class: str | None = None
-        self.attempts = 0
-        self.error_engine: str | None = None
-        self.inter_token_s: float | None = None
-        self.continuations = 0
-        # A continuable failure happened and its continuation has not finished yet.
-        self.continuing = False
-        # The longest wait a client saw at a join of this request.
-        self.join_gap_s: float | None = None
-        # The stream had begun (status 200) and ended with an SSE error event: the client saw a failure.
-        self.stream_error = False
-        # Share of the prompt the chosen prefill engine held (cache-aware placement).
-        self.prefix_match: float | None = None
-        # Who relayed the stream after its first bytes: "pump" (the process's pump) or "task".
-        self.relay: str | None = None
-        # The failure class a stream was completed after (continued, or only its tail was lost).
-        self.continued_after: str | None = None
-        # Tokens continuations generated again from a whole character back (the client had them).
-        self.regenerated = 0
-
-    def stream_completed(self) -> None:
-        """The stream reached the client whole after a failure: no error for the request, the failure noted."""
-        self.continued_after = self.error_class
-        self.error_class = None
 
 
 class _LegCut:
@@ -303,6 +246,8 @@ class RequestCore:
         self._count_tokens = config.serving.count_tokens
         # The process's relay pump (the data pool's), unless serving.relay_pump is off.
         self._pump: Pump | None = data_pool.pump if config.serving.relay_pump else None
+        # What the relay hands a started stream to (None: the request task relays every stream itself).
+        self._to_pump: PumpRelay | None = self._pump_relay if self._pump is not None else None
         # Each prefill engine's max_model_len, from its /tokenize answers: the limit for token-ID prompts.
         self._max_model_len: dict[str, int] = {}
         self._max_handoff_bytes = config.engine.max_handoff_bytes
@@ -364,103 +309,84 @@ class RequestCore:
             rid = request_id.decode("ascii")
         else:
             rid = f"nw-{self._id_prefix}-{next(self._ids)}"
-        rid_header = (b"x-request-id", rid.encode("latin-1"))
-        outcome = _Outcome()
+        ex = Exchange(route, rid, sink, started_at)
         answered = False
         try:
             try:
                 with trio.move_on_after(self._deadline_s) as deadline:
-                    await self._serve(route, body, rid, rid_header, sink, started_at, outcome)
+                    await self._serve(ex, body)
                 if deadline.cancelled_caught and not _delivered(sink):
-                    outcome.error_class = "deadline"
-                    if outcome.continuing:
+                    ex.error_class = "deadline"
+                    if ex.continuing:
                         self.metrics.continuations.inc("exhausted")
                     message = f"request deadline of {self._deadline_s:g} s exceeded"
-                    await self._fail(sink, outcome, ClientError(504, message, "timeout", "deadline_exceeded"),
-                                     rid_header)
+                    await self._fail(ex, ClientError(504, message, "timeout", "deadline_exceeded"))
             except ClientError as exc:
-                await self._fail(sink, outcome, exc, rid_header)
+                await self._fail(ex, exc)
             answered = True
         except Exception as exc:
             gone = _client_gone(exc)
             if gone is not None:
                 # The sink's write failed: the client went away or stopped reading (client_stalled).
-                outcome.status = 499
-                outcome.error_class = gone.reason
+                ex.status = 499
+                ex.error_class = gone.reason
             else:
                 # A bug of ours: the front answers 500, and the log must say 500, not blame the client.
-                outcome.status = 500
-                outcome.error_class = f"internal_error:{type(exc).__name__}"
+                ex.status = 500
+                ex.error_class = f"internal_error:{type(exc).__name__}"
             raise
         finally:
-            if not answered and outcome.status == 0:
+            if not answered and ex.status == 0:
                 # Cancelled from outside (client went away, router stopping).
-                outcome.status = 499
-                outcome.error_class = outcome.error_class or "client_disconnected"
-            elif not answered and outcome.status == 200 and not _delivered(sink):
+                ex.status = 499
+                ex.error_class = ex.error_class or "client_disconnected"
+            elif not answered and ex.status == 200 and not _delivered(sink):
                 # A stream the client cut is 499, though its head said 200.
-                outcome.status = 499
-                outcome.error_class = "client_disconnected"
-            self._finish(route, rid, started_at, outcome)
+                ex.status = 499
+                ex.error_class = "client_disconnected"
+            self._finish(ex)
 
-    async def _fail(self, sink: Sink, outcome: _Outcome, error: ClientError,
-                    rid_header: tuple[bytes, bytes]) -> None:
+    async def _fail(self, ex: Exchange, error: ClientError) -> None:
+        sink = ex.sink
         if sink.started:
             # Tokens already reached the client: say why the stream ends, never replay.
-            outcome.status = outcome.status or 200
-            outcome.stream_error = True
+            ex.status = ex.status or 200
+            ex.stream_error = True
             await sink.end_stream(_sse_error(error.message, error.type, error.code))
         else:
-            outcome.status = error.status
-            await sink.respond(error.status, [*_JSON_HEADERS, rid_header], error.body())
+            ex.status = error.status
+            await sink.respond(error.status, [*_JSON_HEADERS, ex.rid_header], error.body())
 
-    def _finish(self, route: str, rid: str, started_at: float, outcome: _Outcome) -> None:
-        duration_s = self.clock() - started_at
-        status = str(outcome.status)
-        self.metrics.requests.inc(route, status)
+    def _finish(self, ex: Exchange) -> None:
+        duration_s = self.clock() - ex.started_at
+        route = ex.route
+        self.metrics.requests.inc(route, str(ex.status))
         self.metrics.request_duration.observe(duration_s, route)
-        if outcome.ttft_s is not None:
-            self.metrics.ttft.observe(outcome.ttft_s, route)
+        if ex.ttft_s is not None:
+            self.metrics.ttft.observe(ex.ttft_s, route)
         if self.telemetry is not None:
-            self.telemetry.record_request(prefill=outcome.prefill, decode=outcome.decode, ttft_s=outcome.ttft_s,
-                                          inter_token_s=outcome.inter_token_s, error_engine=outcome.error_engine,
-                                          status=outcome.status,
-                                          error_class=outcome.error_class or outcome.continued_after,
-                                          failed=outcome.status >= 400 or outcome.stream_error)
-        log_event(
-            "request",
-            request_id=rid,
-            route=route,
-            status=outcome.status,
-            prefill=outcome.prefill,
-            decode=outcome.decode,
-            ttft_ms=None if outcome.ttft_s is None else round(outcome.ttft_s * 1000, 3),
-            tokens=outcome.tokens,
-            duration_ms=round(duration_s * 1000, 3),
-            attempts=outcome.attempts,
-            continuations=outcome.continuations,
-            join_gap_ms=None if outcome.join_gap_s is None else round(outcome.join_gap_s * 1000, 3),
-            regenerated_tokens=outcome.regenerated,
-            error=outcome.error_class,
-            continued_after=outcome.continued_after,
-            prefix_match=None if outcome.prefix_match is None else round(outcome.prefix_match, 3),
-            relay=outcome.relay,
-        )
+            self.telemetry.record_request(prefill=ex.prefill, decode=ex.decode,
+                                          ttft_s=ex.ttft_s, inter_token_s=ex.inter_token_s,
+                                          error_engine=ex.error_engine, status=ex.status,
+                                          error_class=ex.error_class or ex.continued_after,
+                                          failed=ex.status >= 400 or ex.stream_error)
+        ex.log_line(duration_s)
 
     # -- one request ---------------------------------------------------------
 
-    async def _serve(self, route: str, body: bytes, rid: str, rid_header: tuple[bytes, bytes],
-                     sink: Sink, started_at: float, outcome: _Outcome) -> None:
+    async def _serve(self, ex: Exchange, body: bytes) -> None:
         # The gate compares the lease deadline itself, per request: no timer closes it on time.
         closed = self.admission.reason()
         if closed is not None:
             self.metrics.saturations.inc("admission_closed")
             raise ClientError(503, closed, "service_unavailable", "admission_closed")
-        request = self._validate(route, body)
+        route, rid, sink = ex.route, ex.rid, ex.sink
+        request = ex.request = self._validate(route, body)
         join: StreamJoin | None = None
         not_continued: str | None = None
         if self._bounded and request.get("stream") is True:
             join, not_continued = continuation.plan(route, request, enabled=self._continue_streams)
+            ex.join = join
         # Engines that failed this request: a retry goes elsewhere while it can.
         failed_engines: set[str] = set()
         # The decode engine whose failure a continuation resumes from: never its next decode.
@@ -477,45 +403,45 @@ class RequestCore:
                                       "upstream_error", "not_continued")
                 leg_route, leg_request = leg
             try:
-                await self._attempt(leg_route, leg_request, rid, rid_header, sink, started_at, outcome,
-                                    failed_engines, join, exclude)
-                if outcome.continuing:
+                await self._attempt(ex, leg_route, leg_request, failed_engines, exclude)
+                if ex.continuing:
                     self.metrics.continuations.inc("completed")
-                    outcome.stream_completed()
+                    ex.stream_completed()
                 return
             except _AttemptFailed as failed:
                 if _delivered(sink):
                     # Cut (its engine removed) while the engine's body was read to its end: the answer is whole.
                     return
-                outcome.error_class = failed.failure_class
+                ex.error_class = failed.failure_class
                 # A leg cut because its engine was removed is nobody's failure (telemetry's errors too).
-                outcome.error_engine = None if failed.failure_class == ENGINE_REMOVED else failed.engine
+                ex.error_engine = None if failed.failure_class == ENGINE_REMOVED else failed.engine
                 if failed.engine is not None:
                     failed_engines.add(failed.engine)
                 queued = failed.failure_class in _QUEUEABLE
                 if sink.started:
-                    if outcome.continuing and not queued:
+                    if ex.continuing and not queued:
                         self.metrics.continuations.inc("failed")
-                    outcome.continuing = False
-                    await self._after_relay(failed, join, not_continued, queued, rid, outcome, sink)
-                    outcome.continuing = join is not None and not join.finished
+                    ex.continuing = False
+                    await self._after_relay(ex, failed, not_continued, queued)
+                    ex.continuing = join is not None and not join.finished
                     if join is not None and join.finished:
                         return
                     if failed.stage == "decode" and not queued:
                         exclude = failed.engine
-                elif not self._bounded or (not queued and outcome.attempts >= self._max_attempts):
+                elif not self._bounded or (not queued and ex.attempts >= self._max_attempts):
                     raise failed.error from None
                 if queued:
                     # Waiting for capacity is bounded by the request deadline, not by attempts.
                     await trio.sleep(_QUEUE_POLL_S)
                 else:
                     retry: dict[str, Any] = {"class": failed.failure_class}
-                    log_event("request_retry", request_id=rid, attempt=outcome.attempts,
+                    log_event("request_retry", request_id=rid, attempt=ex.attempts,
                               engine=failed.engine, continued=sink.started, **retry)
 
-    async def _after_relay(self, failed: _AttemptFailed, join: StreamJoin | None, not_continued: str | None,
-                           queued: bool, rid: str, outcome: _Outcome, sink: Sink) -> None:
+    async def _after_relay(self, ex: Exchange, failed: _AttemptFailed, not_continued: str | None,
+                           queued: bool) -> None:
         """A leg failed after the client had bytes: continue (return), finish, or end with the error."""
+        join, rid = ex.join, ex.rid
         if join is None:
             if self._bounded:
                 self.metrics.continuations.inc("not_eligible")
@@ -525,10 +451,10 @@ class RequestCore:
             # The last token reached the client; only usage and [DONE] were lost.
             if join.tail_needs_count:
                 await self._count_tail(join, rid)
-            outcome.tokens = join.tokens
-            outcome.status = 200
-            await sink.end_stream(join.tail())
-            outcome.stream_completed()
+            ex.tokens = join.tokens
+            ex.status = 200
+            await ex.sink.end_stream(join.tail())
+            ex.stream_completed()
             return
         # A decode that broke, or a continuation's own leg that failed before relaying anything.
         continuable = failed.failure_class in CONTINUED_CLASSES or queued or (
@@ -537,7 +463,7 @@ class RequestCore:
             self.metrics.continuations.inc("not_eligible")
             log_event("stream_not_continued", request_id=rid, reason=f"class:{failed.failure_class}")
             raise failed.error from None
-        if not queued and outcome.attempts >= self._max_attempts:
+        if not queued and ex.attempts >= self._max_attempts:
             self.metrics.continuations.inc("exhausted")
             log_event("stream_not_continued", request_id=rid, reason="max_attempts")
             raise failed.error from None
@@ -597,7 +523,7 @@ class RequestCore:
         request.pop("kv_transfer_params", None)
         return request
 
-    def _place(self, role: str, avoid: set[str], route: str, request: dict[str, Any], outcome: _Outcome,
+    def _place(self, role: str, avoid: set[str], route: str, request: dict[str, Any], ex: Exchange,
                exclude: str | None = None) -> str:
         candidates = self.supervisor.eligible(role)
         if exclude is not None:
@@ -613,21 +539,15 @@ class RequestCore:
             raise _AttemptFailed(ClientError(503, problem, "service_unavailable", "no_capacity"),
                                  None, "no_capacity")
         if role == "prefill":
-            outcome.prefix_match = choice.matched
+            ex.prefix_match = choice.matched
         return choice.engine
 
-    async def _attempt(self, route: str, request: dict[str, Any], rid: str, rid_header: tuple[bytes, bytes],
-                       sink: Sink, started_at: float, outcome: _Outcome, avoid: set[str],
-                       join: StreamJoin | None = None, exclude: str | None = None) -> None:
-        prefill_name = self._place("prefill", avoid, route, request, outcome)
-        decode_name = self._place("decode", avoid, route, request, outcome, exclude)
-        outcome.prefill, outcome.decode = prefill_name, decode_name
-        prefill = self.engines[prefill_name]
-        decode = self.engines[decode_name]
-        outcome.attempts += 1
-        if join is not None and join.started:
-            join.continuations += 1
-            outcome.continuations = join.continuations
+    async def _attempt(self, ex: Exchange, route: str, request: dict[str, Any], avoid: set[str],
+                       exclude: str | None = None) -> None:
+        prefill_name = self._place("prefill", avoid, route, request, ex)
+        decode_name = self._place("decode", avoid, route, request, ex, exclude)
+        prefill, decode = ex.attempt(self.engines[prefill_name], self.engines[decode_name], route, request)
+        join, rid = ex.join, ex.rid
         in_flight = self.in_flight
         # One cancel scope for both legs (a scope costs as much as the rest of a leg's bookkeeping),
         # registered under the engine of the leg in progress, so a removed engine cuts only its own leg.
@@ -639,14 +559,14 @@ class RequestCore:
                 try:
                     if self._count_tokens and not (join is not None and join.started):
                         # A continuation's prompt grew by exactly the tokens its max_tokens shrank by.
-                        prompt_tokens = await self._check_context(route, request, prefill, rid)
+                        prompt_tokens = await self._check_context(route, request, prefill.engine, rid)
                         if join is not None and prompt_tokens is not None:
                             join.note_prompt_tokens(prompt_tokens)
                     if join is not None and join.started and join.uncounted:
                         # Tokens came without IDs: the engine counts what the client has, and the leg is
                         # built again from its count (never from events, which may carry several tokens).
                         try:
-                            await self._count_join(join, prefill, rid)
+                            await self._count_join(join, prefill.engine, rid)
                         except _Uncountable as exc:
                             self.metrics.continuations.inc("not_eligible")
                             log_event("stream_not_continued", request_id=rid, reason="uncounted")
@@ -655,40 +575,45 @@ class RequestCore:
                                               f"({exc})", "upstream_error", "not_continued") from None
                         leg = join.next_leg()
                         assert leg is not None
-                        route, request = leg
-                        outcome.tokens = join.tokens
-                    kv = await self._prefill(route, request, prefill, rid)
+                        prefill.route, prefill.request = decode.route, decode.request = leg
+                        ex.tokens = join.tokens
+                    kv = await self._prefill(prefill.route, prefill.request, prefill.engine, rid)
                 finally:
                     in_flight.release(prefill_name)
                 if not cut.scope.cancel_called:
                     cut.move(decode_name, "decode")
-                    await self._decode_leg(route, request, kv, decode, rid, rid_header, sink, started_at,
-                                           outcome, join)
+                    in_flight.acquire(decode_name)
+                    try:
+                        await self._decode_leg(ex, decode, kv)
+                    finally:
+                        in_flight.release(decode_name)
                     decoded = True
+        except _AttemptFailed as failed:
+            (decode if cut.leg == "decode" else prefill).error = failed.failure_class
+            raise
         finally:
             cut.drop()
         if cut.scope.cancelled_caught:
+            (decode if cut.leg == "decode" else prefill).error = ENGINE_REMOVED
             raise self._removed(cut.engine, cut.leg)
         if not decoded:
             # The prefill engine was cut just as its leg ended (no checkpoint left to see it): the prefill
             # counts, and the decode runs under a scope of its own, as with one scope per leg.
-            with self._cuttable(decode_name, "decode"):
-                await self._decode_leg(route, request, kv, decode, rid, rid_header, sink, started_at,
-                                       outcome, join)
+            in_flight.acquire(decode_name)
+            try:
+                with self._cuttable(decode_name, "decode"):
+                    await self._decode_leg(ex, decode, kv)
+            except _AttemptFailed as failed:
+                decode.error = failed.failure_class
+                raise
+            finally:
+                in_flight.release(decode_name)
 
-    async def _decode_leg(self, route: str, request: dict[str, Any], kv: dict[str, Any], decode: EngineSpec,
-                          rid: str, rid_header: tuple[bytes, bytes], sink: Sink, started_at: float,
-                          outcome: _Outcome, join: StreamJoin | None) -> None:
-        in_flight = self.in_flight
-        in_flight.acquire(decode.name)
-        try:
-            if join is not None:
-                await self._decode_joined(route, request, kv, decode, rid, rid_header, sink, started_at,
-                                          outcome, join)
-            else:
-                await self._decode(route, request, kv, decode, rid, rid_header, sink, started_at, outcome)
-        finally:
-            in_flight.release(decode.name)
+    def _decode_leg(self, ex: Exchange, leg: Leg, kv: dict[str, Any]) -> Coroutine[Any, Any, None]:
+        """The decode leg's coroutine, awaited by its caller (no await level of its own on the relay's path)."""
+        if ex.join is not None:
+            return self._decode_joined(ex, leg, kv, ex.join)
+        return self._decode(ex, leg, kv)
 
     async def _engine_call(self, leg: str, call: Any) -> Any:
         """Await one engine call, turning its failure into evidence and a client error."""
@@ -834,45 +759,45 @@ class RequestCore:
         self.supervisor.record_success(prefill.name, SuccessKind.PREFILL_HANDOFF)
         return kv
 
-    async def _decode(self, route: str, request: dict[str, Any], kv: dict[str, Any], decode: EngineSpec,
-                      rid: str, rid_header: tuple[bytes, bytes], sink: Sink, started_at: float,
-                      outcome: _Outcome) -> None:
+    async def _decode(self, ex: Exchange, leg: Leg, kv: dict[str, Any]) -> None:
+        """A plain decode leg: the whole JSON answer, or a stream relayed (``relay``) with this leg's step."""
+        route, request, decode, sink = leg.route, leg.request, leg.engine, ex.sink
         body = dict(request)
         body["kv_transfer_params"] = kv
         payload = _encode_json.encode(body)
         if not request.get("stream", False):
             _, raw = await self._engine_call("decode", self.data_pool.post_json(
-                decode, route, payload, request_id=rid))
+                decode, route, payload, request_id=ex.rid))
             self.supervisor.record_success(decode.name, SuccessKind.DECODE_TERMINAL)
-            outcome.ttft_s = self.clock() - started_at
+            ex.ttft_s = self.clock() - ex.started_at
             try:
                 usage = msgspec.json.decode(raw, type=_UsageOnly).usage
             except (msgspec.DecodeError, RecursionError):
                 usage = None
-            outcome.tokens = usage.completion_tokens if usage else 0
-            outcome.status = 200
-            await sink.respond(200, [*_JSON_HEADERS, rid_header], strip_kv_from_body(raw))
+            ex.tokens = usage.completion_tokens if usage else 0
+            ex.status = 200
+            await sink.respond(200, [*_JSON_HEADERS, ex.rid_header], strip_kv_from_body(raw))
             return
         clock = self.clock
         observe_gap = self.metrics.inter_token.observe
         tokens = role_events = 0
         try:
-            async with self.data_pool.stream(decode, route, payload, request_id=rid) as upstream:
+            async with self.data_pool.stream(decode, route, payload, request_id=ex.rid) as upstream:
                 read = upstream.read
                 chunk = await read()
                 if not chunk:
                     raise EngineFailure(decode.name, FailureClass.STREAM,
                                         "decode stream ended before its first event")
                 first_at = last_at = clock()
-                outcome.ttft_s = first_at - started_at
-                outcome.status = 200
+                ex.ttft_s = first_at - ex.started_at
+                ex.status = 200
                 tokens = chunk.count(_DATA)
                 # The chat stream opens with a role-only event per choice: no token, not counted, like [DONE].
                 if route == _CHAT_ROUTE and is_role_only_event(chunk):
                     role_events = choice_count(request)
                 if KV_KEY in chunk:
                     chunk = strip_kv_from_events(chunk)
-                head = [*_SSE_HEADERS, rid_header]
+                head = [*_SSE_HEADERS, ex.rid_header]
                 # One client write per upstream read, except the read that carries [DONE]: it is
                 # held and goes out with the chunked terminator in one write (P5).
                 if not upstream.saw_terminal:
@@ -892,30 +817,19 @@ class RequestCore:
                             return None
                         return chunk
 
-                    declined = await self._pump_relay(upstream, sink, on_chunk, outcome)
-                    if declined is not None:
-                        chunk = held if declined else b""
-                    else:
-                        outcome.relay = "task"
-                        while True:
-                            chunk = await read()
-                            if not chunk:
-                                break
-                            relayed = on_chunk(chunk, clock())
-                            if relayed is None:
-                                chunk = held
-                                break
-                            await sink.write(relayed)
+                    # The read holding [DONE] is left in ``held``; b"" when the body ended first.
+                    await relay(upstream, sink, head, on_chunk, leg, clock=clock, pump=self._to_pump)
+                    chunk = held
                 held = chunk
                 if tokens > 2:
-                    outcome.inter_token_s = (last_at - first_at) / (tokens - 2)
+                    ex.inter_token_s = (last_at - first_at) / (tokens - 2)
                 # Every stream that ends cleanly ended with [DONE] (the pool raises otherwise): the answer
                 # is whole and goes out now, before anything the engine sends after it is waited for.
                 # The engine's own count when the client asked for usage (an event may carry several
                 # tokens); else the events, less [DONE] and the usage-only event.
                 usage_asked = wants_usage(request)
                 counted = final_usage_tokens(held) if usage_asked else None
-                outcome.tokens = counted if counted is not None else max(0, tokens - 1 - role_events - usage_asked)
+                ex.tokens = counted if counted is not None else max(0, tokens - 1 - role_events - usage_asked)
                 if sink.started:
                     await sink.end_stream(held)
                 else:
@@ -924,18 +838,17 @@ class RequestCore:
                 # The body's end, for the connection's reuse; whatever comes instead is no failure.
                 await read()
         except (EngineFailure, UpstreamClientError, PoolSaturated) as exc:
-            outcome.tokens = max(0, tokens - role_events)
+            ex.tokens = max(0, tokens - role_events)
             self._translate("decode", exc)
         except BaseException:
             # Cancelled (the client left, its engine was removed, the deadline) or the client's write failed:
             # the log counts what was relayed all the same; once [DONE] went out, the count set then stands.
             if not _delivered(sink):
-                outcome.tokens = max(0, tokens - role_events)
+                ex.tokens = max(0, tokens - role_events)
             raise
 
 
-    async def _pump_relay(self, upstream: DecodeStream, sink: Sink, on_chunk: OnChunk,
-                          outcome: _Outcome) -> bytes | None:
+    async def _pump_relay(self, upstream: DecodeStream, sink: Sink, on_chunk: OnChunk, leg: Leg) -> bytes | None:
         """Relay the rest of a started stream through the process's pump (``narwhal/http1/pump.py``).
 
         The read ``on_chunk`` declined, b"" at the end of the body; None (nothing read)
@@ -947,27 +860,26 @@ class RequestCore:
         client = sink.direct()
         if client is None:
             return None
-        outcome.relay = "pump"
+        leg.relay = "pump"
         return await pump.relay(upstream, client[0], client[1], on_chunk, clock=self.clock)
 
-    async def _decode_joined(self, route: str, request: dict[str, Any], kv: dict[str, Any], decode: EngineSpec,
-                             rid: str, rid_header: tuple[bytes, bytes], sink: Sink, started_at: float,
-                             outcome: _Outcome, join: StreamJoin) -> None:
+    async def _decode_joined(self, ex: Exchange, leg: Leg, kv: dict[str, Any], join: StreamJoin) -> None:
         """A streamed decode leg that may be continued: every event goes through ``join``."""
-        body = dict(request)
+        body = dict(leg.request)
         body["kv_transfer_params"] = kv
         payload = _encode_json.encode(body)
-        head = [*_SSE_HEADERS, rid_header]
+        sink, decode = ex.sink, leg.engine
+        head = [*_SSE_HEADERS, ex.rid_header]
         gaps = [0.0, 0]
         observe_gap = self.metrics.inter_token.observe
 
         def on_first(now: float) -> None:
             if not join.continuing:
-                outcome.ttft_s = now - started_at
+                ex.ttft_s = now - ex.started_at
             elif join.last_relay_at is not None:
                 gap = now - join.last_relay_at
                 self.metrics.join_gap.observe(gap)
-                outcome.join_gap_s = max(gap, outcome.join_gap_s or 0.0)
+                ex.join_gap_s = max(gap, ex.join_gap_s or 0.0)
 
         def on_gap(gap: float) -> None:
             observe_gap(gap)
@@ -976,44 +888,38 @@ class RequestCore:
 
         diverged = join.diverged
         try:
-            async with self.data_pool.stream(decode, route, payload, request_id=rid) as upstream:
-                outcome.status = 200
-                outcome.relay = outcome.relay or "task"
-
-                async def pump(step: OnChunk) -> bytes | None:
-                    return await self._pump_relay(upstream, sink, step, outcome)
-
-                await continuation.relay(join, upstream, sink, head, engine=decode.name, clock=self.clock,
-                                         on_first=on_first, on_gap=on_gap,
-                                         pump=pump if self._pump is not None else None)
+            async with self.data_pool.stream(decode, leg.route, payload, request_id=ex.rid) as upstream:
+                ex.status = 200
+                await relay_joined(join, upstream, sink, head, leg, clock=self.clock, on_first=on_first,
+                                   on_gap=on_gap, pump=self._to_pump)
                 # The client has the whole answer and [DONE].
-                outcome.tokens = join.tokens
-                self._note_regenerated(join, diverged, rid, decode.name, outcome)
+                ex.tokens = join.tokens
+                self._note_regenerated(ex, join, diverged, decode.name)
                 leg_tokens = join.tokens - join.tokens_before
                 if gaps[1] and leg_tokens > 1:
                     # Per token, as the plain relay reports it (a read may carry several tokens).
-                    outcome.inter_token_s = gaps[0] / (leg_tokens - 1)
+                    ex.inter_token_s = gaps[0] / (leg_tokens - 1)
                 self.supervisor.record_success(decode.name, SuccessKind.DECODE_TERMINAL)
                 # The body's end, for the connection's reuse; whatever comes instead is no failure.
                 await upstream.read()
         except (EngineFailure, UpstreamClientError, PoolSaturated) as exc:
-            outcome.tokens = join.tokens
-            self._note_regenerated(join, diverged, rid, decode.name, outcome)
+            ex.tokens = join.tokens
+            self._note_regenerated(ex, join, diverged, decode.name)
             if not sink.started:
-                outcome.status = 0
+                ex.status = 0
             self._translate("decode", exc)
         except BaseException:
             # Cancelled or the client's write failed: the log counts what was relayed all the same.
-            outcome.tokens = join.tokens
-            outcome.regenerated = join.regenerated
+            ex.tokens = join.tokens
+            ex.regenerated = join.regenerated
             raise
 
     @staticmethod
-    def _note_regenerated(join: StreamJoin, diverged: bool, rid: str, engine: str, outcome: _Outcome) -> None:
+    def _note_regenerated(ex: Exchange, join: StreamJoin, diverged: bool, engine: str) -> None:
         """Count the tokens continuations generated again; say once if they came out different (sampling)."""
-        outcome.regenerated = join.regenerated
+        ex.regenerated = join.regenerated
         if join.diverged and not diverged:
-            log_event("continuation_diverged", level=logging.WARNING, request_id=rid, engine=engine,
+            log_event("continuation_diverged", level=logging.WARNING, request_id=ex.rid, engine=engine,
                       regenerated_tokens=join.regenerated)
 
 
