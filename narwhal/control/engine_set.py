@@ -53,6 +53,25 @@ class EngineSetListener(Protocol):
         return None
 
 
+class _WholeSetFollower(EngineSetListener):
+    """A table rebuilt from the whole set on every transition (``_follow``)."""
+
+    def on_added(self, entry: EngineEntry) -> None:
+        self._follow()
+
+    def on_removing(self, entry: EngineEntry) -> None:
+        self._follow()
+
+    def on_removal_cancelled(self, entry: EngineEntry) -> None:
+        self._follow()
+
+    def on_removed(self, entry: EngineEntry) -> None:
+        self._follow()
+
+    def _follow(self) -> None:
+        raise NotImplementedError
+
+
 class _InFlight(Protocol):
     def __getitem__(self, name: str) -> int: ...
 
@@ -235,7 +254,7 @@ class _Forgets(Protocol):
     def forget(self, engine: str) -> None: ...
 
 
-class PrefixIndexFollower(EngineSetListener):
+class PrefixIndexFollower(_WholeSetFollower):
     """Cache-aware placement's prefix index: it indexes the prefill engines; one that left is forgotten everywhere.
 
     (Each worker's copy follows its snapshots; ``forget`` reaches them through
@@ -246,15 +265,6 @@ class PrefixIndexFollower(EngineSetListener):
         self._registry = registry
         self._index = index.index
         self._forget = forget
-
-    def on_added(self, entry: EngineEntry) -> None:
-        self._follow()
-
-    def on_removing(self, entry: EngineEntry) -> None:
-        self._follow()
-
-    def on_removal_cancelled(self, entry: EngineEntry) -> None:
-        self._follow()
 
     def on_removed(self, entry: EngineEntry) -> None:
         if entry.name in self._index.engines:
@@ -274,7 +284,7 @@ class _Persistence(Protocol):
     engine_set: list[EngineSetEntry]
 
 
-class SetFollower(EngineSetListener):
+class SetFollower(_WholeSetFollower):
     """Tables that hold the whole set: telemetry, the handoff's engine set, and the workers' snapshots (last)."""
 
     def __init__(self, registry: EngineRegistry, *, telemetry: Telemetry, persistence: _Persistence,
@@ -283,18 +293,6 @@ class SetFollower(EngineSetListener):
         self._telemetry = telemetry
         self._persistence = persistence
         self._hub = hub
-
-    def on_added(self, entry: EngineEntry) -> None:
-        self._follow()
-
-    def on_removing(self, entry: EngineEntry) -> None:
-        self._follow()
-
-    def on_removal_cancelled(self, entry: EngineEntry) -> None:
-        self._follow()
-
-    def on_removed(self, entry: EngineEntry) -> None:
-        self._follow()
 
     def _follow(self) -> None:
         registry = self._registry
