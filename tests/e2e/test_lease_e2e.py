@@ -14,7 +14,6 @@ import itertools
 import json
 import os
 import select
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -316,7 +315,8 @@ async def test_a_degraded_active_yields_to_the_standby_after_the_ready_failure_t
     active, standby = await pair.start_active_and_standby(
         active_controller={"monitor_failure_limit": 1}, standby_controller={"monitor_failure_limit": 1000})
     directory = pair.handoff_path("ra").parent
-    shutil.rmtree(directory)
+    # Renamed away (atomic), not removed: a router may be writing a temporary file into it right now.
+    directory.rename(directory.with_name(directory.name + ".gone"))
     directory.write_text("not a directory")  # root ignores permissions; a file in the way does not
 
     async def active_degraded() -> bool:

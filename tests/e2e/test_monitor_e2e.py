@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from typing import Any
 
 import httpx
@@ -45,7 +44,8 @@ async def test_persistence_failure_degrades_readiness_and_one_clean_pass_recover
         nursery.start_soon(long_stream)
         await wait_for_in_flight(fleet.client, fleet.url)
         # File permissions do not stop root: replace the directory by a plain file.
-        shutil.rmtree(handoff_dir)
+        # Renamed away (atomic), not removed: the router may be writing a pass's temporary file into it.
+        handoff_dir.rename(handoff_dir.with_name(handoff_dir.name + ".gone"))
         handoff_dir.write_text("not a directory")
 
         async def degraded() -> bool:

@@ -9,8 +9,6 @@ runs to completion.
 
 from __future__ import annotations
 
-import shutil
-
 import httpx
 import pytest
 import trio
@@ -139,8 +137,9 @@ async def _degraded_monitoring_reads_the_same_on_every_worker_and_admitted_strea
                 return sum(_sample(metrics, "narwhal_worker_requests_in_flight", worker=str(i)) for i in (0, 1)) > 0
 
             await _wait(in_flight, timeout_s=10.0)
-            # File permissions do not stop root: replace the directory by a plain file.
-            shutil.rmtree(state)
+            # File permissions do not stop root: replace the directory by a plain file. Renamed away first
+            # (atomic): the router may be writing a pass's temporary file into it at that very moment.
+            state.rename(state.with_name("state.gone"))
             state.write_text("not a directory")
 
             async def degraded_everywhere() -> bool:
