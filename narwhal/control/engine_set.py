@@ -11,6 +11,7 @@ its deadline (``narwhal.fleet.registry.removal_deadline``); before ``run``
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
@@ -68,8 +69,9 @@ class _WholeSetFollower(EngineSetListener):
     def on_removed(self, entry: EngineEntry) -> None:
         self._follow()
 
+    @abstractmethod
     def _follow(self) -> None:
-        raise NotImplementedError
+        """Rebuild the table from the registry's whole set."""
 
 
 class _InFlight(Protocol):
