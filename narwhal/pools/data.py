@@ -54,13 +54,14 @@ class DataPoolStatistics(msgspec.Struct, frozen=True, kw_only=True):
 
 
 @functools.lru_cache(maxsize=1024)
-def _endpoint(url: str) -> tuple[str, int, bytes]:
-    """(host, port, Host header) of an engine URL, parsed once, not on every request."""
+def _endpoint(url: str) -> tuple[str, int, bytes, bool]:
+    """(host, port, Host header, https) of an engine URL, parsed once, not on every request."""
     parts = urllib.parse.urlsplit(url)
     host = parts.hostname or ""
-    port = parts.port or (443 if parts.scheme == "https" else 80)
+    tls = parts.scheme == "https"  # as EngineSpec.tls: urlsplit lowercases the scheme
+    port = parts.port or (443 if tls else 80)
     shown = f"[{host}]" if ":" in host else host
-    return host, port, f"{shown}:{port}".encode("ascii")
+    return host, port, f"{shown}:{port}".encode("ascii"), tls
 
 
 def _post_request(engine: EngineSpec, path: str, body: bytes, request_id: str, accept: bytes,
@@ -412,12 +413,12 @@ class DataPool:
 
     async def _request(self, engine: EngineSpec, request: bytes, *, head_deadline_s: float = float("inf"),
                        head_deadline_message: str = "") -> tuple[EngineConnection, HTTPResponseHead]:
-        host, port, _ = _endpoint(engine.url)
+        host, port, _, tls = _endpoint(engine.url)
         try:
             return await self._connections.request(host, port, request,
                                                    read_timeout_s=self._config.request_timeout_s,
                                                    head_deadline_s=head_deadline_s,
                                                    head_deadline_message=head_deadline_message,
-                                                   tls=engine.tls)
+                                                   tls=tls)
         except HTTPTransportError as exc:
             raise classify.transport_failure(engine.name, exc) from exc

@@ -172,6 +172,10 @@ class _TokenizeResult(msgspec.Struct):
     max_model_len: int | None = None
 
 
+# vLLM's /tokenize answer also lists every token ID; a typed decoder skips them without building a list.
+_decode_tokenize = msgspec.json.Decoder(_TokenizeResult)
+
+
 def _is_token_ids(prompt: list[Any]) -> bool:
     """A prompt given as token IDs: a list of (non-boolean) integers."""
     return all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
@@ -688,15 +692,15 @@ class RequestCore:
             # engine's last /tokenize answer gave; none known yet, the engine judges (its 400 is the client's).
             counted = _TokenizeResult(len(prompt), self._max_model_len.get(prefill.name))
         else:
-            query: dict[str, Any] = {"model": request["model"]}
-            if route == "/v1/chat/completions":
-                query["messages"] = request["messages"]
-            else:
-                query["prompt"] = prompt
-            _, raw = await self._engine_call("tokenize", self.data_pool.post_json(
-                prefill, "/tokenize", _encode_json.encode(query), request_id=rid))
+            query = ({"model": request["model"], "messages": request["messages"]} if route == _CHAT_ROUTE
+                     else {"model": request["model"], "prompt": prompt})
             try:
-                counted = msgspec.json.decode(raw, type=_TokenizeResult)
+                _, raw = await self.data_pool.post_json(prefill, "/tokenize", _encode_json.encode(query),
+                                                        request_id=rid)
+            except (EngineFailure, UpstreamClientError, PoolSaturated) as exc:
+                self._translate("tokenize", exc)
+            try:
+                counted = _decode_tokenize.decode(raw)
             except (msgspec.DecodeError, RecursionError):
                 # A tokenizer answer we cannot read is no reason to refuse the request.
                 return None
@@ -735,7 +739,7 @@ class RequestCore:
             try:
                 _, raw = await self.data_pool.post_json(engine, "/tokenize", _encode_json.encode(query),
                                                         request_id=rid)
-                counts.append(msgspec.json.decode(raw, type=_TokenizeResult).count)
+                counts.append(_decode_tokenize.decode(raw).count)
             except UpstreamClientError as exc:
                 self.supervisor.record_success(exc.engine, SuccessKind.CLIENT_4XX)
                 why = f"{engine.name}'s /tokenize answered HTTP {exc.status}"
