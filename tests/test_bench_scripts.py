@@ -96,3 +96,30 @@ def test_syscalls_per_request_come_from_the_unpaced_pair_of_runs(tmp_path: Path)
     # 6,000 more reads and writes over 2,000 more requests: 3 each per request.
     assert "| read | 3.00 |" in out.splitlines()
     assert "| all | **6.00** |" in out.splitlines()
+
+
+def _profile(path: Path, requests: int) -> None:
+    import cProfile
+
+    from narwhal.serving.exchange import Leg
+
+    def serve(n: int) -> None:
+        for _ in range(n):
+            Leg("prefill", None, 1, "/v1/completions", {})  # type: ignore[arg-type]
+
+    profiler = cProfile.Profile()
+    profiler.runcall(serve, requests)
+    profiler.dump_stats(str(path))
+
+
+def test_cprofile_compare_gives_calls_per_request_from_two_runs_of_each_tree(tmp_path: Path) -> None:
+    # Each run makes one Leg per request: the difference of two runs, divided by the requests between them.
+    for name, requests in (("a1", 10), ("a2", 30), ("b1", 10), ("b2", 50)):
+        _profile(tmp_path / f"{name}.prof", requests)
+    result = subprocess.run([sys.executable, "bench/cprofile_compare.py",
+                             *(str(tmp_path / f"{n}.prof") for n in ("a1", "a2", "b1", "b2")), "--requests", "20"],
+                            cwd=_REPO, capture_output=True, text=True, timeout=60, check=True)
+    before, after, *rows = result.stdout.splitlines()
+    assert before.startswith("before:") and " 1.0 in Narwhal's functions" in before
+    assert " 2.0 in Narwhal's functions" in after
+    assert any(row.endswith("narwhal/serving/exchange.py:__init__") and "1.00 ->     2.00" in row for row in rows)

@@ -535,6 +535,49 @@ async def test_client_reset_cancels_the_handler() -> None:
     assert events == ["cancelled", "write raised ClientDisconnected"]
 
 
+async def test_a_handler_that_fails_as_its_client_leaves_is_cancelled_and_its_failure_logged(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # The handler's nursery ends with the client's Cancelled and a task's own error in one group: the
+    # error is logged, the Cancelled ends the connection, and the server serves on.
+    entered, done = trio.Event(), trio.Event()
+
+    async def failing_child() -> None:
+        try:
+            await trio.sleep_forever()
+        finally:
+            raise ValueError("cleanup broke")
+
+    async def handler(request: Request, responder: Responder) -> None:
+        if request.path == "/ok":
+            await responder.respond(200, [], b"fine")
+            return
+        await responder.start_stream(200, [], b"first")
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(failing_child)
+                nursery.start_soon(trio.sleep_forever)
+                entered.set()
+        finally:
+            done.set()
+
+    caplog.set_level(logging.ERROR, logger="narwhal.events")
+    async with running(handler) as (server, port):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        await stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        with trio.fail_after(5):
+            await entered.wait()
+        await stream.aclose()
+        with trio.fail_after(5):
+            await done.wait()
+            while server.statistics().connections_open:
+                await trio.sleep(0.01)
+        async with httpx.AsyncClient() as client:
+            assert (await client.get(f"http://127.0.0.1:{port}/ok")).text == "fine"
+    events = [json.loads(r.getMessage()) for r in caplog.records if r.name == "narwhal.events"]
+    (event,) = [e for e in events if e["event"] == "http_handler_error"]
+    assert event["class"] == "ValueError" and event["message"] == "cleanup broke"
+
+
 async def test_eof_is_noticed_while_pipelined_requests_are_queued_when_half_close_is_off() -> None:
     cancelled = trio.Event()
     entered = trio.Event()

@@ -6,6 +6,7 @@ choice and reason that must follow. No I/O, no clock, no trio.
 
 from __future__ import annotations
 
+import hashlib
 import random
 import tracemalloc
 from collections import Counter
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 
 from narwhal.fleet.placement import Placer
 from narwhal.fleet.placement.prefix_index import ENTRY_BYTES, PrefixIndex
-from narwhal.fleet.placement.prefix_key import MAX_BLOCKS, prompt_blocks
+from narwhal.fleet.placement.prefix_key import MAX_BLOCKS, _chain, prompt_blocks
 
 ENGINES = ["p1", "p2", "p3", "p4"]
 BLOCK = 16
@@ -337,3 +338,13 @@ def test_decode_is_least_outstanding() -> None:
     choice = p.decode(["d1", "d2"], loads(d1=3, d2=1))
     assert choice is not None and (choice.engine, choice.reason) == ("d2", "least_outstanding")
     assert p.decode(["d1"], loads(d1=9)).reason == "only_choice"  # type: ignore[union-attr]
+
+
+def test_block_hashes_are_the_running_hash_read_out_after_each_block():
+    # Worker processes and the controller must agree on every hash: block i is blake2b-8 of blocks 0..i.
+    data = bytes(range(256)) * 3
+    for size in (1, 16, 64, 100):
+        expected = [int.from_bytes(hashlib.blake2b(data[:end], digest_size=8).digest(), "little")
+                    for end in range(size, len(data) - len(data) % size + 1, size)]
+        assert _chain(data, size) == expected
+    assert _chain(b"short", 64) == []

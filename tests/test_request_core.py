@@ -889,3 +889,67 @@ async def test_a_stream_cut_by_the_request_deadline_logs_the_tokens_relayed(capl
     await core.handle("/v1/completions", body(stream=True), None, sink)
     [line] = request_lines(caplog)
     assert line["error"] == "deadline" and line["tokens"] == 10
+
+
+# -- saturate: the attempt's leg scope carries the request deadline (no scope of its own per request) ----------
+
+async def test_a_deadline_during_the_prefill_is_a_504_not_a_removal_and_no_evidence(autojump_clock, caplog):
+    core, supervisor, pool, _ = make_core()
+    gate_prefill(pool)  # the prefill never answers
+    caplog.set_level("INFO", logger="narwhal.events")
+    sink = Sink()
+    await core.handle("/v1/completions", body(), None, sink)
+    assert sink.status == 504 and sink.json()["error"]["code"] == "deadline_exceeded"
+    assert trio.current_time() == pytest.approx(5.0)
+    assert supervisor.failures == [] and core.in_flight.total() == 0
+    [line] = request_lines(caplog)
+    assert line["status"] == 504 and line["error"] == "deadline"
+
+
+async def test_a_deadline_mid_stream_ends_it_with_the_sse_error_and_no_done(autojump_clock):
+    core, supervisor, pool, _ = make_core()
+    pool.decode.append([SSE[0], "hang"])
+    sink = Sink()
+    await core.handle("/v1/completions", body(stream=True), None, sink)
+    assert trio.current_time() == pytest.approx(5.0)
+    assert sink.writes[0] == SSE[0] and sink.ended and b"[DONE]" not in b"".join(sink.writes)
+    assert json.loads(sink.ended_with.removeprefix(b"data: "))["error"]["code"] == "deadline_exceeded"
+    assert supervisor.failures == [] and pool.closed_streams == 1 and core.in_flight.total() == 0
+
+
+async def test_the_decode_after_a_prefill_cut_as_its_leg_ended_keeps_the_request_deadline(autojump_clock):
+    # The decode runs under a scope of its own (the attempt's was cancelled by the removal): that scope
+    # carries the deadline too, so a decode that hangs still ends at the request deadline.
+    core, supervisor, pool, _ = make_core()
+    post_json = pool.post_json
+
+    async def prefill_then_removed(engine, path, body, *, request_id):
+        answer = await post_json(engine, path, body, request_id=request_id)
+        core.set_engines(spec for spec in core.engines.values() if spec.name != "p1")
+        return answer
+
+    pool.post_json = prefill_then_removed
+    pool.decode.append([SSE[0], "hang"])
+    sink = Sink()
+    with trio.fail_after(60):
+        await core.handle("/v1/completions", body(stream=True), None, sink)
+    assert trio.current_time() == pytest.approx(5.0)
+    assert b"deadline_exceeded" in sink.ended_with and b"engine_removed" not in b"".join(sink.writes)
+    assert supervisor.failures == [] and core.in_flight.total() == 0
+
+
+async def test_a_deadline_that_passed_as_the_prefill_ended_sends_no_decode(autojump_clock):
+    # The prefill answers just at the deadline, with no checkpoint after: the decode is not started.
+    core, supervisor, pool, _ = make_core()
+    post_json = pool.post_json
+
+    async def prefill_at_the_deadline(engine, path, body, *, request_id):
+        answer = await post_json(engine, path, body, request_id=request_id)
+        autojump_clock.jump(5.0)  # no checkpoint from here to the decode's start
+        return answer
+
+    pool.post_json = prefill_at_the_deadline
+    sink = Sink()
+    await core.handle("/v1/completions", body(stream=True), None, sink)
+    assert sink.status == 504 and sink.json()["error"]["code"] == "deadline_exceeded"
+    assert [call[0] for call in pool.calls] == ["p1"]

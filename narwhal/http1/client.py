@@ -233,6 +233,11 @@ class EngineConnection:
 
     # state ------------------------------------------------------------------
     @property
+    def ended(self) -> bool:
+        """The response was read to its end and every body byte handed out: nothing is left to read for it."""
+        return self._complete and not self._body
+
+    @property
     def reusable(self) -> bool:
         """The last response was read to its end and the engine keeps the connection open."""
         return self._complete and self._keep_alive and not self._broken

@@ -103,7 +103,7 @@ class Connection:
         "_client",
         "_drained",
         "_gone_reason",
-        "_handler_scope",
+        "_handling",
         "_idle",
         "_scope",
         "_watch",
@@ -144,7 +144,8 @@ class Connection:
         self.protocol = HTTP1Protocol(context.limits, trio.current_time, started_at=accepted_at, owner=self)
         self._client: tuple[str, int] | None = None
         self.disconnected = False
-        self._handler_scope: trio.CancelScope | None = None
+        # A handler is running: it runs in the connection's scope, which a client that leaves cancels.
+        self._handling = False
         # The connection's scope: its deadline is the idle timeout while idle, +inf while handling.
         self._scope: trio.CancelScope | None = None
         self._idle = False
@@ -266,8 +267,8 @@ class Connection:
     def client_gone(self) -> None:
         """The client closed or reset: cancel the handler (if any); the connection ends."""
         self.disconnected = True
-        if self._handler_scope is not None:
-            self._handler_scope.cancel()
+        if self._handling and self._scope is not None:
+            self._scope.cancel()
 
     async def stalled(self) -> None:
         """The watchdog's verdict: the client stopped reading; close its stream to fail the pending write."""
@@ -368,18 +369,25 @@ class Connection:
         failure: Exception | None = None
         # Not in the readiness set (it could not take the socket): watch for the client leaving only now.
         watching = self._watch is None and context.disconnects.watch(self)
+        # No cancel scope of its own per request: the handler runs in the connection's scope, which
+        # client_gone cancels while it runs; the Cancelled ends the connection in run().
+        self._handling = True
         try:
-            with trio.CancelScope() as scope:
-                self._handler_scope = scope
+            try:
                 await context.handler(request, responder)
-        except* Exception as group:
-            # except* lets a Cancelled that travels in the same group (the
-            # shutdown deadline) go on while the handler's own errors stop here.
-            failure = _unwrap(group)
+            except* Exception as group:
+                # except* lets a Cancelled that travels in the same group (the client gone,
+                # the shutdown deadline) go on while the handler's own errors stop here.
+                failure = _unwrap(group)
+        except BaseException:
+            if self.disconnected and failure is not None and not _is_disconnect(failure):
+                # The client left while the handler failed: that failure is logged all the same.
+                _log_handler_error(request, failure)
+            raise
         finally:
+            self._handling = False
             if watching:
                 context.disconnects.unwatch(self)
-            self._handler_scope = None
             context.requests_in_flight -= 1
         if self.disconnected:
             if failure is not None and not _is_disconnect(failure):

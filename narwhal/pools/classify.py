@@ -29,9 +29,7 @@ streams through the same ``SSEWatch`` as the data path (``sse_body_failure``).
 
 from __future__ import annotations
 
-import contextlib
 import operator
-from collections.abc import AsyncIterator
 
 import httpx
 import trio
@@ -213,26 +211,36 @@ def sse_body_failure(engine: str, body: bytes) -> EngineFailure | None:
 SATURATION_MARGIN_S = 0.05
 
 
-@contextlib.asynccontextmanager
-async def pool_slot(limiter: trio.CapacityLimiter, pool: str, *, wait: bool = True) -> AsyncIterator[None]:
+class pool_slot:  # noqa: N801 -- used as a function: ``async with pool_slot(...)``
     """Hold one slot of ``limiter``; raise PoolSaturated if none frees up before the caller's deadline.
 
-    With ``wait=False`` a full pool raises PoolSaturated at once (no queueing).
+    With ``wait=False`` a full pool raises PoolSaturated at once (no queueing). A class rather than
+    an ``asynccontextmanager``: it is entered twice per request, and a generator costs more.
     """
-    token = object()  # one per call: a task may hold several slots (e.g. decode plus a token count)
-    try:
-        limiter.acquire_on_behalf_of_nowait(token)
-    except trio.WouldBlock:
-        if not wait:
-            raise PoolSaturated(f"no free {pool} pool connection") from None
-        with trio.move_on_at(trio.current_effective_deadline() - SATURATION_MARGIN_S) as scope:
-            await limiter.acquire_on_behalf_of(token)
-        if scope.cancelled_caught:
-            raise PoolSaturated(f"no free {pool} pool connection before the request deadline") from None
-    try:
-        yield
-    finally:
-        limiter.release_on_behalf_of(token)
+
+    __slots__ = ("_limiter", "_pool", "_token", "_wait")
+
+    def __init__(self, limiter: trio.CapacityLimiter, pool: str, *, wait: bool = True) -> None:
+        self._limiter = limiter
+        self._pool = pool
+        self._wait = wait
+        # One per call: a task may hold several slots (e.g. decode plus a token count).
+        self._token = object()
+
+    async def __aenter__(self) -> None:
+        limiter, token = self._limiter, self._token
+        try:
+            limiter.acquire_on_behalf_of_nowait(token)
+        except trio.WouldBlock:
+            if not self._wait:
+                raise PoolSaturated(f"no free {self._pool} pool connection") from None
+            with trio.move_on_at(trio.current_effective_deadline() - SATURATION_MARGIN_S) as scope:
+                await limiter.acquire_on_behalf_of(token)
+            if scope.cancelled_caught:
+                raise PoolSaturated(f"no free {self._pool} pool connection before the request deadline") from None
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._limiter.release_on_behalf_of(self._token)
 
 
 _SSE_FIELDS = (b"data:", b"event:", b"id:", b"retry:", b":")

@@ -54,19 +54,20 @@ class DataPoolStatistics(msgspec.Struct, frozen=True, kw_only=True):
 
 
 @functools.lru_cache(maxsize=1024)
-def _endpoint(url: str) -> tuple[str, int, bytes]:
-    """(host, port, Host header) of an engine URL, parsed once, not on every request."""
+def _endpoint(url: str) -> tuple[str, int, bytes, bool]:
+    """(host, port, Host header, https) of an engine URL, parsed once, not on every request."""
     parts = urllib.parse.urlsplit(url)
     host = parts.hostname or ""
-    port = parts.port or (443 if parts.scheme == "https" else 80)
+    tls = parts.scheme == "https"  # as EngineSpec.tls: urlsplit lowercases the scheme
+    port = parts.port or (443 if tls else 80)
     shown = f"[{host}]" if ":" in host else host
-    return host, port, f"{shown}:{port}".encode("ascii")
+    return host, port, f"{shown}:{port}".encode("ascii"), tls
 
 
 def _post_request(engine: EngineSpec, path: str, body: bytes, request_id: str, accept: bytes,
                   via: bytes = b"") -> bytes:
     """``via`` is a whole header line (``b"\\r\\nvia: ..."``) or empty."""
-    if any(c in request_id for c in "\r\n") or not path.startswith("/") or " " in path:
+    if "\r" in request_id or "\n" in request_id or not path.startswith("/") or " " in path:
         raise ValueError(f"unsafe request line or request id: {path!r} {request_id!r}")
     return b"".join((
         b"POST ", path.encode("ascii"), b" HTTP/1.1\r\nhost: ", _endpoint(engine.url)[2],
@@ -116,9 +117,8 @@ class UpstreamStream:
     It can also be read without waiting (``read_ready``), by the relay pump.
     """
 
-    __slots__ = ("_conn", "_engine", "_finished", "_first_token_at", "_first_token_message", "_scope",
-                 "_silence_message", "_silence_s", "_started", "_watch", "expired", "headers", "saw_terminal",
-                 "status")
+    __slots__ = ("_conn", "_engine", "_finished", "_first_token_at", "_first_token_s", "_scope", "_silence_s",
+                 "_started", "_watch", "expired", "headers", "saw_terminal", "status")
 
     def __init__(self, engine: str, conn: EngineConnection, head: HTTPResponseHead, scope: trio.CancelScope, *,
                  first_token_s: float, silence_s: float) -> None:
@@ -132,12 +132,11 @@ class UpstreamStream:
         self._scope = scope
         # The first-token deadline runs from when the request was sent.
         self._first_token_at = conn.sent_at + first_token_s
+        self._first_token_s = first_token_s
         self._silence_s = silence_s
         self._started = False
         self._finished = False
         self._watch = classify.SSEWatch()
-        self._first_token_message = _first_token_message(first_token_s)
-        self._silence_message = f"stream silent for more than {silence_s:g} s"
 
     def check_deadline(self, now: float) -> None:
         """The watchdog's tick: cancel the stream if its engine has kept it waiting too long."""
@@ -145,11 +144,12 @@ class UpstreamStream:
             return
         if not self._started:
             if now >= self._first_token_at:
-                self.expired = self._first_token_message
+                # The messages are formatted only here, when a deadline passed: not for every stream.
+                self.expired = _first_token_message(self._first_token_s)
         elif now - self._conn.waiting_since >= self._silence_s:
             # waiting_since is +inf unless the relay is waiting for the engine right now: a slow
             # client holding up the relay is not the engine's silence.
-            self.expired = self._silence_message
+            self.expired = f"stream silent for more than {self._silence_s:g} s"
         if self.expired is not None:
             self._scope.cancel()
 
@@ -184,6 +184,9 @@ class UpstreamStream:
         connection (``release`` finds the body unfinished): they are no evidence against the engine."""
         # The watchdog leaves the stream alone from here: this wait has its own deadline and no failure.
         self._finished = True
+        if self._conn.ended:
+            # The body's end came with [DONE] (the usual case): nothing to wait for, and no scope.
+            return
         seen = 0
         with trio.move_on_after(self._silence_s):
             try:
@@ -272,6 +275,7 @@ class DataPool:
         ``ssl_context`` verifies ``https://`` engines (and holds the client certificate).
         """
         self._config = engine_config
+        self._first_token_message = _first_token_message(engine_config.first_token_deadline_s)
         self._via = _via_line(via)
         self._wait = wait_for_slot
         # Live decode streams, for the deadline watchdog (``run``).
@@ -302,6 +306,7 @@ class DataPool:
         size and its memory bounds stay as built.
         """
         self._config = self._config.with_timeouts_of(engine_config)
+        self._first_token_message = _first_token_message(self._config.first_token_deadline_s)
         self.watchdog_tick_s = watchdog_tick(self._config)
         connections = self._connections
         connections.idle_s = engine_config.pool_idle_s
@@ -339,7 +344,7 @@ class DataPool:
         first_token_s = self._config.first_token_deadline_s
         async with classify.pool_slot(self._limiter, "data", wait=self._wait):
             conn, head = await self._request(engine, request, head_deadline_s=first_token_s,
-                                             head_deadline_message=_first_token_message(first_token_s))
+                                             head_deadline_message=self._first_token_message)
             try:
                 if not 200 <= head.status < 300:
                     try:
@@ -408,12 +413,12 @@ class DataPool:
 
     async def _request(self, engine: EngineSpec, request: bytes, *, head_deadline_s: float = float("inf"),
                        head_deadline_message: str = "") -> tuple[EngineConnection, HTTPResponseHead]:
-        host, port, _ = _endpoint(engine.url)
+        host, port, _, tls = _endpoint(engine.url)
         try:
             return await self._connections.request(host, port, request,
                                                    read_timeout_s=self._config.request_timeout_s,
                                                    head_deadline_s=head_deadline_s,
                                                    head_deadline_message=head_deadline_message,
-                                                   tls=engine.tls)
+                                                   tls=tls)
         except HTTPTransportError as exc:
             raise classify.transport_failure(engine.name, exc) from exc

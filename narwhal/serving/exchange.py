@@ -9,6 +9,7 @@ built here and nowhere else (``log_line``). No I/O beyond that line.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal, Protocol
 
 from narwhal.config import EngineSpec
@@ -67,7 +68,7 @@ class Exchange:
     from ``started_at``); a leg on an engine a reload removed is cut as well (``RequestCore._cut``).
     """
 
-    __slots__ = ("attempts", "continuations", "continued_after", "continuing", "decode", "error_class",
+    __slots__ = ("attempts", "continuations", "continued_after", "continuing", "deadline_at", "decode", "error_class",
                  "error_engine", "inter_token_s", "join", "join_gap_s", "legs", "prefill", "prefix_match",
                  "regenerated", "request", "rid", "rid_header", "route", "sink", "started_at", "status",
                  "stream_error", "tokens", "ttft_s")
@@ -78,6 +79,8 @@ class Exchange:
         self.rid_header = (b"x-request-id", rid.encode("latin-1"))
         self.sink = sink
         self.started_at = started_at
+        # When the request deadline passes, in trio time, where a leg scope carries it (saturate policy).
+        self.deadline_at = math.inf
         # The parsed, validated body (empty until validated).
         self.request: dict[str, Any] = {}
         # The stream's join when a failed decode may be continued (bounded policy, streamed).

@@ -29,6 +29,7 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -171,30 +172,49 @@ class _TokenizeResult(msgspec.Struct):
     max_model_len: int | None = None
 
 
+# vLLM's /tokenize answer also lists every token ID; a typed decoder skips them without building a list.
+_decode_tokenize = msgspec.json.Decoder(_TokenizeResult)
+
+
 def _is_token_ids(prompt: list[Any]) -> bool:
     """A prompt given as token IDs: a list of (non-boolean) integers."""
     return all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
 
 
+class _DeadlinePassed(NarwhalError):
+    """The request deadline passed during an attempt whose leg scope carried it (saturate policy)."""
+
+
 class _LegCut:
-    """An attempt's cancel scope, in ``RequestCore._legs`` under the engine of its current leg."""
+    """An attempt's cancel scope, in ``RequestCore._legs`` under the engine of its current leg.
 
-    __slots__ = ("_by_engine", "_legs", "engine", "leg", "scope")
+    Under the saturate policy it also carries the request deadline (``deadline``), so a request
+    enters one scope for both: ``removed`` tells a removal's cut from the deadline.
+    """
 
-    def __init__(self, by_engine: dict[str, set[trio.CancelScope]], engine: str, leg: str) -> None:
-        self.scope = trio.CancelScope()
+    __slots__ = ("_by_engine", "_legs", "engine", "leg", "removed", "scope")
+
+    def __init__(self, by_engine: dict[str, set[_LegCut]], engine: str, leg: str,
+                 deadline: float = math.inf) -> None:
+        self.scope = trio.CancelScope(deadline=deadline)
         self._by_engine = by_engine
-        self._legs: set[trio.CancelScope] | None = None
+        self._legs: set[_LegCut] | None = None
         self.engine = engine
         self.leg = leg
+        self.removed = False
         self._register()
 
     def _register(self) -> None:
         legs = self._by_engine.get(self.engine)
         if legs is None:
             legs = self._by_engine[self.engine] = set()
-        legs.add(self.scope)
+        legs.add(self)
         self._legs = legs
+
+    def cut(self) -> None:
+        """The leg's engine was removed: cancel the scope, as a removal (not the deadline)."""
+        self.removed = True
+        self.scope.cancel()
 
     def move(self, engine: str, leg: str) -> None:
         """The next leg, on ``engine``: only its removal cuts the scope from now on."""
@@ -204,7 +224,7 @@ class _LegCut:
 
     def drop(self) -> None:
         if self._legs is not None:
-            self._legs.discard(self.scope)
+            self._legs.discard(self)
             self._legs = None
 
 
@@ -254,7 +274,7 @@ class RequestCore:
         self._ids = itertools.count(1)
         self._id_prefix = os.urandom(4).hex()
         # The cancel scope of every engine leg in flight, by engine: a removed engine's are cut.
-        self._legs: dict[str, set[trio.CancelScope]] = {}
+        self._legs: dict[str, set[_LegCut]] = {}
 
     def set_engines(self, engines: Iterable[EngineSpec]) -> None:
         """The engine set changed (a config reload, through the snapshot): place on these from now on.
@@ -274,23 +294,26 @@ class RequestCore:
         self._decode_engines = frozenset(name for name, spec in specs.items() if spec.role == "decode")
 
     def _cut(self, engine: str) -> None:
-        scopes = self._legs.pop(engine, None)
-        if scopes:
-            log_event("engine_removal_cut", level=logging.WARNING, engine=engine, legs=len(scopes),
+        cuts = self._legs.pop(engine, None)
+        if cuts:
+            log_event("engine_removal_cut", level=logging.WARNING, engine=engine, legs=len(cuts),
                       reason="still in flight after serving.shutdown_grace_s")
-            for scope in scopes:
-                scope.cancel()
+            for cut in cuts:
+                cut.cut()
 
     @contextlib.contextmanager
-    def _cuttable(self, engine: str, leg: str) -> Iterator[None]:
-        """One leg on ``engine``, cut (as a failed attempt that blames nobody) if the engine leaves meanwhile."""
-        cut = _LegCut(self._legs, engine, leg)
+    def _cuttable(self, engine: str, leg: str, deadline: float = math.inf) -> Iterator[None]:
+        """One leg on ``engine``, cut (as a failed attempt that blames nobody) if the engine leaves meanwhile;
+        ``deadline``: the request's, when this scope carries it (``_DeadlinePassed``)."""
+        cut = _LegCut(self._legs, engine, leg, deadline)
         try:
             with cut.scope:
                 yield
         finally:
             cut.drop()
         if cut.scope.cancelled_caught:
+            if not cut.removed:
+                raise _DeadlinePassed()
             raise self._removed(engine, leg)
 
     @staticmethod
@@ -313,9 +336,20 @@ class RequestCore:
         answered = False
         try:
             try:
-                with trio.move_on_after(self._deadline_s) as deadline:
-                    await self._serve(ex, body)
-                if deadline.cancelled_caught and not _delivered(sink):
+                if self._bounded:
+                    with trio.move_on_after(self._deadline_s) as deadline:
+                        await self._serve(ex, body)
+                    expired = deadline.cancelled_caught
+                else:
+                    # One attempt, and every await of the request is inside it: its leg scope carries the
+                    # deadline (one cancel scope fewer per request than a scope of its own here).
+                    ex.deadline_at = trio.current_time() + self._deadline_s
+                    try:
+                        await self._serve(ex, body)
+                        expired = False
+                    except _DeadlinePassed:
+                        expired = True
+                if expired and not _delivered(sink):
                     ex.error_class = "deadline"
                     if ex.continuing:
                         self.metrics.continuations.inc("exhausted")
@@ -551,7 +585,7 @@ class RequestCore:
         in_flight = self.in_flight
         # One cancel scope for both legs (a scope costs as much as the rest of a leg's bookkeeping),
         # registered under the engine of the leg in progress, so a removed engine cuts only its own leg.
-        cut = _LegCut(self._legs, prefill_name, "prefill")
+        cut = _LegCut(self._legs, prefill_name, "prefill", ex.deadline_at)
         decoded = False
         try:
             with cut.scope:
@@ -593,6 +627,9 @@ class RequestCore:
             raise
         finally:
             cut.drop()
+        if cut.scope.cancel_called and not cut.removed and (cut.scope.cancelled_caught or not decoded):
+            # The request deadline (saturate: this scope carries it) cut the attempt, or passed before its decode.
+            raise _DeadlinePassed()
         if cut.scope.cancelled_caught:
             (decode if cut.leg == "decode" else prefill).error = ENGINE_REMOVED
             raise self._removed(cut.engine, cut.leg)
@@ -601,7 +638,7 @@ class RequestCore:
             # counts, and the decode runs under a scope of its own, as with one scope per leg.
             in_flight.acquire(decode_name)
             try:
-                with self._cuttable(decode_name, "decode"):
+                with self._cuttable(decode_name, "decode", ex.deadline_at):
                     await self._decode_leg(ex, decode, kv)
             except _AttemptFailed as failed:
                 decode.error = failed.failure_class
@@ -655,15 +692,15 @@ class RequestCore:
             # engine's last /tokenize answer gave; none known yet, the engine judges (its 400 is the client's).
             counted = _TokenizeResult(len(prompt), self._max_model_len.get(prefill.name))
         else:
-            query: dict[str, Any] = {"model": request["model"]}
-            if route == "/v1/chat/completions":
-                query["messages"] = request["messages"]
-            else:
-                query["prompt"] = prompt
-            _, raw = await self._engine_call("tokenize", self.data_pool.post_json(
-                prefill, "/tokenize", _encode_json.encode(query), request_id=rid))
+            query = ({"model": request["model"], "messages": request["messages"]} if route == _CHAT_ROUTE
+                     else {"model": request["model"], "prompt": prompt})
             try:
-                counted = msgspec.json.decode(raw, type=_TokenizeResult)
+                _, raw = await self.data_pool.post_json(prefill, "/tokenize", _encode_json.encode(query),
+                                                        request_id=rid)
+            except (EngineFailure, UpstreamClientError, PoolSaturated) as exc:
+                self._translate("tokenize", exc)
+            try:
+                counted = _decode_tokenize.decode(raw)
             except (msgspec.DecodeError, RecursionError):
                 # A tokenizer answer we cannot read is no reason to refuse the request.
                 return None
@@ -702,7 +739,7 @@ class RequestCore:
             try:
                 _, raw = await self.data_pool.post_json(engine, "/tokenize", _encode_json.encode(query),
                                                         request_id=rid)
-                counts.append(msgspec.json.decode(raw, type=_TokenizeResult).count)
+                counts.append(_decode_tokenize.decode(raw).count)
             except UpstreamClientError as exc:
                 self.supervisor.record_success(exc.engine, SuccessKind.CLIENT_4XX)
                 why = f"{engine.name}'s /tokenize answered HTTP {exc.status}"

@@ -37,14 +37,17 @@ _ROLE_END = b"\x1f"
 
 def _chain(data: bytes | memoryview, size: int) -> list[int]:
     # One running hash over the prompt, read out after each block: block i's hash covers blocks 0..i.
+    # (hashlib's digest() leaves the running hash as it was: no copy per block.)
     blocks: list[int] = []
+    end = min(len(data) // size, MAX_BLOCKS) * size
+    if not end:
+        return blocks
     view = memoryview(data)
-    end = min(len(view) // size, MAX_BLOCKS) * size
     hasher = hashlib.blake2b(digest_size=8)
-    update, copy, from_bytes = hasher.update, hasher.copy, int.from_bytes
+    update, digest, from_bytes = hasher.update, hasher.digest, int.from_bytes
     for offset in range(0, end, size):
         update(view[offset:offset + size])
-        blocks.append(from_bytes(copy().digest(), "little"))
+        blocks.append(from_bytes(digest(), "little"))
     return blocks
 
 
