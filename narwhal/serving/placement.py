@@ -97,7 +97,7 @@ class RequestPlacement:
                in_flight: InFlight) -> Choice | None:
         """The engine for ``role`` among ``candidates`` (already filtered by the fleet rules), or None."""
         placer = self.placer
-        load = in_flight.load
+        load = in_flight.loader()
         if role == "prefill":
             blocks = prompt_blocks(request, chat=route == _CHAT, block_tokens=self._block_tokens) \
                 if placer.cache_aware else []

@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import operator
 import random
 from collections.abc import Callable, Sequence
+from itertools import compress, repeat
 from typing import Literal, NamedTuple
 
 from narwhal.fleet.placement.prefix_index import PrefixIndex
@@ -55,9 +57,11 @@ def least_outstanding(candidates: Sequence[str], load: Callable[[str], int], rng
 
     Random, so that a burst after a quiet spell does not pile onto the first engine in the config.
     """
-    loads = [load(name) for name in candidates]
+    # map/compress keep the per-candidate work in C (with a C ``load``, e.g. a dict lookup): a fleet of
+    # hundreds costs microseconds per request, not a Python call per engine.
+    loads = list(map(load, candidates))
     least = min(loads)
-    tied = [name for name, n in zip(candidates, loads, strict=True) if n == least]
+    tied = list(compress(candidates, map(operator.eq, loads, repeat(least))))
     return tied[0] if len(tied) == 1 else rng.choice(tied)
 
 
@@ -109,19 +113,22 @@ class Placer:
             return Choice(name, "only_choice", index.match(name, blocks) / n if n else None)
         if not self.cache_aware:
             return Choice(least_outstanding(candidates, load, self.rng), "least_outstanding", None)
-        loads = {name: load(name) for name in candidates}
-        least = min(loads.values())
+        # The per-candidate passes run in C where they can (map, compress): see least_outstanding.
+        load_list = list(map(load, candidates))
+        loads = dict(zip(candidates, load_list))
+        least = min(load_list)
         bound = max(least + self.balance_abs, least * self.balance_rel)
-        matches = {name: index.match(name, blocks) for name in candidates} if n else dict.fromkeys(candidates, 0)
+        matches = index.matches(candidates, blocks) if n else dict.fromkeys(candidates, 0)
         best_any = max(matches.values())
         if best_any == 0:
-            pool = [name for name in candidates if loads[name] == least]
+            pool = list(compress(candidates, map(operator.eq, load_list, repeat(least))))
             if len(pool) > 1:
                 # The emptiest index among the least loaded: new prefixes spread over the caches.
-                smallest = min(index.entries(name) for name in pool)
-                pool = [name for name in pool if index.entries(name) == smallest]
+                sizes = index.entries_of(pool)
+                smallest = min(sizes)
+                pool = list(compress(pool, map(operator.eq, sizes, repeat(smallest))))
             return self._pick(pool, blocks, "miss", 0)
-        allowed = [name for name in candidates if loads[name] <= bound]
+        allowed = list(compress(candidates, map(operator.le, load_list, repeat(bound))))
         best = max(matches[name] for name in allowed)
         pool = [name for name in allowed if matches[name] == best]
         if len(pool) > 1 and best:

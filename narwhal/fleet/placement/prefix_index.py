@@ -75,6 +75,25 @@ class PrefixIndex:
                 hi = mid - 1
         return lo
 
+    def matches(self, engines: Sequence[str], blocks: Sequence[int]) -> dict[str, int]:
+        """``match`` for each of ``engines`` (in order): only those holding the first block are searched."""
+        found = dict.fromkeys(engines, 0)
+        if not blocks:
+            return found
+        first = blocks[0]
+        get = self._lru.get
+        for engine in engines:
+            lru = get(engine)
+            # An engine without the first block matches nothing: one lookup, not a search.
+            if lru and first in lru:
+                found[engine] = self.match(engine, blocks)
+        return found
+
+    def entries_of(self, engines: Sequence[str]) -> list[int]:
+        """``entries`` for each of ``engines``, in order."""
+        get = self._lru.get
+        return [len(lru) if (lru := get(engine)) is not None else 0 for engine in engines]
+
     def last_used(self, engine: str, block: int) -> float:
         """When a prompt through ``block`` was last placed on the engine (the ``at`` of ``record``; 0: never)."""
         lru = self._lru.get(engine)
