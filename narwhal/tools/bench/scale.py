@@ -42,8 +42,10 @@ DEFAULT_SIZES = (4, 64, 256)
 # What the fleet page (/admin/ui) reads every second, and the other answers measured.
 _FLEET_PAGE_READS = ("/admin/engines", "/admin/router", "/admin/timeline")
 _ANSWERS = ("/admin/engines", "/admin/ui", "/admin/router", "/admin/timeline", "/metrics")
-# Sampling /metrics more often than the monitor's 1 s interval sees every pass; deduplicated by pass count.
-_SAMPLE_S = 0.5
+# /metrics is sampled once a second during the load (each sample deduplicated by pass count); a scrape's own
+# CPU is measured apart (_SCRAPES back to back) and taken out of the per-request figure "less idle".
+_SAMPLE_S = 1.0
+_SCRAPES = 3
 _READY_TIMEOUT_S = 180.0
 
 
@@ -91,9 +93,10 @@ async def _get(client: httpx.AsyncClient, url: str) -> tuple[AdminAnswer, bytes]
         response.content
 
 
-async def _sample_monitor(client: httpx.AsyncClient, url: str, passes: dict[int, float]) -> None:
-    """Until cancelled: the latest pass's duration per pass number, from ``/metrics``."""
+async def _sample_monitor(client: httpx.AsyncClient, url: str, passes: dict[int, float], scrapes: list[int]) -> None:
+    """Until cancelled: the latest pass's duration per pass number, from ``/metrics``; counts its scrapes."""
     while True:
+        scrapes[0] += 1
         _, body = await _get(client, url + "/metrics")
         text = body.decode(errors="replace")
         number, seconds = _one(text, "narwhal_monitor_passes"), _one(text, "narwhal_monitor_last_pass_seconds")
@@ -102,9 +105,9 @@ async def _sample_monitor(client: httpx.AsyncClient, url: str, passes: dict[int,
         await trio.sleep(_SAMPLE_S)
 
 
-async def _sample_while_loaded(client: httpx.AsyncClient, url: str, passes: dict[int, float],
+async def _sample_while_loaded(client: httpx.AsyncClient, url: str, passes: dict[int, float], scrapes: list[int],
                                _state: LoadState) -> None:
-    await _sample_monitor(client, url, passes)
+    await _sample_monitor(client, url, passes, scrapes)
 
 
 def _handoff_figures(text: str) -> dict[str, float | int | None]:
@@ -156,6 +159,12 @@ async def _one_size(settings: BenchSettings, engines: int, client: httpx.AsyncCl
                                  2)
                 answers = [(await _get(client, target.url + path))[0] for path in _ANSWERS] \
                     if target.is_narwhal else []
+                scrape_ms = None
+                if target.is_narwhal and target.pid:
+                    before = procstat.sample_tree(target.pid)
+                    for _ in range(_SCRAPES):
+                        await _get(client, target.url + "/metrics")
+                    scrape_ms = procstat.cpu_seconds_between(before, procstat.sample_tree(target.pid)) * 1000 / _SCRAPES
                 # Warm every engine's connection (the idle window outlasts the mocks' keep-alive).
                 warmup = max(settings.warmup, 2 * engines)
                 spec = _spec(settings, target.host, target.port, body, requests=settings.requests,
@@ -163,6 +172,7 @@ async def _one_size(settings: BenchSettings, engines: int, client: httpx.AsyncCl
                 if warmup:
                     await run_load(msgspec.structs.replace(spec, requests=warmup, duration_s=None))
                 passes: dict[int, float] = {}
+                scrapes = [0]
                 label = f"{_label(settings, target)} ({engines} engines)"
                 profiler = None
                 if settings.profile_router and target.pid:
@@ -172,7 +182,7 @@ async def _one_size(settings: BenchSettings, engines: int, client: httpx.AsyncCl
                     run, _ = await measured_load(
                         spec, label=label, target=target.url, client=client, router_pid=target.pid,
                         progress=settings.progress,
-                        alongside=functools.partial(_sample_while_loaded, client, target.url, passes)
+                        alongside=functools.partial(_sample_while_loaded, client, target.url, passes, scrapes)
                         if target.is_narwhal else None)
                 finally:
                     if profiler is not None:
@@ -191,10 +201,16 @@ async def _one_size(settings: BenchSettings, engines: int, client: httpx.AsyncCl
                         await fleet.stop()
                 nursery.cancel_scope.cancel()
     durations = sorted(passes.values())
+    less_idle = None
+    if run.router is not None and idle is not None and run.load.ok:
+        background_ms = idle * run.load.duration_s + scrapes[0] * (scrape_ms or 0.0)
+        less_idle = round((run.router.cpu_s * 1000 - background_ms) / run.load.ok, 4)
     by_path = {answer.path: answer.bytes for answer in answers}
     page = [by_path.get(path) for path in _FLEET_PAGE_READS]
     report = FleetSizeReport(
         engines=engines, prefill=prefill, decode=decode, ready_s=ready_s, idle_cpu_ms_per_s=idle, run=run,
+        cpu_ms_per_request_less_idle=less_idle, metrics_scrape_cpu_ms=round(scrape_ms, 2) if scrape_ms is not None
+        else None, metrics_scrapes=scrapes[0],
         monitor_pass_samples=len(durations),
         monitor_pass_median_s=round(statistics.median(durations), 4) if durations else None,
         monitor_pass_max_s=round(durations[-1], 4) if durations else None,
@@ -205,6 +221,10 @@ async def _one_size(settings: BenchSettings, engines: int, client: httpx.AsyncCl
 
 def _cpu_per_request(run: RunReport) -> float | None:
     return run.router.cpu_ms_per_request if run.router is not None else None
+
+
+def _ratio(value: float | None, base: float | None) -> float | None:
+    return round(value / base, 3) if value is not None and base else None
 
 
 async def run_fleet_scale(settings: BenchSettings) -> BenchReport:
@@ -222,12 +242,14 @@ async def run_fleet_scale(settings: BenchSettings) -> BenchReport:
     base_cpu = _cpu_per_request(smallest.run)
     finished = []
     ratios: dict[str, float | None] = {}
+    less_idle: dict[str, float | None] = {}
     for size, rss_kb in zip(sizes, rss, strict=True):
         per_engine = None
         if size is not smallest and rss_kb is not None and base_rss is not None:
             per_engine = round((rss_kb - base_rss) / (size.engines - smallest.engines), 1)
         finished.append(msgspec.structs.replace(size, memory_per_engine_kb=per_engine))
-        cpu = _cpu_per_request(size.run)
-        ratios[str(size.engines)] = round(cpu / base_cpu, 3) if cpu is not None and base_cpu else None
-    fleet = FleetScaleReport(sizes=finished, idle_s=settings.fleet_idle_s, cpu_per_request_vs_smallest=ratios)
+        ratios[str(size.engines)] = _ratio(_cpu_per_request(size.run), base_cpu)
+        less_idle[str(size.engines)] = _ratio(size.cpu_ms_per_request_less_idle, smallest.cpu_ms_per_request_less_idle)
+    fleet = FleetScaleReport(sizes=finished, idle_s=settings.fleet_idle_s, cpu_per_request_vs_smallest=ratios,
+                             cpu_per_request_less_idle_vs_smallest=less_idle)
     return BenchReport(settings=_settings_record(settings, target), run=finished[-1].run, fleet_scale=fleet)
