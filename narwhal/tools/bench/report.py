@@ -228,9 +228,9 @@ class FleetSizeReport(msgspec.Struct, frozen=True, kw_only=True):
     # The router's CPU with no load, over the idle window.
     idle_cpu_ms_per_s: float | None
     run: RunReport
-    # The request path's own cost: the load's router CPU less the idle rate over its duration and less the
-    # /metrics scrapes made during it (metrics_scrapes, each metrics_scrape_cpu_ms), per request.
-    cpu_ms_per_request_less_idle: float | None = None
+    # The load's router CPU per request less the /metrics scrapes the scenario made during it
+    # (metrics_scrapes, each metrics_scrape_cpu_ms): what the router spent on its own.
+    cpu_ms_per_request_less_scrapes: float | None = None
     metrics_scrape_cpu_ms: float | None = None
     metrics_scrapes: int = 0
     # narwhal_monitor_last_pass_seconds sampled during the load, one value per pass seen.
@@ -257,9 +257,9 @@ class FleetScaleReport(msgspec.Struct, frozen=True, kw_only=True):
 
     sizes: list[FleetSizeReport]
     idle_s: float
-    # Each size's CPU per request over the smallest fleet's (1.0 = flat), as measured and less idle.
+    # Each size's CPU per request over the smallest fleet's (1.0 = flat), as measured and less the scrapes.
     cpu_per_request_vs_smallest: dict[str, float | None] = {}
-    cpu_per_request_less_idle_vs_smallest: dict[str, float | None] = {}
+    cpu_per_request_less_scrapes_vs_smallest: dict[str, float | None] = {}
 
 
 class BenchReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -380,7 +380,7 @@ def _fault_lines(faults: FaultReport) -> list[str]:
     return lines
 
 
-def _fleet_rows(size: FleetSizeReport, ratio: float | None, ratio_less_idle: float | None) -> list[tuple[str, str]]:
+def _fleet_rows(size: FleetSizeReport, ratio: float | None, ratio_less_scrapes: float | None) -> list[tuple[str, str]]:
     run = size.run
     answers = {answer.path: answer for answer in size.answers}
 
@@ -400,8 +400,8 @@ def _fleet_rows(size: FleetSizeReport, ratio: float | None, ratio_less_idle: flo
         ("TTFT ms p50", _fmt(run.load.ttft.p50_ms if run.load.ttft else None)),
         ("router CPU ms / request", _fmt(router.cpu_ms_per_request if router else None, 3)),
         ("  over the smallest fleet's", _fmt(ratio, 2)),
-        ("router CPU ms / request less idle", _fmt(size.cpu_ms_per_request_less_idle, 3)),
-        ("  less idle, over the smallest fleet's", _fmt(ratio_less_idle, 2)),
+        ("router CPU ms / request less scrapes", _fmt(size.cpu_ms_per_request_less_scrapes, 3)),
+        ("  less scrapes, over the smallest fleet's", _fmt(ratio_less_scrapes, 2)),
         ("monitor pass s median / max (n)",
          f"{_fmt(size.monitor_pass_median_s, 3)} / {_fmt(size.monitor_pass_max_s, 3)} ({size.monitor_pass_samples})"),
         ("handoff KiB", _fmt(size.handoff_bytes / 1024 if size.handoff_bytes is not None else None, 1)),
@@ -424,10 +424,10 @@ def format_fleet_scale(fleet: FleetScaleReport, label: str) -> str:
     """The fleet scenario's table: one column per fleet size."""
     columns = [(f"{label} {size.engines}", _fleet_rows(
         size, fleet.cpu_per_request_vs_smallest.get(str(size.engines)),
-        fleet.cpu_per_request_less_idle_vs_smallest.get(str(size.engines)))) for size in fleet.sizes]
-    return "\n".join([_table(columns), f"(idle CPU over {fleet.idle_s:g} s with no load; less idle: the load's CPU "
-                      "less the idle rate over its duration and less its /metrics scrapes; the monitor pass and the "
-                      "handoff from /metrics; a quarter of each fleet prefills)"])
+        fleet.cpu_per_request_less_scrapes_vs_smallest.get(str(size.engines)))) for size in fleet.sizes]
+    return "\n".join([_table(columns), f"(idle CPU over {fleet.idle_s:g} s with no load; less scrapes: the load's CPU "
+                      "less this scenario's /metrics scrapes during it; the monitor pass and the handoff from "
+                      "/metrics; a quarter of each fleet prefills)"])
 
 
 def format_report(report: BenchReport) -> str:

@@ -43,7 +43,7 @@ DEFAULT_SIZES = (4, 64, 256)
 _FLEET_PAGE_READS = ("/admin/engines", "/admin/router", "/admin/timeline")
 _ANSWERS = ("/admin/engines", "/admin/ui", "/admin/router", "/admin/timeline", "/metrics")
 # /metrics is sampled once a second during the load (each sample deduplicated by pass count); a scrape's own
-# CPU is measured apart (_SCRAPES back to back) and taken out of the per-request figure "less idle".
+# CPU is measured apart (_SCRAPES back to back) and taken out of the per-request figure "less scrapes".
 _SAMPLE_S = 1.0
 _SCRAPES = 3
 _READY_TIMEOUT_S = 180.0
@@ -201,15 +201,14 @@ async def _one_size(settings: BenchSettings, engines: int, client: httpx.AsyncCl
                         await fleet.stop()
                 nursery.cancel_scope.cancel()
     durations = sorted(passes.values())
-    less_idle = None
-    if run.router is not None and idle is not None and run.load.ok:
-        background_ms = idle * run.load.duration_s + scrapes[0] * (scrape_ms or 0.0)
-        less_idle = round((run.router.cpu_s * 1000 - background_ms) / run.load.ok, 4)
+    less_scrapes = None
+    if run.router is not None and run.load.ok:
+        less_scrapes = round((run.router.cpu_s * 1000 - scrapes[0] * (scrape_ms or 0.0)) / run.load.ok, 4)
     by_path = {answer.path: answer.bytes for answer in answers}
     page = [by_path.get(path) for path in _FLEET_PAGE_READS]
     report = FleetSizeReport(
         engines=engines, prefill=prefill, decode=decode, ready_s=ready_s, idle_cpu_ms_per_s=idle, run=run,
-        cpu_ms_per_request_less_idle=less_idle, metrics_scrape_cpu_ms=round(scrape_ms, 2) if scrape_ms is not None
+        cpu_ms_per_request_less_scrapes=less_scrapes, metrics_scrape_cpu_ms=round(scrape_ms, 2) if scrape_ms is not None
         else None, metrics_scrapes=scrapes[0],
         monitor_pass_samples=len(durations),
         monitor_pass_median_s=round(statistics.median(durations), 4) if durations else None,
@@ -242,14 +241,15 @@ async def run_fleet_scale(settings: BenchSettings) -> BenchReport:
     base_cpu = _cpu_per_request(smallest.run)
     finished = []
     ratios: dict[str, float | None] = {}
-    less_idle: dict[str, float | None] = {}
+    less_scrapes: dict[str, float | None] = {}
     for size, rss_kb in zip(sizes, rss, strict=True):
         per_engine = None
         if size is not smallest and rss_kb is not None and base_rss is not None:
             per_engine = round((rss_kb - base_rss) / (size.engines - smallest.engines), 1)
         finished.append(msgspec.structs.replace(size, memory_per_engine_kb=per_engine))
         ratios[str(size.engines)] = _ratio(_cpu_per_request(size.run), base_cpu)
-        less_idle[str(size.engines)] = _ratio(size.cpu_ms_per_request_less_idle, smallest.cpu_ms_per_request_less_idle)
+        less_scrapes[str(size.engines)] = _ratio(size.cpu_ms_per_request_less_scrapes,
+                                                 smallest.cpu_ms_per_request_less_scrapes)
     fleet = FleetScaleReport(sizes=finished, idle_s=settings.fleet_idle_s, cpu_per_request_vs_smallest=ratios,
-                             cpu_per_request_less_idle_vs_smallest=less_idle)
+                             cpu_per_request_less_scrapes_vs_smallest=less_scrapes)
     return BenchReport(settings=_settings_record(settings, target), run=finished[-1].run, fleet_scale=fleet)
