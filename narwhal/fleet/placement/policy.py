@@ -113,13 +113,13 @@ class Placer:
             return Choice(name, "only_choice", index.match(name, blocks) / n if n else None)
         if not self.cache_aware:
             return Choice(least_outstanding(candidates, load, self.rng), "least_outstanding", None)
-        # The per-candidate passes run in C where they can (map, compress): see least_outstanding.
+        # The per-candidate passes run in C where they can (map, compress over lists aligned with the
+        # candidates): see least_outstanding.
         load_list = list(map(load, candidates))
-        loads = dict(zip(candidates, load_list))
         least = min(load_list)
         bound = max(least + self.balance_abs, least * self.balance_rel)
-        matches = index.matches(candidates, blocks) if n else dict.fromkeys(candidates, 0)
-        best_any = max(matches.values())
+        match_list = index.match_each(candidates, blocks)
+        best_any = max(match_list)
         if best_any == 0:
             pool = list(compress(candidates, map(operator.eq, load_list, repeat(least))))
             if len(pool) > 1:
@@ -128,19 +128,23 @@ class Placer:
                 smallest = min(sizes)
                 pool = list(compress(pool, map(operator.eq, sizes, repeat(smallest))))
             return self._pick(pool, blocks, "miss", 0)
-        allowed = list(compress(candidates, map(operator.le, load_list, repeat(bound))))
-        best = max(matches[name] for name in allowed)
-        pool = [name for name in allowed if matches[name] == best]
+        within = list(map(operator.le, load_list, repeat(bound)))
+        allowed = list(compress(candidates, within))
+        allowed_matches = list(compress(match_list, within))
+        best = max(allowed_matches)
+        chosen = list(map(operator.eq, allowed_matches, repeat(best)))
+        pool = list(compress(allowed, chosen))
         if len(pool) > 1 and best:
             # Equal holders: the one that had it last, whose cache most likely still has it. A spilled
             # prefix thus concentrates again on one engine instead of crowding several caches, and
             # worker processes agree on which (the time of a placement travels with its record).
-            deepest = blocks[best - 1]
-            latest = max(index.last_used(name, deepest) for name in pool)
-            pool = [name for name in pool if index.last_used(name, deepest) == latest]
+            used = index.last_used_each(pool, blocks[best - 1])
+            latest = max(used)
+            pool = list(compress(pool, map(operator.eq, used, repeat(latest))))
         elif len(pool) > 1:
-            lowest = min(loads[name] for name in pool)
-            pool = [name for name in pool if loads[name] == lowest]
+            pool_loads = list(compress(compress(load_list, within), chosen))
+            lowest = min(pool_loads)
+            pool = list(compress(pool, map(operator.eq, pool_loads, repeat(lowest))))
         return self._pick(pool, blocks, "hit" if best == best_any else "spill", best)
 
     def decode(self, candidates: Sequence[str], load: Callable[[str], int]) -> Choice | None:
