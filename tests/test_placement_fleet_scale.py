@@ -12,7 +12,7 @@ import random
 from collections.abc import Callable, Sequence
 
 from narwhal.fleet.placement import InFlight, Placer
-from narwhal.fleet.placement.policy import Choice, least_outstanding
+from narwhal.fleet.placement.policy import Choice
 from narwhal.fleet.placement.prefix_index import PrefixIndex
 
 
@@ -85,13 +85,40 @@ def test_choices_over_a_large_fleet_match_the_per_engine_reference() -> None:
                 in_flight.acquire(got.engine)
             candidates = decode if state.random() < 0.8 else [d for d in decode if state.random() < 0.3]
             if candidates:
-                picked = least_outstanding(candidates, in_flight.loader(), fast.rng)
-                assert picked == reference_least(candidates, in_flight.load, slow.rng), (seed, step)
-                in_flight.acquire(picked)
+                # Decode finds the idle candidates from the busy engines; the reference scans them all.
+                choice = fast.decode(candidates, in_flight.loader(), in_flight.busy)
+                assert choice is not None
+                want_name = candidates[0] if len(candidates) == 1 else reference_least(candidates, in_flight.load,
+                                                                                       slow.rng)
+                assert choice.engine == want_name, (seed, step)
+                assert in_flight.busy == {n for n, c in in_flight.counts.items() if c > 0}
+                in_flight.acquire(choice.engine)
             # Requests end: loads fall back unevenly.
             for name in [n for n, c in in_flight.counts.items() if c and state.random() < 0.3]:
                 in_flight.release(name)
         assert fast.rng.random() == slow.rng.random()  # the same draws were taken
+
+
+def test_decode_among_idle_engines_is_the_same_draw_whoever_is_busy() -> None:
+    decode = [f"d{i}" for i in range(10)]
+    for busy in ([], ["d0"], ["d9"], ["d3", "d4", "d7"], decode[:9], decode):
+        in_flight = InFlight(decode)
+        for name in busy:
+            in_flight.acquire(name)
+        for seed in range(20):
+            fast = Placer(PrefixIndex([], max_bytes=0), rng=random.Random(seed))
+            got = fast.decode(decode, in_flight.loader(), in_flight.busy)
+            assert got is not None
+            assert got.engine == reference_least(decode, in_flight.load, random.Random(seed)), busy
+            assert fast.rng.random() == (r := random.Random(seed), reference_least(decode, in_flight.load, r),
+                                         r.random())[2]
+    # Engines busy outside the candidates (another role, a filtered one) do not count.
+    in_flight = InFlight(decode + ["p0"])
+    in_flight.acquire("p0")
+    in_flight.acquire("d1")
+    fast = Placer(PrefixIndex([], max_bytes=0), rng=random.Random(3))
+    got = fast.decode(["d1", "d2"], in_flight.loader(), in_flight.busy)
+    assert got is not None and got.engine == "d2"
 
 
 def test_the_loader_reads_zero_for_an_engine_without_an_entry_and_adds_none() -> None:

@@ -107,7 +107,8 @@ class RequestPlacement:
                 if choice.matched is not None:
                     self.metrics.placement_match.observe(choice.matched)
         else:
-            choice = placer.decode(candidates, load)
+            # Without other workers' loads, in_flight.busy is exactly the engines with load > 0.
+            choice = placer.decode(candidates, load, None if in_flight.elsewhere else in_flight.busy)
         if choice is not None:
             self.metrics.placements.inc(role, choice.reason)
         return choice

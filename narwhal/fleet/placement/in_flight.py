@@ -34,15 +34,20 @@ class InFlight:
         self.elsewhere: dict[str, int] = {}
         # Engines that left the fleet with requests still in flight: their entry goes with the last one.
         self._gone: set[str] = set()
+        # The engines with a request in flight here (count > 0): decode placement finds the idle ones from it.
+        self.busy: set[str] = set()
 
     def acquire(self, name: str) -> None:
         # .get: an engine a config reload added has no entry until its first request.
         self.counts[name] = self.counts.get(name, 0) + 1
+        self.busy.add(name)
 
     def release(self, name: str) -> None:
         if name not in self.counts:
             raise KeyError(name)
         left = self.counts[name] - 1
+        if not left:
+            self.busy.discard(name)
         if left or name not in self._gone:
             self.counts[name] = left
         else:
