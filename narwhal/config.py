@@ -445,6 +445,22 @@ class AdminConfig(_Section, frozen=True):
         _positive("header_timeout_s", self.header_timeout_s)
 
 
+# urlsplit's own cache holds 128 URLs, fewer than a large fleet's: past it every request parsed its engines' URLs
+# again. Bounded: a config reload adds URLs, and the cache starts over past this many.
+_SPLITS: dict[str, urllib.parse.SplitResult] = {}
+_MAX_SPLITS = 4096
+
+
+def _split(url: str) -> urllib.parse.SplitResult:
+    """``urllib.parse.urlsplit(url)``, from a cache as large as any fleet."""
+    parts = _SPLITS.get(url)
+    if parts is None:
+        if len(_SPLITS) >= _MAX_SPLITS:
+            _SPLITS.clear()
+        parts = _SPLITS[url] = urllib.parse.urlsplit(url)
+    return parts
+
+
 class EngineSpec(_Section, frozen=True):
     name: str
     url: str
@@ -465,16 +481,16 @@ class EngineSpec(_Section, frozen=True):
 
     @property
     def host(self) -> str:
-        return urllib.parse.urlsplit(self.url).hostname or ""
+        return _split(self.url).hostname or ""
 
     @property
     def tls(self) -> bool:
         """True for an ``https://`` engine."""
-        return urllib.parse.urlsplit(self.url).scheme == "https"  # urlsplit lowercases it: HTTPS:// too
+        return _split(self.url).scheme == "https"  # urlsplit lowercases it: HTTPS:// too
 
     @property
     def port(self) -> int:
-        return urllib.parse.urlsplit(self.url).port or (443 if self.tls else 80)
+        return _split(self.url).port or (443 if self.tls else 80)
 
     @property
     def base_url(self) -> str:
@@ -483,7 +499,7 @@ class EngineSpec(_Section, frozen=True):
     @property
     def address(self) -> tuple[str, str, int]:
         """Scheme, host and port, normalised (case, default port, trailing slash); names are not resolved."""
-        return urllib.parse.urlsplit(self.url).scheme.lower(), self.host.lower(), self.port
+        return _split(self.url).scheme.lower(), self.host.lower(), self.port
 
 
 class Config(_Section, frozen=True):

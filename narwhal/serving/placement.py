@@ -97,7 +97,7 @@ class RequestPlacement:
                in_flight: InFlight) -> Choice | None:
         """The engine for ``role`` among ``candidates`` (already filtered by the fleet rules), or None."""
         placer = self.placer
-        load = in_flight.load
+        load = in_flight.loader()
         if role == "prefill":
             blocks = prompt_blocks(request, chat=route == _CHAT, block_tokens=self._block_tokens) \
                 if placer.cache_aware else []
@@ -107,7 +107,8 @@ class RequestPlacement:
                 if choice.matched is not None:
                     self.metrics.placement_match.observe(choice.matched)
         else:
-            choice = placer.decode(candidates, load)
+            # Without other workers' loads, in_flight.busy is exactly the engines with load > 0.
+            choice = placer.decode(candidates, load, None if in_flight.elsewhere else in_flight.busy)
         if choice is not None:
             self.metrics.placements.inc(role, choice.reason)
         return choice

@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import operator
 import random
-from collections.abc import Callable, Sequence
-from typing import Literal, NamedTuple
+from collections.abc import Callable, Collection, Sequence
+from itertools import compress, repeat
+from typing import Literal, NamedTuple, overload
 
 from narwhal.fleet.placement.prefix_index import PrefixIndex
 
@@ -55,10 +57,46 @@ def least_outstanding(candidates: Sequence[str], load: Callable[[str], int], rng
 
     Random, so that a burst after a quiet spell does not pile onto the first engine in the config.
     """
-    loads = [load(name) for name in candidates]
+    # map/compress keep the per-candidate work in C (with a C ``load``, e.g. a dict lookup): a fleet of
+    # hundreds costs microseconds per request, not a Python call per engine.
+    loads = list(map(load, candidates))
     least = min(loads)
-    tied = [name for name, n in zip(candidates, loads, strict=True) if n == least]
+    tied = list(compress(candidates, map(operator.eq, loads, repeat(least))))
     return tied[0] if len(tied) == 1 else rng.choice(tied)
+
+
+class _Idle(Sequence[str]):
+    """The candidates with no request in flight, in candidate order, found lazily from the busy positions.
+
+    ``rng.choice`` asks only its length and one item, so a choice among hundreds of idle engines costs a
+    walk over the busy ones, not a list of the idle ones.
+    """
+
+    def __init__(self, candidates: Sequence[str], busy_positions: list[int]) -> None:
+        self._candidates = candidates
+        self._busy = busy_positions
+        self._len = len(candidates) - len(busy_positions)
+
+    def __len__(self) -> int:
+        return self._len
+
+    @overload
+    def __getitem__(self, k: int) -> str: ...
+    @overload
+    def __getitem__(self, k: slice) -> Sequence[str]: ...
+
+    def __getitem__(self, k: int | slice) -> str | Sequence[str]:
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(self._len))]
+        if not 0 <= k < self._len:
+            raise IndexError(k)
+        # The k-th idle position: every busy position at or before it pushes it one further.
+        position = k
+        for busy in self._busy:
+            if busy > position:
+                break
+            position += 1
+        return self._candidates[position]
 
 
 def _salt(name: str) -> int:
@@ -90,6 +128,10 @@ class Placer:
         self.balance_rel = balance_rel
         self.rng = rng or random.Random()
         self._salts: dict[str, int] = {}
+        # The last decode candidates seen and each one's position: a request's list is a fresh copy of the
+        # same eligible engines, so one C-level comparison usually finds them here.
+        self._positioned: list[str] = []
+        self._positions: dict[str, int] = {}
 
     def rank(self, anchor: int, name: str) -> int:
         """The engine's rendezvous score for a prompt anchor (higher wins a tie), the same in every process."""
@@ -109,40 +151,69 @@ class Placer:
             return Choice(name, "only_choice", index.match(name, blocks) / n if n else None)
         if not self.cache_aware:
             return Choice(least_outstanding(candidates, load, self.rng), "least_outstanding", None)
-        loads = {name: load(name) for name in candidates}
-        least = min(loads.values())
+        # The per-candidate passes run in C where they can (map, compress over lists aligned with the
+        # candidates): see least_outstanding.
+        load_list = list(map(load, candidates))
+        least = min(load_list)
         bound = max(least + self.balance_abs, least * self.balance_rel)
-        matches = {name: index.match(name, blocks) for name in candidates} if n else dict.fromkeys(candidates, 0)
-        best_any = max(matches.values())
+        match_list = index.match_each(candidates, blocks)
+        best_any = max(match_list)
         if best_any == 0:
-            pool = [name for name in candidates if loads[name] == least]
+            pool = list(compress(candidates, map(operator.eq, load_list, repeat(least))))
             if len(pool) > 1:
                 # The emptiest index among the least loaded: new prefixes spread over the caches.
-                smallest = min(index.entries(name) for name in pool)
-                pool = [name for name in pool if index.entries(name) == smallest]
+                sizes = index.entries_of(pool)
+                smallest = min(sizes)
+                pool = list(compress(pool, map(operator.eq, sizes, repeat(smallest))))
             return self._pick(pool, blocks, "miss", 0)
-        allowed = [name for name in candidates if loads[name] <= bound]
-        best = max(matches[name] for name in allowed)
-        pool = [name for name in allowed if matches[name] == best]
+        within = list(map(operator.le, load_list, repeat(bound)))
+        allowed = list(compress(candidates, within))
+        allowed_matches = list(compress(match_list, within))
+        best = max(allowed_matches)
+        chosen = list(map(operator.eq, allowed_matches, repeat(best)))
+        pool = list(compress(allowed, chosen))
         if len(pool) > 1 and best:
             # Equal holders: the one that had it last, whose cache most likely still has it. A spilled
             # prefix thus concentrates again on one engine instead of crowding several caches, and
             # worker processes agree on which (the time of a placement travels with its record).
-            deepest = blocks[best - 1]
-            latest = max(index.last_used(name, deepest) for name in pool)
-            pool = [name for name in pool if index.last_used(name, deepest) == latest]
+            used = index.last_used_each(pool, blocks[best - 1])
+            latest = max(used)
+            pool = list(compress(pool, map(operator.eq, used, repeat(latest))))
         elif len(pool) > 1:
-            lowest = min(loads[name] for name in pool)
-            pool = [name for name in pool if loads[name] == lowest]
+            pool_loads = list(compress(compress(load_list, within), chosen))
+            lowest = min(pool_loads)
+            pool = list(compress(pool, map(operator.eq, pool_loads, repeat(lowest))))
         return self._pick(pool, blocks, "hit" if best == best_any else "spill", best)
 
-    def decode(self, candidates: Sequence[str], load: Callable[[str], int]) -> Choice | None:
-        """The decode engine: least outstanding, random among ties; None when there are none."""
+    def decode(self, candidates: Sequence[str], load: Callable[[str], int],
+               busy: Collection[str] | None = None) -> Choice | None:
+        """The decode engine: least outstanding, random among ties; None when there are none.
+
+        ``busy``, when given, must be exactly the engines whose ``load`` is above 0: while some candidate
+        is idle the choice (the same one, with the same random draw) then costs O(busy), not O(candidates).
+        """
         if not candidates:
             return None
         if len(candidates) == 1:
             return Choice(candidates[0], "only_choice", None)
+        if busy is not None:
+            idle = self._idle(candidates, busy)
+            if idle is not None:
+                # As least_outstanding: the least load is 0, the tied are the idle candidates in order.
+                name = idle[0] if len(idle) == 1 else self.rng.choice(idle)
+                return Choice(name, "least_outstanding", None)
         return Choice(least_outstanding(candidates, load, self.rng), "least_outstanding", None)
+
+    def _idle(self, candidates: Sequence[str], busy: Collection[str]) -> _Idle | None:
+        """The idle candidates (None when every candidate is busy, or names repeat)."""
+        if self._positioned != candidates:
+            self._positioned = list(candidates)
+            self._positions = {name: i for i, name in enumerate(self._positioned)}
+        positions = self._positions
+        if len(positions) != len(candidates):
+            return None
+        taken = sorted(i for i in map(positions.get, busy) if i is not None)
+        return _Idle(candidates, taken) if len(taken) < len(candidates) else None
 
     def record(self, engine: str, blocks: Sequence[int]) -> None:
         """The prompt was sent to ``engine``: it holds these blocks now."""

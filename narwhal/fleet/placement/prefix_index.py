@@ -75,6 +75,37 @@ class PrefixIndex:
                 hi = mid - 1
         return lo
 
+    def match_each(self, engines: Sequence[str], blocks: Sequence[int]) -> list[int]:
+        """``match`` for each of ``engines``, in order, with one lookup for most engines instead of a search.
+
+        Prefix-closed: an engine without the first block matches nothing, one with the last matches it all.
+        """
+        n = len(blocks)
+        if not n:
+            return [0] * len(engines)
+        first, last = blocks[0], blocks[-1]
+        get = self._lru.get
+        found = []
+        for engine in engines:
+            lru = get(engine)
+            if not lru or first not in lru:
+                found.append(0)
+            elif last in lru:
+                found.append(n)
+            else:
+                found.append(self.match(engine, blocks))
+        return found
+
+    def entries_of(self, engines: Sequence[str]) -> list[int]:
+        """``entries`` for each of ``engines``, in order."""
+        get = self._lru.get
+        return [len(lru) if (lru := get(engine)) is not None else 0 for engine in engines]
+
+    def last_used_each(self, engines: Sequence[str], block: int) -> list[float]:
+        """``last_used`` for each of ``engines``, in order."""
+        get = self._lru.get
+        return [lru.get(block, 0.0) if (lru := get(engine)) is not None else 0.0 for engine in engines]
+
     def last_used(self, engine: str, block: int) -> float:
         """When a prompt through ``block`` was last placed on the engine (the ``at`` of ``record``; 0: never)."""
         lru = self._lru.get(engine)

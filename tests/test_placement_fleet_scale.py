@@ -1,0 +1,131 @@
+"""Placement over hundreds of engines decides exactly as the per-engine loops it replaced.
+
+``Placer`` now passes over the candidates with map/compress and asks the index
+for all matches at once; the reference below is the policy as first written,
+one Python step per engine. Same state, same seeds: the same engine, reason
+and match, and the same random draws.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+
+from narwhal.fleet.placement import InFlight, Placer
+from narwhal.fleet.placement.policy import Choice
+from narwhal.fleet.placement.prefix_index import PrefixIndex
+
+
+def reference_least(candidates: Sequence[str], load: Callable[[str], int], rng: random.Random) -> str:
+    loads = [load(name) for name in candidates]
+    least = min(loads)
+    tied = [name for name, n in zip(candidates, loads, strict=True) if n == least]
+    return tied[0] if len(tied) == 1 else rng.choice(tied)
+
+
+def reference_prefill(placer: Placer, candidates: Sequence[str], blocks: Sequence[int],
+                      load: Callable[[str], int]) -> Choice | None:
+    if not candidates:
+        return None
+    n = len(blocks)
+    index = placer.index
+    if len(candidates) == 1:
+        return Choice(candidates[0], "only_choice", index.match(candidates[0], blocks) / n if n else None)
+    if not placer.cache_aware:
+        return Choice(reference_least(candidates, load, placer.rng), "least_outstanding", None)
+    loads = {name: load(name) for name in candidates}
+    least = min(loads.values())
+    bound = max(least + placer.balance_abs, least * placer.balance_rel)
+    matches = {name: index.match(name, blocks) for name in candidates} if n else dict.fromkeys(candidates, 0)
+    best_any = max(matches.values())
+    if best_any == 0:
+        pool = [name for name in candidates if loads[name] == least]
+        if len(pool) > 1:
+            smallest = min(index.entries(name) for name in pool)
+            pool = [name for name in pool if index.entries(name) == smallest]
+        return placer._pick(pool, blocks, "miss", 0)
+    allowed = [name for name in candidates if loads[name] <= bound]
+    best = max(matches[name] for name in allowed)
+    pool = [name for name in allowed if matches[name] == best]
+    if len(pool) > 1 and best:
+        deepest = blocks[best - 1]
+        latest = max(index.last_used(name, deepest) for name in pool)
+        pool = [name for name in pool if index.last_used(name, deepest) == latest]
+    elif len(pool) > 1:
+        lowest = min(loads[name] for name in pool)
+        pool = [name for name in pool if loads[name] == lowest]
+    return placer._pick(pool, blocks, "hit" if best == best_any else "spill", best)
+
+
+def test_choices_over_a_large_fleet_match_the_per_engine_reference() -> None:
+    rng = random.Random(34)
+    prefill = [f"p{i}" for i in range(64)]
+    decode = [f"d{i}" for i in range(192)]
+    prefixes = [[rng.getrandbits(64) for _ in range(6)] for _ in range(12)]
+    for seed in range(30):
+        state = random.Random(seed)
+        in_flight = InFlight(prefill + decode)
+        balance_abs, balance_rel = state.choice((0, 2, 8)), state.choice((1.0, 1.5))
+        fast = Placer(PrefixIndex(prefill, max_bytes=1 << 20), rng=random.Random(seed), balance_abs=balance_abs,
+                      balance_rel=balance_rel, clock=iter(range(1, 10**6)).__next__)
+        slow = Placer(PrefixIndex(prefill, max_bytes=1 << 20), rng=random.Random(seed), balance_abs=fast.balance_abs,
+                      balance_rel=fast.balance_rel, clock=iter(range(1, 10**6)).__next__)
+        for step in range(150):
+            # Candidates as the request path gives them: the whole role, or filtered (retries, continuations).
+            candidates = prefill if state.random() < 0.7 else [p for p in prefill if state.random() < 0.5]
+            prefix = state.choice(prefixes)
+            blocks = prefix[:state.randrange(len(prefix) + 1)] if state.random() < 0.8 else []
+            load = in_flight.loader()
+            got = fast.prefill(candidates, blocks, load)
+            want = reference_prefill(slow, candidates, blocks, in_flight.load)
+            assert got == want, (seed, step)
+            if got is not None:
+                fast.record(got.engine, blocks)
+                slow.record(got.engine, blocks)
+                in_flight.acquire(got.engine)
+            candidates = decode if state.random() < 0.8 else [d for d in decode if state.random() < 0.3]
+            if candidates:
+                # Decode finds the idle candidates from the busy engines; the reference scans them all.
+                choice = fast.decode(candidates, in_flight.loader(), in_flight.busy)
+                assert choice is not None
+                want_name = candidates[0] if len(candidates) == 1 else reference_least(candidates, in_flight.load,
+                                                                                       slow.rng)
+                assert choice.engine == want_name, (seed, step)
+                assert in_flight.busy == {n for n, c in in_flight.counts.items() if c > 0}
+                in_flight.acquire(choice.engine)
+            # Requests end: loads fall back unevenly.
+            for name in [n for n, c in in_flight.counts.items() if c and state.random() < 0.3]:
+                in_flight.release(name)
+        assert fast.rng.random() == slow.rng.random()  # the same draws were taken
+
+
+def test_decode_among_idle_engines_is_the_same_draw_whoever_is_busy() -> None:
+    decode = [f"d{i}" for i in range(10)]
+    for busy in ([], ["d0"], ["d9"], ["d3", "d4", "d7"], decode[:9], decode):
+        in_flight = InFlight(decode)
+        for name in busy:
+            in_flight.acquire(name)
+        for seed in range(20):
+            fast = Placer(PrefixIndex([], max_bytes=0), rng=random.Random(seed))
+            got = fast.decode(decode, in_flight.loader(), in_flight.busy)
+            assert got is not None
+            assert got.engine == reference_least(decode, in_flight.load, random.Random(seed)), busy
+            assert fast.rng.random() == (r := random.Random(seed), reference_least(decode, in_flight.load, r),
+                                         r.random())[2]
+    # Engines busy outside the candidates (another role, a filtered one) do not count.
+    in_flight = InFlight(decode + ["p0"])
+    in_flight.acquire("p0")
+    in_flight.acquire("d1")
+    fast = Placer(PrefixIndex([], max_bytes=0), rng=random.Random(3))
+    got = fast.decode(["d1", "d2"], in_flight.loader(), in_flight.busy)
+    assert got is not None and got.engine == "d2"
+
+
+def test_the_loader_reads_zero_for_an_engine_without_an_entry_and_adds_none() -> None:
+    in_flight = InFlight(["a"])
+    in_flight.acquire("a")
+    load = in_flight.loader()
+    assert (load("a"), load("added-by-a-reload")) == (1, 0) and "added-by-a-reload" not in in_flight.counts
+    # Another worker's loads count: the loader is then the summing one.
+    in_flight.elsewhere = {"a": 2}
+    assert in_flight.loader()("a") == 3
