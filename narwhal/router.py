@@ -240,7 +240,7 @@ class Router:
             path=self.handoff_path, router_id=self.router_id, fleet=self.fleet, config=config,
             extra=self._handoff_extra, lease_valid=self._lease_valid if backend is not None else None,
             publish=functools.partial(self._publish_handoff, backend)
-            if isinstance(backend, EtcdLeaseBackend) else None)
+            if isinstance(backend, EtcdLeaseBackend) else None, on_written=self.metrics.handoff_written)
         self.readmitter = Readmitter(config=config, fleet=self.fleet, control_pool=self.control_pool,
                                      in_flight=self.in_flight, metrics=self.metrics,
                                      attestation_key=config.attestation_key_bytes(config_dir),

@@ -17,6 +17,7 @@ import narwhal.state.handoff as handoff
 from narwhal.config import Config, EngineSpec
 from narwhal.errors import FailureClass
 from narwhal.fleet import EjectionCause, EngineCounters, EngineRecord, Fleet, HoldKind, HoldRecord
+from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.stages.persistence import HandoffExtra, HandoffWriteInProgress, PersistenceStage
 from narwhal.state.handoff import (
     HANDOFF_SCHEMA,
@@ -254,6 +255,23 @@ async def test_stage_writes_every_pass(tmp_path: Path) -> None:
         assert document.written_at == clocks.wall
         assert stage.last_written_pass == pass_number
     assert os.listdir(tmp_path) == ["handoff.json"]
+
+
+async def test_each_written_file_is_reported_with_its_size_and_write_time(tmp_path: Path) -> None:
+    metrics = RouterMetrics()
+    path = tmp_path / "handoff.json"
+    stage = make_stage(path, make_fleet(), Clocks(), on_written=metrics.handoff_written)
+    assert "\nnarwhal_handoff_bytes " not in metrics.render()
+    await stage.run(1)
+    size = len(path.read_bytes())
+    assert stage.last_written_bytes == size and stage.last_write_seconds is not None
+    assert stage.last_write_seconds > 0
+    rendered = metrics.render()
+    assert f"narwhal_handoff_bytes {size}" in rendered and "narwhal_handoff_write_seconds_count 1" in rendered
+    stage.paused = True
+    await stage.run(2)
+    # Nothing written, nothing reported.
+    assert "narwhal_handoff_write_seconds_count 1" in metrics.render()
 
 
 async def test_stage_document_holds_fleet_state_and_extras(tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ Every socket and parser problem leaves this module as one of its own errors;
 
 from __future__ import annotations
 
+import collections
 import errno
 import math
 import os
@@ -188,6 +189,8 @@ class EngineConnection:
         self.key = key
         self.max_head_bytes = max_head_bytes
         self.idle_since = 0.0
+        # Which release put it in the idle pool (0: not idle), so a stale expiry entry is skipped.
+        self.idle_seq = 0
         self.sent_at = 0.0
         # While the relay waits for the engine: when that wait began (for the silence watchdog).
         self.waiting_since = _INF
@@ -595,6 +598,11 @@ class EngineConnections:
         self.write_timeout_s = write_timeout_s
         self.connections_opened = 0
         self._idle: dict[tuple[str, int], list[EngineConnection]] = {}
+        # Every release in order, oldest first (idle_since, idle_seq, connection): expiry reads only the
+        # expired end, not one stack per engine. Bounded by the releases of one idle_s; stale entries
+        # (taken or closed since) are skipped as they come up.
+        self._expiry: collections.deque[tuple[float, int, EngineConnection]] = collections.deque()
+        self._releases = 0
         self._closed = False
 
     @property
@@ -634,7 +642,10 @@ class EngineConnections:
             return
         now = trio.current_time()
         conn.idle_since = now
+        self._releases += 1
+        conn.idle_seq = self._releases
         self._idle.setdefault(conn.key, []).append(conn)
+        self._expiry.append((now, self._releases, conn))
         self._close_expired(now)
 
     async def aclose(self) -> None:
@@ -642,8 +653,10 @@ class EngineConnections:
         self._closed = True
         for stack in self._idle.values():
             for conn in stack:
+                conn.idle_seq = 0
                 conn.close()
         self._idle.clear()
+        self._expiry.clear()
         await trio.lowlevel.checkpoint()
 
     async def _exchange(self, conn: EngineConnection, request: bytes, read_timeout_s: float,
@@ -688,10 +701,12 @@ class EngineConnections:
         cutoff = now - self.idle_s
         while stack:
             conn = stack.pop()
+            conn.idle_seq = 0
             if conn.idle_since <= cutoff:
                 # LIFO: everything beneath is older still.
                 conn.close()
                 for older in stack:
+                    older.idle_seq = 0
                     older.close()
                 stack.clear()
                 return None
@@ -705,14 +720,21 @@ class EngineConnections:
         return None
 
     def _close_expired(self, now: float) -> None:
+        """Close every idle connection idle since ``now - idle_s`` or earlier: O(expired), not O(engines)."""
         cutoff = now - self.idle_s
-        for stack in self._idle.values():
-            expired = 0
-            while expired < len(stack) and stack[expired].idle_since <= cutoff:
-                stack[expired].close()
-                expired += 1
-            if expired:
-                del stack[:expired]
+        expiry = self._expiry
+        while expiry and expiry[0][0] <= cutoff:
+            _, seq, conn = expiry.popleft()
+            if conn.idle_seq != seq:
+                continue  # taken (or closed) since this release
+            conn.idle_seq = 0
+            conn.close()
+            stack = self._idle[conn.key]
+            # Releases come in time order and takes pop the newest: the expired one is its stack's oldest.
+            if stack[0] is conn:
+                del stack[0]
+            else:
+                stack.remove(conn)
 
     async def _open(self, key: tuple[str, int], tls: bool = False) -> EngineConnection:
         host, port = key

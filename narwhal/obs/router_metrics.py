@@ -6,13 +6,15 @@ from collections.abc import Callable
 
 from narwhal.obs.metrics import Registry
 
-__all__ = ["HEALTH_TO_ELIGIBLE_BUCKETS_S", "JOIN_GAP_BUCKETS_S", "MATCH_BUCKETS", "SNAPSHOT_LAG_BUCKETS_S",
-           "RouterMetrics"]
+__all__ = ["HANDOFF_WRITE_BUCKETS_S", "HEALTH_TO_ELIGIBLE_BUCKETS_S", "JOIN_GAP_BUCKETS_S", "MATCH_BUCKETS",
+           "SNAPSHOT_LAG_BUCKETS_S", "RouterMetrics"]
 
 JOIN_GAP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 SNAPSHOT_LAG_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1.0)
 # Readmission after a restart: the target is well under a second; the tail is the backoff's (<= probe_interval_s).
 HEALTH_TO_ELIGIBLE_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# One handoff write (write, fsync, rename, directory fsync): well under a millisecond on tmpfs, tens on a disk.
+HANDOFF_WRITE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 # Matched share of a prompt: 0 (a miss) and 1 (whole prompt held) get buckets of their own.
 MATCH_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 
@@ -74,6 +76,17 @@ class RouterMetrics:
                                     "failed leg to the first bytes of the next.", (), JOIN_GAP_BUCKETS_S)
         self.saturations = r.counter("narwhal_saturations", "Requests refused for saturation by reason.",
                                      ("reason",))
+        self.handoff_write = r.histogram("narwhal_handoff_write_seconds",
+                                         "Time one handoff file took to write, fsync and rename into place.", (),
+                                         HANDOFF_WRITE_BUCKETS_S)
+        self.handoff_bytes = 0
+        r.gauge("narwhal_handoff_bytes", "Size of the last handoff file written.", (),
+                lambda: {(): float(self.handoff_bytes)} if self.handoff_bytes else {})
+
+    def handoff_written(self, size: int, seconds: float) -> None:
+        """A handoff file replaced the last: its size and write time."""
+        self.handoff_bytes = size
+        self.handoff_write.observe(seconds)
 
     def add_gauge(self, name: str, help_text: str, labels: tuple[str, ...], read: _GaugeReader) -> None:
         """Register a gauge read from live state at scrape time."""

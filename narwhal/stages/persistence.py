@@ -59,13 +59,15 @@ class PersistenceStage:
                  lease_valid: Callable[[], bool] | None = None,
                  publish: Callable[[bytes], Awaitable[bool]] | None = None,
                  clock: Callable[[], float] = trio.current_time,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time,
+                 on_written: Callable[[int, float], None] | None = None) -> None:
         """``extra()`` reports consolidation risk, settled drains and the lease at each pass.
 
         With a lease: ``lease_valid()`` says whether the term is still valid, asked from
         the worker thread just before the rename (so it must be thread-safe), and
         ``publish(data)`` is the etcd write guarded by the writer's lease, which runs
         before the local file's (False: the lease is no longer ours, nothing is written).
+        ``on_written(bytes, seconds)`` hears of each file that replaced the last, in trio's thread.
         """
         self.path = os.fspath(path)
         self.router_id = router_id
@@ -88,6 +90,11 @@ class PersistenceStage:
         self._writing = threading.Lock()
         self._sequence = 0
         self._sequence_written = 0
+        self.on_written = on_written
+        # The last document that replaced the file: its size, and the seconds write_atomic took (fsyncs included).
+        self.last_written_bytes: int | None = None
+        self.last_write_seconds: float | None = None
+        self._write_seconds = 0.0
 
     def __repr__(self) -> str:
         state = "paused" if self.paused else "active"
@@ -131,6 +138,9 @@ class PersistenceStage:
                                                 abandon_on_cancel=True)
         if written:
             self.last_written_pass = pass_number
+            self.last_written_bytes, self.last_write_seconds = len(data), self._write_seconds
+            if self.on_written is not None:
+                self.on_written(len(data), self._write_seconds)
 
     def _may_replace(self) -> bool:
         lease_valid = self.lease_valid
@@ -145,9 +155,12 @@ class PersistenceStage:
                 return False
             # Re-checked just before the rename: a write that outlives a fencing
             # must not overwrite the next holder's handoff.
+            started = time.perf_counter()
             written = write_atomic(self.path, data, proceed=self._may_replace)
             if written:
                 self._sequence_written = sequence
+                # Read by run() once this thread has returned (under the lock meanwhile).
+                self._write_seconds = time.perf_counter() - started
             return written
         finally:
             self._writing.release()

@@ -19,7 +19,8 @@ from typing import Any
 import msgspec
 import trio
 
-__all__ = ["LocalProcess", "render_config", "start_mock_engine", "start_process", "start_router"]
+__all__ = ["LocalProcess", "render_config", "start_mock_engine", "start_mock_fleet", "start_process",
+           "start_router"]
 
 _decode_json = msgspec.json.Decoder()
 
@@ -126,7 +127,7 @@ async def _start(nursery: trio.Nursery, argv: Sequence[str], *, ready: str, from
     local.tls = bool(line.get("tls", False))
     if "port" in line:
         local.port = int(line["port"])
-    else:
+    elif "listen" in line:
         local.port = int(str(line["listen"]).rpartition(":")[2])
     return local
 
@@ -146,6 +147,25 @@ async def start_mock_engine(nursery: trio.Nursery, role: str, *, engine_id: str 
     argv += list(args)
     return await _start(nursery, argv, ready="mock_engine_ready", from_stderr=False,
                         name=engine_id or f"mock-{role}", timeout_s=timeout_s, env=None)
+
+
+async def start_mock_fleet(nursery: trio.Nursery, prefill: int, decode: int, *, args: Sequence[str] = (),
+                           timeout_s: float = 60.0) -> tuple[LocalProcess, list[tuple[str, str, str]]]:
+    """Start one mock-engine process serving ``prefill`` + ``decode`` engines (``--engines``).
+
+    Returns the process and its engines as (engine_id, url, role), prefill first, as ``render_config`` takes them.
+    """
+    total = prefill + decode
+    argv = [sys.executable, "-m", "narwhal", "mock-engine", "--port", "0", "--engines", str(total),
+            "--prefill-engines", str(prefill), *args]
+    process = await _start(nursery, argv, ready="mock_fleet_ready" if total > 1 else "mock_engine_ready",
+                           from_stderr=False, name=f"mock-fleet-{total}", timeout_s=timeout_s, env=None)
+    engines = [(str(line["engine_id"]), f"{'https' if line.get('tls') else 'http'}://127.0.0.1:{line['port']}",
+                str(line["role"])) for line in process.events("mock_engine_ready")]
+    if len(engines) != total:
+        process.kill()
+        raise RuntimeError(f"mock fleet reported {len(engines)} engines of {total}")
+    return process, engines
 
 
 async def start_router(nursery: trio.Nursery, config_path: str, *, args: Sequence[str] = (),

@@ -18,6 +18,7 @@ import trio
 from narwhal.config import ConfigError
 from narwhal.tools.bench.fleet import check_overrides
 from narwhal.tools.bench.runner import BenchSettings, run_bench
+from narwhal.tools.bench.scale import DEFAULT_SIZES, run_fleet_scale
 from narwhal.tools.bench.scenario import fault_timeline_problem, fault_timeline_s
 from narwhal.tools.cli_args import http_url
 
@@ -30,6 +31,8 @@ _FAULTS_TOKEN_DELAY_S = 0.01
 _PREFIX_PREFILL = 4
 _PREFIX_REQUESTS = 800
 _PREFIX_S_PER_TOKEN = 0.0002
+_FLEET_CONCURRENCY = 64
+_FLEET_REQUESTS = 3000
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
@@ -44,14 +47,16 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     fleet.add_argument("--token-delay-s", type=float, default=None,
                        help=f"the mock's pause before each token (default 0; {_FAULTS_TOKEN_DELAY_S:g} with "
                             f"--scenario faults, so streams are in flight when an engine dies)")
-    fleet.add_argument("--mock-writes", choices=("batched", "per-event"), default="batched",
+    fleet.add_argument("--mock-writes", choices=("batched", "per-event"), default=None,
                        help="how the decode mock writes a stream: batched (head and first token, then the rest "
-                            "in one write; default) or per-event (one write per SSE event, as vLLM does)")
+                            "in one write; default) or per-event (one write per SSE event, as vLLM does; the "
+                            "default with --scenario fleet)")
     fleet.add_argument("--prompt-words", type=int, default=16,
                        help="prompt length in words; the mock counts a word as a token (default 16)")
 
     load = parser.add_argument_group("load")
-    load.add_argument("--concurrency", type=int, default=16, help="requests in flight at once (default 16)")
+    load.add_argument("--concurrency", type=int, default=None,
+                      help=f"requests in flight at once (default 16; {_FLEET_CONCURRENCY} with --scenario fleet)")
     load.add_argument("--requests", type=int, default=None,
                       help=f"stop issuing after this many requests (default {_DEFAULT_REQUESTS} when "
                            f"--duration-s is not given either)")
@@ -96,11 +101,20 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
                      help="--baseline pair: the engines to send each request to, prefill then decode")
     run.add_argument("--model", default="mock-model",
                      help="the model named in every request (default mock-model; a real fleet's model with --target)")
-    run.add_argument("--scenario", choices=("load", "faults", "prefix"), default="load",
+    run.add_argument("--scenario", choices=("load", "faults", "prefix", "fleet"), default="load",
                      help="faults: kill a decode engine and restart it, make another answer 5xx, during the load; "
                           "prefix: shared prefixes with unique suffixes on prefill mocks that model a prefix "
                           f"cache (defaults then: --prefill {_PREFIX_PREFILL}, --decode 2, --tokens 8, "
-                          f"--requests {_PREFIX_REQUESTS})")
+                          f"--requests {_PREFIX_REQUESTS}); fleet: the same load in front of fleets of each of "
+                          "--fleet-sizes engines, one mock process each, a quarter prefill (defaults then: "
+                          f"--concurrency {_FLEET_CONCURRENCY}, --requests {_FLEET_REQUESTS}, --mock-writes "
+                          "per-event)")
+    scale = parser.add_argument_group("fleet scenario")
+    scale.add_argument("--fleet-sizes", default=",".join(map(str, DEFAULT_SIZES)), metavar="N,N,...",
+                       help="fleet sizes, in engines, each at least 2 (default %(default)s); a quarter of each "
+                            "fleet prefills")
+    scale.add_argument("--fleet-idle-s", type=float, default=10.0, metavar="S",
+                       help="how long each router's idle CPU is measured, with no load (default 10)")
     prefix = parser.add_argument_group("prefix scenario")
     prefix.add_argument("--prefixes", type=int, default=8, help="shared prefix groups (default 8)")
     prefix.add_argument("--prefix-words", type=int, default=512, help="words (mock tokens) per prefix (default 512)")
@@ -151,9 +165,23 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     """Validate the options and resolve their defaults; ValueError names the bad option."""
     faults = args.scenario == "faults"
     prefix = args.scenario == "prefix"
+    scale = args.scenario == "fleet"
     requests, duration_s = args.requests, args.duration_s
+    concurrency = args.concurrency if args.concurrency is not None else _FLEET_CONCURRENCY if scale else 16
+    mock_writes = args.mock_writes or ("per-event" if scale else "batched")
+    fleet_sizes = _fleet_sizes(args.fleet_sizes) if scale else DEFAULT_SIZES
+    if scale:
+        if args.prefill is not None or args.decode is not None:
+            raise ValueError("--scenario fleet sets the engines from --fleet-sizes (a quarter prefill); "
+                             "drop --prefill and --decode")
+        if args.target or args.tls or args.baseline:
+            raise ValueError("--scenario fleet starts its fleets and routers here: no --target, --tls or --baseline")
+        if not args.fleet_idle_s > 0:
+            raise ValueError("--fleet-idle-s must be positive")
     if requests is None and duration_s is None:
-        if faults:
+        if scale:
+            requests = _FLEET_REQUESTS
+        elif faults:
             duration_s = _FAULTS_DURATION_S
         elif prefix:
             requests, duration_s = _PREFIX_REQUESTS, 120.0
@@ -201,7 +229,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     for url in args.pair or ():
         if not url.startswith("http://"):
             raise ValueError(f"--pair takes http:// URLs, got {url!r}")
-    if tokens < 1 or args.prompt_words < 1 or args.concurrency < 1:
+    if tokens < 1 or args.prompt_words < 1 or concurrency < 1:
         raise ValueError("--tokens, --prompt-words and --concurrency must be at least 1")
     if token_delay_s < 0 or args.timeout_s <= 0:
         raise ValueError("--token-delay-s must be >= 0 and --timeout-s > 0")
@@ -211,7 +239,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         raise ValueError("--duration-s must be positive")
     if not 500 <= args.fault_status <= 599:
         raise ValueError("--fault-status must be 500-599")
-    warmup = args.warmup if args.warmup is not None else 2 * args.concurrency
+    warmup = args.warmup if args.warmup is not None else 2 * concurrency
     overrides = _parse_overrides(args.overrides)
     if overrides and not args.router_cmd and not args.target:
         try:
@@ -220,7 +248,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
             raise ValueError(str(exc)) from None
     return BenchSettings(
         prefill=prefill, decode=decode, tokens=tokens, token_delay_s=token_delay_s,
-        mock_writes=args.mock_writes, prompt_words=args.prompt_words, concurrency=args.concurrency,
+        mock_writes=mock_writes, prompt_words=args.prompt_words, concurrency=concurrency,
         requests=requests, duration_s=duration_s,
         stream=args.stream, keep_alive=args.keep_alive, warmup=max(0, warmup), timeout_s=args.timeout_s,
         count_tokens=args.count_tokens == "on", overrides=overrides,
@@ -230,7 +258,21 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         label=args.label, progress=not args.quiet, tls=args.tls, model=args.model,
         pair=tuple(args.pair) if args.pair else None, prefixes=args.prefixes,
         prefix_words=args.prefix_words, suffix_words=args.suffix_words, prefix_skew=args.prefix_skew,
-        chat_turns=args.chat_turns, mock_cache_blocks=int(cache_blocks), prefill_s_per_token=prefill_s)
+        chat_turns=args.chat_turns, mock_cache_blocks=int(cache_blocks), prefill_s_per_token=prefill_s,
+        fleet_sizes=fleet_sizes, fleet_idle_s=args.fleet_idle_s)
+
+
+def _fleet_sizes(text: str) -> tuple[int, ...]:
+    """``--fleet-sizes``: whole numbers, each at least 2, ascending."""
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"--fleet-sizes takes whole numbers separated by commas, got {text!r}") from None
+    if not sizes:
+        raise ValueError("--fleet-sizes names no size")
+    if min(sizes) < 2 or list(sizes) != sorted(set(sizes)):
+        raise ValueError(f"--fleet-sizes must be distinct sizes of at least 2 engines, ascending, got {text!r}")
+    return sizes
 
 
 def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
@@ -254,7 +296,7 @@ def run_from_args(args: argparse.Namespace) -> int:
               f"({least:g} s); add --duration-s to be sure", file=sys.stderr)
     failures: list[BaseException] = []
     try:
-        report = trio.run(run_bench, settings)
+        report = trio.run(run_fleet_scale if settings.scenario == "fleet" else run_bench, settings)
     except* (RuntimeError, OSError, ValueError) as group:
         failures = _leaves(group)
     if failures:

@@ -26,7 +26,7 @@ import trio
 
 from narwhal.errors import NarwhalError
 from narwhal.tools.bench.procstat import listening_pid
-from narwhal.tools.local_fleet import LocalProcess, render_config, start_mock_engine
+from narwhal.tools.local_fleet import LocalProcess, render_config, start_mock_engine, start_mock_fleet
 
 __all__ = [
     "ATTESTATION_KEY",
@@ -42,6 +42,7 @@ __all__ = [
     "start_command_router",
     "start_fleet",
     "start_narwhal",
+    "start_shared_fleet",
     "wait_until_serving",
 ]
 
@@ -102,6 +103,22 @@ async def start_fleet(nursery: trio.Nursery, *, prefill: int, decode: int,
             await fleet.stop()
         raise
     return fleet
+
+
+async def start_shared_fleet(nursery: trio.Nursery, *, prefill: int, decode: int,
+                             mock_args: Sequence[str]) -> BenchFleet:
+    """Start ``prefill`` + ``decode`` mock engines in one process (``--engines``); named by their engine ids.
+
+    Every engine's LocalProcess is that one process, so stopping any stops all (it cannot ``restart``).
+    """
+    process, described = await start_mock_fleet(nursery, prefill, decode, args=mock_args)
+    engines: dict[str, LocalProcess] = {}
+    roles: dict[str, str] = {}
+    for name, url, role in described:
+        engine = LocalProcess(process.process, int(url.rpartition(":")[2]), name)
+        engine.tls = url.startswith("https:")
+        engines[name], roles[name] = engine, role
+    return BenchFleet(engines, roles, mock_args)
 
 
 class Target:

@@ -3,7 +3,7 @@
 ``utime + stime`` of ``/proc/PID/stat`` is the CPU a process has used; the
 benchmark samples it for the router and its descendants before and after the
 load and divides the difference by the requests served. ``VmHWM`` of
-``/proc/PID/status`` is a process's peak resident set.
+``/proc/PID/status`` is a process's peak resident set, ``VmRSS`` its resident set now.
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ __all__ = [
     "listening_pid",
     "parse_stat",
     "parse_vm_hwm_kb",
+    "parse_vm_rss_kb",
     "read_stat",
     "sample_tree",
+    "tree_rss_kb",
 ]
 
 CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -65,6 +67,26 @@ def parse_vm_hwm_kb(text: str) -> int | None:
         if line.startswith("VmHWM:"):
             return int(line.split()[1])
     return None
+
+
+def parse_vm_rss_kb(text: str) -> int | None:
+    """``VmRSS`` (resident set now, kB) from a ``/proc/PID/status`` text; None for kernel threads."""
+    for line in text.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return None
+
+
+def tree_rss_kb(root: int) -> int:
+    """The resident set of ``root`` and its descendants now, summed (kB)."""
+    total = 0
+    for pid in [root, *descendants(root)]:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                total += parse_vm_rss_kb(f.read()) or 0
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
 
 
 def read_stat(pid: int) -> ProcStat | None:

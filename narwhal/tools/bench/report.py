@@ -17,14 +17,18 @@ import msgspec
 from narwhal.tools.bench.prefix import PrefixReport, format_prefix_lines
 
 __all__ = [
+    "AdminAnswer",
     "BenchReport",
     "Distribution",
     "EngineTraffic",
     "FaultReport",
+    "FleetScaleReport",
+    "FleetSizeReport",
     "LoadSummary",
     "ProcessUsage",
     "RunReport",
     "distribution",
+    "format_fleet_scale",
     "format_report",
     "percentile",
     "process_usage",
@@ -204,6 +208,54 @@ class FaultReport(msgspec.Struct, frozen=True, kw_only=True):
     notes: list[str] = []
 
 
+class AdminAnswer(msgspec.Struct, frozen=True, kw_only=True):
+    """One GET on the router's admin API: its status, size and how long the answer took."""
+
+    path: str
+    status: int | None
+    bytes: int | None
+    ms: float | None
+
+
+class FleetSizeReport(msgspec.Struct, frozen=True, kw_only=True):
+    """One fleet size of the fleet scenario; None: not measured (e.g. another router has no such metric)."""
+
+    engines: int
+    prefill: int
+    decode: int
+    # From the router's launch to its first streamed completion (after /ready, for Narwhal).
+    ready_s: float | None
+    # The router's CPU with no load, over the idle window.
+    idle_cpu_ms_per_s: float | None
+    run: RunReport
+    # narwhal_monitor_last_pass_seconds sampled during the load, one value per pass seen.
+    monitor_pass_samples: int = 0
+    monitor_pass_median_s: float | None = None
+    monitor_pass_max_s: float | None = None
+    # narwhal_handoff_bytes and narwhal_handoff_write_seconds over the router's life.
+    handoff_bytes: int | None = None
+    handoff_writes: int | None = None
+    handoff_write_mean_ms: float | None = None
+    # The smallest bucket bound holding every write: the slowest write took at most this long.
+    handoff_write_max_ms_at_most: float | None = None
+    # /admin/engines, the fleet page (/admin/ui) and what it reads every second, /metrics.
+    answers: list[AdminAnswer] = []
+    # The bytes the fleet page reads each refresh: /admin/engines + /admin/router + /admin/timeline.
+    fleet_page_refresh_bytes: int | None = None
+    # The router's resident set after the load, and its growth per engine over the smallest fleet.
+    rss_mb: float | None = None
+    memory_per_engine_kb: float | None = None
+
+
+class FleetScaleReport(msgspec.Struct, frozen=True, kw_only=True):
+    """The fleet scenario: the same load in front of each fleet size, and how the costs grew."""
+
+    sizes: list[FleetSizeReport]
+    idle_s: float
+    # Each size's CPU per request over the smallest fleet's (1.0 = flat).
+    cpu_per_request_vs_smallest: dict[str, float | None] = {}
+
+
 class BenchReport(msgspec.Struct, frozen=True, kw_only=True):
     """Everything ``--json`` writes: the settings, the run, the optional baseline and fault report."""
 
@@ -217,6 +269,8 @@ class BenchReport(msgspec.Struct, frozen=True, kw_only=True):
     load_started_unix: float | None = None
     # The prefix scenario's cache figures (narwhal.tools.bench.prefix.PrefixReport).
     prefix: PrefixReport | None = None
+    # The fleet scenario: every size (``run`` is then the largest fleet's load).
+    fleet_scale: FleetScaleReport | None = None
 
 
 # ----- the table -------------------------------------------------------------------
@@ -320,8 +374,55 @@ def _fault_lines(faults: FaultReport) -> list[str]:
     return lines
 
 
+def _fleet_rows(size: FleetSizeReport, ratio: float | None) -> list[tuple[str, str]]:
+    run = size.run
+    answers = {answer.path: answer for answer in size.answers}
+
+    def answer(path: str) -> str:
+        found = answers.get(path)
+        if found is None or found.bytes is None:
+            return "-"
+        return f"{found.bytes / 1024:.1f} KiB / {_fmt(found.ms, 1)} ms"
+
+    router = run.router
+    return [
+        ("engines (prefill + decode)", f"{size.engines} ({size.prefill} + {size.decode})"),
+        ("ready after s", _fmt(size.ready_s, 1)),
+        ("idle CPU ms / s", _fmt(size.idle_cpu_ms_per_s, 1)),
+        ("requests (ok / errors)", f"{run.load.ok} / {run.load.errors}"),
+        ("requests/s", _fmt(run.load.requests_per_s, 1)),
+        ("TTFT ms p50", _fmt(run.load.ttft.p50_ms if run.load.ttft else None)),
+        ("router CPU ms / request", _fmt(router.cpu_ms_per_request if router else None, 3)),
+        ("  over the smallest fleet", _fmt(ratio, 2)),
+        ("monitor pass s median / max (n)",
+         f"{_fmt(size.monitor_pass_median_s, 3)} / {_fmt(size.monitor_pass_max_s, 3)} ({size.monitor_pass_samples})"),
+        ("handoff KiB", _fmt(size.handoff_bytes / 1024 if size.handoff_bytes is not None else None, 1)),
+        ("handoff write ms mean / max <=",
+         f"{_fmt(size.handoff_write_mean_ms, 2)} / {_fmt(size.handoff_write_max_ms_at_most, 1)}"),
+        ("/admin/engines", answer("/admin/engines")),
+        ("fleet page /admin/ui", answer("/admin/ui")),
+        ("  /admin/router", answer("/admin/router")),
+        ("  /admin/timeline", answer("/admin/timeline")),
+        ("  KiB read per refresh", _fmt(size.fleet_page_refresh_bytes / 1024
+                                        if size.fleet_page_refresh_bytes is not None else None, 1)),
+        ("/metrics", answer("/metrics")),
+        ("router RSS MB after the load", _fmt(size.rss_mb, 1)),
+        ("memory per engine KiB", _fmt(size.memory_per_engine_kb, 1)),
+    ]
+
+
+def format_fleet_scale(fleet: FleetScaleReport, label: str) -> str:
+    """The fleet scenario's table: one column per fleet size."""
+    columns = [(f"{label} {size.engines}", _fleet_rows(size, fleet.cpu_per_request_vs_smallest.get(
+        str(size.engines)))) for size in fleet.sizes]
+    return "\n".join([_table(columns), f"(idle CPU over {fleet.idle_s:g} s with no load; the monitor pass and "
+                      "the handoff from /metrics; a quarter of each fleet prefills)"])
+
+
 def format_report(report: BenchReport) -> str:
     """The table the CLI prints: the run, the direct baseline beside it, then the fault scenario."""
+    if report.fleet_scale is not None:
+        return format_fleet_scale(report.fleet_scale, report.run.label.partition(" (")[0])
     columns = [(report.run.label, _rows(report.run))]
     if report.baseline is not None:
         columns.append((report.baseline.label, _rows(report.baseline)))

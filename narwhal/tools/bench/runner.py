@@ -88,6 +88,9 @@ class BenchSettings(msgspec.Struct, frozen=True, kw_only=True):
     chat_turns: int = 0
     mock_cache_blocks: int = 0
     prefill_s_per_token: float = 0.0
+    # The fleet scenario (bench --scenario fleet): the fleet sizes, and the idle window at each.
+    fleet_sizes: tuple[int, ...] = (4, 64, 256)
+    fleet_idle_s: float = 10.0
 
     @property
     def mock_args(self) -> list[str]:

@@ -1205,9 +1205,17 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the mock engine's options to ``parser``."""
     parser.add_argument("--host", default="127.0.0.1", help="address to bind and advertise (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=0, help="port to bind; 0 picks one (default 0)")
-    parser.add_argument("--role", choices=("prefill", "decode"), required=True,
+    # Required unless --prefill-engines names every engine's role (checked in _fleet_from_args).
+    parser.add_argument("--role", choices=("prefill", "decode"),
                         help="the engine's role: prefill answers with a KV handoff, decode takes one")
-    parser.add_argument("--engine-id", help="engine id (default ROLE-PORT)")
+    parser.add_argument("--engine-id", help="engine id (default ROLE-PORT; with --engines N: ID-0 ... ID-(N-1))")
+    parser.add_argument("--engines", type=int, default=1, metavar="N",
+                        help="serve N engines from this process, each on its own port with its own identity "
+                             "(default 1); with --port P they bind P ... P+N-1")
+    parser.add_argument("--prefill-engines", type=int, metavar="K",
+                        help="with --engines: the first K engines are prefill, the rest decode (replaces --role)")
+    parser.add_argument("--engines-file", metavar="PATH",
+                        help="once every engine is bound, write them (engine_id, role, port, url) to PATH as JSON")
     parser.add_argument("--model", default="mock-model", help="model name in /v1/models (default mock-model)")
     parser.add_argument("--generation", default="g1", help="generation in its identity (default g1)")
     parser.add_argument("--attestation-key", default="narwhal-dev-key",
@@ -1263,7 +1271,7 @@ def _settings_from_args(args: argparse.Namespace) -> MockSettings:
     if args.tls_client_ca_file is not None and args.tls_cert_file is None:
         raise ValueError("--tls-client-ca-file needs --tls-cert-file and --tls-key-file")
     return MockSettings(
-        role=args.role, host=args.host, port=args.port, engine_id=args.engine_id, model=args.model,
+        role=args.role or "decode", host=args.host, port=args.port, engine_id=args.engine_id, model=args.model,
         generation=args.generation, attestation_key=args.attestation_key, max_model_len=args.max_model_len,
         tokens=args.tokens, numbered=args.numbered_tokens, token_delay_s=args.token_delay_s, kv_roles=kv_roles,
         faults=tuple(args.fault),
@@ -1273,27 +1281,88 @@ def _settings_from_args(args: argparse.Namespace) -> MockSettings:
         split_every=args.split_chars_every, tokens_per_event=args.tokens_per_event)
 
 
-async def _run(settings: MockSettings) -> None:
-    service = MockService(settings)
+def _fleet_from_args(args: argparse.Namespace) -> list[MockSettings]:
+    """One MockSettings per engine ``--engines`` asks for; ValueError names a bad combination."""
+    if args.engines < 1:
+        raise ValueError(f"--engines must be >= 1, got {args.engines}")
+    if args.prefill_engines is None:
+        if args.role is None:
+            raise ValueError("the following arguments are required: --role (or --engines N --prefill-engines K)")
+        roles = [args.role] * args.engines
+    else:
+        if args.role is not None:
+            raise ValueError("--role and --prefill-engines exclude each other")
+        if not 0 <= args.prefill_engines <= args.engines:
+            raise ValueError(f"--prefill-engines must be between 0 and --engines ({args.engines}), "
+                             f"got {args.prefill_engines}")
+        roles = ["prefill"] * args.prefill_engines + ["decode"] * (args.engines - args.prefill_engines)
+    if args.port and args.port + args.engines - 1 > 65535:
+        raise ValueError(f"--port {args.port} with --engines {args.engines} runs past port 65535")
+    base = _settings_from_args(args)
+    if args.engines == 1:
+        return [msgspec.structs.replace(base, role=roles[0])]
+    return [msgspec.structs.replace(
+        base, role=role, port=base.port + i if base.port else 0,
+        engine_id=f"{base.engine_id}-{i}" if base.engine_id else None) for i, role in enumerate(roles)]
+
+
+class _EngineEntry(msgspec.Struct, frozen=True):
+    """One served engine, as ``--engines-file`` lists it."""
+
+    engine_id: str
+    role: str
+    port: int
+    url: str
+
+
+class _EnginesFile(msgspec.Struct, frozen=True):
+    engines: list[_EngineEntry]
+
+
+def _write_engines_file(path: Path, engines: list[MockEngine]) -> None:
+    """Write the served engines to ``path`` whole (a temporary file renamed over it)."""
+    entries = [_EngineEntry(engine.engine_id, engine.settings.role, engine.port,
+                            f"{'https' if engine.settings.tls_cert_file else 'http'}://"
+                            f"{engine.settings.host}:{engine.port}") for engine in engines]
+    partial = path.with_name(path.name + ".partial")
+    partial.write_bytes(msgspec.json.encode(_EnginesFile(entries)) + b"\n")
+    partial.replace(path)
+
+
+async def _run(fleet: MockSettings | list[MockSettings], engines_file: Path | None = None) -> None:
+    """Serve every engine of ``fleet`` until SIGTERM/SIGINT; one ready line per engine once bound."""
+    fleet = [fleet] if isinstance(fleet, MockSettings) else fleet
+    services = [MockService(settings) for settings in fleet]
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
-            engine = await nursery.start(service.run)
-            ready = {"event": "mock_engine_ready", "port": engine.port, "engine_id": engine.engine_id,
-                     "role": settings.role, "model": settings.model, "tls": settings.tls_cert_file is not None}
-            sys.stdout.write(_encode(ready).decode() + "\n")
+            engines: list[MockEngine] = []
+            for service in services:
+                engine = await nursery.start(service.run)
+                engines.append(engine)
+                settings = engine.settings
+                ready = {"event": "mock_engine_ready", "port": engine.port, "engine_id": engine.engine_id,
+                         "role": settings.role, "model": settings.model, "tls": settings.tls_cert_file is not None}
+                sys.stdout.write(_encode(ready).decode() + "\n")
+            if engines_file is not None:
+                _write_engines_file(engines_file, engines)
+            if len(services) > 1:
+                # After every engine's line (and the file): a reader waits for this one line.
+                sys.stdout.write(_encode({"event": "mock_fleet_ready", "engines": len(engines)}).decode() + "\n")
             sys.stdout.flush()
             async for _ in signals:
-                service.stop(_SHUTDOWN_GRACE_S)
+                for service in services:
+                    service.stop(_SHUTDOWN_GRACE_S)
                 break
 
 
 def main(argv: list[str]) -> int:
-    """Run a mock engine until SIGTERM/SIGINT; prints a ready line with the bound port."""
+    """Run mock engines until SIGTERM/SIGINT; prints a ready line per engine with its bound port."""
     parser = build_parser(OneLineParser(
         prog="narwhal mock-engine", description="A mock vLLM engine with P/D handoffs and fault injection."))
     args = parser.parse_args(argv)
     try:
-        settings = _settings_from_args(args)
+        fleet = _fleet_from_args(args)
+        settings = fleet[0]
         # Faults and certificates are checked before binding, so a typo fails at once.
         for spec in settings.faults:
             FaultTable().validate(parse_fault_spec(spec))
@@ -1302,7 +1371,7 @@ def main(argv: list[str]) -> int:
         parser.error(str(exc))
     configure_logging()
     try:
-        trio.run(_run, settings)
+        trio.run(_run, fleet, Path(args.engines_file) if args.engines_file else None)
     except (OSError, BaseExceptionGroup) as caught:
         error = _os_error(caught)
         if error is None:
@@ -1310,7 +1379,8 @@ def main(argv: list[str]) -> int:
         log_event("mock_engine_error", level=logging.ERROR, **{"class": type(error).__name__}, message=str(error))
         if isinstance(error, socket.gaierror) or error.errno in _CANNOT_BIND:
             # As `narwhal serve` does: one line, exit 2, no traceback.
-            print(f"narwhal mock-engine: cannot listen on {settings.host}:{settings.port}: "
+            ports = f"{settings.port}-{fleet[-1].port}" if len(fleet) > 1 and settings.port else str(settings.port)
+            print(f"narwhal mock-engine: cannot listen on {settings.host}:{ports}: "
                   f"{error.strerror or error}", file=sys.stderr)
             return 2
         print(f"narwhal mock-engine: {error}", file=sys.stderr)
