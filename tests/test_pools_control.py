@@ -9,6 +9,7 @@ import httpx
 import msgspec
 import pytest
 import trio
+import trio.testing
 
 from narwhal.config import EngineConfig, EngineSpec
 from narwhal.errors import EngineFailure, FailureClass, PoolSaturated
@@ -210,3 +211,73 @@ async def test_control_calls_go_through_while_the_data_pool_is_full(nursery):
     finally:
         await control_pool.aclose()
         await data_pool.aclose()
+
+
+# real sockets: kept-alive connections, and never more sockets than control_connections ---------
+
+async def _keep_alive_engine(stream: trio.SocketStream, *, accepted: list[int], closed: list[int]) -> None:
+    """Answers every GET with 200 on the same connection; records when the router hangs up."""
+    accepted.append(1)
+    buf = b""
+    try:
+        while True:
+            while b"\r\n\r\n" not in buf:
+                data = await stream.receive_some(65536)
+                if not data:
+                    return
+                buf += data
+            head, _, buf = buf.partition(b"\r\n\r\n")
+            assert head.startswith(b"GET /health HTTP/1.1\r\n")
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+    except trio.BrokenResourceError:
+        return
+    finally:
+        closed.append(1)
+        await trio.aclose_forcefully(stream)
+
+
+async def _keep_alive_engines(nursery, count: int) -> tuple[list[EngineSpec], list[int], list[int]]:
+    accepted: list[int] = []
+    closed: list[int] = []
+    engines = []
+    for i in range(count):
+        listeners = await nursery.start(functools.partial(
+            trio.serve_tcp, functools.partial(_keep_alive_engine, accepted=accepted, closed=closed), 0,
+            host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        engines.append(EngineSpec(name=f"e{i}", url=f"http://127.0.0.1:{port}", role="prefill"))
+    return engines, accepted, closed
+
+
+async def test_health_checks_reuse_one_kept_alive_connection_per_engine(nursery):
+    engines, accepted, closed = await _keep_alive_engines(nursery, 3)
+    pool = ControlPool(control_connections=4, engine_config=EngineConfig(health_timeout_s=2.0))
+    try:
+        with trio.fail_after(5):
+            for _ in range(5):
+                for engine in engines:
+                    assert await pool.get(engine, "/health") == ControlResponse(status=200, body=b"ok")
+        assert len(accepted) == 3 and not closed
+        assert pool.idle_connections == 3
+    finally:
+        await pool.aclose()
+    assert pool.idle_connections == 0
+
+
+async def test_sockets_in_use_and_idle_never_pass_control_connections(nursery):
+    engines, accepted, closed = await _keep_alive_engines(nursery, 5)
+    pool = ControlPool(control_connections=2, engine_config=EngineConfig(health_timeout_s=2.0))
+    try:
+        with trio.fail_after(5):
+            for engine in engines:
+                await pool.get(engine, "/health")
+                assert pool.idle_connections <= 2
+            # The two kept are the two used last: their checks reuse them.
+            await pool.get(engines[4], "/health")
+            await pool.get(engines[3], "/health")
+            # Every socket the router closed was seen closed by its engine.
+            await trio.testing.wait_all_tasks_blocked()
+        assert len(accepted) == 5 and len(closed) == 3
+        assert pool.idle_connections == 2
+    finally:
+        await pool.aclose()

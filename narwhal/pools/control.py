@@ -26,7 +26,13 @@ import msgspec
 import trio
 
 from narwhal.config import EngineConfig, EngineSpec
-from narwhal.http1.client import EngineConnections, HTTPResponseHead, HTTPTransportError, ResponseTooLarge
+from narwhal.http1.client import (
+    EngineConnection,
+    EngineConnections,
+    HTTPResponseHead,
+    HTTPTransportError,
+    ResponseTooLarge,
+)
 from narwhal.pools import classify
 
 __all__ = ["ControlCalls", "ControlPool", "ControlPoolStatistics", "ControlResponse"]
@@ -76,25 +82,61 @@ class _ControlConnections(EngineConnections):
 
     The front's fd budget counts ``control_connections`` for this pool, as it did
     for httpx's ``max_connections``: before a call that would open a socket at the
-    cap, the connection idle longest (of any engine) is closed.
+    cap, the connection idle longest (of any engine) is closed. Idle connections
+    are counted as they come and go, so the check is O(1), not O(engines).
     """
 
     def __init__(self, *, max_sockets: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.max_sockets = max_sockets
         self.in_use = 0
+        self.idle = 0
+
+    @property
+    def idle_connections(self) -> int:
+        return self.idle
 
     def make_room(self, key: tuple[str, int]) -> None:
-        """Close idle connections of other engines until one more socket fits under the cap."""
-        idle = self._idle
-        if idle.get(key):
+        """Close idle connections, longest idle first, until one more socket fits under the cap."""
+        if self._idle.get(key):
             return  # this call reuses one
-        while self.in_use + self.idle_connections >= self.max_sockets:
-            oldest = min((stack for stack in idle.values() if stack), key=lambda stack: stack[0].idle_since,
-                         default=None)
-            if oldest is None:
-                return
-            oldest.pop(0).close()
+        expiry = self._expiry
+        while self.in_use + self.idle >= self.max_sockets and expiry:
+            _, seq, conn = expiry.popleft()
+            if conn.idle_seq != seq:
+                continue  # taken (or closed) since this release
+            self._drop_idle(conn)
+
+    def release(self, conn: EngineConnection) -> None:
+        super().release(conn)
+        if conn.idle_seq and conn.idle_seq == self._releases:
+            self.idle += 1
+
+    def _take_idle(self, key: tuple[str, int]) -> EngineConnection | None:
+        stack = self._idle.get(key)
+        before = len(stack) if stack else 0
+        conn = super()._take_idle(key)
+        self.idle -= before - len(stack or ())
+        return conn
+
+    def _close_expired(self, now: float) -> None:
+        # The base rule, counted: the oldest releases first, stale entries skipped.
+        cutoff = now - self.idle_s
+        expiry = self._expiry
+        while expiry and expiry[0][0] <= cutoff:
+            _, seq, conn = expiry.popleft()
+            if conn.idle_seq == seq:
+                self._drop_idle(conn)
+
+    def _drop_idle(self, conn: EngineConnection) -> None:
+        conn.idle_seq = 0
+        conn.close()
+        self._idle[conn.key].remove(conn)
+        self.idle -= 1
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        self.idle = 0
 
 
 class ControlPool:
