@@ -264,20 +264,22 @@ async def test_health_checks_reuse_one_kept_alive_connection_per_engine(nursery)
     assert pool.idle_connections == 0
 
 
-async def test_sockets_in_use_and_idle_never_pass_control_connections(nursery):
+async def test_one_idle_connection_per_engine_is_kept_between_calls(nursery):
     engines, accepted, closed = await _keep_alive_engines(nursery, 5)
     pool = ControlPool(control_connections=2, engine_config=EngineConfig(health_timeout_s=2.0))
     try:
         with trio.fail_after(5):
-            for engine in engines:
-                await pool.get(engine, "/health")
-                assert pool.idle_connections <= 2
-            # The two kept are the two used last: their checks reuse them.
-            await pool.get(engines[4], "/health")
-            await pool.get(engines[3], "/health")
-            # Every socket the router closed was seen closed by its engine.
+            # More engines than slots: every engine still keeps its connection for the next sweep.
+            for _ in range(3):
+                async with trio.open_nursery() as sweep:
+                    for engine in engines:
+                        sweep.start_soon(pool.get, engine, "/health")
+            assert len(accepted) == 5 and not closed and pool.idle_connections == 5
+            # Two calls at once to one engine need two sockets; only one stays idle afterwards.
+            async with trio.open_nursery() as both:
+                for _ in range(2):
+                    both.start_soon(pool.get, engines[0], "/health")
             await trio.testing.wait_all_tasks_blocked()
-        assert len(accepted) == 5 and len(closed) == 3
-        assert pool.idle_connections == 2
+        assert len(accepted) == 6 and len(closed) == 1 and pool.idle_connections == 5
     finally:
         await pool.aclose()

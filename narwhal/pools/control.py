@@ -3,11 +3,10 @@
 Bounded by ``engine.control_connections`` through its own CapacityLimiter, apart
 from the data pool, so a saturated data path never starves health checks. Calls
 go over the same small HTTP/1.1 client as the data pool (``narwhal.http1.client``)
-but on connections of their own, kept alive between passes: a health check is a
-few hundred microseconds of CPU, where an httpx call cost several times that on
-every pass, for every engine. The pool never holds more than
-``control_connections`` sockets, in use and idle together; past that the
-connection idle longest is closed first. Every status comes back to the caller;
+but on connections of their own, kept alive between passes (one idle per
+engine, closed after ``engine.pool_idle_s``): a health check is a few hundred
+microseconds of CPU, where an httpx call on a new connection cost several times
+that, on every pass, for every engine. Every status comes back to the caller;
 transport errors become ``EngineFailure`` through ``classify``. Bodies are bounded
 by ``engine.max_response_bytes``; past it the connection is dropped and the call
 fails as a bad answer (``inference_status``). An in-process ``httpx`` transport
@@ -19,7 +18,7 @@ from __future__ import annotations
 import functools
 import ssl
 import urllib.parse
-from typing import Any, Protocol
+from typing import Protocol
 
 import httpx
 import msgspec
@@ -78,65 +77,18 @@ class ControlPoolStatistics(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _ControlConnections(EngineConnections):
-    """Engine connections that, in use and idle together, stay within ``max_sockets``.
+    """Engine connections that keep at most one idle connection per engine.
 
-    The front's fd budget counts ``control_connections`` for this pool, as it did
-    for httpx's ``max_connections``: before a call that would open a socket at the
-    cap, the connection idle longest (of any engine) is closed. Idle connections
-    are counted as they come and go, so the check is O(1), not O(engines).
+    A sweep needs one per engine; a second (a probe beside a check) would only
+    hold a descriptor. So the pool holds at most ``control_connections`` sockets
+    in use plus one idle per engine, which the front's fd budget counts.
     """
 
-    def __init__(self, *, max_sockets: int, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.max_sockets = max_sockets
-        self.in_use = 0
-        self.idle = 0
-
-    @property
-    def idle_connections(self) -> int:
-        return self.idle
-
-    def make_room(self, key: tuple[str, int]) -> None:
-        """Close idle connections, longest idle first, until one more socket fits under the cap."""
-        if self._idle.get(key):
-            return  # this call reuses one
-        expiry = self._expiry
-        while self.in_use + self.idle >= self.max_sockets and expiry:
-            _, seq, conn = expiry.popleft()
-            if conn.idle_seq != seq:
-                continue  # taken (or closed) since this release
-            self._drop_idle(conn)
-
     def release(self, conn: EngineConnection) -> None:
+        if self._idle.get(conn.key):
+            conn.close()
+            return
         super().release(conn)
-        if conn.idle_seq and conn.idle_seq == self._releases:
-            self.idle += 1
-
-    def _take_idle(self, key: tuple[str, int]) -> EngineConnection | None:
-        stack = self._idle.get(key)
-        before = len(stack) if stack else 0
-        conn = super()._take_idle(key)
-        self.idle -= before - len(stack or ())
-        return conn
-
-    def _close_expired(self, now: float) -> None:
-        # The base rule, counted: the oldest releases first, stale entries skipped.
-        cutoff = now - self.idle_s
-        expiry = self._expiry
-        while expiry and expiry[0][0] <= cutoff:
-            _, seq, conn = expiry.popleft()
-            if conn.idle_seq == seq:
-                self._drop_idle(conn)
-
-    def _drop_idle(self, conn: EngineConnection) -> None:
-        conn.idle_seq = 0
-        conn.close()
-        self._idle[conn.key].remove(conn)
-        self.idle -= 1
-
-    async def aclose(self) -> None:
-        await super().aclose()
-        self.idle = 0
 
 
 class ControlPool:
@@ -154,7 +106,7 @@ class ControlPool:
         self._via = _via_line(via)
         self._limiter = trio.CapacityLimiter(control_connections)
         self._connections = _ControlConnections(
-            max_sockets=control_connections, idle_s=engine_config.pool_idle_s,
+            idle_s=engine_config.pool_idle_s,
             connect_timeout_s=engine_config.connect_timeout_s, write_timeout_s=engine_config.request_timeout_s,
             max_head_bytes=engine_config.max_response_header_bytes, ssl_context=ssl_context)
         self._httpx = None if transport is None else _HttpxCalls(transport, control_connections, engine_config,
@@ -228,8 +180,6 @@ class ControlPool:
         max_bytes = self._config.max_response_bytes
         head: HTTPResponseHead | None = None
         content = b""
-        connections.make_room((host, port))
-        connections.in_use += 1
         try:
             # Each read is bounded too; this bounds the whole call, so a slow drip cannot stretch it.
             with trio.move_on_after(timeout_s) as scope:
@@ -245,8 +195,6 @@ class ControlPool:
             raise classify.response_too_large(engine.name, f"{method} {path} response body", max_bytes) from exc
         except HTTPTransportError as exc:
             raise classify.transport_failure(engine.name, exc) from exc
-        finally:
-            connections.in_use -= 1
         if scope.cancelled_caught:
             raise classify.call_timeout(engine.name, timeout_s, response_started=head is not None)
         assert head is not None
