@@ -76,7 +76,7 @@ from narwhal.http1.server import HTTPServer
 from narwhal.lease import EtcdLeaseBackend, build_backend
 from narwhal.lease.backend import LeaseBackend
 from narwhal.lease.service import LeaseService, LeaseView, ServingParts
-from narwhal.obs.logs import flush_logs, log_event
+from narwhal.obs.logs import flush_logs, log_event, run_log_flusher
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.obs.timeline import Timeline
 from narwhal.obs.timeline_feed import TimelineFeed
@@ -534,10 +534,8 @@ class Router:
             flush_logs()
 
     async def _flush_logs_periodically(self) -> None:
-        # Log lines are batched for the hot path; none waits more than about 100 ms.
-        while True:
-            await trio.sleep(0.1)
-            flush_logs(only_if_due=True)
+        # Log lines are batched for the hot path; none waits more than about 100 ms (asleep while none waits).
+        await run_log_flusher(0.1)
 
     def _resume(self) -> None:
         """Apply the saved handoff when its schema and engine set match; say plainly when not."""

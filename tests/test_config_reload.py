@@ -238,7 +238,8 @@ pool_idle_s = 1.5
     assert (pool._connections.connect_timeout_s, pool._connections.write_timeout_s,
             pool._connections.idle_s) == (0.7, 7.0, 1.5)
     assert router.control_pool._config.health_timeout_s == 0.3
-    assert router.control_pool._limits.keepalive_expiry == 1.5
+    control = router.control_pool._connections
+    assert (control.connect_timeout_s, control.write_timeout_s, control.idle_s) == (0.7, 7.0, 1.5)
     assert router.stages.health.check_timeout_s == 0.3
     assert router.supervisor._probe_timeout_s == 0.4
     assert router.readmitter.rechecker.timeout_s == 0.3

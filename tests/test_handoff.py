@@ -257,6 +257,50 @@ async def test_stage_writes_every_pass(tmp_path: Path) -> None:
     assert os.listdir(tmp_path) == ["handoff.json"]
 
 
+def test_without_the_directory_sync_the_write_is_the_same_but_for_the_last_fsync(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    recorder = RecordingOs()
+    monkeypatch.setattr(handoff, "os", recorder)
+    destination = tmp_path / "handoff.json"
+    data = encode_document(full_document())
+    assert write_atomic(destination, data, sync_directory=False) is True
+    assert [name for name, _ in recorder.calls] == ["open", "write", "fsync", "close", "replace"]
+    assert read_document(destination) == full_document()
+
+
+async def test_a_pass_that_changed_nothing_skips_only_the_directory_fsync_and_reads_back_the_same_state(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    clocks, fleet = Clocks(), make_fleet()
+    path = tmp_path / "handoff.json"
+    stage = make_stage(path, fleet, clocks)
+    synced: list[bool] = []
+    real = handoff.write_atomic
+
+    def recording(*args, sync_directory: bool = True, **kwargs):
+        synced.append(sync_directory)
+        return real(*args, sync_directory=sync_directory, **kwargs)
+    monkeypatch.setattr("narwhal.stages.persistence.write_atomic", recording)
+    documents = []
+    for pass_number in range(1, 6):
+        clocks.now += 1.0
+        clocks.wall += 1.0
+        if pass_number == 4:
+            fleet.record_failure("d1", FailureClass.CONNECTION, clocks.now)  # a streak: the state changed
+        await stage.run(pass_number)
+        documents.append(read_document(path))
+    # The first write and the one after the change make their rename durable; the others repeat a state.
+    assert synced == [True, False, False, True, False]
+    assert stage.directory_syncs_skipped == 3
+    # Every pass still wrote its whole document: the same state, its own pass number and time.
+    assert [document.pass_number for document in documents] == [1, 2, 3, 4, 5]
+    assert [document.written_at for document in documents] == [1_000_001.0 + i for i in range(5)]
+    assert documents[1].engines == documents[0].engines and documents[4].engines == documents[3].engines
+    assert documents[3].engines != documents[2].engines
+    restored = make_fleet()
+    restored.restore(documents[2].engines, clocks.now, clocks.wall)
+    assert restored.snapshot(clocks.now, clocks.wall) == documents[0].engines
+
+
 async def test_each_written_file_is_reported_with_its_size_and_write_time(tmp_path: Path) -> None:
     metrics = RouterMetrics()
     path = tmp_path / "handoff.json"

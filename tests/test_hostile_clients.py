@@ -314,7 +314,7 @@ def test_the_default_cap_is_sized_from_the_fd_limit() -> None:
     config = parse_config(ROUTER_CONFIG.replace("max_client_connections = {cap}\n", ""))
     router = Router(config)
     cap = router.data_plane.server._max_client_connections
-    pools = config.serving.max_connections + config.engine.control_connections
+    pools = config.serving.max_connections + config.engine.control_connections + len(config.engines)
     assert cap is not None and 16 <= cap <= max(16, soft - pools - OVERFLOW_CONNECTIONS)
 
 

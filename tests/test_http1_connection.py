@@ -9,6 +9,7 @@ trio's MockClock, and a ``Connection`` over a memory stream with only its
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -185,6 +186,28 @@ async def test_the_write_watchdog_closes_only_writes_older_than_the_timeout(auto
         await trio.sleep(30.0)
         # Once gone, a connection is never closed again.
         assert (stuck.stalls, recent.stalls, idle.stalls) == (1, 1, 0)
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_write_watchdog_sleeps_while_no_connection_is_open_and_watches_one_that_opens(
+        autojump_clock) -> None:
+    connections: list[Pending] = []
+    arrived = trio.Event()
+    waits: list[float] = []
+
+    async def connection_arrives() -> None:
+        waits.append(trio.current_time())
+        await arrived.wait()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(functools.partial(watch_writes, connections, 10.0, connection_arrives=connection_arrives))
+        await trio.sleep(100.0)
+        assert waits == [0.0]  # asleep since it started: no tick with nothing to watch
+        stuck = Pending(trio.current_time())
+        connections.append(stuck)
+        arrived.set()
+        await trio.sleep(10.5)
+        assert stuck.stalls == 1  # at most one tick late, as with a connection open all along
         nursery.cancel_scope.cancel()
 
 

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import io
 import json
 import logging
+import time
+import types
 from collections.abc import Iterator
 
 import pytest
+import trio
+import trio.testing
 
 from narwhal.obs import logs
 
@@ -108,3 +113,37 @@ def test_timestamps_match_isoformat_at_millisecond_precision(monkeypatch: pytest
         expected = datetime.datetime.fromtimestamp(ns // 1000 / 1e6, datetime.UTC).isoformat(
             timespec="milliseconds").replace("+00:00", "Z")
         assert logs._now_iso() == expected
+
+
+async def test_the_flusher_sleeps_until_a_line_waits_then_writes_it_within_its_delay(
+        stderr: io.StringIO, monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock) -> None:
+    _alone()
+    handler = logs._batching
+    assert handler is not None
+    # The handler's batch clock follows trio's mock clock here.
+    monkeypatch.setattr(logs, "time", types.SimpleNamespace(monotonic=autojump_clock.current_time, time_ns=time.time_ns,
+                                                            strftime=time.strftime, gmtime=time.gmtime))
+    handler._last_flush = trio.current_time()
+    looks: list[float] = []
+    flush_if_due = handler.flush_if_due
+    monkeypatch.setattr(handler, "flush_if_due", lambda: looks.append(trio.current_time()) or flush_if_due())
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(logs.run_log_flusher, 0.1)
+        await trio.sleep(5.0)
+        assert looks == []  # nothing waited: it never woke (it used to look 50 times)
+        logs.log_event("request", request_id="r0")  # the batch was due long ago: written at once
+        logged_at = trio.current_time()
+        logs.log_event("request", request_id="r1")  # this one waits for the flusher
+        await trio.sleep(0.09)
+        assert [json.loads(line)["request_id"] for line in stderr.getvalue().splitlines()] == ["r0"]
+        await trio.sleep(0.02)
+        assert [json.loads(line)["request_id"] for line in stderr.getvalue().splitlines()] == ["r0", "r1"]
+        assert looks == [logged_at + 0.1]
+        # A line left waiting by another thread wakes it too.
+        handler._last_flush = trio.current_time()
+        await trio.to_thread.run_sync(functools.partial(logs.log_event, "request", request_id="r2"))
+        await trio.sleep(0.11)
+        assert [json.loads(line)["request_id"] for line in stderr.getvalue().splitlines()] == ["r0", "r1", "r2"]
+        assert len(looks) == 2
+        nursery.cancel_scope.cancel()
+    assert handler.on_pending is None

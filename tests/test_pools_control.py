@@ -9,6 +9,7 @@ import httpx
 import msgspec
 import pytest
 import trio
+import trio.testing
 
 from narwhal.config import EngineConfig, EngineSpec
 from narwhal.errors import EngineFailure, FailureClass, PoolSaturated
@@ -210,3 +211,75 @@ async def test_control_calls_go_through_while_the_data_pool_is_full(nursery):
     finally:
         await control_pool.aclose()
         await data_pool.aclose()
+
+
+# real sockets: kept-alive connections, and never more sockets than control_connections ---------
+
+async def _keep_alive_engine(stream: trio.SocketStream, *, accepted: list[int], closed: list[int]) -> None:
+    """Answers every GET with 200 on the same connection; records when the router hangs up."""
+    accepted.append(1)
+    buf = b""
+    try:
+        while True:
+            while b"\r\n\r\n" not in buf:
+                data = await stream.receive_some(65536)
+                if not data:
+                    return
+                buf += data
+            head, _, buf = buf.partition(b"\r\n\r\n")
+            assert head.startswith(b"GET /health HTTP/1.1\r\n")
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+    except trio.BrokenResourceError:
+        return
+    finally:
+        closed.append(1)
+        await trio.aclose_forcefully(stream)
+
+
+async def _keep_alive_engines(nursery, count: int) -> tuple[list[EngineSpec], list[int], list[int]]:
+    accepted: list[int] = []
+    closed: list[int] = []
+    engines = []
+    for i in range(count):
+        listeners = await nursery.start(functools.partial(
+            trio.serve_tcp, functools.partial(_keep_alive_engine, accepted=accepted, closed=closed), 0,
+            host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        engines.append(EngineSpec(name=f"e{i}", url=f"http://127.0.0.1:{port}", role="prefill"))
+    return engines, accepted, closed
+
+
+async def test_health_checks_reuse_one_kept_alive_connection_per_engine(nursery):
+    engines, accepted, closed = await _keep_alive_engines(nursery, 3)
+    pool = ControlPool(control_connections=4, engine_config=EngineConfig(health_timeout_s=2.0))
+    try:
+        with trio.fail_after(5):
+            for _ in range(5):
+                for engine in engines:
+                    assert await pool.get(engine, "/health") == ControlResponse(status=200, body=b"ok")
+        assert len(accepted) == 3 and not closed
+        assert pool.idle_connections == 3
+    finally:
+        await pool.aclose()
+    assert pool.idle_connections == 0
+
+
+async def test_one_idle_connection_per_engine_is_kept_between_calls(nursery):
+    engines, accepted, closed = await _keep_alive_engines(nursery, 5)
+    pool = ControlPool(control_connections=2, engine_config=EngineConfig(health_timeout_s=2.0))
+    try:
+        with trio.fail_after(5):
+            # More engines than slots: every engine still keeps its connection for the next sweep.
+            for _ in range(3):
+                async with trio.open_nursery() as sweep:
+                    for engine in engines:
+                        sweep.start_soon(pool.get, engine, "/health")
+            assert len(accepted) == 5 and not closed and pool.idle_connections == 5
+            # Two calls at once to one engine need two sockets; only one stays idle afterwards.
+            async with trio.open_nursery() as both:
+                for _ in range(2):
+                    both.start_soon(pool.get, engines[0], "/health")
+            await trio.testing.wait_all_tasks_blocked()
+        assert len(accepted) == 6 and len(closed) == 1 and pool.idle_connections == 5
+    finally:
+        await pool.aclose()

@@ -586,6 +586,23 @@ async def test_first_token_deadline_fires_from_the_watchdog_tick(serve, make_poo
     assert 4.0 <= trio.current_time() - started <= 4.0 + pool.watchdog_tick_s + 1e-6
 
 
+async def test_the_watchdog_sleeps_while_no_stream_is_live_and_a_new_stream_is_watched(
+        serve, make_pool, autojump_clock):
+    engine = await serve(sse(then=trio.sleep_forever))
+    pool = await make_pool(msgspec.structs.replace(FAST, stream_silence_s=30.0, first_token_deadline_s=4.0,
+                                                   request_timeout_s=60.0))
+    await trio.sleep(100.0)
+    # No stream: the watchdog waits for one instead of ticking every 0.2 s.
+    assert pool._stream_added.statistics().tasks_waiting == 1
+    started = trio.current_time()
+    with pytest.raises(EngineFailure) as caught:
+        await collect(pool, engine)
+    assert "no first token within 4 s" in caught.value.message
+    assert 4.0 <= trio.current_time() - started <= 4.0 + pool.watchdog_tick_s + 1e-6
+    await trio.sleep(1.0)
+    assert pool._stream_added.statistics().tasks_waiting == 1  # asleep again once the stream ended
+
+
 async def test_a_reload_gives_the_next_stream_its_first_token_deadline(serve, make_pool, autojump_clock):
     engine = await serve(sse(then=trio.sleep_forever))
     pool = await make_pool(msgspec.structs.replace(FAST, stream_silence_s=30.0, first_token_deadline_s=20.0,

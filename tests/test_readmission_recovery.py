@@ -153,6 +153,36 @@ async def test_the_recheck_ends_a_held_engines_health_clearable_quarantine_betwe
     assert world.readmitter.last_result("d1") is None  # never ejected: no chain, the health success was enough
 
 
+async def test_the_recheck_sleeps_while_nothing_is_out_and_an_ejection_wakes_it_on_its_grid(
+        autojump_clock: MockClock, nursery: trio.Nursery) -> None:
+    world = World(probe_interval_s=60.0, recheck_interval_s=RECHECK_S)
+    writer = FleetWriter(world.fleet, world.metrics)  # tells the readmitter of fleet events, as in the router
+    world.readmitter = Readmitter(config=world.config, fleet=writer, control_pool=world.pool,
+                                  in_flight=world.in_flight, metrics=world.metrics, wall_clock=world.wall,
+                                  attestation_key=KEY)
+    rechecker = world.readmitter.rechecker
+    looks: list[float] = []
+    targets = rechecker.targets
+    rechecker.targets = lambda now: looks.append(now) or targets(now)  # type: ignore[func-returns-value]
+    t0 = world.now()
+    await nursery.start(world.readmitter.run)
+    await trio.sleep(10.0)
+    # Nothing out: one look at the fleet, then asleep (not 80 ticks).
+    assert looks == [t0 + RECHECK_S] and rechecker.idle
+    world.engines["d1"].refuse_connections = True
+    writer.eject("d1", "connection streak", world.now(), FailureClass.CONNECTION)
+    await trio.sleep(0.99)
+    # Woken by the ejection: ticks resume on the same grid, t0 + k * 0.125, and check d1 each time.
+    assert looks[1:] == [t0 + k * RECHECK_S for k in range(81, 88)]
+    assert [path for _, path in world.engines["d1"].calls] == ["/health"] * 7
+    world.engines["d1"].refuse_connections = False  # back: the chain readmits it, then the recheck sleeps
+    await trio.sleep(1.0)
+    assert world.fleet.is_eligible("d1", world.now()) and rechecker.idle
+    settled = len(looks)
+    await trio.sleep(10.0)
+    assert len(looks) == settled
+
+
 # ----- backoff after refusals -------------------------------------------------------------------
 
 

@@ -112,19 +112,19 @@ class FleetWriter:
     def view(self, name: str, now: float) -> EngineView:
         """``Fleet.view``."""
         view = self._fleet.view(name, now)
-        self._publish()
+        self._publish_if_changed()
         return view
 
     def views(self, now: float) -> list[EngineView]:
         """``Fleet.views``."""
         views = self._fleet.views(now)
-        self._publish()
+        self._publish_if_changed()
         return views
 
     def snapshot(self, now: float, wall_now: float) -> list[EngineRecord]:
         """``Fleet.snapshot``."""
         records = self._fleet.snapshot(now, wall_now)
-        self._publish()
+        self._publish_if_changed()
         return records
 
     def readmission_allowed(self, name: str, now: float) -> bool:
@@ -138,7 +138,7 @@ class FleetWriter:
     def probe_partners(self, role: str, now: float, *, exclude: str) -> list[str]:
         """``Fleet.probe_partners``."""
         partners = self._fleet.probe_partners(role, now, exclude=exclude)
-        self._publish()
+        self._publish_if_changed()
         return partners
 
     # ----- mutations -----
@@ -261,9 +261,19 @@ class FleetWriter:
     # ----- the one place events are logged and actions carried out -----
 
     def _done(self, actions: list[Action]) -> list[Action]:
-        self._publish()
+        self._publish_if_changed()
         self._execute(actions)
         return actions
+
+    def _publish_if_changed(self) -> None:
+        """``_publish`` when the fleet has events to report (every change of what placement sees is one).
+
+        Reads and evidence that changed nothing (a streak counted, a healthy engine's
+        health answer) do not wake the snapshot publisher: at hundreds of engines it
+        rebuilt every engine's placement view after each of them.
+        """
+        if self._fleet.has_events or self._fleet.events_dropped > self._events_dropped_seen:
+            self._publish()
 
     def _execute(self, actions: list[Action]) -> None:
         for action in actions:

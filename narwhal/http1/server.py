@@ -184,6 +184,8 @@ class HTTPServer:
         self._accept_scope: trio.CancelScope | None = None
         self._connections_scope: trio.CancelScope | None = None
         self._connections: set[Connection] = set()
+        # Set when a connection opens: the write watchdog sleeps on it while none is open.
+        self._connection_added = trio.Event()
 
     def __repr__(self) -> str:
         context = self._context
@@ -308,7 +310,12 @@ class HTTPServer:
 
     async def _watchdog(self) -> None:
         """Close the streams of clients whose pending write outlived ``client_write_timeout_s``."""
-        await watch_writes(self._connections, self._client_write_timeout_s)
+        await watch_writes(self._connections, self._client_write_timeout_s,
+                           connection_arrives=self._connection_arrives)
+
+    async def _connection_arrives(self) -> None:
+        self._connection_added = trio.Event()
+        await self._connection_added.wait()
 
     async def _serve_connection(self, stream: trio.abc.Stream) -> None:
         # trio sets TCP_NODELAY on accepted sockets (the hot path depends on it; a test checks it).
@@ -343,6 +350,7 @@ class HTTPServer:
             stream = secure
         conn = Connection(self._context, stream, overflow=overflow, accepted_at=accepted_at)
         self._connections.add(conn)
+        self._connection_added.set()
         try:
             await conn.run()
         except Exception as exc:

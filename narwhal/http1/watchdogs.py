@@ -8,7 +8,7 @@ from one task each, so that the hot path pays nothing for them.
 from __future__ import annotations
 
 import select
-from collections.abc import Collection
+from collections.abc import Awaitable, Callable, Collection
 from typing import Protocol
 
 import trio
@@ -33,14 +33,18 @@ class WriteTimed(Protocol):
         ...
 
 
-async def watch_writes(connections: Collection[WriteTimed], timeout_s: float) -> None:
+async def watch_writes(connections: Collection[WriteTimed], timeout_s: float, *,
+                       connection_arrives: Callable[[], Awaitable[None]] | None = None) -> None:
     """Close the streams of clients whose pending write outlived ``timeout_s``.
 
     One coarse tick for all connections instead of a cancel scope per write:
-    the hot path pays nothing unless a write has to wait.
+    the hot path pays nothing unless a write has to wait. With no connection
+    open it sleeps in ``connection_arrives()`` (when given) instead of ticking.
     """
     tick_s = min(WATCHDOG_MAX_TICK_S, timeout_s / 10)
     while True:
+        if not connections and connection_arrives is not None:
+            await connection_arrives()
         await trio.sleep(tick_s)
         expired_before = trio.current_time() - timeout_s
         for conn in list(connections):

@@ -9,12 +9,15 @@ from __future__ import annotations
 import atexit
 import logging
 import sys
+import threading
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 import msgspec
+import trio
 
-__all__ = ["configure_logging", "flush_logs", "log_event", "set_log_fields"]
+__all__ = ["configure_logging", "flush_logs", "log_event", "run_log_flusher", "set_log_fields"]
 
 _encoder = msgspec.json.Encoder()
 _logger = logging.getLogger("narwhal.events")
@@ -97,8 +100,15 @@ class _BatchingHandler(logging.StreamHandler):
         self._pending: list[str] = []
         self._max_delay_s = max_delay_s
         self._last_flush = time.monotonic()
+        # Called (from the logging thread) when a line is left waiting and none was before.
+        self.on_pending: Callable[[], None] | None = None
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._pending)
 
     def emit(self, record: logging.LogRecord) -> None:
+        was_empty = not self._pending
         try:
             self._pending.append(self.format(record))
         except Exception:
@@ -106,6 +116,8 @@ class _BatchingHandler(logging.StreamHandler):
             return
         if record.levelno >= logging.WARNING or time.monotonic() - self._last_flush >= self._max_delay_s:
             self.flush()
+        elif was_empty and self.on_pending is not None:
+            self.on_pending()
 
     def sole_destination(self, level: int) -> bool:
         """True when a ``narwhal.events`` record at ``level`` would reach this handler and no other."""
@@ -122,11 +134,14 @@ class _BatchingHandler(logging.StreamHandler):
         """Batch one already formatted line below WARNING, as ``emit`` would."""
         self.acquire()
         try:
+            was_empty = not self._pending
             self._pending.append(line)
         finally:
             self.release()
         if time.monotonic() - self._last_flush >= self._max_delay_s:
             self.flush()
+        elif was_empty and self.on_pending is not None:
+            self.on_pending()
 
     def flush(self) -> None:
         self.acquire()
@@ -168,3 +183,38 @@ def flush_logs(*, only_if_due: bool = False) -> None:
             _batching.flush_if_due()
         else:
             _batching.flush()
+
+
+async def run_log_flusher(max_delay_s: float = 0.1) -> None:
+    """Write batched lines out within about ``max_delay_s``; asleep while none waits.
+
+    The router's task for the batching handler: it used to wake every 0.1 s,
+    lines or not; now the first line left waiting wakes it (from any thread).
+    """
+    handler = _batching
+    if handler is None:
+        await trio.sleep_forever()
+        return
+    token = trio.lowlevel.current_trio_token()
+    trio_thread = threading.get_ident()
+    wake = trio.Event()
+
+    def pending() -> None:
+        if threading.get_ident() == trio_thread:
+            wake.set()
+            return
+        try:
+            token.run_sync_soon(wake.set)
+        except trio.RunFinishedError:
+            pass  # the router has stopped: atexit flushes
+
+    handler.on_pending = pending
+    try:
+        while True:
+            wake = trio.Event()
+            if not handler.pending:
+                await wake.wait()
+            await trio.sleep(max_delay_s)
+            handler.flush_if_due()
+    finally:
+        handler.on_pending = None

@@ -280,6 +280,8 @@ class DataPool:
         self._wait = wait_for_slot
         # Live decode streams, for the deadline watchdog (``run``).
         self._streams: set[UpstreamStream] = set()
+        # Set when a stream starts: the watchdog sleeps on it while there is none.
+        self._stream_added = trio.Event()
         self._watchdog_running = False
         self.watchdog_tick_s = watchdog_tick(engine_config)
         self._limiter = trio.CapacityLimiter(max_connections)
@@ -361,6 +363,7 @@ class DataPool:
                     upstream = UpstreamStream(engine.name, conn, head, scope, first_token_s=first_token_s,
                                               silence_s=self._config.stream_silence_s)
                     self._streams.add(upstream)
+                    self._stream_added.set()
                     try:
                         yield upstream
                     finally:
@@ -385,6 +388,10 @@ class DataPool:
         try:
             task_status.started()
             while True:
+                if not self._streams:
+                    # Nothing to watch: asleep until a stream starts, not ticking.
+                    self._stream_added = trio.Event()
+                    await self._stream_added.wait()
                 # Read each tick: a reload may shorten the deadlines.
                 await trio.sleep(self.watchdog_tick_s)
                 if self._streams:

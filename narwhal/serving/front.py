@@ -96,8 +96,9 @@ def build_front_server(config: Config, front: Front, ssl_context: ssl.SSLContext
     serving = config.serving
     # The admin listener's connections (and its overflow) come out of the same descriptor table.
     admin_fds = config.admin.max_connections + OVERFLOW_CONNECTIONS if config.admin.listen is not None else 0
+    # The control pool: its calls in flight, and one kept-alive connection per engine between passes.
     client_cap = serving.max_client_connections or client_connection_budget(
-        serving.max_connections + config.engine.control_connections + admin_fds)
+        serving.max_connections + config.engine.control_connections + len(config.engines) + admin_fds)
     return HTTPServer(front.handle, max_header_bytes=serving.max_header_bytes,
                       max_body_bytes=serving.max_body_bytes, idle_timeout_s=serving.idle_timeout_s,
                       header_timeout_s=serving.header_timeout_s, body_timeout_s=serving.body_timeout_s,

@@ -91,6 +91,9 @@ class PersistenceStage:
         self._sequence = 0
         self._sequence_written = 0
         self.on_written = on_written
+        # The state (pass number and time zeroed) of the last document whose rename was fsynced.
+        self._durable_state: HandoffDocument | None = None
+        self.directory_syncs_skipped = 0
         # The last document that replaced the file: its size, and the seconds write_atomic took (fsyncs included).
         self.last_written_bytes: int | None = None
         self.last_write_seconds: float | None = None
@@ -126,17 +129,30 @@ class PersistenceStage:
         )
 
     async def run(self, pass_number: int) -> None:
-        """Write this pass's handoff; raise if it could not be written."""
+        """Write this pass's handoff; raise if it could not be written.
+
+        Every pass writes the whole document (fsynced, then renamed). The
+        directory fsync, which makes the rename itself durable, is left out when
+        the document's state (all but its pass number and time) equals that of
+        the last one made durable: a power loss could then only bring back that
+        earlier document, whose state is the same.
+        """
         if self.paused:
             return
-        data = encode_document(self.document(pass_number))
+        document = self.document(pass_number)
+        state = msgspec.structs.replace(document, pass_number=0, written_at=0.0)
+        sync_directory = state != self._durable_state
+        data = encode_document(document)
         if self.publish is not None and not await self.publish(data):
             # The lease is no longer ours: the renewal loop fences; the successor's state stands.
             return
         self._sequence += 1
-        written = await trio.to_thread.run_sync(self._write, data, self._sequence,
+        written = await trio.to_thread.run_sync(self._write, data, self._sequence, sync_directory,
                                                 abandon_on_cancel=True)
         if written:
+            if sync_directory:
+                self._durable_state = state
+            self.directory_syncs_skipped += not sync_directory
             self.last_written_pass = pass_number
             self.last_written_bytes, self.last_write_seconds = len(data), self._write_seconds
             if self.on_written is not None:
@@ -146,7 +162,7 @@ class PersistenceStage:
         lease_valid = self.lease_valid
         return not self.paused and (lease_valid is None or lease_valid())
 
-    def _write(self, data: bytes, sequence: int) -> bool:
+    def _write(self, data: bytes, sequence: int, sync_directory: bool = True) -> bool:
         """In the worker thread: write unless busy, superseded, or fenced meanwhile."""
         if not self._writing.acquire(blocking=False):
             raise HandoffWriteInProgress(f"the write to {self.path} from an earlier pass is still running")
@@ -156,7 +172,7 @@ class PersistenceStage:
             # Re-checked just before the rename: a write that outlives a fencing
             # must not overwrite the next holder's handoff.
             started = time.perf_counter()
-            written = write_atomic(self.path, data, proceed=self._may_replace)
+            written = write_atomic(self.path, data, proceed=self._may_replace, sync_directory=sync_directory)
             if written:
                 self._sequence_written = sequence
                 # Read by run() once this thread has returned (under the lock meanwhile).

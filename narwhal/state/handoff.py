@@ -205,7 +205,7 @@ def read_document(path: str | os.PathLike[str], *, max_bytes: int = MAX_DOCUMENT
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes, *,
-                 proceed: Callable[[], bool] | None = None) -> bool:
+                 proceed: Callable[[], bool] | None = None, sync_directory: bool = True) -> bool:
     """Replace ``path`` with ``data`` so that readers only ever see a complete file.
 
     A temporary file unique to this process and call (pid and a random suffix)
@@ -218,6 +218,11 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, *,
 
     ``proceed``, when given, is asked just before the rename; if it says no
     (the writer was fenced meanwhile) nothing is replaced and False is returned.
+
+    ``sync_directory=False`` leaves out the directory fsync: after a power loss
+    the path then holds this document or the one it replaced (each complete, its
+    data fsynced before its rename). The persistence stage does so when the
+    document repeats the state of the last one whose rename was made durable.
     """
     destination = Path(path)
     directory = destination.parent
@@ -244,7 +249,8 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, *,
                 os.unlink(temporary)
             except OSError:
                 pass  # the original error is the one worth raising
-    _fsync_directory(directory)
+    if sync_directory:
+        _fsync_directory(directory)
     return True
 
 

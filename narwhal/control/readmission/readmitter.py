@@ -79,7 +79,7 @@ from narwhal.control.readmission.model import CHAIN, Check, ReadmissionResult, R
 from narwhal.control.readmission.recheck import Rechecker
 from narwhal.control.readmission.schedule import EngineSchedule, ReadmissionSchedule
 from narwhal.errors import EngineFailure, PoolSaturated, SuccessKind
-from narwhal.fleet import DRAIN_HOLDS, EjectionCause, EngineView, HoldKind
+from narwhal.fleet import DRAIN_HOLDS, EjectionCause, EngineView, FleetEvent, HoldKind
 from narwhal.fleet.placement import InFlightCounts
 from narwhal.fleet.tables import drained
 from narwhal.obs.logs import log_event
@@ -159,6 +159,14 @@ class Readmitter:
         self.rechecker = Rechecker(engines=self._specs, control_pool=control_pool, targets=self.recheck_targets,
                                    on_health=self._rechecked, interval_s=recovery.recheck_period_s,
                                    timeout_s=config.engine.health_timeout_s, clock=clock)
+        # Every way an engine goes out (ejection, quarantine, a drain lifted, a hold applied) is a
+        # fleet event: it wakes the recheck, which sleeps while nothing is out. A bare Fleet (no
+        # writer to tell us of its events) keeps the recheck ticking.
+        listeners: list[Callable[[FleetEvent], None]] | None = getattr(fleet, "listeners", None)
+        if listeners is None:
+            self.rechecker.sleeps_when_idle = False
+        else:
+            listeners.append(lambda _event: self.rechecker.wake())
         self._scheduled: set[str] = set()
         self._nursery: trio.Nursery | None = None
         # The process_started_at each engine's attested identity last reported.
@@ -274,8 +282,11 @@ class Readmitter:
         on failure nothing changes and the result names the check and why.
         """
         spec = self._spec(name)
-        async with self._locks[name]:
-            return await self._attempt(spec, operator=operator)
+        try:
+            async with self._locks[name]:
+                return await self._attempt(spec, operator=operator)
+        finally:
+            self.rechecker.wake()  # an engine still out after its attempt is the recheck's again
 
     async def _attempt(self, spec: EngineSpec, *, operator: bool, on_health: bool = False) -> ReadmissionResult:
         started = self.clock()
@@ -570,6 +581,7 @@ class Readmitter:
                 await self._attempt(spec, operator=False, on_health=on_health)
         finally:
             self._scheduled.discard(name)
+            self.rechecker.wake()  # an engine still out after its attempt is the recheck's again
 
     def _spec(self, name: str) -> EngineSpec:
         return self._specs[name]  # KeyError for an unknown engine: the API's 404

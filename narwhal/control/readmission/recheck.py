@@ -4,8 +4,11 @@ Every ``recovery.recheck_interval_s`` the loop asks ``targets(now)`` which
 engines are out (the readmitter's answer: ejected and not drained, or held by a
 failure quarantine) and starts one health check for each that has none in
 flight; engines in placement are never checked here, so healthy engines get no
-more probes than the monitor's sweep gives them. When nothing is out, a tick
-costs one look at the fleet and no I/O.
+more probes than the monitor's sweep gives them. When a tick finds nothing out
+and no check running, the loop sleeps until ``wake()`` (the readmitter calls it
+on every fleet event and when a readmission attempt ends) and then takes the
+next tick of its grid: an idle router does not wake ten times a second for it,
+and an engine that goes out is checked at the same instants as before.
 
 Each check runs on the control pool, bounded by ``timeout_s``, and reports
 ``on_health(name, ok)``: ``ok`` is a successful health answer by the one status
@@ -48,13 +51,22 @@ class Rechecker:
         self.clock = clock
         self.checks = 0
         self._running: set[str] = set()
+        self._wake = trio.Event()
+        # Whether the latest tick found nothing to watch (no target, no check running).
+        self.idle = False
+        # False: tick on even while idle (no one would call wake()).
+        self.sleeps_when_idle = True
 
     def __repr__(self) -> str:
         return (f"<Rechecker [every {self.interval_s:g} s | {self.checks} checks | "
                 f"running: {', '.join(sorted(self._running)) or '-'}]>")
 
+    def wake(self) -> None:
+        """Something may have gone out: an idle loop takes its next tick (cheap; call it freely)."""
+        self._wake.set()
+
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """Tick at t0 + k * interval_s until cancelled; checks run in this task's nursery."""
+        """Tick at t0 + k * interval_s until cancelled, sleeping while idle; checks run in this task's nursery."""
         async with trio.open_nursery() as nursery:
             task_status.started()
             t0 = self.clock()
@@ -66,18 +78,25 @@ class Rechecker:
                     t0, slot, interval = t0 + slot * interval, 0, self.interval_s
                 slot += 1
                 await trio.sleep_until(t0 + slot * interval)
+                # A wake from now on is news to this tick.
+                self._wake = trio.Event()
                 try:
                     self.tick(nursery)
                 except Exception as exc:  # noqa: BLE001 - one bad tick must not end the rechecks
+                    self.idle = False
                     log_event("recheck_error", level=logging.ERROR, engine=None,
                               **{"class": type(exc).__name__}, message=str(exc))
+                if self.idle and self.sleeps_when_idle:
+                    await self._wake.wait()
                 # A stalled event loop skips the ticks it missed instead of firing them all at once.
                 slot = max(slot, int((self.clock() - t0) // interval))
 
     def tick(self, nursery: trio.Nursery) -> list[str]:
         """Start a check for every target with none in flight; returns the engines started."""
         started = []
-        for name in self.targets(self.clock()):
+        targets = self.targets(self.clock())
+        self.idle = not targets and not self._running
+        for name in targets:
             if name in self._running or name not in self.engines:
                 continue
             self._running.add(name)
