@@ -232,6 +232,7 @@ class UpstreamStream:
         raise classify.transport_failure(self._engine, exc) from exc
 
     def _took(self, data: bytes) -> bytes:
+        """One read checked (SSE, [DONE]) and counted; b"" (or a stream failure) at the body's end."""
         if not data:
             self._finished = True
             self.saw_terminal = self._watch.finish()
