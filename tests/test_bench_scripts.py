@@ -1,4 +1,5 @@
-"""bench/pump_summary.py: the tables of issue 24's measurement, from a results directory made up here."""
+"""bench/pump_summary.py: the tables of issue 24's measurement, from a results directory made up here; and
+bench/relay_cost.py's counted workload, run small."""
 
 from __future__ import annotations
 
@@ -123,3 +124,24 @@ def test_cprofile_compare_gives_calls_per_request_from_two_runs_of_each_tree(tmp
     assert before.startswith("before:") and " 1.0 in Narwhal's functions" in before
     assert " 2.0 in Narwhal's functions" in after
     assert any(row.endswith("narwhal/serving/exchange.py:__init__") and "1.00 ->     2.00" in row for row in rows)
+
+
+def test_the_relay_cost_workload_relays_every_token_and_counts_per_token() -> None:
+    # Two small runs of the real data plane (the driver checks every token reaches every client).
+    result = subprocess.run([sys.executable, "bench/relay_cost.py", "--tool", "cprofile", "--streams", "2",
+                             "--requests", "1", "--tokens", "2", "6"], cwd=_REPO, capture_output=True, text=True,
+                            timeout=120, check=True)
+    assert "Python calls per token:" in result.stdout
+    per_token = float(result.stdout.split("Python calls per token:")[1].split()[0].replace(",", ""))
+    assert 5 < per_token < 500
+
+
+def test_the_relay_cost_strace_parser_sums_the_rows() -> None:
+    sys.path.insert(0, str(_REPO / "bench"))
+    try:
+        import relay_cost
+    finally:
+        sys.path.pop(0)
+    text = _STRACE.format(read=1000, write=700, write_errors=3)
+    assert relay_cost._strace_kinds(text) == {"read": 1000, "write": 700, "epoll_wait": 300}
+    assert relay_cost._strace_total(text) == 2000

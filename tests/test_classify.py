@@ -169,6 +169,74 @@ def test_sse_watch_rejects_garbage_after_good_events():
     assert not w.feed(b"Traceback (most recent call last):\n\n")
 
 
+def take(w: classify.SSEWatch, data: bytes) -> bool:
+    """As the data pool takes a read: the one-event check first, ``feed`` for anything it declines."""
+    return w.one_event(data) or w.feed(data)
+
+
+# Reads one_event must decline (feed's general path decides them), after a first read that ends an event.
+NOT_ONE_EVENT = [
+    b'data: {"t": 1}\n\ndata: {"t": 2}\n\n',  # two events
+    b'data: {"t": 1}\r\n\r\n',  # CR line ends
+    b'data: {"t": 1}\rjunk\n\n',  # a lone CR is a line end: "junk" would start an event
+    b"data:[DONE]\n\n",  # no space: feed recognises it
+    b'data: {"t": 1}\n',  # not a whole event
+    b'data: {"t": 1}',
+    b"event: x\ndata: 1\n\n",
+    b"\ndata: 1\n\n",
+    b'data: {"t": 1}\n\n\n',
+]
+
+
+@pytest.mark.parametrize("data", NOT_ONE_EVENT)
+def test_one_event_declines_every_read_that_is_not_one_whole_data_event(data):
+    w = watch(b"data: 0\n\n")
+    assert not w.one_event(data)
+    # Nothing was taken: the watch is as it was.
+    assert w.between_events and not w.saw_terminal and w.valid
+
+
+def test_one_event_takes_the_usual_read_and_sees_done():
+    w = classify.SSEWatch()
+    assert w.one_event(b'data: {"choices": [{"text": "a"}]}\n\n')
+    assert w.valid and w.between_events and not w.saw_terminal
+    assert w.one_event(b"data: [DONE]\n\n")
+    assert w.saw_terminal and w.finish()
+
+
+def test_one_event_declines_mid_event_and_after_garbage():
+    w = watch(b"data: 1")  # an event begun, not ended
+    assert not w.one_event(b"data: 2\n\n")
+    bad = classify.SSEWatch()
+    assert not bad.feed(b"Traceback\n\n")
+    assert not bad.one_event(b"data: 1\n\n")
+
+
+@pytest.mark.parametrize("reads", [reads for reads, _, _ in [
+    ((CLEAN,), 0, 0), ((b"da", b"ta: 1\n", b"\ndata: [DO", b"NE]\n", b"\n"), 0, 0),
+    ((b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n"), 0, 0),
+    ((b"data: 1\n\n", b"\n", b"data: [DONE]\n\n"), 0, 0),
+    ((b"data: 1\n\n", b"data: 2\r\r", b"junk\n\n"), 0, 0),
+    ((b"data: 1\n\n", b"not sse\n\n", b"data: [DONE]\n\n"), 0, 0),
+    ((b"data: [DONE]\n\n", b"data: 1\n\n"), 0, 0),
+    ((b"data: 1", b"\n\n", b"data: [DONE]\n\n"), 0, 0),
+]])
+def test_the_one_event_path_leaves_the_watch_as_feed_alone_would(reads):
+    fed, taken = classify.SSEWatch(), classify.SSEWatch()
+    for data in reads:
+        assert take(taken, data) == fed.feed(data)
+        assert (taken.valid, taken.saw_terminal, taken.between_events) == (fed.valid, fed.saw_terminal,
+                                                                            fed.between_events)
+    assert taken.finish() == fed.finish()
+
+
+def test_the_one_event_path_survives_every_split_point():
+    for cut in range(1, len(CLEAN)):
+        w = classify.SSEWatch()
+        assert take(w, CLEAN[:cut]) and take(w, CLEAN[cut:])
+        assert w.valid and w.finish(), cut
+
+
 # the pool-slot wait -----------------------------------------------------------
 
 async def test_slot_wait_past_the_callers_deadline_is_pool_saturated(autojump_clock):

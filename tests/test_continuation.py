@@ -117,6 +117,7 @@ class Upstream:
         self.chunks = chunks
         self.failure = failure
         self.saw_terminal = False
+        self.data_events = 0
         self.relay_watch = None
 
     async def read(self) -> bytes:
@@ -125,6 +126,7 @@ class Upstream:
             chunk = self.chunks.pop(0)
             if b"data: [DONE]" in chunk:
                 self.saw_terminal = True
+            self.data_events += chunk.count(b"data: ")
             return chunk
         if self.failure is not None:
             raise self.failure

@@ -351,9 +351,11 @@ class EndlessStream:
 
     saw_terminal = False
     relay_watch = None
+    data_events = 0
 
     async def read(self) -> bytes:
         await trio.sleep(0.01)
+        self.data_events += 1
         return b'data: {"choices":[{"text":"' + b"t" * 4096 + b'"}]}\n\n'
 
 

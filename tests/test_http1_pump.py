@@ -185,6 +185,39 @@ async def test_a_pumped_stream_reaches_its_client_chunk_framed_and_hands_back_do
     assert pool.statistics().idle_connections == 1 and pool.statistics().in_use == 0
 
 
+@pytest.mark.parametrize("size", [1, 4089, 4090, 70000])
+async def test_events_of_every_size_reach_the_client_chunk_framed(serve, make_pool, clients, size):
+    # The size line comes from a table below 4096 bytes and is formatted above it; a 64 KiB read fills the
+    # buffer (not drained: read again on the next round).
+    big = b"data: " + b"x" * size + b"\n\n"
+    events = [EVENTS[0], big, EVENTS[1], big, EVENTS[2]]
+    engine = await serve(paced(events, 0.001))
+    pool = await make_pool(SLOW_DEADLINES)
+    client = clients()
+    with trio.fail_after(10):
+        first, declined = await pumped(pool, engine, client, chunked=True)
+        received = b""
+        while not received.endswith(LAST_CHUNK):
+            received = await client.read_until(len(received) + 1)
+    assert first == EVENTS[0] and declined == EVENTS[2]
+    # Chunk boundaries follow the engine's reads, not its chunks: compare what the client de-chunks.
+    assert sse_body(received) == b"".join(events)
+
+
+def sse_body(received: bytes) -> bytes:
+    """A chunked body de-chunked, through its terminator."""
+    body = b""
+    while True:
+        size, _, rest = received.partition(b"\r\n")
+        length = int(size, 16)
+        if length == 0:
+            assert rest == b"\r\n"
+            return body
+        body += rest[:length]
+        assert rest[length:length + 2] == b"\r\n"
+        received = rest[length + 2:]
+
+
 async def test_a_stream_whose_reads_never_block_still_lets_other_streams_progress(serve, make_pool, clients,
                                                                                  monkeypatch):
     # Reads of a full buffer never wait; make a full buffer small and endless for one engine socket.

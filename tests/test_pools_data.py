@@ -358,6 +358,30 @@ async def test_clean_stream_yields_every_byte_and_returns_its_connection(serve, 
     assert engine.connections == 1
 
 
+async def test_the_stream_counts_its_data_events_in_every_shape_of_read(serve, make_pool):
+    # One event per read (the usual read), two in one, [DONE] with a late event after it (not relayed, not
+    # counted), and events split across reads: the count is the relayed bytes' ``data: `` events.
+    parts = [EVENTS[0], EVENTS[1], EVENTS[0] + EVENTS[1], b'data: {"te', b'xt": "c"}\n', b"\n",
+             EVENTS[2] + b"data: late\n\n"]
+
+    async def respond(request, stream, index):
+        await stream.send_all(SSE_HEAD)
+        for part in parts:
+            await stream.send_all(chunk(part))
+            await trio.sleep(0.01)
+        await stream.send_all(LAST_CHUNK)
+        return True
+    engine = await serve(respond)
+    pool = await make_pool()
+    items = []
+    async with pool.stream(engine.spec, "/v1/completions", b'{"stream": true}', request_id="r") as upstream:
+        async for item in upstream:
+            items.append(item)
+    relayed = b"".join(items)
+    assert relayed == b"".join(parts[:-1]) + EVENTS[2]
+    assert upstream.data_events == relayed.count(b"data: ") == 6
+
+
 async def test_stream_cut_off_after_the_terminal_marker_still_ends_cleanly(serve, make_pool):
     async def respond(request, stream, index):
         await stream.send_all(SSE_HEAD + b"".join(chunk(event) for event in EVENTS))

@@ -70,6 +70,8 @@ class FakeStream:
     def __init__(self, chunks: list[Any]) -> None:
         self.chunks = list(chunks)
         self.saw_terminal = False
+        # The pool's count of the ``data: `` events read, which the request line's token count comes from.
+        self.data_events = 0
         # No engine socket under it: the relay pump never takes it.
         self.relay_watch = None
 
@@ -89,6 +91,7 @@ class FakeStream:
             await trio.sleep_forever()
         if b"data: [DONE]" in chunk:
             self.saw_terminal = True
+        self.data_events += chunk.count(b"data: ")
         return chunk
 
 

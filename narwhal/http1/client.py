@@ -467,7 +467,9 @@ class EngineConnection:
         """``read_relay_body`` without waiting: the next body bytes, b"" at the end, None if it would wait.
 
         ``readable``: an edge just said the socket has bytes, so it is read even after
-        a short read. At most one read that finds nothing; never a wait.
+        a short read. At most one read that finds nothing; never a wait. The usual
+        read (body bytes, the head long parsed, no wire bound) is read and parsed here,
+        with no call of its own: this is the relay pump's per-token path.
         """
         body = self._body
         if readable:
@@ -477,10 +479,30 @@ class EngineConnection:
                 return b""
             if self._drained:
                 return None
-            data = self._read_now()
-            if data is None:
+            try:
+                data = _read(self._fd, _READ_SIZE)
+            except BlockingIOError:
+                self._drained = True
                 return None
-            self._parse(data)
+            except OSError as exc:
+                self._broken = True
+                raise ConnectionClosed("connection reset by the engine", cause=type(exc).__name__,
+                                       response_started=self._response_started) from exc
+            size = len(data)
+            self._drained = size < _READ_SIZE
+            if size and self._wire_limit == _INF and self._head is not None:
+                # _parse's work for a read that no bound can refuse: only httptools can.
+                self._received += size
+                assert self._parser is not None
+                try:
+                    self._parser.feed_data(data)
+                except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+                    self._broken = True
+                    if not self._complete:
+                        raise MalformedResponse(f"malformed HTTP response: {exc}",
+                                                cause=type(exc).__name__) from exc
+            else:
+                self._parse(data)
         data = body[0] if len(body) == 1 else b"".join(body)
         body.clear()
         return data

@@ -44,11 +44,14 @@ import trio
 
 from narwhal.http1.readiness import HUB_STOPPED, Readiness, Watch
 
-__all__ = ["ClientSocket", "OnChunk", "Pump", "PumpUpstream", "RelayWatched"]
+__all__ = ["ClientSocket", "OnChunk", "Pump", "PumpUpstream", "RelayConnection", "RelayWatched"]
 
 _INF = math.inf
 # The raw send syscall; a module-level name so tests can limit what the kernel takes.
 _write = os.write
+_CRLF = b"\r\n"
+# Chunk-size lines of the usual reads' sizes, made once (formatting one per write costs more than the join).
+_SIZE_LINES = tuple(b"%x\r\n" % size for size in range(4096))
 
 
 class RelayWatched(Protocol):
@@ -60,13 +63,24 @@ class RelayWatched(Protocol):
         ...
 
 
+class RelayConnection(Protocol):
+    """The engine connection under a pumped stream: whether it is drained, and the silence watchdog's mark."""
+
+    # While the relay waits for the engine: since when (+inf: it does not), for the silence watchdog.
+    waiting_since: float
+
+    @property
+    def drained(self) -> bool:
+        """Nothing is left to read until the socket's next edge."""
+        ...
+
+
 class PumpUpstream(RelayWatched, Protocol):
     """A decode stream the pump can read without waiting (``narwhal.pools.data.UpstreamStream``)."""
 
     @property
-    def drained(self) -> bool: ...
+    def relay_connection(self) -> RelayConnection: ...
     def read_ready(self, readable: bool) -> bytes | None: ...
-    def waiting_since(self, when: float) -> None: ...
 
 
 class ClientSocket(Protocol):
@@ -151,21 +165,24 @@ class Pump:
 class _Stream:
     """One decode stream in the pump: its engine socket, its client, and a write that had to wait."""
 
-    __slots__ = ("again", "chunked", "client", "clock", "done", "error", "fd", "on_chunk", "pending", "pump",
-                 "result", "same_clock", "task", "upstream", "watch", "writable")
+    __slots__ = ("again", "chunked", "client", "clock", "conn", "done", "error", "fd", "on_chunk", "pending", "pump",
+                 "result", "same_clock", "task", "trio_now", "upstream", "watch", "writable")
 
     def __init__(self, pump: Pump, upstream: PumpUpstream, watch: Watch, client: ClientSocket, chunked: bool,
                  on_chunk: OnChunk, clock: Callable[[], float]) -> None:
         self.pump = pump
         self.upstream = upstream
+        self.conn = upstream.relay_connection
         self.watch = watch
         self.client = client
         self.fd = client.fd
         self.chunked = chunked
         self.on_chunk = on_chunk
-        self.clock = clock
+        # trio's clock read at its source (``trio.current_time`` is three calls deep); the same time.
+        self.trio_now = trio.lowlevel.current_clock().current_time
         # The silence watchdog reads trio's clock; the caller's clock serves for it when it is trio's.
         self.same_clock = clock is trio.current_time
+        self.clock = self.trio_now if self.same_clock else clock
         self.done = False
         self.result = b""
         self.error: Exception | None = None
@@ -179,11 +196,63 @@ class _Stream:
     # -- called by the hub --------------------------------------------------------
 
     def on_engine(self, events: int) -> None:
+        """Read once, pass it through ``on_chunk``, write it; errors end the stream with them.
+
+        The per-token path: one call from the hub, the write inline (``_park`` only when it waits).
+        """
         if events == HUB_STOPPED:
             self._end(b"", trio.ClosedResourceError("the relay pump stopped"))
-        elif self.pending is None:
+            return
+        if self.pending is not None:
             # While the client is full the engine waits (its edges are not lost: the flush reads on).
-            self.pull(events != 0)
+            return
+        try:
+            upstream = self.upstream
+            # After the engine's close no edge comes again: the EOF (or error) waits to be read.
+            closed = self.watch.closed
+            chunk = upstream.read_ready(events != 0 or closed)
+            while chunk is None and closed:
+                # Bytes that carried no body (chunk framing) before the close: read on to the EOF.
+                chunk = upstream.read_ready(True)
+            if chunk is None:
+                self.conn.waiting_since = self.trio_now()
+                return
+            if not chunk:
+                self._end(b"", None)
+                return
+            now = self.clock()
+            out = self.on_chunk(chunk, now)
+            if out is None:
+                self._end(chunk, None)
+                return
+            if out:
+                client = self.client
+                if client.disconnected:
+                    self._end(b"", client.gone_error())
+                    return
+                if self.chunked:
+                    size = len(out)
+                    out = (b"".join((_SIZE_LINES[size], out, _CRLF)) if size < 4096
+                           else b"%x\r\n%b\r\n" % (size, out))
+                try:
+                    sent = _write(self.fd, out)
+                except BlockingIOError:
+                    sent = 0
+                except OSError as exc:
+                    self._client_failed(exc)
+                    return
+                if sent != len(out):
+                    self._park(out, sent)
+                    return
+            conn = self.conn
+            if conn.drained and not closed:
+                conn.waiting_since = now if self.same_clock else self.trio_now()
+            else:
+                conn.waiting_since = _INF
+                self.again = True
+                self.pump.readiness.later(self.watch)
+        except Exception as exc:  # handed to the request task, never raised into the hub
+            self._end(b"", exc)
 
     def on_client(self, events: int) -> None:
         if events == HUB_STOPPED:
@@ -197,63 +266,16 @@ class _Stream:
     # -- the relay ----------------------------------------------------------------------
 
     def pull(self, readable: bool) -> None:
-        """Read once, pass it through ``on_chunk``, write it; errors end the stream with them."""
-        try:
-            self._pull(readable)
-        except Exception as exc:  # handed to the request task, never raised into the hub
-            self._end(b"", exc)
+        """Read once, as at an edge (``readable``) or not; errors end the stream with them."""
+        self.on_engine(1 if readable else 0)
 
-    def _pull(self, readable: bool) -> None:
-        upstream = self.upstream
-        # After the engine's close no edge comes again: the EOF (or error) waits to be read.
-        closed = self.watch.closed
-        chunk = upstream.read_ready(readable or closed)
-        while chunk is None and closed:
-            # Bytes that carried no body (chunk framing) before the close: read on to the EOF.
-            chunk = upstream.read_ready(True)
-        if chunk is None:
-            upstream.waiting_since(trio.current_time())
-            return
-        if not chunk:
-            self._end(b"", None)
-            return
-        now = self.clock()
-        out = self.on_chunk(chunk, now)
-        if out is None:
-            self._end(chunk, None)
-            return
-        if out and not self._write(out):
-            return
-        if upstream.drained and not closed:
-            upstream.waiting_since(now if self.same_clock else trio.current_time())
-        else:
-            upstream.waiting_since(_INF)
-            self.again = True
-            self.pump.readiness.later(self.watch)
-
-    def _write(self, data: bytes) -> bool:
-        """One non-blocking write of ``data`` (chunk-framed); False when it parked or ended the stream."""
-        client = self.client
-        if client.disconnected:
-            self._end(b"", client.gone_error())
-            return False
-        if self.chunked:
-            data = b"%x\r\n%b\r\n" % (len(data), data)
-        try:
-            sent = _write(self.fd, data)
-        except BlockingIOError:
-            sent = 0
-        except OSError as exc:
-            self._client_failed(exc)
-            return False
-        if sent == len(data):
-            return True
+    def _park(self, data: bytes, sent: int) -> None:
+        """The client's socket took only ``sent`` bytes of ``data``: the rest waits for EPOLLOUT."""
         self.pending = memoryview(data)[sent:]
         # Visible to the front's write watchdog, like a send that waits; never engine silence.
-        client.write_waits(self.on_stall)
-        self.upstream.waiting_since(_INF)
+        self.client.write_waits(self.on_stall)
+        self.conn.waiting_since = _INF
         self.writable = self.pump.readiness.watch_writable(self.fd, self.on_client)
-        return False
 
     def on_stall(self) -> None:
         """The front's watchdog gave up on this client (client_stalled): end with its error."""
@@ -279,7 +301,7 @@ class _Stream:
         self.pending = None
         self._unpark()
         # The engine may have sent more while the client was full: read on.
-        self._pull(True)
+        self.pull(True)
 
     def _client_failed(self, exc: OSError) -> None:
         """The write failed (reset, broken pipe): the stream ends with the front's ClientDisconnected."""
@@ -310,7 +332,7 @@ class _Stream:
         """Out of the pump: no more calls from the hub; the request task takes the stream back."""
         self.done = True
         self.watch.handler = None
-        self.upstream.waiting_since(_INF)
+        self.conn.waiting_since = _INF
         if self.pending is not None:
             self.client.cut_mid_write()
             self.pending = None

@@ -107,6 +107,14 @@ class Histogram:
         series[0][bisect.bisect_left(self.bounds, value)] += 1
         series[1][0] += value
 
+    def cell(self, *label_values: str) -> tuple[list[int], list[float]]:
+        """One label set's bucket counts (``bounds``' order, then +Inf) and sum, for a per-token path that
+        observes inline (``counts[bisect_left(bounds, value)] += 1; total[0] += value``, as ``observe``)."""
+        series = self.series.get(label_values)
+        if series is None:
+            series = self.series[label_values] = ([0] * (len(self.bounds) + 1), [0.0])
+        return series
+
     def count(self, *label_values: str) -> int:
         series = self.series.get(label_values)
         return sum(series[0]) if series else 0

@@ -246,6 +246,8 @@ class pool_slot:  # noqa: N801 -- used as a function: ``async with pool_slot(...
 _SSE_FIELDS = (b"data:", b"event:", b"id:", b"retry:", b":")
 _LONGEST_FIELD = 6
 _TERMINAL_EVENTS = (b"data: [DONE]", b"data:[DONE]")
+# The terminal event whole, as vLLM writes it.
+_DONE_EVENT = b"data: [DONE]\n\n"
 # Enough of an event's first bytes to check its field and recognise the terminal event.
 _EVENT_HEAD_BYTES = 17
 # Applied with map(): the per-event work stays in C.
@@ -271,6 +273,19 @@ class SSEWatch:
     def between_events(self) -> bool:
         """True when the bytes fed so far end on an event's end: the next read starts an event."""
         return not self._event
+
+    def one_event(self, data: bytes) -> bool:
+        """Take ``data`` if it is one whole ``data: `` event starting where an event starts (the usual read:
+        vLLM writes each event as its own chunk); False, taking nothing, for any other read (``feed`` it).
+
+        What ``feed`` would conclude from such a read, in four C-level checks instead of its general path.
+        """
+        if (data.startswith(b"data: ") and data.find(b"\n\n") == len(data) - 2 and data.find(b"\r") < 0
+                and not self._event and self.valid):
+            self._after_newline = True
+            self.saw_terminal = data == _DONE_EVENT
+            return True
+        return False
 
     def feed(self, data: bytes) -> bool:
         """Take one read of the body; False once it is clearly not an event stream."""

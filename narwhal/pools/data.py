@@ -118,13 +118,16 @@ class UpstreamStream:
     """
 
     __slots__ = ("_conn", "_engine", "_finished", "_first_token_at", "_first_token_s", "_scope", "_silence_s",
-                 "_started", "_watch", "expired", "headers", "saw_terminal", "status")
+                 "_started", "_watch", "data_events", "expired", "headers", "saw_terminal", "status")
 
     def __init__(self, engine: str, conn: EngineConnection, head: HTTPResponseHead, scope: trio.CancelScope, *,
                  first_token_s: float, silence_s: float) -> None:
         self.status = head.status
         self.headers = head.headers
         self.saw_terminal = False
+        # The ``data: `` events read so far (each one a token, less [DONE] and the answer's other non-tokens):
+        # counted as the reads are checked, so the relay need not scan them again.
+        self.data_events = 0
         # Set by the watchdog, with the message of the deadline that passed, just before it cancels _scope.
         self.expired: str | None = None
         self._engine = engine
@@ -206,9 +209,9 @@ class UpstreamStream:
         return None if self._finished else self._conn.relay_watch
 
     @property
-    def drained(self) -> bool:
-        """Nothing is left to read until the engine socket's next edge."""
-        return self._conn.drained
+    def relay_connection(self) -> EngineConnection:
+        """The engine connection: whether it is drained, and when the relay began waiting for it."""
+        return self._conn
 
     def read_ready(self, readable: bool) -> bytes | None:
         """``read`` without waiting: the next bytes, b"" at the end, None when it would wait."""
@@ -222,10 +225,6 @@ class UpstreamStream:
             return None
         return self._took(data)
 
-    def waiting_since(self, when: float) -> None:
-        """The relay waits for the engine since ``when`` (+inf: it does not), for the silence watchdog."""
-        self._conn.waiting_since = when
-
     def _failed(self, exc: HTTPTransportError) -> bytes:
         if isinstance(exc, ConnectionClosed):
             # Cut off after the terminal marker (e.g. before the chunked terminator):
@@ -236,18 +235,25 @@ class UpstreamStream:
         raise classify.transport_failure(self._engine, exc) from exc
 
     def _took(self, data: bytes) -> bytes:
+        """One read checked (SSE, [DONE]) and counted; b"" (or a stream failure) at the body's end."""
         if not data:
             self._finished = True
             self.saw_terminal = self._watch.finish()
             if not self.saw_terminal:
                 raise classify.stream_failure(self._engine, _NO_DONE)
             return b""
-        done_at = data.find(_DONE_EVENT)
-        if done_at >= 0 and not data.endswith(_DONE_EVENT):
-            data = self._cut_at_done(data, done_at)
-        if not self._watch.feed(data):
-            raise classify.stream_failure(self._engine, "response body is not a server-sent event stream")
-        self.saw_terminal = self._watch.saw_terminal
+        watch = self._watch
+        if watch.one_event(data):
+            # The usual read, one whole event: no [DONE] to cut at, one ``data: `` event.
+            self.data_events += 1
+        else:
+            done_at = data.find(_DONE_EVENT)
+            if done_at >= 0 and not data.endswith(_DONE_EVENT):
+                data = self._cut_at_done(data, done_at)
+            if not watch.feed(data):
+                raise classify.stream_failure(self._engine, "response body is not a server-sent event stream")
+            self.data_events += data.count(b"data: ")
+        self.saw_terminal = watch.saw_terminal
         self._started = True
         return data
 

@@ -35,6 +35,10 @@ class Upstream(RelayWatched, Protocol):
 
     @property
     def saw_terminal(self) -> bool: ...
+    @property
+    def data_events(self) -> int:
+        """The ``data: `` events read so far."""
+        ...
     async def read(self) -> bytes: ...
 
 

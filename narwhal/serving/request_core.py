@@ -33,6 +33,7 @@ import math
 import os
 import random
 import re
+from bisect import bisect_left
 from collections.abc import Callable, Coroutine, Iterable, Iterator
 from contextlib import AbstractAsyncContextManager
 from typing import Any, NoReturn, Protocol
@@ -816,8 +817,11 @@ class RequestCore:
             await sink.respond(200, [*_JSON_HEADERS, ex.rid_header], strip_kv_from_body(raw))
             return
         clock = self.clock
-        observe_gap = self.metrics.inter_token.observe
-        tokens = role_events = 0
+        # The inter-token histogram observed inline, once per read (``Histogram.observe``'s work, no call).
+        gap_bounds = self.metrics.inter_token.bounds
+        gap_counts, gap_sum = self.metrics.inter_token.cell()
+        role_events = 0
+        upstream: DecodeStream | None = None
         try:
             async with self.data_pool.stream(decode, route, payload, request_id=ex.rid) as upstream:
                 read = upstream.read
@@ -828,11 +832,10 @@ class RequestCore:
                 first_at = last_at = clock()
                 ex.ttft_s = first_at - ex.started_at
                 ex.status = 200
-                tokens = chunk.count(_DATA)
                 # The chat stream opens with a role-only event per choice: no token, not counted, like [DONE].
                 if route == _CHAT_ROUTE and is_role_only_event(chunk):
                     role_events = choice_count(request)
-                if KV_KEY in chunk:
+                if chunk.find(KV_KEY) >= 0:
                     chunk = strip_kv_from_events(chunk)
                 head = [*_SSE_HEADERS, ex.rid_header]
                 # One client write per upstream read, except the read that carries [DONE]: it is
@@ -842,12 +845,14 @@ class RequestCore:
                     held = b""
 
                     def on_chunk(chunk: bytes, now: float) -> bytes | None:
-                        # One read's bookkeeping, for the process's pump and the task's own loop alike.
-                        nonlocal tokens, last_at, held
-                        observe_gap(now - last_at)
+                        # One read's bookkeeping, for the process's pump and the task's own loop alike (the
+                        # pool counts its events as it checks them: nothing here scans the read but the key).
+                        nonlocal last_at, held
+                        gap = now - last_at
+                        gap_counts[bisect_left(gap_bounds, gap)] += 1
+                        gap_sum[0] += gap
                         last_at = now
-                        tokens += chunk.count(_DATA)
-                        if KV_KEY in chunk:
+                        if chunk.find(KV_KEY) >= 0:
                             chunk = strip_kv_from_events(chunk)
                         if upstream.saw_terminal:
                             held = chunk
@@ -858,6 +863,7 @@ class RequestCore:
                     await relay(upstream, sink, head, on_chunk, leg, clock=clock, pump=self._to_pump)
                     chunk = held
                 held = chunk
+                tokens = upstream.data_events
                 if tokens > 2:
                     ex.inter_token_s = (last_at - first_at) / (tokens - 2)
                 # Every stream that ends cleanly ended with [DONE] (the pool raises otherwise): the answer
@@ -875,13 +881,13 @@ class RequestCore:
                 # The body's end, for the connection's reuse; whatever comes instead is no failure.
                 await read()
         except (EngineFailure, UpstreamClientError, PoolSaturated) as exc:
-            ex.tokens = max(0, tokens - role_events)
+            ex.tokens = max(0, (upstream.data_events if upstream is not None else 0) - role_events)
             self._translate("decode", exc)
         except BaseException:
             # Cancelled (the client left, its engine was removed, the deadline) or the client's write failed:
             # the log counts what was relayed all the same; once [DONE] went out, the count set then stands.
             if not _delivered(sink):
-                ex.tokens = max(0, tokens - role_events)
+                ex.tokens = max(0, (upstream.data_events if upstream is not None else 0) - role_events)
             raise
 
 
@@ -908,7 +914,9 @@ class RequestCore:
         sink, decode = ex.sink, leg.engine
         head = [*_SSE_HEADERS, ex.rid_header]
         gaps = [0.0, 0]
-        observe_gap = self.metrics.inter_token.observe
+        # The inter-token histogram observed inline, once per read (``Histogram.observe``'s work, no call).
+        gap_bounds = self.metrics.inter_token.bounds
+        gap_counts, gap_sum = self.metrics.inter_token.cell()
 
         def on_first(now: float) -> None:
             if not join.continuing:
@@ -919,7 +927,8 @@ class RequestCore:
                 ex.join_gap_s = max(gap, ex.join_gap_s or 0.0)
 
         def on_gap(gap: float) -> None:
-            observe_gap(gap)
+            gap_counts[bisect_left(gap_bounds, gap)] += 1
+            gap_sum[0] += gap
             gaps[0] += gap
             gaps[1] += 1
 
