@@ -447,18 +447,23 @@ class AdminConfig(_Section, frozen=True):
 
 # urlsplit's own cache holds 128 URLs, fewer than a large fleet's: past it every request parsed its engines' URLs
 # again. Bounded: a config reload adds URLs, and the cache starts over past this many.
-_SPLITS: dict[str, urllib.parse.SplitResult] = {}
+_SPLITS: dict[str, tuple[str, int, bytes, bool]] = {}
 _MAX_SPLITS = 4096
 
 
-def _split(url: str) -> urllib.parse.SplitResult:
-    """``urllib.parse.urlsplit(url)``, from a cache as large as any fleet."""
-    parts = _SPLITS.get(url)
-    if parts is None:
+def engine_endpoint(url: str) -> tuple[str, int, bytes, bool]:
+    """(host, port, Host header, https) of an engine URL, parsed once per URL, not on every call."""
+    endpoint = _SPLITS.get(url)
+    if endpoint is None:
         if len(_SPLITS) >= _MAX_SPLITS:
             _SPLITS.clear()
-        parts = _SPLITS[url] = urllib.parse.urlsplit(url)
-    return parts
+        parts = urllib.parse.urlsplit(url)
+        host = parts.hostname or ""
+        tls = parts.scheme == "https"  # urlsplit lowercases the scheme: HTTPS:// too
+        port = parts.port or (443 if tls else 80)
+        shown = f"[{host}]" if ":" in host else host
+        endpoint = _SPLITS[url] = (host, port, f"{shown}:{port}".encode("ascii"), tls)
+    return endpoint
 
 
 class EngineSpec(_Section, frozen=True):
@@ -481,16 +486,16 @@ class EngineSpec(_Section, frozen=True):
 
     @property
     def host(self) -> str:
-        return _split(self.url).hostname or ""
+        return engine_endpoint(self.url)[0]
 
     @property
     def tls(self) -> bool:
         """True for an ``https://`` engine."""
-        return _split(self.url).scheme == "https"  # urlsplit lowercases it: HTTPS:// too
+        return engine_endpoint(self.url)[3]
 
     @property
     def port(self) -> int:
-        return _split(self.url).port or (443 if self.tls else 80)
+        return engine_endpoint(self.url)[1]
 
     @property
     def base_url(self) -> str:
@@ -499,7 +504,7 @@ class EngineSpec(_Section, frozen=True):
     @property
     def address(self) -> tuple[str, str, int]:
         """Scheme, host and port, normalised (case, default port, trailing slash); names are not resolved."""
-        return _split(self.url).scheme.lower(), self.host.lower(), self.port
+        return ("https" if self.tls else "http"), self.host.lower(), self.port
 
 
 class Config(_Section, frozen=True):

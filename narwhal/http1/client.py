@@ -61,6 +61,7 @@ __all__ = [
     "TLSFailed",
     "WriteTimeout",
     "local_errno_name",
+    "via_line",
 ]
 
 # Idle connections younger than this are reused without a liveness poll (see _take_idle).
@@ -77,6 +78,15 @@ _write = os.write
 DEFAULT_MAX_HEAD_BYTES = 64 * 1024
 # Errors of our own process, not of the engine we were connecting to.
 _LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+
+
+def via_line(via: str | None) -> bytes:
+    """The ``via`` header line (``b"\\r\\nvia: ..."``) every engine request carries, or b"" without one."""
+    if via is None:
+        return b""
+    if not via.isascii() or any(c in via for c in "\r\n"):
+        raise ValueError(f"unsafe via header: {via!r}")
+    return b"\r\nvia: " + via.encode("ascii")
 
 
 class HTTPTransportError(NarwhalError):

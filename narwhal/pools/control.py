@@ -15,37 +15,25 @@ fails as a bad answer (``inference_status``). An in-process ``httpx`` transport
 
 from __future__ import annotations
 
-import functools
 import ssl
-import urllib.parse
 from typing import Protocol
 
 import httpx
 import msgspec
 import trio
 
-from narwhal.config import EngineConfig, EngineSpec
+from narwhal.config import EngineConfig, EngineSpec, engine_endpoint
 from narwhal.http1.client import (
     EngineConnection,
     EngineConnections,
     HTTPResponseHead,
     HTTPTransportError,
     ResponseTooLarge,
+    via_line,
 )
 from narwhal.pools import classify
 
 __all__ = ["ControlCalls", "ControlPool", "ControlPoolStatistics", "ControlResponse"]
-
-@functools.lru_cache(maxsize=4096)
-def _endpoint(url: str) -> tuple[str, int, bytes, bool]:
-    """(host, port, Host header, TLS) of an engine URL, parsed once, not on every pass."""
-    parts = urllib.parse.urlsplit(url)
-    host = parts.hostname or ""
-    tls = parts.scheme == "https"
-    port = parts.port or (443 if tls else 80)
-    shown = f"[{host}]" if ":" in host else host
-    return host, port, f"{shown}:{port}".encode("ascii"), tls
-
 
 # identity: a compressed body would expand in memory before the bound could see it.
 _GET_HEADERS = {"accept-encoding": "identity"}
@@ -103,7 +91,7 @@ class ControlPool:
         ``transport``: an in-process httpx transport that stands in for every engine.
         """
         self._config = engine_config
-        self._via = _via_line(via)
+        self._via = via_line(via)
         self._limiter = trio.CapacityLimiter(control_connections)
         self._connections = _ControlConnections(
             idle_s=engine_config.pool_idle_s,
@@ -171,7 +159,7 @@ class ControlPool:
 
     async def _http1_call(self, method: str, engine: EngineSpec, path: str, body: bytes | None,
                           timeout_s: float) -> ControlResponse:
-        host, port, host_header, tls = _endpoint(engine.url)
+        host, port, host_header, tls = engine_endpoint(engine.url)
         request = _request(method, path, host_header, body, self._via)
         connections = self._connections
         if tls and connections.ssl_context is None:
@@ -199,14 +187,6 @@ class ControlPool:
             raise classify.call_timeout(engine.name, timeout_s, response_started=head is not None)
         assert head is not None
         return ControlResponse(status=head.status, body=content)
-
-
-def _via_line(via: str | None) -> bytes:
-    if via is None:
-        return b""
-    if not via.isascii() or any(c in via for c in "\r\n"):
-        raise ValueError(f"unsafe via header: {via!r}")
-    return b"\r\nvia: " + via.encode("ascii")
 
 
 def _request(method: str, path: str, host_header: bytes, body: bytes | None, via: bytes) -> bytes:

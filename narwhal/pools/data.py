@@ -10,16 +10,14 @@ shape and the terminal marker.
 from __future__ import annotations
 
 import contextlib
-import functools
 import ssl
-import urllib.parse
 from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
 import trio
 
-from narwhal.config import EngineConfig, EngineSpec
+from narwhal.config import EngineConfig, EngineSpec, engine_endpoint
 from narwhal.http1.client import (
     ConnectionClosed,
     DeadlineExpired,
@@ -27,6 +25,7 @@ from narwhal.http1.client import (
     EngineConnections,
     HTTPResponseHead,
     HTTPTransportError,
+    via_line,
 )
 from narwhal.http1.pump import Pump
 from narwhal.http1.readiness import Readiness, Watch
@@ -53,24 +52,13 @@ class DataPoolStatistics(msgspec.Struct, frozen=True, kw_only=True):
     idle_connections: int
 
 
-@functools.lru_cache(maxsize=1024)
-def _endpoint(url: str) -> tuple[str, int, bytes, bool]:
-    """(host, port, Host header, https) of an engine URL, parsed once, not on every request."""
-    parts = urllib.parse.urlsplit(url)
-    host = parts.hostname or ""
-    tls = parts.scheme == "https"  # as EngineSpec.tls: urlsplit lowercases the scheme
-    port = parts.port or (443 if tls else 80)
-    shown = f"[{host}]" if ":" in host else host
-    return host, port, f"{shown}:{port}".encode("ascii"), tls
-
-
 def _post_request(engine: EngineSpec, path: str, body: bytes, request_id: str, accept: bytes,
                   via: bytes = b"") -> bytes:
     """``via`` is a whole header line (``b"\\r\\nvia: ..."``) or empty."""
     if "\r" in request_id or "\n" in request_id or not path.startswith("/") or " " in path:
         raise ValueError(f"unsafe request line or request id: {path!r} {request_id!r}")
     return b"".join((
-        b"POST ", path.encode("ascii"), b" HTTP/1.1\r\nhost: ", _endpoint(engine.url)[2],
+        b"POST ", path.encode("ascii"), b" HTTP/1.1\r\nhost: ", engine_endpoint(engine.url)[2],
         b"\r\ncontent-type: application/json\r\naccept: ", accept,
         b"\r\ncontent-length: ", str(len(body)).encode("ascii"),
         b"\r\nx-request-id: ", request_id.encode("latin-1"), via, b"\r\n\r\n", body,
@@ -84,14 +72,6 @@ def watchdog_tick(config: EngineConfig) -> float:
     """
     smallest = min(config.first_token_deadline_s, config.stream_silence_s)
     return max(_MIN_TICK_S, min(_MAX_TICK_S, smallest / 20))
-
-
-def _via_line(via: str | None) -> bytes:
-    if via is None:
-        return b""
-    if not via.isascii() or any(c in via for c in "\r\n"):
-        raise ValueError(f"unsafe via header: {via!r}")
-    return b"\r\nvia: " + via.encode("ascii")
 
 
 def _first_token_message(first_token_s: float) -> str:
@@ -282,7 +262,7 @@ class DataPool:
         """
         self._config = engine_config
         self._first_token_message = _first_token_message(engine_config.first_token_deadline_s)
-        self._via = _via_line(via)
+        self._via = via_line(via)
         self._wait = wait_for_slot
         # Live decode streams, for the deadline watchdog (``run``).
         self._streams: set[UpstreamStream] = set()
@@ -426,7 +406,7 @@ class DataPool:
 
     async def _request(self, engine: EngineSpec, request: bytes, *, head_deadline_s: float = float("inf"),
                        head_deadline_message: str = "") -> tuple[EngineConnection, HTTPResponseHead]:
-        host, port, _, tls = _endpoint(engine.url)
+        host, port, _, tls = engine_endpoint(engine.url)
         try:
             return await self._connections.request(host, port, request,
                                                    read_timeout_s=self._config.request_timeout_s,
