@@ -222,8 +222,14 @@ async def test_engines_over_tls_with_a_private_ca_keep_connections_alive(fleet, 
         # 20 decodes over keep-alive TLS connections: a handful of handshakes, not one per request.
         assert stats["decode"] == 20
         assert stats["connections_opened"] <= 6, stats
-        # A TLS engine keeps the request task's own relay (the pump reads plain sockets only).
-        relays = {event["relay"] for event in router.events("request", status=200)}
+        # A TLS engine keeps the request task's own relay (the pump reads plain sockets only). The router batches
+        # its log lines: wait for all 20 rather than read what has been written so far.
+        async def twenty_logged() -> list[dict[str, Any]]:
+            found = router.events("request", status=200)
+            return found if len(found) >= 20 else []
+
+        logged = await wait_until(twenty_logged, timeout_s=10.0, what="20 request lines")
+        relays = {event["relay"] for event in logged}
         assert relays <= {"task", None} and "task" in relays
         view = await engines_view(client, router)
         assert view["p1"]["eligible"] and view["d1"]["eligible"]
