@@ -37,6 +37,7 @@ __all__ = [
     "FleetConfig",
     "HandoffConfig",
     "LeaseConfig",
+    "ModelConfig",
     "PlacementConfig",
     "Reconfigurable",
     "RecoveryConfig",
@@ -246,15 +247,46 @@ class EngineConfig(_Section, frozen=True):
         return msgspec.structs.replace(self, **{key: getattr(other, key) for key in ENGINE_TIMEOUT_KEYS})
 
 
+class ModelConfig(_Section, frozen=True):
+    """One ``[[fleet.models]]`` entry: a served model's own keys (each unset one is the fleet's or serving's)."""
+
+    name: str
+    generation: str | None = None
+    # Other names clients may send for this model; the engines get ``name``.
+    aliases: list[str] = []
+    max_attempts: int | None = None
+    request_deadline_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("name must not be empty")
+        if self.generation is not None and not self.generation:
+            raise ValueError("generation must not be empty when set")
+        for index, alias in enumerate(self.aliases):
+            if not alias:
+                raise ValueError(f"aliases[{index}] must not be empty")
+        if self.max_attempts is not None:
+            _positive("max_attempts", self.max_attempts)
+        if self.request_deadline_s is not None:
+            _positive("request_deadline_s", self.request_deadline_s)
+
+
 class FleetConfig(_Section, frozen=True):
+    # The model of every [[engines]] entry that names none, and the one a request without `model` gets
+    # when it is the only model served.
     model: str = "mock-model"
     generation: str = "g1"
     attestation_key: str | None = None
     attestation_key_file: str | None = None
+    # Per-model keys (generation, aliases, max_attempts, request_deadline_s); a model without an entry
+    # takes the fleet's and serving's values.
+    models: list[ModelConfig] = []
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model must not be empty")
+        if not self.generation:
+            raise ValueError("generation must not be empty")
         if self.attestation_key is not None and self.attestation_key_file is not None:
             raise ValueError("set attestation_key or attestation_key_file, not both")
 
@@ -470,10 +502,14 @@ class EngineSpec(_Section, frozen=True):
     name: str
     url: str
     role: Literal["prefill", "decode"]
+    # The model the engine serves; None: [fleet] model (a parsed Config sets it on every engine).
+    model: str | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("name must not be empty")
+        if self.model is not None and not self.model:
+            raise ValueError("model must not be empty when set (leave it out for [fleet] model)")
         parts = urllib.parse.urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"url must be http://HOST[:PORT] or https://HOST[:PORT], got {self.url!r}")
@@ -533,14 +569,19 @@ class Config(_Section, frozen=True):
                 raise ValueError(f"{engine.url} is also engine {json.dumps(first.name)}'s url ({first.url}), "
                                  f"both {engine.role}: one engine listed twice would get a double share of "
                                  f"placement - at `$.engines[{i}].url`")
-        roles = {engine.role for engine in self.engines}
-        for role in ("prefill", "decode"):
-            if role not in roles:
-                raise ValueError(f"no {role} engine configured (need at least one [[engines]] with role = \"{role}\")")
+        _check_models(self)
+        # Every engine names its model from here on (a reload compares and moves engines by it).
+        for engine in self.engines:
+            if engine.model is None:
+                msgspec.structs.force_setattr(engine, "model", self.fleet.model)
         if self.lease.backend == "file" and not self.lease.path:
             raise ValueError("lease.path is required when lease.backend = \"file\"")
         if self.lease.backend == "etcd" and not self.lease.endpoints:
             raise ValueError("lease.endpoints is required when lease.backend = \"etcd\"")
+
+    def model_of(self, engine: EngineSpec) -> str:
+        """The model ``engine`` serves: its own ``model``, else ``[fleet] model``."""
+        return engine.model if engine.model is not None else self.fleet.model
 
     def engine_spec(self, name: str) -> EngineSpec:
         for spec in self.engines:
@@ -589,6 +630,45 @@ class Config(_Section, frozen=True):
             except FileRefused as exc:
                 raise ConfigError(f"fleet.attestation_key_file: cannot read {str(path)!r}: {exc}") from None
         return None
+
+
+def _check_models(config: Config) -> None:
+    """Every served model has a prefill and a decode engine; names and aliases name one model each."""
+    fleet = config.fleet
+    roles: dict[str, set[str]] = {}
+    for engine in config.engines:
+        roles.setdefault(config.model_of(engine), set()).add(engine.role)
+    for entry in fleet.models:
+        roles.setdefault(entry.name, set())
+    single = len(roles) <= 1 and not fleet.models and all(engine.model is None for engine in config.engines)
+    for name, present in roles.items():
+        for role in ("prefill", "decode"):
+            if role not in present:
+                if single:
+                    raise ValueError(f"no {role} engine configured (need at least one [[engines]] with "
+                                     f"role = \"{role}\")")
+                raise ValueError(f"model {name!r} has no {role} engine (each served model needs at least one "
+                                 f"[[engines]] with model = {json.dumps(name)} and role = \"{role}\")")
+    owner: dict[str, str] = {}
+    for index, model in enumerate(fleet.models):
+        for name in (model.name, *model.aliases):
+            first = owner.setdefault(name, model.name)
+            if first != model.name:
+                raise ValueError(f"{name!r} names two models ({first!r} and {model.name!r}): model names and "
+                                 f"aliases must be unique across models - at `$.fleet.models[{index}]`")
+        seen = [model.name, *model.aliases]
+        if len(set(seen)) != len(seen):
+            raise ValueError(f"model {model.name!r} lists a name twice among its name and aliases - at "
+                             f"`$.fleet.models[{index}].aliases`")
+    names = [model.name for model in fleet.models]
+    if len(set(names)) != len(names):
+        twice = next(name for name in names if names.count(name) > 1)
+        raise ValueError(f"model {twice!r} has two [[fleet.models]] entries - at `$.fleet.models`")
+    for served in roles:
+        alias_of = owner.get(served)
+        if alias_of is not None and alias_of != served:
+            raise ValueError(f"{served!r} is both a served model and an alias of {alias_of!r}: model names and "
+                             "aliases must be unique across models - at `$.fleet.models`")
 
 
 def _key_type(key: str) -> object:

@@ -1,8 +1,8 @@
 """What a config reload changes: the pure diff of two ``Config``s (no I/O).
 
 Engines are matched by name, as the engine registry matches them
-(``narwhal.fleet.registry.diff_entries``). An engine whose ``url`` or ``role``
-changed is a removal plus an addition (its evidence belonged to another
+(``narwhal.fleet.registry.diff_entries``). An engine whose ``url``, ``role`` or
+``model`` changed is a removal plus an addition (its evidence belonged to another
 process or another role); it is listed under ``changed`` and in both
 ``removed`` and ``added``.
 (Were ``engines`` ever taken out of ``RELOADABLE_KEYS``, a differing set
@@ -32,7 +32,10 @@ RELOADABLE_KEYS: frozenset[str] = frozenset({
     "engines",
     "admin.token",
     "admin.allow_unauthenticated",
+    "fleet.model",
     "fleet.generation",
+    # Per-model keys; a model added or removed comes with its engines (engines is reloadable too).
+    "fleet.models",
     "fleet.attestation_key",
     "fleet.attestation_key_file",
     "recovery",
@@ -94,8 +97,8 @@ def flat_keys(config: Config) -> dict[str, Any]:
 
 def diff_configs(old: Config, new: Config) -> ConfigDiff:
     """The changes from ``old`` (running) to ``new`` (just read); engines in ``new``'s order."""
-    # fleet.model needs a restart: both sides carry the running one, as the reload applies them.
-    engines = diff_entries(entries_from_config(old), entries_from_config(new, model=old.fleet.model))
+    # An engine that serves another model (its own key, or [fleet] model for one that names none) is changed.
+    engines = diff_entries(entries_from_config(old), entries_from_config(new))
     added, removed = engines.added, engines.removed
     old_keys, new_keys = flat_keys(old), flat_keys(new)
     differing = sorted(key for key in old_keys.keys() | new_keys.keys() if old_keys.get(key) != new_keys.get(key))

@@ -194,7 +194,7 @@ class Router:
         recovery = config.recovery
         # The one writer: every part that changes the fleet gets this, never the bare Fleet.
         self.fleet = FleetWriter(Fleet(
-            [(entry.name, entry.role) for entry in engines],
+            [(entry.name, entry.role, entry.model) for entry in engines],
             eject_after=recovery.eject_after,
             liveness_misses=recovery.liveness_misses,
             failure_quarantine_s=recovery.failure_quarantine_s,
@@ -324,7 +324,7 @@ class Router:
         # by a function call, from worker processes over a socket: one code path.
         view = WorkerView(lambda message: hub.receive(0, message), clock=trio.current_time,
                           refresh=hub.refresh_if_fleet_changed, on_engines=engines_changed,
-                          on_settings=settings_changed)
+                          on_settings=settings_changed, on_fleet=lambda fleet: plane.core.set_fleet(fleet))
         hub.attach(0, view.apply)
         # In one process admission and telemetry are the controller's own, not reported.
         plane = LocalDataPlane(config, tls=self.tls, via_token=self.via_token, supervisor=view,
@@ -621,7 +621,7 @@ class Router:
                 return self._reload_failed(problem)
             changes = diff_configs(self.config, new)
             self._apply_config(merge_reloadable(self.config, new), key)
-            # The new engine set (the running fleet.model kept: it needs a restart), its difference applied.
+            # The new engine set (an engine that moved to another model: a removal and an addition), applied.
             self.engine_set.apply(entries_from_config(self.config))
             await self.control_pool.set_timeouts(self.config.engine)
             # The data plane (each worker's) takes placement, the engine timeouts and the engine set now.

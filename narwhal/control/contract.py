@@ -166,13 +166,15 @@ def listed_models(raw: bytes) -> list[str]:
 def check_identity_model(identity: EngineIdentity, model: str) -> None:
     """The identity names ``model``."""
     if identity.model != model:
-        raise ContractViolation(f"/narwhal/identity names model {shown(identity.model)}; fleet.model is {model!r}")
+        raise ContractViolation(f"/narwhal/identity names model {shown(identity.model)}; the engine is configured "
+                                f"for model {model!r}")
 
 
 def check_listed_model(listed: list[str], model: str) -> None:
     """vLLM itself serves ``model``: a plugin claiming another model cannot pass."""
     if model not in listed:
-        raise ContractViolation(f"/v1/models lists {shown_list(listed)}; fleet.model {model!r} is not among them")
+        raise ContractViolation(f"/v1/models lists {shown_list(listed)}; the engine's model {model!r} is not "
+                                "among them")
 
 
 def check_generation(identity: EngineIdentity, generation: str) -> None:

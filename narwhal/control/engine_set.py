@@ -165,7 +165,8 @@ class FleetFollower(EngineSetListener):
 
     def on_added(self, entry: EngineEntry) -> None:
         self._fleet.add_engine(entry.name, entry.role, self._clock(),
-                               "added by a config reload: enters placement once the readmission checks pass")
+                               "added by a config reload: enters placement once the readmission checks pass",
+                               entry.model)
 
     def on_removing(self, entry: EngineEntry) -> None:
         self._fleet.start_removal(entry.name, self._clock(),

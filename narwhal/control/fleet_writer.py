@@ -74,9 +74,9 @@ class FleetWriter:
 
     # ----- reads (a read may expire holds: their events are logged too) -----
 
-    def eligible(self, role: str, now: float) -> list[str]:
+    def eligible(self, role: str, now: float, model: str | None = None) -> list[str]:
         """``Fleet.eligible``."""
-        names = self._fleet.eligible(role, now)
+        names = self._fleet.eligible(role, now, model)
         if self._fleet.has_events:
             self._publish()
         return names
@@ -88,12 +88,34 @@ class FleetWriter:
             self._publish()
         return eligible
 
-    def capacity_problem(self, now: float) -> str | None:
+    def capacity_problem(self, now: float, model: str | None = None) -> str | None:
         """``Fleet.capacity_problem``."""
-        problem = self._fleet.capacity_problem(now)
+        problem = self._fleet.capacity_problem(now, model)
         if self._fleet.has_events:
             self._publish()
         return problem
+
+    def capacity_problems(self, now: float) -> dict[str, str]:
+        """``Fleet.capacity_problems``."""
+        problems = self._fleet.capacity_problems(now)
+        if self._fleet.has_events:
+            self._publish()
+        return problems
+
+    def eligible_pools(self, now: float) -> dict[str, dict[str, list[str]]]:
+        """``Fleet.eligible_pools``."""
+        pools = self._fleet.eligible_pools(now)
+        if self._fleet.has_events:
+            self._publish()
+        return pools
+
+    def models(self) -> list[str]:
+        """``Fleet.models``."""
+        return self._fleet.models()
+
+    def model_of(self, name: str) -> str:
+        """``Fleet.model_of``."""
+        return self._fleet.model_of(name)
 
     def eligibility_version(self, now: float) -> int:
         """``Fleet.eligibility_version``."""
@@ -232,9 +254,9 @@ class FleetWriter:
         self._fleet.reconfigure(eject_after=eject_after, liveness_misses=liveness_misses,
                                 failure_quarantine_s=failure_quarantine_s, probe_interval_s=probe_interval_s)
 
-    def add_engine(self, name: str, role: str, now: float, reason: str) -> None:
+    def add_engine(self, name: str, role: str, now: float, reason: str, model: str = "") -> None:
         """``Fleet.add_engine`` (logged as ``engine_added``)."""
-        self._fleet.add_engine(name, role, now, reason)
+        self._fleet.add_engine(name, role, now, reason, model)
         self._publish()
 
     def start_removal(self, name: str, now: float, reason: str) -> None:

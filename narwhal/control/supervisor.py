@@ -77,11 +77,19 @@ class Supervisor:
 
     # -- the request path's view ------------------------------------------------
 
-    def eligible(self, role: str) -> list[str]:
-        return self.fleet.eligible(role, self.clock())
+    def eligible(self, role: str, model: str | None = None) -> list[str]:
+        return self.fleet.eligible(role, self.clock(), model)
 
-    def capacity_problem(self) -> str | None:
-        return self.fleet.capacity_problem(self.clock())
+    def capacity_problem(self, model: str | None = None) -> str | None:
+        return self.fleet.capacity_problem(self.clock(), model)
+
+    def capacity_problems(self) -> dict[str, str]:
+        """Each model that cannot serve now, with the reason."""
+        return self.fleet.capacity_problems(self.clock())
+
+    def eligible_pools(self) -> dict[str, dict[str, list[str]]]:
+        """Eligible engines by model, then role."""
+        return self.fleet.eligible_pools(self.clock())
 
     def state_version(self) -> int:
         """Changes whenever the eligible engines change: workers' snapshots are republished on it."""
@@ -213,7 +221,7 @@ class Supervisor:
         return self.engines[partners[0]]
 
     async def _probe_prefill(self, engine: EngineSpec, *, suspect_leg: bool) -> dict[str, Any]:
-        body = contract.probe_prefill_body(self.config.fleet.model)
+        body = contract.probe_prefill_body(self.config.model_of(engine))
         problem, raw = await self._probe_call(engine, "/v1/completions", body)
         if problem is None:
             kv = extract_handoff(raw, max_bytes=self.config.engine.max_handoff_bytes)
@@ -226,7 +234,7 @@ class Supervisor:
         return kv
 
     async def _probe_decode(self, engine: EngineSpec, kv: dict[str, Any], *, suspect_leg: bool) -> None:
-        body = contract.probe_decode_body(self.config.fleet.model, kv)
+        body = contract.probe_decode_body(self.config.model_of(engine), kv)
         problem, _ = await self._probe_call(engine, "/v1/completions", body, stream=True)
         if problem is not None:
             self._leg_problem("decode", engine, problem, suspect_leg=suspect_leg)

@@ -150,13 +150,17 @@ def _cause(name: str | None) -> Cause | None:
 class _Engine:
     """One engine's mutable state; only ``Fleet`` touches it."""
 
-    __slots__ = ("name", "role", "index", "streaks", "any_streak", "liveness_misses", "ejected",
+    __slots__ = ("name", "role", "model", "pool", "index", "streaks", "any_streak", "liveness_misses", "ejected",
                  "ejected_reason", "ejected_cause", "ejected_at", "holds", "next_probe_at",
                  "probe_in_flight", "ejections", "probes", "failures", "removing")
 
-    def __init__(self, name: str, role: str, index: int) -> None:
+    def __init__(self, name: str, role: str, index: int, model: str = "") -> None:
         self.name = name
         self.role = role
+        # The model the engine serves: engines of one model and role form a pool, and every rule
+        # that counts peers (last-engine protection, probe partners) counts within the pool.
+        self.model = model
+        self.pool = (model, role)
         # Position in the configured fleet: the deterministic tie-breaker.
         self.index = index
         # Removed by a config reload and waiting for its requests to finish: never placeable again.
@@ -190,10 +194,10 @@ class _Engine:
 class Fleet:
     """The engine state machine: evidence, holds, ejection, eligibility per role."""
 
-    def __init__(self, engines: Sequence[tuple[str, str]], *, eject_after: int,
+    def __init__(self, engines: Sequence[tuple[str, str] | tuple[str, str, str]], *, eject_after: int,
                  liveness_misses: int, failure_quarantine_s: float | None,
                  probe_interval_s: float) -> None:
-        """Track ``engines``, given as (name, role) pairs, all eligible at first."""
+        """Track ``engines``, given as (name, role) or (name, role, model), all eligible at first."""
         self._eject_after = eject_after
         self._liveness_limit = liveness_misses
         self._quarantine_s = failure_quarantine_s
@@ -201,16 +205,21 @@ class Fleet:
         self.reconfigure(eject_after=eject_after, liveness_misses=liveness_misses,
                          failure_quarantine_s=failure_quarantine_s, probe_interval_s=probe_interval_s)
         self._engines: dict[str, _Engine] = {}
-        self._by_role: dict[str, list[_Engine]] = {role: [] for role in ROLES}
-        for index, (name, role) in enumerate(engines):
+        # Engines by pool, (model, role); a model's pools appear together, in order of first mention.
+        self._pools: dict[tuple[str, str], list[_Engine]] = {}
+        for index, entry in enumerate(engines):
+            name, role = entry[0], entry[1]
+            model = entry[2] if len(entry) > 2 else ""
             if name in self._engines:
                 raise ValueError(f"duplicate engine name {name!r}")
-            if role not in self._by_role:
+            if role not in ROLES:
                 raise ValueError(f"engine {name!r} has role {role!r}, expected one of {ROLES}")
-            engine = _Engine(name, role, index)
+            engine = _Engine(name, role, index, model)
             self._engines[name] = engine
-            self._by_role[role].append(engine)
+            self._pool(model, role).append(engine)
         self._next_index = len(self._engines)
+        # Eligible names per pool, and per role over every model.
+        self._eligible_pool: dict[tuple[str, str], list[str]] = {pool: [] for pool in self._pools}
         self._eligible: dict[str, list[str]] = {role: [] for role in ROLES}
         self._eligible_names: frozenset[str] = frozenset()
         # The cache of eligibility is stale when _dirty is set or at
@@ -237,22 +246,39 @@ class Fleet:
     def __contains__(self, name: object) -> bool:
         return name in self._engines
 
+    def _pool(self, model: str, role: str) -> list[_Engine]:
+        members = self._pools.get((model, role))
+        if members is None:
+            # Both roles of a model are made together, so a model's pools stay side by side.
+            for each in ROLES:
+                self._pools.setdefault((model, each), [])
+            members = self._pools[(model, role)]
+        return members
+
+    def models(self) -> list[str]:
+        """The models of the engines tracked, in order of first mention."""
+        return list(dict.fromkeys(model for model, _ in self._pools))
+
+    def model_of(self, name: str) -> str:
+        """The model engine ``name`` serves."""
+        return self._engines[name].model
+
     # ----- the engine set (a config reload) -----
 
-    def add_engine(self, name: str, role: str, now: float, reason: str) -> None:
+    def add_engine(self, name: str, role: str, now: float, reason: str, model: str = "") -> None:
         """Track a new engine, fresh (no evidence) and held out as ejected until a readmission verifies it."""
         if name in self._engines:
             raise ValueError(f"engine {name!r} is already in the fleet")
-        if role not in self._by_role:
+        if role not in ROLES:
             raise ValueError(f"engine {name!r} has role {role!r}, expected one of {ROLES}")
-        engine = _Engine(name, role, self._next_index)
+        engine = _Engine(name, role, self._next_index, model)
         self._next_index += 1
         engine.ejected = True
         engine.ejected_reason = reason
         engine.ejected_cause = EjectionCause.ADDED
         engine.ejected_at = now
         self._engines[name] = engine
-        self._by_role[role].append(engine)
+        self._pool(model, role).append(engine)
         self._dirty = True
         self._emit(FleetEventKind.ADDED, engine, now, reason)
         self._refresh_if_stale(now)
@@ -284,23 +310,41 @@ class Fleet:
     def remove_engine(self, name: str, now: float, reason: str) -> None:
         """Forget ``name`` and all it had (evidence, holds, counters); a later ``add_engine`` starts fresh."""
         engine = self._engines.pop(name)
-        self._by_role[engine.role].remove(engine)
+        members = self._pools[engine.pool]
+        members.remove(engine)
+        if not members and not any(self._pools[(engine.model, role)] for role in ROLES):
+            # The model's last engine left: so does the model.
+            for role in ROLES:
+                del self._pools[(engine.model, role)]
+                self._eligible_pool.pop((engine.model, role), None)
         self._dirty = True
         self._emit(FleetEventKind.REMOVED, engine, now, reason)
         self._refresh(now)
 
     def __repr__(self) -> str:
-        counts = " | ".join(f"{role}: {len(self._eligible[role])}/{len(members)} eligible"
-                            for role, members in self._by_role.items())
+        counts = " | ".join(f"{model + ' ' if model else ''}{role}: "
+                            f"{len(self._eligible_pool.get((model, role), ()))}/{len(members)} eligible"
+                            for (model, role), members in self._pools.items())
         return f"<Fleet [{counts}]>"
 
     # ----- placement (hot path) -----
 
-    def eligible(self, role: str, now: float) -> list[str]:
-        """Names of the engines of ``role`` that may take new requests at ``now``."""
+    def eligible(self, role: str, now: float, model: str | None = None) -> list[str]:
+        """Names of the engines of ``role`` (of ``model``; None: of every model) that may take new requests."""
         if self._dirty or now >= self._next_deadline:
             self._refresh(now)
-        return list(self._eligible[role])
+        if model is None:
+            return list(self._eligible[role])
+        return list(self._eligible_pool.get((model, role), ()))
+
+    def eligible_pools(self, now: float) -> dict[str, dict[str, list[str]]]:
+        """Eligible names by model, then role (every model tracked, empty lists included)."""
+        if self._dirty or now >= self._next_deadline:
+            self._refresh(now)
+        pools: dict[str, dict[str, list[str]]] = {}
+        for (model, role), names in self._eligible_pool.items():
+            pools.setdefault(model, {})[role] = list(names)
+        return pools
 
     def is_eligible(self, name: str, now: float) -> bool:
         """Whether engine ``name`` may take new requests at ``now``."""
@@ -320,14 +364,36 @@ class Fleet:
             self._refresh(now)
         return None if math.isinf(self._next_deadline) else self._next_deadline
 
-    def capacity_problem(self, now: float) -> str | None:
-        """Why serving capacity is exhausted (a role with no eligible engine), or None."""
+    def capacity_problem(self, now: float, model: str | None = None) -> str | None:
+        """Why serving capacity is exhausted, or None: for ``model`` (a role of it with no eligible engine),
+        else for the whole fleet (no model can serve)."""
+        problems = self.capacity_problems(now)
+        if model is not None:
+            return problems.get(model) if model in self._models_seen() else \
+                f"serving capacity exhausted: model {model!r} has no engines"
+        if not problems or len(problems) < len(self._models_seen()):
+            return None
+        return next(iter(problems.values())) if len(problems) == 1 else \
+            "serving capacity exhausted: no model can serve (" + "; ".join(
+                f"{model}: {problem.removeprefix('serving capacity exhausted: ')}"
+                for model, problem in problems.items()) + ")"
+
+    def capacity_problems(self, now: float) -> dict[str, str]:
+        """Each model that cannot serve now (a role with no eligible engine), with the reason."""
         if self._dirty or now >= self._next_deadline:
             self._refresh(now)
-        missing = [role for role in ROLES if not self._eligible[role]]
-        if not missing:
-            return None
-        return f"serving capacity exhausted: no eligible {' or '.join(missing)} engine"
+        problems: dict[str, str] = {}
+        named = len(self._models_seen()) > 1
+        for model in self._models_seen():
+            missing = [role for role in ROLES if not self._eligible_pool.get((model, role))]
+            if missing:
+                of = f" of model {model!r}" if named else ""
+                problems[model] = f"serving capacity exhausted: no eligible {' or '.join(missing)} engine{of}"
+        return problems
+
+    def _models_seen(self) -> list[str]:
+        # A fleet that tracks no engine still has its one unnamed model: it cannot serve.
+        return self.models() or [""]
 
     # ----- evidence -----
 
@@ -449,8 +515,9 @@ class Fleet:
         recovers by itself, engines held only by ``PROBE_PARTNER_HOLDS``, those
         held longest first (configured order among equals).
         """
-        eligible = [name for name in self.eligible(role, now) if name != exclude]
-        held = [engine for engine in self._by_role[role]
+        model = self._engines[exclude].model if exclude in self._engines else ""
+        eligible = [name for name in self.eligible(role, now, model) if name != exclude]
+        held = [engine for engine in self._pools.get((model, role), ())
                 if engine.name != exclude and engine.name not in eligible and not engine.ejected
                 and not engine.removing
                 and engine.holds and all(kind in PROBE_PARTNER_HOLDS for kind in engine.holds)]
@@ -534,7 +601,7 @@ class Fleet:
             self._refresh(now)
         engine = self._engines[name]
         return EngineView(
-            name=engine.name, role=engine.role, eligible=name in self._eligible_names,
+            name=engine.name, role=engine.role, model=engine.model, eligible=name in self._eligible_names,
             ejected=engine.ejected, ejected_reason=engine.ejected_reason,
             ejected_cause=engine.ejected_cause, ejected_at=engine.ejected_at,
             holds=[engine.holds[kind] for kind in HoldKind if kind in engine.holds],
@@ -574,7 +641,7 @@ class Fleet:
             return None if t is None else wall_now + (t - now)
 
         return [EngineRecord(
-            name=engine.name, role=engine.role, ejected=engine.ejected,
+            name=engine.name, role=engine.role, model=engine.model, ejected=engine.ejected,
             ejected_reason=engine.ejected_reason, ejected_cause=engine.ejected_cause,
             ejected_at_wall=wall(engine.ejected_at),
             holds=[HoldRecord(kind=hold.kind, reason=hold.reason, since_wall=wall_now + (hold.since - now),
@@ -599,6 +666,10 @@ class Fleet:
             if record.role != engine.role:
                 raise ValueError(f"handoff gives engine {record.name!r} role {record.role!r}, "
                                  f"configured {engine.role!r}")
+            # A handoff written before models were named ("") fits any; a named one must match.
+            if record.model and record.model != engine.model:
+                raise ValueError(f"handoff gives engine {record.name!r} model {record.model!r}, "
+                                 f"configured {engine.model!r}")
             seen.add(record.name)
 
         def mono(t: float | None) -> float | None:
@@ -679,14 +750,14 @@ class Fleet:
             self._refresh(now)
         # Last-engine protection decides at the moment the hold would bite.
         deferred = (kind in PROTECTED_HOLDS and not engine.ejected
-                    and self._eligible[engine.role] == [engine.name])
+                    and self._eligible_pool.get(engine.pool) == [engine.name])
         previous = engine.holds.get(kind)
         since = previous.since if previous is not None and previous.deferred == deferred else now
         engine.holds[kind] = Hold(kind, reason, since, deadline, deferred, cause)
         self._dirty = True
         if deferred:
             self._emit(FleetEventKind.HOLD_DEFERRED, engine, now,
-                       f"{reason} (deferred: last eligible {engine.role} engine)", hold_kind=kind)
+                       f"{reason} (deferred: last eligible {self._pool_name(engine.pool)} engine)", hold_kind=kind)
         else:
             self._emit(FleetEventKind.HOLD_ADDED, engine, now, reason, hold_kind=kind)
 
@@ -718,14 +789,17 @@ class Fleet:
                 if hold.deadline is not None and hold.deadline <= now:
                     self._remove_hold(engine, kind, "deadline passed", now)
         eligible_names: set[str] = set()
-        for role, members in self._by_role.items():
-            self._protect_last_engine(role, members, now)
+        by_role: dict[str, list[str]] = {role: [] for role in ROLES}
+        for pool, members in self._pools.items():
+            self._protect_last_engine(pool, members, now)
             eligible = [engine.name for engine in members if not engine.ejected and not engine.removing
                         and all(hold.deferred for hold in engine.holds.values())]
-            if eligible != self._eligible[role]:
+            if eligible != self._eligible_pool.get(pool):
                 self._eligibility_version += 1
-            self._eligible[role] = eligible
+            self._eligible_pool[pool] = eligible
+            by_role[pool[1]].extend(eligible)
             eligible_names.update(eligible)
+        self._eligible = by_role
         self._eligible_names = frozenset(eligible_names)
         self._next_deadline = min((hold.deadline for engine in self._engines.values()
                                    for hold in engine.holds.values() if hold.deadline is not None),
@@ -733,7 +807,12 @@ class Fleet:
         # Removing expired holds above marked the state changed; it is now current.
         self._dirty = False
 
-    def _protect_last_engine(self, role: str, members: list[_Engine], now: float) -> None:
+    def _pool_name(self, pool: tuple[str, str]) -> str:
+        """``decode``, or ``decode (model 'm')`` when the fleet serves more than one model."""
+        model, role = pool
+        return f"{role} (model {model!r})" if len(self._pools) > len(ROLES) else role
+
+    def _protect_last_engine(self, pool: tuple[str, str], members: list[_Engine], now: float) -> None:
         # Candidates: engines that only protected holds (if any) keep out of placement.
         candidates = [engine for engine in members if engine.placeable_but_for_protected_holds()]
         for engine in candidates:
@@ -757,7 +836,8 @@ class Fleet:
             if not hold.deferred:
                 keep.holds[kind] = msgspec.structs.replace(hold, deferred=True)
                 self._emit(FleetEventKind.HOLD_DEFERRED, keep, now,
-                           f"{hold.reason} (deferred: last eligible {role} engine)", hold_kind=kind)
+                           f"{hold.reason} (deferred: last eligible {self._pool_name(pool)} engine)",
+                           hold_kind=kind)
 
     def _counters(self, engine: _Engine) -> EngineCounters:
         return EngineCounters(ejections=engine.ejections, probes=dict(engine.probes),

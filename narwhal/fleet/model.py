@@ -159,6 +159,8 @@ class EngineView(msgspec.Struct, frozen=True, kw_only=True):
 
     name: str
     role: str
+    # The model the engine serves ("" in a fleet built without model names).
+    model: str = ""
     eligible: bool
     ejected: bool
     ejected_reason: str | None
@@ -198,6 +200,8 @@ class EngineRecord(msgspec.Struct, frozen=True, kw_only=True):
 
     name: str
     role: str
+    # The engine's model; "" in a handoff written before models were named (it fits any).
+    model: str = ""
     ejected: bool = False
     ejected_reason: str | None = None
     ejected_cause: EjectionCause | None = None

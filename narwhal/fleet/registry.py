@@ -34,20 +34,20 @@ class EngineEntry(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     url: str
     role: Literal["prefill", "decode"]
-    # The fleet's model (one per router for now).
+    # The model the engine serves (its [[engines]] model, else [fleet] model): its pool.
     model: str
     # Where the engine came from: the config file; "discovery" is reserved for engines found at run time.
     source: Literal["file", "discovery"] = "file"
 
     def spec(self) -> EngineSpec:
         """The address the pools, probes and snapshots use."""
-        return EngineSpec(name=self.name, url=self.url, role=self.role)
+        return EngineSpec(name=self.name, url=self.url, role=self.role, model=self.model)
 
 
-def entries_from_config(config: Config, *, model: str | None = None) -> list[EngineEntry]:
-    """``config``'s engines in file order; ``model`` overrides ``fleet.model`` (a reload keeps the running one)."""
-    model = config.fleet.model if model is None else model
-    return [EngineEntry(name=spec.name, url=spec.url, role=spec.role, model=model) for spec in config.engines]
+def entries_from_config(config: Config) -> list[EngineEntry]:
+    """``config``'s engines in file order, each with its model."""
+    return [EngineEntry(name=spec.name, url=spec.url, role=spec.role, model=config.model_of(spec))
+            for spec in config.engines]
 
 
 class RegistryDiff(msgspec.Struct, frozen=True, kw_only=True):

@@ -12,9 +12,12 @@ from __future__ import annotations
 import math
 from typing import Any, Literal, Protocol
 
+import trio
+
 from narwhal.config import EngineSpec
 from narwhal.http1.pump import ClientSocket
 from narwhal.obs.logs import log_event
+from narwhal.served_models import ServedModel
 from narwhal.serving.continuation import StreamJoin
 
 __all__ = ["Exchange", "Leg", "LegKind", "Sink"]
@@ -68,8 +71,9 @@ class Exchange:
     from ``started_at``); a leg on an engine a reload removed is cut as well (``RequestCore._cut``).
     """
 
-    __slots__ = ("attempts", "continuations", "continued_after", "continuing", "deadline_at", "decode", "error_class",
-                 "error_engine", "inter_token_s", "join", "join_gap_s", "legs", "prefill", "prefix_match",
+    __slots__ = ("attempts", "continuations", "continued_after", "continuing", "deadline_at", "deadline_scope",
+                 "decode", "error_class", "error_engine", "inter_token_s", "join", "join_gap_s", "legs", "model",
+                 "prefill", "prefix_match",
                  "regenerated", "request", "rid", "rid_header", "route", "sink", "started_at", "status",
                  "stream_error", "tokens", "ttft_s")
 
@@ -81,6 +85,10 @@ class Exchange:
         self.started_at = started_at
         # When the request deadline passes, in trio time, where a leg scope carries it (saturate policy).
         self.deadline_at = math.inf
+        # The cancel scope that carries the request deadline (bounded policy), moved to the model's own.
+        self.deadline_scope: trio.CancelScope | None = None
+        # The served model the request names (set once validated; an alias resolved to its model).
+        self.model: ServedModel | None = None
         # The parsed, validated body (empty until validated).
         self.request: dict[str, Any] = {}
         # The stream's join when a failed decode may be continued (bounded policy, streamed).
@@ -162,4 +170,5 @@ class Exchange:
             continued_after=self.continued_after,
             prefix_match=None if prefix_match is None else round(prefix_match, 3),
             relay=self.relay(),
+            model=None if self.model is None else self.model.name,
         )

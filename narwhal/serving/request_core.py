@@ -41,7 +41,7 @@ from typing import Any, NoReturn, Protocol
 import msgspec
 import trio
 
-from narwhal.config import Config, EngineSpec
+from narwhal.config import Config, EngineSpec, FleetConfig
 from narwhal.errors import (
     ClientGone,
     EngineFailure,
@@ -56,6 +56,7 @@ from narwhal.fleet.placement import InFlight
 from narwhal.http1.pump import OnChunk, Pump
 from narwhal.obs.logs import log_event
 from narwhal.obs.router_metrics import RouterMetrics
+from narwhal.served_models import ServedModel, ServedModels
 from narwhal.serving import continuation
 from narwhal.serving.client_view import (
     KV_KEY,
@@ -95,8 +96,8 @@ _encode_json = msgspec.json.Encoder()
 class Supervisor(Protocol):
     """The part of the control plane the request path talks to."""
 
-    def eligible(self, role: str) -> list[str]: ...
-    def capacity_problem(self) -> str | None: ...
+    def eligible(self, role: str, model: str | None = None) -> list[str]: ...
+    def capacity_problem(self, model: str | None = None) -> str | None: ...
     def record_failure(self, engine: str, failure_class: FailureClass) -> None: ...
     def record_success(self, engine: str, kind: SuccessKind) -> None: ...
 
@@ -229,6 +230,12 @@ class _LegCut:
             self._legs = None
 
 
+def _listed(names: list[str]) -> str:
+    """Model names for an error message: quoted, at most ten, then how many more."""
+    shown = ", ".join(f"'{name}'" for name in names[:10])
+    return shown if len(names) <= 10 else f"{shown} and {len(names) - 10} more"
+
+
 def _sse_error(message: str, type_: str, code: str | None) -> bytes:
     return b"data: " + error_json(message, type_, code) + b"\n\n"
 
@@ -258,12 +265,13 @@ class RequestCore:
         self.rng = rng or random.Random()
         self.placement = placement or RequestPlacement(config, metrics, rng=self.rng)
         self.engines: dict[str, EngineSpec] = {spec.name: spec for spec in config.engines}
-        self.model = config.fleet.model
+        self._serving = config.serving
+        self._fleet = config.fleet
+        # The models served, their aliases and per-model limits: rebuilt when the engines or [fleet] change.
+        self.models = ServedModels(config.engines, config.fleet, config.serving)
         self._deadline_s = config.serving.request_deadline_s
         self._bounded = config.serving.policy == "bounded"
-        self._max_attempts = config.serving.max_attempts if self._bounded else 1
         self._continue_streams = self._bounded and config.serving.continue_streams
-        self._decode_engines = frozenset(spec.name for spec in config.engines if spec.role == "decode")
         self._count_tokens = config.serving.count_tokens
         # The process's relay pump (the data pool's), unless serving.relay_pump is off.
         self._pump: Pump | None = data_pool.pump if config.serving.relay_pump else None
@@ -292,7 +300,12 @@ class RequestCore:
                 if name not in specs:
                     self.in_flight.forget(name)
         self.engines = specs
-        self._decode_engines = frozenset(name for name, spec in specs.items() if spec.role == "decode")
+        self.models = ServedModels(specs.values(), self._fleet, self._serving)
+
+    def set_fleet(self, fleet: FleetConfig) -> None:
+        """The [fleet] keys changed (a config reload, through the snapshot): models, aliases and limits follow."""
+        self._fleet = fleet
+        self.models = ServedModels(self.engines.values(), fleet, self._serving)
 
     def _cut(self, engine: str) -> None:
         cuts = self._legs.pop(engine, None)
@@ -339,6 +352,7 @@ class RequestCore:
             try:
                 if self._bounded:
                     with trio.move_on_after(self._deadline_s) as deadline:
+                        ex.deadline_scope = deadline
                         await self._serve(ex, body)
                     expired = deadline.cancelled_caught
                 else:
@@ -354,7 +368,8 @@ class RequestCore:
                     ex.error_class = "deadline"
                     if ex.continuing:
                         self.metrics.continuations.inc("exhausted")
-                    message = f"request deadline of {self._deadline_s:g} s exceeded"
+                    deadline_s = self._deadline_s if ex.model is None else ex.model.request_deadline_s
+                    message = f"request deadline of {deadline_s:g} s exceeded"
                     await self._fail(ex, ClientError(504, message, "timeout", "deadline_exceeded"))
             except ClientError as exc:
                 await self._fail(ex, exc)
@@ -416,7 +431,17 @@ class RequestCore:
             self.metrics.saturations.inc("admission_closed")
             raise ClientError(503, closed, "service_unavailable", "admission_closed")
         route, rid, sink = ex.route, ex.rid, ex.sink
-        request = ex.request = self._validate(route, body)
+        request = ex.request = self._validate(route, body, ex)
+        served = ex.model
+        assert served is not None  # _validate names it
+        if served.request_deadline_s != self._deadline_s:
+            # The model's own deadline, from the request's start, as serving.request_deadline_s would be.
+            shift = served.request_deadline_s - self._deadline_s
+            if ex.deadline_scope is not None:
+                ex.deadline_scope.deadline += shift
+            else:
+                ex.deadline_at += shift
+        max_attempts = served.max_attempts
         join: StreamJoin | None = None
         not_continued: str | None = None
         if self._bounded and request.get("stream") is True:
@@ -463,7 +488,7 @@ class RequestCore:
                         return
                     if failed.stage == "decode" and not queued:
                         exclude = failed.engine
-                elif not self._bounded or (not queued and ex.attempts >= self._max_attempts):
+                elif not self._bounded or (not queued and ex.attempts >= max_attempts):
                     raise failed.error from None
                 if queued:
                     # Waiting for capacity is bounded by the request deadline, not by attempts.
@@ -485,7 +510,7 @@ class RequestCore:
         if join.finished:
             # The last token reached the client; only usage and [DONE] were lost.
             if join.tail_needs_count:
-                await self._count_tail(join, rid)
+                await self._count_tail(join, rid, ex.model.name if ex.model is not None else None)
             ex.tokens = join.tokens
             ex.status = 200
             await ex.sink.end_stream(join.tail())
@@ -498,17 +523,19 @@ class RequestCore:
             self.metrics.continuations.inc("not_eligible")
             log_event("stream_not_continued", request_id=rid, reason=f"class:{failed.failure_class}")
             raise failed.error from None
-        if not queued and ex.attempts >= self._max_attempts:
+        assert ex.model is not None
+        if not queued and ex.attempts >= ex.model.max_attempts:
             self.metrics.continuations.inc("exhausted")
             log_event("stream_not_continued", request_id=rid, reason="max_attempts")
             raise failed.error from None
-        if failed.stage == "decode" and not self._decode_engines - {failed.engine}:
+        decode_engines = self.models.decode_engines.get(ex.model.name, frozenset())
+        if failed.stage == "decode" and not decode_engines - {failed.engine}:
             # The continuation may not go back to the engine that failed, and there is no other.
             self.metrics.continuations.inc("not_eligible")
             log_event("stream_not_continued", request_id=rid, reason="no_other_decode_engine")
             raise failed.error from None
 
-    def _validate(self, route: str, body: bytes) -> dict[str, Any]:
+    def _validate(self, route: str, body: bytes, ex: Exchange) -> dict[str, Any]:
         try:
             request = _decode_json.decode(body)
         except msgspec.DecodeError as exc:
@@ -520,14 +547,9 @@ class RequestCore:
         if not isinstance(request, dict):
             raise ClientError(400, "request body must be a JSON object", "invalid_request_error",
                               "invalid_body")
-        model = request.get("model")
-        if model is None:
-            request["model"] = self.model
-        elif not isinstance(model, str):
-            raise ClientError(400, "'model' must be a string", "invalid_request_error", "invalid_model")
-        elif model != self.model:
-            raise ClientError(404, f"the model '{model}' does not exist; this router serves '{self.model}'",
-                              "invalid_request_error", "model_not_found")
+        ex.model = self._served_model(request.get("model"))
+        # An alias is the model's: the engines get its own name, and their answers carry it.
+        request["model"] = ex.model.name
         if route == "/v1/chat/completions":
             messages = request.get("messages")
             if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
@@ -558,9 +580,26 @@ class RequestCore:
         request.pop("kv_transfer_params", None)
         return request
 
+    def _served_model(self, model: Any) -> ServedModel:
+        """The served model a request's ``model`` names; a 400 or 404 (OpenAI's errors) when it names none."""
+        models = self.models
+        if isinstance(model, str):
+            served = models.by_name.get(model)
+            if served is not None:
+                return served
+            raise ClientError(404, f"The model '{model}' does not exist (this router serves "
+                              f"{_listed(models.names())})", "invalid_request_error", "model_not_found")
+        if model is not None:
+            raise ClientError(400, "'model' must be a string", "invalid_request_error", "invalid_model")
+        if models.only is not None:
+            return models.only
+        raise ClientError(400, f"'model' is required: this router serves {len(models)} models "
+                          f"({_listed(models.names())})", "invalid_request_error", "missing_model")
+
     def _place(self, role: str, avoid: set[str], route: str, request: dict[str, Any], ex: Exchange,
                exclude: str | None = None) -> str:
-        candidates = self.supervisor.eligible(role)
+        model = ex.model.name if ex.model is not None else None
+        candidates = self.supervisor.eligible(role, model)
         if exclude is not None:
             # A continuation's decode never goes back to the engine that just broke the stream.
             candidates = [name for name in candidates if name != exclude]
@@ -570,7 +609,8 @@ class RequestCore:
         choice = self.placement.choose(role, candidates, route, request, self.in_flight)
         if choice is None:
             self.metrics.saturations.inc(f"no_{role}")
-            problem = self.supervisor.capacity_problem() or f"serving capacity exhausted: no eligible {role} engine"
+            problem = self.supervisor.capacity_problem(model) or \
+                f"serving capacity exhausted: no eligible {role} engine"
             raise _AttemptFailed(ClientError(503, problem, "service_unavailable", "no_capacity"),
                                  None, "no_capacity")
         if role == "prefill":
@@ -756,10 +796,10 @@ class RequestCore:
             counts.append(None)
         join.counted(counts[0], counts[1])
 
-    async def _count_tail(self, join: StreamJoin, rid: str) -> None:
+    async def _count_tail(self, join: StreamJoin, rid: str, model: str | None) -> None:
         """The counts a tail's usage chunk needs, from the first eligible prefill engine that gives them; if none
         does, the tail goes without usage (``StreamJoin.tail``)."""
-        for name in self.supervisor.eligible("prefill"):
+        for name in self.supervisor.eligible("prefill", model):
             engine = self.engines.get(name)
             if engine is None:
                 continue

@@ -39,8 +39,10 @@ __all__ = ["AggregateInFlight", "ControlPlane", "Poke", "WorkerHub"]
 class ControlPlane(Protocol):
     """What the hub needs of the controller's supervisor."""
 
-    def eligible(self, role: str) -> list[str]: ...
-    def capacity_problem(self) -> str | None: ...
+    def eligible(self, role: str, model: str | None = None) -> list[str]: ...
+    def capacity_problem(self, model: str | None = None) -> str | None: ...
+    def capacity_problems(self) -> dict[str, str]: ...
+    def eligible_pools(self) -> dict[str, dict[str, list[str]]]: ...
     def record_failure(self, engine: str, failure_class: FailureClass) -> None: ...
     def record_success(self, engine: str, kind: SuccessKind) -> None: ...
     def state_version(self) -> int: ...
@@ -235,13 +237,15 @@ class WorkerHub:
         valid_until = control.valid_until()
         config = None if self.running_config is None else self.running_config()
         return version, Snapshot(
-            seq=0, eligible={role: control.eligible(role) for role in ROLES},
-            capacity_problem=control.capacity_problem(), admission_reason=self._admission.reason(),
+            seq=0, eligible={role: control.eligible(role) for role in ROLES}, pools=control.eligible_pools(),
+            capacity_problem=control.capacity_problem(), capacity_problems=control.capacity_problems(),
+            admission_reason=self._admission.reason(),
             admit_until=self._admit_until(),
             valid_until=None if valid_until is None or math.isinf(valid_until) else valid_until,
             in_flight=self._in_flight_totals() if self._share_in_flight else {},
             engines=None if self.engine_specs is None else self.engine_specs(),
             placement=None if config is None else config.placement,
+            fleet=None if config is None else config.fleet,
             engine_config=None if config is None else config.engine)
 
     def _for_link(self, content: Snapshot) -> Snapshot:

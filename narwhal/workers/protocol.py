@@ -18,7 +18,7 @@ import struct
 
 import msgspec
 
-from narwhal.config import Config, EngineConfig, EngineSpec, PlacementConfig
+from narwhal.config import Config, EngineConfig, EngineSpec, FleetConfig, PlacementConfig
 from narwhal.errors import NarwhalError
 from narwhal.fleet.placement import IndexRecord
 
@@ -81,9 +81,14 @@ class Snapshot(_Message, tag="snapshot"):
     """
 
     seq: int
+    # Eligible engines by role, every model's together.
     eligible: dict[str, list[str]]
-    # The fleet's "serving capacity exhausted" reason, or None.
+    # Eligible engines by model, then role: what a request for one model is placed on.
+    pools: dict[str, dict[str, list[str]]] = {}
+    # The fleet's "serving capacity exhausted" reason (no model can serve), or None.
     capacity_problem: str | None = None
+    # Each model that cannot serve, with its reason.
+    capacity_problems: dict[str, str] = {}
     # Why admission is closed (monitor degraded, standby, fenced, shutdown), or None.
     admission_reason: str | None = None
     # Admission closes by itself at this instant unless a newer snapshot moves it (the lease).
@@ -104,6 +109,8 @@ class Snapshot(_Message, tag="snapshot"):
     # runs them now; None: as in the Welcome's config.
     placement: PlacementConfig | None = None
     engine_config: EngineConfig | None = None
+    # The [fleet] keys as the controller runs them (the default model, [[fleet.models]]); None: the Welcome's.
+    fleet: FleetConfig | None = None
 
 
 class IndexUpdate(_Message, tag="index_update"):

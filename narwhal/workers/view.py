@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from narwhal.config import EngineConfig, EngineSpec, PlacementConfig
+from narwhal.config import EngineConfig, EngineSpec, FleetConfig, PlacementConfig
 from narwhal.errors import FailureClass, SuccessKind
 from narwhal.workers.protocol import Evidence, RequestSample, Snapshot
 
@@ -30,7 +30,8 @@ class WorkerView:
     def __init__(self, send: Callable[[Evidence], None], *, clock: Callable[[], float] = time.monotonic,
                  refresh: Callable[[], None] | None = None,
                  on_engines: Callable[[list[EngineSpec]], None] | None = None,
-                 on_settings: Callable[[PlacementConfig, EngineConfig], None] | None = None) -> None:
+                 on_settings: Callable[[PlacementConfig, EngineConfig], None] | None = None,
+                 on_fleet: Callable[[FleetConfig], None] | None = None) -> None:
         self._send = send
         self._clock = clock
         # In one process the hub is asked before each read whether the fleet
@@ -42,6 +43,8 @@ class WorkerView:
         self.on_engines = on_engines
         # Told the data plane's reloadable settings when a snapshot changes them (``LocalDataPlane.configure``).
         self.on_settings = on_settings
+        # Told the [fleet] keys (models, aliases, their limits) when a snapshot changes them (``set_fleet``).
+        self.on_fleet = on_fleet
 
     def apply(self, snapshot: Snapshot) -> None:
         """Take a newer snapshot (older ones, reordered or replayed, are ignored).
@@ -51,6 +54,8 @@ class WorkerView:
         """
         if snapshot.seq >= self.snapshot.seq:
             last = self.snapshot
+            if snapshot.fleet is not None and snapshot.fleet != last.fleet and self.on_fleet is not None:
+                self.on_fleet(snapshot.fleet)
             if snapshot.engines is not None and snapshot.engines != last.engines and self.on_engines is not None:
                 self.on_engines(snapshot.engines)
             if (snapshot.placement is not None and snapshot.engine_config is not None and self.on_settings is not None
@@ -70,11 +75,23 @@ class WorkerView:
 
     # -- the request core's Supervisor protocol ------------------------------------------
 
-    def eligible(self, role: str) -> list[str]:
-        return self._current().eligible.get(role, [])
+    def eligible(self, role: str, model: str | None = None) -> list[str]:
+        snapshot = self._current()
+        if model is None:
+            return snapshot.eligible.get(role, [])
+        pool = snapshot.pools.get(model)
+        return [] if pool is None else pool.get(role, [])
 
-    def capacity_problem(self) -> str | None:
-        return self._current().capacity_problem
+    def capacity_problem(self, model: str | None = None) -> str | None:
+        snapshot = self._current()
+        if model is None:
+            return snapshot.capacity_problem
+        if model not in snapshot.pools:
+            return f"serving capacity exhausted: model {model!r} has no engines"
+        return snapshot.capacity_problems.get(model)
+
+    def capacity_problems(self) -> dict[str, str]:
+        return self._current().capacity_problems
 
     def record_failure(self, engine: str, failure_class: FailureClass) -> None:
         self._send(Evidence(engine=engine, failure_class=failure_class.value))

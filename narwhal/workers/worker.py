@@ -68,7 +68,8 @@ class Worker:
         self.index = index
         self.config = config
         self.link = link
-        self.view = WorkerView(self._send, on_engines=self._engines_changed, on_settings=self._settings_changed)
+        self.view = WorkerView(self._send, on_engines=self._engines_changed, on_settings=self._settings_changed,
+                               on_fleet=lambda fleet: self.plane.core.set_fleet(fleet))
         self.metrics = RouterMetrics()
         self.telemetry = TelemetryRelay()
         # The controller read these files a moment ago; a worker reads its own copies.

@@ -10,8 +10,10 @@ The chain, run in this order on the control pool and stopped at the first failur
                    hex HMAC-SHA256(fleet key, "engine_id|nonce|generation")
     newer_process  (maintenance only) identity process_started_at is later than the
                    maintenance start
-    model          identity model and one of GET /v1/models's ids are fleet.model
-    generation     identity generation is fleet.generation
+    model          identity model and one of GET /v1/models's ids are the engine's model
+                   ([[engines]] model, else fleet.model)
+    generation     identity generation is the model's generation ([[fleet.models]]
+                   generation, else fleet.generation)
     kv_role        identity kv_roles has "producer" (prefill) or "consumer" (decode)
     final_health   GET /health answers a success again
     inference      (only while a failure quarantine stands that a health 200 may not
@@ -431,14 +433,21 @@ class Readmitter:
 
     async def _check_model(self, attempt: _Attempt) -> None:
         assert attempt.identity is not None
-        model = self.config.fleet.model
+        model = self.config.model_of(attempt.spec)
         contract.check_identity_model(attempt.identity, model)
         # vLLM's own answer too: a plugin claiming the fleet's model cannot pass for an engine serving another.
         contract.check_listed_model(contract.listed_models(await self._get_ok(attempt.spec, "/v1/models")), model)
 
     async def _check_generation(self, attempt: _Attempt) -> None:
         assert attempt.identity is not None
-        contract.check_generation(attempt.identity, self.config.fleet.generation)
+        contract.check_generation(attempt.identity, self._generation(self.config.model_of(attempt.spec)))
+
+    def _generation(self, model: str) -> str:
+        """The generation engines of ``model`` must report: its [[fleet.models]] entry's, else fleet.generation."""
+        for entry in self.config.fleet.models:
+            if entry.name == model and entry.generation is not None:
+                return entry.generation
+        return self.config.fleet.generation
 
     async def _check_kv_role(self, attempt: _Attempt) -> None:
         assert attempt.identity is not None
