@@ -80,10 +80,10 @@ def _router(prefill_port: int, decode_port: int, policy: str, pump: bool, profil
     from narwhal.serving.request_core import RequestCore
 
     class Supervisor:
-        def eligible(self, role: str) -> list[str]:
+        def eligible(self, role: str, model: str | None = None) -> list[str]:
             return ["p1"] if role == "prefill" else ["d1"]
 
-        def capacity_problem(self) -> str | None:
+        def capacity_problem(self, model: str | None = None) -> str | None:
             return None
 
         def record_failure(self, engine: str, failure_class: FailureClass) -> None:
@@ -183,6 +183,10 @@ class _Client:
             del self.raw[:line_end + 2 + size + 2]
 
 
+# The driver waits at most this long for the router's next engine request or client bytes.
+_STALL_S = 60.0
+
+
 def _drive(router_cmd: list[str], requests: int, streams: int, tokens: int, policy: str, pump: bool,
            env: dict[str, str]) -> None:
     """Start the router (``router_cmd`` + its arguments) and relay ``requests`` rounds of ``streams`` streams."""
@@ -202,7 +206,12 @@ def _drive(router_cmd: list[str], requests: int, streams: int, tokens: int, poli
         """Serve prefill requests and accept decode ones until ``until`` decode requests came in."""
         decodes: list[_Peer] = []
         while len(decodes) < until:
-            for key, _ in selector.select():
+            ready = selector.select(timeout=_STALL_S)
+            if not ready:
+                # A router that stopped asking (it failed a request): an error, never a hang.
+                router.kill()
+                raise SystemExit(f"the router sent no engine request for {_STALL_S:g} s")
+            for key, _ in ready:
                 if key.data == "accept":
                     sock, _ = key.fileobj.accept()  # type: ignore[union-attr]
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -228,7 +237,7 @@ def _drive(router_cmd: list[str], requests: int, streams: int, tokens: int, poli
     for _ in range(requests):
         clients = []
         for _ in range(streams):
-            sock = socket.create_connection(("127.0.0.1", port))
+            sock = socket.create_connection(("127.0.0.1", port), timeout=_STALL_S)
             body = _REQUEST % tokens
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                          b"content-length: %d\r\n\r\n%s" % (len(body), body))

@@ -128,7 +128,7 @@ async def test_a_plugin_claiming_a_model_vllm_does_not_serve_fails_the_model_che
     assert rows["model"].failed
     assert rows["model"].detail == "/narwhal/identity names model 'm'; /v1/models lists ['other']"
     rows = await run(engine, model="m")
-    assert rows["models"].detail == "/v1/models lists ['other']; fleet.model 'm' is not among them"
+    assert rows["models"].detail == "/v1/models lists ['other']; the engine's model 'm' is not among them"
 
 
 @pytest.mark.parametrize(("knob", "check", "detail"), [

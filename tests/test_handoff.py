@@ -50,7 +50,7 @@ def full_document() -> HandoffDocument:
     hold = HoldRecord(kind=HoldKind.FAILURE_QUARANTINE, reason="ejected: connection", since_wall=1000.5,
                       deadline_wall=1030.5, deferred=True, cause="connection")
     record = EngineRecord(
-        name="p1", role="prefill", ejected=True, ejected_reason="connection streak reached 2",
+        name="p1", role="prefill", model="m1", ejected=True, ejected_reason="connection streak reached 2",
         ejected_cause=EjectionCause.CONNECTION, ejected_at_wall=1000.5,
         holds=[hold, HoldRecord(kind=HoldKind.PERFORMANCE_DRIFT, reason="3x median latency", since_wall=990.0,
                                 deadline_wall=1090.0, deferred=True, cause="stream")],

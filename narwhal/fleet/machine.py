@@ -82,15 +82,20 @@ back) while its requests in flight finish and their evidence still counts;
 starts fresh. ``cancel_removal`` undoes ``start_removal`` when the same engine
 comes back before it left: it keeps its state, as if never removed.
 
+Pools. Each engine serves one model; the engines of one model and role form a
+*pool*, and every rule that counts peers counts within the pool: last-engine
+protection, probe partners, ``capacity_problem`` per model. The fleet as a
+whole can serve while any model can (``capacity_problem`` without a model).
+
 Last-engine protection. Performance-drift and failure-quarantine holds never
-take away the last eligible engine of a role: such a hold is recorded
-*deferred* (not pausing), and applied as soon as another engine of the role is
-eligible again. The check runs on every ``eligible`` call that finds the state
+take away the last eligible engine of a pool (a model's role): such a hold is
+recorded *deferred* (not pausing), and applied as soon as another engine of the
+pool is eligible again. The check runs on every ``eligible`` call that finds the state
 changed or a deadline passed and after every mutation, and it works both ways:
 if a peer is later ejected, drained or paused and only protected holds keep the
-role empty, the most recently held engine gets its protected holds deferred
+pool empty, the most recently held engine gets its protected holds deferred
 again. Ejections, inference-verification holds, drains and maintenance are not
-protected: a confirmed failure (or the operator) can empty a role, and
+protected: a confirmed failure (or the operator) can empty a pool, and
 ``capacity_problem`` then names it while probes continue.
 """
 
