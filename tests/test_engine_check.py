@@ -221,6 +221,24 @@ def test_the_key_comes_from_the_config_when_no_key_file_is_given(tmp_path: Path,
     assert _expectations(parse("http://127.0.0.1:1", "--model", "x", "--config", str(config))).model == "x"
 
 
+def test_an_engine_the_config_lists_under_another_model_is_checked_for_that_model(tmp_path: Path) -> None:
+    from narwhal.tools.engine_check import _expectations
+
+    config = tmp_path / "narwhal.toml"
+    config.write_text('[fleet]\nmodel = "a"\ngeneration = "g1"\nattestation_key = "k"\n'
+                      '[[fleet.models]]\nname = "b"\ngeneration = "g2"\n'
+                      '[[engines]]\nname = "p"\nurl = "http://127.0.0.1:1"\nrole = "prefill"\n'
+                      '[[engines]]\nname = "d"\nurl = "http://127.0.0.1:2"\nrole = "decode"\n'
+                      '[[engines]]\nname = "pb"\nurl = "http://127.0.0.1:3"\nrole = "prefill"\nmodel = "b"\n'
+                      '[[engines]]\nname = "db"\nurl = "http://127.0.0.1:4"\nrole = "decode"\nmodel = "b"\n')
+    expect = _expectations(parse("http://127.0.0.1:3", "--config", str(config)))
+    assert (expect.model, expect.generation) == ("b", "g2")
+    expect = _expectations(parse("http://127.0.0.1:2/", "--config", str(config)))
+    assert (expect.model, expect.generation) == ("a", "g1")
+    # Not listed: the fleet's model.
+    assert _expectations(parse("http://127.0.0.1:9", "--config", str(config))).model == "a"
+
+
 async def test_https_engines_are_verified_with_the_routers_engine_tls_settings(tmp_path: Path, nursery) -> None:
     import trustme
 

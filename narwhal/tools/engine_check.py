@@ -41,7 +41,7 @@ import msgspec
 import trio
 
 from narwhal import attestation
-from narwhal.config import ConfigError, EngineConfig, EngineSpec, load_config
+from narwhal.config import Config, ConfigError, EngineConfig, EngineSpec, load_config
 from narwhal.control import contract
 from narwhal.errors import EngineFailure, FailureClass, NarwhalError
 from narwhal.pools import classify
@@ -345,8 +345,12 @@ def _expectations(args: argparse.Namespace) -> Expectations:
             context = engine_context(config.engine, Path(args.config).parent)
         except ConfigError as exc:
             raise _UsageError(f"config error: {exc}") from None
-        model = model or config.fleet.model
-        generation = generation or config.fleet.generation
+        # The URL's own [[engines]] entry, when it has one, names the model (and so the generation) it serves.
+        served = _served_model(config, args.url)
+        model = model or served or config.fleet.model
+        generation = generation or next((entry.generation for entry in config.fleet.models
+                                         if entry.name == model and entry.generation is not None),
+                                        config.fleet.generation)
         if not args.key_file:
             key = config.attestation_key_bytes(Path(args.config).parent)
             source = f"{args.config} [fleet]" if key else ""
@@ -371,6 +375,16 @@ def _expectations(args: argparse.Namespace) -> Expectations:
         raise _UsageError(f"--timeout-s must be a positive number, got {args.timeout_s}")
     return Expectations(role=args.role, model=model, generation=generation, key=key, key_source=source, peer=peer,
                         ssl_context=context)
+
+
+def _served_model(config: Config, url: str) -> str | None:
+    """The model ``url``'s ``[[engines]]`` entries serve, when the config lists it (under one model)."""
+    try:
+        address = _spec("URL", url, "prefill").address
+    except _UsageError:
+        return None
+    models = {config.model_of(spec) for spec in config.engines if spec.address == address}
+    return models.pop() if len(models) == 1 else None
 
 
 def _spec(name: str, url: str, role: str) -> EngineSpec:
