@@ -49,7 +49,7 @@ async def two_models(nursery, tmp_path):
     processes: list[LocalProcess] = []
     client = httpx.AsyncClient(timeout=30.0)
 
-    async def start(**recovery: Any) -> TwoModels:
+    async def start(workers: int = 1, **recovery: Any) -> TwoModels:
         engines: dict[str, LocalProcess] = {}
         for name, (role, model) in MODELS.items():
             engines[name] = await start_mock_engine(nursery, role, engine_id=name, args=["--model", model])
@@ -57,7 +57,7 @@ async def two_models(nursery, tmp_path):
         config = tmp_path / "narwhal.toml"
         config.write_text(render_config(
             [(name, engines[name].url, role, model) for name, (role, model) in MODELS.items()],
-            {"serving": {"count_tokens": False, "shutdown_grace_s": 5.0},
+            {"serving": {"count_tokens": False, "shutdown_grace_s": 5.0, "workers": workers},
              "engine": {"connect_timeout_s": 1.0, "request_timeout_s": 10.0, "health_timeout_s": 0.5},
              "controller": {"monitor_interval_s": 0.2},
              "recovery": recovery,
@@ -136,3 +136,23 @@ async def test_the_last_engine_of_a_model_is_protected_even_while_another_model_
     assert reasons and "last eligible decode (model 'beta') engine" in reasons[0]
     # Meanwhile alpha's engines took no hold of beta's making.
     assert view["da"]["holds"] == [] and view["pa"]["holds"] == []
+
+
+async def test_worker_processes_place_each_model_on_its_own_engines_from_their_snapshots(two_models):
+    fleet = await two_models(workers=2)
+    for _ in range(4):
+        assert (await fleet.complete("alpha")).json()["model"] == "alpha"
+        assert (await fleet.complete("beta-latest")).json()["model"] == "beta"
+    lines = [await fleet.request_line(count) for count in range(1, 9)]
+    assert {(line["model"], line["prefill"], line["decode"]) for line in lines} == {
+        ("alpha", "pa", "da"), ("beta", "pb", "db")}
+    assert (await fleet.client.post(f"{fleet.url}/admin/engines/db/drain")).status_code == 200
+
+    async def beta_refused() -> bool:
+        return (await fleet.complete("beta")).status_code == 503
+
+    # Each worker learns of the drain from its next snapshot.
+    await wait_until(beta_refused, timeout_s=10.0, what="beta refused in every worker")
+    for _ in range(4):
+        assert (await fleet.complete("beta")).status_code == 503
+        assert (await fleet.complete("alpha")).status_code == 200
