@@ -322,6 +322,7 @@ class Fleet:
             for role in ROLES:
                 del self._pools[(engine.model, role)]
                 self._eligible_pool.pop((engine.model, role), None)
+            self._eligibility_version += 1  # the model left the pools workers place by
         self._dirty = True
         self._emit(FleetEventKind.REMOVED, engine, now, reason)
         self._refresh(now)
