@@ -80,10 +80,11 @@ def _router(prefill_port: int, decode_port: int, policy: str, pump: bool, profil
     from narwhal.serving.request_core import RequestCore
 
     class Supervisor:
-        def eligible(self, role: str) -> list[str]:
+        # The request path asks per model (issue 35); this router serves one.
+        def eligible(self, role: str, model: str | None = None) -> list[str]:
             return ["p1"] if role == "prefill" else ["d1"]
 
-        def capacity_problem(self) -> str | None:
+        def capacity_problem(self, model: str | None = None) -> str | None:
             return None
 
         def record_failure(self, engine: str, failure_class: FailureClass) -> None:

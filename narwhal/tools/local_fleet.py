@@ -191,15 +191,27 @@ def _toml_value(value: Any) -> str:
     raise TypeError(f"cannot write {type(value).__name__} to TOML")
 
 
-def render_config(engines: Sequence[tuple[str, str, str]],
-                  sections: Mapping[str, Mapping[str, Any]] | None = None) -> str:
-    """A config file for ``engines`` as (name, url, role), with extra ``sections``."""
+def render_config(engines: Sequence[tuple[str, str, str] | tuple[str, str, str, str]],
+                  sections: Mapping[str, Mapping[str, Any]] | None = None,
+                  models: Sequence[Mapping[str, Any]] = ()) -> str:
+    """A config file for ``engines`` as (name, url, role) or (name, url, role, model), with extra ``sections``.
+
+    ``models``: ``[[fleet.models]]`` entries (name, aliases, ...), written after the engines.
+    """
     lines: list[str] = []
     for section, values in (sections or {}).items():
         lines.append(f"[{section}]")
         lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items() if value is not None)
         lines.append("")
-    for name, url, role in engines:
+    for engine in engines:
+        name, url, role = engine[:3]
         lines += ["[[engines]]", f"name = {_toml_value(name)}", f"url = {_toml_value(url)}",
-                  f"role = {_toml_value(role)}", ""]
+                  f"role = {_toml_value(role)}"]
+        if len(engine) > 3:
+            lines.append(f"model = {_toml_value(engine[3])}")
+        lines.append("")
+    for model in models:
+        lines.append("[[fleet.models]]")
+        lines.extend(f"{key} = {_toml_value(value)}" for key, value in model.items() if value is not None)
+        lines.append("")
     return "\n".join(lines)

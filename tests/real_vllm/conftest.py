@@ -142,11 +142,12 @@ async def start_narwhal(fleet: VllmFleet, nursery: trio.Nursery, tmp_path: Path)
     started: list[Narwhal] = []
     logs: list[Any] = []
 
-    async def start(*, engines: Sequence[str] | None = None, **sections: dict[str, Any]) -> Narwhal:
+    async def start(*, engines: Sequence[str] | None = None, more_engines: Sequence[tuple[str, str, str, str]] = (),
+                    models: Sequence[dict[str, Any]] = (), **sections: dict[str, Any]) -> Narwhal:
         sections.setdefault("admin", {})["token"] = ADMIN_TOKEN
         config_path = tmp_path / f"narwhal-{len(started)}.toml"
         config_path.write_text(fleet.router_config(tmp_path / f"handoff-{len(started)}.json", engines=engines,
-                                                   **sections))
+                                                   more_engines=more_engines, models=models, **sections))
         env = {"PYTHONPATH": str(REPO)}
         # Its JSON log lines are kept in process.lines and, for whoever reads the run afterwards, in a file.
         log = (tmp_path / f"router-{len(started)}.log").open("w")
@@ -154,7 +155,7 @@ async def start_narwhal(fleet: VllmFleet, nursery: trio.Nursery, tmp_path: Path)
         process = await start_router(nursery, str(config_path), env=env, timeout_s=60.0, echo=log)
         router = Narwhal(process, fleet, httpx.AsyncClient(timeout=120.0), config_path)
         started.append(router)
-        for name in fleet.engines if engines is None else engines:
+        for name in [*(fleet.engines if engines is None else engines), *(e[0] for e in more_engines)]:
             await router.wait_engine(name, lambda e: e["eligible"], what="eligible at start", timeout_s=60.0)
         return router
 
