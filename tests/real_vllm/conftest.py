@@ -7,9 +7,10 @@ machine's real-vLLM lock and runs pytest in that venv).  Fixtures, for tests tha
                     ``d1``, ``d2``...), started once; engines are process groups (``fleet["d1"].signal_group``).
 ``fleet``           the same fleet, with every dead, frozen or unhealthy engine restarted first: use this one.
 ``start_narwhal``   ``await start_narwhal(**sections)``: a router (``python -m narwhal serve``) in front of the
-                    fleet (``engines=["p1", "d1"]``: of those only), every engine eligible; returns a ``Narwhal``
-                    with ``url``, ``client`` (httpx), ``openai`` (the official client), ``call(fn, *args)`` (runs a
-                    blocking call, such as an ``openai`` one, in a thread), ``engine(name)`` and
+                    fleet (``engines=["p1", "d1"]``: of those only; ``more_engines``: other engines as (name, url,
+                    role, model); ``models``: ``[[fleet.models]]`` entries), every engine eligible; returns a
+                    ``Narwhal`` with ``url``, ``client`` (httpx), ``openai`` (the official client), ``call(fn,
+                    *args)`` (runs a blocking call, such as an ``openai`` one, in a thread), ``engine(name)`` and
                     ``wait_engine(name, predicate, what=)``.
 
 Helpers: ``metric(fleet_engine_url, name, **labels)`` reads one sample of an engine's /metrics;
