@@ -17,7 +17,7 @@ import trio
 from trio.testing import MockClock
 
 from narwhal.app.control_app import create_app
-from narwhal.config import Config, EngineSpec, FleetConfig, ModelConfig
+from narwhal.config import Config, EngineSpec, FleetConfig, ModelConfig, RunningConfig
 from narwhal.control import contract
 from narwhal.control.model_lengths import ModelLengths
 from narwhal.control.model_view import ModelViewer
@@ -29,6 +29,7 @@ from narwhal.served_models import ServedModels
 from narwhal.tools.admin_cli import format_models
 from narwhal.workers.protocol import Snapshot
 from tests import test_readmission as readmission_tests
+from tests.test_admin_cli import run as admin_cli_run
 from tests.test_engine_view import FakeActions, FakeMetrics, FakeTelemetry
 from tests.test_readmission import FakeEngine, World, events  # noqa: F401 - events is a fixture
 from tests.test_worker_process import Answer, FakeLink, worker
@@ -310,3 +311,28 @@ def test_model_lengths_keep_the_latest_report_and_give_the_smallest() -> None:
     assert lengths.smallest(["a", "b"]) == 4096
     lengths.forget("a")
     assert lengths.smallest(["a", "b"]) is None
+
+
+def test_admin_models_on_the_command_line_reads_admin_models() -> None:
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.path)
+        return httpx.Response(200, json={"models": [
+            {"name": "a", "aliases": [], "generation": "g1", "max_model_len": 2048, "can_serve": True, "reason": None,
+             "engines": [{"name": "p1", "role": "prefill", "state": "eligible", "removing": False}]}]})
+
+    code, out, err = admin_cli_run(["models"], httpx.MockTransport(handler))
+    assert (code, err, seen) == (0, "", ["/admin/models"])
+    assert out.splitlines()[1].split() == ["a", "-", "g1", "2048", "yes", "p1", "(prefill,", "eligible)"]
+
+
+def test_a_reload_gives_the_models_view_its_new_models_and_aliases() -> None:
+    state = State(one_model())
+    assert [card.id for card in state.model_view.models().data] == ["m"]
+    config = one_model()
+    renamed = Config(fleet=FleetConfig(model="m", models=[ModelConfig(name="m", aliases=["m2"])]),
+                     engines=config.engines)
+    state.model_view.configure(RunningConfig(config=renamed))
+    assert [(card.id, card.parent) for card in state.model_view.models().data] == [("m", None), ("m2", "m")]
+    assert state.model_view.ready("m2").status == 200
