@@ -8,6 +8,7 @@ Fakes only: the app over ``ModelViewer`` and a real ``Fleet``; the readmitter ov
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import httpx
@@ -21,10 +22,12 @@ from narwhal.config import Config, EngineSpec, FleetConfig, ModelConfig, Running
 from narwhal.control import contract
 from narwhal.control.model_lengths import ModelLengths
 from narwhal.control.model_view import ModelViewer
+from narwhal.control.readmission import Readmitter
 from narwhal.fleet import EjectionCause, Fleet
 from narwhal.http1.protocol import Request
 from narwhal.lease.service import LeaseView
 from narwhal.model_ready import query_model, ready_answer
+from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.served_models import ServedModels
 from narwhal.tools.admin_cli import format_models
 from narwhal.workers.protocol import Snapshot
@@ -336,3 +339,20 @@ def test_a_reload_gives_the_models_view_its_new_models_and_aliases() -> None:
     state.model_view.configure(RunningConfig(config=renamed))
     assert [(card.id, card.parent) for card in state.model_view.models().data] == [("m", None), ("m2", "m")]
     assert state.model_view.ready("m2").status == 200
+
+
+async def test_a_broken_first_read_is_logged_and_never_stops_the_start(autojump_clock: MockClock, caplog) -> None:
+    class Broken:
+        async def get(self, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("a bug in the read")
+
+        post_json = get
+
+    world = World()
+    readmitter = Readmitter(config=world.config, fleet=world.fleet, control_pool=Broken(),  # type: ignore[arg-type]
+                            in_flight=world.in_flight, metrics=RouterMetrics(), attestation_key=None)
+    caplog.set_level(logging.INFO, logger="narwhal.events")
+    await readmitter.first_identity_read()
+    assert all(world.fleet.is_eligible(name, world.now()) for name in world.engines)
+    errors = [json.loads(r.getMessage()) for r in caplog.records if "readmission_error" in r.getMessage()]
+    assert len(errors) == 3 and errors[0]["check"] == "model" and errors[0]["class"] == "RuntimeError"

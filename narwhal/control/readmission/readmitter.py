@@ -478,6 +478,10 @@ class Readmitter:
                 reason = refused.reason
             except (EngineFailure, PoolSaturated, trio.TooSlowError):
                 return  # no answer: the health and liveness rules decide
+            except Exception as exc:  # noqa: BLE001 - a broken read must not stop the router starting
+                log_event("readmission_error", level=logging.ERROR, engine=spec.name, check=str(Check.MODEL),
+                          **{"class": type(exc).__name__}, message=contract.bounded(str(exc), _MAX_REASON_CHARS))
+                return
             else:
                 return
             if self._specs.get(spec.name) is not spec:
