@@ -73,6 +73,12 @@ async def check_two_models(client: httpx.AsyncClient, router: LocalProcess, engi
     assert d2["last_readmission"]["check"] == "model"
     refusals = [e for e in router.events("readmission") if e["engine"] == "a-d2"]
     assert refusals and all(e["check"] == "model" for e in refusals)
+    # Read before the router served: its ejection is logged before router_started.
+    order = [line.get("event") for line in router.lines]
+    ejected = next(i for i, line in enumerate(router.lines)
+                   if line.get("event") == "engine_ejected" and line.get("engine") == "a-d2")
+    assert ejected < order.index("router_started")
+    assert router.events("engine_ejected", engine="a-d2")[0]["ejection_cause"] == "model"
 
     # /v1/models: OpenAI's list, aliases with parent, each model's smallest max_model_len (a-d2's is not alpha's).
     listed = (await client.get("/v1/models")).json()
