@@ -54,6 +54,8 @@ class EjectionCause(enum.StrEnum):
     PROBE = "probe"
     # Not a failure: an engine added by a config reload is out until its first readmission.
     ADDED = "added"
+    # Not a failure: its first identity read after startup named another model than the engine's own.
+    MODEL = "model"
     OTHER = "other"
 
     @classmethod
