@@ -113,7 +113,7 @@ class Harness:
         response = await self.client.get(path, **kwargs)
         return response.status_code, await response.get_json()
 
-    def eligible(self, role: str) -> list[str]:
+    def eligible(self, role: str, model: str | None = None) -> list[str]:
         return self.router.fleet.eligible(role, trio.current_time())
 
     def hold_kinds(self, name: str) -> list[str]:

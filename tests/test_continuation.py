@@ -66,10 +66,10 @@ class Supervisor:
         self.failures: list[tuple[str, FailureClass]] = []
         self.successes: list[tuple[str, Any]] = []
 
-    def eligible(self, role: str) -> list[str]:
+    def eligible(self, role: str, model: str | None = None) -> list[str]:
         return list(self.roles[role])
 
-    def capacity_problem(self) -> str | None:
+    def capacity_problem(self, model: str | None = None) -> str | None:
         return None
 
     def record_failure(self, engine: str, failure_class: FailureClass) -> None:

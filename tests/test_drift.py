@@ -242,5 +242,5 @@ def test_consolidation_risk_follows_eligibility_and_is_a_gauge() -> None:
     fleet.eject("d1", "test", NOW)
     assert controller.consolidation_risk() == {"prefill": "elevated", "decode": "critical"}
     text = metrics.render()
-    assert 'narwhal_consolidation_risk{role="prefill"} 1' in text
-    assert 'narwhal_consolidation_risk{role="decode"} 2' in text
+    assert 'narwhal_consolidation_risk{role="prefill",model=""} 1' in text
+    assert 'narwhal_consolidation_risk{role="decode",model=""} 2' in text

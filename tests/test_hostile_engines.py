@@ -252,10 +252,10 @@ class RecordingSupervisor:
         self.failures: list[tuple[str, FailureClass]] = []
         self.successes: list[tuple[str, SuccessKind]] = []
 
-    def eligible(self, role: str) -> list[str]:
+    def eligible(self, role: str, model: str | None = None) -> list[str]:
         return ["p1"] if role == "prefill" else ["d1"]
 
-    def capacity_problem(self) -> str | None:
+    def capacity_problem(self, model: str | None = None) -> str | None:
         return None
 
     def record_failure(self, engine: str, failure_class: FailureClass) -> None:

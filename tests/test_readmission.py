@@ -142,7 +142,7 @@ class World:
         return WALL_BASE + trio.current_time()
 
     def count(self, name: str, outcome: str, check: str) -> float:
-        return self.metrics.readmissions.get(name, outcome, check)
+        return self.metrics.readmissions.get(name, outcome, check, self.config.model_of(self.config.engine_spec(name)))
 
 
 def readmission_events(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
@@ -242,7 +242,7 @@ CASES = [
     ("d1", _wrong_nonce, "attestation", "did not echo our nonce", ["health"]),
     ("d1", _other_engine_id, "attestation", "'impostor'", ["health"]),
     ("d1", _identity_missing, "attestation", "GET /narwhal/identity answered HTTP 404", ["health"]),
-    ("d1", _wrong_model, "model", "names model 'm2'; fleet.model is 'm1'", ["health", "attestation"]),
+    ("d1", _wrong_model, "model", "names model 'm2'; the engine is configured for model 'm1'", ["health", "attestation"]),
     ("d1", _model_not_listed, "model", "/v1/models lists ['m2']", ["health", "attestation"]),
     ("d1", _wrong_generation, "generation", "generation 'g2'; fleet.generation is 'g1'",
      ["health", "attestation", "model"]),

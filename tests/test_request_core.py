@@ -48,10 +48,10 @@ class FakeSupervisor:
         self.failures: list[tuple[str, FailureClass]] = []
         self.successes: list[tuple[str, SuccessKind]] = []
 
-    def eligible(self, role: str) -> list[str]:
+    def eligible(self, role: str, model: str | None = None) -> list[str]:
         return list(self.roles[role])
 
-    def capacity_problem(self) -> str | None:
+    def capacity_problem(self, model: str | None = None) -> str | None:
         for role in ("prefill", "decode"):
             if not self.roles[role]:
                 return f"serving capacity exhausted: no eligible {role} engine"

@@ -155,11 +155,17 @@ class _Control:
         self.fleet = fleet
         self.now = now
 
-    def eligible(self, role: str) -> list[str]:
-        return self.fleet.eligible(role, self.now[0])
+    def eligible(self, role: str, model: str | None = None) -> list[str]:
+        return self.fleet.eligible(role, self.now[0], model)
 
-    def capacity_problem(self) -> str | None:
-        return self.fleet.capacity_problem(self.now[0])
+    def capacity_problem(self, model: str | None = None) -> str | None:
+        return self.fleet.capacity_problem(self.now[0], model)
+
+    def capacity_problems(self) -> dict[str, str]:
+        return self.fleet.capacity_problems(self.now[0])
+
+    def eligible_pools(self) -> dict[str, dict[str, list[str]]]:
+        return self.fleet.eligible_pools(self.now[0])
 
     def record_failure(self, engine: str, failure_class: FailureClass) -> None:
         self.fleet.record_failure(engine, failure_class, self.now[0])
