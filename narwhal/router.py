@@ -427,7 +427,7 @@ class Router:
             self.index_relay.forget(engine)
         else:
             self.prefix_index.forget(engine)
-        log_event("prefix_index_forgotten", engine=engine, reason=reason)
+        log_event("prefix_index_forgotten", engine=engine, reason=reason, model=self._engine_model(engine))
 
     def _engine_model(self, name: str) -> str:
         """The model of engine ``name``, a gauge's last label ("" for one a reload removed meanwhile)."""

@@ -148,7 +148,7 @@ class Supervisor:
         except Exception as exc:
             # A probe that breaks must still end in a verdict, or its hold would never be revisited.
             log_event("probe_error", level=logging.ERROR, engine=key[0], probe=key[1],
-                      **{"class": type(exc).__name__}, message=str(exc))
+                      **{"class": type(exc).__name__}, message=str(exc), model=self._model_of(key[0]))
             if key[1] == "inference":
                 self.fleet.record_probe(key[0], "inconclusive", self.clock(),
                                         reason=f"probe error: {type(exc).__name__}")
