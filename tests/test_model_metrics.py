@@ -129,3 +129,82 @@ async def test_an_engine_failure_is_logged_with_the_engines_model(caplog) -> Non
     assert (failure["engine"], failure["model"]) == ("db", "beta")
     [request] = [line for line in lines if line["event"] == "request"]
     assert request["model"] == "beta"
+
+
+# ----- engine series: the engine's model --------------------------------------------------------------------
+
+
+class _NoProbes:
+    """A control pool no test here reaches."""
+
+    async def get(self, *args, **kwargs):
+        raise AssertionError("no probe expected")
+
+
+def test_engine_series_and_fleet_events_carry_the_engines_model(caplog) -> None:
+    from narwhal.control.fleet_writer import FleetWriter
+    from narwhal.control.supervisor import Supervisor
+    from narwhal.fleet import Fleet, HoldKind
+
+    config = parse_config(TWO_MODELS)
+    metrics = RouterMetrics()
+    fleet = Fleet([(spec.name, spec.role, config.model_of(spec)) for spec in config.engines], eject_after=2,
+                  liveness_misses=3, failure_quarantine_s=None, probe_interval_s=5.0)
+    writer = FleetWriter(fleet, metrics)
+    supervisor = Supervisor(config=config, fleet=writer, control_pool=_NoProbes(),  # type: ignore[arg-type]
+                            metrics=metrics, clock=lambda: 1.0)
+    with caplog.at_level("INFO", logger="narwhal.events"):
+        supervisor.record_failure("db", FailureClass.CONNECTION)
+        supervisor.record_failure("db", FailureClass.CONNECTION)
+        writer.add_hold("da", HoldKind.OPERATOR_DRAIN, "operator", 1.0)
+    assert metrics.engine_failures.values == {("db", "connection", "beta"): 2}
+    assert metrics.engine_ejections.values == {("db", "connection", "beta"): 1}
+    assert metrics.holds_applied.values == {("da", "operator_drain", "alpha"): 1}
+    lines = [msgspec.json.decode(r.getMessage()) for r in caplog.records if r.name == "narwhal.events"]
+    assert {(line["event"], line["engine"], line["model"]) for line in lines} == {
+        ("engine_ejected", "db", "beta"), ("engine_hold_added", "da", "alpha")}
+    # An engine a reload removed meanwhile: counted under the model its spec named.
+    fleet.remove_engine("db", 2.0, "test")
+    supervisor.record_failure("db", FailureClass.CONNECTION)
+    assert metrics.engine_failures.get("db", "connection", "beta") == 3
+
+
+def test_interval_gauges_carry_the_engines_model() -> None:
+    from narwhal.fleet.telemetry import Telemetry
+    from narwhal.stages.telemetry import TelemetryStage
+
+    now = [0.0]
+    telemetry = Telemetry([("pa", "prefill"), ("da", "decode"), ("pb", "prefill"), ("db", "decode")],
+                          interval_s=10.0, keep_intervals=2, clock=lambda: now[0])
+    models = {"pa": "alpha", "da": "alpha", "pb": "beta", "db": "beta"}
+    metrics = RouterMetrics()
+    stage = TelemetryStage(telemetry=telemetry, metrics=metrics, model_of=models.__getitem__)
+    telemetry.roll(0.0)
+    telemetry.record_request(prefill="pb", decode="db", ttft_s=0.2, inter_token_s=0.01, error_engine=None)
+    now[0] = 10.0
+    telemetry.roll(10.0)
+    assert stage.publish()
+    text = metrics.render()
+    assert 'narwhal_engine_interval_requests{engine="db",model="beta"} 1' in text
+    assert 'narwhal_engine_interval_time_to_first_token_seconds{engine="pb",quantile="0.5",model="beta"} 0.2' in text
+    assert 'narwhal_engine_interval_requests{engine="pa",model="alpha"} 0' in text
+
+
+def test_worker_counts_summed_by_the_controller_keep_the_model_label() -> None:
+    from narwhal.workers.metrics_sum import MetricsSum, export_state
+
+    total = MetricsSum()
+    for worker in (1, 2):
+        registry = RouterMetrics()
+        registry.requests.inc("/v1/completions", "200", "beta")
+        registry.requests.inc("/v1/completions", "404", "")
+        registry.placements.inc("prefill", "miss", "beta", amount=worker)
+        total.update(worker, export_state(registry.registry))
+    controller = RouterMetrics()
+    controller.requests.inc("/v1/completions", "200", "alpha")
+    total.attach_to(controller.registry)
+    text = controller.render()
+    assert 'narwhal_requests_total{route="/v1/completions",status="200",model="beta"} 2' in text
+    assert 'narwhal_requests_total{route="/v1/completions",status="200",model="alpha"} 1' in text
+    assert 'narwhal_requests_total{route="/v1/completions",status="404",model=""} 2' in text
+    assert 'narwhal_placement_total{role="prefill",reason="miss",model="beta"} 3' in text
