@@ -88,12 +88,12 @@ async def test_regenerated_tokens_in_the_request_log_grow_while_a_continuation_w
     eligible = supervisor.eligible
     calls = {"decode": 0}
 
-    def flaky(role: str) -> list[str]:
+    def flaky(role: str, model: str | None = None) -> list[str]:
         if role == "decode" and decode_calls(pool):
             calls["decode"] += 1
             if calls["decode"] <= 5:
                 return []
-        return eligible(role)
+        return eligible(role, model)
 
     supervisor.eligible = flaky  # type: ignore[method-assign]
     sink = ClientSink()
@@ -473,8 +473,8 @@ async def test_a_tokenize_failure_at_a_join_is_the_attempts_failure_and_the_next
     sink = ClientSink()
     eligible = supervisor.eligible
 
-    def p2_after_p1_failed(role: str) -> list[str]:
-        return ["p1", "p2"] if role == "prefill" and supervisor.failures[1:] else eligible(role)
+    def p2_after_p1_failed(role: str, model: str | None = None) -> list[str]:
+        return ["p1", "p2"] if role == "prefill" and supervisor.failures[1:] else eligible(role, model)
 
     supervisor.eligible = p2_after_p1_failed  # type: ignore[method-assign]
     with caplog.at_level("INFO", logger="narwhal.events"):
