@@ -436,18 +436,25 @@ class Router:
             self.index_relay.forget(engine)
         else:
             self.prefix_index.forget(engine)
-        log_event("prefix_index_forgotten", engine=engine, reason=reason)
+        log_event("prefix_index_forgotten", engine=engine, reason=reason, model=self._engine_model(engine))
+
+    def _engine_model(self, name: str) -> str:
+        """The model of engine ``name``, a gauge's last label ("" for one a reload removed meanwhile)."""
+        fleet = self.fleet
+        return fleet.model_of(name) if name in fleet else ""
 
     def _register_gauges(self) -> None:
         m = self.metrics
         index = self.prefix_index.index
+        model = self._engine_model
         m.add_gauge("narwhal_placement_index_bytes", "Prefix index size per prefill engine, by its accounting "
-                    "(bounded by placement.max_index_mb in all).", ("engine",),
-                    lambda: {(name,): float(index.bytes(name)) for name in index.engines})
+                    "(bounded by placement.max_index_mb in all).", ("engine", "model"),
+                    lambda: {(name, model(name)): float(index.bytes(name)) for name in index.engines})
         m.add_gauge("narwhal_placement_index_entries", "Block hashes the prefix index holds per prefill engine.",
-                    ("engine",), lambda: {(name,): float(index.entries(name)) for name in index.engines})
-        m.add_gauge("narwhal_requests_in_flight", "Requests in flight per engine.", ("engine",),
-                    lambda: {(name,): float(n) for name, n in self.in_flight.counts.items()})
+                    ("engine", "model"),
+                    lambda: {(name, model(name)): float(index.entries(name)) for name in index.engines})
+        m.add_gauge("narwhal_requests_in_flight", "Requests in flight per engine.", ("engine", "model"),
+                    lambda: {(name, model(name)): float(n) for name, n in self.in_flight.counts.items()})
 
         def pools() -> dict[tuple[str, ...], float]:
             data = self.data_plane.pool_usage()
@@ -460,10 +467,10 @@ class Router:
 
         def eligibility() -> dict[tuple[str, ...], float]:
             now = trio.current_time()
-            return {(v.name, v.role): float(v.eligible) for v in self.fleet.views(now)}
+            return {(v.name, v.role, v.model): float(v.eligible) for v in self.fleet.views(now)}
 
         m.add_gauge("narwhal_engine_eligible", "1 when the engine may take new requests.",
-                    ("engine", "role"), eligibility)
+                    ("engine", "role", "model"), eligibility)
         m.add_gauge("narwhal_tls_cert_expiry_seconds", "Seconds until the serving certificate expires "
                     "(negative once it has); no sample without TLS.", (), self.cert_expiry.gauge)
         m.add_gauge("narwhal_ready", "1 when /ready answers 200.", (),

@@ -89,8 +89,8 @@ def test_the_ejections_metric_is_labelled_with_the_typed_cause() -> None:
     supervisor.record_failure("p1", FailureClass.CONNECTION)
     supervisor.record_failure("p1", FailureClass.CONNECTION)
     ejections = supervisor.metrics.engine_ejections
-    assert ejections.get("d1", "liveness") == 1 and ejections.get("p1", "connection") == 1
-    assert ejections.get("d1", "other") == 0
+    assert ejections.get("d1", "liveness", "") == 1 and ejections.get("p1", "connection", "") == 1
+    assert ejections.get("d1", "other", "") == 0
 
 
 # -- EngineViewer: the /admin/engines answer as structs --

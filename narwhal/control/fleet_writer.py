@@ -332,7 +332,8 @@ class FleetWriter:
 
     def _count(self, event: FleetEvent) -> None:
         if event.kind is FleetEventKind.EJECTED:
-            self.metrics.engine_ejections.inc(event.engine, str(event.ejection_cause or EjectionCause.OTHER))
+            self.metrics.engine_ejections.inc(event.engine, str(event.ejection_cause or EjectionCause.OTHER),
+                                              event.model)
         elif event.kind is FleetEventKind.HOLD_ADDED and event.hold_kind is not None:
-            self.metrics.holds_applied.inc(event.engine, str(event.hold_kind))
+            self.metrics.holds_applied.inc(event.engine, str(event.hold_kind), event.model)
 

@@ -857,4 +857,5 @@ class Fleet:
             self._events_dropped += 1
         self._events.append(FleetEvent(kind=kind, engine=engine.name, reason=reason, at=now,
                                        failure_class=failure_class, ejection_cause=ejection_cause, hold_kind=hold_kind,
-                                       outcome=outcome, leg=leg, health_to_eligible_s=health_to_eligible_s))
+                                       outcome=outcome, leg=leg, health_to_eligible_s=health_to_eligible_s,
+                                       model=engine.model))

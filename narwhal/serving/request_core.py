@@ -410,10 +410,13 @@ class RequestCore:
     def _finish(self, ex: Exchange) -> None:
         duration_s = self.clock() - ex.started_at
         route = ex.route
-        self.metrics.requests.inc(route, str(ex.status))
-        self.metrics.request_duration.observe(duration_s, route)
+        # The served model's own name (a bounded set); "" for a request refused before its model was known:
+        # a name a client sent is never a label value.
+        model = ex.model.name if ex.model is not None else ""
+        self.metrics.requests.inc(route, str(ex.status), model)
+        self.metrics.request_duration.observe(duration_s, route, model)
         if ex.ttft_s is not None:
-            self.metrics.ttft.observe(ex.ttft_s, route)
+            self.metrics.ttft.observe(ex.ttft_s, route, model)
         if self.telemetry is not None:
             self.telemetry.record_request(prefill=ex.prefill, decode=ex.decode,
                                           ttft_s=ex.ttft_s, inter_token_s=ex.inter_token_s,
@@ -428,7 +431,8 @@ class RequestCore:
         # The gate compares the lease deadline itself, per request: no timer closes it on time.
         closed = self.admission.reason()
         if closed is not None:
-            self.metrics.saturations.inc("admission_closed")
+            # Refused before the body is read: the model is not known yet.
+            self.metrics.saturations.inc("admission_closed", "")
             raise ClientError(503, closed, "service_unavailable", "admission_closed")
         route, rid, sink = ex.route, ex.rid, ex.sink
         request = ex.request = self._validate(route, body, ex)
@@ -606,9 +610,9 @@ class RequestCore:
         if avoid:
             # Fall back to an engine that failed this request only when no other is eligible.
             candidates = [name for name in candidates if name not in avoid] or candidates
-        choice = self.placement.choose(role, candidates, route, request, self.in_flight)
+        choice = self.placement.choose(role, candidates, route, request, self.in_flight, model or "")
         if choice is None:
-            self.metrics.saturations.inc(f"no_{role}")
+            self.metrics.saturations.inc(f"no_{role}", model or "")
             problem = self.supervisor.capacity_problem(model) or \
                 f"serving capacity exhausted: no eligible {role} engine"
             raise _AttemptFailed(ClientError(503, problem, "service_unavailable", "no_capacity"),
@@ -705,7 +709,8 @@ class RequestCore:
         if isinstance(exc, EngineFailure):
             self.supervisor.record_failure(exc.engine, exc.failure_class)
             log_event("engine_failure", level=logging.WARNING, engine=exc.engine, stage=leg,
-                      **{"class": exc.failure_class.value}, cause=exc.cause, message=exc.message)
+                      **{"class": exc.failure_class.value}, cause=exc.cause, message=exc.message,
+                      model=self.models.engines.get(exc.engine, ""))
             raise _AttemptFailed(_failure_error(exc, leg), exc.engine, exc.failure_class.value, leg) from None
         if isinstance(exc, UpstreamClientError):
             self.supervisor.record_success(exc.engine, SuccessKind.CLIENT_4XX)
@@ -715,11 +720,12 @@ class RequestCore:
             # Our process is short of fds or memory: the engine did nothing wrong.
             log_event("local_resource_exhausted", level=logging.ERROR, engine=exc.engine, stage=leg,
                       errno=exc.errno_name, message=str(exc))
-            self.metrics.saturations.inc("local_resources")
+            self.metrics.saturations.inc("local_resources", self.models.engines.get(exc.engine, ""))
             raise _AttemptFailed(ClientError(503, f"router out of local resources ({exc.errno_name}); "
                                              "try again later", "service_unavailable", "local_resource_exhausted"),
                                  None, "local_resource_exhausted") from None
-        self.metrics.saturations.inc("pool")
+        # The data pool is shared by every model and its saturation names no engine: router-wide, model "".
+        self.metrics.saturations.inc("pool", "")
         raise _AttemptFailed(ClientError(503, "router saturated: no free data connection",
                                          "service_unavailable", "pool_saturated"),
                              None, "pool_saturated") from None

@@ -241,7 +241,8 @@ class Readmitter:
         """Stop new placements on ``name`` (an operator_drain hold); in-flight requests finish."""
         self._spec(name)
         self.fleet.add_hold(name, HoldKind.OPERATOR_DRAIN, "operator drain", now)
-        log_event("engine_drain_requested", engine=name, in_flight=self.in_flight[name])
+        log_event("engine_drain_requested", engine=name, in_flight=self.in_flight[name],
+                  model=self.config.model_of(self._spec(name)))
 
     def maintenance(self, name: str, now: float) -> float:
         """Drain ``name`` for planned maintenance; returns the maintenance start (unix seconds).
@@ -254,7 +255,7 @@ class Readmitter:
         started_at = self.maintenance_started_at(name)
         assert started_at is not None  # the hold was just added
         log_event("engine_maintenance_started", engine=name, started_at=started_at,
-                  in_flight=self.in_flight[name])
+                  in_flight=self.in_flight[name], model=self.config.model_of(self._spec(name)))
         return started_at
 
     def maintenance_started_at(self, name: str) -> float | None:
@@ -349,13 +350,14 @@ class Readmitter:
             reason=contract.bounded(reason, _MAX_REASON_CHARS),
             operator=operator, passed=attempt.passed, at=started_wall, duration_s=self.clock() - started,
             health_to_eligible_s=health_to_eligible_s)
-        self._record(result)
+        self._record(result, self.config.model_of(spec))
         return result
 
     def _dropped(self, attempt: _Attempt, operator: bool, started: float, started_wall: float) -> ReadmissionResult:
         """A reload removed the engine (or replaced it under the same name) while the chain ran: nothing applies."""
         name = attempt.spec.name
-        log_event("readmission_dropped", engine=name, reason="engine removed by a config reload")
+        log_event("readmission_dropped", engine=name, reason="engine removed by a config reload",
+                  model=self.config.model_of(attempt.spec))
         return ReadmissionResult(engine=name, outcome="refused", check=str(attempt.current),
                                  reason="engine removed by a config reload while the checks ran", operator=operator,
                                  passed=attempt.passed, at=started_wall, duration_s=self.clock() - started)
@@ -530,17 +532,17 @@ class Readmitter:
         assert attempt.identity is not None
         contract.check_kv_role(attempt.spec.role, attempt.identity)
 
-    def _record(self, result: ReadmissionResult) -> None:
+    def _record(self, result: ReadmissionResult, model: str) -> None:
         self._last[result.engine] = result
-        self.metrics.readmissions.inc(result.engine, result.outcome, result.check or "none")
+        self.metrics.readmissions.inc(result.engine, result.outcome, result.check or "none", model)
         if result.health_to_eligible_s is not None and not result.operator:
-            self.metrics.health_to_eligible.observe(result.health_to_eligible_s, result.engine)
+            self.metrics.health_to_eligible.observe(result.health_to_eligible_s, result.engine, model)
         level = logging.INFO if result.readmitted else logging.WARNING
         extra = ({} if result.health_to_eligible_s is None
                  else {"health_to_eligible_s": round(result.health_to_eligible_s, 6)})
         log_event("readmission", level=level, engine=result.engine, outcome=result.outcome,
                   check=result.check, reason=result.reason, operator=result.operator,
-                  passed=result.passed, duration_s=round(result.duration_s, 6), **extra)
+                  passed=result.passed, duration_s=round(result.duration_s, 6), model=model, **extra)
 
     # ----- the schedule --------------------------------------------------------------------
 
