@@ -41,7 +41,7 @@ class RouterMetrics:
         self.ttft = r.histogram("narwhal_time_to_first_token_seconds",
                                 "Time from request arrival to the first decode bytes.", ("route", "model"))
         self.inter_token = r.histogram("narwhal_inter_token_seconds",
-                                       "Gap between successive decode reads relayed to a client.")
+                                       "Gap between successive decode reads relayed to a client.", ("model",))
         self.engine_failures = r.counter("narwhal_engine_failures",
                                          "Engine failures by engine and failure class.", ("engine", "class", "model"))
         self.engine_ejections = r.counter("narwhal_engine_ejections",
@@ -74,10 +74,10 @@ class RouterMetrics:
         self.continuations = r.counter("narwhal_continuations",
                                         "Stream continuations by outcome: completed, failed (continued again "
                                         "or ended), exhausted (no attempts or deadline left), not_eligible.",
-                                        ("outcome",))
+                                        ("outcome", "model"))
         self.join_gap = r.histogram("narwhal_continuation_join_gap_seconds",
                                     "Time a client waited at a continuation join: from the last bytes of the "
-                                    "failed leg to the first bytes of the next.", (), JOIN_GAP_BUCKETS_S)
+                                    "failed leg to the first bytes of the next.", ("model",), JOIN_GAP_BUCKETS_S)
         self.saturations = r.counter("narwhal_saturations", "Requests refused for saturation by reason.",
                                      ("reason", "model"))
         self.handoff_write = r.histogram("narwhal_handoff_write_seconds",

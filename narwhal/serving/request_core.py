@@ -236,6 +236,11 @@ def _listed(names: list[str]) -> str:
     return shown if len(names) <= 10 else f"{shown} and {len(names) - 10} more"
 
 
+def _model_label(ex: Exchange) -> str:
+    """The ``model`` label of a request's series: its served model's own name, "" before it is known."""
+    return ex.model.name if ex.model is not None else ""
+
+
 def _sse_error(message: str, type_: str, code: str | None) -> bytes:
     return b"data: " + error_json(message, type_, code) + b"\n\n"
 
@@ -367,7 +372,7 @@ class RequestCore:
                 if expired and not _delivered(sink):
                     ex.error_class = "deadline"
                     if ex.continuing:
-                        self.metrics.continuations.inc("exhausted")
+                        self.metrics.continuations.inc("exhausted", _model_label(ex))
                     deadline_s = self._deadline_s if ex.model is None else ex.model.request_deadline_s
                     message = f"request deadline of {deadline_s:g} s exceeded"
                     await self._fail(ex, ClientError(504, message, "timeout", "deadline_exceeded"))
@@ -460,7 +465,7 @@ class RequestCore:
             if join is not None:
                 leg = join.next_leg()
                 if leg is None:
-                    self.metrics.continuations.inc("not_eligible")
+                    self.metrics.continuations.inc("not_eligible", _model_label(ex))
                     log_event("stream_not_continued", request_id=rid, reason=join.not_resumable)
                     raise ClientError(502, "the decode failed and its answer cannot be resumed: "
                                       + _NOT_RESUMABLE.get(join.not_resumable or "", "no place to resume"),
@@ -469,7 +474,7 @@ class RequestCore:
             try:
                 await self._attempt(ex, leg_route, leg_request, failed_engines, exclude)
                 if ex.continuing:
-                    self.metrics.continuations.inc("completed")
+                    self.metrics.continuations.inc("completed", _model_label(ex))
                     ex.stream_completed()
                 return
             except _AttemptFailed as failed:
@@ -484,7 +489,7 @@ class RequestCore:
                 queued = failed.failure_class in _QUEUEABLE
                 if sink.started:
                     if ex.continuing and not queued:
-                        self.metrics.continuations.inc("failed")
+                        self.metrics.continuations.inc("failed", _model_label(ex))
                     ex.continuing = False
                     await self._after_relay(ex, failed, not_continued, queued)
                     ex.continuing = join is not None and not join.finished
@@ -508,7 +513,7 @@ class RequestCore:
         join, rid = ex.join, ex.rid
         if join is None:
             if self._bounded:
-                self.metrics.continuations.inc("not_eligible")
+                self.metrics.continuations.inc("not_eligible", _model_label(ex))
                 log_event("stream_not_continued", request_id=rid, reason=not_continued)
             raise failed.error from None
         if join.finished:
@@ -524,18 +529,18 @@ class RequestCore:
         continuable = failed.failure_class in CONTINUED_CLASSES or queued or (
             join.continuations > 0 and not join.leg_relayed)
         if not continuable:
-            self.metrics.continuations.inc("not_eligible")
+            self.metrics.continuations.inc("not_eligible", _model_label(ex))
             log_event("stream_not_continued", request_id=rid, reason=f"class:{failed.failure_class}")
             raise failed.error from None
         assert ex.model is not None
         if not queued and ex.attempts >= ex.model.max_attempts:
-            self.metrics.continuations.inc("exhausted")
+            self.metrics.continuations.inc("exhausted", _model_label(ex))
             log_event("stream_not_continued", request_id=rid, reason="max_attempts")
             raise failed.error from None
         decode_engines = self.models.decode_engines.get(ex.model.name, frozenset())
         if failed.stage == "decode" and not decode_engines - {failed.engine}:
             # The continuation may not go back to the engine that failed, and there is no other.
-            self.metrics.continuations.inc("not_eligible")
+            self.metrics.continuations.inc("not_eligible", _model_label(ex))
             log_event("stream_not_continued", request_id=rid, reason="no_other_decode_engine")
             raise failed.error from None
 
@@ -647,7 +652,7 @@ class RequestCore:
                         try:
                             await self._count_join(join, prefill.engine, rid)
                         except _Uncountable as exc:
-                            self.metrics.continuations.inc("not_eligible")
+                            self.metrics.continuations.inc("not_eligible", _model_label(ex))
                             log_event("stream_not_continued", request_id=rid, reason="uncounted")
                             raise ClientError(502, "the decode failed and its answer cannot be resumed: the engine "
                                               "sent no token IDs and the tokens the client has cannot be counted "
@@ -865,7 +870,7 @@ class RequestCore:
         clock = self.clock
         # The inter-token histogram observed inline, once per read (``Histogram.observe``'s work, no call).
         gap_bounds = self.metrics.inter_token.bounds
-        gap_counts, gap_sum = self.metrics.inter_token.cell()
+        gap_counts, gap_sum = self.metrics.inter_token.cell(ex.model.name if ex.model is not None else "")
         role_events = 0
         upstream: DecodeStream | None = None
         try:
@@ -962,14 +967,14 @@ class RequestCore:
         gaps = [0.0, 0]
         # The inter-token histogram observed inline, once per read (``Histogram.observe``'s work, no call).
         gap_bounds = self.metrics.inter_token.bounds
-        gap_counts, gap_sum = self.metrics.inter_token.cell()
+        gap_counts, gap_sum = self.metrics.inter_token.cell(ex.model.name if ex.model is not None else "")
 
         def on_first(now: float) -> None:
             if not join.continuing:
                 ex.ttft_s = now - ex.started_at
             elif join.last_relay_at is not None:
                 gap = now - join.last_relay_at
-                self.metrics.join_gap.observe(gap)
+                self.metrics.join_gap.observe(gap, _model_label(ex))
                 ex.join_gap_s = max(gap, ex.join_gap_s or 0.0)
 
         def on_gap(gap: float) -> None:

@@ -492,7 +492,7 @@ class Readmitter:
             self.fleet.eject(spec.name, f"model check: {reason}", self.clock(), label=EjectionCause.MODEL)
             self._record(ReadmissionResult(engine=spec.name, outcome="refused", check=str(Check.MODEL), reason=reason,
                                            operator=False, passed=[], at=started_wall,
-                                           duration_s=self.clock() - started))
+                                           duration_s=self.clock() - started), self.config.model_of(spec))
 
     async def _read_model(self, spec: EngineSpec, model: str) -> None:
         """The engine's identity (when it has the plugin) and its /v1/models name ``model``; else ``_Refused``.
