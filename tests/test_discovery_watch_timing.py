@@ -24,6 +24,9 @@ class FakeEtcd:
         self.revision = 5
         self.keys = {"d1": {"url": "http://10.0.0.1:8000", "role": "decode"}}
         self.after_created = "hang"  # or "end": the stream ends at once
+        # Members cut off from their leader: they answer a watch with gRPC's "no leader" error.
+        self.leaderless: set[str] = set()
+        self.dropped = trio.Event()  # set: every open stream ends (with "no leader" on a leaderless member)
         self.calls: list[tuple[str, float]] = []
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
@@ -35,26 +38,36 @@ class FakeEtcd:
             kvs = [{"key": b64(P + name), "value": b64(json.dumps(value)), "mod_revision": "3"}
                    for name, value in self.keys.items()]
             return httpx.Response(200, json={"header": header, "kvs": kvs, "count": str(len(kvs))})
-        return httpx.Response(200, stream=_WatchStream(header, self.after_created))
+        if request.url.host in self.leaderless:
+            return httpx.Response(200, stream=_WatchStream(self, request.url.host, header, "no_leader"))
+        return httpx.Response(200, stream=_WatchStream(self, request.url.host, header, self.after_created))
 
     def count(self, path: str) -> int:
         return sum(1 for called, _ in self.calls if called == path)
 
 
 class _WatchStream(httpx.AsyncByteStream):
-    def __init__(self, header: dict[str, str], after: str) -> None:
+    def __init__(self, fake: FakeEtcd, host: str, header: dict[str, str], after: str) -> None:
+        self.fake = fake
+        self.host = host
         self.header = header
         self.after = after
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
+        no_leader = b'{"error": {"grpc_code": 14, "http_code": 503, "message": "etcdserver: no leader"}}\n'
+        if self.after == "no_leader":
+            yield no_leader
+            return
         yield json.dumps({"result": {"header": self.header, "created": True}}).encode() + b"\n"
         if self.after == "hang":
-            await trio.sleep_forever()
+            await self.fake.dropped.wait()
+            if self.host in self.fake.leaderless:
+                yield no_leader
 
 
-def watcher(fake: FakeEtcd, **options: Any) -> EtcdWatcher:
+def watcher(fake: FakeEtcd, endpoints: tuple[str, ...] = ("http://etcd:2379",), **options: Any) -> EtcdWatcher:
     client = httpx.AsyncClient(transport=httpx.MockTransport(fake.handle))
-    return EtcdWatcher(["http://etcd:2379"], prefix=P, client=client, wall_clock=trio.current_time, **options)
+    return EtcdWatcher(list(endpoints), prefix=P, client=client, wall_clock=trio.current_time, **options)
 
 
 async def test_an_outage_from_the_start_reports_degraded_once_and_backs_off_to_retry_max_s(autojump_clock,
@@ -102,4 +115,27 @@ async def test_a_stream_that_keeps_ending_at_once_is_reopened_with_backoff(autoj
     await trio.sleep(60.0)
     assert 5 <= fake.count("/v3/watch") <= 20
     assert watch.status.degraded is None  # etcd answers: nothing is down
+    nursery.cancel_scope.cancel()
+
+
+async def test_a_member_without_a_leader_is_passed_over_for_the_next(autojump_clock, nursery) -> None:
+    fake = FakeEtcd()
+    fake.leaderless = {"a"}
+    updates: list[ViewUpdate] = []
+    watch = watcher(fake, ("http://a:2379", "http://b:2379"))
+    await nursery.start(watch.run, updates.append)
+    await trio.sleep(1.0)
+    assert watch.status.connected and watch.status.endpoint == "http://b:2379"
+    assert "degraded" not in [u.reason for u in updates]
+    # Every member loses its leader: degraded, the view kept; one gets it back: recovered.
+    fake.leaderless = {"a", "b"}
+    fake.dropped.set()
+    await trio.sleep(60.0)
+    assert watch.status.degraded is not None and "no leader" in watch.status.degraded
+    assert set(watch.engines) == {"d1"}
+    fake.leaderless = set()
+    fake.dropped = trio.Event()
+    await trio.sleep(10.0)
+    assert watch.status.connected
+    assert watch.status.degraded is None and [u.reason for u in updates].count("degraded") == 1
     nursery.cancel_scope.cancel()

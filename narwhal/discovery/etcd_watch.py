@@ -37,6 +37,9 @@ __all__ = ["EtcdWatcher", "ViewUpdate", "WatchStatus"]
 # Bound on one line of the watch stream (one response, possibly many events); past it, list instead.
 MAX_LINE_BYTES = 16 * 1024 * 1024
 _decode_line = msgspec.json.Decoder()
+# etcd's "require leader" metadata (clientv3.WithRequireLeader), through the gateway: a member cut off from
+# its leader refuses the watch, or cancels it, instead of keeping it open and silent.
+_WATCH_HEADERS = {"content-type": "application/json", "grpc-metadata-hasleader": "true"}
 
 
 class WatchStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -230,13 +233,14 @@ class EtcdWatcher:
         timeout = httpx.Timeout(self.timeout_s, read=self.idle_s)
         problems: list[str] = []
         count = len(http.endpoints)
+        start = http.current
         for step in range(count):
-            index = (http.current + step) % count
+            index = (start + step) % count
             endpoint = http.endpoints[index]
             self._opened = False
             try:
                 async with self._stream_client.stream("POST", f"{endpoint}/v3/watch", content=body, timeout=timeout,
-                                              headers={"content-type": "application/json"}) as response:
+                                                      headers=_WATCH_HEADERS) as response:
                     if response.status_code != 200:
                         problems.append(f"{endpoint}: HTTP {response.status_code}")
                         continue
@@ -245,13 +249,21 @@ class EtcdWatcher:
                         await self._read_stream(response)
                     finally:
                         self._set(connected=False)
-                    if self._opened:
-                        return  # etcd closed a watch it had opened: resume
-                    problems.append(f"{endpoint}: the watch stream ended before it was created")
             except httpx.HTTPError as exc:
                 if self._opened:
                     return  # dropped, or quiet for idle_s (a proxy may have cut it): resume
                 problems.append(f"{endpoint}: {type(exc).__name__}")
+                continue
+            except EtcdUnavailable as exc:
+                # This member refused the watch or broke it off (no leader, an error line): next time, another.
+                http.current = (index + 1) % count
+                if self._opened:
+                    raise
+                problems.append(f"{endpoint}: {exc}")
+                continue
+            if self._opened:
+                return  # etcd closed a watch it had opened: resume
+            problems.append(f"{endpoint}: the watch stream ended before it was created")
         raise EtcdUnavailable(f"etcd watch unreachable: {'; '.join(problems)}")
 
     async def _read_stream(self, response: httpx.Response) -> None:

@@ -139,7 +139,6 @@ class Registrar:
                 if self.registered and self._failures >= self.options.health_failures:
                     await self.deregister("unhealthy", detail=detail)
                 self._was_unhealthy = True
-                self._etcd_up()
                 return
             self._failures = 0
             if not self.registered:
@@ -173,12 +172,14 @@ class Registrar:
         lease_id = int(granted.get("ID") or 0)
         if not lease_id:
             raise EtcdUnavailable(f"etcd granted no lease: {granted.get('error') or granted}")
+        # Known before the put: a SIGTERM during it still revokes the lease, and the key with it.
+        self.lease_id = lease_id
         try:
             await self._put(lease_id)
         except EtcdUnavailable:
+            self.lease_id = 0
             await self._revoke_quietly(lease_id)
             raise
-        self.lease_id = lease_id
         self._ever_registered = True
         log_event("registered", **self._fields(), reason=reason, lease=lease_id, ttl_s=int(granted.get("TTL") or 0))
 
