@@ -132,9 +132,11 @@ async def test_lists_then_follows_puts_deletes_lease_expiry_and_reports_bad_valu
     await wait_for(lambda: "d1" in watcher.engines, "d1 registered")
     assert watcher.engines["d1"] == EngineSpec(name="d1", url="http://10.0.0.2:8000", role="decode", model="m")
     await etcd.put("bad", raw=b'{"url": "http://10.0.0.3:8000", "role": "both"}')
-    await wait_for(lambda: any(u.change.problems for u in recorder.updates), "the bad value reported")
-    [problem] = [p for u in recorder.updates for p in u.change.problems]
-    assert problem.key == P + "bad" and "both" in problem.problem
+    await etcd.post("/v3/kv/put", {"key": b64(P.encode() + b"\xff"), "value": b64(b"{}")})
+    await wait_for(lambda: sum(len(u.change.problems) for u in recorder.updates) == 2, "the bad keys reported")
+    bad, not_utf8 = [p for u in recorder.updates for p in u.change.problems]
+    assert bad.key == P + "bad" and "both" in bad.problem
+    assert not_utf8.key == P + "\\xff" and not_utf8.problem == "key is not UTF-8"
     await etcd.delete("p1")
     # Nobody keeps d1's lease alive: etcd deletes its key after the TTL, and the watch says so.
     await wait_for(lambda: names(watcher) == set(), "p1 deleted and d1's lease expired", timeout_s=6.0)

@@ -62,6 +62,13 @@ def test_a_bad_key_or_value_is_a_problem_naming_the_key_never_an_exception(key: 
     assert parsed.key == key and problem in parsed.problem
 
 
+def test_a_key_that_is_not_utf8_is_a_problem_that_can_be_logged() -> None:
+    key = (P.encode() + b"d\xff").decode(errors="surrogateescape")  # as the watcher reads it
+    parsed = parse_entry(key, value(), P)
+    assert parsed == EntryProblem(key=P + "d\\xff", problem="key is not UTF-8")
+    json.dumps(parsed.key)  # printable in a log line
+
+
 def test_prefix_end_covers_exactly_the_prefix() -> None:
     assert prefix_end("/narwhal/engines/") == b"/narwhal/engines0"
     assert prefix_end("é") == b"\xc3\xaa"  # byte-wise, on the UTF-8 key

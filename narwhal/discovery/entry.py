@@ -48,6 +48,12 @@ def encode_registration(registration: EngineRegistration) -> bytes:
 
 def engine_name(key: str, prefix: str) -> str | EntryProblem:
     """The engine's name: the key's last segment after ``prefix`` (non-empty, no ``/``)."""
+    try:
+        key.encode()
+    except UnicodeEncodeError:
+        # Read with surrogateescape: show the bytes, escaped, so the log line can name the key.
+        shown = key.encode(errors="surrogateescape").decode(errors="backslashreplace")
+        return EntryProblem(key=shown, problem="key is not UTF-8")
     if not key.startswith(prefix):
         return EntryProblem(key=key, problem=f"key is not under the prefix {prefix!r}")
     name = key[len(prefix):]

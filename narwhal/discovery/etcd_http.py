@@ -54,7 +54,8 @@ class KeyValue(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def key_text(self) -> str:
-        return unb64(self.key).decode(errors="replace")
+        # Bytes that are not UTF-8 stay distinct (two such keys never share a name); entry.py refuses them.
+        return unb64(self.key).decode(errors="surrogateescape")
 
     @property
     def value_bytes(self) -> bytes:
