@@ -59,6 +59,8 @@ class _WatchStream(httpx.AsyncByteStream):
             yield no_leader
             return
         yield json.dumps({"result": {"header": self.header, "created": True}}).encode() + b"\n"
+        if self.after == "compacted":
+            yield b'{"result": {"header": {}, "canceled": true, "compact_revision": "9"}}\n'
         if self.after == "hang":
             await self.fake.dropped.wait()
             if self.host in self.fake.leaderless:
@@ -138,4 +140,16 @@ async def test_a_member_without_a_leader_is_passed_over_for_the_next(autojump_cl
     await trio.sleep(10.0)
     assert watch.status.connected
     assert watch.status.degraded is None and [u.reason for u in updates].count("degraded") == 1
+    nursery.cancel_scope.cancel()
+
+
+async def test_a_watch_compacted_again_at_once_every_time_does_not_spin(autojump_clock, nursery) -> None:
+    fake = FakeEtcd()
+    fake.after_created = "compacted"
+    updates: list[ViewUpdate] = []
+    watch = watcher(fake, retry_min_s=0.2, retry_max_s=5.0)
+    await nursery.start(watch.run, updates.append)
+    await trio.sleep(60.0)
+    assert 5 <= fake.count("/v3/kv/range") <= 20
+    assert [u.reason for u in updates] == ["listed"]  # nothing changed, nothing is down
     nursery.cancel_scope.cancel()

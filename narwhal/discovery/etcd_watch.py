@@ -114,17 +114,21 @@ class EtcdWatcher:
 
     async def run(self, on_update: Callable[[ViewUpdate], None], *,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Watch until cancelled. Started once the first list is applied or has failed (the view is then empty
-        and the status degraded): a router starts either way and serves what it learns later."""
+        """Watch until cancelled, calling ``on_update`` (at once, in this task: it must not block or raise).
+
+        Started once the first list is applied or has failed (the view is then empty and the status
+        degraded): a router starts either way and serves what it learns later.
+        """
         self._on_update = on_update
         started = False
         need_list = True
-        next_resync = 0.0
+        next_resync = listed_at = 0.0
         delay = self.retry_min_s
         while True:
             try:
                 if need_list or trio.current_time() >= next_resync:
                     await self._list()
+                    listed_at = trio.current_time()
                     need_list = False
                     next_resync = trio.current_time() + self.resync_interval_s
                 if not started:
@@ -141,6 +145,10 @@ class EtcdWatcher:
                     delay = min(delay * 2, self.retry_max_s)
             except _Relist:
                 need_list = True
+                if trio.current_time() - listed_at < 1.0:
+                    # Listed a moment ago and must list again (compacted again at once?): do not spin.
+                    await trio.sleep(delay)
+                    delay = min(delay * 2, self.retry_max_s)
             except EtcdUnavailable as exc:
                 self._set(connected=False)
                 self._degraded(str(exc))
