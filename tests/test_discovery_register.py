@@ -24,7 +24,7 @@ from narwhal.cli import main
 from narwhal.discovery.etcd_http import b64, unb64
 from narwhal.tools.local_fleet import LocalProcess, start_mock_engine
 from tests.discovery_proxy import CuttableProxy
-from tests.etcd_server import start_etcd
+from tests.etcd_server import EtcdServer, start_etcd
 
 P = "/narwhal/engines/"
 TTL_S = 2
@@ -45,11 +45,11 @@ async def _read_lines(stream: trio.abc.ReceiveStream, sink: list[dict[str, Any]]
 
 
 class World:
-    def __init__(self, nursery: trio.Nursery, client: httpx.AsyncClient, etcd_url: str, proxy: CuttableProxy,
-                 engine: LocalProcess) -> None:
+    def __init__(self, nursery: trio.Nursery, client: httpx.AsyncClient, servers: list[EtcdServer],
+                 proxy: CuttableProxy, engine: LocalProcess) -> None:
         self.nursery = nursery
         self.client = client
-        self.etcd_url = etcd_url
+        self.servers = servers  # the last one is the one running
         self.proxy = proxy
         self.engine = engine
         self.processes: list[LocalProcess] = []  # stopped at the end, last first
@@ -67,7 +67,7 @@ class World:
         return local
 
     async def etcd(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        response = await self.client.post(f"{self.etcd_url}{path}", json=body)
+        response = await self.client.post(f"{self.servers[-1].url}{path}", json=body)
         assert response.status_code == 200, response.text
         return response.json()
 
@@ -90,14 +90,14 @@ class World:
 
 @pytest.fixture
 async def world(nursery, tmp_path: Path):
-    server = await start_etcd(tmp_path / "etcd")
+    servers = [await start_etcd(tmp_path / "etcd")]
     client = httpx.AsyncClient(timeout=5.0)
     processes: list[LocalProcess] = []
     try:
-        proxy = await CuttableProxy(int(server.url.rpartition(":")[2])).start(nursery)
+        proxy = await CuttableProxy(int(servers[0].url.rpartition(":")[2])).start(nursery)
         engine = await start_mock_engine(nursery, "decode", engine_id="d1")
         processes.append(engine)
-        world = World(nursery, client, server.url, proxy, engine)
+        world = World(nursery, client, servers, proxy, engine)
         world.processes = processes
         yield world
     finally:
@@ -105,7 +105,8 @@ async def world(nursery, tmp_path: Path):
             for process in reversed(processes):
                 await process.stop(grace_s=5.0)
             await client.aclose()
-            await server.stop()
+            for server in servers:
+                await server.stop()
 
 
 async def test_the_key_appears_at_once_and_sigterm_revokes_it_at_once(world: World) -> None:
@@ -163,6 +164,22 @@ async def test_a_lease_lost_in_an_etcd_outage_is_replaced_by_a_new_one(world: Wo
     assert first is not None and again is not None and again[1] != first[1]
     assert await registrar.wait_event("registered", reason="lease_lost")
     assert len(registrar.events("etcd_unavailable")) == 1  # once per outage
+
+
+async def test_etcd_restarted_on_its_data_dir_keeps_the_registration_and_its_lease(world: World,
+                                                                                   tmp_path: Path) -> None:
+    registrar = await world.registrar()
+    await world.wait_key(True, 3.0, "the registration")
+    first = await world.key()
+    await world.servers[-1].stop()
+    assert await registrar.wait_event("etcd_unavailable", timeout_s=3.0)
+    world.servers.append(await start_etcd(tmp_path / "etcd"))  # the same data dir, new ports
+    world.proxy.target_port = int(world.servers[-1].url.rpartition(":")[2])
+    # etcd gives every lease a fresh TTL when it starts: the registrar's keepalives find it alive.
+    await trio.sleep(TTL_S + 1.0)
+    assert await world.key() == first
+    assert [line["reason"] for line in registrar.events("registered")] == ["started"]
+    assert not registrar.events("deregistered")
 
 
 async def test_a_key_deleted_by_hand_is_put_back_under_the_same_lease(world: World) -> None:
