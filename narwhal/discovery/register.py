@@ -149,7 +149,8 @@ class Registrar:
                 await self._keep()
             self._was_unhealthy = False
             self._etcd_up()
-        except EtcdUnavailable as exc:
+        except (EtcdUnavailable, ValueError, TypeError, AttributeError) as exc:
+            # Unreachable, or answering what etcd would not (behind a wrong proxy): the next round tries again.
             if not self._etcd_down:
                 self._etcd_down = True
                 log_event("etcd_unavailable", level=logging.WARNING, **self._fields(), error=str(exc),
