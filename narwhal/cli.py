@@ -52,6 +52,7 @@ _DELEGATED = {
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    from narwhal.discovery.register import add_parser as add_register_parser
     from narwhal.tools.admin_cli import add_parser as add_admin_parser
     from narwhal.tools.engine_check import add_parser as add_engine_check_parser
 
@@ -64,6 +65,7 @@ def _build_parser() -> argparse.ArgumentParser:
         sub.add_parser(name, help=help_text, add_help=False)
     add_admin_parser(sub)
     add_engine_check_parser(sub)
+    add_register_parser(sub)
     return parser
 
 
