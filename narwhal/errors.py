@@ -40,6 +40,8 @@ library's or a bug. The tree, with the module each class lives in:
     ├── FaultError (ValueError) ..... tools.mock.faults: a mock-engine fault that cannot be applied
     ├── CommandTemplateError (ValueError)  tools.bench.fleet: a bench --router-cmd template that cannot run
     ├── EngineErrorEvent (ValueError)  serving.continuation.events: an engine ended its stream with an error event
+    ├── EtcdUnavailable ............. discovery.etcd_http: no etcd endpoint answered (refused, timed out, no leader)
+    │   └── EtcdRefused ............. etcd understood the request and refused it (HTTP 4xx)
     ├── FrameError .................. workers.protocol: a controller/worker frame no peer of ours would send
     └── LinkClosed .................. workers.link: the other process of a controller/worker link is gone
 

@@ -31,6 +31,7 @@ from narwhal.discovery.etcd_http import (
     unb64,
 )
 from narwhal.discovery.view import EngineView, KeyEvent, StoredKey, ViewChange
+from narwhal.errors import NarwhalError
 
 __all__ = ["EtcdWatcher", "ViewUpdate", "WatchStatus"]
 
@@ -68,7 +69,7 @@ class ViewUpdate(msgspec.Struct, frozen=True, kw_only=True):
 _UNEXPECTED = (msgspec.MsgspecError, ValueError, TypeError, AttributeError, KeyError)
 
 
-class _Relist(Exception):
+class _Relist(NarwhalError):
     """The watch cannot go on from its revision: list again."""
 
 
