@@ -61,6 +61,8 @@ from narwhal.control.engine_set import (
 )
 from narwhal.control.engine_view import EngineViewer
 from narwhal.control.fleet_writer import FleetWriter
+from narwhal.control.model_lengths import ModelLengths
+from narwhal.control.model_view import ModelViewer
 from narwhal.control.monitor import Monitor
 from narwhal.control.readmission import Readmitter
 from narwhal.control.reload import ReloadError, ReloadOutcome, split_config_error
@@ -241,6 +243,8 @@ class Router:
             extra=self._handoff_extra, lease_valid=self._lease_valid if backend is not None else None,
             publish=functools.partial(self._publish_handoff, backend)
             if isinstance(backend, EtcdLeaseBackend) else None, on_written=self.metrics.handoff_written)
+        # Each engine's max_model_len from its own /v1/models: /v1/models and /admin/models show each model's smallest.
+        self.model_lengths = ModelLengths()
         self.readmitter = Readmitter(config=config, fleet=self.fleet, control_pool=self.control_pool,
                                      in_flight=self.in_flight, metrics=self.metrics,
                                      attestation_key=config.attestation_key_bytes(config_dir),
@@ -248,7 +252,8 @@ class Router:
                                      # A drained engine restarted by its operator comes back with an empty
                                      # cache: readmission sees the new process.
                                      on_newer_process=functools.partial(self._forget_prefixes,
-                                                                        reason="newer_process"))
+                                                                        reason="newer_process"),
+                                     model_lengths=self.model_lengths)
         self.stages = build_stages(config=config, supervisor=self.supervisor, control_pool=self.control_pool,
                                    telemetry=self.telemetry, in_flight=self.in_flight,
                                    persistence_stage=self.persistence, readmission=self.readmitter,
@@ -264,6 +269,10 @@ class Router:
         self.engine_view = EngineViewer(config=config, fleet=self.fleet, in_flight=self.in_flight,
                                         readmitter=self.readmitter, controller=self.controller, monitor=self.monitor,
                                         prefix_index=self.prefix_index.index, specs=self.registry.specs)
+        # The cards' `created` is this router's start: stable while it runs.
+        self.model_view = ModelViewer(config=config, fleet=self.fleet, lengths=self.model_lengths,
+                                      created=int(time.time()),
+                                      refusal=lambda: self.admission.refusal(trio.current_time()))
         register_admin_routes(self.app, self)
         # The [admin] listen server while it runs.
         self.admin_server: HTTPServer | None = None
@@ -297,7 +306,7 @@ class Router:
         if self.index_relay is not None:
             # The workers place on their own indexes; the copy here, which relays between them, follows too.
             parts.append(FollowedIndex(self.prefix_index.index, self.config.placement))
-        parts += [self.stages.health, self.fleet, self.readmitter, self.supervisor, self.engine_view]
+        parts += [self.stages.health, self.fleet, self.readmitter, self.supervisor, self.engine_view, self.model_view]
         if self.lease is not None:
             parts.append(self.lease)
         parts += [self.monitor, self.controller, self.telemetry]
@@ -427,18 +436,25 @@ class Router:
             self.index_relay.forget(engine)
         else:
             self.prefix_index.forget(engine)
-        log_event("prefix_index_forgotten", engine=engine, reason=reason)
+        log_event("prefix_index_forgotten", engine=engine, reason=reason, model=self._engine_model(engine))
+
+    def _engine_model(self, name: str) -> str:
+        """The model of engine ``name``, a gauge's last label ("" for one a reload removed meanwhile)."""
+        fleet = self.fleet
+        return fleet.model_of(name) if name in fleet else ""
 
     def _register_gauges(self) -> None:
         m = self.metrics
         index = self.prefix_index.index
+        model = self._engine_model
         m.add_gauge("narwhal_placement_index_bytes", "Prefix index size per prefill engine, by its accounting "
-                    "(bounded by placement.max_index_mb in all).", ("engine",),
-                    lambda: {(name,): float(index.bytes(name)) for name in index.engines})
+                    "(bounded by placement.max_index_mb in all).", ("engine", "model"),
+                    lambda: {(name, model(name)): float(index.bytes(name)) for name in index.engines})
         m.add_gauge("narwhal_placement_index_entries", "Block hashes the prefix index holds per prefill engine.",
-                    ("engine",), lambda: {(name,): float(index.entries(name)) for name in index.engines})
-        m.add_gauge("narwhal_requests_in_flight", "Requests in flight per engine.", ("engine",),
-                    lambda: {(name,): float(n) for name, n in self.in_flight.counts.items()})
+                    ("engine", "model"),
+                    lambda: {(name, model(name)): float(index.entries(name)) for name in index.engines})
+        m.add_gauge("narwhal_requests_in_flight", "Requests in flight per engine.", ("engine", "model"),
+                    lambda: {(name, model(name)): float(n) for name, n in self.in_flight.counts.items()})
 
         def pools() -> dict[tuple[str, ...], float]:
             data = self.data_plane.pool_usage()
@@ -451,10 +467,10 @@ class Router:
 
         def eligibility() -> dict[tuple[str, ...], float]:
             now = trio.current_time()
-            return {(v.name, v.role): float(v.eligible) for v in self.fleet.views(now)}
+            return {(v.name, v.role, v.model): float(v.eligible) for v in self.fleet.views(now)}
 
         m.add_gauge("narwhal_engine_eligible", "1 when the engine may take new requests.",
-                    ("engine", "role"), eligibility)
+                    ("engine", "role", "model"), eligibility)
         m.add_gauge("narwhal_tls_cert_expiry_seconds", "Seconds until the serving certificate expires "
                     "(negative once it has); no sample without TLS.", (), self.cert_expiry.gauge)
         m.add_gauge("narwhal_ready", "1 when /ready answers 200.", (),
@@ -504,6 +520,8 @@ class Router:
                     # (With a lease the handoff is the pair's: a standby follows it, drains included.)
                     self._warn_if_drains_dropped()
                 await nursery.start(self.readmitter.run)
+                # Before serving: an engine that answers for another model never gets a request.
+                await self.readmitter.first_identity_read()
                 await nursery.start(self.monitor.run)
                 await nursery.start(self.timeline.run)
                 if admin_fd is not None:

@@ -317,6 +317,27 @@ def test_format_report_lays_runs_side_by_side_with_faults() -> None:
     json.loads(msgspec.json.encode(report))
 
 
+def test_format_report_puts_each_model_beside_the_totals() -> None:
+    one = format_report(BenchReport(settings={}, run=_run_report("narwhal")))
+    assert "model " not in one
+    a = summarize_load(kinds=["ok", "ok"], statuses=[200, 200], ttft_s=[0.01, 0.03], total_s=[0.02, 0.04],
+                       gaps_s=(), tokens=64, duration_s=1.0)
+    b = summarize_load(kinds=["ok", "status"], statuses=[200, 503], ttft_s=[0.05], total_s=[0.06],
+                       gaps_s=(), tokens=32, duration_s=1.0)
+    run = msgspec.structs.replace(_run_report("narwhal"), models={"a": a, "b": b})
+    text = format_report(BenchReport(settings={}, run=run))
+    header, *rows = text.splitlines()
+    assert header.split()[-4:] == ["model", "a", "model", "b"]
+    row = {line.split("  ")[0]: line for line in rows}
+    # The totals' column first, then a, then b.
+    assert row["requests (ok / errors)"].split()[-9:] == ["1", "/", "1", "2", "/", "0", "1", "/", "1"]
+    assert row["TTFT ms p50 / p90 / p99"].endswith("20.00 / 28.00 / 29.80  50.00 / 50.00 / 50.00")
+    assert row["errors by kind"].split()[-3:] == ["none", "status", "1"]
+    # The run's own figures (router CPU) are the totals' only.
+    assert row["router CPU ms / request"].rstrip().endswith("500.000")
+    assert json.loads(msgspec.json.encode(BenchReport(settings={}, run=run)))["run"]["models"]["b"]["errors"] == 1
+
+
 def test_progress_line() -> None:
     state = LoadState()
     state.done, state.tokens, state.errors, state.errors_by_kind = 100, 3200, 2, {"refused": 2}
@@ -353,6 +374,10 @@ def test_defaults_and_fault_defaults() -> None:
     ("--tls", "--router-cmd", "vllm-router --port {port}"),
     ("--set", "nodot=1"),
     ("--concurrency", "0"),
+    ("--models", "0"),
+    ("--models", "2", "--target", "http://127.0.0.1:1"),
+    ("--models", "2", "--scenario", "faults"),
+    ("--models", "2", "--router-cmd", "vllm-router --port {port}"),
 ])
 def test_bad_option_combinations(argv: tuple[str, ...]) -> None:
     with pytest.raises(ValueError):
@@ -465,6 +490,40 @@ def test_bench_over_tls_keeps_engine_connections_alive(tmp_path: Path) -> None:
     # a handful of handshakes for 60 requests, not one each.
     for engine in report["run"]["engines"]:
         assert engine["connections_per_request"] is not None and engine["connections_per_request"] < 0.2, engine
+
+
+async def test_a_load_over_several_models_takes_them_in_turn(decode_mock) -> None:
+    # The mock serves mock-model only: every request naming "other" gets its 404, and each model's summary
+    # holds its own requests.
+    bodies = tuple(completion_body(prompt_words=4, max_tokens=8, stream=True, model=model,
+                                   kv_transfer_params=DECODE_KV) for model in ("mock-model", "other"))
+    result = await run_load(_spec(decode_mock.engine.port, model_bodies=bodies, requests=21))
+    assert [r.model_index for r in sorted(result.records, key=lambda r: r.started_at)].count(1) == 10
+    ours, other = result.summary(0), result.summary(1)
+    assert (ours.requests, ours.ok, ours.tokens, other.requests, other.ok) == (11, 11, 88, 10, 0)
+    assert other.errors_by_status == {"404": 10} and ours.ttft is not None and ours.ttft.count == 11
+    assert result.summary().requests == 21 and ours.inter_token is None
+
+
+@pytest.mark.e2e
+def test_bench_with_two_models_reports_each_beside_the_totals(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    done = subprocess.run([sys.executable, "-m", "narwhal", "bench", "--models", "2", "--requests", "100",
+                           "--concurrency", "4", "--json", str(out), "--quiet"], cwd=REPO, capture_output=True,
+                          text=True, timeout=90)
+    assert done.returncode == 0, done.stderr
+    assert "model mock-model " in done.stdout and "model mock-model-2" in done.stdout
+    report = json.loads(out.read_text())
+    assert report["settings"]["models"] == 2
+    assert report["run"]["load"]["ok"] == 100
+    models = report["run"]["models"]
+    assert list(models) == ["mock-model", "mock-model-2"]
+    for load in models.values():
+        assert (load["requests"], load["ok"], load["errors"], load["tokens"]) == (50, 50, 0, 50 * 32)
+        assert load["ttft"]["p99_ms"] >= load["ttft"]["p50_ms"] > 0 and load["requests_per_s"] > 0
+    # Each model's requests went to its own engines: 50 decodes on each model's decode engine.
+    decoded = {e["name"]: e["requests"] for e in report["run"]["engines"] if e["role"] == "decode"}
+    assert decoded == {"m1-d1": 50, "m2-d1": 50}
 
 
 async def test_load_over_tls(nursery, tmp_path: Path) -> None:

@@ -327,8 +327,8 @@ async def test_a_decode_cut_halfway_is_continued_into_one_exact_stream(route, wi
     assert legs == [True, False, True, False]
     # Tokens without IDs are counted by the continuation's prefill engine (the text, and the prompt): never by events.
     assert len([c for c in pool.calls if c[1] == "/tokenize"]) == (0 if with_ids else 2)
-    assert metrics.continuations.values == {("completed",): 1}
-    assert "narwhal_continuation_join_gap_seconds_count 1" in metrics.render()
+    assert metrics.continuations.values == {("completed", "mock-model"): 1}
+    assert 'narwhal_continuation_join_gap_seconds_count{model="mock-model"} 1' in metrics.render()
 
 
 async def test_token_ids_the_client_asked_for_are_relayed_once_and_complete():
@@ -361,7 +361,7 @@ async def test_a_continuation_whose_own_decode_fails_is_continued_again():
     check_one_stream(sink, chat=False, prompt_tokens=3, max_tokens=12)
     decodes = [c[0] for c in decode_calls(pool)]
     assert sorted(decodes) == ["d1", "d2", "d3"]
-    assert metrics.continuations.values == {("failed",): 1, ("completed",): 1}
+    assert metrics.continuations.values == {("failed", "mock-model"): 1, ("completed", "mock-model"): 1}
     # Evidence per failed engine: exactly one stream failure each for the two that cut, none for the third.
     stream_failures = [f for f in supervisor.failures if f[1] is FailureClass.STREAM]
     assert sorted(stream_failures) == sorted((name, FailureClass.STREAM) for name in decodes[:2])
@@ -377,7 +377,7 @@ async def test_max_attempts_exhausted_ends_with_the_sse_error():
     assert events[-1]["error"]["code"] == "stream"
     assert numbers(text_of(events[:-1], False)) == [3, 4, 5, 6]
     assert len(decode_calls(pool)) == 2
-    assert ("exhausted",) in metrics.continuations.values
+    assert ("exhausted", "mock-model") in metrics.continuations.values
 
 
 async def test_continue_streams_off_ends_with_the_sse_error_as_before():
@@ -390,7 +390,7 @@ async def test_continue_streams_off_ends_with_the_sse_error_as_before():
     assert len(decode_calls(pool)) == 1
     # Nothing was added to the client's request: the engine got what the client sent.
     assert "return_token_ids" not in decode_calls(pool)[0][2]
-    assert metrics.continuations.values == {("not_eligible",): 1}
+    assert metrics.continuations.values == {("not_eligible", "mock-model"): 1}
 
 
 @pytest.mark.parametrize("extra", [
@@ -406,7 +406,7 @@ async def test_requests_that_cannot_be_resumed_are_not_continued(extra):
     events = sink.events()
     assert events[-1]["error"]["code"] == "stream" and "[DONE]" not in events
     assert len(decode_calls(pool)) == 1
-    assert metrics.continuations.values == {("not_eligible",): 1}
+    assert metrics.continuations.values == {("not_eligible", "mock-model"): 1}
 
 
 def test_not_continued_reasons_name_the_field():
@@ -427,7 +427,7 @@ async def test_the_deadline_ends_a_continuation_with_the_sse_error(autojump_cloc
     events = sink.events()
     assert events[-1]["error"]["code"] == "deadline_exceeded" and "[DONE]" not in events
     assert trio.current_time() == pytest.approx(30.0)
-    assert metrics.continuations.values == {("exhausted",): 1}
+    assert metrics.continuations.values == {("exhausted", "mock-model"): 1}
     assert core.in_flight.total() == 0
 
 
@@ -441,8 +441,8 @@ async def test_the_join_gap_is_measured_from_the_last_bytes_to_the_next(autojump
     await core.handle(COMPLETIONS, request_body(COMPLETIONS), None, sink)
     check_one_stream(sink, chat=False, prompt_tokens=3, max_tokens=10)
     rendered = metrics.render()
-    assert "narwhal_continuation_join_gap_seconds_count 1" in rendered
-    assert "narwhal_continuation_join_gap_seconds_sum 0.5" in rendered
+    assert 'narwhal_continuation_join_gap_seconds_count{model="mock-model"} 1' in rendered
+    assert 'narwhal_continuation_join_gap_seconds_sum{model="mock-model"} 0.5' in rendered
 
 
 async def test_a_stream_that_lost_only_its_done_is_finished_not_continued():
@@ -523,7 +523,7 @@ async def test_a_fleet_with_one_decode_engine_ends_the_stream_at_once(autojump_c
     sink = ClientSink()
     await core.handle(COMPLETIONS, request_body(COMPLETIONS), None, sink)
     assert sink.events()[-1]["error"]["code"] == "stream"
-    assert metrics.continuations.values == {("not_eligible",): 1}
+    assert metrics.continuations.values == {("not_eligible", "mock-model"): 1}
     assert trio.current_time() == 0.0
 
 
@@ -536,7 +536,7 @@ async def test_a_token_id_prompt_without_output_ids_cannot_be_resumed_from_text(
     assert events[-1]["error"]["code"] == "not_continued" and "[DONE]" not in events
     assert numbers(text_of(events[:-1], False)) == [3, 4, 5]
     assert len(decode_calls(pool)) == 1
-    assert metrics.continuations.values == {("not_eligible",): 1}
+    assert metrics.continuations.values == {("not_eligible", "mock-model"): 1}
 
 
 @pytest.mark.parametrize("raw", [
@@ -654,7 +654,7 @@ async def test_a_stream_cut_because_its_engine_was_removed_continues_on_another_
     decodes = decode_calls(pool)
     assert len(decodes) == 2 and decodes[1][0] != removed
     assert supervisor.failures == []
-    assert metrics.continuations.values == {("completed",): 1}
+    assert metrics.continuations.values == {("completed", "mock-model"): 1}
 
 
 # The first leg's ID stripping and token count as they were before the per-read fast path, for reference:

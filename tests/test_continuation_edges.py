@@ -500,5 +500,5 @@ async def test_an_engine_whose_tokenize_cannot_count_ends_the_stream_as_not_cont
         await core.handle(COMPLETIONS, request_body(COMPLETIONS, max_tokens=12), None, sink)
     error = sink.events()[-1]["error"]
     assert error["code"] == "not_continued" and "counted" in error["message"]
-    assert metrics.continuations.values.get(("not_eligible",)) == 1
+    assert metrics.continuations.values.get(("not_eligible", "mock-model")) == 1
     assert len(decode_calls(pool)) == 1

@@ -242,5 +242,76 @@ def test_consolidation_risk_follows_eligibility_and_is_a_gauge() -> None:
     fleet.eject("d1", "test", NOW)
     assert controller.consolidation_risk() == {"prefill": "elevated", "decode": "critical"}
     text = metrics.render()
-    assert 'narwhal_consolidation_risk{role="prefill"} 1' in text
-    assert 'narwhal_consolidation_risk{role="decode"} 2' in text
+    assert 'narwhal_consolidation_risk{role="prefill",model=""} 1' in text
+    assert 'narwhal_consolidation_risk{role="decode",model=""} 2' in text
+
+
+# -- several models: each model's engines are compared with their own ------------------------------
+
+TWO_MODELS = [("pa1", "prefill", "a"), ("pa2", "prefill", "a"), ("da1", "decode", "a"), ("da2", "decode", "a"),
+              ("da3", "decode", "a"), ("pb1", "prefill", "b"), ("db1", "decode", "b"), ("db2", "decode", "b")]
+
+
+def setup_models(engines: list[tuple[str, str, str]]) -> tuple[Fleet, FakeTelemetry, ControllerStage, RouterMetrics]:
+    fleet = Fleet(engines, eject_after=3, liveness_misses=3, failure_quarantine_s=None, probe_interval_s=5.0)
+    telemetry = FakeTelemetry({name: role for name, role, _ in engines})
+    metrics = RouterMetrics()
+    controller = ControllerStage(fleet=fleet, telemetry=telemetry, drift_factor=DRIFT_FACTOR,
+                                 drift_intervals=DRIFT_INTERVALS, metrics=metrics, clock=lambda: NOW)
+    return fleet, telemetry, controller, metrics
+
+
+def test_peers_are_the_engines_of_the_same_model_and_role() -> None:
+    models = {name: model for name, _, model in TWO_MODELS}
+    roles = {name: role for name, role, _ in TWO_MODELS}
+    interval = Interval(index=0, start=0.0, end=10.0, engines={
+        name: figures(roles[name], value) for name, value in
+        {"da1": FAST, "da2": FAST, "da3": FAST, "db1": SLOW, "db2": SLOW, "pa1": FAST, "pa2": FAST,
+         "pb1": SLOW}.items()})
+    # One pool for every engine (no models given): model b's slower engines drift against model a's.
+    assert judge_interval(interval, DRIFT_FACTOR)["db1"][0] is Verdict.DRIFTING
+    verdicts = judge_interval(interval, DRIFT_FACTOR, models)
+    # Per model: b's decode engines match each other; b's only prefill engine has no peer of its model.
+    assert verdicts["db1"][0] is Verdict.WITHIN and verdicts["db2"][0] is Verdict.WITHIN
+    assert verdicts["pb1"] == (Verdict.NO_DATA, "no peer with data")
+    assert verdicts["da1"][0] is Verdict.WITHIN
+
+
+def test_a_slower_model_is_not_drift_but_a_slow_engine_within_its_model_is() -> None:
+    fleet, telemetry, controller, _ = setup_models(TWO_MODELS)
+    for _ in range(DRIFT_INTERVALS):
+        # Model b is ten times slower than model a throughout, and db2 is slower still than db1.
+        telemetry.close(da1=FAST, da2=FAST, da3=FAST, db1=10 * FAST, db2=100 * FAST)
+    controller.step(NOW)
+    assert [name for name in ("da1", "da2", "da3", "db1") if drift_hold(fleet, name)] == []
+    assert drift_hold(fleet, "db2") is not None
+    # The hold takes db2 out of b's placement; db1 still serves b.
+    assert fleet.eligible("decode", NOW, "b") == ["db1"]
+
+
+def test_consolidation_risk_is_per_model_and_role_and_a_gauge() -> None:
+    fleet, _, controller, metrics = setup_models(TWO_MODELS)
+    assert controller.consolidation_risks() == {"a": {"prefill": "none", "decode": "none"},
+                                                "b": {"prefill": "critical", "decode": "none"}}
+    fleet.eject("db1", "test", NOW)
+    fleet.eject("da1", "test", NOW)
+    assert controller.consolidation_risks() == {"a": {"prefill": "none", "decode": "none"},
+                                                "b": {"prefill": "critical", "decode": "critical"}}
+    # The role-wide answer (handoff, /admin/engines) is each role's worst model.
+    assert controller.consolidation_risk() == {"prefill": "critical", "decode": "critical"}
+    text = metrics.render()
+    assert 'narwhal_consolidation_risk{role="decode",model="a"} 0' in text
+    assert 'narwhal_consolidation_risk{role="decode",model="b"} 2' in text
+
+
+def test_a_drift_hold_is_skipped_only_when_the_engines_own_model_is_critical() -> None:
+    engines = [("pa1", "prefill", "a"), ("da1", "decode", "a"), ("da2", "decode", "a"), ("da3", "decode", "a"),
+               ("pb1", "prefill", "b"), ("db1", "decode", "b"), ("db2", "decode", "b")]
+    fleet, telemetry, controller, _ = setup_models(engines)
+    # Model b's decode role is critical (db1 drained); model a's is not.
+    fleet.add_hold("db1", HoldKind.OPERATOR_DRAIN, "operator", NOW)
+    for _ in range(DRIFT_INTERVALS):
+        telemetry.close(da1=FAST, da2=FAST, da3=SLOW, db1=FAST, db2=SLOW)
+    controller.step(NOW)
+    assert drift_hold(fleet, "da3") is not None
+    assert drift_hold(fleet, "db2") is None

@@ -341,7 +341,8 @@ def test_the_vllm_guide_stays_true_to_the_plugin_and_the_config(tmp_path: Path) 
     # Both vllm serve commands load the plugin by its real dotted path, with NixlConnector in the engine's
     # own KV role (vLLM 0.32 logs kv_both as deprecated with NixlConnector).
     commands = re.findall(r"```bash\n(.*?)```", guide, re.S)
-    serve = [c for c in commands if "vllm serve" in c]
+    models_at = guide.index("### Several models behind one router")
+    serve = [c for c in re.findall(r"```bash\n(.*?)```", guide[:models_at], re.S) if "vllm serve" in c]
     assert len(serve) == 2
     for command, kv_role in zip(serve, ("kv_producer", "kv_consumer"), strict=True):
         assert "--middleware narwhal.engine_plugin.IdentityMiddleware" in command
@@ -354,7 +355,7 @@ def test_the_vllm_guide_stays_true_to_the_plugin_and_the_config(tmp_path: Path) 
         assert f"| `{variable}` |" in guide
     # The guide's narwhal.toml is a valid config (its key file swapped for one that exists here).
     # The guide's main narwhal.toml, then the one of "Try it without a GPU".
-    toml, cpu_toml = re.findall(r"```toml\n(.*?)```", guide, re.S)
+    toml, models_toml, cpu_toml = re.findall(r"```toml\n(.*?)```", guide, re.S)
     key = tmp_path / "fleet.key"
     key.write_text("k\n")
     config = parse_config(toml.replace("/etc/narwhal/fleet.key", str(key)))
@@ -362,6 +363,14 @@ def test_the_vllm_guide_stays_true_to_the_plugin_and_the_config(tmp_path: Path) 
     # And the same generation and model as the engines' commands.
     assert all(f"NARWHAL_GENERATION={config.fleet.generation}" in c for c in serve)
     assert all(f"vllm serve {config.fleet.model}" in c for c in serve)
+    # Several models: the second model's engines load the plugin too, and the config gives each its model.
+    [model_b] = [c for c in re.findall(r"```bash\n(.*?)```", guide[models_at:], re.S) if "vllm serve" in c]
+    assert "--middleware narwhal.engine_plugin.IdentityMiddleware" in model_b
+    two = parse_config(models_toml.replace("/etc/narwhal/fleet.key", str(key)))
+    assert [(e.name, e.model) for e in two.engines] == [
+        ("prefill-0", config.fleet.model), ("decode-0", config.fleet.model),
+        ("prefill-b0", "qwen3-small"), ("decode-b0", "qwen3-small")]
+    assert "--served-model-name qwen3-small" in model_b
     # Without a GPU: the same plugin, the same variables, and a valid config for one prefill and two decode.
     [cpu_command] = [c for c in commands if "vllm.entrypoints.openai.api_server" in c]
     assert "--middleware narwhal.engine_plugin.IdentityMiddleware" in cpu_command

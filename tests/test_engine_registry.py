@@ -44,6 +44,10 @@ def test_the_config_file_gives_the_entries_with_the_fleets_model_and_source_file
     assert [(e.name, e.role, e.model, e.source) for e in entries] == [
         (spec.name, spec.role, config.fleet.model, "file") for spec in config.engines]
     assert entries[0].spec() == config.engines[0]
+    # An engine's own model wins over [fleet] model.
+    own = parse_config(GOOD.replace('role = "decode"', 'role = "decode"\nmodel = "m2"').replace(
+        'role = "prefill"', 'role = "prefill"\nmodel = "m2"'))
+    assert {e.model for e in entries_from_config(own)} == {"m2"}
 
 
 def test_the_difference_matches_by_name_and_a_changed_entry_is_a_removal_and_an_addition() -> None:

@@ -13,6 +13,8 @@ from narwhal.app.control_app import create_app
 from narwhal.config import Config, EngineSpec, FleetConfig
 from narwhal.control.engine_view import EngineEntry, EnginesView, EngineViewer
 from narwhal.control.fleet_writer import FleetWriter
+from narwhal.control.model_lengths import ModelLengths
+from narwhal.control.model_view import ModelViewer
 from narwhal.control.readmission import ReadmissionResult, ReadmissionState
 from narwhal.control.supervisor import Supervisor
 from narwhal.errors import FailureClass
@@ -87,8 +89,8 @@ def test_the_ejections_metric_is_labelled_with_the_typed_cause() -> None:
     supervisor.record_failure("p1", FailureClass.CONNECTION)
     supervisor.record_failure("p1", FailureClass.CONNECTION)
     ejections = supervisor.metrics.engine_ejections
-    assert ejections.get("d1", "liveness") == 1 and ejections.get("p1", "connection") == 1
-    assert ejections.get("d1", "other") == 0
+    assert ejections.get("d1", "liveness", "") == 1 and ejections.get("p1", "connection", "") == 1
+    assert ejections.get("d1", "other", "") == 0
 
 
 # -- EngineViewer: the /admin/engines answer as structs --
@@ -159,7 +161,7 @@ def test_the_json_keeps_the_documented_keys() -> None:
                         "evidence", "liveness_misses", "in_flight", "next_probe_at", "counters", "drained",
                         "maintenance_started_at", "readmission_running", "last_readmission",
                         "health_answered_at", "readmission_backoff_s", "next_readmission_at", "prefix_index",
-                        "removing"]
+                        "removing", "model"]
     assert d1["evidence"] == {str(c): 0 for c in FailureClass}
     assert d1["last_readmission"]["check"] == "identity"
 
@@ -215,6 +217,8 @@ class FakeState:
         self.telemetry = FakeTelemetry()
         self.engine_view = make_viewer(make_fleet())
         self.readmitter = FakeActions()
+        self.model_view = ModelViewer(config=self.config, fleet=make_fleet(), lengths=ModelLengths(), created=1,
+                                      refusal=self.readiness, clock=lambda: 10.0)
 
     def readiness(self) -> str | None:
         return "no eligible decode engine"

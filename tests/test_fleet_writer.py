@@ -81,7 +81,7 @@ def test_an_operator_drain_is_logged_and_counted_the_moment_it_is_applied(caplog
     # Logged by the writer at once, not whenever the supervisor next drained the fleet's events.
     added = [e for e in logged(caplog) if e["event"] == "engine_hold_added"]
     assert [(e["engine"], e["hold_kind"]) for e in added] == [("d1", "operator_drain")]
-    assert metrics.holds_applied.get("d1", "operator_drain") == 1
+    assert metrics.holds_applied.get("d1", "operator_drain", "") == 1
 
 
 def test_a_drift_hold_from_the_controller_stage_is_logged_when_applied(caplog) -> None:
@@ -94,7 +94,7 @@ def test_a_drift_hold_from_the_controller_stage_is_logged_when_applied(caplog) -
     controller.step(NOW)
     added = [e for e in logged(caplog) if e["event"] == "engine_hold_added"]
     assert [(e["engine"], e["hold_kind"]) for e in added] == [("d3", "performance_drift")]
-    assert metrics.holds_applied.get("d3", "performance_drift") == 1
+    assert metrics.holds_applied.get("d3", "performance_drift", "") == 1
 
 
 async def test_a_readmission_is_logged_by_the_writer(caplog, autojump_clock: MockClock) -> None:
@@ -103,7 +103,7 @@ async def test_a_readmission_is_logged_by_the_writer(caplog, autojump_clock: Moc
     writer.readmit("d1", NOW + 1)
     kinds = [(e["event"], e["engine"]) for e in logged(caplog) if e["event"].startswith("engine_")]
     assert kinds == [("engine_ejected", "d1"), ("engine_readmitted", "d1")]
-    assert metrics.engine_ejections.get("d1", "connection") == 1
+    assert metrics.engine_ejections.get("d1", "connection", "") == 1
 
 
 def test_a_hold_that_expires_on_a_read_is_logged_on_that_read(caplog) -> None:

@@ -61,7 +61,7 @@ def full_document() -> HandoffDocument:
     )
     return HandoffDocument(
         schema=HANDOFF_SCHEMA, router_id="r1", pid=4242, pass_number=17, written_at=1001.25,
-        engine_set=[EngineSetEntry(name=n, url=u, role=r) for n, u, r in ENGINES],
+        engine_set=[EngineSetEntry(name=n, url=u, role=r, model="m1") for n, u, r in ENGINES],
         engines=[record],
         consolidation_risk={"prefill": "critical", "decode": "elevated"},
         lease=LeaseOwnership(holder="r1", epoch=9), drained=["p1"],
@@ -330,7 +330,8 @@ async def test_stage_document_holds_fleet_state_and_extras(tmp_path: Path) -> No
     document = read_document(path)
     assert document.schema == HANDOFF_SCHEMA
     assert (document.router_id, document.pid, document.pass_number) == ("r1", os.getpid(), 7)
-    assert document.engine_set == [EngineSetEntry(name=n, url=u, role=r) for n, u, r in ENGINES]
+    # Each engine's model: [fleet] model for an engine that names none.
+    assert document.engine_set == [EngineSetEntry(name=n, url=u, role=r, model="mock-model") for n, u, r in ENGINES]
     assert document.engines == fleet.snapshot(clocks.now, clocks.wall)
     d1 = document.engines[1]
     assert d1.ejected and d1.counters.ejections == 1

@@ -598,8 +598,8 @@ async def test_the_front_relays_a_stream_through_the_pump_with_counts_and_metric
     assert logged["relay"] == "pump" and logged["status"] == 200 and logged["tokens"] == 8
     assert logged["ttft_ms"] is not None
     # One inter-token gap per read after the first, observed by the pump's step as by the task's loop.
-    assert 1 <= front.metrics.inter_token.count() <= len(TOKEN_EVENTS) - 1
-    assert front.metrics.ttft.count("/v1/completions") == 1
+    assert 1 <= front.metrics.inter_token.count("mock-model") <= len(TOKEN_EVENTS) - 1
+    assert front.metrics.ttft.count("/v1/completions", "mock-model") == 1
     assert pool.pump.streams == 0
 
 

@@ -72,10 +72,10 @@ async def test_the_same_prefix_goes_to_the_same_prefill_engine_and_is_counted() 
         await core.handle("/v1/completions", body(PROMPT + f" tail{i}"), None, Sink())
     assert len(set(prefills(pool))) == 1
     metrics = core.metrics.render()
-    assert 'narwhal_placement_total{role="prefill",reason="miss"} 1' in metrics
-    assert 'narwhal_placement_total{role="prefill",reason="hit"} 5' in metrics
-    assert 'narwhal_placement_total{role="decode",reason="only_choice"} 6' in metrics
-    assert 'narwhal_placement_matched_fraction_bucket{le="0"} 1' in metrics
+    assert 'narwhal_placement_total{role="prefill",reason="miss",model="mock-model"} 1' in metrics
+    assert 'narwhal_placement_total{role="prefill",reason="hit",model="mock-model"} 5' in metrics
+    assert 'narwhal_placement_total{role="decode",reason="only_choice",model="mock-model"} 6' in metrics
+    assert 'narwhal_placement_matched_fraction_bucket{model="mock-model",le="0"} 1' in metrics
 
 
 async def test_the_request_log_carries_the_matched_share(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -142,7 +142,7 @@ async def test_the_router_forgets_an_engine_on_ejection_and_maintenance_not_on_o
     index.record("p1", blocks, 1.0)
     entry = router.engine_view.engine("p1")
     assert entry.prefix_index is not None and entry.prefix_index.entries == len(blocks)
-    assert f'narwhal_placement_index_entries{{engine="p1"}} {len(blocks)}' in router.metrics.render()
+    assert f'narwhal_placement_index_entries{{engine="p1",model="mock-model"}} {len(blocks)}' in router.metrics.render()
     assert FleetEventKind.EJECTED  # the listener saw the event kinds above
 
 

@@ -24,7 +24,7 @@ import pytest
 import trio
 from trio.testing import MockClock
 
-from narwhal.config import Config, EngineConfig, EngineSpec, FleetConfig, RecoveryConfig
+from narwhal.config import Config, EngineConfig, EngineSpec, FleetConfig, ModelConfig, RecoveryConfig
 from narwhal.control.readmission import CHAIN, Readmitter
 from narwhal.errors import FailureClass, SuccessKind
 from narwhal.fleet import EngineRecord, Fleet, HoldKind
@@ -142,7 +142,7 @@ class World:
         return WALL_BASE + trio.current_time()
 
     def count(self, name: str, outcome: str, check: str) -> float:
-        return self.metrics.readmissions.get(name, outcome, check)
+        return self.metrics.readmissions.get(name, outcome, check, self.config.model_of(self.config.engine_spec(name)))
 
 
 def readmission_events(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
@@ -784,3 +784,44 @@ async def test_an_identity_document_over_the_bound_is_refused_before_decoding(au
     result = await world.readmitter.readmit("d1", operator=True)
     assert result.check == "attestation"
     assert "identity document is" in result.reason and "more than 16384" in result.reason
+
+
+# ----- several models: an engine is checked against its own model ---------------------------------------
+
+
+def two_models(world: World) -> tuple[Readmitter, Fleet]:
+    """The world's engines with p2 and d2 serving model m2 (generation g2 from its [[fleet.models]] entry)."""
+    engines = [spec if spec.name not in ("p2", "d2") else msgspec.structs.replace(spec, model="m2")
+               for spec in world.config.engines]
+    config = msgspec.structs.replace(world.config, engines=engines, fleet=msgspec.structs.replace(
+        world.config.fleet, models=[ModelConfig(name="m2", generation="g2")]))
+    fleet = Fleet([(spec.name, spec.role, config.model_of(spec)) for spec in config.engines], eject_after=3,
+                  liveness_misses=3, failure_quarantine_s=None, probe_interval_s=5.0)
+    readmitter = Readmitter(config=config, fleet=fleet, control_pool=world.pool,  # type: ignore[arg-type]
+                            in_flight=world.in_flight, metrics=world.metrics, wall_clock=world.wall,
+                            attestation_key=KEY)
+    return readmitter, fleet
+
+
+async def test_an_engine_of_model_b_is_checked_against_b_and_bs_generation(autojump_clock: MockClock) -> None:
+    world = World(engines=(("p1", "prefill"), ("d1", "decode"), ("p2", "prefill"), ("d2", "decode")))
+    readmitter, fleet = two_models(world)
+    fleet.eject("d2", "liveness", world.now())
+    # d2 still serves m1 (the fleet's [fleet] model): refused by the model check, naming both models.
+    result = await readmitter.readmit("d2", operator=False)
+    assert (result.outcome, result.check) == ("refused", "model")
+    assert "'m1'" in result.reason and "'m2'" in result.reason
+    assert world.metrics.readmissions.get("d2", "refused", "model", "m2") == 1
+    # m2 now, but generation g1: m2's generation is g2, from its [[fleet.models]] entry.
+    engine = world.engines["d2"]
+    engine.model, engine.models_listed = "m2", ["m2"]
+    result = await readmitter.readmit("d2", operator=False)
+    assert (result.outcome, result.check) == ("refused", "generation")
+    assert "'g2'" in result.reason
+    engine.generation = "g2"
+    result = await readmitter.readmit("d2", operator=False)
+    assert result.outcome == "readmitted"
+    assert fleet.eligible("decode", world.now(), "m2") == ["d2"]
+    # Model m1's engines keep the fleet's model and generation.
+    fleet.eject("d1", "liveness", world.now())
+    assert (await readmitter.readmit("d1", operator=False)).outcome == "readmitted"

@@ -74,8 +74,8 @@ def started_at(world: World, name: str) -> float:
 
 
 def histogram_count(world: World, name: str) -> int:
-    series = world.metrics.health_to_eligible.series.get((name,))
-    return 0 if series is None else sum(series[0])
+    return sum(sum(counts) for labels, (counts, _) in world.metrics.health_to_eligible.series.items()
+               if labels[0] == name)
 
 
 # ----- the immediate start ----------------------------------------------------------------------
@@ -358,7 +358,8 @@ async def test_engine_readmitted_carries_the_health_to_eligible_time(
     [ok] = [line for line in lines if line["event"] == "readmission" and line["outcome"] == "readmitted"]
     assert ok["health_to_eligible_s"] == pytest.approx(0.51)
     assert histogram_count(world, "d1") == 1
-    assert 'narwhal_readmission_health_to_eligible_seconds_bucket{engine="d1",le="1"} 1' in world.metrics.render()
+    bucket = 'narwhal_readmission_health_to_eligible_seconds_bucket{engine="d1",model="m1",le="1"} 1'
+    assert bucket in world.metrics.render()
 
 
 async def test_an_operator_readmission_is_not_in_the_histogram(autojump_clock: MockClock) -> None:

@@ -284,11 +284,11 @@ async def test_rollover_closes_intervals_and_telemetry_publishes_them(autojump_c
     await publisher.run(2)
     assert publisher.published is telemetry.latest() and publisher.published.end == 10.0
     text = metrics.render()
-    assert 'narwhal_engine_interval_time_to_first_token_seconds{engine="p1",quantile="0.5"} 0.25' in text
-    assert 'narwhal_engine_interval_inter_token_seconds{engine="d1",quantile="0.9"} 0.5' in text
-    assert 'narwhal_engine_interval_requests{engine="d1"} 1' in text
-    assert 'narwhal_engine_interval_errors{engine="d1"} 1' in text
-    assert 'narwhal_engine_interval_errors{engine="p2"} 0' in text
+    assert 'narwhal_engine_interval_time_to_first_token_seconds{engine="p1",quantile="0.5",model=""} 0.25' in text
+    assert 'narwhal_engine_interval_inter_token_seconds{engine="d1",quantile="0.9",model=""} 0.5' in text
+    assert 'narwhal_engine_interval_requests{engine="d1",model=""} 1' in text
+    assert 'narwhal_engine_interval_errors{engine="d1",model=""} 1' in text
+    assert 'narwhal_engine_interval_errors{engine="p2",model=""} 0' in text
     assert 'engine="p2",quantile' not in text       # no samples, no latency series
     assert publisher.publish() is False              # nothing new since
 

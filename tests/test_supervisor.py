@@ -120,7 +120,7 @@ async def test_timeout_streak_runs_a_health_probe_at_once_and_200_clears(world):
     await settle()
     assert engines.calls == [("d1", "/health")]
     assert fleet.view("d1", trio.current_time()).evidence[FailureClass.TIMEOUT] == 0
-    assert supervisor.metrics.probes.get("d1", "health", "success") == 1
+    assert supervisor.metrics.probes.get("d1", "health", "success", "") == 1
 
 
 async def test_failed_health_probe_is_evidence(world):
@@ -157,7 +157,7 @@ async def test_failed_suspect_leg_ejects(world):
     await settle()
     view = fleet.view("p1", trio.current_time())
     assert view.ejected
-    assert supervisor.metrics.probes.get("p1", "inference", "failed") == 1
+    assert supervisor.metrics.probes.get("p1", "inference", "failed", "") == 1
 
 
 async def test_suspect_decode_without_done_fails_its_leg(world):
@@ -194,7 +194,7 @@ async def test_no_eligible_peer_is_inconclusive_not_a_failure(world):
     await settle()
     view = fleet.view("d1", trio.current_time())
     assert not view.ejected and view.next_probe_at is not None
-    assert supervisor.metrics.probes.get("d1", "inference", "inconclusive") == 1
+    assert supervisor.metrics.probes.get("d1", "inference", "inconclusive", "") == 1
 
 
 async def test_connection_streak_ejects_without_a_probe(world):
@@ -223,7 +223,7 @@ async def test_failed_decode_peer_leg_is_inconclusive_for_a_suspect_prefill(worl
     view = fleet.view("p1", trio.current_time())
     # The suspect's own leg passed; the peer failed: no verdict, the hold stays, a re-probe is due.
     assert not view.ejected and not view.eligible and view.next_probe_at is not None
-    assert supervisor.metrics.probes.get("p1", "inference", "inconclusive") == 1
+    assert supervisor.metrics.probes.get("p1", "inference", "inconclusive", "") == 1
     assert ("p1", "/v1/completions") in engines.calls
 
 
@@ -234,9 +234,9 @@ async def test_health_sweep_and_probe_failures_are_counted_by_engine_and_class(w
     supervisor.record_failure("d1", FailureClass.TIMEOUT)
     await settle()
     failures = supervisor.metrics.engine_failures
-    assert failures.get("d1", "timeout") == 2
+    assert failures.get("d1", "timeout", "") == 2
     # The health probe the streak asked for failed to connect: counted as well.
-    assert failures.get("d1", "connection") == 1
+    assert failures.get("d1", "connection", "") == 1
 
 
 # ---------- issue 10: rules 1-4 on the probe side ----------
@@ -255,8 +255,8 @@ async def test_overload_or_timeout_on_the_suspects_own_leg_is_inconclusive_not_a
     view = fleet.view("d1", trio.current_time())
     assert not view.ejected and HoldKind.INFERENCE_VERIFICATION in holds(fleet, "d1")
     assert view.next_probe_at == pytest.approx(trio.current_time() + 5.0)
-    assert supervisor.metrics.probes.get("d1", "inference", "inconclusive") == 1
-    assert supervisor.metrics.probes.get("d1", "inference", "failed") == 0
+    assert supervisor.metrics.probes.get("d1", "inference", "inconclusive", "") == 1
+    assert supervisor.metrics.probes.get("d1", "inference", "failed", "") == 0
 
 
 async def test_a_failed_decode_leg_quarantines_by_its_class_and_a_health_200_does_not_clear_it(nursery):

@@ -1,10 +1,11 @@
 """The control app (quart-trio): every route except the two completion routes.
 
 ``/health`` (process alive), ``/ready`` (the load balancer's question: should
-traffic come here?), ``/metrics`` (Prometheus text), ``/v1/models`` and the
-admin API under ``/admin/``, which needs a bearer token when one is configured;
-without one, requests a browser marks as from another site or sent to a foreign
-``Host`` are refused (``narwhal.app.admin_guard``).
+traffic come here? ``?model=NAME``: for that model), ``/metrics`` (Prometheus
+text), ``/v1/models`` (and ``/v1/models/{id}``) and the admin API under
+``/admin/``, which needs a bearer token when one is configured; without one,
+requests a browser marks as from another site or sent to a foreign ``Host``
+are refused (``narwhal.app.admin_guard``).
 The app holds no state of its own: it reads the router's through ``AppState``
 (``narwhal.app.state``), never the ``Router`` itself.
 """
@@ -92,10 +93,9 @@ def create_app(router: AppState) -> QuartTrio:
 
     @app.get("/ready")
     async def ready() -> Response:
-        reason = router.readiness()
-        if reason is None:
-            return Response("ready\n", status=200, content_type="text/plain; charset=utf-8")
-        return Response(reason + "\n", status=503, content_type="text/plain; charset=utf-8")
+        # ?model=NAME: that model alone (for load balancers that route by model).
+        answer = router.model_view.ready(request.args.get("model"))
+        return Response(answer.body, status=answer.status, content_type=answer.content_type)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -104,9 +104,19 @@ def create_app(router: AppState) -> QuartTrio:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return _json({"object": "list", "data": [
-            {"id": router.config.fleet.model, "object": "model", "owned_by": "narwhal"},
-        ]})
+        return _json(router.model_view.models())
+
+    @app.get("/v1/models/<path:model_id>")
+    async def model(model_id: str) -> Response:
+        card = router.model_view.model(model_id)
+        if card is None:
+            return _error(404, f"The model {model_id[:200]!r} does not exist", "invalid_request_error",
+                          "model_not_found")
+        return _json(card)
+
+    @app.get("/admin/models")
+    async def admin_models() -> Response:
+        return _json(router.model_view.admin())
 
     @app.get("/admin/engines")
     async def admin_engines() -> Response:

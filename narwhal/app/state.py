@@ -10,11 +10,13 @@ from typing import Any, Protocol
 
 from narwhal.config import Config
 from narwhal.control.engine_view import EngineEntry, EnginesView
+from narwhal.control.model_view import ModelCard, ModelList, ModelsView
 from narwhal.control.readmission import ReadmissionResult
 from narwhal.control.reload import ReloadOutcome
 from narwhal.lease.service import LeaseView
+from narwhal.model_ready import ReadyAnswer
 
-__all__ = ["AppState", "EngineViews", "OperatorActions"]
+__all__ = ["AppState", "EngineViews", "ModelViews", "OperatorActions"]
 
 
 class EngineViews(Protocol):
@@ -22,6 +24,15 @@ class EngineViews(Protocol):
 
     def engines(self) -> EnginesView: ...
     def engine(self, name: str) -> EngineEntry: ...
+
+
+class ModelViews(Protocol):
+    """``/v1/models``, ``/v1/models/{id}``, ``/ready`` and ``/admin/models`` (``narwhal.control.model_view``)."""
+
+    def models(self) -> ModelList: ...
+    def model(self, name: str) -> ModelCard | None: ...
+    def ready(self, model: str | None) -> ReadyAnswer: ...
+    def admin(self) -> ModelsView: ...
 
 
 class OperatorActions(Protocol):
@@ -56,6 +67,8 @@ class AppState(Protocol):
     def engine_view(self) -> EngineViews: ...
     @property
     def readmitter(self) -> OperatorActions: ...
+    @property
+    def model_view(self) -> ModelViews: ...
 
     def readiness(self) -> str | None:
         """None when this router should get traffic, else the one-line reason."""

@@ -26,6 +26,7 @@ __all__ = [
     "check_identity_model",
     "check_kv_role",
     "check_listed_model",
+    "listed_max_model_len",
     "listed_models",
     "probe_decode_body",
     "probe_prefill_body",
@@ -66,6 +67,8 @@ class ContractViolation(NarwhalError):
 
 class _ModelCard(msgspec.Struct):
     id: str
+    # vLLM's card says the context length; anything else (absent, not a positive integer) is no limit.
+    max_model_len: Any = None
 
 
 class _ModelList(msgspec.Struct):
@@ -161,6 +164,19 @@ def listed_models(raw: bytes) -> list[str]:
         return [card.id for card in msgspec.json.decode(raw, type=_ModelList).data]
     except msgspec.DecodeError as exc:
         raise ContractViolation(f"GET /v1/models: unreadable model list: {bounded(str(exc))}") from None
+
+
+def listed_max_model_len(raw: bytes, model: str) -> int | None:
+    """The ``max_model_len`` a ``GET /v1/models`` answer gives ``model``'s card, or None when it gives none."""
+    try:
+        cards = msgspec.json.decode(raw, type=_ModelList).data
+    except msgspec.DecodeError:
+        return None
+    for card in cards:
+        value = card.max_model_len
+        if card.id == model and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def check_identity_model(identity: EngineIdentity, model: str) -> None:

@@ -304,7 +304,7 @@ class SetFollower(_WholeSetFollower):
         self._hub.set_engines(entry.name for entry in entries)
         # The handoff records the running set: what this router serves and keeps serving.
         self._persistence.engine_set = [EngineSetEntry(name=entry.name, url=specs[entry.name].base_url,
-                                                       role=entry.role)
+                                                       role=entry.role, model=entry.model)
                                         for entry in registry.serving()]
         # Now, not at the publisher's next turn: an engine that left has its legs cut by the
         # data plane as it takes this snapshot (one in this process reads it only per request).

@@ -94,6 +94,8 @@ class EngineEntry(msgspec.Struct, frozen=True, kw_only=True):
     prefix_index: PrefixIndexEntry | None = None
     # Removed from the config by a reload: takes no new request, leaves once its requests finish.
     removing: bool = False
+    # The model it serves ([[engines]] model, else [fleet] model).
+    model: str = ""
 
 
 class MonitorEntry(msgspec.Struct, frozen=True, kw_only=True):
@@ -201,6 +203,7 @@ class EngineViewer:
             next_readmission_at=readmission.next_readmission_at,
             prefix_index=self._prefix_entry(view),
             removing=view.removing,
+            model=view.model,
         )
 
     def _prefix_entry(self, view: EngineView) -> PrefixIndexEntry | None:

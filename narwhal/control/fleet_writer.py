@@ -230,11 +230,12 @@ class FleetWriter:
         self._publish()
         return cleared
 
-    def eject(self, name: str, reason: str, now: float, failure_class: FailureClass | None = None) -> list[Action]:
+    def eject(self, name: str, reason: str, now: float, failure_class: FailureClass | None = None, *,
+              label: EjectionCause | None = None) -> list[Action]:
         """``Fleet.eject`` (nothing for an engine a reload removed)."""
         if name not in self._fleet:
             return []
-        return self._done(self._fleet.eject(name, reason, now, failure_class))
+        return self._done(self._fleet.eject(name, reason, now, failure_class, label=label))
 
     def readmit(self, name: str, now: float, *, health_to_eligible_s: float | None = None) -> None:
         """``Fleet.readmit``."""
@@ -331,7 +332,8 @@ class FleetWriter:
 
     def _count(self, event: FleetEvent) -> None:
         if event.kind is FleetEventKind.EJECTED:
-            self.metrics.engine_ejections.inc(event.engine, str(event.ejection_cause or EjectionCause.OTHER))
+            self.metrics.engine_ejections.inc(event.engine, str(event.ejection_cause or EjectionCause.OTHER),
+                                              event.model)
         elif event.kind is FleetEventKind.HOLD_ADDED and event.hold_kind is not None:
-            self.metrics.holds_applied.inc(event.engine, str(event.hold_kind))
+            self.metrics.holds_applied.inc(event.engine, str(event.hold_kind), event.model)
 

@@ -100,8 +100,15 @@ class Supervisor:
         return self.fleet.next_deadline(self.clock())
 
     def record_failure(self, engine: str, failure_class: FailureClass) -> None:
-        self.metrics.engine_failures.inc(engine, failure_class.value)
+        self.metrics.engine_failures.inc(engine, failure_class.value, self._model_of(engine))
         self.fleet.record_failure(engine, failure_class, self.clock())
+
+    def _model_of(self, engine: str) -> str:
+        # An engine a reload removed meanwhile (a request that outlived it) has left the fleet: its spec says.
+        if engine in self.fleet:
+            return self.fleet.model_of(engine)
+        spec = self.engines.get(engine)
+        return (spec.model or "") if spec is not None else ""
 
     def record_success(self, engine: str, kind: SuccessKind) -> None:
         self.fleet.record_success(engine, kind, self.clock())
@@ -141,7 +148,7 @@ class Supervisor:
         except Exception as exc:
             # A probe that breaks must still end in a verdict, or its hold would never be revisited.
             log_event("probe_error", level=logging.ERROR, engine=key[0], probe=key[1],
-                      **{"class": type(exc).__name__}, message=str(exc))
+                      **{"class": type(exc).__name__}, message=str(exc), model=self._model_of(key[0]))
             if key[1] == "inference":
                 self.fleet.record_probe(key[0], "inconclusive", self.clock(),
                                         reason=f"probe error: {type(exc).__name__}")
@@ -175,9 +182,10 @@ class Supervisor:
         return False
 
     def _probe_result(self, name: str, kind: str, outcome: str, reason: str) -> None:
-        self.metrics.probes.inc(name, kind, outcome)
+        self.metrics.probes.inc(name, kind, outcome, self._model_of(name))
         level = logging.INFO if outcome == "success" else logging.WARNING
-        log_event("probe_result", level=level, engine=name, probe=kind, outcome=outcome, reason=reason)
+        log_event("probe_result", level=level, engine=name, probe=kind, outcome=outcome, reason=reason,
+                  model=self._model_of(name))
 
     async def inference_probe(self, name: str) -> str:
         """A tiny prefill and decode through the suspect and a partner of the other role.

@@ -3,7 +3,8 @@
 An engine *drifts* in an interval when its median latency for its role (time to
 first token for prefill, inter-token latency for decode) exceeds
 ``drift_factor`` times the median of its peers' medians, peers being the other
-engines of the role with data in that interval. ``DriftTracker`` turns
+engines of the same model and role with data in that interval (one model's
+engines are never compared with another's: a bigger model is slower, not drifting). ``DriftTracker`` turns
 ``drift_intervals`` consecutive drifting intervals into "hold" and the same
 number of consecutive intervals back within bounds into "lift". It keeps only
 streak counters; whether an engine is held is read from the fleet each time.
@@ -78,16 +79,19 @@ def role_metric(figures: EngineInterval) -> float | None:
     return figures.ttft_p50_s if figures.role == "prefill" else figures.inter_token_p50_s
 
 
-def judge_interval(interval: Interval, drift_factor: float) -> dict[str, tuple[Verdict, str]]:
-    """Each engine's verdict in ``interval`` with a one-line explanation."""
-    by_role: dict[str, dict[str, float]] = {}
+def judge_interval(interval: Interval, drift_factor: float,
+                   models: Mapping[str, str] | None = None) -> dict[str, tuple[Verdict, str]]:
+    """Each engine's verdict in ``interval`` with a one-line explanation; ``models`` (engine -> model) makes
+    the peers those of the engine's own model and role (an engine it does not name: model "")."""
+    of = models or {}
+    by_pool: dict[tuple[str, str], dict[str, float]] = {}
     for name, figures in interval.engines.items():
         value = role_metric(figures)
         if value is not None:
-            by_role.setdefault(figures.role, {})[name] = value
+            by_pool.setdefault((of.get(name, ""), figures.role), {})[name] = value
     verdicts: dict[str, tuple[Verdict, str]] = {}
     for name, figures in interval.engines.items():
-        values = by_role.get(figures.role, {})
+        values = by_pool.get((of.get(name, ""), figures.role), {})
         own = values.get(name)
         peers = [value for peer, value in values.items() if peer != name]
         if own is None or not peers:
@@ -114,15 +118,16 @@ class DriftTracker:
         self.recovered: dict[str, int] = {}
 
     def observe(self, interval: Interval, *, held: Iterable[str] = (),
-                pausing: Iterable[str] = ()) -> list[DriftDecision]:
+                pausing: Iterable[str] = (), models: Mapping[str, str] | None = None) -> list[DriftDecision]:
         """Count one closed interval and return the holds to apply and lift.
 
         ``held``: engines with a performance-drift hold (active or deferred);
-        ``pausing``: those among them whose hold is active (they take no new work).
+        ``pausing``: those among them whose hold is active (they take no new work);
+        ``models``: each engine's model, whose engines alone are its peers.
         """
         held_set, pausing_set = set(held), set(pausing)
         decisions: list[DriftDecision] = []
-        for name, (verdict, explanation) in judge_interval(interval, self.drift_factor).items():
+        for name, (verdict, explanation) in judge_interval(interval, self.drift_factor, models).items():
             if verdict is Verdict.NO_DATA and name in pausing_set:
                 verdict, explanation = Verdict.WITHIN, "held: no new requests, counted as within bounds"
             if verdict is Verdict.DRIFTING:

@@ -322,6 +322,7 @@ class Fleet:
             for role in ROLES:
                 del self._pools[(engine.model, role)]
                 self._eligible_pool.pop((engine.model, role), None)
+            self._eligibility_version += 1  # the model left the pools workers place by
         self._dirty = True
         self._emit(FleetEventKind.REMOVED, engine, now, reason)
         self._refresh(now)
@@ -856,4 +857,5 @@ class Fleet:
             self._events_dropped += 1
         self._events.append(FleetEvent(kind=kind, engine=engine.name, reason=reason, at=now,
                                        failure_class=failure_class, ejection_cause=ejection_cause, hold_kind=hold_kind,
-                                       outcome=outcome, leg=leg, health_to_eligible_s=health_to_eligible_s))
+                                       outcome=outcome, leg=leg, health_to_eligible_s=health_to_eligible_s,
+                                       model=engine.model))

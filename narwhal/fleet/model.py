@@ -54,6 +54,8 @@ class EjectionCause(enum.StrEnum):
     PROBE = "probe"
     # Not a failure: an engine added by a config reload is out until its first readmission.
     ADDED = "added"
+    # Not a failure: its first identity read after startup named another model than the engine's own.
+    MODEL = "model"
     OTHER = "other"
 
     @classmethod
@@ -144,6 +146,8 @@ class FleetEvent(msgspec.Struct, frozen=True, kw_only=True):
     # Set on ``readmitted`` events when known: seconds from the engine's first health
     # success since its ejection to its return to placement.
     health_to_eligible_s: float | None = None
+    # The engine's model ("" in a fleet built without model names): logged and counted with the event.
+    model: str = ""
 
 
 class EngineCounters(msgspec.Struct, frozen=True, kw_only=True):

@@ -99,7 +99,7 @@ class HandoffFollower:
                       reason=f"written in the term of {written_by[0]} epoch {written_by[1]}; "
                              f"the lease record names {followed}")
             return
-        difference = engine_set_difference(document.engine_set, self.config.engines)
+        difference = engine_set_difference(document.engine_set, self.config.engines, self.config.fleet.model)
         if difference != self.engine_set_differs and difference is not None:
             # Said once per difference: the operator edits one file or the other until they match.
             log_event("standby_engine_set_differs", level=logging.WARNING, holder=written_by[0],

@@ -26,56 +26,60 @@ def _empty() -> dict[tuple[str, ...], float]:
 
 
 class RouterMetrics:
-    """Counters and histograms written by the request path and the control plane."""
+    """Counters and histograms written by the request path and the control plane.
+
+    Request and engine series carry ``model`` as their last label: a request's served model (its own name,
+    never an alias; "" when refused before its model was known), an engine's configured model.
+    """
 
     def __init__(self) -> None:
         r = self.registry = Registry()
-        self.requests = r.counter("narwhal_requests", "Finished client requests by route and status.",
-                                  ("route", "status"))
+        self.requests = r.counter("narwhal_requests", "Finished client requests by route, status and model.",
+                                  ("route", "status", "model"))
         self.request_duration = r.histogram("narwhal_request_duration_seconds",
-                                            "Client request duration.", ("route",))
+                                            "Client request duration.", ("route", "model"))
         self.ttft = r.histogram("narwhal_time_to_first_token_seconds",
-                                "Time from request arrival to the first decode bytes.", ("route",))
+                                "Time from request arrival to the first decode bytes.", ("route", "model"))
         self.inter_token = r.histogram("narwhal_inter_token_seconds",
-                                       "Gap between successive decode reads relayed to a client.")
+                                       "Gap between successive decode reads relayed to a client.", ("model",))
         self.engine_failures = r.counter("narwhal_engine_failures",
-                                         "Engine failures by engine and failure class.", ("engine", "class"))
+                                         "Engine failures by engine and failure class.", ("engine", "class", "model"))
         self.engine_ejections = r.counter("narwhal_engine_ejections",
                                           "Engine ejections by cause (a failure class, liveness, probe or other).",
-                                          ("engine", "cause"))
+                                          ("engine", "cause", "model"))
         self.holds_applied = r.counter("narwhal_engine_holds_applied", "Holds applied by kind.",
-                                       ("engine", "kind"))
+                                       ("engine", "kind", "model"))
         self.probes = r.counter("narwhal_probes", "Suspect verification probes by kind and outcome.",
-                                ("engine", "kind", "outcome"))
+                                ("engine", "kind", "outcome", "model"))
         self.stage_errors = r.counter("narwhal_monitor_stage_errors",
-                                      "Monitor stage errors by stage and exception class.",
+                                      "Monitor stage errors by stage and exception class (router-wide: no model).",
                                       ("stage", "class"))
         self.readmissions = r.counter("narwhal_readmission_attempts",
                                       "Readmission attempts by outcome and failed check.",
-                                      ("engine", "outcome", "check"))
+                                      ("engine", "outcome", "check", "model"))
         self.health_to_eligible = r.histogram(
             "narwhal_readmission_health_to_eligible_seconds",
             "Automatic readmissions: from the engine's first health success since its ejection to its "
-            "return to placement.", ("engine",), HEALTH_TO_ELIGIBLE_BUCKETS_S)
+            "return to placement.", ("engine", "model"), HEALTH_TO_ELIGIBLE_BUCKETS_S)
         self.lease_renewals = r.counter("narwhal_lease_renewals",
                                         "Lease renewals by result (ok, failed, lost, late).", ("result",))
         self.snapshot_lag = r.histogram("narwhal_worker_snapshot_lag_seconds",
                                         "Delay from the controller publishing a fleet snapshot to a worker "
                                         "applying it (serving.workers > 1).", (), SNAPSHOT_LAG_BUCKETS_S)
         self.placements = r.counter("narwhal_placement", "Engine choices by role and reason (hit, miss, spill, "
-                                    "only_choice, least_outstanding).", ("role", "reason"))
+                                    "only_choice, least_outstanding).", ("role", "reason", "model"))
         self.placement_match = r.histogram("narwhal_placement_matched_fraction",
-                                           "Share of a prompt's blocks the chosen prefill engine held.", (),
+                                           "Share of a prompt's blocks the chosen prefill engine held.", ("model",),
                                            MATCH_BUCKETS)
         self.continuations = r.counter("narwhal_continuations",
                                         "Stream continuations by outcome: completed, failed (continued again "
                                         "or ended), exhausted (no attempts or deadline left), not_eligible.",
-                                        ("outcome",))
+                                        ("outcome", "model"))
         self.join_gap = r.histogram("narwhal_continuation_join_gap_seconds",
                                     "Time a client waited at a continuation join: from the last bytes of the "
-                                    "failed leg to the first bytes of the next.", (), JOIN_GAP_BUCKETS_S)
+                                    "failed leg to the first bytes of the next.", ("model",), JOIN_GAP_BUCKETS_S)
         self.saturations = r.counter("narwhal_saturations", "Requests refused for saturation by reason.",
-                                     ("reason",))
+                                     ("reason", "model"))
         self.handoff_write = r.histogram("narwhal_handoff_write_seconds",
                                          "Time one handoff file took to write, fsync and rename into place.", (),
                                          HANDOFF_WRITE_BUCKETS_S)

@@ -2,7 +2,7 @@
 
 The policy itself is pure (``narwhal.fleet.placement``); this module builds
 it from ``[placement]``, keys each request (``prompt_blocks``),
-counts every choice in ``narwhal_placement_total{role,reason}`` and the
+counts every choice in ``narwhal_placement_total{role,reason,model}`` and the
 matched-fraction histogram, and records the prompt on the chosen prefill
 engine at once, before any await, so the next placement already sees it.
 """
@@ -94,8 +94,9 @@ class RequestPlacement:
         self.config = placement
 
     def choose(self, role: str, candidates: Sequence[str], route: str, request: dict[str, Any],
-               in_flight: InFlight) -> Choice | None:
-        """The engine for ``role`` among ``candidates`` (already filtered by the fleet rules), or None."""
+               in_flight: InFlight, model: str = "") -> Choice | None:
+        """The engine for ``role`` among ``candidates`` (already filtered by the fleet rules, all of ``model``,
+        the label its choice is counted under), or None."""
         placer = self.placer
         load = in_flight.loader()
         if role == "prefill":
@@ -105,10 +106,10 @@ class RequestPlacement:
             if choice is not None:
                 placer.record(choice.engine, blocks)
                 if choice.matched is not None:
-                    self.metrics.placement_match.observe(choice.matched)
+                    self.metrics.placement_match.observe(choice.matched, model)
         else:
             # Without other workers' loads, in_flight.busy is exactly the engines with load > 0.
             choice = placer.decode(candidates, load, None if in_flight.elsewhere else in_flight.busy)
         if choice is not None:
-            self.metrics.placements.inc(role, choice.reason)
+            self.metrics.placements.inc(role, choice.reason, model)
         return choice

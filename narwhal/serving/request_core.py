@@ -236,6 +236,11 @@ def _listed(names: list[str]) -> str:
     return shown if len(names) <= 10 else f"{shown} and {len(names) - 10} more"
 
 
+def _model_label(ex: Exchange) -> str:
+    """The ``model`` label of a request's series: its served model's own name, "" before it is known."""
+    return ex.model.name if ex.model is not None else ""
+
+
 def _sse_error(message: str, type_: str, code: str | None) -> bytes:
     return b"data: " + error_json(message, type_, code) + b"\n\n"
 
@@ -367,7 +372,7 @@ class RequestCore:
                 if expired and not _delivered(sink):
                     ex.error_class = "deadline"
                     if ex.continuing:
-                        self.metrics.continuations.inc("exhausted")
+                        self.metrics.continuations.inc("exhausted", _model_label(ex))
                     deadline_s = self._deadline_s if ex.model is None else ex.model.request_deadline_s
                     message = f"request deadline of {deadline_s:g} s exceeded"
                     await self._fail(ex, ClientError(504, message, "timeout", "deadline_exceeded"))
@@ -410,10 +415,13 @@ class RequestCore:
     def _finish(self, ex: Exchange) -> None:
         duration_s = self.clock() - ex.started_at
         route = ex.route
-        self.metrics.requests.inc(route, str(ex.status))
-        self.metrics.request_duration.observe(duration_s, route)
+        # The served model's own name (a bounded set); "" for a request refused before its model was known:
+        # a name a client sent is never a label value.
+        model = ex.model.name if ex.model is not None else ""
+        self.metrics.requests.inc(route, str(ex.status), model)
+        self.metrics.request_duration.observe(duration_s, route, model)
         if ex.ttft_s is not None:
-            self.metrics.ttft.observe(ex.ttft_s, route)
+            self.metrics.ttft.observe(ex.ttft_s, route, model)
         if self.telemetry is not None:
             self.telemetry.record_request(prefill=ex.prefill, decode=ex.decode,
                                           ttft_s=ex.ttft_s, inter_token_s=ex.inter_token_s,
@@ -428,7 +436,8 @@ class RequestCore:
         # The gate compares the lease deadline itself, per request: no timer closes it on time.
         closed = self.admission.reason()
         if closed is not None:
-            self.metrics.saturations.inc("admission_closed")
+            # Refused before the body is read: the model is not known yet.
+            self.metrics.saturations.inc("admission_closed", "")
             raise ClientError(503, closed, "service_unavailable", "admission_closed")
         route, rid, sink = ex.route, ex.rid, ex.sink
         request = ex.request = self._validate(route, body, ex)
@@ -456,7 +465,7 @@ class RequestCore:
             if join is not None:
                 leg = join.next_leg()
                 if leg is None:
-                    self.metrics.continuations.inc("not_eligible")
+                    self.metrics.continuations.inc("not_eligible", _model_label(ex))
                     log_event("stream_not_continued", request_id=rid, reason=join.not_resumable)
                     raise ClientError(502, "the decode failed and its answer cannot be resumed: "
                                       + _NOT_RESUMABLE.get(join.not_resumable or "", "no place to resume"),
@@ -465,7 +474,7 @@ class RequestCore:
             try:
                 await self._attempt(ex, leg_route, leg_request, failed_engines, exclude)
                 if ex.continuing:
-                    self.metrics.continuations.inc("completed")
+                    self.metrics.continuations.inc("completed", _model_label(ex))
                     ex.stream_completed()
                 return
             except _AttemptFailed as failed:
@@ -480,7 +489,7 @@ class RequestCore:
                 queued = failed.failure_class in _QUEUEABLE
                 if sink.started:
                     if ex.continuing and not queued:
-                        self.metrics.continuations.inc("failed")
+                        self.metrics.continuations.inc("failed", _model_label(ex))
                     ex.continuing = False
                     await self._after_relay(ex, failed, not_continued, queued)
                     ex.continuing = join is not None and not join.finished
@@ -504,7 +513,7 @@ class RequestCore:
         join, rid = ex.join, ex.rid
         if join is None:
             if self._bounded:
-                self.metrics.continuations.inc("not_eligible")
+                self.metrics.continuations.inc("not_eligible", _model_label(ex))
                 log_event("stream_not_continued", request_id=rid, reason=not_continued)
             raise failed.error from None
         if join.finished:
@@ -520,18 +529,18 @@ class RequestCore:
         continuable = failed.failure_class in CONTINUED_CLASSES or queued or (
             join.continuations > 0 and not join.leg_relayed)
         if not continuable:
-            self.metrics.continuations.inc("not_eligible")
+            self.metrics.continuations.inc("not_eligible", _model_label(ex))
             log_event("stream_not_continued", request_id=rid, reason=f"class:{failed.failure_class}")
             raise failed.error from None
         assert ex.model is not None
         if not queued and ex.attempts >= ex.model.max_attempts:
-            self.metrics.continuations.inc("exhausted")
+            self.metrics.continuations.inc("exhausted", _model_label(ex))
             log_event("stream_not_continued", request_id=rid, reason="max_attempts")
             raise failed.error from None
         decode_engines = self.models.decode_engines.get(ex.model.name, frozenset())
         if failed.stage == "decode" and not decode_engines - {failed.engine}:
             # The continuation may not go back to the engine that failed, and there is no other.
-            self.metrics.continuations.inc("not_eligible")
+            self.metrics.continuations.inc("not_eligible", _model_label(ex))
             log_event("stream_not_continued", request_id=rid, reason="no_other_decode_engine")
             raise failed.error from None
 
@@ -606,9 +615,9 @@ class RequestCore:
         if avoid:
             # Fall back to an engine that failed this request only when no other is eligible.
             candidates = [name for name in candidates if name not in avoid] or candidates
-        choice = self.placement.choose(role, candidates, route, request, self.in_flight)
+        choice = self.placement.choose(role, candidates, route, request, self.in_flight, model or "")
         if choice is None:
-            self.metrics.saturations.inc(f"no_{role}")
+            self.metrics.saturations.inc(f"no_{role}", model or "")
             problem = self.supervisor.capacity_problem(model) or \
                 f"serving capacity exhausted: no eligible {role} engine"
             raise _AttemptFailed(ClientError(503, problem, "service_unavailable", "no_capacity"),
@@ -643,7 +652,7 @@ class RequestCore:
                         try:
                             await self._count_join(join, prefill.engine, rid)
                         except _Uncountable as exc:
-                            self.metrics.continuations.inc("not_eligible")
+                            self.metrics.continuations.inc("not_eligible", _model_label(ex))
                             log_event("stream_not_continued", request_id=rid, reason="uncounted")
                             raise ClientError(502, "the decode failed and its answer cannot be resumed: the engine "
                                               "sent no token IDs and the tokens the client has cannot be counted "
@@ -705,7 +714,8 @@ class RequestCore:
         if isinstance(exc, EngineFailure):
             self.supervisor.record_failure(exc.engine, exc.failure_class)
             log_event("engine_failure", level=logging.WARNING, engine=exc.engine, stage=leg,
-                      **{"class": exc.failure_class.value}, cause=exc.cause, message=exc.message)
+                      **{"class": exc.failure_class.value}, cause=exc.cause, message=exc.message,
+                      model=self.models.engines.get(exc.engine, ""))
             raise _AttemptFailed(_failure_error(exc, leg), exc.engine, exc.failure_class.value, leg) from None
         if isinstance(exc, UpstreamClientError):
             self.supervisor.record_success(exc.engine, SuccessKind.CLIENT_4XX)
@@ -715,11 +725,12 @@ class RequestCore:
             # Our process is short of fds or memory: the engine did nothing wrong.
             log_event("local_resource_exhausted", level=logging.ERROR, engine=exc.engine, stage=leg,
                       errno=exc.errno_name, message=str(exc))
-            self.metrics.saturations.inc("local_resources")
+            self.metrics.saturations.inc("local_resources", self.models.engines.get(exc.engine, ""))
             raise _AttemptFailed(ClientError(503, f"router out of local resources ({exc.errno_name}); "
                                              "try again later", "service_unavailable", "local_resource_exhausted"),
                                  None, "local_resource_exhausted") from None
-        self.metrics.saturations.inc("pool")
+        # The data pool is shared by every model and its saturation names no engine: router-wide, model "".
+        self.metrics.saturations.inc("pool", "")
         raise _AttemptFailed(ClientError(503, "router saturated: no free data connection",
                                          "service_unavailable", "pool_saturated"),
                              None, "pool_saturated") from None
@@ -859,7 +870,7 @@ class RequestCore:
         clock = self.clock
         # The inter-token histogram observed inline, once per read (``Histogram.observe``'s work, no call).
         gap_bounds = self.metrics.inter_token.bounds
-        gap_counts, gap_sum = self.metrics.inter_token.cell()
+        gap_counts, gap_sum = self.metrics.inter_token.cell(ex.model.name if ex.model is not None else "")
         role_events = 0
         upstream: DecodeStream | None = None
         try:
@@ -956,14 +967,14 @@ class RequestCore:
         gaps = [0.0, 0]
         # The inter-token histogram observed inline, once per read (``Histogram.observe``'s work, no call).
         gap_bounds = self.metrics.inter_token.bounds
-        gap_counts, gap_sum = self.metrics.inter_token.cell()
+        gap_counts, gap_sum = self.metrics.inter_token.cell(ex.model.name if ex.model is not None else "")
 
         def on_first(now: float) -> None:
             if not join.continuing:
                 ex.ttft_s = now - ex.started_at
             elif join.last_relay_at is not None:
                 gap = now - join.last_relay_at
-                self.metrics.join_gap.observe(gap)
+                self.metrics.join_gap.observe(gap, _model_label(ex))
                 ex.join_gap_s = max(gap, ex.join_gap_s or 0.0)
 
         def on_gap(gap: float) -> None:

@@ -85,6 +85,6 @@ def build_stages(*, config: Config, supervisor: StageSupervisor, control_pool: C
         rollover=RolloverStage(telemetry=telemetry, clock=clock),
         readmission=ReadmissionStage(supervisor=supervisor, readmission=readmission),
         liveness=LivenessStage(supervisor=supervisor, health=health),
-        telemetry=TelemetryStage(telemetry=telemetry, metrics=supervisor.metrics),
+        telemetry=TelemetryStage(telemetry=telemetry, metrics=supervisor.metrics, model_of=fleet.model_of),
         persistence=persistence_stage,
     )

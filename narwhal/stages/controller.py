@@ -1,11 +1,11 @@
 """Controller stage: performance-drift holds and consolidation risk, from closed telemetry intervals.
 
 Each interval that rollover closed is judged by ``narwhal.fleet.drift``: an engine
-slower than ``drift_factor`` x its role's peers for ``drift_intervals``
+slower than ``drift_factor`` x its peers (same model, same role) for ``drift_intervals``
 consecutive intervals gets a ``performance_drift`` hold, lifted after as many
 intervals back within bounds. The fleet defers a drift hold on the last
-eligible engine of a role; on top of that, no new drift hold is applied while
-the engine's role is at ``critical`` consolidation risk.
+eligible engine of a model's role; on top of that, no new drift hold is applied while
+the engine's model and role are at ``critical`` consolidation risk.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ from narwhal.state.handoff import ConsolidationRisk
 
 __all__ = ["ControllerStage", "RISK_LEVEL"]
 
+# Worse first: a role's risk over several models is its worst model's.
+_RISK_ORDER: dict[ConsolidationRisk, int] = {"none": 0, "elevated": 1, "critical": 2}
+
 # The value of the narwhal_consolidation_risk gauge for each risk.
 RISK_LEVEL: dict[Risk, float] = {Risk.NONE: 0.0, Risk.ELEVATED: 1.0, Risk.CRITICAL: 2.0}
 # The words the handoff and /admin/engines use for each risk.
@@ -33,7 +36,7 @@ RISK_NAME: dict[Risk, ConsolidationRisk] = {Risk.NONE: "none", Risk.ELEVATED: "e
 
 
 class ControllerStage:
-    """Applies and lifts drift holds; answers consolidation risk per role."""
+    """Applies and lifts drift holds; answers consolidation risk per model and role."""
 
     name = "controller"
 
@@ -45,12 +48,15 @@ class ControllerStage:
         self.tracker = DriftTracker(drift_factor=drift_factor, drift_intervals=drift_intervals)
         # Index of the last interval judged: each closed interval counts exactly once.
         self.last_interval: int | None = None
-        self._totals: dict[str, int] | None = None
+        # Configured engines per (model, role): recounted after a reload.
+        self._totals: dict[tuple[str, str], int] | None = None
         if metrics is not None:
             metrics.add_gauge("narwhal_consolidation_risk",
-                              "Consolidation risk per role: 0 none, 1 elevated, 2 critical.", ("role",),
-                              lambda: {(role,): RISK_LEVEL[Risk(risk)]
-                                       for role, risk in self.consolidation_risk().items()})
+                              "Consolidation risk per model and role: 0 none, 1 elevated, 2 critical.",
+                              ("role", "model"),
+                              lambda: {(role, model): RISK_LEVEL[Risk(risk)]
+                                       for model, roles in self.consolidation_risks().items()
+                                       for role, risk in roles.items()})
 
     def configure(self, running: RunningConfig) -> None:
         """A reload: read at each closed interval, the next one is judged by the new drift values."""
@@ -80,30 +86,33 @@ class ControllerStage:
         held: set[str] = set()
         pausing: set[str] = set()
         roles: dict[str, str] = {}
+        models: dict[str, str] = {}
         for view in self.fleet.views(now):
             roles[view.name] = view.role
+            models[view.name] = view.model
             for hold in view.holds:
                 if hold.kind is HoldKind.PERFORMANCE_DRIFT:
                     held.add(view.name)
                     if not hold.deferred:
                         pausing.add(view.name)
         done: list[DriftDecision] = []
-        for decision in self.tracker.observe(interval, held=held, pausing=pausing):
+        for decision in self.tracker.observe(interval, held=held, pausing=pausing, models=models):
             if decision.engine not in roles:
                 continue  # an interval recorded before a reload removed the engine
             if decision.hold:
-                role = roles[decision.engine]
-                risk = self.consolidation_risk(now)[role]
+                role, model = roles[decision.engine], models[decision.engine]
+                risk = self.consolidation_risks(now)[model][role]
                 if risk == Risk.CRITICAL:
                     log_event("drift_hold_skipped", level=logging.WARNING, engine=decision.engine,
-                              role=role, risk=risk, reason=decision.reason, interval=interval.index)
+                              role=role, risk=risk, reason=decision.reason, interval=interval.index, model=model)
                     continue
                 self.fleet.add_hold(decision.engine, HoldKind.PERFORMANCE_DRIFT, decision.reason, now)
             else:
                 self.fleet.clear_hold(decision.engine, HoldKind.PERFORMANCE_DRIFT, now)
             self.tracker.applied(decision)
             log_event("drift_hold_applied" if decision.hold else "drift_hold_lifted",
-                      engine=decision.engine, reason=decision.reason, interval=interval.index)
+                      engine=decision.engine, reason=decision.reason, interval=interval.index,
+                      model=models[decision.engine])
             done.append(decision)
         return done
 
@@ -114,12 +123,30 @@ class ControllerStage:
             self.tracker.forget(name)
 
     def consolidation_risk(self, now: float | None = None) -> dict[str, ConsolidationRisk]:
-        """{role: "none" | "elevated" | "critical"} from eligible vs configured engines now."""
+        """{role: "none" | "elevated" | "critical"}: each role's worst over the models
+        (``consolidation_risks`` per model)."""
+        risks = self.consolidation_risks(now)
+        # No engine at all: no role can serve.
+        worst: dict[str, ConsolidationRisk] = {role: "none" if risks else "critical" for role in ROLES}
+        for roles in risks.values():
+            for role, risk in roles.items():
+                if _RISK_ORDER[risk] > _RISK_ORDER[worst[role]]:
+                    worst[role] = risk
+        return worst
+
+    def consolidation_risks(self, now: float | None = None) -> dict[str, dict[str, ConsolidationRisk]]:
+        """{model: {role: risk}} from each model's eligible vs configured engines of the role now."""
         if now is None:
             now = self.clock()
         if self._totals is None:
-            self._totals = {role: 0 for role in ROLES}
+            totals: dict[tuple[str, str], int] = {}
             for view in self.fleet.views(now):
-                self._totals[view.role] += 1
-        return {role: RISK_NAME[consolidation_risk(len(self.fleet.eligible(role, now)), total)]
-                for role, total in self._totals.items()}
+                for role in ROLES:
+                    totals.setdefault((view.model, role), 0)
+                totals[(view.model, view.role)] += 1
+            self._totals = totals
+        risks: dict[str, dict[str, ConsolidationRisk]] = {}
+        for (model, role), total in self._totals.items():
+            eligible = len(self.fleet.eligible(role, now, model))
+            risks.setdefault(model, {})[role] = RISK_NAME[consolidation_risk(eligible, total)]
+        return risks

@@ -52,5 +52,5 @@ class DrainStage:
                 continue
             self.drained.add(view.name)
             newly.append(view.name)
-            log_event("engine_drained", engine=view.name, holds=holds)
+            log_event("engine_drained", engine=view.name, holds=holds, model=view.model)
         return newly

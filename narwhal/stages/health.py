@@ -114,7 +114,8 @@ class HealthStage:
                 if isinstance(exc, LocalResourceExhausted):
                     log_event("local_resource_exhausted", level=logging.ERROR, engine=spec.name, stage="health",
                               errno=exc.errno_name, message=str(exc))
-                log_event("health_check_skipped", level=logging.WARNING, engine=spec.name, reason=str(exc))
+                log_event("health_check_skipped", level=logging.WARNING, engine=spec.name, reason=str(exc),
+                          model=spec.model or "")
                 return
             else:
                 status = response.status
@@ -137,7 +138,7 @@ class HealthStage:
             failure_class, detail = answer.failure_class, answer.message
         log_event("health_check_failed", level=logging.WARNING, engine=spec.name,
                   failure_class=None if failure_class is None else str(failure_class), reason=detail,
-                  silent=status is None)
+                  silent=status is None, model=spec.model or "")
 
     def _observed(self, name: str, ok: bool) -> None:
         if self.observer is None:

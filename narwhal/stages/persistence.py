@@ -72,8 +72,8 @@ class PersistenceStage:
         self.path = os.fspath(path)
         self.router_id = router_id
         self.fleet = fleet
-        self.engine_set = [EngineSetEntry(name=spec.name, url=spec.base_url, role=spec.role)
-                           for spec in config.engines]
+        self.engine_set = [EngineSetEntry(name=spec.name, url=spec.base_url, role=spec.role,
+                                          model=config.model_of(spec)) for spec in config.engines]
         self.extra = extra
         self.clock = clock
         self.wall_clock = wall_clock

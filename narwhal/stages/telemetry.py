@@ -6,6 +6,8 @@ scrape between passes sees the last closed interval, never a half-open one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from narwhal.fleet.telemetry import Interval, Telemetry
 from narwhal.obs.router_metrics import RouterMetrics
 
@@ -19,8 +21,11 @@ class TelemetryStage:
 
     name = "telemetry"
 
-    def __init__(self, *, telemetry: Telemetry, metrics: RouterMetrics) -> None:
+    def __init__(self, *, telemetry: Telemetry, metrics: RouterMetrics,
+                 model_of: Callable[[str], str] | None = None) -> None:
         self.telemetry = telemetry
+        # Each engine's model, the gauges' last label (read per closed interval, not per request).
+        self._model_of = model_of
         self.published: Interval | None = None
         self._requests: _Series = {}
         self._errors: _Series = {}
@@ -28,16 +33,16 @@ class TelemetryStage:
         self._inter_token: _Series = {}
         metrics.add_gauge("narwhal_engine_interval_requests",
                           "Requests charged to the engine in the latest closed telemetry interval.",
-                          ("engine",), lambda: self._requests)
+                          ("engine", "model"), lambda: self._requests)
         metrics.add_gauge("narwhal_engine_interval_errors",
                           "Errors charged to the engine in the latest closed telemetry interval.",
-                          ("engine",), lambda: self._errors)
+                          ("engine", "model"), lambda: self._errors)
         metrics.add_gauge("narwhal_engine_interval_time_to_first_token_seconds",
                           "Time to first token of the engine's requests (prefill engines), "
-                          "latest closed interval.", ("engine", "quantile"), lambda: self._ttft)
+                          "latest closed interval.", ("engine", "quantile", "model"), lambda: self._ttft)
         metrics.add_gauge("narwhal_engine_interval_inter_token_seconds",
                           "Inter-token latency of the engine's streams (decode engines), "
-                          "latest closed interval.", ("engine", "quantile"), lambda: self._inter_token)
+                          "latest closed interval.", ("engine", "quantile", "model"), lambda: self._inter_token)
 
     async def run(self, pass_number: int) -> None:
         """Publish the latest closed interval if it is new."""
@@ -53,14 +58,24 @@ class TelemetryStage:
         ttft: _Series = {}
         inter_token: _Series = {}
         for name, figures in interval.engines.items():
-            requests[(name,)] = float(figures.requests)
-            errors[(name,)] = float(figures.errors)
+            model = self._model(name)
+            requests[(name, model)] = float(figures.requests)
+            errors[(name, model)] = float(figures.errors)
             for quantile, value in (("0.5", figures.ttft_p50_s), ("0.9", figures.ttft_p90_s)):
                 if value is not None:
-                    ttft[(name, quantile)] = value
+                    ttft[(name, quantile, model)] = value
             for quantile, value in (("0.5", figures.inter_token_p50_s), ("0.9", figures.inter_token_p90_s)):
                 if value is not None:
-                    inter_token[(name, quantile)] = value
+                    inter_token[(name, quantile, model)] = value
         self._requests, self._errors, self._ttft, self._inter_token = requests, errors, ttft, inter_token
         self.published = interval
         return True
+
+    def _model(self, name: str) -> str:
+        # An interval recorded before a reload removed the engine: its model is no longer known.
+        if self._model_of is None:
+            return ""
+        try:
+            return self._model_of(name)
+        except KeyError:
+            return ""

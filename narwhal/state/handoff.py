@@ -80,6 +80,8 @@ class EngineSetEntry(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     url: str
     role: str
+    # The model the engine served; "" in a handoff written before models were named (it fits any model).
+    model: str = ""
 
 
 class LeaseOwnership(msgspec.Struct, frozen=True, kw_only=True):
@@ -106,7 +108,7 @@ class HandoffDocument(msgspec.Struct, frozen=True, kw_only=True):
     written_at: float
     engine_set: list[EngineSetEntry]
     engines: list[EngineRecord]
-    # Role -> risk that the role's serving consolidates onto too few engines.
+    # Role -> risk that the role's serving consolidates onto too few engines (its worst model's).
     consolidation_risk: dict[str, ConsolidationRisk] = {}
     lease: LeaseOwnership = LeaseOwnership()
     # Engines whose operator drain has settled (no requests left in flight).

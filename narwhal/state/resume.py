@@ -1,7 +1,10 @@
 """Resume: decide whether a saved handoff may be applied at start, then apply it.
 
 ``narwhal-serve --resume`` applies the handoff only when its schema and its
-engine set (names, URLs, roles) match the configuration. Anything else (no
+engine set (names, URLs, roles, models) match the configuration. An engine that
+moved to another model is another engine set; a handoff written before models
+were named (no ``model`` in its entries and records) fits the same engines
+whatever model they serve now, as the one model its router served. Anything else (no
 file, an unreadable file, another schema, another engine set) means a fresh
 start with a one-line reason, never a crash. Monitor-failure counters are not
 in the handoff, so they always start fresh.
@@ -65,18 +68,26 @@ def _not_applied(path: str, why: str) -> ResumePlan:
     return ResumePlan(path=path, applied=False, reason=f"handoff not applied: {why}".replace("\n", " "))
 
 
-def engine_set_difference(saved: Sequence[EngineSetEntry], configured: Sequence[EngineSpec]) -> str | None:
+def engine_set_difference(saved: Sequence[EngineSetEntry], configured: Sequence[EngineSpec],
+                          default_model: str = "") -> str | None:
     """How the saved engine set differs from the configured one, or None when they match.
 
-    For example "added d2, removed d1, changed p1"; a changed URL or role counts.
+    For example "added d2, removed d1, changed p1"; a changed URL, role or model counts
+    (``default_model``: the model of an engine spec that names none, ``[fleet] model``).
+    A saved entry without a model (an older handoff) matches any model.
     """
     saved_by_name = {entry.name: entry for entry in saved}
     configured_by_name = {spec.name: spec for spec in configured}
     added = sorted(configured_by_name.keys() - saved_by_name.keys())
     removed = sorted(saved_by_name.keys() - configured_by_name.keys())
-    changed = sorted(name for name in saved_by_name.keys() & configured_by_name.keys()
-                     if (saved_by_name[name].url.rstrip("/"), saved_by_name[name].role)
-                     != (configured_by_name[name].base_url, configured_by_name[name].role))
+
+    def differs(name: str) -> bool:
+        entry, spec = saved_by_name[name], configured_by_name[name]
+        model = spec.model if spec.model is not None else default_model
+        return ((entry.url.rstrip("/"), entry.role) != (spec.base_url, spec.role)
+                or (entry.model != "" and entry.model != model))
+
+    changed = sorted(name for name in saved_by_name.keys() & configured_by_name.keys() if differs(name))
     parts = [f"{label} {', '.join(names)}"
              for label, names in (("added", added), ("removed", removed), ("changed", changed)) if names]
     if len(saved_by_name) != len(saved):
@@ -86,13 +97,16 @@ def engine_set_difference(saved: Sequence[EngineSetEntry], configured: Sequence[
 
 def _records_problem(document: HandoffDocument) -> str | None:
     """Why the engine records disagree with the document's own engine set, or None."""
-    roles = {entry.name: entry.role for entry in document.engine_set}
+    entries = {entry.name: entry for entry in document.engine_set}
     seen: set[str] = set()
     for record in document.engines:
         if record.name in seen:
             return f"engine {record.name} is recorded twice"
-        if roles.get(record.name) != record.role:
+        entry = entries.get(record.name)
+        if entry is None or entry.role != record.role:
             return f"engine record {record.name} ({record.role}) is not in its engine set"
+        if record.model and entry.model and record.model != entry.model:
+            return f"engine record {record.name} (model {record.model!r}) is not in its engine set"
         seen.add(record.name)
     return None
 
@@ -116,12 +130,18 @@ def plan_document(document: HandoffDocument, config: Config, where: str) -> Resu
 
     A warm standby uses this for every document it follows, as resume does for the file.
     """
-    difference = engine_set_difference(document.engine_set, config.engines)
+    difference = engine_set_difference(document.engine_set, config.engines, config.fleet.model)
     if difference is not None:
         return _not_applied(where, f"engine set differs: {difference}")
     problem = _records_problem(document)
     if problem is not None:
         return _not_applied(where, f"unreadable: {problem}")
+    # A record's own model (its engine set entry may name none) must be the configured one too.
+    configured = {spec.name: config.model_of(spec) for spec in config.engines}
+    moved = sorted(record.name for record in document.engines
+                   if record.model and record.model != configured.get(record.name, record.model))
+    if moved:
+        return _not_applied(where, f"engine set differs: changed {', '.join(moved)}")
     return ResumePlan(path=where, applied=True, document=document)
 
 

@@ -1,4 +1,4 @@
-"""``python -m narwhal admin engines|reload|drain NAME|maintenance NAME|readmit NAME``: the operator's commands.
+"""``python -m narwhal admin engines|models|reload|drain NAME|maintenance NAME|readmit NAME``: the operator's commands.
 
 Each talks to a running router's admin API (``--url``, default
 http://127.0.0.1:8000; ``--token``, default ``$NARWHAL_ADMIN_TOKEN``), prints
@@ -30,7 +30,7 @@ from narwhal.config import admin_token_problem
 from narwhal.errors import NarwhalError
 from narwhal.tools.cli_args import http_url
 
-__all__ = ["add_parser", "format_engines", "format_reload", "run_admin"]
+__all__ = ["add_parser", "format_engines", "format_models", "format_reload", "run_admin"]
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 TOKEN_ENV = "NARWHAL_ADMIN_TOKEN"
@@ -69,6 +69,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     actions = admin.add_subparsers(dest="action", required=True, metavar="ACTION")
     engines = actions.add_parser("engines", help="show every engine: role, state, holds, streaks, in flight")
     _add_connection_options(engines, defaults=False)
+    models = actions.add_parser("models", help="show every served model: aliases, max_model_len, whether it "
+                                               "can serve, its engines")
+    _add_connection_options(models, defaults=False)
     reload = actions.add_parser("reload", help="read the config file again (as SIGHUP does) and show what changed",
                                 description="Read the router's config file again, as SIGHUP does, and show "
                                             "what changed and which changes need a restart.")
@@ -107,6 +110,8 @@ def run_admin(args: argparse.Namespace, *, transport: httpx.BaseTransport | None
                           transport=transport, trust_env=False, verify=verify) as client:
             if args.action == "engines":
                 out.write(format_engines(_call(client, "GET", "/admin/engines")["engines"]))
+            elif args.action == "models":
+                out.write(format_models(_call(client, "GET", "/admin/models")["models"]))
             elif args.action == "reload":
                 body = _call(client, "POST", "/admin/reload")
                 out.write(format_reload(body))
@@ -252,6 +257,23 @@ def format_engines(engines: list[dict[str, Any]]) -> str:
         last = engine.get("last_readmission")
         if last:
             notes.append(f"{engine['name']}: last readmission {_describe_readmission(last)}")
+    if notes:
+        lines += ["", *notes]
+    return "\n".join(lines) + "\n"
+
+
+def format_models(models: list[dict[str, Any]]) -> str:
+    """The served models as a table, then each model's engines and why a model cannot serve."""
+    header = ("MODEL", "ALIASES", "GENERATION", "MAX_MODEL_LEN", "SERVING", "ENGINES")
+    rows = [(m["name"], ", ".join(m.get("aliases", [])) or "-", m.get("generation", ""),
+             "-" if m.get("max_model_len") is None else str(m["max_model_len"]),
+             "yes" if m.get("can_serve") else "no",
+             ", ".join(f"{e['name']} ({e['role']}, {e['state']})" for e in m.get("engines", [])) or "-")
+            for m in models]
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+             for row in (header, *rows)]
+    notes = [f"{m['name']}: cannot serve: {m['reason']}" for m in models if not m.get("can_serve")]
     if notes:
         lines += ["", *notes]
     return "\n".join(lines) + "\n"

@@ -23,6 +23,7 @@ import trio
 from narwhal.config import ConfigError, EngineConfig, EngineSpec, PlacementConfig
 from narwhal.fleet.placement import SharedIndex
 from narwhal.http1.server import Request, Responder
+from narwhal.model_ready import query_model, ready_answer
 from narwhal.obs.logs import flush_logs, log_event, set_log_fields
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.serving.data_plane import LocalDataPlane
@@ -166,11 +167,12 @@ class Worker:
                 await responder.respond(200, _JSON, b'{"status":"ok"}')
                 return
             if request.path == "/ready":
-                reason = self.view.readiness()
-                if reason is None:
-                    await responder.respond(200, _TEXT, b"ready\n")
-                else:
-                    await responder.respond(503, _TEXT, reason.encode() + b"\n")
+                view = self.view
+                answer = ready_answer(query_model(request.query.decode("latin-1")), refusal=view.reason(),
+                                      capacity_problem=view.capacity_problem(),
+                                      capacity_problems=view.capacity_problems(), served=self.plane.core.models)
+                await responder.respond(answer.status, [(b"content-type", answer.content_type.encode())],
+                                        answer.body)
                 return
         await self._forward(request, responder)
 

@@ -89,9 +89,9 @@ async def test_a_stream_cut_twice_reaches_the_client_whole(start_fleet, route):
     failures = fleet.router.events("engine_failure")
     assert sorted((f["engine"], f["class"]) for f in failures) == [("d1", "stream"), ("d2", "stream")]
     metrics = (await fleet.client.get(f"{fleet.url}/metrics")).text
-    assert 'narwhal_continuations_total{outcome="completed"} 1' in metrics
-    assert 'narwhal_continuations_total{outcome="failed"} 1' in metrics
-    assert "narwhal_continuation_join_gap_seconds_count 2" in metrics
+    assert 'narwhal_continuations_total{outcome="completed",model="mock-model"} 1' in metrics
+    assert 'narwhal_continuations_total{outcome="failed",model="mock-model"} 1' in metrics
+    assert 'narwhal_continuation_join_gap_seconds_count{model="mock-model"} 2' in metrics
     # The second continuation is an exact join: a token-ID prompt on the completions route.
     stats = await fleet.engine_stats(request["decode"])
     assert isinstance(stats["last_decode_body"]["prompt"], list)

@@ -94,12 +94,12 @@ async def test_prefixes_stick_to_their_engines_and_load_spreads(start_fleet, wor
     async def counted() -> str | None:
         # Worker processes report their counts every 100 ms: wait until all 84 requests are in.
         text = (await fleet.client.get(f"{fleet.url}/metrics")).text
-        done = _sample(text, "narwhal_placement_total", role="decode", reason="only_choice") >= 84
+        done = _sample(text, "narwhal_placement_total", role="decode", reason="only_choice", model="mock-model") >= 84
         return text if done and _sample(text, "narwhal_placement_matched_fraction_count") >= 84 else None
 
     metrics = await wait_until(counted, timeout_s=10.0, what="placement counts reported")
     assert _sample(metrics, "narwhal_placement_index_bytes") > 0
-    assert _sample(metrics, "narwhal_placement_total", role="prefill", reason="hit") >= 70
+    assert _sample(metrics, "narwhal_placement_total", role="prefill", reason="hit", model="mock-model") >= 70
 
     async def logged() -> list[dict] | None:
         events = [event for event in fleet.router.events("request") if event.get("prefix_match") is not None]

@@ -68,7 +68,7 @@ async def check_back_in_placement(fleet, health_at: float, eligible_at: float) -
     [attempt] = await fleet.router.wait_event("readmission", engine="d2", outcome="readmitted")
     assert attempt["operator"] is False
     metrics = (await fleet.client.get(f"{fleet.url}/metrics")).text
-    assert 'narwhal_readmission_health_to_eligible_seconds_count{engine="d2"} 1' in metrics
+    assert 'narwhal_readmission_health_to_eligible_seconds_count{engine="d2",model="mock-model"} 1' in metrics
     # And it serves again.
     response = await fleet.client.post(f"{fleet.url}/v1/completions",
                                        json={"model": "mock-model", "prompt": "hi", "max_tokens": 2})

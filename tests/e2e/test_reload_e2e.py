@@ -405,7 +405,7 @@ REASONS = ("hit", "miss", "spill", "only_choice", "least_outstanding")
 
 def prefills(metrics: str, *reasons: str) -> float:
     """Prefill placements counted in ``metrics`` for ``reasons`` (every reason when none are given)."""
-    return sum(_sample(metrics, "narwhal_placement_total", role="prefill", reason=reason)
+    return sum(_sample(metrics, "narwhal_placement_total", role="prefill", reason=reason, model="mock-model")
                for reason in reasons or REASONS)
 
 
@@ -576,8 +576,8 @@ async def test_cache_aware_placement_follows_a_reloaded_prefill_set_in_both_work
         assert p3_stats["prefill"] >= 2 and p3_stats["prefix_cache"]["cached_tokens"] > 0
         # The index keys follow the set: p1's gone from /metrics and /admin/engines, p3's there.
         metrics = (await fleet.client.get(f"{fleet.url}/metrics")).text
-        assert 'narwhal_placement_index_entries{engine="p1"}' not in metrics
-        assert _sample(metrics, "narwhal_placement_index_entries", engine="p3") > 0
+        assert 'narwhal_placement_index_entries{engine="p1",' not in metrics
+        assert _sample(metrics, "narwhal_placement_index_entries", engine="p3", model="mock-model") > 0
         assert (await engines(fleet))["p3"]["prefix_index"]["entries"] > 0
         assert not [line for line in fleet.router.events("request")
                     if line["prefill"] == "p1" and line["ts"] > event["ts"]]

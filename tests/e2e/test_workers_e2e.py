@@ -90,7 +90,7 @@ async def test_400_streams_are_intact_and_both_workers_serve(start_fleet) -> Non
 
     async def counted() -> str | None:
         text = (await fleet.client.get(f"{fleet.url}/metrics")).text
-        total = _sample(text, "narwhal_requests_total", route="/v1/completions", status="200")
+        total = _sample(text, "narwhal_requests_total", route="/v1/completions", status="200", model="mock-model")
         return text if total >= 400 else None
 
     metrics = await _wait(counted)

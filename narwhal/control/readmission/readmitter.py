@@ -50,6 +50,16 @@ operator drain or maintenance are left to the operator's readmit. Attempts for
 different engines run concurrently, in ``Readmitter.run``'s nursery; each
 engine has at most one attempt at a time.
 
+First read (``first_identity_read``). Engines configured at startup are
+placeable at once; before the router serves, each one's model is read once,
+concurrently, with the health timeout: ``GET /narwhal/identity`` (an engine
+without the identity plugin answers 404 there, and ``GET /v1/models`` alone
+decides) and ``GET /v1/models``. An engine whose answers name another model is
+ejected (cause ``model``) and its result is a refusal at the ``model`` check,
+naming both models; the chain then refuses it there until it serves its own.
+One that does not answer is left to the health and liveness rules. This read
+and every ``model`` check record the engine's ``max_model_len``.
+
 A success calls ``Fleet.readmit`` (ending the ejection and clearing drains,
 maintenance, quarantine and verification holds); a failure changes nothing in
 the fleet. Either way one ``readmission`` log event names the engine, the check
@@ -77,6 +87,7 @@ import trio
 from narwhal.config import Config, EngineSpec, RunningConfig
 from narwhal.control import contract
 from narwhal.control.fleet_writer import FleetWriter
+from narwhal.control.model_lengths import ModelLengths
 from narwhal.control.readmission.model import CHAIN, Check, ReadmissionResult, ReadmissionState
 from narwhal.control.readmission.recheck import Rechecker
 from narwhal.control.readmission.schedule import EngineSchedule, ReadmissionSchedule
@@ -136,7 +147,8 @@ class Readmitter:
                  metrics: RouterMetrics, clock: Callable[[], float] = trio.current_time,
                  wall_clock: Callable[[], float] = time.time, attestation_key: bytes | None,
                  inference_check: Callable[[str], Awaitable[str]] | None = None,
-                 on_newer_process: Callable[[str], None] | None = None) -> None:
+                 on_newer_process: Callable[[str], None] | None = None,
+                 model_lengths: ModelLengths | None = None) -> None:
         """``clock`` is trio's (monotonic, the fleet's time base); ``wall_clock`` unix seconds.
 
         ``inference_check(name)`` runs an inference probe and returns its outcome
@@ -176,6 +188,8 @@ class Readmitter:
         # Told when an engine proves to be a newer process than the one placement knew: its caches are
         # empty (the router drops its prefix-index entries). Called with the engine's name.
         self.on_newer_process = on_newer_process
+        # Each engine's max_model_len from its /v1/models (the first read and every model check).
+        self.model_lengths = model_lengths if model_lengths is not None else ModelLengths()
 
     def __repr__(self) -> str:
         last = ", ".join(f"{name} {result.outcome}" + (f" {result.check}" if result.check else "")
@@ -213,6 +227,7 @@ class Readmitter:
         self._locks.pop(name, None)
         self._last.pop(name, None)
         self._process_started.pop(name, None)
+        self.model_lengths.forget(name)
         self.schedule.remove(name)
         self.rechecker.engines.pop(name, None)
 
@@ -226,7 +241,8 @@ class Readmitter:
         """Stop new placements on ``name`` (an operator_drain hold); in-flight requests finish."""
         self._spec(name)
         self.fleet.add_hold(name, HoldKind.OPERATOR_DRAIN, "operator drain", now)
-        log_event("engine_drain_requested", engine=name, in_flight=self.in_flight[name])
+        log_event("engine_drain_requested", engine=name, in_flight=self.in_flight[name],
+                  model=self.config.model_of(self._spec(name)))
 
     def maintenance(self, name: str, now: float) -> float:
         """Drain ``name`` for planned maintenance; returns the maintenance start (unix seconds).
@@ -239,7 +255,7 @@ class Readmitter:
         started_at = self.maintenance_started_at(name)
         assert started_at is not None  # the hold was just added
         log_event("engine_maintenance_started", engine=name, started_at=started_at,
-                  in_flight=self.in_flight[name])
+                  in_flight=self.in_flight[name], model=self.config.model_of(self._spec(name)))
         return started_at
 
     def maintenance_started_at(self, name: str) -> float | None:
@@ -334,13 +350,14 @@ class Readmitter:
             reason=contract.bounded(reason, _MAX_REASON_CHARS),
             operator=operator, passed=attempt.passed, at=started_wall, duration_s=self.clock() - started,
             health_to_eligible_s=health_to_eligible_s)
-        self._record(result)
+        self._record(result, self.config.model_of(spec))
         return result
 
     def _dropped(self, attempt: _Attempt, operator: bool, started: float, started_wall: float) -> ReadmissionResult:
         """A reload removed the engine (or replaced it under the same name) while the chain ran: nothing applies."""
         name = attempt.spec.name
-        log_event("readmission_dropped", engine=name, reason="engine removed by a config reload")
+        log_event("readmission_dropped", engine=name, reason="engine removed by a config reload",
+                  model=self.config.model_of(attempt.spec))
         return ReadmissionResult(engine=name, outcome="refused", check=str(attempt.current),
                                  reason="engine removed by a config reload while the checks ran", operator=operator,
                                  passed=attempt.passed, at=started_wall, duration_s=self.clock() - started)
@@ -436,7 +453,69 @@ class Readmitter:
         model = self.config.model_of(attempt.spec)
         contract.check_identity_model(attempt.identity, model)
         # vLLM's own answer too: a plugin claiming the fleet's model cannot pass for an engine serving another.
-        contract.check_listed_model(contract.listed_models(await self._get_ok(attempt.spec, "/v1/models")), model)
+        listed = await self._get_ok(attempt.spec, "/v1/models")
+        contract.check_listed_model(contract.listed_models(listed), model)
+        self.model_lengths.record(attempt.spec.name, contract.listed_max_model_len(listed, model))
+
+    # ----- the first read after startup ----------------------------------------------------
+
+    async def first_identity_read(self) -> None:
+        """Read every engine's model once (concurrently, within the health timeout); eject those naming another."""
+        timeout_s = self.config.engine.health_timeout_s
+        async with trio.open_nursery() as nursery:
+            for spec in list(self._specs.values()):
+                nursery.start_soon(self._first_read, spec, timeout_s, name=f"first identity read {spec.name}")
+
+    async def _first_read(self, spec: EngineSpec, timeout_s: float) -> None:
+        lock = self._locks.get(spec.name)
+        if lock is None:
+            return
+        started, started_wall = self.clock(), self.wall_clock()
+        model = self.config.model_of(spec)
+        async with lock:
+            try:
+                with trio.fail_after(timeout_s):
+                    await self._read_model(spec, model)
+            except _Refused as refused:
+                reason = refused.reason
+            except (EngineFailure, PoolSaturated, trio.TooSlowError):
+                return  # no answer: the health and liveness rules decide
+            except Exception as exc:  # noqa: BLE001 - a broken read must not stop the router starting
+                log_event("readmission_error", level=logging.ERROR, engine=spec.name, check=str(Check.MODEL),
+                          **{"class": type(exc).__name__}, message=contract.bounded(str(exc), _MAX_REASON_CHARS))
+                return
+            else:
+                return
+            if self._specs.get(spec.name) is not spec:
+                return  # a reload removed or replaced it meanwhile
+            reason = contract.bounded(reason, _MAX_REASON_CHARS)
+            self.fleet.eject(spec.name, f"model check: {reason}", self.clock(), label=EjectionCause.MODEL)
+            self._record(ReadmissionResult(engine=spec.name, outcome="refused", check=str(Check.MODEL), reason=reason,
+                                           operator=False, passed=[], at=started_wall,
+                                           duration_s=self.clock() - started), self.config.model_of(spec))
+
+    async def _read_model(self, spec: EngineSpec, model: str) -> None:
+        """The engine's identity (when it has the plugin) and its /v1/models name ``model``; else ``_Refused``.
+
+        An answer that says nothing (another status, an unreadable document) is no verdict: it returns.
+        """
+        identity = await self.control_pool.get(spec, "/narwhal/identity")
+        if identity.status == 200:
+            try:
+                claimed = contract.read_identity(identity.body)
+            except _Refused:
+                pass
+            else:
+                contract.check_identity_model(claimed, model)
+        listed = await self.control_pool.get(spec, "/v1/models")
+        if listed.status != 200:
+            return
+        try:
+            names = contract.listed_models(listed.body)
+        except _Refused:
+            return
+        contract.check_listed_model(names, model)
+        self.model_lengths.record(spec.name, contract.listed_max_model_len(listed.body, model))
 
     async def _check_generation(self, attempt: _Attempt) -> None:
         assert attempt.identity is not None
@@ -453,17 +532,17 @@ class Readmitter:
         assert attempt.identity is not None
         contract.check_kv_role(attempt.spec.role, attempt.identity)
 
-    def _record(self, result: ReadmissionResult) -> None:
+    def _record(self, result: ReadmissionResult, model: str) -> None:
         self._last[result.engine] = result
-        self.metrics.readmissions.inc(result.engine, result.outcome, result.check or "none")
+        self.metrics.readmissions.inc(result.engine, result.outcome, result.check or "none", model)
         if result.health_to_eligible_s is not None and not result.operator:
-            self.metrics.health_to_eligible.observe(result.health_to_eligible_s, result.engine)
+            self.metrics.health_to_eligible.observe(result.health_to_eligible_s, result.engine, model)
         level = logging.INFO if result.readmitted else logging.WARNING
         extra = ({} if result.health_to_eligible_s is None
                  else {"health_to_eligible_s": round(result.health_to_eligible_s, 6)})
         log_event("readmission", level=level, engine=result.engine, outcome=result.outcome,
                   check=result.check, reason=result.reason, operator=result.operator,
-                  passed=result.passed, duration_s=round(result.duration_s, 6), **extra)
+                  passed=result.passed, duration_s=round(result.duration_s, 6), model=model, **extra)
 
     # ----- the schedule --------------------------------------------------------------------
 

@@ -42,6 +42,10 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
                        help="prefill mock engines (default 1; 4 with --scenario prefix)")
     fleet.add_argument("--decode", type=int, default=None, metavar="N",
                        help="decode mock engines (default 1; 3 with --scenario faults)")
+    fleet.add_argument("--models", type=int, default=1, metavar="N",
+                       help="models served (default 1): each has its own --prefill + --decode mock engines "
+                            "(models named after --model: mock-model, mock-model-2, ...), requests name them in "
+                            "turn, and the report shows each model beside the totals")
     fleet.add_argument("--tokens", type=int, default=None,
                        help="tokens per response (default 32; 8 with --scenario prefix)")
     fleet.add_argument("--token-delay-s", type=float, default=None,
@@ -218,6 +222,11 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         if faults and duration_s is not None else None
     if problem is not None:
         raise ValueError(f"--scenario faults: {problem}")
+    if args.models < 1:
+        raise ValueError("--models must be at least 1")
+    if args.models > 1 and (args.scenario != "load" or args.target or args.router_cmd or args.baseline == "pair"):
+        raise ValueError("--models needs --scenario load with the fleet and Narwhal started here "
+                         "(not --target, --router-cmd or --baseline pair)")
     if args.target and args.router_cmd:
         raise ValueError("--target and --router-cmd exclude each other")
     if args.tls and (args.target or args.router_cmd):
@@ -255,7 +264,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         router_cmd=args.router_cmd, target=args.target, target_pid=args.target_pid,
         profile_router=args.profile_router, baseline=args.baseline, scenario=args.scenario,
         fault_downtime_s=args.fault_downtime_s, fault_5xx_s=args.fault_5xx_s, fault_status=args.fault_status,
-        label=args.label, progress=not args.quiet, tls=args.tls, model=args.model,
+        label=args.label, progress=not args.quiet, tls=args.tls, model=args.model, models=args.models,
         pair=tuple(args.pair) if args.pair else None, prefixes=args.prefixes,
         prefix_words=args.prefix_words, suffix_words=args.suffix_words, prefix_skew=args.prefix_skew,
         chat_turns=args.chat_turns, mock_cache_blocks=int(cache_blocks), prefill_s_per_token=prefill_s,

@@ -55,10 +55,14 @@ ATTESTATION_KEY = "narwhal-dev-key"
 class BenchFleet:
     """The mock engines, by name (``p1``, ``d1``, ...), with the arguments to restart them alike."""
 
-    def __init__(self, engines: dict[str, LocalProcess], roles: dict[str, str], mock_args: Sequence[str]) -> None:
+    def __init__(self, engines: dict[str, LocalProcess], roles: dict[str, str], mock_args: Sequence[str],
+                 models: dict[str, str] | None = None) -> None:
         self.engines = engines
         self.roles = roles
         self.mock_args = list(mock_args)
+        # Several models (bench --models): each engine's model, by name; empty: every engine serves the one
+        # model, named by neither the mock's arguments nor the router's config (as before).
+        self.models: dict[str, str] = models if models is not None else {}
         # Killed processes, reaped at stop.
         self.retired: list[LocalProcess] = []
 
@@ -68,15 +72,21 @@ class BenchFleet:
     def urls(self, role: str) -> list[str]:
         return [self.engines[name].url for name in self.names(role)]
 
-    def described(self) -> list[tuple[str, str, str]]:
-        """(name, url, role) per engine, the shape ``render_config`` takes."""
-        return [(name, self.engines[name].url, role) for name, role in self.roles.items()]
+    def described(self) -> list[tuple[str, str, str] | tuple[str, str, str, str]]:
+        """(name, url, role), or (name, url, role, model) with several models, per engine: ``render_config``'s."""
+        return [(name, self.engines[name].url, role, self.models[name]) if name in self.models
+                else (name, self.engines[name].url, role) for name, role in self.roles.items()]
+
+    def engine_args(self, name: str) -> list[str]:
+        """The mock's arguments for engine ``name``: the fleet's, plus its model when it names one."""
+        model = self.models.get(name)
+        return [*self.mock_args, "--model", model] if model is not None else self.mock_args
 
     async def restart(self, nursery: trio.Nursery, name: str) -> LocalProcess:
         """Start ``name`` again on its old port (after it was killed), as a new process."""
         old = self.engines[name]
         self.retired.append(old)
-        engine = await start_mock_engine(nursery, self.roles[name], engine_id=name, args=self.mock_args,
+        engine = await start_mock_engine(nursery, self.roles[name], engine_id=name, args=self.engine_args(name),
                                          port=old.port)
         self.engines[name] = engine
         return engine
@@ -87,17 +97,25 @@ class BenchFleet:
 
 
 async def start_fleet(nursery: trio.Nursery, *, prefill: int, decode: int,
-                      mock_args: Sequence[str]) -> BenchFleet:
-    """Start ``prefill`` + ``decode`` mock engines; each announces its own port."""
+                      mock_args: Sequence[str], models: Sequence[str] = ()) -> BenchFleet:
+    """Start ``prefill`` + ``decode`` mock engines; each announces its own port.
+
+    ``models`` (two or more): that many prefill + decode engines per model, ``m1-p1``, ``m1-d1``, ``m2-p1``...
+    """
     engines: dict[str, LocalProcess] = {}
     roles: dict[str, str] = {}
     fleet = BenchFleet(engines, roles, mock_args)
+    several = len(models) > 1
     try:
-        for role, count in (("prefill", prefill), ("decode", decode)):
-            for i in range(1, count + 1):
-                name = f"{role[0]}{i}"
-                engines[name] = await start_mock_engine(nursery, role, engine_id=name, args=mock_args)
-                roles[name] = role
+        for index, model in enumerate(models if several else [""], start=1):
+            for role, count in (("prefill", prefill), ("decode", decode)):
+                for i in range(1, count + 1):
+                    name = f"m{index}-{role[0]}{i}" if several else f"{role[0]}{i}"
+                    if several:
+                        fleet.models[name] = model
+                    engines[name] = await start_mock_engine(nursery, role, engine_id=name,
+                                                            args=fleet.engine_args(name))
+                    roles[name] = role
     except BaseException:
         with trio.CancelScope(shield=True):
             await fleet.stop()

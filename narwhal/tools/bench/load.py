@@ -80,6 +80,9 @@ class LoadSpec(msgspec.Struct, frozen=True, kw_only=True):
     prefill_host: str | None = None
     prefill_port: int = 0
     prefill_body: bytes = b""
+    # Several models (bench --models N): one body per model, each naming its model; request n sends
+    # model_bodies[n % N], round robin by request. Empty: every request sends ``body``.
+    model_bodies: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -126,7 +129,7 @@ _decode_handoff = msgspec.json.Decoder(_Handoff).decode
 class RequestRecord:
     """What one request did; times in seconds, ``started_at`` from the start of the load."""
 
-    __slots__ = ("started_at", "status", "kind", "ttft_s", "total_s", "tokens")
+    __slots__ = ("started_at", "status", "kind", "ttft_s", "total_s", "tokens", "model_index")
 
     def __init__(self, started_at: float) -> None:
         self.started_at = started_at
@@ -135,6 +138,8 @@ class RequestRecord:
         self.ttft_s: float | None = None
         self.total_s = 0.0
         self.tokens = 0
+        # Which of the spec's model_bodies the request sent (0 with one model).
+        self.model_index = 0
 
     def as_dict(self) -> dict[str, object]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -242,16 +247,25 @@ class LoadResult:
     def tokens(self) -> int:
         return sum(record.tokens for record in self.records if record.kind == "ok")
 
-    def summary(self) -> LoadSummary:
-        ok = [record for record in self.records if record.kind == "ok"]
+    def summary(self, model_index: int | None = None) -> LoadSummary:
+        """Every request's figures, or (``model_index``) only those one model's requests saw.
+
+        A model's summary has no inter-token gaps nor connection counts: those are kept for the whole load.
+        """
+        if model_index is None:
+            records = self.records
+        else:
+            records = [record for record in self.records if record.model_index == model_index]
+        ok = [record for record in records if record.kind == "ok"]
+        whole = model_index is None
         return summarize_load(
-            kinds=[record.kind for record in self.records],
-            statuses=[record.status for record in self.records],
+            kinds=[record.kind for record in records],
+            statuses=[record.status for record in records],
             ttft_s=[record.ttft_s for record in ok if record.ttft_s is not None],
             total_s=[record.total_s for record in ok],
-            gaps_s=self.gaps_s, tokens=sum(record.tokens for record in ok),
-            duration_s=self.duration_s, connections_opened=self.connections_opened,
-            stale_connection_retries=self.stale_connection_retries)
+            gaps_s=self.gaps_s if whole else (), tokens=sum(record.tokens for record in ok),
+            duration_s=self.duration_s, connections_opened=self.connections_opened if whole else 0,
+            stale_connection_retries=self.stale_connection_retries if whole else 0)
 
 
 class _Refused(NarwhalError):
@@ -309,7 +323,8 @@ class _Load:
         self.ssl_context = ssl_context
         self.state = state
         self.on_record = on_record
-        self.request = build_request(spec)
+        # One encoded request per model (one with a single model), built once.
+        self.requests = [build_request(spec, body) for body in spec.model_bodies] or [build_request(spec)]
         self.host = socket.gethostbyname(spec.host)
         self.records: list[RequestRecord] = []
         self.gaps_s = array("d")
@@ -330,8 +345,11 @@ class _Load:
     async def worker(self) -> None:
         conn: trio.abc.Stream | None = None
         try:
+            models = len(self.requests)
             while self.take_ticket():
                 record = RequestRecord(trio.current_time() - self.t0)
+                if models > 1:
+                    record.model_index = (self.state.issued - 1) % models
                 conn = await self.one(conn, record)
                 self.finish(record)
         finally:
@@ -382,7 +400,7 @@ class _Load:
         started = trio.current_time()
         exchange: _Exchange | None = None
         ended_early = False
-        request = self.request if self.bodies is None else build_request(
+        request = self.requests[record.model_index] if self.bodies is None else build_request(
             msgspec.structs.replace(self.spec, body=self.bodies()))
         with trio.move_on_at(started + self.spec.timeout_s) as scope:
             if self.spec.prefill_host is not None:

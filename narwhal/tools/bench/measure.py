@@ -58,8 +58,13 @@ async def measured_load(spec: LoadSpec, *, label: str, target: str, client: http
                         alongside: Callable[[LoadState], Awaitable[None]] | None = None,
                         on_record: Callable[[RequestRecord], None] | None = None,
                         ssl_context: ssl.SSLContext | None = None,
-                        bodies: Callable[[], bytes] | None = None) -> tuple[RunReport, LoadResult]:
-    """Run ``spec`` and measure what it cost the router; returns the report and the raw records."""
+                        bodies: Callable[[], bytes] | None = None,
+                        models: Sequence[str] = ()) -> tuple[RunReport, LoadResult]:
+    """Run ``spec`` and measure what it cost the router; returns the report and the raw records.
+
+    ``models``: the model each of ``spec.model_bodies`` names, in order; with two or more the report has
+    each model's figures beside the totals.
+    """
     await reset_engine_stats(client, engines)
     state = LoadState()
     me = os.getpid()
@@ -89,6 +94,7 @@ async def measured_load(spec: LoadSpec, *, label: str, target: str, client: http
         load_generator = process_usage(pids=[me], cpu_s=cpu_s, wall_s=wall_s, requests=len(result.records),
                                        tokens=tokens, peak_rss_kb=0)
     traffic = await _engine_traffic(client, engines, len(result.records), engines_before, wall_s)
+    per_model = {name: result.summary(index) for index, name in enumerate(models)} if len(models) > 1 else {}
     report = RunReport(label=label, target=target, load=result.summary(), router=router,
-                       load_generator=load_generator, engines=traffic)
+                       load_generator=load_generator, engines=traffic, models=per_model)
     return report, result

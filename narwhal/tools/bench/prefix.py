@@ -32,7 +32,9 @@ CONVERSATIONS_PER_GROUP = 4
 _ANSWER_WORDS = 16
 
 _encode = msgspec.json.Encoder().encode
-_PREFILL_REASON = re.compile(r'^narwhal_placement_total\{role="prefill",reason="([a-z_]+)"\} ([0-9.e+]+)$')
+# Summed over the model label (one series per model and reason).
+_PREFILL_REASON = re.compile(r'^narwhal_placement_total\{role="prefill",reason="([a-z_]+)"(?:,model="[^"]*")?\} '
+                             r'([0-9.e+]+)$')
 
 
 class PrefixWorkload:
@@ -114,7 +116,7 @@ def _placements(metrics: str) -> dict[str, float]:
     for line in metrics.splitlines():
         match = _PREFILL_REASON.match(line)
         if match:
-            found[match.group(1)] = float(match.group(2))
+            found[match.group(1)] = found.get(match.group(1), 0.0) + float(match.group(2))
     return found
 
 

@@ -167,6 +167,8 @@ class RunReport(msgspec.Struct, frozen=True, kw_only=True):
     router: ProcessUsage | None = None
     load_generator: ProcessUsage | None = None
     engines: list[EngineTraffic] = []
+    # bench --models N (N >= 2): each model's share of the load, by model name (empty with one model).
+    models: dict[str, LoadSummary] = {}
 
 
 class FaultReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -324,6 +326,18 @@ def _rows(run: RunReport) -> list[tuple[str, str]]:
     return rows
 
 
+def _model_rows(load: LoadSummary) -> list[tuple[str, str]]:
+    """One model's column: what its requests saw (the router's and engines' costs are the run's)."""
+    return [
+        ("requests (ok / errors)", f"{load.ok} / {load.errors}"),
+        ("requests/s", _fmt(load.requests_per_s, 1)),
+        ("tokens/s", _fmt(load.tokens_per_s, 0)),
+        ("TTFT ms p50 / p90 / p99", " / ".join(_dist_cells(load.ttft, ("p50", "p90", "p99")))),
+        ("total ms p50 / p99", " / ".join(_dist_cells(load.total, ("p50", "p99")))),
+        ("errors by kind", ", ".join(f"{k} {v}" for k, v in load.errors_by_kind.items()) or "none"),
+    ]
+
+
 def _table(columns: Sequence[tuple[str, list[tuple[str, str]]]]) -> str:
     names = [name for name, _ in columns]
     labels: list[str] = []
@@ -435,6 +449,7 @@ def format_report(report: BenchReport) -> str:
     if report.fleet_scale is not None:
         return format_fleet_scale(report.fleet_scale, report.run.label.partition(" (")[0])
     columns = [(report.run.label, _rows(report.run))]
+    columns += [(f"model {name}", _model_rows(load)) for name, load in report.run.models.items()]
     if report.baseline is not None:
         columns.append((report.baseline.label, _rows(report.baseline)))
     lines = [_table(columns)]

@@ -78,6 +78,9 @@ class BenchSettings(msgspec.Struct, frozen=True, kw_only=True):
     # Every hop over TLS (bench --tls).
     tls: bool = False
     model: str = "mock-model"
+    # Models served by the mock fleet (bench --models): each has --prefill + --decode engines of its own,
+    # and requests name them in turn.
+    models: int = 1
     # --baseline pair: (prefill URL, decode URL).
     pair: tuple[str, str] | None = None
     # The prefix scenario (bench --scenario prefix).
@@ -101,6 +104,11 @@ class BenchSettings(msgspec.Struct, frozen=True, kw_only=True):
                      "--prefill-s-per-token", repr(self.prefill_s_per_token)]
         return args
 
+    @property
+    def model_names(self) -> list[str]:
+        """The served models: ``model`` alone, or ``model``, ``model-2``, ... with ``models`` >= 2."""
+        return [self.model, *(f"{self.model}-{i}" for i in range(2, self.models + 1))]
+
     def prefix_workload(self) -> PrefixWorkload | None:
         """The prefix scenario's request bodies, or None for the other scenarios."""
         if self.scenario != "prefix":
@@ -111,13 +119,22 @@ class BenchSettings(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _spec(settings: BenchSettings, host: str, port: int, body: bytes, *, requests: int | None,
-          duration_s: float | None, path: str = "/v1/completions") -> LoadSpec:
+          duration_s: float | None, path: str = "/v1/completions",
+          model_bodies: tuple[bytes, ...] = ()) -> LoadSpec:
     return LoadSpec(host=host, port=port, body=body, concurrency=settings.concurrency, requests=requests,
                     duration_s=duration_s, keep_alive=settings.keep_alive, stream=settings.stream,
-                    timeout_s=settings.timeout_s, path=path,
+                    timeout_s=settings.timeout_s, path=path, model_bodies=model_bodies,
                     # Our mocks always send max_tokens: the fault scenario checks every join's arithmetic.
                     expect_tokens=settings.tokens if settings.scenario == "faults" and settings.target is None
                     else None)
+
+
+def _model_bodies(settings: BenchSettings) -> tuple[bytes, ...]:
+    """With several models, one request body per model, sent in turn; with one, none (every request sends one)."""
+    if settings.models < 2:
+        return ()
+    return tuple(completion_body(prompt_words=settings.prompt_words, max_tokens=settings.tokens,
+                                 stream=settings.stream, model=name) for name in settings.model_names)
 
 
 def _engine_refs(fleet: BenchFleet | None) -> list[EngineRef]:
@@ -201,7 +218,8 @@ async def _measure(nursery: trio.Nursery, settings: BenchSettings, fleet: BenchF
                    workload: PrefixWorkload | None = None) -> tuple[RunReport, FaultReport | None]:
     label = _label(settings, target)
     spec = _spec(settings, target.host, target.port, body, requests=settings.requests,
-                 duration_s=settings.duration_s, path=workload.path if workload else "/v1/completions")
+                 duration_s=settings.duration_s, path=workload.path if workload else "/v1/completions",
+                 model_bodies=_model_bodies(settings))
     scenario = None
     if settings.scenario == "faults":
         assert fleet is not None
@@ -219,7 +237,8 @@ async def _measure(nursery: trio.Nursery, settings: BenchSettings, fleet: BenchF
                                           router_pid=target.pid, engines=_engine_refs(fleet),
                                           progress=settings.progress,
                                           alongside=scenario.run if scenario else None,
-                                          ssl_context=ssl_context, bodies=workload)
+                                          ssl_context=ssl_context, bodies=workload,
+                                          models=settings.model_names if settings.models > 1 else ())
     finally:
         if profiler is not None:
             with trio.CancelScope(shield=True):
@@ -288,7 +307,9 @@ async def run_bench(settings: BenchSettings) -> BenchReport:
     """Run the benchmark ``settings`` describe and return its report."""
     body = completion_body(prompt_words=settings.prompt_words, max_tokens=settings.tokens, stream=settings.stream,
                            model=settings.model)
-    probe_body = completion_body(prompt_words=4, max_tokens=2, stream=True, model=settings.model)
+    # Each model is probed: /ready answers 200 once any one model can serve.
+    probe_bodies = [completion_body(prompt_words=4, max_tokens=2, stream=True, model=name)
+                    for name in settings.model_names]
     workload = settings.prefix_workload()
     prefix = None
     with make_workdir() as workdir_name:
@@ -303,14 +324,17 @@ async def run_bench(settings: BenchSettings) -> BenchReport:
             try:
                 if not settings.target:
                     fleet = await start_fleet(nursery, prefill=settings.prefill, decode=settings.decode,
-                                              mock_args=mock_args)
+                                              mock_args=mock_args,
+                                              models=settings.model_names if settings.models > 1 else ())
                 target = await _start_target(nursery, settings, fleet, workdir, tls)
                 # A router started here may take a while to come up; one already running should answer now.
-                await wait_until_serving(client, target, probe_body=probe_body,
-                                         timeout_s=10.0 if target.kind == "external" else 60.0)
+                for probe_body in probe_bodies:
+                    await wait_until_serving(client, target, probe_body=probe_body,
+                                             timeout_s=10.0 if target.kind == "external" else 60.0)
                 if settings.warmup:
                     await run_load(_spec(settings, target.host, target.port, body, requests=settings.warmup,
-                                         duration_s=None, path=workload.path if workload else "/v1/completions"),
+                                         duration_s=None, path=workload.path if workload else "/v1/completions",
+                                         model_bodies=_model_bodies(settings)),
                                    ssl_context=context, bodies=workload)
                 load_started_unix = time.time()
                 run, faults = await _measure(nursery, settings, fleet, target, client, body, context, workload)
