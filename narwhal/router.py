@@ -281,7 +281,8 @@ class Router:
         self.engine_set = EngineSet(self.registry, self._engine_tables(), in_flight=self.in_flight)
         # Engines that register themselves ([discovery]): applied with the file's through the engine set.
         self.discovery = DiscoveryService(config=config, file_entries=lambda: entries_from_config(self.config),
-                                          apply=self._apply_engine_set, is_active=self._acts)
+                                          apply=self._apply_engine_set, is_active=self._acts,
+                                          on_view=self._discovered_view_changed, problem=self._loops_to_self)
         # Every part that reads a reloadable key, in the order a reload hands it the new config.
         self._reconfigurable = self._reconfigurable_parts()
         self.bound_port: int | None = None
@@ -354,7 +355,7 @@ class Router:
         return LeaseService(config=self.config, router_id=self.router_id, backend=backend, metrics=self.metrics,
                             serving=ServingParts(admission=self.admission, persistence=self.persistence,
                                                  fleet=self.fleet, own_readiness=self.own_readiness),
-                            advertise_url=self._advertise_url)
+                            advertise_url=self._advertise_url, engines=self._followed_engines)
 
     # -- what parts built earlier ask of parts built later -----------------------------
 
@@ -377,6 +378,23 @@ class Router:
     def _apply_engine_set(self, entries: list[EngineEntry]) -> None:
         """The engine set discovery asks for, applied as a reload applies it (a reload recomputes the same union)."""
         self.engine_set.apply(entries)
+
+    def _loops_to_self(self, spec: EngineSpec) -> str | None:
+        """A discovered engine whose url is this router's serving address (the file's engines are refused so)."""
+        host, port = parse_listen(self.listen)
+        serving = (host, self.bound_port if self.bound_port is not None else port)
+        if _same_address(serving, (spec.host, spec.port)):
+            return f"{spec.url} is this router's own serving address: requests would loop back into the router"
+        return None
+
+    def _followed_engines(self) -> list[EngineSpec]:
+        """What a standby compares the holder's handoff with: the file's engines plus those it sees discovered."""
+        return [entry.spec() for entry in self.discovery.watched_entries()]
+
+    def _discovered_view_changed(self) -> None:
+        # A standby's engine set to compare with moved: the handoff it skipped may match now.
+        if self.lease is not None:
+            self.lease.follower.engines_changed()
 
     def _admit_until(self) -> float | None:
         """The lease-derived admission deadline (control clock) worker processes check on their own clocks."""

@@ -63,6 +63,13 @@ def test_a_name_of_the_file_and_a_url_already_taken_for_the_role_are_refused_and
     assert '"d4"' in refused[2].problem
 
 
+def test_the_callers_own_problem_refuses_a_discovered_engine():
+    entries, refused = union_entries(FILE, {"d2": spec("d2", 8000), "d3": spec("d3", 9103)}, default_model="m",
+                                     problem=lambda s: "this router" if s.port == 8000 else None)
+    assert [e.name for e in entries] == ["p1", "d1", "d3"]
+    assert [(r.name, r.problem) for r in refused] == [("d2", "this router")]
+
+
 # ----- the service, on a watcher of the same shape as EtcdWatcher ----------------------------------
 
 
@@ -288,3 +295,37 @@ async def test_a_standby_router_watches_and_applies_its_view_once_it_holds_the_l
         mocks.stop_all()
         await router.control_pool.aclose()
         await router.data_plane.data_pool.aclose()  # type: ignore[attr-defined]
+
+
+async def test_a_standby_follows_a_handoff_that_holds_discovered_engines(
+        autojump_clock, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # The holder's handoff names d9, which it discovered; the standby sees d9 discovered too (not applied):
+    # the engine sets match, the document is followed, and d9's record waits for the takeover.
+    from narwhal.lease.rules import LeaseRecord
+    from narwhal.stages.persistence import HandoffExtra
+    from narwhal.state import handoff
+    from narwhal.state.handoff import EngineSetEntry, LeaseOwnership
+    from tests.test_lease_service import ENGINES, MemoryBackend, Rig
+
+    caplog.set_level(logging.INFO)
+    writer = Rig(tmp_path, MemoryBackend(), router_id="r2")
+    writer.fleet.add_engine("d9", "decode", trio.current_time(), "discovered", writer.config.fleet.model)
+    writer.stage.engine_set = [*(EngineSetEntry(name=n, url=u, role=r, model=writer.config.fleet.model)
+                                 for n, u, r in ENGINES),
+                               EngineSetEntry(name="d9", url="http://127.0.0.1:9009", role="decode",
+                                              model=writer.config.fleet.model)]
+    writer.stage.extra = lambda: HandoffExtra(lease=LeaseOwnership(holder="r2", epoch=5))
+    backend = MemoryBackend()
+    backend.record = LeaseRecord(holder="r2", epoch=5, expires_at=1e9)
+    backend.handoff = handoff.encode_document(writer.stage.document(1))
+    rig = Rig(tmp_path, backend)
+    discovered = [spec("d9", 9009)]
+    rig.service.follower._engines = lambda: [*rig.config.engines, *discovered]
+    await rig.service.tick()
+    assert rig.service.applied_epoch == 5 and rig.service.follower.engine_set_differs is None
+    assert events(caplog, "standby_following") and not events(caplog, "standby_engine_set_differs")
+    # Without d9 in its view, the standby says the sets differ (and, once told, plans the document again).
+    discovered.clear()
+    rig.service.follower.engines_changed()
+    await rig.service.tick()
+    assert rig.service.follower.engine_set_differs == "removed d9"

@@ -100,7 +100,9 @@ class DiscoveryService:
     def __init__(self, *, config: Config, file_entries: Callable[[], list[EngineEntry]],
                  apply: Callable[[list[EngineEntry]], None], is_active: Callable[[], bool],
                  build: Callable[[Config], Watcher] = build_watcher, poll_s: float = 0.2,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time, on_view: Callable[[], None] = lambda: None,
+                 problem: Callable[[EngineSpec], str | None] = lambda spec: None) -> None:
+        """``problem(spec)``: the router's own reason to refuse a discovered engine (one that is the router)."""
         self.config = config
         self._file_entries = file_entries
         self._apply = apply
@@ -108,6 +110,8 @@ class DiscoveryService:
         self._build = build
         self.poll_s = poll_s
         self._wall_clock = wall_clock
+        self._on_view = on_view
+        self._problem = problem
         # The store's view as the watcher last reported it, and its status.
         self._view: dict[str, EngineSpec] = {}
         self._status: Any = None
@@ -132,9 +136,16 @@ class DiscoveryService:
 
     # -- what the router asks ----------------------------------------------------------
 
+    def watched_entries(self) -> list[EngineEntry]:
+        """The file's engines plus the discovered ones as the store holds them now (applied or not)."""
+        entries, _ = union_entries(self._file_entries(), self._view, default_model=self.config.fleet.model,
+                                   problem=self._problem)
+        return entries
+
     def startup_problem(self) -> str | None:
         """A discovered engine named like a file engine, at startup: the router refuses to start."""
-        _, refused = union_entries(self._file_entries(), self._view, default_model=self.config.fleet.model)
+        _, refused = union_entries(self._file_entries(), self._view, default_model=self.config.fleet.model,
+                                   problem=self._problem)
         for problem in refused:
             if problem.in_file:
                 return (f"discovery: engine {problem.name!r} is both in the config file's [[engines]] and "
@@ -237,7 +248,10 @@ class DiscoveryService:
         if update.reason == "degraded":
             return  # the watcher keeps its last view: the set stays as it is
         self._listed = self._listed or update.reason == "listed" or bool(getattr(update.status, "listed", False))
-        self._view = dict(update.engines)
+        engines = dict(update.engines)
+        if engines != self._view:
+            self._view = engines
+            self._on_view()
         self._act()
 
     def _act(self) -> None:
@@ -255,7 +269,7 @@ class DiscoveryService:
         Each discovered engine newly refused is logged once (``discovery_entry_invalid``).
         """
         entries, refused = union_entries(self._file_entries(), self._applied or {},
-                                         default_model=self.config.fleet.model)
+                                         default_model=self.config.fleet.model, problem=self._problem)
         self._refused = refused
         now = {(problem.name, problem.problem) for problem in refused}
         for problem in refused:

@@ -10,7 +10,7 @@ The file always wins; between two discovered engines, the first by name.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import msgspec
 
@@ -28,9 +28,17 @@ class Refused(msgspec.Struct, frozen=True, kw_only=True):
     in_file: bool = False  # its name is a file engine's: at startup, a startup error
 
 
+def _no_problem(spec: EngineSpec) -> str | None:
+    return None
+
+
 def union_entries(file_entries: Sequence[EngineEntry], discovered: Mapping[str, EngineSpec], *,
-                  default_model: str) -> tuple[list[EngineEntry], list[Refused]]:
-    """The file's entries (in file order), then the discovered ones that may join (by name); and the refused."""
+                  default_model: str, problem: Callable[[EngineSpec], str | None] = _no_problem,
+                  ) -> tuple[list[EngineEntry], list[Refused]]:
+    """The file's entries (in file order), then the discovered ones that may join (by name); and the refused.
+
+    ``problem(spec)``: a reason of the caller's to refuse a discovered engine (its url is this router's own).
+    """
     entries = list(file_entries)
     names = {entry.name for entry in entries}
     by_address: dict[tuple[str, str, int, str], str] = {
@@ -43,6 +51,10 @@ def union_entries(file_entries: Sequence[EngineEntry], discovered: Mapping[str, 
             refused.append(Refused(name=name, in_file=True,
                                    problem=f"engine {json.dumps(name)} is also in the config file's [[engines]]: "
                                            "names are unique; the file's entry stands"))
+            continue
+        own = problem(spec)
+        if own is not None:
+            refused.append(Refused(name=name, problem=own))
             continue
         address = (*spec.address, spec.role)
         other = by_address.get(address)
