@@ -329,3 +329,37 @@ async def test_a_standby_follows_a_handoff_that_holds_discovered_engines(
     rig.service.follower.engines_changed()
     await rig.service.tick()
     assert rig.service.follower.engine_set_differs == "removed d9"
+
+
+async def test_a_reload_applies_the_file_plus_the_discovered_engines_of_now(
+        nursery, autojump_clock, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.events")
+    path = tmp_path / "n.toml"
+    head = f'[handoff]\npath = "{tmp_path / "h.json"}"\n' + DISCOVERY
+    path.write_text(head + GOOD)
+    router = Router(load_config(path), config_path=path)
+    watcher = FakeWatcher()
+    router.discovery._build = lambda config: watcher
+    try:
+        await nursery.start(router.engine_set.run)
+        await nursery.start(router.readmitter.run)
+        await watcher.send.send(update("listed", {"d2": spec("d2", 9102)}))
+        await nursery.start(router.discovery.run)
+        assert [e.name for e in router.registry.entries()] == ["p1", "d1", "d2"]
+        assert router.registry.entries()[2].source == "discovery"
+        # The file gains d3 and an engine named d2 of its own: the file's d2 replaces the discovered one.
+        path.write_text(head + GOOD + '[[engines]]\nname = "d3"\nurl = "http://127.0.0.1:9103"\nrole = "decode"\n'
+                        '[[engines]]\nname = "d2"\nurl = "http://127.0.0.1:9202"\nrole = "decode"\n')
+        autojump_clock.autojump_threshold = math.inf  # the file is read in a thread: no time passes meanwhile
+        outcome = await router.reload()
+        autojump_clock.autojump_threshold = 0
+        assert outcome.reloaded, outcome
+        await trio.sleep(1.0)
+        entries = {e.name: e for e in router.registry.entries()}
+        assert set(entries) == {"p1", "d1", "d2", "d3"}
+        assert (entries["d2"].source, entries["d2"].url) == ("file", "http://127.0.0.1:9202")
+        [invalid] = events(caplog, "discovery_entry_invalid")
+        assert invalid["key"] == "/narwhal/engines/d2"
+    finally:
+        await router.control_pool.aclose()
+        await router.data_plane.data_pool.aclose()  # type: ignore[attr-defined]

@@ -25,6 +25,8 @@ from tests.e2e.waiting import wait_until
 from tests.etcd_server import EtcdServer, start_etcd
 from tests.test_discovery_register import _read_lines
 
+pytestmark = pytest.mark.e2e
+
 P = "/narwhal/engines/"
 TTL_S = 2
 REQUEST = {"model": "mock-model", "prompt": "hello", "max_tokens": 4}
@@ -213,3 +215,28 @@ async def test_an_etcd_outage_drops_no_engine_and_a_change_made_meanwhile_is_app
     assert not world.router.events("engine_vanished")
     assert (await world.discovery())["state"] == "ok"
     assert json.dumps(degraded)  # the answer is JSON all through
+
+
+async def test_a_discovered_name_of_the_file_stops_the_start_in_one_line(tmp_path: Path) -> None:
+    server = await start_etcd(tmp_path / "etcd")
+    try:
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            value = json.dumps({"url": "http://127.0.0.1:9", "role": "decode"}).encode()
+            response = await client.post(f"{server.url}/v3/kv/put", json={"key": b64(P + "d1"),
+                                                                           "value": b64(value)})
+            assert response.status_code == 200
+        config = tmp_path / "narwhal.toml"
+        config.write_text(render_config(
+            [("p1", "http://127.0.0.1:9", "prefill"), ("d1", "http://127.0.0.1:19", "decode")],
+            {"handoff": {"path": str(tmp_path / "h.json")},
+             "discovery": {"backend": "etcd", "endpoints": [server.url]}}))
+        result = await trio.run_process(
+            [sys.executable, "-m", "narwhal", "serve", "--config", str(config), "--listen", "127.0.0.1:0"],
+            capture_stdout=True, capture_stderr=True, check=False)
+        stderr = result.stderr.decode()
+        assert result.returncode == 2, stderr
+        assert "Traceback" not in stderr
+        assert ("narwhal: cannot start: discovery: engine 'd1' is both in the config file's [[engines]] and "
+                "discovered at /narwhal/engines/d1: rename one") in stderr
+    finally:
+        await server.stop()
