@@ -363,3 +363,39 @@ async def test_a_reload_applies_the_file_plus_the_discovered_engines_of_now(
     finally:
         await router.control_pool.aclose()
         await router.data_plane.data_pool.aclose()  # type: ignore[attr-defined]
+
+
+# ----- [discovery] in the config -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("section", "expected"), [
+    ('backend = "etcd"\n', 'discovery.endpoints is required when discovery.backend = "etcd" and [lease] has no'),
+    ('backend = "zk"\n', 'discovery.backend: must be one of "none", "etcd", "kubernetes"'),
+    ('prefix = "/narwhal/engines"\n', "discovery: prefix must start and end with '/'"),
+    ('endpoints = ["etcd:2379"]\n', "discovery: endpoints[0] must be http(s)://HOST:PORT"),
+    ('backend = "kubernetes"\n', "discovery: backend = \"kubernetes\" needs prefill_selector or decode_selector"),
+    ("port = 70000\n", "discovery: port must be 1-65535 or a container port's name"),
+    ('port = "HTTP_port"\n', "discovery: port must be a number or a container port's name"),
+    ('namespace = "Prod"\n', "discovery: namespace must be a Kubernetes namespace name"),
+    ('api_url = "10.0.0.1:6443"\n', "discovery: api_url must be https://HOST[:PORT]"),
+    ('model_label = ""\n', "discovery: model_label must not be empty when set"),
+])
+def test_bad_discovery_keys_are_named(section: str, expected: str) -> None:
+    from narwhal.config import ConfigError
+    with pytest.raises(ConfigError, match=None) as info:
+        parse_config(GOOD + "[discovery]\n" + section, "n.toml")
+    assert expected in str(info.value)
+
+
+def test_discovery_config_defaults_and_the_engines_it_lets_the_file_leave_out() -> None:
+    config = parse_config('[lease]\nbackend = "etcd"\nendpoints = ["http://e:2379"]\n[discovery]\nbackend = "etcd"\n')
+    assert config.engines == [] and config.discovery_endpoints == ["http://e:2379"]
+    assert config.discovery.prefix == "/narwhal/engines/"
+    k8s = parse_config('[discovery]\nbackend = "kubernetes"\ndecode_selector = "app=vllm"\nport = "http"\n')
+    assert (k8s.discovery.port, k8s.discovery.namespace) == ("http", None)
+    # Without discovery every role needs an engine of the file; with it, the store may bring them.
+    prefill_only = '[[engines]]\nname = "p1"\nurl = "http://127.0.0.1:9001"\nrole = "prefill"\n'
+    from narwhal.config import ConfigError
+    with pytest.raises(ConfigError, match="no decode engine configured"):
+        parse_config(prefill_only)
+    assert [e.name for e in parse_config(prefill_only + DISCOVERY).engines] == ["p1"]

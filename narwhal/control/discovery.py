@@ -36,16 +36,26 @@ __all__ = ["DiscoveredEngine", "DiscoveryService", "DiscoveryView", "Watcher", "
 
 
 class Watcher(Protocol):
-    """What the service runs: ``EtcdWatcher`` and the Kubernetes watcher have this shape."""
+    """What the service runs: ``EtcdWatcher`` and the Kubernetes watcher have this shape.
+
+    ``run`` calls ``on_update`` with updates shaped as ``narwhal.discovery.events.Update`` (etcd's
+    ``ViewUpdate``): ``reason`` (listed, events, degraded, recovered), ``engines`` (the whole view),
+    ``change`` and ``status``; ``/admin/discovery`` reads the status's ``revision`` (etcd) or
+    ``resource_version`` (Kubernetes), ``listed``, ``connected``, ``last_event_at``, ``current_at``,
+    ``degraded``, ``degraded_since`` and ``endpoint`` where it has them, and a ``status`` property of
+    the watcher, when there is one, for the current state. An ``aclose()``, when there is one, is
+    awaited once the watch ends.
+    """
 
     async def run(self, on_update: Callable[[Any], None], *,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None: ...
 
-    async def aclose(self) -> None: ...
-
 
 def build_watcher(config: Config) -> Watcher:
-    """The watcher for ``config``'s ``[discovery] backend`` (not "none")."""
+    """The watcher for ``config``'s ``[discovery] backend`` (not "none").
+
+    Kubernetes: ``narwhal.discovery.kubernetes.KubernetesWatcher.from_config(config.discovery)``.
+    """
     discovery = config.discovery
     if discovery.backend == "etcd":
         from narwhal.discovery.etcd_watch import EtcdWatcher
@@ -231,8 +241,10 @@ class DiscoveryService:
             with scope:
                 await watcher.run(functools.partial(self._on_update, scope), task_status=task_status)
         finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-                await watcher.aclose()
+            close = getattr(watcher, "aclose", None)
+            if close is not None:
+                with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                    await close()
 
     async def _follow_role(self) -> None:
         # A standby that takes over applies its view at once (within poll_s): it watched all along.
