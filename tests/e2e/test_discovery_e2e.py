@@ -9,6 +9,7 @@ applied once it can.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -33,8 +34,10 @@ REQUEST = {"model": "mock-model", "prompt": "hello", "max_tokens": 4}
 
 
 class World:
-    def __init__(self, nursery: trio.Nursery, tmp_path: Path, client: httpx.AsyncClient) -> None:
+    def __init__(self, nursery: trio.Nursery, tmp_path: Path, client: httpx.AsyncClient, workers: int = 1) -> None:
         self.nursery = nursery
+        self.workers = workers
+        self.recovery: dict[str, Any] = {"probe_interval_s": 1.0}
         self.tmp_path = tmp_path
         self.client = client
         self.servers: list[EtcdServer] = []
@@ -50,6 +53,7 @@ class World:
         return self.router.url
 
     async def start(self) -> None:
+        """etcd, the proxies, three mock engines (p1, d1, d2) and the router; nothing registered yet."""
         self.servers.append(await start_etcd(self.tmp_path / "etcd"))
         port = int(self.servers[-1].url.rpartition(":")[2])
         self.router_proxy = await CuttableProxy(port).start(self.nursery)
@@ -59,11 +63,11 @@ class World:
             self.processes.append(self.engines[name])
         config = self.tmp_path / "narwhal.toml"
         config.write_text(render_config([], {
-            "serving": {"shutdown_grace_s": 2.0},
+            "serving": {"shutdown_grace_s": 2.0, "workers": self.workers},
             "engine": {"connect_timeout_s": 1.0, "request_timeout_s": 10.0},
             "handoff": {"path": str(self.tmp_path / "handoff.json")},
             "fleet": {"attestation_key": "narwhal-dev-key"},
-            "recovery": {"probe_interval_s": 1.0},
+            "recovery": self.recovery,
             "discovery": {"backend": "etcd", "endpoints": [self.router_proxy.url]},
         }))
         self.router = await start_router(self.nursery, str(config))
@@ -107,10 +111,10 @@ class World:
         return response.json()
 
 
-@pytest.fixture
-async def world(nursery, tmp_path: Path):
+@pytest.fixture(params=[1, 2], ids=["one-process", "two-workers"])
+async def world(nursery, tmp_path: Path, request: pytest.FixtureRequest):
     client = httpx.AsyncClient(timeout=10.0)
-    built = World(nursery, tmp_path, client)
+    built = World(nursery, tmp_path, client, workers=request.param)
     try:
         await built.start()
         yield built
@@ -240,3 +244,48 @@ async def test_a_discovered_name_of_the_file_stops_the_start_in_one_line(tmp_pat
                 "discovered at /narwhal/engines/d1: rename one") in stderr
     finally:
         await server.stop()
+
+
+@pytest.fixture
+async def flap_world(nursery, tmp_path: Path):
+    client = httpx.AsyncClient(timeout=10.0)
+    built = World(nursery, tmp_path, client)
+    # A readmission that lasts less than 10 s is a flap; the first flap backs off 2 s (the recheck period).
+    built.recovery = {"probe_interval_s": 10.0, "recheck_interval_s": 2.0}
+    try:
+        await built.start()
+        yield built
+    finally:
+        with trio.CancelScope(shield=True):
+            for process in reversed(built.processes):
+                await process.stop(grace_s=5.0)
+            await client.aclose()
+            for server in built.servers:
+                await server.stop()
+
+
+async def test_an_engine_that_comes_straight_back_waits_out_its_backoff(flap_world: World) -> None:
+    world = flap_world
+    await world.register("p1")
+    d1 = await world.register("d1")
+    await _serves_within(world, ["p1", "d1"], 2.0)
+    d1.process.send_signal(signal.SIGTERM)  # revokes its lease: the key goes at once
+    with trio.fail_after(5.0):
+        await d1.process.wait()
+
+    async def gone() -> bool:
+        return "d1" not in await world.engines_state()
+
+    await wait_until(gone, 5.0, "d1 removed", poll_s=0.02)
+    await world.register("d1")
+    await wait_until(lambda: world.key_present("d1"), 5.0, "d1's key again", poll_s=0.02)
+    back = trio.current_time()
+
+    async def eligible() -> bool:
+        state = await world.engines_state()
+        return "d1" in state and bool(state["d1"]["eligible"])
+
+    await wait_until(eligible, 10.0, "d1 readmitted after its backoff", poll_s=0.05)
+    took = trio.current_time() - back
+    assert took >= 1.5, f"d1 back in placement {took:.2f} s after it came back: faster than its 2 s backoff"
+    assert world.router is not None and world.router.events("engine_discovered", engine="d1")
