@@ -289,3 +289,75 @@ async def test_an_engine_that_comes_straight_back_waits_out_its_backoff(flap_wor
     took = trio.current_time() - back
     assert took >= 1.5, f"d1 back in placement {took:.2f} s after it came back: faster than its 2 s backoff"
     assert world.router is not None and world.router.events("engine_discovered", engine="d1")
+
+
+async def test_with_a_lease_the_holder_applies_a_standby_watches_and_serves_them_once_it_takes_over(
+        nursery, tmp_path: Path) -> None:
+    client = httpx.AsyncClient(timeout=10.0)
+    world = World(nursery, tmp_path, client)
+    routers: dict[str, LocalProcess] = {}
+    try:
+        world.servers.append(await start_etcd(tmp_path / "etcd"))
+        port = int(world.servers[-1].url.rpartition(":")[2])
+        world.store_proxy = await CuttableProxy(port).start(nursery)
+        for name, role in (("p1", "prefill"), ("d1", "decode")):
+            world.engines[name] = await start_mock_engine(nursery, role, engine_id=name)
+            world.processes.append(world.engines[name])
+        await world.register("p1")
+        await world.register("d1")
+        for router_id in ("ra", "rb"):
+            config = tmp_path / f"{router_id}.toml"
+            (tmp_path / router_id).mkdir()
+            config.write_text(render_config([], {
+                "serving": {"shutdown_grace_s": 2.0},
+                "engine": {"connect_timeout_s": 1.0, "request_timeout_s": 10.0},
+                "controller": {"monitor_interval_s": 0.2, "stage_timeout_s": 1.0},
+                "handoff": {"path": str(tmp_path / router_id / "handoff.json")},
+                "fleet": {"attestation_key": "narwhal-dev-key"},
+                "recovery": {"probe_interval_s": 1.0},
+                "lease": {"backend": "etcd", "router_id": router_id, "endpoints": [world.servers[-1].url],
+                          "key": "/narwhal/test-lease", "ttl_s": 2.0, "renew_interval_s": 0.4,
+                          "fence_margin_s": 0.6},
+                # Discovery on the lease's etcd (the default endpoints).
+                "discovery": {"backend": "etcd"},
+            }))
+            routers[router_id] = await start_router(nursery, str(config))
+            world.processes.append(routers[router_id])
+            if router_id == "ra":
+                world.router = routers["ra"]
+                await _serves_within(world, ["p1", "d1"], 5.0)
+        active, standby = routers["ra"], routers["rb"]
+
+        async def discovery(router: LocalProcess) -> dict[str, Any]:
+            return (await client.get(f"{router.url}/admin/discovery")).json()
+
+        async def standby_sees_both() -> bool:
+            view = await discovery(standby)
+            return sorted(e["name"] for e in view["engines"]) == ["d1", "p1"]
+
+        await wait_until(standby_sees_both, 10.0, "the standby's view")
+        view = await discovery(standby)
+        assert view["acting"] is False and view["state"] == "ok"
+        assert (await discovery(active))["acting"] is True
+        engines = (await client.get(f"{standby.url}/admin/engines")).json()["engines"]
+        assert engines == []  # a standby only watches
+        assert (await client.get(f"{standby.url}/ready")).status_code == 503
+
+        active.kill()
+        world.router = standby
+
+        async def standby_serves() -> bool:
+            response = await client.post(f"{standby.url}/v1/completions", json=REQUEST)
+            return response.status_code == 200
+
+        await wait_until(standby_serves, 15.0, "the standby serving the discovered engines")
+        assert (await discovery(standby))["acting"] is True
+        assert standby.events("lease_acquired", holder="rb")
+        assert not standby.events("standby_engine_set_differs")  # it compared with what it saw discovered
+    finally:
+        with trio.CancelScope(shield=True):
+            for process in reversed(world.processes):
+                await process.stop(grace_s=5.0)
+            await client.aclose()
+            for server in world.servers:
+                await server.stop()
