@@ -36,7 +36,7 @@ class EngineEntry(msgspec.Struct, frozen=True, kw_only=True):
     role: Literal["prefill", "decode"]
     # The model the engine serves (its [[engines]] model, else [fleet] model): its pool.
     model: str
-    # Where the engine came from: the config file; "discovery" is reserved for engines found at run time.
+    # Where the engine came from: the config file, or discovery (narwhal.control.discovery) at run time.
     source: Literal["file", "discovery"] = "file"
 
     def spec(self) -> EngineSpec:
