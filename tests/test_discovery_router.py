@@ -399,3 +399,20 @@ def test_discovery_config_defaults_and_the_engines_it_lets_the_file_leave_out() 
     with pytest.raises(ConfigError, match="no decode engine configured"):
         parse_config(prefill_only)
     assert [e.name for e in parse_config(prefill_only + DISCOVERY).engines] == ["p1"]
+
+
+def test_narwhal_admin_discovery_shows_the_state_and_the_engines() -> None:
+    from narwhal.tools.admin_cli import format_discovery
+    view = {"backend": "etcd", "state": "degraded", "acting": False, "revision": 42, "resource_version": None,
+            "last_event_at": 0.0, "view_age_s": 12.5, "degraded": "etcd watch unreachable",
+            "engines": [{"name": "d9", "role": "decode", "model": "m", "url": "http://10.0.0.9:8000"}],
+            "refused": [{"name": "d1", "problem": "also in the file"}]}
+    assert format_discovery(view) == (
+        "discovery: etcd, degraded (etcd watch unreachable), standby: watching, not applying\n"
+        "revision 42, last event 1970-01-01 00:00:00Z, view confirmed 12.5 s ago\n"
+        "\n"
+        "ENGINE  ROLE    MODEL  URL\n"
+        "d9      decode  m      http://10.0.0.9:8000\n"
+        "\n"
+        "d1: refused: also in the file\n")
+    assert format_discovery({"backend": "none", "state": "off"}) == 'discovery: off ([discovery] backend = "none")\n'
