@@ -282,7 +282,8 @@ class Router:
         # Engines that register themselves ([discovery]): applied with the file's through the engine set.
         self.discovery = DiscoveryService(config=config, file_entries=lambda: entries_from_config(self.config),
                                           apply=self._apply_engine_set, is_active=self._acts,
-                                          on_view=self._discovered_view_changed, problem=self._loops_to_self)
+                                          on_view=self._discovered_view_changed, problem=self._loops_to_self,
+                                          role_changes=self.lease is not None)
         # Every part that reads a reloadable key, in the order a reload hands it the new config.
         self._reconfigurable = self._reconfigurable_parts()
         self.bound_port: int | None = None

@@ -19,7 +19,7 @@ import functools
 import importlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
 import msgspec
@@ -111,8 +111,11 @@ class DiscoveryService:
                  apply: Callable[[list[EngineEntry]], None], is_active: Callable[[], bool],
                  build: Callable[[Config], Watcher] = build_watcher, poll_s: float = 0.2,
                  wall_clock: Callable[[], float] = time.time, on_view: Callable[[], None] = lambda: None,
-                 problem: Callable[[EngineSpec], str | None] = lambda spec: None) -> None:
-        """``problem(spec)``: the router's own reason to refuse a discovered engine (one that is the router)."""
+                 problem: Callable[[EngineSpec], str | None] = lambda spec: None, role_changes: bool = True) -> None:
+        """``problem(spec)``: the router's own reason to refuse a discovered engine (one that is the router).
+
+        ``role_changes``: whether ``is_active`` can change (a lease); only then is it looked at every ``poll_s``.
+        """
         self.config = config
         self._file_entries = file_entries
         self._apply = apply
@@ -122,6 +125,8 @@ class DiscoveryService:
         self._wall_clock = wall_clock
         self._on_view = on_view
         self._problem = problem
+        self._role_changes = role_changes
+        self._following_role = False
         # The store's view as the watcher last reported it, and its status.
         self._view: dict[str, EngineSpec] = {}
         self._status: Any = None
@@ -133,7 +138,6 @@ class DiscoveryService:
         self._starting = True
         self._nursery: trio.Nursery | None = None
         self._watch_scope: trio.CancelScope | None = None
-        self._watching: DiscoveryConfig | None = None
         self._watcher: Watcher | None = None
 
     def __repr__(self) -> str:
@@ -179,9 +183,9 @@ class DiscoveryService:
             # Off: the discovered engines leave with the set the reload applies next.
             self._view = {}
             self._applied = {} if self._applied is not None else None
-            self._watching = None
             return
         self._nursery.start_soon(self._watch, new)
+        self._follow_role_if_needed()
 
     def view(self) -> DiscoveryView:
         """What ``GET /admin/discovery`` shows."""
@@ -225,7 +229,7 @@ class DiscoveryService:
                 else:
                     self._starting = False
                     self._act()
-                    nursery.start_soon(self._follow_role)
+                    self._follow_role_if_needed()
                     task_status.started()
                     await trio.sleep_forever()
             finally:
@@ -236,7 +240,6 @@ class DiscoveryService:
     async def _watch(self, discovery: DiscoveryConfig, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         watcher = self._watcher = self._build(self.config)
         scope = self._watch_scope = trio.CancelScope()
-        self._watching = discovery
         try:
             with scope:
                 await watcher.run(functools.partial(self._on_update, scope), task_status=task_status)
@@ -246,11 +249,20 @@ class DiscoveryService:
                 with trio.CancelScope(shield=True), trio.move_on_after(1.0):
                     await close()
 
+    def _follow_role_if_needed(self) -> None:
+        if self._role_changes and self.enabled and not self._following_role and self._nursery is not None:
+            self._following_role = True
+            self._nursery.start_soon(self._follow_role)
+
     async def _follow_role(self) -> None:
         # A standby that takes over applies its view at once (within poll_s): it watched all along.
-        while True:
-            await trio.sleep(self.poll_s)
-            self._act()
+        # Only with a lease and discovery on: a router without either has no role change to wait for.
+        try:
+            while self.enabled:
+                await trio.sleep(self.poll_s)
+                self._act()
+        finally:
+            self._following_role = False
 
     def _on_update(self, scope: trio.CancelScope, update: Update) -> None:
         if scope is not self._watch_scope:
@@ -290,9 +302,4 @@ class DiscoveryService:
                           key=_key_of(self.config.discovery, problem.name), problem=problem.problem)
         self._reported = now
         return entries
-
-    @property
-    def discovered(self) -> Mapping[str, EngineSpec]:
-        """The store's view as last reported."""
-        return self._view
 
