@@ -416,3 +416,25 @@ def test_narwhal_admin_discovery_shows_the_state_and_the_engines() -> None:
         "\n"
         "d1: refused: also in the file\n")
     assert format_discovery({"backend": "none", "state": "off"}) == 'discovery: off ([discovery] backend = "none")\n'
+
+
+async def test_a_reload_to_a_watcher_this_build_cannot_make_keeps_the_engines_and_says_why(
+        nursery, autojump_clock, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="narwhal.events")
+    world = World(GOOD + DISCOVERY)
+
+    def build(config):
+        if config.discovery.backend == "kubernetes":
+            raise StartupError("discovery.backend = \"kubernetes\": the Kubernetes watcher is not in this build")
+        return world.watcher
+
+    world.service._build = build
+    await world.watcher.send.send(update("listed", {"d2": spec("d2", 9102)}))
+    await nursery.start(world.service.run)
+    world.config = parse_config(GOOD + '[discovery]\nbackend = "kubernetes"\ndecode_selector = "app=vllm"\n')
+    world.service.configure(RunningConfig(config=world.config, attestation_key=None))
+    await trio.sleep(1.0)
+    assert [e.name for e in world.service.apply_entries()] == ["p1", "d1", "d2"]  # what was discovered stays
+    view = world.service.view()
+    assert view.state == "degraded" and "not in this build" in (view.degraded or "")
+    assert "not in this build" in events(caplog, "discovery_degraded")[-1]["error"]

@@ -26,6 +26,7 @@ import msgspec
 import trio
 
 from narwhal.config import Config, DiscoveryConfig, EngineSpec, RunningConfig
+from narwhal.discovery.etcd_watch import WatchStatus
 from narwhal.discovery.events import Update, log_update
 from narwhal.discovery.union import Refused, union_entries
 from narwhal.errors import StartupError
@@ -238,7 +239,16 @@ class DiscoveryService:
             raise StartupError(problem)
 
     async def _watch(self, discovery: DiscoveryConfig, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        watcher = self._watcher = self._build(self.config)
+        try:
+            watcher = self._watcher = self._build(self.config)
+        except StartupError as exc:
+            if self._starting:
+                raise
+            # A reload asked for a watcher this build cannot make: the engines discovered so far stay.
+            self._status = WatchStatus(degraded=str(exc), degraded_since=self._wall_clock())
+            log_event("discovery_degraded", level=logging.WARNING, source=discovery.backend, error=str(exc))
+            task_status.started()
+            return
         scope = self._watch_scope = trio.CancelScope()
         try:
             with scope:
