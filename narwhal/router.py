@@ -269,7 +269,8 @@ class Router:
                                admission=self.admission, metrics=self.metrics)
         self.engine_view = EngineViewer(config=config, fleet=self.fleet, in_flight=self.in_flight,
                                         readmitter=self.readmitter, controller=self.controller, monitor=self.monitor,
-                                        prefix_index=self.prefix_index.index, specs=self.registry.specs)
+                                        prefix_index=self.prefix_index.index, specs=self.registry.specs,
+                                        source_of=self.registry.source_of)
         # The cards' `created` is this router's start: stable while it runs.
         self.model_view = ModelViewer(config=config, fleet=self.fleet, lengths=self.model_lengths,
                                       created=int(time.time()),

@@ -119,6 +119,11 @@ class EngineRegistry:
         """Every engine tracked, leaving ones included."""
         return list(self._entries.values())
 
+    def source_of(self, name: str) -> str:
+        """Where engine ``name`` came from ("file" or "discovery"); "file" for one not tracked."""
+        entry = self._entries.get(name)
+        return entry.source if entry is not None else "file"
+
     def serving(self) -> list[EngineEntry]:
         """The engines tracked and not leaving: what this router serves and keeps serving."""
         return [entry for name, entry in self._entries.items() if name not in self._leaving]

@@ -159,6 +159,8 @@ async def test_registered_engines_serve_within_2_s_and_a_killed_registrar_takes_
     d1 = await world.register("d1")
     await _serves_within(world, ["p1", "d1"], 2.0)
     assert await _ready(world)
+    assert {name: e["source"] for name, e in (await world.engines_state()).items()} == {"p1": "discovery",
+                                                                                       "d1": "discovery"}
     view = await world.discovery()
     assert sorted(e["name"] for e in view["engines"]) == ["d1", "p1"] and view["revision"] > 0
     assert view["last_event_at"] is not None and view["view_age_s"] is not None
