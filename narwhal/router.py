@@ -274,7 +274,8 @@ class Router:
         # The cards' `created` is this router's start: stable while it runs.
         self.model_view = ModelViewer(config=config, fleet=self.fleet, lengths=self.model_lengths,
                                       created=int(time.time()),
-                                      refusal=lambda: self.admission.refusal(trio.current_time()))
+                                      refusal=lambda: self.admission.refusal(trio.current_time()),
+                                      specs=self.registry.spec_list)
         register_admin_routes(self.app, self)
         # The [admin] listen server while it runs.
         self.admin_server: HTTPServer | None = None

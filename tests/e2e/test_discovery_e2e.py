@@ -155,12 +155,15 @@ async def test_registered_engines_serve_within_2_s_and_a_killed_registrar_takes_
     assert (await world.client.get(f"{world.url}/ready")).status_code == 503  # no engine yet
     view = await world.discovery()
     assert view["backend"] == "etcd" and view["state"] == "ok" and view["engines"] == []
+    assert (await world.client.get(f"{world.url}/v1/models")).json()["data"] == []
     await world.register("p1")
     d1 = await world.register("d1")
     await _serves_within(world, ["p1", "d1"], 2.0)
     assert await _ready(world)
     assert {name: e["source"] for name, e in (await world.engines_state()).items()} == {"p1": "discovery",
                                                                                        "d1": "discovery"}
+    models = (await world.client.get(f"{world.url}/v1/models")).json()["data"]
+    assert [card["id"] for card in models] == ["mock-model"]  # the discovered engines' model is served
     view = await world.discovery()
     assert sorted(e["name"] for e in view["engines"]) == ["d1", "p1"] and view["revision"] > 0
     assert view["last_event_at"] is not None and view["view_age_s"] is not None
