@@ -31,6 +31,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "ControllerConfig",
+    "DiscoveryConfig",
     "EngineConfig",
     "ENGINE_TIMEOUT_KEYS",
     "EngineSpec",
@@ -431,6 +432,63 @@ class LeaseConfig(_Section, frozen=True):
             raise ValueError(f"key must start with '/', got {self.key!r}")
 
 
+# A Kubernetes port name (IANA_SVC_NAME): at most 15 lowercase letters, digits and '-', with a letter.
+_PORT_NAME = re.compile(r"^(?=.*[a-z])[a-z0-9]([a-z0-9-]{0,13}[a-z0-9])?$")
+
+
+class DiscoveryConfig(_Section, frozen=True):
+    """Engines that register themselves: in etcd, or as Kubernetes pods (``narwhal.control.discovery``)."""
+
+    backend: Literal["none", "etcd", "kubernetes"] = "none"
+    # etcd: client URLs (default: [lease] endpoints) and the key prefix engines register under.
+    endpoints: list[str] = []
+    prefix: str = "/narwhal/engines/"
+    # kubernetes: the pods the selectors select in namespace (default: the service account's).
+    namespace: str | None = None
+    prefill_selector: str | None = None
+    decode_selector: str | None = None
+    # The engine's port on the pod: a number, or the name of a container port.
+    port: int | str = 8000
+    # A pod label naming the pod's model (default: [fleet] model).
+    model_label: str | None = None
+    # The API server (default: in-cluster, KUBERNETES_SERVICE_HOST/PORT) and its credentials.
+    api_url: str | None = None
+    token_file: str | None = None
+    ca_file: str | None = None
+
+    def __post_init__(self) -> None:
+        for i, endpoint in enumerate(self.endpoints):
+            parts = urllib.parse.urlsplit(endpoint)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"endpoints[{i}] must be http(s)://HOST:PORT, got {endpoint!r}")
+        if not self.prefix.startswith("/") or not self.prefix.endswith("/") or len(self.prefix) < 2:
+            raise ValueError(f"prefix must start and end with '/' (engines register as <prefix><name>), "
+                             f"got {self.prefix!r}")
+        for name in ("namespace", "prefill_selector", "decode_selector", "model_label", "token_file", "ca_file"):
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                raise ValueError(f"{name} must not be empty when set")
+        if self.namespace is not None and not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", self.namespace):
+            raise ValueError(f"namespace must be a Kubernetes namespace name (lowercase letters, digits, '-'), "
+                             f"got {self.namespace!r}")
+        if isinstance(self.port, bool) or (isinstance(self.port, int) and not 1 <= self.port <= 65535):
+            raise ValueError(f"port must be 1-65535 or a container port's name, got {self.port!r}")
+        if isinstance(self.port, str) and not _PORT_NAME.match(self.port):
+            raise ValueError(f"port must be a number or a container port's name (at most 15 lowercase letters, "
+                             f"digits and '-'), got {self.port!r}")
+        if self.api_url is not None:
+            parts = urllib.parse.urlsplit(self.api_url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"api_url must be https://HOST[:PORT] (or http:// for kubectl proxy), "
+                                 f"got {self.api_url!r}")
+        if self.backend == "kubernetes" and self.prefill_selector is None and self.decode_selector is None:
+            raise ValueError("backend = \"kubernetes\" needs prefill_selector or decode_selector (or both)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend != "none"
+
+
 class PlacementConfig(_Section, frozen=True):
     # cache_aware: prefill on the engine that holds the prompt's prefix, within the balance bound;
     # least_outstanding: the engine with the fewest requests in flight. Decode is least outstanding either way.
@@ -554,6 +612,7 @@ class Config(_Section, frozen=True):
     lease: LeaseConfig = LeaseConfig()
     admin: AdminConfig = AdminConfig()
     placement: PlacementConfig = PlacementConfig()
+    discovery: DiscoveryConfig = DiscoveryConfig()
     engines: list[EngineSpec] = []
 
     def __post_init__(self) -> None:
@@ -578,6 +637,14 @@ class Config(_Section, frozen=True):
             raise ValueError("lease.path is required when lease.backend = \"file\"")
         if self.lease.backend == "etcd" and not self.lease.endpoints:
             raise ValueError("lease.endpoints is required when lease.backend = \"etcd\"")
+        if self.discovery.backend == "etcd" and not self.discovery_endpoints:
+            raise ValueError("discovery.endpoints is required when discovery.backend = \"etcd\" and [lease] has "
+                             "no endpoints")
+
+    @property
+    def discovery_endpoints(self) -> list[str]:
+        """etcd's client URLs for discovery: ``[discovery] endpoints``, else ``[lease] endpoints``."""
+        return self.discovery.endpoints or self.lease.endpoints
 
     def model_of(self, engine: EngineSpec) -> str:
         """The model ``engine`` serves: its own ``model``, else ``[fleet] model``."""
@@ -643,7 +710,8 @@ def _check_models(config: Config) -> None:
     single = len(roles) <= 1 and not fleet.models and all(engine.model is None for engine in config.engines)
     for name, present in roles.items():
         for role in ("prefill", "decode"):
-            if role not in present:
+            # With discovery on, engines may come from the store alone: /ready says 503 until they do.
+            if role not in present and not config.discovery.enabled:
                 if single:
                     raise ValueError(f"no {role} engine configured (need at least one [[engines]] with "
                                      f"role = \"{role}\")")

@@ -51,6 +51,8 @@ RELOADABLE_KEYS: frozenset[str] = frozenset({
     "placement",
     # Read on every admin request, as admin.token is.
     "admin.allowed_hosts",
+    # Discovered engines join [[engines]]: the watch restarts on a changed section, the union is applied again.
+    "discovery",
 })
 
 

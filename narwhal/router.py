@@ -50,6 +50,7 @@ from narwhal.config import (
     parse_listen,
 )
 from narwhal.config_diff import diff_configs, merge_reloadable
+from narwhal.control.discovery import DiscoveryService, DiscoveryView
 from narwhal.control.engine_set import (
     EngineSet,
     EngineSetListener,
@@ -71,11 +72,11 @@ from narwhal.errors import StartupError
 from narwhal.fleet import Fleet, FleetEvent, FleetEventKind, HoldKind
 from narwhal.fleet.admission import Admission
 from narwhal.fleet.placement import SharedIndex
-from narwhal.fleet.registry import EngineRegistry, entries_from_config
+from narwhal.fleet.registry import EngineEntry, EngineRegistry, entries_from_config
 from narwhal.fleet.telemetry import Telemetry
 from narwhal.http1.asgi import ASGILifespan, call_asgi
 from narwhal.http1.server import HTTPServer
-from narwhal.lease import EtcdLeaseBackend, build_backend
+from narwhal.lease import EtcdLeaseBackend, Role, build_backend
 from narwhal.lease.backend import LeaseBackend
 from narwhal.lease.service import LeaseService, LeaseView, ServingParts
 from narwhal.obs.logs import flush_logs, log_event, run_log_flusher
@@ -268,16 +269,23 @@ class Router:
                                admission=self.admission, metrics=self.metrics)
         self.engine_view = EngineViewer(config=config, fleet=self.fleet, in_flight=self.in_flight,
                                         readmitter=self.readmitter, controller=self.controller, monitor=self.monitor,
-                                        prefix_index=self.prefix_index.index, specs=self.registry.specs)
+                                        prefix_index=self.prefix_index.index, specs=self.registry.specs,
+                                        source_of=self.registry.source_of)
         # The cards' `created` is this router's start: stable while it runs.
         self.model_view = ModelViewer(config=config, fleet=self.fleet, lengths=self.model_lengths,
                                       created=int(time.time()),
-                                      refusal=lambda: self.admission.refusal(trio.current_time()))
+                                      refusal=lambda: self.admission.refusal(trio.current_time()),
+                                      specs=self.registry.spec_list)
         register_admin_routes(self.app, self)
         # The [admin] listen server while it runs.
         self.admin_server: HTTPServer | None = None
         register_ui_routes(self.app, self)
         self.engine_set = EngineSet(self.registry, self._engine_tables(), in_flight=self.in_flight)
+        # Engines that register themselves ([discovery]): applied with the file's through the engine set.
+        self.discovery = DiscoveryService(config=config, file_entries=lambda: entries_from_config(self.config),
+                                          apply=self._apply_engine_set, is_active=self._acts,
+                                          on_view=self._discovered_view_changed, problem=self._loops_to_self,
+                                          role_changes=self.lease is not None)
         # Every part that reads a reloadable key, in the order a reload hands it the new config.
         self._reconfigurable = self._reconfigurable_parts()
         self.bound_port: int | None = None
@@ -309,7 +317,7 @@ class Router:
         parts += [self.stages.health, self.fleet, self.readmitter, self.supervisor, self.engine_view, self.model_view]
         if self.lease is not None:
             parts.append(self.lease)
-        parts += [self.monitor, self.controller, self.telemetry]
+        parts += [self.monitor, self.controller, self.telemetry, self.discovery]
         return tuple(parts)
 
     def _build_data_plane(self, config_dir: Path | None) -> DataPlane:
@@ -350,7 +358,7 @@ class Router:
         return LeaseService(config=self.config, router_id=self.router_id, backend=backend, metrics=self.metrics,
                             serving=ServingParts(admission=self.admission, persistence=self.persistence,
                                                  fleet=self.fleet, own_readiness=self.own_readiness),
-                            advertise_url=self._advertise_url)
+                            advertise_url=self._advertise_url, engines=self._followed_engines)
 
     # -- what parts built earlier ask of parts built later -----------------------------
 
@@ -365,6 +373,31 @@ class Router:
         if lease is None or record is None or not lease.valid_threadsafe():
             return False
         return await etcd.write_handoff(data, record)
+
+    def _acts(self) -> bool:
+        """Whether this router acts on what it sees (discovery): always without a lease, else while it holds it."""
+        return self.lease is None or self.lease.role is Role.ACTIVE
+
+    def _apply_engine_set(self, entries: list[EngineEntry]) -> None:
+        """The engine set discovery asks for, applied as a reload applies it (a reload recomputes the same union)."""
+        self.engine_set.apply(entries)
+
+    def _loops_to_self(self, spec: EngineSpec) -> str | None:
+        """A discovered engine whose url is this router's serving address (the file's engines are refused so)."""
+        host, port = parse_listen(self.listen)
+        serving = (host, self.bound_port if self.bound_port is not None else port)
+        if _same_address(serving, (spec.host, spec.port)):
+            return f"{spec.url} is this router's own serving address: requests would loop back into the router"
+        return None
+
+    def _followed_engines(self) -> list[EngineSpec]:
+        """What a standby compares the holder's handoff with: the file's engines plus those it sees discovered."""
+        return [entry.spec() for entry in self.discovery.watched_entries()]
+
+    def _discovered_view_changed(self) -> None:
+        # A standby's engine set to compare with moved: the handoff it skipped may match now.
+        if self.lease is not None:
+            self.lease.follower.engines_changed()
 
     def _admit_until(self) -> float | None:
         """The lease-derived admission deadline (control clock) worker processes check on their own clocks."""
@@ -393,6 +426,10 @@ class Router:
     def own_readiness(self) -> str | None:
         """Readiness apart from the lease: what a takeover decision weighs (monitor, capacity)."""
         return self.admission.held_by("monitor") or self.supervisor.capacity_problem()
+
+    def discovery_view(self) -> DiscoveryView:
+        """What /admin/discovery shows: the backend, the watch's state and the discovered engines."""
+        return self.discovery.view()
 
     def lease_view(self) -> LeaseView:
         """What /admin/lease shows: the lease record and this router's role."""
@@ -520,6 +557,8 @@ class Router:
                     # (With a lease the handoff is the pair's: a standby follows it, drains included.)
                     self._warn_if_drains_dropped()
                 await nursery.start(self.readmitter.run)
+                # The first list of the store is in (or failed) before serving; a name clash stops the start.
+                await nursery.start(self.discovery.run)
                 # Before serving: an engine that answers for another model never gets a request.
                 await self.readmitter.first_identity_read()
                 await nursery.start(self.monitor.run)
@@ -640,7 +679,7 @@ class Router:
             changes = diff_configs(self.config, new)
             self._apply_config(merge_reloadable(self.config, new), key)
             # The new engine set (an engine that moved to another model: a removal and an addition), applied.
-            self.engine_set.apply(entries_from_config(self.config))
+            self.engine_set.apply(self.discovery.apply_entries())
             await self.control_pool.set_timeouts(self.config.engine)
             # The data plane (each worker's) takes placement, the engine timeouts and the engine set now.
             self.hub.publish()

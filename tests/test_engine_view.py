@@ -161,7 +161,7 @@ def test_the_json_keeps_the_documented_keys() -> None:
                         "evidence", "liveness_misses", "in_flight", "next_probe_at", "counters", "drained",
                         "maintenance_started_at", "readmission_running", "last_readmission",
                         "health_answered_at", "readmission_backoff_s", "next_readmission_at", "prefix_index",
-                        "removing", "model"]
+                        "removing", "model", "source"]
     assert d1["evidence"] == {str(c): 0 for c in FailureClass}
     assert d1["last_readmission"]["check"] == "identity"
 

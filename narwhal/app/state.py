@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from narwhal.config import Config
+from narwhal.control.discovery import DiscoveryView
 from narwhal.control.engine_view import EngineEntry, EnginesView
 from narwhal.control.model_view import ModelCard, ModelList, ModelsView
 from narwhal.control.readmission import ReadmissionResult
@@ -80,4 +81,8 @@ class AppState(Protocol):
 
     def lease_view(self) -> LeaseView:
         """``/admin/lease``: the lease record and this router's role."""
+        ...
+
+    def discovery_view(self) -> DiscoveryView:
+        """``/admin/discovery``: the backend, the watch's state and the discovered engines."""
         ...

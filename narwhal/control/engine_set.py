@@ -164,27 +164,32 @@ class FleetFollower(EngineSetListener):
         self._clock = clock
 
     def on_added(self, entry: EngineEntry) -> None:
+        how = "discovered" if entry.source == "discovery" else "added by a config reload"
         self._fleet.add_engine(entry.name, entry.role, self._clock(),
-                               "added by a config reload: enters placement once the readmission checks pass",
-                               entry.model)
+                               f"{how}: enters placement once the readmission checks pass", entry.model)
 
     def on_removing(self, entry: EngineEntry) -> None:
         self._fleet.start_removal(entry.name, self._clock(),
-                                  f"removed from the config: no new requests; leaves once its "
+                                  f"{_gone(entry)}: no new requests; leaves once its "
                                   f"{self._in_flight[entry.name]} request(s) in flight finish "
                                   f"(cut after {self._grace_s:g} s)")
 
     def on_removal_cancelled(self, entry: EngineEntry) -> None:
         self._fleet.cancel_removal(entry.name, self._clock(),
-                                   "put back into the config unchanged before it left: its removal is called off")
+                                   ("registered again" if entry.source == "discovery" else "put back into the config")
+                                   + " unchanged before it left: its removal is called off")
 
     def on_removed(self, entry: EngineEntry) -> None:
         left = self._in_flight[entry.name]
-        reason = ("removed from the config; its requests finished" if not left else
-                  f"removed from the config; {left} request(s) still in flight after serving.shutdown_grace_s "
+        reason = (f"{_gone(entry)}; its requests finished" if not left else
+                  f"{_gone(entry)}; {left} request(s) still in flight after serving.shutdown_grace_s "
                   "are cut (their clients get an error, or the stream continues on another engine; "
                   "never evidence)")
         self._fleet.remove_engine(entry.name, self._clock(), reason)
+
+
+def _gone(entry: EngineEntry) -> str:
+    return "gone from discovery" if entry.source == "discovery" else "removed from the config"
 
 
 class _Readmitter(Protocol):

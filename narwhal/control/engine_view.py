@@ -96,6 +96,8 @@ class EngineEntry(msgspec.Struct, frozen=True, kw_only=True):
     removing: bool = False
     # The model it serves ([[engines]] model, else [fleet] model).
     model: str = ""
+    # Where it came from: the config file ("file") or discovery ("discovery", [discovery]).
+    source: str = "file"
 
 
 class MonitorEntry(msgspec.Struct, frozen=True, kw_only=True):
@@ -141,7 +143,8 @@ class EngineViewer:
 
     def __init__(self, *, config: Config, fleet: _FleetViews, in_flight: InFlightCounts, readmitter: _Readmitter,
                  controller: _Controller, monitor: _Monitor, clock: Callable[[], float] = trio.current_time,
-                 prefix_index: _PrefixIndex | None = None, specs: Mapping[str, EngineSpec] | None = None) -> None:
+                 prefix_index: _PrefixIndex | None = None, specs: Mapping[str, EngineSpec] | None = None,
+                 source_of: Callable[[str], str] = lambda name: "file") -> None:
         self.config = config
         self.prefix_index = prefix_index
         self.fleet = fleet
@@ -153,6 +156,7 @@ class EngineViewer:
         # Engine addresses by name, including one a reload is removing (no longer in the config);
         # None: read from the config.
         self.specs = specs
+        self.source_of = source_of
 
     def configure(self, running: RunningConfig) -> None:
         """A reload: engines outside the registry's addresses are read from the new config."""
@@ -204,6 +208,7 @@ class EngineViewer:
             prefix_index=self._prefix_entry(view),
             removing=view.removing,
             model=view.model,
+            source=self.source_of(view.name),
         )
 
     def _prefix_entry(self, view: EngineView) -> PrefixIndexEntry | None:

@@ -8,13 +8,13 @@ returns as is. It reads and never changes anything.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Literal, Protocol
 
 import msgspec
 import trio
 
-from narwhal.config import Config, RunningConfig
+from narwhal.config import Config, EngineSpec, RunningConfig
 from narwhal.control.model_lengths import ModelLengths
 from narwhal.fleet import EngineView
 from narwhal.model_ready import ReadyAnswer, ready_answer
@@ -90,10 +90,15 @@ class ModelViewer:
 
     def __init__(self, *, config: Config, fleet: _Fleet, lengths: ModelLengths, created: int,
                  refusal: Callable[[], str | None] = lambda: None,
-                 clock: Callable[[], float] = trio.current_time) -> None:
+                 clock: Callable[[], float] = trio.current_time,
+                 specs: Callable[[], Iterable[EngineSpec]] | None = None) -> None:
         """``created`` is the cards' ``created`` (unix seconds, the router's start); ``refusal`` the admission
-        gate's reason (closed for every model), None while open."""
-        self.served = ServedModels.of(config)
+        gate's reason (closed for every model), None while open. ``specs()``: the engine set when it is not
+        the config's alone (discovered engines bring their models): the models are read from it at each use."""
+        self.config = config
+        self._specs = specs
+        self._served = ServedModels.of(config)
+        self._served_key: tuple[tuple[str, str | None], ...] | None = None
         self.fleet = fleet
         self.lengths = lengths
         self.created = created
@@ -102,7 +107,22 @@ class ModelViewer:
 
     def configure(self, running: RunningConfig) -> None:
         """A reload: the models, aliases and generations of the new config."""
-        self.served = ServedModels.of(running.config)
+        self.config = running.config
+        self._served = ServedModels.of(running.config)
+        self._served_key = None
+
+    @property
+    def served(self) -> ServedModels:
+        """The models served: the config's, or those of the engine set ``specs()`` (rebuilt when it changes)."""
+        if self._specs is None:
+            return self._served
+        specs = list(self._specs())
+        key = tuple((spec.name, spec.model) for spec in specs)
+        if key != self._served_key:
+            config = self.config
+            self._served = ServedModels(specs, config.fleet, config.serving)
+            self._served_key = key
+        return self._served
 
     def _engines(self, now: float) -> dict[str, list[EngineView]]:
         by_model: dict[str, list[EngineView]] = {}

@@ -36,7 +36,7 @@ class EngineEntry(msgspec.Struct, frozen=True, kw_only=True):
     role: Literal["prefill", "decode"]
     # The model the engine serves (its [[engines]] model, else [fleet] model): its pool.
     model: str
-    # Where the engine came from: the config file; "discovery" is reserved for engines found at run time.
+    # Where the engine came from: the config file, or discovery (narwhal.control.discovery) at run time.
     source: Literal["file", "discovery"] = "file"
 
     def spec(self) -> EngineSpec:
@@ -118,6 +118,11 @@ class EngineRegistry:
     def entries(self) -> list[EngineEntry]:
         """Every engine tracked, leaving ones included."""
         return list(self._entries.values())
+
+    def source_of(self, name: str) -> str:
+        """Where engine ``name`` came from ("file" or "discovery"); "file" for one not tracked."""
+        entry = self._entries.get(name)
+        return entry.source if entry is not None else "file"
 
     def serving(self) -> list[EngineEntry]:
         """The engines tracked and not leaving: what this router serves and keeps serving."""

@@ -18,7 +18,9 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
-from narwhal.config import Config
+import msgspec
+
+from narwhal.config import Config, EngineSpec
 from narwhal.fleet import EngineRecord
 from narwhal.obs.logs import log_event
 from narwhal.state.handoff import HandoffError, decode_document
@@ -31,14 +33,19 @@ class Restorable(Protocol):
     """The fleet's writer, as far as following a handoff needs it."""
 
     def restore(self, records: Sequence[EngineRecord], now: float, wall_now: float) -> None: ...
+    def __contains__(self, name: object) -> bool: ...
 
 
 class HandoffFollower:
     """Applies the followed term's handoff documents to this router's fleet."""
 
     def __init__(self, *, config: Config, fleet: Restorable, router_id: str, where: str,
-                 clock: Callable[[], float], wall_clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], wall_clock: Callable[[], float],
+                 engines: Callable[[], Sequence[EngineSpec]] | None = None) -> None:
+        """``engines()``: the engine set a document is compared with (default: the config's engines;
+        with discovery, the file's engines plus those this router sees discovered)."""
         self.config = config
+        self._engines = engines
         self.router_id = router_id
         self.fleet = fleet
         self.where = where
@@ -61,6 +68,13 @@ class HandoffFollower:
         """A config reload: plan the next documents, and the last one again, against ``config``'s engines."""
         self.config = config
         self._last_seen = None
+
+    def engines_changed(self) -> None:
+        """The engine set to compare with changed (discovery): plan the last document again."""
+        self._last_seen = None
+
+    def _engine_set(self) -> Sequence[EngineSpec]:
+        return self.config.engines if self._engines is None else self._engines()
 
     def follow(self, holder: str, epoch: int) -> None:
         """The lease record names ``holder`` in ``epoch``: follow that term's documents from now on."""
@@ -99,7 +113,8 @@ class HandoffFollower:
                       reason=f"written in the term of {written_by[0]} epoch {written_by[1]}; "
                              f"the lease record names {followed}")
             return
-        difference = engine_set_difference(document.engine_set, self.config.engines, self.config.fleet.model)
+        engines = self._engine_set()
+        difference = engine_set_difference(document.engine_set, engines, self.config.fleet.model)
         if difference != self.engine_set_differs and difference is not None:
             # Said once per difference: the operator edits one file or the other until they match.
             log_event("standby_engine_set_differs", level=logging.WARNING, holder=written_by[0],
@@ -107,10 +122,15 @@ class HandoffFollower:
                       reason=f"this router's engine set differs from the active router's handoff: {difference}; "
                              "edit this router's config to match and send it SIGHUP")
         self.engine_set_differs = difference
-        plan = plan_document(document, self.config, self.where)
+        plan = plan_document(document, self.config, self.where, engines)
         if not plan.applied:
             log_event("handoff_not_applied", level=logging.WARNING, **plan.event_fields())
             return
+        if self._engines is not None and plan.document is not None:
+            # With discovery a standby's fleet holds the file's engines only (it adds the discovered ones
+            # when it takes over): the holder's records of the others have no engine here to restore.
+            records = [record for record in plan.document.engines if record.name in self.fleet]
+            plan = msgspec.structs.replace(plan, document=msgspec.structs.replace(plan.document, engines=records))
         apply_resume(plan, self.fleet, self.clock(), self.wall_clock())
         self._last_applied = True
         self.applied_epoch = document.lease.epoch

@@ -17,14 +17,14 @@ clock for every process on the host).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
 import msgspec
 import trio
 
-from narwhal.config import Config, RunningConfig
+from narwhal.config import Config, EngineSpec, RunningConfig
 from narwhal.lease.backend import LeaseBackend
 from narwhal.lease.context import LeaseClocks, LeaseContext, ServingParts
 from narwhal.lease.fence import Fence
@@ -72,7 +72,8 @@ class LeaseService:
 
     def __init__(self, *, config: Config, router_id: str, backend: LeaseBackend, serving: ServingParts,
                  metrics: RouterMetrics, http: httpx.AsyncClient | None = None,
-                 clocks: LeaseClocks | None = None, advertise_url: Callable[[], str] | None = None) -> None:
+                 clocks: LeaseClocks | None = None, advertise_url: Callable[[], str] | None = None,
+                 engines: Callable[[], Sequence[EngineSpec]] | None = None) -> None:
         """``advertise_url()``: where this router's /ready is when ``lease.advertise_url`` is not
         set, asked at each use (the serving port is bound before the lease runs)."""
         clocks = clocks or LeaseClocks()
@@ -83,7 +84,7 @@ class LeaseService:
         self._http = http or httpx.AsyncClient(timeout=min(lease.renew_interval_s, 2.0))
         self.follower = HandoffFollower(config=config, fleet=serving.fleet, router_id=router_id,
                                         where=f"{backend.name} handoff",
-                                        clock=clocks.clock, wall_clock=clocks.wall_clock)
+                                        clock=clocks.clock, wall_clock=clocks.wall_clock, engines=engines)
         self.watcher = HolderWatcher(router_id=router_id, threshold=lease.takeover_ready_failures,
                                      http=self._http, timeout_s=lambda: ctx.call_timeout_s,
                                      fit=ctx.fit_to_serve, wall_clock=clocks.wall_clock)

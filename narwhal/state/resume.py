@@ -125,19 +125,23 @@ def plan_resume(path: str | os.PathLike[str], config: Config) -> ResumePlan:
     return plan_document(document, config, where)
 
 
-def plan_document(document: HandoffDocument, config: Config, where: str) -> ResumePlan:
+def plan_document(document: HandoffDocument, config: Config, where: str,
+                  engines: Sequence[EngineSpec] | None = None) -> ResumePlan:
     """Decide whether an already decoded handoff (from ``where``) may be applied to ``config``'s fleet.
 
     A warm standby uses this for every document it follows, as resume does for the file.
+    ``engines``: the engine set to compare with (default ``config.engines``; with discovery, the
+    file's engines plus those discovered).
     """
-    difference = engine_set_difference(document.engine_set, config.engines, config.fleet.model)
+    engines = config.engines if engines is None else engines
+    difference = engine_set_difference(document.engine_set, engines, config.fleet.model)
     if difference is not None:
         return _not_applied(where, f"engine set differs: {difference}")
     problem = _records_problem(document)
     if problem is not None:
         return _not_applied(where, f"unreadable: {problem}")
     # A record's own model (its engine set entry may name none) must be the configured one too.
-    configured = {spec.name: config.model_of(spec) for spec in config.engines}
+    configured = {spec.name: config.model_of(spec) for spec in engines}
     moved = sorted(record.name for record in document.engines
                    if record.model and record.model != configured.get(record.name, record.model))
     if moved:

@@ -30,7 +30,7 @@ from narwhal.config import admin_token_problem
 from narwhal.errors import NarwhalError
 from narwhal.tools.cli_args import http_url
 
-__all__ = ["add_parser", "format_engines", "format_models", "format_reload", "run_admin"]
+__all__ = ["add_parser", "format_discovery", "format_engines", "format_models", "format_reload", "run_admin"]
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 TOKEN_ENV = "NARWHAL_ADMIN_TOKEN"
@@ -72,6 +72,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     models = actions.add_parser("models", help="show every served model: aliases, max_model_len, whether it "
                                                "can serve, its engines")
     _add_connection_options(models, defaults=False)
+    discovery = actions.add_parser("discovery", help="show discovery: backend, state, revision, last event, age "
+                                                     "of the view, the discovered engines")
+    _add_connection_options(discovery, defaults=False)
     reload = actions.add_parser("reload", help="read the config file again (as SIGHUP does) and show what changed",
                                 description="Read the router's config file again, as SIGHUP does, and show "
                                             "what changed and which changes need a restart.")
@@ -110,6 +113,8 @@ def run_admin(args: argparse.Namespace, *, transport: httpx.BaseTransport | None
                           transport=transport, trust_env=False, verify=verify) as client:
             if args.action == "engines":
                 out.write(format_engines(_call(client, "GET", "/admin/engines")["engines"]))
+            elif args.action == "discovery":
+                out.write(format_discovery(_call(client, "GET", "/admin/discovery")))
             elif args.action == "models":
                 out.write(format_models(_call(client, "GET", "/admin/models")["models"]))
             elif args.action == "reload":
@@ -259,6 +264,29 @@ def format_engines(engines: list[dict[str, Any]]) -> str:
             notes.append(f"{engine['name']}: last readmission {_describe_readmission(last)}")
     if notes:
         lines += ["", *notes]
+    return "\n".join(lines) + "\n"
+
+
+def format_discovery(view: dict[str, Any]) -> str:
+    """``/admin/discovery`` as a few lines, then the discovered engines as a table."""
+    if view.get("state") == "off":
+        return "discovery: off ([discovery] backend = \"none\")\n"
+    where = (f"resourceVersion {view.get('resource_version')}" if view.get("backend") == "kubernetes"
+             else f"revision {view.get('revision')}")
+    age = view.get("view_age_s")
+    lines = [f"discovery: {view.get('backend')}, {view.get('state')}"
+             + (f" ({view.get('degraded')})" if view.get("degraded") else "")
+             + ("" if view.get("acting") else ", standby: watching, not applying"),
+             f"{where}, last event {_when(view.get('last_event_at'))}, view confirmed "
+             + ("never" if age is None else f"{age:.1f} s ago"), ""]
+    header = ("ENGINE", "ROLE", "MODEL", "URL")
+    rows = [(e["name"], e["role"], e["model"], e["url"]) for e in view.get("engines", [])]
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+    lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+              for row in (header, *rows)]
+    refused = [f"{r['name']}: refused: {r['problem']}" for r in view.get("refused", [])]
+    if refused:
+        lines += ["", *refused]
     return "\n".join(lines) + "\n"
 
 

@@ -216,10 +216,13 @@ class Readmitter:
         self._specs[spec.name] = spec
         self._locks[spec.name] = trio.Lock()
         self._last.pop(spec.name, None)
-        self.schedule.add(spec.name)
+        now = self.clock()
+        self.schedule.add(spec.name, now)
         self.rechecker.engines[spec.name] = spec
+        if spec.name in self.fleet and self._synced(self.fleet.view(spec.name, now)).not_before > now:
+            return  # back soon after it left, in backoff: a health answer after it (or the tick) starts the chain
         if self._nursery is not None and spec.name not in self._scheduled:
-            self._start(spec.name, self.clock(), on_health=False)
+            self._start(spec.name, now, on_health=False)
 
     def remove_engine(self, name: str) -> None:
         """Forget ``name`` (it left the fleet); an attempt still running ends without effect."""
@@ -228,7 +231,7 @@ class Readmitter:
         self._last.pop(name, None)
         self._process_started.pop(name, None)
         self.model_lengths.forget(name)
-        self.schedule.remove(name)
+        self.schedule.remove(name, self.clock())
         self.rechecker.engines.pop(name, None)
 
     def knows(self, name: str) -> bool:

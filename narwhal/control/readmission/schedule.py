@@ -42,6 +42,9 @@ import msgspec
 
 __all__ = ["EngineSchedule", "ReadmissionSchedule"]
 
+# Removed engines remembered for a quick return (each a few hundred bytes).
+_MAX_DEPARTED = 4096
+
 
 class EngineSchedule(msgspec.Struct, kw_only=True):
     """One engine's schedule state (mutable; only ``ReadmissionSchedule`` writes it)."""
@@ -60,6 +63,8 @@ class EngineSchedule(msgspec.Struct, kw_only=True):
     # The ejection's cause is evidence a health success answers (not failed inference).
     health_decides: bool = True
     readmitted_at: float | None = None
+    # Brought back from before a removal: the next ejection (its re-addition) keeps the backoff.
+    carried: bool = False
 
 
 class ReadmissionSchedule:
@@ -71,18 +76,40 @@ class ReadmissionSchedule:
         self.probe_interval_s = probe_interval_s
         self.backoff_base_s = min(backoff_base_s, probe_interval_s)
         self._engines = {name: EngineSchedule() for name in names}
+        # Engines removed lately, with their state and when: one added back within probe_interval_s
+        # (discovery: a key that comes and goes) keeps its backoff instead of starting fresh.
+        self._departed: dict[str, tuple[EngineSchedule, float]] = {}
 
     def __repr__(self) -> str:
         out = ", ".join(f"{name} level {state.level}" for name, state in self._engines.items() if state.level)
         return f"<ReadmissionSchedule [{out or 'no backoff'}]>"
 
-    def add(self, name: str) -> None:
-        """Track an engine a config reload added, from a fresh state."""
+    def add(self, name: str, now: float | None = None) -> None:
+        """Track an engine added to the set: fresh, or, back within probe_interval_s of its removal, as it was.
+
+        An engine back that soon is a flap: its ejection on arrival is judged
+        as any other (a readmission that did not last is a setback) and a
+        backoff it had stays, so coming and going never readmits it faster.
+        """
+        departed = self._departed.pop(name, None)
+        if departed is not None and now is not None and now - departed[1] < self.probe_interval_s:
+            state = departed[0]
+            state.ejection = None
+            state.health_since = None
+            state.seen_down = False
+            state.carried = state.readmitted_at is None
+            self._engines[name] = state
+            return
         self._engines[name] = EngineSchedule()
 
-    def remove(self, name: str) -> None:
-        """Forget an engine a config reload removed."""
-        self._engines.pop(name, None)
+    def remove(self, name: str, now: float | None = None) -> None:
+        """Stop tracking an engine removed from the set (kept a while, ``add``, when ``now`` is given)."""
+        state = self._engines.pop(name, None)
+        if state is None or now is None:
+            return
+        self._departed[name] = (state, now)
+        while len(self._departed) > _MAX_DEPARTED:
+            del self._departed[next(iter(self._departed))]
 
     def state(self, name: str) -> EngineSchedule:
         """The engine's state (read it, do not change it)."""
@@ -107,7 +134,9 @@ class ReadmissionSchedule:
         state.health_decides = health_decides
         readmitted_at = state.readmitted_at
         state.readmitted_at = None
-        if readmitted_at is not None and ejected_at - readmitted_at < self.probe_interval_s:
+        if state.carried:
+            state.carried = False  # out before its removal, out again on its return: its backoff stands
+        elif readmitted_at is not None and ejected_at - readmitted_at < self.probe_interval_s:
             self._setback(state, ejected_at)  # a flap: the readmission did not last
         else:
             state.level = 0
