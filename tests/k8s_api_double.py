@@ -19,7 +19,8 @@ Not followed: any other resource, verb, or namespace list; fieldSelector; watch 
 with ``resourceVersion=0`` (synthetic ADDED events) and resourceVersionMatch; sendInitialEvents / watch lists;
 protobuf, HTTP/2, TLS; the watch cache's own windows and its random shortening of timeoutSeconds; server-side
 apply, finalizers, graceful deletion timing (a test sets deletionTimestamp itself); priority and fairness (429).
-``outage()`` makes it close every connection without an answer, and ends every open watch: an outage.
+``outage()`` makes it close every connection without an answer, and ends every open watch: an outage;
+``stall = True`` makes new watches silent forever (headers, then nothing).
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ class ApiDouble:
         self.bookmark_interval_s = bookmark_interval_s
         self.gone_as_status = gone_as_status
         self.down = False
+        self.stall = False  # watches opened while set send nothing, ever, whatever timeoutSeconds says
         self.url = ""
         self.resource_version = 100
         self.compacted = 100  # events at or below this are forgotten: a watch from below it is 410 Gone
@@ -271,6 +273,8 @@ class ApiDouble:
             return
         await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
                               b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n")
+        if self.stall:
+            await trio.sleep_forever()  # a watch gone silent (a proxy, a wedged server): never a byte, never an end
 
         async def send(event: dict[str, Any]) -> None:
             line = json.dumps(event).encode() + b"\n"

@@ -4,12 +4,15 @@ bookmarks, outages and a refused token."""
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 
+from narwhal.discovery.events import log_update
 from narwhal.discovery.kubernetes import (
     ClusterAccess,
     KubernetesWatcher,
@@ -217,8 +220,8 @@ async def test_an_expired_continue_token_starts_the_list_again(autojump_clock, n
     nursery.cancel_scope.cancel()
 
 
-async def test_an_outage_keeps_the_view_reports_degraded_once_and_recovered(autojump_clock, nursery,
-                                                                            tmp_path) -> None:
+async def test_an_outage_keeps_the_view_reports_degraded_once_and_recovered(autojump_clock, nursery, tmp_path,
+                                                                            caplog) -> None:
     def before(api: ApiDouble) -> None:
         api.put(make_pod("p1", labels=PREFILL, ip="10.0.0.1"))
         api.put(make_pod("d1", labels=DECODE, ip="10.0.0.2"))
@@ -226,6 +229,7 @@ async def test_an_outage_keeps_the_view_reports_degraded_once_and_recovered(auto
     run = await start(nursery, tmp_path, before=before, retry_min_s=0.2, retry_max_s=5.0)
     assert set(run.reasons()) == {"listed"}
     del run.updates[:]
+    caplog.set_level(logging.INFO, logger="narwhal.events")
     run.api.outage()
     await trio.sleep(120.0)
     assert set(run.watcher.engines) == {"p1", "d1"}  # never emptied for an outage
@@ -240,6 +244,67 @@ async def test_an_outage_keeps_the_view_reports_degraded_once_and_recovered(auto
     assert set(run.watcher.engines) == {"p1", "d2"}
     assert run.reasons().count("degraded") == 1 and "recovered" in run.reasons()
     assert run.watcher.status.degraded is None and run.watcher.status.connected
+    # What the router will log of it, with the etcd watcher's log_update.
+    for update in run.updates:
+        log_update(update, source="kubernetes", default_model="m")
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "narwhal.events"]
+    assert [line["event"] for line in lines] == ["discovery_degraded", "discovery_recovered", "engine_vanished",
+                                                 "engine_discovered"]
+    assert "ConnectError" in lines[0]["error"] or "Protocol" in lines[0]["error"]
+    assert {k: lines[3][k] for k in ("engine", "url", "role", "model", "source")} == {
+        "engine": "d2", "url": "http://10.0.0.3:8000", "role": "decode", "model": "m", "source": "kubernetes"}
+    nursery.cancel_scope.cancel()
+
+
+async def test_a_watch_gone_silent_is_reopened_after_its_timeout(autojump_clock, nursery, tmp_path) -> None:
+    api = ApiDouble()
+    api.stall = True
+    run = await start(nursery, tmp_path, api, watch_timeout_s=60.0, timeout_s=5.0)
+    await trio.sleep(30.0)
+    api.put(make_pod("d1", labels=DECODE, ip="10.0.0.1"))
+    await trio.sleep(20.0)
+    assert run.watcher.engines == {} and len(api.watch_requests()) == 2  # silent, and not yet past 60 + 5 s
+    api.stall = False
+    await trio.sleep(20.0)
+    assert set(run.watcher.engines) == {"d1"} and len(api.list_requests()) == 2  # reopened from its version
+    nursery.cancel_scope.cancel()
+
+
+async def test_every_selector_is_listed_again_every_resync_interval_s(autojump_clock, nursery, tmp_path) -> None:
+    run = await start(nursery, tmp_path, resync_interval_s=600.0)
+    await trio.sleep(599.0)
+    assert len(run.api.list_requests()) == 2
+    await trio.sleep(2.0)
+    assert len(run.api.list_requests()) == 4
+    assert run.reasons() == ["listed"]  # nothing changed: nothing reported
+    nursery.cancel_scope.cancel()
+
+
+async def test_a_watch_error_other_than_410_is_an_outage(autojump_clock, nursery, tmp_path) -> None:
+    api = ApiDouble()
+    answer = api._watch
+    failures = 3
+
+    async def failing(stream: Any, selector: str, query: dict[str, str]) -> None:
+        nonlocal failures
+        if failures and "decode" in selector:
+            failures -= 1
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n\r\n"
+                                  b'{"type":"ERROR","object":{"kind":"Status","code":500,"reason":"InternalError",'
+                                  b'"message":"etcdserver: request timed out"}}\n')
+            return
+        await answer(stream, selector, query)
+
+    api._watch = failing  # type: ignore[method-assign]
+    run = await start(nursery, tmp_path, api)
+    await trio.sleep(10.0)
+    # Reported once, not once per try: a watch that opens proves nothing when the last one broke off after opening.
+    assert run.reasons() == ["listed", "degraded"]
+    degraded = run.updates[1].status.degraded or ""
+    assert "500" in degraded and "request timed out" in degraded
+    # The watch now opened stays quiet: its first line (a bookmark here) says it is back.
+    await trio.sleep(60.0)
+    assert run.reasons() == ["listed", "degraded", "recovered"]
     nursery.cancel_scope.cancel()
 
 

@@ -218,6 +218,9 @@ class _Selection:
         self.listed = False
         self.connected = False
         self.tried = False  # a first list has been tried (applied or failed)
+        # A watch broke off with an error after it opened: an answered list or a watch that opens proves nothing
+        # (they did last time too); only a watch line or a watch run to its end says the outage is over.
+        self.suspect = False
 
 
 class KubernetesWatcher:
@@ -307,6 +310,7 @@ class KubernetesWatcher:
                 with trio.move_on_after(max(0.0, next_resync - trio.current_time())):
                     await self._watch(selection)
                 if trio.current_time() - opened > 1.0:
+                    self._contact(selection, live=True)  # a watch that ran (to its end, or to a resync)
                     delay = self.retry_min_s
                 else:
                     await trio.sleep(delay)  # a watch that ends as soon as it opens: do not spin
@@ -336,9 +340,13 @@ class KubernetesWatcher:
         else:
             self._set(degraded=reason)  # the latest error shows; degraded is reported once
 
-    def _contact(self, role: str) -> None:
-        """The API answered for ``role``: the view is current; the outage is over once every selector answers."""
-        self._failures.pop(role, None)
+    def _contact(self, selection: _Selection, *, live: bool = False) -> None:
+        """The API answered: the view is current; the outage is over once every selector answers."""
+        if live:
+            selection.suspect = False
+        if selection.suspect:
+            return
+        self._failures.pop(selection.role, None)
         self._set(current_at=self.wall_clock())
         if self._status.degraded is not None and not self._failures:
             self._set(degraded=None, degraded_since=None)
@@ -419,7 +427,7 @@ class KubernetesWatcher:
             selection.listed = True
             self._set(resource_version=resource_version)
             change = self._recompute()
-            self._contact(selection.role)
+            self._contact(selection)
             # The first time every selector is listed is reported even if empty: the view is then whole.
             if change or (first and all(s.listed for s in self._selections)):
                 self._report("listed", change)
@@ -480,7 +488,7 @@ class KubernetesWatcher:
                 if response.status_code != 200:
                     raise await self._refusal(response)
                 opened = selection.connected = True
-                self._contact(selection.role)
+                self._contact(selection)
                 try:
                     await self._read_stream(selection, response)
                 finally:
@@ -508,6 +516,7 @@ class KubernetesWatcher:
                     if len(buffer) > MAX_LINE_BYTES:
                         raise _Gone  # one event too big to hold: a list reads the same state in pages
                 except (_Gone, _Unavailable) as exc:
+                    selection.suspect = isinstance(exc, _Unavailable)
                     stop = exc
                     reading.cancel()
         if stop is not None:
@@ -527,7 +536,7 @@ class KubernetesWatcher:
         resource_version = pod.metadata.resourceVersion or selection.resource_version
         if event.type == "BOOKMARK":
             selection.resource_version = resource_version  # nothing changed up to here: resume from it
-            self._contact(selection.role)
+            self._contact(selection, live=True)
             return
         name = pod.metadata.name
         if event.type in ("ADDED", "MODIFIED"):
@@ -541,7 +550,7 @@ class KubernetesWatcher:
         selection.resource_version = resource_version
         self._set(resource_version=resource_version)
         change = self._recompute()
-        self._contact(selection.role)
+        self._contact(selection, live=True)
         if change:
             self._report("events", change)
 
