@@ -17,8 +17,9 @@ Follows the API's contract for ``GET /api/v1/namespaces/NS/pods``:
 
 Not followed: any other resource, verb, or namespace list; fieldSelector; watch without a resourceVersion or
 with ``resourceVersion=0`` (synthetic ADDED events) and resourceVersionMatch; sendInitialEvents / watch lists;
-protobuf, HTTP/2, TLS; the watch cache's own windows and its random shortening of timeoutSeconds; server-side
-apply, finalizers, graceful deletion timing (a test sets deletionTimestamp itself); priority and fairness (429).
+protobuf, HTTP/2, client certificates (TLS is served when given an ssl_context); the watch cache's own
+windows and its random shortening of timeoutSeconds; server-side apply, finalizers, graceful deletion timing
+(a test sets deletionTimestamp itself); priority and fairness (429).
 ``outage()`` makes it close every connection without an answer, and ends every open watch: an outage;
 ``stall = True`` makes new watches silent forever (headers, then nothing).
 """
@@ -29,6 +30,7 @@ import base64
 import copy
 import json
 import re
+import ssl
 import urllib.parse
 from typing import Any
 
@@ -101,11 +103,12 @@ class ApiDouble:
     """Pods in ``namespace``; tests change them with ``put``/``delete`` and watch what the watcher makes of it."""
 
     def __init__(self, *, namespace: str = "serving", token: str = "s3cret", bookmark_interval_s: float = 60.0,
-                 gone_as_status: bool = False) -> None:
+                 gone_as_status: bool = False, ssl_context: ssl.SSLContext | None = None) -> None:
         self.namespace = namespace
         self.token = token
         self.bookmark_interval_s = bookmark_interval_s
         self.gone_as_status = gone_as_status
+        self.ssl_context = ssl_context  # set: it serves https with it
         self.down = False
         self.stall = False  # watches opened while set send nothing, ever, whatever timeoutSeconds says
         self.url = ""
@@ -177,18 +180,21 @@ class ApiDouble:
     # -- the server ------------------------------------------------------------------------------
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        port = listeners[0].socket.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
+        tcp = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        port = tcp[0].socket.getsockname()[1]
+        listeners: list[Any] = list(tcp)
+        if self.ssl_context is not None:
+            listeners = [trio.SSLListener(listener, self.ssl_context, https_compatible=True) for listener in tcp]
+        self.url = f"{'https' if self.ssl_context else 'http'}://127.0.0.1:{port}"
         task_status.started()
         await trio.serve_listeners(self._connection, listeners)
 
-    async def _connection(self, stream: trio.SocketStream) -> None:
+    async def _connection(self, stream: Any) -> None:
         async with stream:
             try:
                 head = await self._read_head(stream)
             except (trio.BrokenResourceError, trio.ClosedResourceError, ValueError):
-                return
+                return  # a TLS handshake that failed lands here too
             if head is None or self.down:
                 return
             method, target, headers = head
@@ -201,7 +207,7 @@ class ApiDouble:
                 pass
 
     @staticmethod
-    async def _read_head(stream: trio.SocketStream) -> tuple[str, str, dict[str, str]] | None:
+    async def _read_head(stream: Any) -> tuple[str, str, dict[str, str]] | None:
         data = b""
         while b"\r\n\r\n" not in data:
             chunk = await stream.receive_some(65536)
@@ -218,12 +224,12 @@ class ApiDouble:
             headers[name.strip().lower()] = value.strip()
         return method, target, headers
 
-    async def _send_json(self, stream: trio.SocketStream, code: int, reason: str, body: dict[str, Any]) -> None:
+    async def _send_json(self, stream: Any, code: int, reason: str, body: dict[str, Any]) -> None:
         payload = json.dumps(body).encode()
         await stream.send_all(f"HTTP/1.1 {code} {reason}\r\ncontent-type: application/json\r\n"
                               f"content-length: {len(payload)}\r\nconnection: close\r\n\r\n".encode() + payload)
 
-    async def _answer(self, stream: trio.SocketStream, method: str, path: str, query: dict[str, str],
+    async def _answer(self, stream: Any, method: str, path: str, query: dict[str, str],
                       headers: dict[str, str]) -> None:
         if headers.get("authorization") != f"Bearer {self.token}":
             await self._send_json(stream, 401, "Unauthorized", _status(401, "Unauthorized", "Unauthorized"))
@@ -242,7 +248,7 @@ class ApiDouble:
         else:
             await self._list(stream, selector, query)
 
-    async def _list(self, stream: trio.SocketStream, selector: str, query: dict[str, str]) -> None:
+    async def _list(self, stream: Any, selector: str, query: dict[str, str]) -> None:
         limit = int(query.get("limit") or 0)
         token = query.get("continue")
         if token:
@@ -265,7 +271,7 @@ class ApiDouble:
         await self._send_json(stream, 200, "OK", {"kind": "PodList", "apiVersion": "v1", "metadata": metadata,
                                                   "items": page})
 
-    async def _watch(self, stream: trio.SocketStream, selector: str, query: dict[str, str]) -> None:
+    async def _watch(self, stream: Any, selector: str, query: dict[str, str]) -> None:
         since = int(query.get("resourceVersion") or 0)
         if since < self.compacted and self.gone_as_status:
             message = f"too old resource version: {since} ({self.compacted})"

@@ -6,18 +6,25 @@ from __future__ import annotations
 
 import json
 import logging
+import ssl
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import trio
+import trustme
 
+from narwhal.config import EngineSpec
+from narwhal.discovery.entry import EntryProblem
 from narwhal.discovery.events import log_update
 from narwhal.discovery.kubernetes import (
     ClusterAccess,
     KubernetesWatcher,
+    Pod,
     ViewUpdate,
     in_cluster_access,
+    pod_engine,
 )
 from tests.k8s_api_double import ApiDouble, make_pod, selector_matches
 
@@ -42,6 +49,7 @@ class Run:
 
 async def start(nursery: trio.Nursery, tmp_path: Path, api: ApiDouble | None = None, *, token: str = "s3cret",
                 before: Any = None, **options: Any) -> Run:
+    """The double serving, ``before(api)`` applied, a watcher started on it (with a token file of ``token``)."""
     api = api or ApiDouble()
     await nursery.start(api.serve)
     if before is not None:
@@ -358,3 +366,43 @@ def test_the_doubles_label_selectors() -> None:
     assert not selector_matches("!app", labels) and selector_matches("!tier", labels)
     with pytest.raises(ValueError):
         selector_matches("app in prefill", labels)
+
+
+async def test_https_with_the_ca_file(nursery, tmp_path) -> None:
+    ca = trustme.CA()
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_context)
+    ca_file = tmp_path / "ca.crt"
+    ca.cert_pem.write_to_path(str(ca_file))
+    api = ApiDouble(ssl_context=server_context)
+    run = await start(nursery, tmp_path, api, before=lambda api: api.put(make_pod("d1", labels=DECODE)),
+                      ca_file=str(ca_file))
+    assert api.url.startswith("https://") and set(run.watcher.engines) == {"d1"}
+    # Without the cluster's CA the server is not trusted: degraded, and it says why.
+    trustme.CA().cert_pem.write_to_path(str(tmp_path / "other.crt"))
+    other = KubernetesWatcher(api.namespace, api_url=api.url, decode_selector="app=engine",
+                              token_file=str(tmp_path / "token"), ca_file=str(tmp_path / "other.crt"))
+    updates: list[ViewUpdate] = []
+    await nursery.start(other.run, updates.append)
+    assert [u.reason for u in updates] == ["degraded"] and "CERTIFICATE_VERIFY_FAILED" in (other.status.degraded or "")
+    nursery.cancel_scope.cancel()
+
+
+def pod(**options: Any) -> Pod:
+    return msgspec.convert(make_pod("e1", labels=DECODE, **options), Pod)
+
+
+def test_pod_engine_takes_only_running_ready_pods_with_an_ip() -> None:
+    def engine(p: Pod) -> Any:
+        return pod_engine(p, role="decode", namespace="ns", port=8000, model_label=None, default_model=None)
+
+    assert engine(pod()) == EngineSpec(name="e1", url="http://10.0.0.1:8000", role="decode")
+    assert engine(pod(ready=False)) is None
+    assert engine(pod(ip=None)) is None
+    for phase in ("Pending", "Succeeded", "Failed", "Unknown"):
+        assert engine(pod(phase=phase)) is None
+    no_conditions = pod()
+    no_conditions.status.conditions = None
+    assert engine(no_conditions) is None
+    bad_port = pod_engine(pod(), role="decode", namespace="ns", port=70000, model_label=None, default_model=None)
+    assert isinstance(bad_port, EntryProblem) and bad_port.key == "ns/e1" and "port" in bad_port.problem

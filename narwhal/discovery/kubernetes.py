@@ -29,7 +29,7 @@ from narwhal.config import EngineSpec
 from narwhal.discovery.entry import EntryProblem
 from narwhal.discovery.view import ViewChange, diff_views
 
-__all__ = ["IN_CLUSTER_DIR", "ClusterAccess", "KubernetesStatus", "KubernetesWatcher", "ViewUpdate",
+__all__ = ["IN_CLUSTER_DIR", "ClusterAccess", "KubernetesStatus", "KubernetesWatcher", "Pod", "ViewUpdate",
            "in_cluster_access", "pod_engine"]
 
 IN_CLUSTER_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
@@ -101,6 +101,8 @@ class _PodStatus(msgspec.Struct):
 
 
 class Pod(msgspec.Struct):
+    """The parts of a Pod the watcher reads; the API's other fields are ignored."""
+
     metadata: _Meta = msgspec.field(default_factory=_Meta)
     spec: _PodSpec = msgspec.field(default_factory=_PodSpec)
     status: _PodStatus = msgspec.field(default_factory=_PodStatus)
@@ -197,6 +199,16 @@ class ViewUpdate(msgspec.Struct, frozen=True, kw_only=True):
     engines: Mapping[str, EngineSpec]
     change: ViewChange
     status: KubernetesStatus
+
+
+def _describe(exc: BaseException) -> str:
+    """``ConnectError: [SSL: CERTIFICATE_VERIFY_FAILED] ...``: httpx's own text is often empty, its cause's is not."""
+    text, cause = str(exc), exc.__cause__ or exc.__context__
+    for _ in range(5):
+        if text or cause is None:
+            break
+        text, cause = str(cause), cause.__cause__ or cause.__context__
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class _Unavailable(Exception):
@@ -465,7 +477,7 @@ class KubernetesWatcher:
                             raise _Unavailable(f"a list page over {MAX_PAGE_BYTES} bytes: lower page_size")
             return _decode_list.decode(bytes(body))
         except httpx.HTTPError as exc:
-            raise _Unavailable(f"{self.api_url}: {type(exc).__name__}: {exc}") from None
+            raise _Unavailable(f"{self.api_url}: {_describe(exc)}") from None
         except trio.TooSlowError:
             raise _Unavailable(f"{self.api_url}: a list page took over {self.timeout_s * 4} s") from None
         except _UNEXPECTED as exc:
@@ -496,7 +508,7 @@ class KubernetesWatcher:
         except httpx.HTTPError as exc:
             if opened:
                 return  # dropped, or quiet too long: resume from the last resourceVersion
-            raise _Unavailable(f"{self.api_url}: {type(exc).__name__}: {exc}") from None
+            raise _Unavailable(f"{self.api_url}: {_describe(exc)}") from None
 
     async def _read_stream(self, selection: _Selection, response: httpx.Response) -> None:
         buffer = bytearray()
