@@ -16,6 +16,7 @@ import trio
 import trustme
 
 from narwhal.config import EngineSpec
+from narwhal.discovery import kubernetes
 from narwhal.discovery.entry import EntryProblem
 from narwhal.discovery.events import log_update
 from narwhal.discovery.kubernetes import (
@@ -406,3 +407,12 @@ def test_pod_engine_takes_only_running_ready_pods_with_an_ip() -> None:
     assert engine(no_conditions) is None
     bad_port = pod_engine(pod(), role="decode", namespace="ns", port=70000, model_label=None, default_model=None)
     assert isinstance(bad_port, EntryProblem) and bad_port.key == "ns/e1" and "port" in bad_port.problem
+
+
+async def test_a_list_page_past_its_bound_is_an_outage_not_a_crash(autojump_clock, nursery, tmp_path,
+                                                                   monkeypatch) -> None:
+    monkeypatch.setattr(kubernetes, "MAX_PAGE_BYTES", 2000)
+    run = await start(nursery, tmp_path, before=lambda api: [api.put(make_pod(f"d{n}", labels=DECODE))
+                                                             for n in range(5)])
+    assert run.reasons() == ["degraded"] and "lower page_size" in (run.watcher.status.degraded or "")
+    nursery.cancel_scope.cancel()
