@@ -11,6 +11,7 @@ Follows the API's contract for ``GET /api/v1/namespaces/NS/pods``:
 - ``allowWatchBookmarks=true``: a BOOKMARK event (a Pod with only ``metadata.resourceVersion``) every
   ``bookmark_interval_s``, and ``bookmark_now()`` on demand;
 - ``timeoutSeconds``: the server ends the watch (a clean end of the chunked stream) after it;
+- a watch with a ``labelSelector`` sees an object that stops matching as DELETED, one that starts as ADDED;
 - ``labelSelector``: equality-based (``a=b``, ``a==b``, ``a!=b``) and set-based (``a in (x,y)``,
   ``a notin (x)``, ``a``, ``!a``) requirements, comma-separated, all must hold;
 - ``Authorization: Bearer TOKEN``: anything else answers HTTP 401 with a Status ``Unauthorized``.
@@ -94,6 +95,18 @@ def selector_matches(selector: str, labels: dict[str, str]) -> bool:
     return True
 
 
+def _as_filtered(kind: str, matched_before: bool, matches: bool) -> str | None:
+    """What a watch with a label selector sees of a change: an object that leaves the selection is DELETED to it,
+    one that enters it ADDED, as the API server's filtered watches do."""
+    if kind != "MODIFIED":
+        return kind if matches else None
+    if matched_before and matches:
+        return "MODIFIED"
+    if matches:
+        return "ADDED"
+    return "DELETED" if matched_before else None
+
+
 def _status(code: int, reason: str, message: str) -> dict[str, Any]:
     return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
             "reason": reason, "code": code}
@@ -115,7 +128,8 @@ class ApiDouble:
         self.resource_version = 100
         self.compacted = 100  # events at or below this are forgotten: a watch from below it is 410 Gone
         self.pods: dict[str, dict[str, Any]] = {}
-        self.events: list[tuple[int, str, dict[str, Any]]] = []
+        # (resourceVersion, type, the object, the labels it had before: a filtered watch needs both)
+        self.events: list[tuple[int, str, dict[str, Any], dict[str, str]]] = []
         self.requests: list[dict[str, str]] = []  # the query of every request, in order
         self._continues: dict[str, tuple[int, list[dict[str, Any]]]] = {}
         self._changed = trio.Event()
@@ -130,16 +144,17 @@ class ApiDouble:
         pod = copy.deepcopy(pod)
         pod["metadata"]["namespace"] = self.namespace
         pod["metadata"]["resourceVersion"] = str(self.resource_version)
-        kind = "MODIFIED" if pod["metadata"]["name"] in self.pods else "ADDED"
+        old = self.pods.get(pod["metadata"]["name"])
+        kind = "MODIFIED" if old is not None else "ADDED"
         self.pods[pod["metadata"]["name"]] = pod
-        self._record(kind, pod)
+        self._record(kind, pod, (old or pod)["metadata"].get("labels") or {})
         return self.resource_version
 
     def delete(self, name: str) -> int:
         self.resource_version += 1
         pod = copy.deepcopy(self.pods.pop(name))
         pod["metadata"]["resourceVersion"] = str(self.resource_version)
-        self._record("DELETED", pod)
+        self._record("DELETED", pod, pod["metadata"].get("labels") or {})
         return self.resource_version
 
     def compact(self) -> None:
@@ -171,8 +186,8 @@ class ApiDouble:
     def list_requests(self) -> list[dict[str, str]]:
         return [query for query in self.requests if query.get("watch") not in ("1", "true")]
 
-    def _record(self, kind: str, pod: dict[str, Any]) -> None:
-        self.events.append((self.resource_version, kind, pod))
+    def _record(self, kind: str, pod: dict[str, Any], before: dict[str, str]) -> None:
+        self.events.append((self.resource_version, kind, pod, before))
         del self.events[:-10_000]  # a bounded history, as the watch cache's
         self._changed.set()
         self._changed = trio.Event()
@@ -297,9 +312,11 @@ class ApiDouble:
         with trio.move_on_after(timeout):
             while not self.down:
                 changed, kick, bookmark = self._changed, self._kick, self._bookmark
-                for revision, kind, pod in [event for event in self.events if event[0] > sent]:
-                    if selector_matches(selector, pod["metadata"].get("labels") or {}):
-                        await send({"type": kind, "object": pod})
+                for revision, kind, pod, before in [event for event in self.events if event[0] > sent]:
+                    seen = _as_filtered(kind, selector_matches(selector, before),
+                                        selector_matches(selector, pod["metadata"].get("labels") or {}))
+                    if seen is not None:
+                        await send({"type": seen, "object": pod})
                     sent = revision
                 if not changed.is_set():
                     sent = self.resource_version  # nothing newer exists: a bookmark may say so

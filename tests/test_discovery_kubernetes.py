@@ -130,6 +130,19 @@ async def test_a_named_port_and_the_model_label(autojump_clock, nursery, tmp_pat
     nursery.cancel_scope.cancel()
 
 
+async def test_a_pod_relabelled_from_one_role_to_the_other_changes_role(autojump_clock, nursery, tmp_path) -> None:
+    run = await start(nursery, tmp_path, before=lambda api: api.put(make_pod("e1", labels=PREFILL)))
+    assert run.watcher.engines["e1"].role == "prefill"
+    run.api.put(make_pod("e1", labels=DECODE))  # the prefill watch sees it DELETED, the decode watch ADDED
+    await settle()
+    # (The two watches are independent: for a moment both may hold it, and it is logged as selected by both.)
+    assert run.watcher.engines["e1"].role == "decode"
+    run.api.put(make_pod("e1", labels={"app": "engine"}))  # neither selects it now
+    await settle()
+    assert run.watcher.engines == {}
+    nursery.cancel_scope.cancel()
+
+
 async def test_a_pod_both_selectors_select_is_no_engine_and_is_logged(autojump_clock, nursery, tmp_path) -> None:
     run = await start(nursery, tmp_path, prefill_selector="app=engine", decode_selector="app=engine,role=decode")
     run.api.put(make_pod("d1", labels=DECODE))
