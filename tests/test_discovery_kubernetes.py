@@ -22,11 +22,10 @@ from narwhal.discovery.events import log_update
 from narwhal.discovery.kubernetes import (
     ClusterAccess,
     KubernetesWatcher,
-    Pod,
     ViewUpdate,
     in_cluster_access,
-    pod_engine,
 )
+from narwhal.discovery.pods import Pod, pod_engine
 from tests.k8s_api_double import ApiDouble, make_pod, selector_matches
 
 PREFILL = {"app": "engine", "role": "prefill"}

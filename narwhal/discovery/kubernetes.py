@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import ssl
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import httpx
@@ -27,12 +27,27 @@ import trio
 
 from narwhal.config import EngineSpec
 from narwhal.discovery.entry import EntryProblem
+from narwhal.discovery.pods import (
+    Pod,
+    PodList,
+    PodState,
+    Role,
+    compose_engines,
+    decode_api_status,
+    decode_pod,
+    decode_pod_list,
+    decode_watch_event,
+    newest_resource_version,
+    pod_engine,
+)
 from narwhal.discovery.view import ViewChange, diff_views
 
-__all__ = ["IN_CLUSTER_DIR", "ClusterAccess", "KubernetesStatus", "KubernetesWatcher", "Pod", "ViewUpdate",
-           "in_cluster_access", "pod_engine"]
+__all__ = ["IN_CLUSTER_DIR", "ClusterAccess", "KubernetesStatus", "KubernetesWatcher", "ViewUpdate",
+           "in_cluster_access"]
 
 IN_CLUSTER_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+# What an answer that is not the API's raises while it is read: the watch goes on, degraded, never stops.
+_UNEXPECTED = (msgspec.MsgspecError, ValueError, TypeError, AttributeError, KeyError)
 # Bounds: one watch line (one Pod, at most ~1.5 MiB in etcd), one list page, the Pods a selector may select.
 MAX_LINE_BYTES = 4 * 1024 * 1024
 MAX_PAGE_BYTES = 64 * 1024 * 1024
@@ -65,117 +80,6 @@ def in_cluster_access(environ: Mapping[str, str] | None = None, directory: str =
         pass
     return ClusterAccess(api_url=f"https://{host}:{port}", token_file=os.path.join(directory, "token"),
                          ca_file=os.path.join(directory, "ca.crt"), namespace=namespace)
-
-
-# -- the parts of the API's JSON we read (everything else is ignored) --------------------------------
-
-class _Meta(msgspec.Struct):
-    name: str = ""
-    resourceVersion: str = ""  # the API's spelling
-    labels: dict[str, str] | None = None
-    deletionTimestamp: str | None = None
-
-
-class _Port(msgspec.Struct):
-    containerPort: int = 0
-    name: str | None = None
-
-
-class _Container(msgspec.Struct):
-    ports: list[_Port] | None = None
-
-
-class _PodSpec(msgspec.Struct):
-    containers: list[_Container] | None = None
-
-
-class _Condition(msgspec.Struct):
-    type: str = ""
-    status: str = ""
-
-
-class _PodStatus(msgspec.Struct):
-    phase: str = ""
-    podIP: str | None = None
-    conditions: list[_Condition] | None = None
-
-
-class Pod(msgspec.Struct):
-    """The parts of a Pod the watcher reads; the API's other fields are ignored."""
-
-    metadata: _Meta = msgspec.field(default_factory=_Meta)
-    spec: _PodSpec = msgspec.field(default_factory=_PodSpec)
-    status: _PodStatus = msgspec.field(default_factory=_PodStatus)
-
-
-class _ListMeta(msgspec.Struct):
-    resourceVersion: str = ""
-    continue_: str | None = msgspec.field(default=None, name="continue")
-
-
-class _PodList(msgspec.Struct):
-    metadata: _ListMeta = msgspec.field(default_factory=_ListMeta)
-    items: list[Pod] | None = None
-
-
-class _Status(msgspec.Struct):
-    code: int = 0
-    reason: str = ""
-    message: str = ""
-
-
-class _WatchEvent(msgspec.Struct):
-    type: str
-    object: msgspec.Raw
-
-
-_decode_list = msgspec.json.Decoder(_PodList)
-_decode_event = msgspec.json.Decoder(_WatchEvent)
-_decode_pod = msgspec.json.Decoder(Pod)
-_decode_status = msgspec.json.Decoder(_Status)
-_UNEXPECTED = (msgspec.MsgspecError, ValueError, TypeError, AttributeError, KeyError)
-
-Role = Literal["prefill", "decode"]
-PodState = EngineSpec | EntryProblem | None  # an engine, a Pod that should be one and cannot, or not (yet) one
-
-
-def pod_engine(pod: Pod, *, role: Role, namespace: str, port: int | str, model_label: str | None,
-               default_model: str | None) -> PodState:
-    """The engine ``pod`` is: only while Running, Ready, not being deleted, with an IP; else None."""
-    meta, status = pod.metadata, pod.status
-    if meta.deletionTimestamp or status.phase != "Running" or not status.podIP:
-        return None  # a terminating Pod stops taking new work at once, as Endpoints drop it
-    if not any(c.type == "Ready" and c.status == "True" for c in status.conditions or ()):
-        return None
-    key = f"{namespace}/{meta.name}"
-    number = port if isinstance(port, int) else _named_port(pod, port)
-    if number is None:
-        return EntryProblem(key=key, problem=f"no container port named {port!r}")
-    model = (meta.labels or {}).get(model_label) if model_label else None
-    host = f"[{status.podIP}]" if ":" in status.podIP else status.podIP
-    try:
-        return EngineSpec(name=meta.name, url=f"http://{host}:{number}", role=role, model=model or default_model)
-    except ValueError as exc:
-        return EntryProblem(key=key, problem=str(exc))
-
-
-def _named_port(pod: Pod, name: str) -> int | None:
-    for container in pod.spec.containers or ():
-        for port in container.ports or ():
-            if port.name == name and port.containerPort:
-                return port.containerPort
-    return None
-
-
-def _newest(versions: Iterable[str]) -> str:
-    """The newest resourceVersion, for display only (resuming uses each selector's own, opaque as the API says).
-
-    They are integers in practice (etcd revisions): compared as such, else none is called newest.
-    """
-    known = [version for version in versions if version]
-    if known and all(version.isdigit() for version in known):
-        return max(known, key=int)
-    return ""
 
 
 class KubernetesStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -294,7 +198,7 @@ class KubernetesWatcher:
     def status(self) -> KubernetesStatus:
         versions = {s.role: s.resource_version for s in self._selections}
         return msgspec.structs.replace(
-            self._status, resource_version=_newest(versions.values()) or self._status.resource_version,
+            self._status, resource_version=newest_resource_version(versions.values()) or self._status.resource_version,
             resource_versions=versions,
             listed=all(s.listed for s in self._selections), connected=all(s.connected for s in self._selections))
 
@@ -382,20 +286,7 @@ class KubernetesWatcher:
 
     def _recompute(self) -> ViewChange:
         """The engines from every selection's Pods; a Pod two selectors select is no engine, and is logged."""
-        engines: dict[str, EngineSpec] = {}
-        problems: dict[str, str] = {}
-        counts: dict[str, int] = {}
-        for selection in self._selections:
-            for name in selection.pods:
-                counts[name] = counts.get(name, 0) + 1
-        for selection in self._selections:
-            for name, state in selection.pods.items():
-                if counts[name] > 1:
-                    problems[f"{self.namespace}/{name}"] = "selected by both prefill_selector and decode_selector"
-                elif isinstance(state, EngineSpec):
-                    engines[name] = state
-                elif isinstance(state, EntryProblem):
-                    problems[state.key] = state.problem
+        engines, problems = compose_engines({s.role: s.pods for s in self._selections}, self.namespace)
         fresh = tuple(EntryProblem(key=key, problem=problem) for key, problem in sorted(problems.items())
                       if self._reported.get(key) != problem)
         self._reported = problems
@@ -426,7 +317,7 @@ class KubernetesWatcher:
             return _Gone()
         try:
             body = await _read_body(response, 64 * 1024)
-            message = _decode_status.decode(body).message if body is not None else ""
+            message = decode_api_status.decode(body).message if body is not None else ""
         except (httpx.HTTPError, *_UNEXPECTED):
             message = ""
         text = f"HTTP {response.status_code} {response.reason_phrase}"
@@ -471,7 +362,7 @@ class KubernetesWatcher:
                 return pods, resource_version
             params["continue"] = page.metadata.continue_
 
-    async def _page(self, params: dict[str, str]) -> _PodList:
+    async def _page(self, params: dict[str, str]) -> PodList:
         try:
             async with self._client.stream("GET", self._url, params=params, headers=self._headers(),
                                            timeout=self.timeout_s) as response:
@@ -481,7 +372,7 @@ class KubernetesWatcher:
                     body = await _read_body(response, MAX_PAGE_BYTES)
             if body is None:
                 raise _Unavailable(f"a list page over {MAX_PAGE_BYTES} bytes: lower page_size")
-            return _decode_list.decode(body)
+            return decode_pod_list.decode(body)
         except httpx.HTTPError as exc:
             raise _Unavailable(f"{self.api_url}: {_describe(exc)}") from None
         except trio.TooSlowError:
@@ -542,13 +433,13 @@ class KubernetesWatcher:
 
     def _line(self, selection: _Selection, line: bytes) -> None:
         try:
-            event = _decode_event.decode(line)
+            event = decode_watch_event.decode(line)
             if event.type == "ERROR":
-                status = _decode_status.decode(event.object)
+                status = decode_api_status.decode(event.object)
                 if status.code == 410:
                     raise _Gone
                 raise _Unavailable(f"watch error {status.code} {status.reason}: {status.message}")
-            pod = _decode_pod.decode(event.object)
+            pod = decode_pod.decode(event.object)
         except _UNEXPECTED as exc:
             raise _Unavailable(f"the watch sent something else: {type(exc).__name__}: {exc}") from None
         resource_version = pod.metadata.resourceVersion or selection.resource_version
