@@ -235,10 +235,12 @@ class KubernetesWatcher:
                     next_resync = listed_at + self.resync_interval_s
                 self._tried(selection, tried)
                 opened = trio.current_time()
+                ended = False
                 with trio.move_on_after(max(0.0, next_resync - trio.current_time())):
-                    await self._watch(selection)
+                    ended = await self._watch(selection)
                 if trio.current_time() - opened > 1.0:
-                    self._contact(selection, live=True)  # a watch that ran (to its end, or to a resync)
+                    if ended:
+                        self._contact(selection, live=True)  # a watch that ran to the server's end of it
                     delay = self.retry_min_s
                 else:
                     await trio.sleep(delay)  # a watch that ends as soon as it opens: do not spin
@@ -383,8 +385,9 @@ class KubernetesWatcher:
 
     # -- watch -------------------------------------------------------------------------------
 
-    async def _watch(self, selection: _Selection) -> None:
-        """One watch from the selection's resourceVersion; returns when the server ends it (or it goes quiet)."""
+    async def _watch(self, selection: _Selection) -> bool:
+        """One watch from the selection's resourceVersion; True when the server ended it, False when it dropped
+        or went quiet."""
         params = {"labelSelector": selection.selector, "watch": "1", "allowWatchBookmarks": "true",
                   "resourceVersion": selection.resource_version,
                   "timeoutSeconds": str(max(1, int(self.watch_timeout_s)))}
@@ -402,9 +405,10 @@ class KubernetesWatcher:
                     await self._read_stream(selection, response)
                 finally:
                     selection.connected = False
+            return True
         except httpx.HTTPError as exc:
             if opened:
-                return  # dropped, or quiet too long: resume from the last resourceVersion
+                return False  # dropped, or quiet too long: resume from the last resourceVersion
             raise _Unavailable(f"{self.api_url}: {_describe(exc)}") from None
 
     async def _read_stream(self, selection: _Selection, response: httpx.Response) -> None:
