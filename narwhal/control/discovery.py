@@ -16,7 +16,6 @@ watch; the engines discovered so far stay until the new watch has listed.
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 import time
 from collections.abc import Callable
@@ -53,21 +52,37 @@ class Watcher(Protocol):
 
 
 def build_watcher(config: Config) -> Watcher:
-    """The watcher for ``config``'s ``[discovery] backend`` (not "none").
-
-    Kubernetes: ``narwhal.discovery.kubernetes.KubernetesWatcher.from_config(config.discovery)``.
-    """
+    """The watcher for ``config``'s ``[discovery] backend`` (not "none"); StartupError when it cannot be built."""
     discovery = config.discovery
     if discovery.backend == "etcd":
         from narwhal.discovery.etcd_watch import EtcdWatcher
         return EtcdWatcher(config.discovery_endpoints, prefix=discovery.prefix)
-    # The Kubernetes watcher (narwhal.discovery.kubernetes) takes the [discovery] section as it is.
-    try:
-        module = importlib.import_module("narwhal.discovery.kubernetes")
-    except ImportError:
-        raise StartupError("discovery.backend = \"kubernetes\": the Kubernetes watcher is not in this build") from None
-    watcher: Watcher = module.KubernetesWatcher.from_config(discovery)
-    return watcher
+    return _kubernetes_watcher(discovery)
+
+
+def _kubernetes_watcher(discovery: DiscoveryConfig) -> Watcher:
+    """The Kubernetes watcher: ``[discovery]``'s api_url, token_file, ca_file and namespace over the in-cluster
+    defaults (the service account's), and the model label's engines with no model on [fleet] model."""
+    from narwhal.discovery.kubernetes import KubernetesWatcher, in_cluster_access
+
+    access = None
+    if discovery.api_url is None or discovery.namespace is None:
+        try:
+            access = in_cluster_access()
+        except ValueError as exc:
+            if discovery.api_url is None:
+                raise StartupError(f"discovery.api_url: {exc}") from None
+    namespace = discovery.namespace or (access.namespace if access is not None else None)
+    if namespace is None:
+        raise StartupError("discovery.namespace: not set, and no service account namespace to take it from")
+    return KubernetesWatcher(
+        namespace, api_url=discovery.api_url or (access.api_url if access is not None else ""),
+        prefill_selector=discovery.prefill_selector, decode_selector=discovery.decode_selector,
+        port=discovery.port, model_label=discovery.model_label,
+        # None: [fleet] model, as an etcd entry without one (a reload of [fleet] model is followed).
+        default_model=None,
+        token_file=discovery.token_file or (access.token_file if access is not None else None),
+        ca_file=discovery.ca_file or (access.ca_file if access is not None else None))
 
 
 def _key_of(discovery: DiscoveryConfig, name: str) -> str:

@@ -41,6 +41,7 @@ from narwhal.discovery.pods import (
     pod_engine,
 )
 from narwhal.discovery.view import ViewChange, diff_views
+from narwhal.errors import NarwhalError
 
 __all__ = ["IN_CLUSTER_DIR", "ClusterAccess", "KubernetesStatus", "KubernetesWatcher", "ViewUpdate",
            "in_cluster_access"]
@@ -127,11 +128,11 @@ async def _read_body(response: httpx.Response, limit: int) -> bytes | None:
     return None if len(body) > limit else bytes(body)
 
 
-class _Unavailable(Exception):
+class _Unavailable(NarwhalError):
     """The API cannot be read now: degraded, retried."""
 
 
-class _Gone(Exception):
+class _Gone(NarwhalError):
     """410: the resourceVersion (or continue token) is too old: list again."""
 
 
