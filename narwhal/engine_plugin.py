@@ -27,8 +27,13 @@ Without a key ``/narwhal/attest`` answers 503 saying so, never a signature over
 an empty key; without an engine id, generation or model both endpoints answer
 503 naming what is missing.
 
-Standard library only (and ``narwhal.attestation``, itself stdlib-only): this
-module runs inside vLLM's process, so it must not import trio, msgspec or httpx.
+With ``$NARWHAL_REGISTER_ETCD`` set it also registers the engine in etcd for the
+router's discovery (``narwhal.plugin_register``): started at vLLM's lifespan
+start-up (or the first request), revoked at its shutdown.
+
+Standard library only (and ``narwhal.attestation`` and ``narwhal.plugin_register``,
+themselves stdlib-only): this module runs inside vLLM's process, so it must not
+import trio, msgspec or httpx.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from typing import Any
 
 from narwhal import attestation
 from narwhal.errors import NarwhalError
+from narwhal.plugin_register import PluginRegistrar, Registration, registration_from_environment
 
 __all__ = [
     "ENGINE_ID_ENV",
@@ -196,6 +202,8 @@ class PluginSettings:
     problems: tuple[str, ...] = ()
     # The environment the key is read from at each attest (a key file may be fixed without a restart).
     key_environ: Mapping[str, str] = dataclasses.field(default_factory=dict, repr=False)
+    # The etcd registration $NARWHAL_REGISTER_ETCD asks for; a one-line problem if it cannot be done; None if not asked.
+    registration: Registration | str | None = None
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None,
@@ -239,8 +247,11 @@ class PluginSettings:
                 # A router refuses it: say so here, where it can be fixed.
                 problems.append(f"{name} is {len(value)} characters long, more than {limit} (set {env_name})")
         key_environ = {name: env[name] for name in (attestation.KEY_FILE_ENV, attestation.KEY_ENV) if name in env}
+        registration = registration_from_environment(env, engine_id=engine_id, model=model, kv_roles=kv_roles,
+                                                     identity_problems=problems)
         return cls(engine_id=engine_id, generation=generation, model=model, kv_roles=kv_roles,
-                   process_started_at=started_at, problems=tuple(problems), key_environ=key_environ)
+                   process_started_at=started_at, problems=tuple(problems), key_environ=key_environ,
+                   registration=registration)
 
     def identity(self) -> dict[str, Any]:
         """The ``GET /narwhal/identity`` answer."""
@@ -268,8 +279,20 @@ class IdentityMiddleware:
         else:
             _log.info("narwhal identity plugin: engine_id=%s model=%s generation=%s kv_roles=%s",
                       s.engine_id, s.model, s.generation, list(s.kv_roles))
+        self.registrar: PluginRegistrar | None = None
+        if isinstance(s.registration, str):
+            # The engine serves on; only the router's discovery misses it, and this line says why.
+            _log.error("narwhal registration: not registering this engine in etcd: %s", s.registration)
+        elif s.registration is not None:
+            self.registrar = PluginRegistrar(s.registration)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.registrar is not None:
+            if scope.get("type") == "lifespan":
+                await self.app(scope, self._lifespan_receive(receive, self.registrar), send)
+                return
+            # A server run without lifespan events: start at the first request instead (once).
+            self.registrar.start()
         path = _route_path(scope) if scope.get("type") == "http" else None
         if path == IDENTITY_PATH:
             await self._identity(scope, send)
@@ -278,6 +301,22 @@ class IdentityMiddleware:
         else:
             # The stream goes straight through: no wrapper around receive or send.
             await self.app(scope, receive, send)
+
+    @staticmethod
+    def _lifespan_receive(receive: Receive, registrar: PluginRegistrar) -> Receive:
+        """vLLM's lifespan messages, passed on after starting the registration or revoking it."""
+
+        async def lifespan_receive() -> Message:
+            message = await receive()
+            kind = message.get("type")
+            if kind == "lifespan.startup":
+                registrar.start()  # it registers once /health answers 200, after the model is loaded
+            elif kind == "lifespan.shutdown":
+                # Blocks the loop for at most the revoke's deadlines: the engine is going away, nothing waits.
+                registrar.stop()
+            return message
+
+        return lifespan_receive
 
     async def _identity(self, scope: Scope, send: Send) -> None:
         if scope.get("method") != "GET":

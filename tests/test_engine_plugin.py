@@ -325,7 +325,8 @@ def test_importing_the_plugin_loads_only_the_standard_library() -> None:
                          timeout=60).stdout.split()
     narwhal_modules = {name for name in out if name.split(".")[0] == "narwhal"}
     # narwhal.errors (the exception root) imports only enum.
-    assert narwhal_modules == {"narwhal", "narwhal.attestation", "narwhal.engine_plugin", "narwhal.errors"}
+    assert narwhal_modules == {"narwhal", "narwhal.attestation", "narwhal.engine_plugin", "narwhal.errors",
+                               "narwhal.plugin_register"}
     foreign = [name for name in out
                if name.split(".")[0] not in sys.stdlib_module_names and name.split(".")[0] != "narwhal"]
     assert foreign == []
@@ -334,7 +335,7 @@ def test_importing_the_plugin_loads_only_the_standard_library() -> None:
 def test_the_vllm_guide_stays_true_to_the_plugin_and_the_config(tmp_path: Path) -> None:
     import re
 
-    from narwhal import engine_plugin
+    from narwhal import engine_plugin, plugin_register
     from narwhal.config import parse_config
 
     guide = (Path(__file__).resolve().parent.parent / "docs" / "vllm.md").read_text()
@@ -351,7 +352,10 @@ def test_the_vllm_guide_stays_true_to_the_plugin_and_the_config(tmp_path: Path) 
             assert f"{variable}=" in command
     # Every variable the plugin reads is in the guide's table.
     for variable in (engine_plugin.ENGINE_ID_ENV, engine_plugin.GENERATION_ENV, engine_plugin.KV_ROLE_ENV,
-                     engine_plugin.MODEL_ENV, attestation.KEY_FILE_ENV, attestation.KEY_ENV):
+                     engine_plugin.MODEL_ENV, attestation.KEY_FILE_ENV, attestation.KEY_ENV,
+                     plugin_register.REGISTER_ETCD_ENV, plugin_register.REGISTER_URL_ENV,
+                     plugin_register.REGISTER_ROLE_ENV, plugin_register.REGISTER_PREFIX_ENV,
+                     plugin_register.REGISTER_TTL_ENV):
         assert f"| `{variable}` |" in guide
     # The guide's narwhal.toml is a valid config (its key file swapped for one that exists here).
     # The guide's main narwhal.toml, then the one of "Try it without a GPU".

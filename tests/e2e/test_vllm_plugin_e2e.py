@@ -326,3 +326,39 @@ async def test_engine_check_passes_a_good_engine_and_names_a_wrong_key_a_wrong_r
     code, out, err = await engine_check(prefill.url, "--peer", decode.url)
     assert (code, out) == (2, "") and err == "narwhal engine-check: --peer needs --role: the role of URL " \
                                             "(the peer has the other one)\n"
+
+
+# ----- registering itself in etcd, inside FastAPI on uvicorn -------------------------------------
+
+async def test_the_plugin_registers_its_engine_in_etcd_and_revokes_at_sigterm(nursery, processes,
+                                                                               tmp_path: Path) -> None:
+    """uvicorn's lifespan reaches the middleware: the key appears once /health answers, SIGTERM revokes it."""
+    import base64
+
+    from tests.etcd_server import _free_port, start_etcd
+
+    etcd = await start_etcd(tmp_path / "etcd")
+    try:
+        port = _free_port()
+        url = f"http://127.0.0.1:{port}"
+        engine = await start_fake_vllm(nursery, "decode-r", key_file=None, kv_role="kv_consumer", port=port,
+                                       extra_env={"NARWHAL_REGISTER_ETCD": etcd.url, "NARWHAL_REGISTER_URL": url,
+                                                  "NARWHAL_REGISTER_TTL_S": "5"})
+        processes.append(engine)
+        key = {"key": base64.b64encode(b"/narwhal/engines/decode-r").decode()}
+        async with httpx.AsyncClient(timeout=5.0) as client:
+
+            async def registered() -> dict[str, Any] | None:
+                kvs = (await client.post(f"{etcd.url}/v3/kv/range", json=key)).json().get("kvs") or []
+                return json.loads(base64.b64decode(kvs[0]["value"])) if kvs else None
+
+            with trio.fail_after(10.0):
+                while (value := await registered()) is None:
+                    await trio.sleep(0.1)
+            assert value == {"url": url, "role": "decode", "model": SERVED}
+            # uvicorn shuts down gracefully (lifespan shutdown included), then re-raises SIGTERM: -15.
+            assert await engine.stop(grace_s=10.0) == -15
+            assert await registered() is None  # revoked at shutdown, not left to its 5 s TTL
+    finally:
+        with trio.CancelScope(shield=True):
+            await etcd.stop()
