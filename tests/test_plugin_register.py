@@ -217,7 +217,8 @@ async def test_an_etcd_outage_longer_than_the_ttl_ends_in_a_new_lease_and_a_rest
     assert await key(etcd) is None
     logged = messages(caplog)
     assert [line.rpartition("reason=")[2] for line in logged if " registered " in line] == ["started", "lease_lost"]
-    assert len([line for line in logged if "etcd unavailable" in line]) == 2  # once per outage: restart, cut
+    # Once per outage: the cut, and the restart if a round fell within it (etcd may restart within a round).
+    assert 1 <= len([line for line in logged if "etcd unavailable" in line]) <= 2
 
 
 @pytest.mark.parametrize(("env", "argv", "problem"), [
