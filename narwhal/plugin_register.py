@@ -26,6 +26,8 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from narwhal.errors import NarwhalError
+
 __all__ = [
     "DEFAULT_PREFIX",
     "DEFAULT_TTL_S",
@@ -167,11 +169,11 @@ def _url_problem(url: str) -> str | None:
     return None
 
 
-class _EtcdRefused(Exception):
+class _EtcdRefused(NarwhalError):
     """etcd answered 4xx (a lease it does not know, a bad request)."""
 
 
-class _EtcdUnavailable(Exception):
+class _EtcdUnavailable(NarwhalError):
     """No endpoint answered as etcd does."""
 
 
