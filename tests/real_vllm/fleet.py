@@ -141,8 +141,10 @@ class VllmFleet:
     """Prefill and decode vLLM engines from one venv and one model; ``start``/``restart``/``stop`` by name."""
 
     def __init__(self, python: str, model: str, workdir: Path, *, prefill: int = 1, decode: int = 2,
-                 served_name: str = MODEL_NAME, prefix: str = "") -> None:
+                 served_name: str = MODEL_NAME, prefix: str = "", register_etcd: str | None = None) -> None:
         self.python = python
+        # Set: the decode engines register themselves there (the plugin's NARWHAL_REGISTER_ETCD).
+        self.register_etcd = register_etcd
         self.model = model
         self.workdir = workdir
         # The name vLLM serves the model as (--served-model-name); a second fleet over the same weights under
@@ -197,6 +199,9 @@ class VllmFleet:
             "NARWHAL_FLEET_KEY": FLEET_KEY,
             "NARWHAL_NIXL_PROGRESS_DELAY_US": "2000",
         })
+        if self.register_etcd is not None and engine.role == "decode":
+            env.update({"NARWHAL_REGISTER_ETCD": self.register_etcd, "NARWHAL_REGISTER_URL": engine.url,
+                        "NARWHAL_REGISTER_TTL_S": "3"})
         return env
 
     def spawn(self, engine: Engine) -> None:
@@ -247,35 +252,9 @@ class VllmFleet:
         return took
 
     def warm(self, names: list[str], attempts: int = 4) -> None:
-        """One P/D request through every prefill/decode pair that involves ``names``, retried.
-
-        A decode engine's first request from a prefill engine starts with a NIXL handshake over the prefill's
-        side channel, which vLLM 0.32 waits for 5 s at most and then fails the request (HTTP 500); on 2 busy
-        cores a fresh engine can be that slow.  Tests start once the handshakes are done.
-        """
-        from narwhal.wire import PREFILL_KV_REQUEST
-
-        pairs = [(p, d) for p in self.of_role("prefill") for d in self.of_role("decode")
-                 if p.name in names or d.name in names]
-        body = {"model": self.served_name, "prompt": "warm up the handoff between these two engines", "max_tokens": 2}
-        with httpx.Client(timeout=60.0) as client:
-            for prefill, decode in pairs:
-                problem = ""
-                for _ in range(attempts):
-                    try:
-                        first = client.post(f"{prefill.url}/v1/completions",
-                                            json={**body, "max_tokens": 1, "kv_transfer_params": PREFILL_KV_REQUEST})
-                        kv = first.json()["kv_transfer_params"]
-                        second = client.post(f"{decode.url}/v1/completions", json={**body, "kv_transfer_params": kv})
-                        if second.status_code == 200:
-                            break
-                        problem = f"HTTP {second.status_code}: {second.text[:200]}"
-                    except (httpx.HTTPError, KeyError, ValueError) as exc:
-                        problem = repr(exc)
-                    time.sleep(1.0)
-                else:
-                    raise RuntimeError(f"no P/D request through {prefill.name} -> {decode.name} succeeded in "
-                                       f"{attempts} tries: {problem}; {decode.name}'s log ends:\n{decode.log_tail()}")
+        """One P/D request through every prefill/decode pair that involves ``names`` (``warm_pairs``)."""
+        warm_pairs([(p, d) for p in self.of_role("prefill") for d in self.of_role("decode")
+                    if p.name in names or d.name in names], self.served_name, attempts)
 
     def stop(self, name: str, grace_s: float = 20.0) -> None:
         """SIGTERM the engine's process group (after SIGCONT, in case it is frozen), SIGKILL after ``grace_s``."""
@@ -348,6 +327,36 @@ class VllmFleet:
     def described(self) -> list[tuple[str, str, str, str]]:
         """(name, url, role, served model) per engine: ``more_engines`` of another fleet's router config."""
         return [(e.name, e.url, e.role, self.served_name) for e in self.engines.values()]
+
+
+def warm_pairs(pairs: Sequence[tuple[Engine, Engine]], served_name: str, attempts: int = 4) -> None:
+    """One P/D request through each (prefill, decode) pair, retried.
+
+    A decode engine's first request from a prefill engine starts with a NIXL handshake over the prefill's
+    side channel, which vLLM 0.32 waits for 5 s at most and then fails the request (HTTP 500); on 2 busy
+    cores a fresh engine can be that slow.  Tests start once the handshakes are done.
+    """
+    from narwhal.wire import PREFILL_KV_REQUEST
+
+    body = {"model": served_name, "prompt": "warm up the handoff between these two engines", "max_tokens": 2}
+    with httpx.Client(timeout=60.0) as client:
+        for prefill, decode in pairs:
+            problem = ""
+            for _ in range(attempts):
+                try:
+                    first = client.post(f"{prefill.url}/v1/completions",
+                                        json={**body, "max_tokens": 1, "kv_transfer_params": PREFILL_KV_REQUEST})
+                    kv = first.json()["kv_transfer_params"]
+                    second = client.post(f"{decode.url}/v1/completions", json={**body, "kv_transfer_params": kv})
+                    if second.status_code == 200:
+                        break
+                    problem = f"HTTP {second.status_code}: {second.text[:200]}"
+                except (httpx.HTTPError, KeyError, ValueError) as exc:
+                    problem = repr(exc)
+                time.sleep(1.0)
+            else:
+                raise RuntimeError(f"no P/D request through {prefill.name} -> {decode.name} succeeded in "
+                                   f"{attempts} tries: {problem}; {decode.name}'s log ends:\n{decode.log_tail()}")
 
 
 @contextlib.contextmanager
