@@ -551,14 +551,18 @@ class Router:
                 await nursery.start(self.engine_set.run)
                 nursery.start_soon(self._flush_logs_periodically)
                 await nursery.start(self.supervisor.run)
-                if self.resume:
+                # With discovery the handoff's engine set holds discovered engines too: resume after the first list.
+                discovering = self.config.discovery.enabled
+                if self.resume and not discovering:
                     self._resume()
-                elif self.lease is None:
+                elif not self.resume and self.lease is None:
                     # (With a lease the handoff is the pair's: a standby follows it, drains included.)
                     self._warn_if_drains_dropped()
                 await nursery.start(self.readmitter.run)
                 # The first list of the store is in (or failed) before serving; a name clash stops the start.
                 await nursery.start(self.discovery.run)
+                if self.resume and discovering:
+                    self._resume(self._followed_engines())
                 # Before serving: an engine that answers for another model never gets a request.
                 await self.readmitter.first_identity_read()
                 await nursery.start(self.monitor.run)
@@ -594,9 +598,10 @@ class Router:
         # Log lines are batched for the hot path; none waits more than about 100 ms (asleep while none waits).
         await run_log_flusher(0.1)
 
-    def _resume(self) -> None:
-        """Apply the saved handoff when its schema and engine set match; say plainly when not."""
-        plan = plan_resume(self.handoff_path, self.config)
+    def _resume(self, engines: list[EngineSpec] | None = None) -> None:
+        """Apply the saved handoff when its schema and engine set match (``engines``: the file's and the discovered
+        ones; default the file's); say plainly when not."""
+        plan = plan_resume(self.handoff_path, self.config, engines)
         if plan.applied:
             apply_resume(plan, self.fleet, trio.current_time(), time.time())
             log_event("handoff_applied", **plan.event_fields())

@@ -111,8 +111,10 @@ def _records_problem(document: HandoffDocument) -> str | None:
     return None
 
 
-def plan_resume(path: str | os.PathLike[str], config: Config) -> ResumePlan:
-    """Read the handoff at ``path`` and decide whether it may be applied to ``config``'s fleet."""
+def plan_resume(path: str | os.PathLike[str], config: Config,
+                engines: Sequence[EngineSpec] | None = None) -> ResumePlan:
+    """Read the handoff at ``path`` and decide whether it may be applied to ``config``'s fleet (``engines``:
+    the engine set to compare with, as ``plan_document`` takes it)."""
     where = os.fspath(path)
     try:
         document = read_document(where)
@@ -122,7 +124,7 @@ def plan_resume(path: str | os.PathLike[str], config: Config) -> ResumePlan:
         return _not_applied(where, str(exc))
     except HandoffUnreadable as exc:
         return _not_applied(where, f"unreadable: {exc}")
-    return plan_document(document, config, where)
+    return plan_document(document, config, where, engines)
 
 
 def plan_document(document: HandoffDocument, config: Config, where: str,

@@ -119,10 +119,13 @@ async def test_a_fleet_wide_burst_of_health_5xx_recovers_by_itself(start_fleet):
     for name in fleet.engines:
         await fleet.set_fault(name, "unhealthy")  # /health answers 503; inference still works
 
-    async def not_ready() -> bool:
-        return await ready(fleet) == 503
+    async def all_held() -> bool:
+        # Counted by events, not by catching /ready's 503: each probe that passes clears its hold at once, so
+        # the moment every engine is held at the same time can be too short to poll under load.
+        return all(fleet.router.events("engine_hold_added", engine=name, hold_kind="inference_verification")
+                   for name in fleet.engines)
 
-    await wait_until(not_ready, timeout_s=20.0, what="every engine held for verification")
+    await wait_until(all_held, timeout_s=20.0, what="every engine held for verification")
     # Let the burst go on for a few monitor passes: every sweep sees 503 everywhere.
     await wait_for_passes(fleet.client, fleet.url, 3)
     for name in fleet.engines:
