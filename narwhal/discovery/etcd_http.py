@@ -1,8 +1,9 @@
-"""etcd v3's JSON gateway (``/v3/...``) over httpx, for discovery: endpoints in turn, bounded answers.
+"""etcd v3's JSON gateway (``/v3/...``) over httpx: endpoints in turn, bounded answers.
 
-The lease backend (``narwhal.lease.etcd_backend``) speaks the same gateway for
-the same reason (no maintained etcd v3 client runs on trio); discovery keeps
-its own small transport so that neither module reaches into the other.
+No maintained etcd v3 client runs on trio, so Narwhal speaks the gateway
+itself; this one transport serves discovery, ``narwhal register`` and the
+etcd lease (``narwhal.lease.etcd_backend``, which turns its errors into
+``LeaseBackendError``).
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ K/epoch's mod_revision is what we read, then put K (with our lease) and
 K/epoch + 1 and delete K/takeover. The handoff is put by a txn that compares
 K's create_revision and lease with ours, so a writer whose lease is gone
 cannot overwrite its successor's. Every call tries the endpoints in turn,
-starting with the last one that answered.
+starting with the last one that answered (``narwhal.discovery.etcd_http.EtcdHttp``,
+the transport discovery and ``narwhal register`` use too).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 import httpx
 import msgspec
 
+from narwhal.discovery.etcd_http import EtcdHttp, EtcdRefused, EtcdUnavailable
 from narwhal.lease.backend import Acquisition, LeaseBackendError, Renewal
 from narwhal.lease.rules import LeaseRecord, TakeoverRequest
 
@@ -37,8 +39,6 @@ __all__ = ["EtcdLeaseBackend"]
 _encoder = msgspec.json.Encoder()
 _decode_record = msgspec.json.Decoder(LeaseRecord)
 _decode_takeover = msgspec.json.Decoder(TakeoverRequest)
-# Bound on an etcd answer: records and handoffs are small; a huge body is not etcd.
-_MAX_RESPONSE_BYTES = 16 * 1024 * 1024
 
 
 def _b64(text: str | bytes) -> str:
@@ -94,55 +94,26 @@ class EtcdLeaseBackend:
         self.monotonic = monotonic
         # A record put by hand without an etcd lease: (create, mod revision) and when we first saw it.
         self._unleased: tuple[tuple[int, int], float] | None = None
-        self._client = client or httpx.AsyncClient(timeout=timeout_s)
-        self._current = 0
+        # The transport discovery uses too: endpoints in turn, from the last one that answered.
+        self._http = EtcdHttp(self.endpoints, timeout_s=timeout_s, client=client)
         # The etcd lease under which we hold the key, while we hold it.
         self._lease_id = 0
 
     def __repr__(self) -> str:
-        return f"<EtcdLeaseBackend {self.key!r} at {self.endpoints[self._current]} [lease {self._lease_id or '-'}]>"
+        endpoint = self._http.endpoints[self._http.current]
+        return f"<EtcdLeaseBackend {self.key!r} at {endpoint} [lease {self._lease_id or '-'}]>"
 
     # -- transport ---------------------------------------------------------------------
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST to the first endpoint that answers; raise LeaseBackendError when none does."""
-        problems: list[str] = []
-        count = len(self.endpoints)
-        payload = _encoder.encode(body)
-        for step in range(count):
-            index = (self._current + step) % count
-            endpoint = self.endpoints[index]
-            try:
-                response = await self._client.post(f"{endpoint}{path}", content=payload,
-                                                   headers={"content-type": "application/json"},
-                                                   timeout=self.timeout_s)
-            except httpx.HTTPError as exc:
-                problems.append(f"{endpoint}: {type(exc).__name__}")
-                continue
-            if len(response.content) > _MAX_RESPONSE_BYTES:
-                problems.append(f"{endpoint}: answer over {_MAX_RESPONSE_BYTES} bytes")
-                continue
-            if 400 <= response.status_code < 500:
-                # A definitive answer (e.g. "requested lease not found"): another member would say the same.
-                self._current = index
-                raise _EtcdRefused(response.status_code, response.text[:300])
-            if response.status_code != 200:
-                # A member without a leader or quorum says so with an error: try the next one.
-                problems.append(f"{endpoint}: HTTP {response.status_code} {response.text[:200]!r}")
-                continue
-            try:
-                # The keepalive stream may carry several JSON objects; the first is ours.
-                first = response.content.split(b"\n", 1)[0]
-                answer = msgspec.json.decode(first)
-            except msgspec.DecodeError:
-                problems.append(f"{endpoint}: not JSON")
-                continue
-            if not isinstance(answer, dict):
-                problems.append(f"{endpoint}: not a JSON object")
-                continue
-            self._current = index
-            return answer
-        raise LeaseBackendError(f"etcd unreachable: {'; '.join(problems)}")
+        try:
+            return await self._http.post(path, body)
+        except EtcdRefused as exc:
+            # A definitive answer (e.g. "requested lease not found"): another member would say the same.
+            raise _EtcdRefused(exc.status, exc.text) from None
+        except EtcdUnavailable as exc:
+            raise LeaseBackendError(str(exc)) from None
 
     async def _txn(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
                    failure: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -330,4 +301,4 @@ class EtcdLeaseBackend:
         return bool(answer.get("succeeded"))
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        await self._http.aclose()
