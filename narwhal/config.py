@@ -288,6 +288,13 @@ class FleetConfig(_Section, frozen=True):
             raise ValueError("model must not be empty")
         if not self.generation:
             raise ValueError("generation must not be empty")
+
+    def generation_of(self, model: str) -> str:
+        """The generation engines of ``model`` must report: its ``[[fleet.models]]`` entry's, else ``generation``."""
+        for entry in self.models:
+            if entry.name == model and entry.generation is not None:
+                return entry.generation
+        return self.generation
         if self.attestation_key is not None and self.attestation_key_file is not None:
             raise ValueError("set attestation_key or attestation_key_file, not both")
 

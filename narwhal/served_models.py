@@ -45,8 +45,7 @@ class ServedModels:
                 else serving.max_attempts
             self.models[name] = ServedModel(
                 name=name,
-                generation=entry.generation if entry is not None and entry.generation is not None
-                else fleet.generation,
+                generation=fleet.generation_of(name),
                 aliases=tuple(entry.aliases) if entry is not None else (),
                 # The saturate policy makes one attempt whatever the key says.
                 max_attempts=attempts if bounded else 1,

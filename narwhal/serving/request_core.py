@@ -417,7 +417,7 @@ class RequestCore:
         route = ex.route
         # The served model's own name (a bounded set); "" for a request refused before its model was known:
         # a name a client sent is never a label value.
-        model = ex.model.name if ex.model is not None else ""
+        model = ex.model.name if ex.model is not None else ""  # _model_label, inline: once per request
         self.metrics.requests.inc(route, str(ex.status), model)
         self.metrics.request_duration.observe(duration_s, route, model)
         if ex.ttft_s is not None:

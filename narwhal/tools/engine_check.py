@@ -348,9 +348,7 @@ def _expectations(args: argparse.Namespace) -> Expectations:
         # The URL's own [[engines]] entry, when it has one, names the model (and so the generation) it serves.
         served = _served_model(config, args.url)
         model = model or served or config.fleet.model
-        generation = generation or next((entry.generation for entry in config.fleet.models
-                                         if entry.name == model and entry.generation is not None),
-                                        config.fleet.generation)
+        generation = generation or config.fleet.generation_of(model)
         if not args.key_file:
             key = config.attestation_key_bytes(Path(args.config).parent)
             source = f"{args.config} [fleet]" if key else ""

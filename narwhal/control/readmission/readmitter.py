@@ -507,8 +507,8 @@ class Readmitter:
             try:
                 claimed = contract.read_identity(identity.body)
             except _Refused:
-                pass
-            else:
+                claimed = None  # an unreadable identity is no verdict: /v1/models decides below
+            if claimed is not None:
                 contract.check_identity_model(claimed, model)
         listed = await self.control_pool.get(spec, "/v1/models")
         if listed.status != 200:
@@ -522,14 +522,7 @@ class Readmitter:
 
     async def _check_generation(self, attempt: _Attempt) -> None:
         assert attempt.identity is not None
-        contract.check_generation(attempt.identity, self._generation(self.config.model_of(attempt.spec)))
-
-    def _generation(self, model: str) -> str:
-        """The generation engines of ``model`` must report: its [[fleet.models]] entry's, else fleet.generation."""
-        for entry in self.config.fleet.models:
-            if entry.name == model and entry.generation is not None:
-                return entry.generation
-        return self.config.fleet.generation
+        contract.check_generation(attempt.identity, self.config.fleet.generation_of(self.config.model_of(attempt.spec)))
 
     async def _check_kv_role(self, attempt: _Attempt) -> None:
         assert attempt.identity is not None
