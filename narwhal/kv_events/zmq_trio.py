@@ -20,7 +20,7 @@ class TrioSocket:
 
     def __init__(self, socket: zmq.Socket[bytes]) -> None:
         self.socket = socket
-        self._fd = int(socket.getsockopt(zmq.FD))  # type: ignore[arg-type]  # an int for FD
+        self._fd = int(socket.getsockopt(zmq.FD))  # an int for FD
         self._closed = False
 
     @classmethod
@@ -34,7 +34,7 @@ class TrioSocket:
         while True:
             if self._closed:
                 raise trio.ClosedResourceError("the socket is closed")
-            if int(self.socket.getsockopt(zmq.EVENTS)) & flag:  # type: ignore[arg-type]  # an int for EVENTS
+            if int(self.socket.getsockopt(zmq.EVENTS)) & flag:  # an int for EVENTS
                 return
             await trio.lowlevel.wait_readable(self._fd)
 
