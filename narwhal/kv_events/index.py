@@ -16,6 +16,7 @@ import sys
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
+from itertools import islice, takewhile
 
 from narwhal.fleet.placement.prefix_key import MAX_BLOCKS
 from narwhal.kv_events.wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KvBatch
@@ -82,16 +83,17 @@ def _norm(block_hash: BlockHash) -> BlockHash:
 class _Engine:
     """One engine's blocks."""
 
-    __slots__ = ("block_size", "held", "order", "orphans", "pending")
+    __slots__ = ("block_size", "held", "order", "orphans", "pending", "placed")
 
     def __init__(self) -> None:
         self.block_size: int | None = None
         # engine hash -> key, oldest stored first.
         self.order: OrderedDict[BlockHash, int] = OrderedDict()
-        # key -> how many stored engine hashes carry it (an int), or, for a block only pending, when
-        # its pending ends (a float): one lookup per block answers a match.
-        self.held: dict[int, int | float] = {}
-        # (deadline, key) of note_placed blocks, in deadline order.
+        # key -> how many stored engine hashes carry it.
+        self.held: dict[int, int] = {}
+        # key -> when its pending ends, for placed blocks the feed has not stored (yet).
+        self.placed: dict[int, float] = {}
+        # (deadline, key) of note_placed blocks, in deadline order: what expires first is first.
         self.pending: deque[tuple[float, int]] = deque()
         self.orphans = 0
 
@@ -100,7 +102,7 @@ class _Engine:
 
     def clear(self, *, keep_block_size: bool) -> None:
         # New tables, not emptied ones: a dict keeps its peak size after deletes.
-        self.order, self.held, self.pending = OrderedDict(), {}, deque()
+        self.order, self.held, self.placed, self.pending = OrderedDict(), {}, {}, deque()
         if not keep_block_size:
             self.block_size = None
 
@@ -179,7 +181,7 @@ class KvIndex:
         if data is None:
             return
         keys = _chain(key, data, size * 8)
-        order, held = state.order, state.held
+        order, held, placed = state.order, state.held, state.placed
         # Deepest first: within an event a block's ancestors are newer, so eviction takes tails first.
         for index in range(count - 1, -1, -1):
             block_hash, key = _norm(hashes[index]), keys[index]
@@ -187,8 +189,9 @@ class KvIndex:
             if old is not None:
                 _drop_key(held, old)
             order[block_hash] = key
-            seen = held.get(key)
-            held[key] = seen + 1 if seen.__class__ is int else 1
+            held[key] = held.get(key, 0) + 1
+            if placed:
+                placed.pop(key, None)  # stored: no longer only pending
         self._trim(state)
 
     def _remove(self, state: _Engine, event: BlockRemoved) -> None:
@@ -208,13 +211,13 @@ class KvIndex:
             _drop_key(held, order.popitem(last=False)[1])
             excess -= 1
         while excess > 0 and pending:
-            _drop_pending(held, *pending.popleft())
+            _drop_pending(state.placed, *pending.popleft())
             excess -= 1
 
     def _expire(self, state: _Engine, now: float) -> None:
-        pending, held = state.pending, state.held
+        pending, placed = state.pending, state.placed
         while pending and pending[0][0] <= now:
-            _drop_pending(held, *pending.popleft())
+            _drop_pending(placed, *pending.popleft())
 
     # -- placement ------------------------------------------------------------------------------
 
@@ -230,21 +233,24 @@ class KvIndex:
         get_state = self._engines.get
         for engine in engines:
             state = get_state(engine)
-            if state is None or state.block_size is None or not state.held:
+            if state is None or state.block_size is None or not (state.held or state.placed):
                 found.append(0)
                 continue
             size = state.block_size
             keys = keys_of.get(size)
             if keys is None:
                 keys = keys_of[size] = chain_keys(tokens, size)
-            get = state.held.get
-            run = 0
-            # The first block an engine lacks ends its run: most engines cost one lookup.
-            for key in keys:
-                seen = get(key)
-                if seen is None or (seen.__class__ is float and seen <= now):
-                    break
-                run += 1
+            # The first block an engine lacks ends its run: most engines cost one lookup, and the
+            # stored run is counted in C (a fleet of hundreds may all hold a long system prompt).
+            held = state.held
+            run = len(list(takewhile(held.__contains__, keys)))
+            placed = state.placed
+            if placed and run < len(keys):
+                get = placed.get
+                for key in islice(keys, run, None):
+                    if key not in held and get(key, 0.0) <= now:
+                        break
+                    run += 1
             found.append(run * size)
         return found
 
@@ -259,11 +265,11 @@ class KvIndex:
             return
         self._expire(state, now)
         deadline = float(now + self.pending_s)
-        held, pending = state.held, state.pending
+        held, placed, pending = state.held, state.placed, state.pending
         for key in chain_keys(tokens, state.block_size, max_blocks=min(MAX_BLOCKS, self.quota)):
-            if held.get(key).__class__ is int:
+            if key in held:
                 continue  # stored already
-            held[key] = deadline
+            placed[key] = deadline
             pending.append((deadline, key))
         self._trim(state)
 
@@ -293,18 +299,16 @@ class KvIndex:
         return 0 if state is None else state.orphans
 
 
-def _drop_key(held: dict[int, int | float], key: int) -> None:
+def _drop_key(held: dict[int, int], key: int) -> None:
     # One fewer stored engine hash carries the key.
-    seen = held.get(key)
-    if seen.__class__ is int:
-        if seen > 1:
-            held[key] = seen - 1
-        else:
-            del held[key]
-
-
-def _drop_pending(held: dict[int, int | float], deadline: float, key: int) -> None:
-    # Only if this note is still the key's latest one and the feed has not stored it since.
-    seen = held.get(key)
-    if seen.__class__ is float and seen == deadline:
+    seen = held.get(key, 0)
+    if seen > 1:
+        held[key] = seen - 1
+    elif seen:
         del held[key]
+
+
+def _drop_pending(placed: dict[int, float], deadline: float, key: int) -> None:
+    # Only if this note is still the key's latest one (and the feed has not stored it since).
+    if placed.get(key) == deadline:
+        del placed[key]
