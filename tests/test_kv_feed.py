@@ -524,3 +524,47 @@ async def test_new_process_clears_and_starts_over(ctx) -> None:
             await sink.until(lambda: sink.applied() == [1.0])
             nursery.cancel_scope.cancel()
     pub.close()
+
+
+async def test_only_the_topic_asked_for(ctx) -> None:
+    pub = Publisher(ctx, topic=b"kv")
+    sink = Sink()
+    feeds = KvFeeds(sink, limits=FAST)
+    with trio.fail_after(WAIT):
+        async with trio.open_nursery() as nursery:
+            await start(nursery, feeds, pub)
+            feeds.set_sources({"e": pub.source()})
+            await pub.subscribed()
+            await pub.asked(1)
+            # A topic that only starts with ours (ZeroMQ's subscription matches it) is not ours.
+            pub.pub.send_multipart_nowait([b"kv-other", (7).to_bytes(8, "big"),
+                                           encode_batch(KvBatch(7.0, [AllBlocksCleared()]))])
+            pub.publish()
+            pub.publish()
+            await sink.until(lambda: sink.applied() == [0.0, 1.0])
+            assert feeds.stats()["e"].dropped == 0
+            nursery.cancel_scope.cancel()
+    pub.close()
+
+
+async def test_live_batches_held_during_a_replay_are_bounded(ctx) -> None:
+    pub = Publisher(ctx)
+    sink = Sink()
+    feeds = KvFeeds(sink, limits=FeedLimits(inbox_messages=3, replay_idle_s=2, stall_s=0.5))
+    with trio.fail_after(WAIT):
+        async with trio.open_nursery() as nursery:
+            await start(nursery, feeds, pub)
+            pub.replay_gate = trio.Event()
+            feeds.set_sources({"e": pub.source()})
+            await pub.subscribed()
+            await pub.asked(1)
+            for _ in range(10):  # held while the replay is answered: three kept, the rest dropped
+                pub.publish()
+            await wait_until(lambda: feeds.stats()["e"].dropped == 7)
+            pub.replay_gate.set()  # the replay brings them all
+            await sink.until(lambda: len(sink.applied()) == 10)
+            pub.publish()
+            await sink.until(lambda: sink.applied() == [float(seq) for seq in range(11)])
+            assert feeds.stats()["e"].resyncs == 0
+            nursery.cancel_scope.cancel()
+    pub.close()

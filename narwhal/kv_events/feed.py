@@ -206,8 +206,9 @@ class _Feed:
             with trio.move_on_after(self._limits.stall_s if disconnected else float("inf")) as waited:
                 frames = await monitor.recv_multipart()
             if waited.cancelled_caught:
-                # ZeroMQ drops a connection that sent a message over ZMQ_MAXMSGSIZE and, being a protocol
-                # error, does not reconnect: the one disconnect with no retry after it. Rebuild.
+                # ZeroMQ drops a connection that sent a message over ZMQ_MAXMSGSIZE and, that being a
+                # protocol error, does not reconnect: the one disconnect with no retry after it (any other
+                # protocol error looks the same; oversize is the one a publisher of vLLM's format makes).
                 self._bad("MessageTooLarge")
                 session.cancel()
                 return
@@ -341,12 +342,13 @@ class _Feed:
                         if seq == END_SEQ:
                             self._open_dup_window(first)
                             return None
-                        if seq < 0 or (self.last_seq is not None and seq <= self.last_seq):
-                            continue
                         if not self._admit():
-                            self._flood_from = self.last_seq + 1 if self.last_seq is not None else seq
+                            self._flood_from = self.last_seq + 1 if self.last_seq is not None else max(0, seq)
                             self.counters.dropped += 1
                             return "flood"
+                        if seq < 0 or (self.last_seq is not None and seq <= self.last_seq):
+                            self._charge(1)  # a replay of copies costs the budget too
+                            continue
                         if self.last_seq is not None and seq > self.last_seq + 1 and not catch_up:
                             # The replay buffer no longer holds what we missed.
                             self._resync(self.last_seq + 1, seq - 1, "replay_incomplete")
@@ -413,6 +415,7 @@ class _Feed:
 
     def _bad(self, error: str) -> None:
         self.counters.dropped += 1
+        self._charge(1)  # garbage costs the budget as a batch does
         now = self._clock()
         if self._last_bad_log is not None and now - self._last_bad_log < self._limits.bad_log_interval_s:
             self._bad_suppressed += 1
