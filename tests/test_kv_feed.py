@@ -453,6 +453,7 @@ async def test_state_down_resyncing_live(ctx) -> None:
             pub.publish(send=False)
             pub.replay_gate = trio.Event()
             nursery.start_soon(pub.serve)
+            await pub.subscribed()
             await pub.asked(1)
             assert feeds.stats()["e"].state == "resyncing"
             pub.replay_gate.set()
