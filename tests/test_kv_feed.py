@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
 import time
 from collections.abc import Callable
 
@@ -569,3 +570,103 @@ async def test_live_batches_held_during_a_replay_are_bounded(ctx) -> None:
             assert feeds.stats()["e"].resyncs == 0
             nursery.cancel_scope.cancel()
     pub.close()
+
+
+VLLM_PUBLISHER = """
+import sys
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
+publisher = ZmqEventPublisher(0, endpoint=f"tcp://*:{sys.argv[1]}", replay_endpoint=f"tcp://*:{sys.argv[2]}",
+                              topic="kv")
+print("ready", flush=True)
+for line in sys.stdin:
+    n = int(line)
+    publisher.publish(KVEventBatch(ts=float(n), events=[
+        BlockStored(block_hashes=[n, 2**64 - 1 - n], parent_block_hash=None, token_ids=list(range(8)),
+                    block_size=4, lora_id=None, medium="GPU", lora_name=None),
+        BlockRemoved(block_hashes=[n], medium="GPU")]))
+publisher.shutdown()
+"""
+
+
+def real_vllm_python() -> str | None:
+    """The real-vLLM tier's venv python, if one was built here (any recipe: vLLM's publisher is what is used)."""
+    from tests.real_vllm.setup_env import cache_root
+
+    for python in sorted(cache_root().glob("venv-*/bin/python")):
+        if list(python.parent.parent.glob("lib/python3*/site-packages/vllm/distributed/kv_events.py")):
+            return str(python)
+    return None
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class BatchSink(Sink):
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[KvBatch] = []
+
+    def apply(self, engine: str, batch: KvBatch, now: float) -> None:
+        self.batches.append(batch)
+        super().apply(engine, batch, now)
+
+
+async def test_vllms_own_publisher(tmp_path) -> None:
+    python = real_vllm_python()
+    if python is None:
+        pytest.skip("no real-vLLM venv here (python3 tests/real_vllm/setup_env.py builds one)")
+    from narwhal.kv_events.wire import BlockRemoved, BlockStored
+
+    script = tmp_path / "publisher.py"
+    script.write_text(VLLM_PUBLISHER)
+    port, replay_port = free_port(), free_port()
+    sink = BatchSink()
+    feeds = KvFeeds(sink, limits=FAST)
+    with trio.fail_after(180):
+        proc = await trio.lowlevel.open_process([python, str(script), str(port), str(replay_port)],
+                                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                                stderr=subprocess.DEVNULL)
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            seen = b""
+            while b"ready\n" not in seen:
+                chunk = await proc.stdout.receive_some()
+                assert chunk, "vLLM's publisher exited"
+                seen += chunk
+            for n in range(3):  # published before the router subscribed: caught up from vLLM's replay
+                await proc.stdin.send_all(f"{n}\n".encode())
+            async with trio.open_nursery() as nursery:
+                await nursery.start(feeds.run)
+                # vLLM publishes from a thread: wait until the history is in its replay buffer.
+                while sink.applied() != [0.0, 1.0, 2.0]:
+                    feeds.set_sources({})
+                    feeds.set_sources({"e": FeedSource(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}",
+                                                       "kv")})
+                    with trio.move_on_after(2):
+                        await sink.until(lambda: sink.applied() == [0.0, 1.0, 2.0])
+                # Live now; a batch published before our subscription reached vLLM is lost to the live
+                # socket, and the next one's gap brings it back from the replay.
+                n = 3
+                while sink.applied() != [float(seq) for seq in range(n)] or n < 6:
+                    await proc.stdin.send_all(f"{n}\n".encode())
+                    n += 1
+                    with trio.move_on_after(2):
+                        await sink.until(lambda want=n: len(sink.applied()) >= want)
+                assert feeds.stats()["e"].resyncs == 0
+                last = sink.batches[-1]
+                k = int(last.ts)
+                assert last.events == [BlockStored([k, 2**64 - 1 - k], None, list(range(8)), 4, medium="GPU"),
+                                       BlockRemoved([k], medium="GPU")]
+                nursery.cancel_scope.cancel()
+        finally:
+            await proc.stdin.aclose()
+            with trio.move_on_after(10):
+                await proc.wait()
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
