@@ -304,9 +304,11 @@ class _Feed:
         assert self.last_seq is not None
         want = self.last_seq + 1
         failure = "no_replay" if self.source.replay is None else await self._replay(ctx, want, catch_up=False)
-        if failure is not None and failure != "flood" and seen is not None:
-            # Cleared now, in step again with the message that showed the gap.
-            self._resync(want, seen - 1, failure)
+        if failure is None or failure == "flood" or seen is None or self.last_seq is None:
+            return
+        if self.last_seq + 1 < seen:
+            # What is still missing is lost: cleared, and in step again with the message that showed the gap.
+            self._resync(self.last_seq + 1, seen - 1, failure)
             self.last_seq = seen - 1
 
     async def _replay(self, ctx: zmq.Context[zmq.Socket[bytes]], start: int, *, catch_up: bool) -> str | None:
@@ -324,36 +326,39 @@ class _Feed:
         try:
             dealer.socket.connect(self.source.replay)
             with trio.move_on_after(self._limits.replay_max_s):
+                sent = False
                 with trio.move_on_after(self._limits.replay_idle_s):
+                    # A DEALER with no peer yet cannot send: this waits for the connection too.
                     await dealer.send_multipart([b"", encode_seq(start)])
-                    while True:
-                        with trio.move_on_after(self._limits.replay_idle_s) as idle:
-                            frames = await dealer.recv_multipart()
-                        if idle.cancelled_caught:
-                            break
-                        if len(frames) != 4 or frames[0] != b"":
-                            self._bad("KvWireError")
-                            continue
-                        try:
-                            seq = decode_seq(frames[2])
-                        except KvWireError:
-                            self._bad("KvWireError")
-                            continue
-                        if seq == END_SEQ:
-                            self._open_dup_window(first)
-                            return None
-                        if not self._admit():
-                            self._flood_from = self.last_seq + 1 if self.last_seq is not None else max(0, seq)
-                            self.counters.dropped += 1
-                            return "flood"
-                        if seq < 0 or (self.last_seq is not None and seq <= self.last_seq):
-                            self._charge(1)  # a replay of copies costs the budget too
-                            continue
-                        if self.last_seq is not None and seq > self.last_seq + 1 and not catch_up:
-                            # The replay buffer no longer holds what we missed.
-                            self._resync(self.last_seq + 1, seq - 1, "replay_incomplete")
-                        first = seq if first is None else first
-                        self._apply(seq, frames[3])
+                    sent = True
+                while sent:
+                    with trio.move_on_after(self._limits.replay_idle_s) as idle:
+                        frames = await dealer.recv_multipart()
+                    if idle.cancelled_caught:
+                        break
+                    if len(frames) != 4 or frames[0] != b"":
+                        self._bad("KvWireError")
+                        continue
+                    try:
+                        seq = decode_seq(frames[2])
+                    except KvWireError:
+                        self._bad("KvWireError")
+                        continue
+                    if seq == END_SEQ:
+                        self._open_dup_window(first)
+                        return None
+                    if not self._admit():
+                        self._flood_from = self.last_seq + 1 if self.last_seq is not None else max(0, seq)
+                        self.counters.dropped += 1
+                        return "flood"
+                    if seq < 0 or (self.last_seq is not None and seq <= self.last_seq):
+                        self._charge(1)  # a replay of copies costs the budget too
+                        continue
+                    if self.last_seq is not None and seq > self.last_seq + 1 and not catch_up:
+                        # The replay buffer no longer holds what we missed.
+                        self._resync(self.last_seq + 1, seq - 1, "replay_incomplete")
+                    first = seq if first is None else first
+                    self._apply(seq, frames[3])
             self._open_dup_window(first)
             return "replay_timeout"
         finally:
