@@ -242,6 +242,7 @@ async def test_batches_reach_the_sink_in_order(ctx) -> None:
             assert pub.replay_requests[0] == 0
             stats = feeds.stats()["e"]
             assert (stats.state, stats.last_seq, stats.dropped, stats.resyncs) == ("live", 23, 0, 0)
+            assert stats.events_per_s > 0 and stats.blocks == 0  # blocks: the caller's, from the index
             assert feeds.live("e")
             nursery.cancel_scope.cancel()
     pub.close()

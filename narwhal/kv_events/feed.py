@@ -56,10 +56,13 @@ class FeedStats(msgspec.Struct):
 
 
 class FeedLimits(msgspec.Struct, frozen=True):
-    """What one feed may cost; the defaults are far above what a vLLM engine publishes."""
+    """What one feed may cost: at most (2 * rcv_hwm) * max_message_bytes + inbox_bytes of messages held.
 
-    max_message_bytes: int = 4 << 20   # ZMQ_MAXMSGSIZE: a bigger message makes ZeroMQ drop the connection
-    rcv_hwm: int = 256                 # messages ZeroMQ queues before the inbox takes them
+    The defaults are far above what vLLM publishes: a batch is one scheduler step, tens of KB.
+    """
+
+    max_message_bytes: int = 1 << 20   # ZMQ_MAXMSGSIZE: a bigger message makes ZeroMQ drop the connection
+    rcv_hwm: int = 64                  # messages ZeroMQ queues (SUB, and DEALER during a replay) before we read
     inbox_bytes: int = 16 << 20        # live messages held while a replay runs
     inbox_messages: int = 4096
     replay_idle_s: float = 2.0         # a replay that sends nothing for this long has failed
