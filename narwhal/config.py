@@ -50,6 +50,7 @@ __all__ = [
     "load_config",
     "parse_config",
     "parse_listen",
+    "zmq_endpoint_problem",
     "resolve_config_path",
 ]
 
@@ -507,6 +508,10 @@ class PlacementConfig(_Section, frozen=True):
     max_index_mb: float = 64.0
     # Tokens per hashed block (a text block is 4 bytes a token).
     block_tokens: int = 16
+    # The engines' own KV events (vLLM's --kv-events-config): "auto" subscribes to each prefill engine's
+    # publisher where one is known and scores it from its feed; "required" also keeps an engine without a
+    # live feed out of prefill; "off" places on the approximate index only.
+    kv_events: Literal["off", "auto", "required"] = "auto"
 
     def __post_init__(self) -> None:
         _at_least("balance_abs", self.balance_abs, 0)
@@ -563,18 +568,48 @@ def engine_endpoint(url: str) -> tuple[str, int, bytes, bool]:
     return endpoint
 
 
+def zmq_endpoint_problem(value: str | None) -> str | None:
+    """Why ``value`` is not a ``tcp://HOST:PORT`` a subscriber can connect to (None when it is, or unset)."""
+    if value is None:
+        return None
+    parts = urllib.parse.urlsplit(value)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "tcp" or not parts.hostname or port is None or port == 0 or parts.path \
+            or parts.query or parts.fragment:
+        return f"must be tcp://HOST:PORT (a port above 0), got {value!r}"
+    if parts.hostname in ("*", "0.0.0.0", "::"):
+        return f"names no host to connect to ({value!r}): give the engine's address"
+    return None
+
+
 class EngineSpec(_Section, frozen=True):
     name: str
     url: str
     role: Literal["prefill", "decode"]
     # The model the engine serves; None: [fleet] model (a parsed Config sets it on every engine).
     model: str | None = None
+    # Its KV event publisher and replay socket (vLLM's --kv-events-config endpoint and replay_endpoint, as
+    # reached from the router), and the topic to take (None: every topic). Unset: its identity says.
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+    kv_events_topic: str | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("name must not be empty")
         if self.model is not None and not self.model:
             raise ValueError("model must not be empty when set (leave it out for [fleet] model)")
+        for key in ("kv_events", "kv_events_replay"):
+            problem = zmq_endpoint_problem(getattr(self, key))
+            if problem is not None:
+                raise ValueError(f"{key} {problem}")
+        if self.kv_events_replay is not None and self.kv_events is None:
+            raise ValueError("kv_events_replay needs kv_events (the publisher it replays)")
+        if self.role != "prefill" and (self.kv_events or self.kv_events_topic is not None):
+            raise ValueError("kv_events is for prefill engines: only a prefill engine's cache places requests")
         parts = urllib.parse.urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"url must be http://HOST[:PORT] or https://HOST[:PORT], got {self.url!r}")

@@ -65,6 +65,7 @@ from narwhal.control.fleet_writer import FleetWriter
 from narwhal.control.model_lengths import ModelLengths
 from narwhal.control.model_view import ModelViewer
 from narwhal.control.monitor import Monitor
+from narwhal.control.placement_view import PlacementView, placement_view
 from narwhal.control.readmission import Readmitter
 from narwhal.control.reload import ReloadError, ReloadOutcome, split_config_error
 from narwhal.control.supervisor import Supervisor
@@ -76,6 +77,8 @@ from narwhal.fleet.registry import EngineEntry, EngineRegistry, entries_from_con
 from narwhal.fleet.telemetry import Telemetry
 from narwhal.http1.asgi import ASGILifespan, call_asgi
 from narwhal.http1.server import HTTPServer
+from narwhal.kv_events.service import KvEvents
+from narwhal.kv_events.sources import KvPublishers, feed_sources
 from narwhal.lease import EtcdLeaseBackend, Role, build_backend
 from narwhal.lease.backend import LeaseBackend
 from narwhal.lease.service import LeaseService, LeaseView, ServingParts
@@ -194,6 +197,10 @@ class Router:
         # Cache-aware placement's prefix index: the request path's own in one process; with workers,
         # the union of what they placed, relayed between them by the hub (narwhal.workers.index_relay).
         self.prefix_index = SharedIndex(build_index(config))
+        # The prefill engines' own KV events: this process's subscriptions (each worker has its own too),
+        # at the publishers the engines' config or identities give.
+        self.kv_events = KvEvents(config.placement, [entry.name for entry in engines if entry.role == "prefill"])
+        self.kv_publishers = KvPublishers(on_change=self._kv_sources_changed)
         recovery = config.recovery
         # The one writer: every part that changes the fleet gets this, never the bare Fleet.
         self.fleet = FleetWriter(Fleet(
@@ -232,7 +239,7 @@ class Router:
                              record_sample=self.timeline.record_request, share_in_flight=self.worker_count > 1,
                              engine_specs=self.registry.spec_list, running_config=lambda: self.config,
                              poke=poke, index=self.prefix_index if self.worker_count > 1 else None,
-                             admit_until=self._admit_until)
+                             admit_until=self._admit_until, kv_sources=lambda: self.kv_events.sources)
         self.index_relay = self.hub.index_relay
         self.data_plane = self._build_data_plane(config_dir)
         self.in_flight = self.data_plane.in_flight
@@ -252,9 +259,8 @@ class Router:
                                      inference_check=self.supervisor.inference_probe,
                                      # A drained engine restarted by its operator comes back with an empty
                                      # cache: readmission sees the new process.
-                                     on_newer_process=functools.partial(self._forget_prefixes,
-                                                                        reason="newer_process"),
-                                     model_lengths=self.model_lengths)
+                                     on_newer_process=self._newer_process,
+                                     model_lengths=self.model_lengths, kv_publishers=self.kv_publishers)
         self.stages = build_stages(config=config, supervisor=self.supervisor, control_pool=self.control_pool,
                                    telemetry=self.telemetry, in_flight=self.in_flight,
                                    persistence_stage=self.persistence, readmission=self.readmitter,
@@ -348,7 +354,8 @@ class Router:
                                admission=self.admission, metrics=self.metrics, telemetry=self.timeline,
                                serve_rest=functools.partial(call_asgi, self.app),
                                placement=RequestPlacement(config, self.metrics,
-                                                          build_placer(config, self.prefix_index.index)))
+                                                          build_placer(config, self.prefix_index.index),
+                                                          kv=self.kv_events))
         return plane
 
     def _build_lease(self, backend: LeaseBackend | None) -> LeaseService | None:
@@ -381,6 +388,24 @@ class Router:
     def _apply_engine_set(self, entries: list[EngineEntry]) -> None:
         """The engine set discovery asks for, applied as a reload applies it (a reload recomputes the same union)."""
         self.engine_set.apply(entries)
+        self._kv_sources_changed()
+
+    def _kv_sources_changed(self) -> None:
+        """The engine set or an identity moved a KV event publisher: subscribe where they say now (workers too)."""
+        kv = getattr(self, "kv_events", None)
+        registry = getattr(self, "registry", None)
+        if kv is None or registry is None:
+            return  # still being built: the first subscriptions are made from the whole set in run()
+        specs = registry.spec_list()
+        kv.set_engines(spec.name for spec in specs if spec.role == "prefill")
+        kv.set_sources(feed_sources(specs, self.kv_publishers.reported()))
+        if self.worker_count > 1:
+            self.hub.publish()
+
+    def _newer_process(self, engine: str) -> None:
+        """Readmission saw a new process of ``engine``: its caches are empty (the index and its feed start over)."""
+        self._forget_prefixes(engine, reason="newer_process")
+        self.kv_events.new_process(engine)
 
     def _loops_to_self(self, spec: EngineSpec) -> str | None:
         """A discovered engine whose url is this router's serving address (the file's engines are refused so)."""
@@ -426,6 +451,11 @@ class Router:
     def own_readiness(self) -> str | None:
         """Readiness apart from the lease: what a takeover decision weighs (monitor, capacity)."""
         return self.admission.held_by("monitor") or self.supervisor.capacity_problem()
+
+    def placement_view(self) -> PlacementView:
+        """What /admin/placement shows: each prefill engine's prefix index and KV event feed."""
+        return placement_view(policy=self.config.placement.policy, index=self.prefix_index.index,
+                              kv=self.kv_events, model_of=self._engine_model)
 
     def discovery_view(self) -> DiscoveryView:
         """What /admin/discovery shows: the backend, the watch's state and the discovered engines."""
@@ -490,6 +520,26 @@ class Router:
         m.add_gauge("narwhal_placement_index_entries", "Block hashes the prefix index holds per prefill engine.",
                     ("engine", "model"),
                     lambda: {(name, model(name)): float(index.entries(name)) for name in index.engines})
+        kv = self.kv_events
+
+        def feeds(field: str) -> dict[tuple[str, ...], float]:
+            return {(name, model(name)): float(getattr(stats, field) or 0)
+                    for name, stats in kv.stats().items() if stats.state != "off"}
+
+        m.add_gauge("narwhal_kv_events_state", "Each prefill engine's KV event feed: 1 for its state (live, "
+                    "resyncing, down, off).", ("engine", "model", "state"),
+                    lambda: {(name, model(name), stats.state): 1.0 for name, stats in kv.stats().items()})
+        for field, help_text in (
+                ("last_seq", "The last KV event batch sequence number applied per prefill engine."),
+                ("blocks", "Blocks each prefill engine's KV events say it holds."),
+                ("events_per_s", "KV events applied per second per prefill engine (recent rate)."),
+                ("resyncs", "KV event feed resyncs per prefill engine (a gap replay could not cover), "
+                            "since the router started."),
+                ("dropped", "KV event messages dropped per prefill engine (over the size bound, unreadable, "
+                            "past the rate budget), since the router started.")):
+            metric = "events_per_second" if field == "events_per_s" else field
+            m.add_gauge(f"narwhal_kv_events_{metric}", help_text, ("engine", "model"),
+                        functools.partial(feeds, field))
         m.add_gauge("narwhal_requests_in_flight", "Requests in flight per engine.", ("engine", "model"),
                     lambda: {(name, model(name)): float(n) for name, n in self.in_flight.counts.items()})
 
@@ -549,6 +599,8 @@ class Router:
             async with ASGILifespan(self.app), trio.open_nursery() as nursery:
                 # Removals a reload starts wait for their engines' requests in here.
                 await nursery.start(self.engine_set.run)
+                self._kv_sources_changed()
+                await nursery.start(self.kv_events.run)
                 nursery.start_soon(self._flush_logs_periodically)
                 await nursery.start(self.supervisor.run)
                 # With discovery the handoff's engine set holds discovered engines too: resume after the first list.
@@ -684,7 +736,7 @@ class Router:
             changes = diff_configs(self.config, new)
             self._apply_config(merge_reloadable(self.config, new), key)
             # The new engine set (an engine that moved to another model: a removal and an addition), applied.
-            self.engine_set.apply(self.discovery.apply_entries())
+            self._apply_engine_set(self.discovery.apply_entries())
             await self.control_pool.set_timeouts(self.config.engine)
             # The data plane (each worker's) takes placement, the engine timeouts and the engine set now.
             self.hub.publish()
@@ -739,6 +791,8 @@ class Router:
         running = RunningConfig(config=config, attestation_key=attestation_key)
         for part in self._reconfigurable:
             part.configure(running)
+        # [placement] kv_events and max_index_mb (a no-op when the data plane's placement already took them).
+        self.kv_events.configure(config.placement)
 
     async def reload_tls(self) -> bool:
         """``_reload_tls_outcome``: True when every part reloaded."""

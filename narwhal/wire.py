@@ -44,12 +44,22 @@ class KVTransferParams(msgspec.Struct, kw_only=True):
     do_remote_decode: bool = False
 
 
+class KvEventsIdentity(msgspec.Struct, kw_only=True, frozen=True):
+    """vLLM's ``--kv-events-config`` endpoints as the engine gives them (a wildcard host and all)."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
 class EngineIdentity(msgspec.Struct, kw_only=True):
     engine_id: str
     model: str
     generation: str
     process_started_at: float
     kv_roles: list[str]
+    # Its KV event publisher (the plugin reports vLLM's --kv-events-config); None: it publishes none.
+    kv_events: KvEventsIdentity | None = None
 
 
 class AttestRequest(msgspec.Struct):

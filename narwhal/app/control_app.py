@@ -126,6 +126,10 @@ def create_app(router: AppState) -> QuartTrio:
     async def admin_lease() -> Response:
         return _json(router.lease_view())
 
+    @app.get("/admin/placement")
+    async def admin_placement() -> Response:
+        return _json(router.placement_view())
+
     @app.get("/admin/discovery")
     async def admin_discovery() -> Response:
         return _json(router.discovery_view())

@@ -12,6 +12,7 @@ from narwhal.config import Config
 from narwhal.control.discovery import DiscoveryView
 from narwhal.control.engine_view import EngineEntry, EnginesView
 from narwhal.control.model_view import ModelCard, ModelList, ModelsView
+from narwhal.control.placement_view import PlacementView
 from narwhal.control.readmission import ReadmissionResult
 from narwhal.control.reload import ReloadOutcome
 from narwhal.lease.service import LeaseView
@@ -85,4 +86,8 @@ class AppState(Protocol):
 
     def discovery_view(self) -> DiscoveryView:
         """``/admin/discovery``: the backend, the watch's state and the discovered engines."""
+        ...
+
+    def placement_view(self) -> PlacementView:
+        """``/admin/placement``: each prefill engine's prefix index and KV event feed."""
         ...

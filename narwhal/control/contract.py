@@ -98,6 +98,10 @@ def status_reason(method: str, path: str, status: int, body: bytes = b"") -> str
     return f"{reason}: {message}"
 
 
+# A ZeroMQ endpoint or topic is tens of characters.
+_MAX_KV_EVENTS_CHARS = 512
+
+
 def bounded(text: str, limit: int = _MAX_SHOWN_CHARS) -> str:
     """``text`` cut to ``limit`` characters, saying how long it was when cut."""
     if len(text) <= limit:
@@ -136,6 +140,13 @@ def read_identity(raw: bytes) -> EngineIdentity:
     if len(identity.kv_roles) > _MAX_KV_ROLES or any(len(role) > _MAX_KV_ROLE_CHARS for role in identity.kv_roles):
         raise ContractViolation(f"GET /narwhal/identity: kv_roles must be at most {_MAX_KV_ROLES} roles of at most "
                                 f"{_MAX_KV_ROLE_CHARS} characters: refused")
+    events = identity.kv_events
+    if events is not None:
+        for field in ("endpoint", "replay_endpoint", "topic"):
+            value = getattr(events, field)
+            if value is not None and len(value) > _MAX_KV_EVENTS_CHARS:
+                raise ContractViolation(f"GET /narwhal/identity: kv_events.{field} is {len(value)} characters "
+                                        f"long, more than {_MAX_KV_EVENTS_CHARS}: refused")
     return identity
 
 

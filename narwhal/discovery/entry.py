@@ -1,7 +1,8 @@
 """The value an engine registers under ``<prefix><name>``, and turning a stored key into an engine.
 
 The value is ``{"url": "http://HOST:PORT", "role": "prefill"|"decode", "model": "..."}``
-(``model`` optional: absent means the router's default model). It is checked
+(``model`` optional: absent means the router's default model), and for a prefill
+engine optionally ``kv_events``, ``kv_events_replay``, ``kv_events_topic``. It is checked
 exactly as an ``[[engines]]`` entry is, by building an ``EngineSpec``; a key or
 value that fails gives an ``EntryProblem`` for the caller to log, never an
 exception that would stop a watch.
@@ -28,6 +29,10 @@ class EngineRegistration(msgspec.Struct, frozen=True, kw_only=True, omit_default
     url: str
     role: Literal["prefill", "decode"]
     model: str | None = None
+    # A prefill engine's KV event publisher, as [[engines]] kv_events* (tcp://HOST:PORT).
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+    kv_events_topic: str | None = None
 
 
 class EntryProblem(msgspec.Struct, frozen=True, kw_only=True):
@@ -73,6 +78,8 @@ def parse_entry(key: str, value: bytes, prefix: str) -> EngineSpec | EntryProble
         return EntryProblem(key=key, problem=f"value is {len(value)} bytes, over {MAX_VALUE_BYTES}")
     try:
         registration = _decode.decode(value)
-        return EngineSpec(name=name, url=registration.url, role=registration.role, model=registration.model)
+        return EngineSpec(name=name, url=registration.url, role=registration.role, model=registration.model,
+                          kv_events=registration.kv_events, kv_events_replay=registration.kv_events_replay,
+                          kv_events_topic=registration.kv_events_topic)
     except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
         return EntryProblem(key=key, problem=str(exc))

@@ -67,5 +67,6 @@ def union_entries(file_entries: Sequence[EngineEntry], discovered: Mapping[str, 
         names.add(name)
         entries.append(EngineEntry(name=name, url=spec.url, role=spec.role,
                                    model=spec.model if spec.model is not None else default_model,
-                                   source="discovery"))
+                                   source="discovery", kv_events=spec.kv_events,
+                                   kv_events_replay=spec.kv_events_replay, kv_events_topic=spec.kv_events_topic))
     return entries, refused

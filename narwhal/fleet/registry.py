@@ -38,15 +38,28 @@ class EngineEntry(msgspec.Struct, frozen=True, kw_only=True):
     model: str
     # Where the engine came from: the config file, or discovery (narwhal.control.discovery) at run time.
     source: Literal["file", "discovery"] = "file"
+    # Its KV event publisher as configured or registered (narwhal.kv_events.sources); not part of what the
+    # engine is: a change re-subscribes, it does not remove and add the engine.
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+    kv_events_topic: str | None = None
 
     def spec(self) -> EngineSpec:
         """The address the pools, probes and snapshots use."""
-        return EngineSpec(name=self.name, url=self.url, role=self.role, model=self.model)
+        return EngineSpec(name=self.name, url=self.url, role=self.role, model=self.model, kv_events=self.kv_events,
+                          kv_events_replay=self.kv_events_replay, kv_events_topic=self.kv_events_topic)
+
+    def same_engine(self, other: EngineEntry) -> bool:
+        """Whether ``other`` is this engine (url, role, model, source), whatever its KV event publisher."""
+        return (self.name, self.url, self.role, self.model, self.source) == \
+            (other.name, other.url, other.role, other.model, other.source)
 
 
 def entries_from_config(config: Config) -> list[EngineEntry]:
     """``config``'s engines in file order, each with its model."""
-    return [EngineEntry(name=spec.name, url=spec.url, role=spec.role, model=config.model_of(spec))
+    return [EngineEntry(name=spec.name, url=spec.url, role=spec.role, model=config.model_of(spec),
+                        kv_events=spec.kv_events, kv_events_replay=spec.kv_events_replay,
+                        kv_events_topic=spec.kv_events_topic)
             for spec in config.engines]
 
 
@@ -63,7 +76,7 @@ def diff_entries(old: Sequence[EngineEntry], new: Sequence[EngineEntry]) -> Regi
     """From ``old`` to ``new``, matched by name: ``added`` in ``new``'s order, ``removed`` in ``old``'s."""
     before = {entry.name: entry for entry in old}
     after = {entry.name: entry for entry in new}
-    changed = [entry.name for entry in new if entry.name in before and before[entry.name] != entry]
+    changed = [entry.name for entry in new if entry.name in before and not before[entry.name].same_engine(entry)]
     moved = set(changed)
     return RegistryDiff(added=[entry.name for entry in new if entry.name not in before or entry.name in moved],
                         removed=[entry.name for entry in old if entry.name not in after or entry.name in moved],
@@ -152,6 +165,12 @@ class EngineRegistry:
         diff = diff_entries(self._wanted, entries)
         self._wanted = list(entries)
         wanted = {entry.name: entry for entry in entries}
+        for name, entry in wanted.items():
+            # The same engine with another KV event publisher: taken as it is, no event (see EngineEntry).
+            held = self._entries.get(name)
+            if held is not None and held != entry and held.same_engine(entry) and name not in self._leaving:
+                self._entries[name] = entry
+                self._specs[name] = entry.spec()
         for name in diff.removed:
             self._start_removal(name, now)
         for name in diff.added:

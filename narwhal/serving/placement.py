@@ -14,8 +14,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import trio
+
 from narwhal.config import Config, PlacementConfig, RunningConfig
-from narwhal.fleet.placement import Choice, InFlight, Placer, PrefixIndex, prompt_blocks
+from narwhal.fleet.placement import Choice, InFlight, Placer, PrefixIndex, Scores, prompt_blocks
+from narwhal.kv_events.service import KvEvents
 from narwhal.obs.router_metrics import RouterMetrics
 
 __all__ = ["FollowedIndex", "RequestPlacement", "build_index", "build_placer", "reconfigure_index"]
@@ -75,11 +78,16 @@ class RequestPlacement:
     """Chooses the engines of one attempt and counts the choice."""
 
     def __init__(self, config: Config, metrics: RouterMetrics, placer: Placer | None = None,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, kv: KvEvents | None = None,
+                 clock: Callable[[], float] = trio.current_time) -> None:
         self.placer = placer or build_placer(config, rng=rng)
         self.metrics = metrics
         self.config = config.placement
         self._block_tokens = config.placement.block_tokens
+        # The engines' own KV events (None: this process subscribes to none); their index is timed on the
+        # clock the feeds run on.
+        self.kv = kv
+        self._clock = clock
 
     def configure(self, placement: PlacementConfig) -> None:
         """A config reload changed ``[placement]``: the next choice follows it (in each process, by its snapshot)."""
@@ -92,19 +100,56 @@ class RequestPlacement:
         placer.balance_rel = placement.balance_rel
         self._block_tokens = placement.block_tokens
         self.config = placement
+        if self.kv is not None:
+            self.kv.configure(placement)
+
+    def prefill_candidates(self, candidates: list[str]) -> list[str]:
+        """``kv_events = "required"``: only the engines with a live feed may prefill."""
+        kv = self.kv
+        if kv is None or kv.mode != "required":
+            return candidates
+        return [name for name in candidates if kv.live(name)]
+
+    def wants_tokens(self, candidates: Sequence[str]) -> bool:
+        """Whether the prompt's token IDs would change the prefill choice among ``candidates``."""
+        return self.kv is not None and self.placer.cache_aware and self.kv.wanted(candidates)
+
+    def _scores(self, candidates: Sequence[str], blocks: Sequence[int], tokens: Sequence[int]) -> Scores | None:
+        """Each candidate's match in tokens: from its feed when live, else the index's share of the prompt."""
+        kv = self.kv
+        if kv is None or not tokens:
+            return None
+        live = list(map(kv.live, candidates))
+        if not any(live):
+            return None
+        total = len(tokens)
+        held = kv.index.match_each(candidates, tokens, self._clock())
+        if all(live):
+            return Scores(held, total, [kv.index.blocks(name) for name in candidates])
+        index = self.placer.index
+        guessed = index.match_each(candidates, blocks)
+        n = len(blocks)
+        matches = [h if is_live else (g * total // n if n else 0)
+                   for h, g, is_live in zip(held, guessed, live, strict=True)]
+        sizes = [kv.index.blocks(name) if is_live else index.entries(name)
+                 for name, is_live in zip(candidates, live, strict=True)]
+        return Scores(matches, total, sizes)
 
     def choose(self, role: str, candidates: Sequence[str], route: str, request: dict[str, Any],
-               in_flight: InFlight, model: str = "") -> Choice | None:
+               in_flight: InFlight, model: str = "", tokens: Sequence[int] | None = None) -> Choice | None:
         """The engine for ``role`` among ``candidates`` (already filtered by the fleet rules, all of ``model``,
-        the label its choice is counted under), or None."""
+        the label its choice is counted under), or None. ``tokens``: the prompt's token IDs, for the feeds."""
         placer = self.placer
         load = in_flight.loader()
         if role == "prefill":
             blocks = prompt_blocks(request, chat=route == _CHAT, block_tokens=self._block_tokens) \
                 if placer.cache_aware else []
-            choice = placer.prefill(candidates, blocks, load)
+            scores = self._scores(candidates, blocks, tokens) if tokens is not None and placer.cache_aware else None
+            choice = placer.prefill(candidates, blocks, load, scores)
             if choice is not None:
                 placer.record(choice.engine, blocks)
+                if tokens and self.kv is not None and self.kv.live(choice.engine):
+                    self.kv.index.note_placed(choice.engine, tokens, self._clock())
                 if choice.matched is not None:
                     self.metrics.placement_match.observe(choice.matched, model)
         else:

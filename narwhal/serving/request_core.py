@@ -34,7 +34,7 @@ import os
 import random
 import re
 from bisect import bisect_left
-from collections.abc import Callable, Coroutine, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, NoReturn, Protocol
 
@@ -52,7 +52,7 @@ from narwhal.errors import (
     SuccessKind,
     UpstreamClientError,
 )
-from narwhal.fleet.placement import InFlight
+from narwhal.fleet.placement import InFlight, least_outstanding
 from narwhal.http1.pump import OnChunk, Pump
 from narwhal.obs.logs import log_event
 from narwhal.obs.router_metrics import RouterMetrics
@@ -172,9 +172,17 @@ class _UsageOnly(msgspec.Struct):
 class _TokenizeResult(msgspec.Struct):
     count: int
     max_model_len: int | None = None
+    # vLLM's /tokenize answer lists every token ID: read only where a KV event feed scores them.
+    tokens: list[int] | None = None
 
 
-# vLLM's /tokenize answer also lists every token ID; a typed decoder skips them without building a list.
+class _TokenizeCount(msgspec.Struct):
+    count: int
+    max_model_len: int | None = None
+
+
+# Counting alone, a typed decoder skips the token IDs without building a list.
+_decode_count = msgspec.json.Decoder(_TokenizeCount)
 _decode_tokenize = msgspec.json.Decoder(_TokenizeResult)
 
 
@@ -605,21 +613,31 @@ class RequestCore:
         raise ClientError(400, f"'model' is required: this router serves {len(models)} models "
                           f"({_listed(models.names())})", "invalid_request_error", "missing_model")
 
-    def _place(self, role: str, avoid: set[str], route: str, request: dict[str, Any], ex: Exchange,
-               exclude: str | None = None) -> str:
-        model = ex.model.name if ex.model is not None else None
+    def _candidates(self, role: str, avoid: set[str], model: str | None, exclude: str | None = None) -> list[str]:
         candidates = self.supervisor.eligible(role, model)
+        if role == "prefill":
+            candidates = self.placement.prefill_candidates(candidates)
         if exclude is not None:
             # A continuation's decode never goes back to the engine that just broke the stream.
             candidates = [name for name in candidates if name != exclude]
         if avoid:
             # Fall back to an engine that failed this request only when no other is eligible.
             candidates = [name for name in candidates if name not in avoid] or candidates
-        choice = self.placement.choose(role, candidates, route, request, self.in_flight, model or "")
+        return candidates
+
+    def _place(self, role: str, avoid: set[str], route: str, request: dict[str, Any], ex: Exchange,
+               exclude: str | None = None, tokens: Sequence[int] | None = None) -> str:
+        model = ex.model.name if ex.model is not None else None
+        candidates = self._candidates(role, avoid, model, exclude)
+        choice = self.placement.choose(role, candidates, route, request, self.in_flight, model or "", tokens)
         if choice is None:
             self.metrics.saturations.inc(f"no_{role}", model or "")
-            problem = self.supervisor.capacity_problem(model) or \
-                f"serving capacity exhausted: no eligible {role} engine"
+            problem = self.supervisor.capacity_problem(model) or (
+                "serving capacity exhausted: no prefill engine with a live KV event feed "
+                "(placement.kv_events = \"required\")"
+                if role == "prefill" and self.placement.kv is not None and self.placement.kv.mode == "required"
+                and self.supervisor.eligible(role, model) else
+                f"serving capacity exhausted: no eligible {role} engine")
             raise _AttemptFailed(ClientError(503, problem, "service_unavailable", "no_capacity"),
                                  None, "no_capacity")
         if role == "prefill":
@@ -628,10 +646,15 @@ class RequestCore:
 
     async def _attempt(self, ex: Exchange, route: str, request: dict[str, Any], avoid: set[str],
                        exclude: str | None = None) -> None:
-        prefill_name = self._place("prefill", avoid, route, request, ex)
+        join, rid = ex.join, ex.rid
+        counted: _TokenizeResult | None = None
+        if self.placement.kv is not None and not (join is not None and join.started):
+            # The engines' KV events key blocks by token IDs: the prompt's are asked before the choice.
+            counted = await self._tokens_for_placement(route, request, ex, avoid)
+        prefill_name = self._place("prefill", avoid, route, request, ex,
+                                   tokens=counted.tokens if counted is not None else None)
         decode_name = self._place("decode", avoid, route, request, ex, exclude)
         prefill, decode = ex.attempt(self.engines[prefill_name], self.engines[decode_name], route, request)
-        join, rid = ex.join, ex.rid
         in_flight = self.in_flight
         # One cancel scope for both legs (a scope costs as much as the rest of a leg's bookkeeping),
         # registered under the engine of the leg in progress, so a removed engine cuts only its own leg.
@@ -641,9 +664,9 @@ class RequestCore:
             with cut.scope:
                 in_flight.acquire(prefill_name)
                 try:
-                    if self._count_tokens and not (join is not None and join.started):
+                    if (self._count_tokens or counted is not None) and not (join is not None and join.started):
                         # A continuation's prompt grew by exactly the tokens its max_tokens shrank by.
-                        prompt_tokens = await self._check_context(route, request, prefill.engine, rid)
+                        prompt_tokens = await self._check_context(route, request, prefill.engine, rid, counted)
                         if join is not None and prompt_tokens is not None:
                             join.note_prompt_tokens(prompt_tokens)
                     if join is not None and join.started and join.uncounted:
@@ -735,11 +758,54 @@ class RequestCore:
                                          "service_unavailable", "pool_saturated"),
                              None, "pool_saturated") from None
 
-    async def _check_context(self, route: str, request: dict[str, Any], prefill: EngineSpec,
-                             rid: str) -> int | None:
-        """Refuse a prompt the context cannot hold; returns the prompt's token count when /tokenize gave it."""
+    async def _tokens_for_placement(self, route: str, request: dict[str, Any], ex: Exchange,
+                                    avoid: set[str]) -> _TokenizeResult | None:
+        """The prompt's token IDs (and count) when a live KV event feed would score them, else None.
+
+        A text prompt is tokenized by one of the model's prefill engines (any: they share the model's
+        tokenizer), the least loaded; its failure is that engine's, as a prefill's would be. An answer
+        without IDs leaves placement to the approximate index.
+        """
+        model = ex.model.name if ex.model is not None else None
+        candidates = self._candidates("prefill", avoid, model)
+        if not self.placement.wants_tokens(candidates):
+            return None
         prompt = request.get("prompt")
-        if route != "/v1/chat/completions" and isinstance(prompt, list):
+        if route != _CHAT_ROUTE and isinstance(prompt, list):
+            return _TokenizeResult(len(prompt), None, prompt)
+        engine = self.engines[least_outstanding(candidates, self.in_flight.loader(), self.rng)]
+        query = ({"model": request["model"], "messages": request["messages"]} if route == _CHAT_ROUTE
+                 else {"model": request["model"], "prompt": prompt})
+        with trio.CancelScope(deadline=ex.deadline_at) as scope:
+            self.in_flight.acquire(engine.name)
+            try:
+                _, raw = await self.data_pool.post_json(engine, "/tokenize", _encode_json.encode(query),
+                                                        request_id=ex.rid)
+            except (EngineFailure, UpstreamClientError, PoolSaturated) as exc:
+                self._translate("tokenize", exc)
+            finally:
+                self.in_flight.release(engine.name)
+        if scope.cancelled_caught:
+            raise _DeadlinePassed()
+        try:
+            counted = _decode_tokenize.decode(raw)
+        except (msgspec.DecodeError, RecursionError):
+            return None
+        if counted.max_model_len is not None:
+            self._max_model_len[engine.name] = counted.max_model_len
+        return counted if counted.tokens is not None else None
+
+    async def _check_context(self, route: str, request: dict[str, Any], prefill: EngineSpec,
+                             rid: str, counted: _TokenizeResult | None = None) -> int | None:
+        """Refuse a prompt the context cannot hold; returns the prompt's token count when /tokenize gave it.
+
+        ``counted``: the prompt's count already asked (placement's token IDs), not asked again.
+        """
+        prompt = request.get("prompt")
+        if counted is not None:
+            if counted.max_model_len is None:
+                counted = _TokenizeResult(counted.count, self._max_model_len.get(prefill.name))
+        elif route != "/v1/chat/completions" and isinstance(prompt, list):
             # Token IDs count themselves, and vLLM's /tokenize takes only a string: the limit is the one this
             # engine's last /tokenize answer gave; none known yet, the engine judges (its 400 is the client's).
             counted = _TokenizeResult(len(prompt), self._max_model_len.get(prefill.name))
@@ -752,10 +818,11 @@ class RequestCore:
             except (EngineFailure, UpstreamClientError, PoolSaturated) as exc:
                 self._translate("tokenize", exc)
             try:
-                counted = _decode_tokenize.decode(raw)
+                count = _decode_count.decode(raw)
             except (msgspec.DecodeError, RecursionError):
                 # A tokenizer answer we cannot read is no reason to refuse the request.
                 return None
+            counted = _TokenizeResult(count.count, count.max_model_len)
             if counted.max_model_len is not None:
                 self._max_model_len[prefill.name] = counted.max_model_len
         limit = counted.max_model_len
@@ -791,7 +858,7 @@ class RequestCore:
             try:
                 _, raw = await self.data_pool.post_json(engine, "/tokenize", _encode_json.encode(query),
                                                         request_id=rid)
-                counts.append(_decode_tokenize.decode(raw).count)
+                counts.append(_decode_count.decode(raw).count)
             except UpstreamClientError as exc:
                 self.supervisor.record_success(exc.engine, SuccessKind.CLIENT_4XX)
                 why = f"{engine.name}'s /tokenize answered HTTP {exc.status}"

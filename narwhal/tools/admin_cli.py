@@ -30,7 +30,8 @@ from narwhal.config import admin_token_problem
 from narwhal.errors import NarwhalError
 from narwhal.tools.cli_args import http_url
 
-__all__ = ["add_parser", "format_discovery", "format_engines", "format_models", "format_reload", "run_admin"]
+__all__ = ["add_parser", "format_discovery", "format_engines", "format_models", "format_placement", "format_reload",
+           "run_admin"]
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 TOKEN_ENV = "NARWHAL_ADMIN_TOKEN"
@@ -75,6 +76,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     discovery = actions.add_parser("discovery", help="show discovery: backend, state, revision, last event, age "
                                                      "of the view, the discovered engines")
     _add_connection_options(discovery, defaults=False)
+    placement = actions.add_parser("placement", help="show each prefill engine's prefix index and KV event feed "
+                                                     "(state, last sequence, blocks, events/s, resyncs, dropped)")
+    _add_connection_options(placement, defaults=False)
     reload = actions.add_parser("reload", help="read the config file again (as SIGHUP does) and show what changed",
                                 description="Read the router's config file again, as SIGHUP does, and show "
                                             "what changed and which changes need a restart.")
@@ -115,6 +119,8 @@ def run_admin(args: argparse.Namespace, *, transport: httpx.BaseTransport | None
                 out.write(format_engines(_call(client, "GET", "/admin/engines")["engines"]))
             elif args.action == "discovery":
                 out.write(format_discovery(_call(client, "GET", "/admin/discovery")))
+            elif args.action == "placement":
+                out.write(format_placement(_call(client, "GET", "/admin/placement")))
             elif args.action == "models":
                 out.write(format_models(_call(client, "GET", "/admin/models")["models"]))
             elif args.action == "reload":
@@ -287,6 +293,24 @@ def format_discovery(view: dict[str, Any]) -> str:
     refused = [f"{r['name']}: refused: {r['problem']}" for r in view.get("refused", [])]
     if refused:
         lines += ["", *refused]
+    return "\n".join(lines) + "\n"
+
+
+def format_placement(view: dict[str, Any]) -> str:
+    """``/admin/placement`` as a line of settings, then a row per prefill engine."""
+    lines = [f"placement: {view.get('policy')}, kv_events {view.get('kv_events')}", ""]
+    header = ("ENGINE", "MODEL", "INDEX", "KV_EVENTS", "LAST_SEQ", "BLOCKS", "EVENTS/S", "RESYNCS", "DROPPED")
+    rows = []
+    for name, engine in view.get("engines", {}).items():
+        feed = engine.get("kv_events", {})
+        index = engine.get("index", {})
+        rows.append((name, engine.get("model", ""), f"{index.get('entries', 0)} ({index.get('bytes', 0)} B)",
+                     str(feed.get("state")), "-" if feed.get("last_seq") is None else str(feed["last_seq"]),
+                     str(feed.get("blocks", 0)), f"{feed.get('events_per_s', 0.0):.1f}",
+                     str(feed.get("resyncs", 0)), str(feed.get("dropped", 0))))
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+    lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+              for row in (header, *rows)]
     return "\n".join(lines) + "\n"
 
 

@@ -191,11 +191,12 @@ def _toml_value(value: Any) -> str:
     raise TypeError(f"cannot write {type(value).__name__} to TOML")
 
 
-def render_config(engines: Sequence[tuple[str, str, str] | tuple[str, str, str, str]],
+def render_config(engines: Sequence[tuple[str, str, str] | tuple[str, str, str, str]
+                                   | tuple[str, str, str, str, Mapping[str, Any]]],
                   sections: Mapping[str, Mapping[str, Any]] | None = None,
                   models: Sequence[Mapping[str, Any]] = ()) -> str:
-    """A config file for ``engines`` as (name, url, role) or (name, url, role, model), with extra ``sections``
-    and ``[[fleet.models]]`` entries (``models``, after the sections)."""
+    """A config file for ``engines`` as (name, url, role), (name, url, role, model) or (name, url, role, model,
+    other keys), with extra ``sections`` and ``[[fleet.models]]`` entries (``models``, after the sections)."""
     lines: list[str] = []
     for section, values in (sections or {}).items():
         lines.append(f"[{section}]")
@@ -211,5 +212,8 @@ def render_config(engines: Sequence[tuple[str, str, str] | tuple[str, str, str, 
                   f"role = {_toml_value(role)}"]
         if len(engine) > 3:
             lines.append(f"model = {_toml_value(engine[3])}")
+        if len(engine) > 4:
+            extra: Mapping[str, Any] = engine[4]
+            lines.extend(f"{key} = {_toml_value(value)}" for key, value in extra.items() if value is not None)
         lines.append("")
     return "\n".join(lines)

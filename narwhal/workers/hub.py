@@ -18,7 +18,7 @@ worker knew of it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 import msgspec
@@ -28,6 +28,7 @@ from narwhal.config import Config, EngineSpec
 from narwhal.errors import FailureClass, SuccessKind
 from narwhal.fleet.model import ROLES
 from narwhal.fleet.placement import SharedIndex
+from narwhal.kv_events.feed import FeedSource
 from narwhal.obs.logs import log_event
 from narwhal.workers.index_relay import IndexRelay
 from narwhal.workers.metrics_sum import MetricsSum
@@ -126,7 +127,8 @@ class WorkerHub:
                  engine_specs: Callable[[], list[EngineSpec]] | None = None,
                  running_config: Callable[[], Config] | None = None, poke: Poke | None = None,
                  index: SharedIndex | None = None,
-                 admit_until: Callable[[], float | None] | None = None) -> None:
+                 admit_until: Callable[[], float | None] | None = None,
+                 kv_sources: Callable[[], Mapping[str, FeedSource]] | None = None) -> None:
         """``index``: the controller's prefix index, relayed between the workers (``IndexRelay``);
         ``admit_until``: the lease-derived admission deadline on the control clock, read at each publish."""
         self._control = control
@@ -157,6 +159,8 @@ class WorkerHub:
         self.engine_specs = engine_specs
         # The running config (reloads change it): workers take its placement and engine timeouts.
         self.running_config = running_config
+        # Each prefill engine's KV event publisher, as the controller resolved it: every worker subscribes.
+        self.kv_sources = kv_sources
 
     def set_engines(self, names: Iterable[str]) -> None:
         """The engine set changed (a config reload): in-flight sums and exclusions follow it."""
@@ -246,7 +250,8 @@ class WorkerHub:
             engines=None if self.engine_specs is None else self.engine_specs(),
             placement=None if config is None else config.placement,
             fleet=None if config is None else config.fleet,
-            engine_config=None if config is None else config.engine)
+            engine_config=None if config is None else config.engine,
+            kv_sources={} if self.kv_sources is None else dict(self.kv_sources()))
 
     def _for_link(self, content: Snapshot) -> Snapshot:
         """``content`` numbered and with its deadlines on the link's clock, ready to send."""

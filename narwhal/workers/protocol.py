@@ -21,6 +21,7 @@ import msgspec
 from narwhal.config import Config, EngineConfig, EngineSpec, FleetConfig, PlacementConfig
 from narwhal.errors import NarwhalError
 from narwhal.fleet.placement import IndexRecord
+from narwhal.kv_events.feed import FeedSource
 
 __all__ = [
     "CONTROL_APP_TIMEOUT_S",
@@ -111,6 +112,8 @@ class Snapshot(_Message, tag="snapshot"):
     engine_config: EngineConfig | None = None
     # The [fleet] keys as the controller runs them (the default model, [[fleet.models]]); None: the Welcome's.
     fleet: FleetConfig | None = None
+    # Each prefill engine's KV event publisher (its config's, else its identity's): each worker subscribes.
+    kv_sources: dict[str, FeedSource] = {}
 
 
 class IndexUpdate(_Message, tag="index_update"):

@@ -23,6 +23,7 @@ import trio
 from narwhal.config import ConfigError, EngineConfig, EngineSpec, PlacementConfig
 from narwhal.fleet.placement import SharedIndex
 from narwhal.http1.server import Request, Responder
+from narwhal.kv_events.service import KvEvents
 from narwhal.model_ready import query_model, ready_answer
 from narwhal.obs.logs import flush_logs, log_event, set_log_fields
 from narwhal.obs.router_metrics import RouterMetrics
@@ -77,8 +78,10 @@ class Worker:
         self.tls = TLSContexts(config, None if welcome.config_dir is None else Path(welcome.config_dir))
         # This worker's prefix index; its placements go to the others through the controller.
         self.prefix_index = SharedIndex(build_index(config))
+        # This worker's own subscriptions to the prefill engines' KV events (the controller says where).
+        self.kv_events = KvEvents(config.placement, [spec.name for spec in config.engines if spec.role == "prefill"])
         placement = RequestPlacement(config, self.metrics, build_placer(
-            config, self.prefix_index.index, on_record=self.prefix_index.recorded))
+            config, self.prefix_index.index, on_record=self.prefix_index.recorded), kv=self.kv_events)
         self.plane = LocalDataPlane(config, tls=self.tls, via_token=welcome.via_token, supervisor=self.view,
                                     admission=self.view, metrics=self.metrics, telemetry=self.telemetry,
                                     serve_rest=self._serve_rest,
@@ -95,7 +98,9 @@ class Worker:
     def _engines_changed(self, specs: list[EngineSpec]) -> None:
         """A snapshot changed the engine set: the request core places on it, the prefix index follows it."""
         self.plane.core.set_engines(specs)
-        self.prefix_index.index.set_engines(spec.name for spec in specs if spec.role == "prefill")
+        prefill = [spec.name for spec in specs if spec.role == "prefill"]
+        self.prefix_index.index.set_engines(prefill)
+        self.kv_events.set_engines(prefill)
 
     def _settings_changed(self, placement: PlacementConfig, engine: EngineConfig) -> None:
         """A snapshot changed the reloadable settings: the data plane takes them."""
@@ -120,6 +125,8 @@ class Worker:
     def on_message(self, message: object) -> None:
         if isinstance(message, Snapshot):
             self.view.apply(message)
+            if message.kv_sources != self.kv_events.sources:
+                self.kv_events.set_sources(message.kv_sources)
             self.plane.in_flight.elsewhere = others_in_flight(message.in_flight, self._reported_in_flight)
             if message.published_at is not None:
                 self.metrics.snapshot_lag.observe(max(0.0, time.monotonic() - message.published_at))
@@ -307,6 +314,7 @@ async def run_worker(index: int, control_fd: int, listen_fds: list[int]) -> None
             worker.on_message(message)
         early.clear()
         nursery.start_soon(worker.report_loop)
+        await nursery.start(worker.kv_events.run)
         try:
             await worker.plane.run(listeners)
         finally:

@@ -95,6 +95,7 @@ from narwhal.errors import EngineFailure, PoolSaturated, SuccessKind
 from narwhal.fleet import DRAIN_HOLDS, EjectionCause, EngineView, FleetEvent, HoldKind
 from narwhal.fleet.placement import InFlightCounts
 from narwhal.fleet.tables import drained
+from narwhal.kv_events.sources import KvPublishers
 from narwhal.obs.logs import log_event
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.pools.classify import health_answer
@@ -148,7 +149,8 @@ class Readmitter:
                  wall_clock: Callable[[], float] = time.time, attestation_key: bytes | None,
                  inference_check: Callable[[str], Awaitable[str]] | None = None,
                  on_newer_process: Callable[[str], None] | None = None,
-                 model_lengths: ModelLengths | None = None) -> None:
+                 model_lengths: ModelLengths | None = None,
+                 kv_publishers: KvPublishers | None = None) -> None:
         """``clock`` is trio's (monotonic, the fleet's time base); ``wall_clock`` unix seconds.
 
         ``inference_check(name)`` runs an inference probe and returns its outcome
@@ -190,6 +192,8 @@ class Readmitter:
         self.on_newer_process = on_newer_process
         # Each engine's max_model_len from its /v1/models (the first read and every model check).
         self.model_lengths = model_lengths if model_lengths is not None else ModelLengths()
+        # Each engine's KV event publisher as its identity reports it (the first read and every attestation).
+        self.kv_publishers = kv_publishers if kv_publishers is not None else KvPublishers()
 
     def __repr__(self) -> str:
         last = ", ".join(f"{name} {result.outcome}" + (f" {result.check}" if result.check else "")
@@ -231,6 +235,7 @@ class Readmitter:
         self._last.pop(name, None)
         self._process_started.pop(name, None)
         self.model_lengths.forget(name)
+        self.kv_publishers.forget(name)
         self.schedule.remove(name, self.clock())
         self.rechecker.engines.pop(name, None)
 
@@ -418,6 +423,7 @@ class Readmitter:
                            "or attestation_key_file")
         identity = contract.read_identity(await self._get_ok(attempt.spec, "/narwhal/identity"))
         attempt.identity = identity
+        self.kv_publishers.record(attempt.spec.name, identity.kv_events)
         nonce = secrets.token_hex(16)
         response = await self.control_pool.post_json(attempt.spec, "/narwhal/attest",
                                                      msgspec.json.encode(AttestRequest(nonce)))
@@ -509,6 +515,7 @@ class Readmitter:
             except _Refused:
                 claimed = None  # an unreadable identity is no verdict: /v1/models decides below
             if claimed is not None:
+                self.kv_publishers.record(spec.name, claimed.kv_events)
                 contract.check_identity_model(claimed, model)
         listed = await self.control_pool.get(spec, "/v1/models")
         if listed.status != 200:

@@ -7,10 +7,10 @@ each engine recently prefilled), ``shared_index`` (worker processes' indexes kep
 """
 
 from narwhal.fleet.placement.in_flight import InFlight, InFlightCounts
-from narwhal.fleet.placement.policy import Choice, Placer, Reason, least_outstanding
+from narwhal.fleet.placement.policy import Choice, Placer, Reason, Scores, least_outstanding
 from narwhal.fleet.placement.prefix_index import PrefixIndex
 from narwhal.fleet.placement.prefix_key import prompt_blocks
 from narwhal.fleet.placement.shared_index import IndexRecord, SharedIndex
 
-__all__ = ["Choice", "InFlight", "InFlightCounts", "IndexRecord", "Placer", "PrefixIndex", "Reason", "SharedIndex",
-           "least_outstanding", "prompt_blocks"]
+__all__ = ["Choice", "InFlight", "InFlightCounts", "IndexRecord", "Placer", "PrefixIndex", "Reason", "Scores",
+           "SharedIndex", "least_outstanding", "prompt_blocks"]

@@ -36,12 +36,23 @@ from typing import Literal, NamedTuple, overload
 
 from narwhal.fleet.placement.prefix_index import PrefixIndex
 
-__all__ = ["ANCHOR_BLOCKS", "Choice", "Placer", "Reason", "least_outstanding"]
+__all__ = ["ANCHOR_BLOCKS", "Choice", "Placer", "Reason", "Scores", "least_outstanding"]
 
 Reason = Literal["hit", "miss", "spill", "only_choice", "least_outstanding"]
 # Rendezvous hashing keys on the hash of this many leading blocks (fewer in a shorter prompt).
 ANCHOR_BLOCKS = 4
 _MASK = (1 << 64) - 1
+
+
+class Scores(NamedTuple):
+    """Matches from another source than the index (the engines' KV events): per candidate, in candidate order."""
+
+    # How much of the prompt each candidate holds, in units of ``total`` (tokens).
+    matches: list[int]
+    total: int
+    # What each candidate holds in all (blocks): among equally loaded candidates that hold none of the
+    # prompt, the one holding least takes it.
+    sizes: list[int]
 
 
 class Choice(NamedTuple):
@@ -140,10 +151,18 @@ class Placer:
             salt = self._salts[name] = _salt(name)
         return _mix(anchor ^ salt)
 
-    def prefill(self, candidates: Sequence[str], blocks: Sequence[int], load: Callable[[str], int]) -> Choice | None:
-        """The prefill engine for a prompt of ``blocks`` among ``candidates``, or None when there are none."""
+    def prefill(self, candidates: Sequence[str], blocks: Sequence[int], load: Callable[[str], int],
+                scores: Scores | None = None) -> Choice | None:
+        """The prefill engine for a prompt of ``blocks`` among ``candidates``, or None when there are none.
+
+        ``scores``, when given, replace the index's matches (the engines' own KV events): equal holders are
+        then told apart by load and rendezvous, which every router computes alike, not by this router's
+        own placement times.
+        """
         if not candidates:
             return None
+        if scores is not None and len(candidates) > 1 and self.cache_aware:
+            return self._prefill_scored(candidates, blocks, load, scores)
         n = len(blocks)
         index = self.index
         if len(candidates) == 1:
@@ -184,6 +203,37 @@ class Placer:
             lowest = min(pool_loads)
             pool = list(compress(pool, map(operator.eq, pool_loads, repeat(lowest))))
         return self._pick(pool, blocks, "hit" if best == best_any else "spill", best)
+
+    def _prefill_scored(self, candidates: Sequence[str], blocks: Sequence[int], load: Callable[[str], int],
+                        scores: Scores) -> Choice:
+        # The same steps as prefill's, on the given matches.
+        load_list = list(map(load, candidates))
+        least = min(load_list)
+        bound = max(least + self.balance_abs, least * self.balance_rel)
+        match_list = scores.matches
+        total = scores.total
+        best_any = max(match_list)
+        if best_any == 0:
+            least_at = list(map(operator.eq, load_list, repeat(least)))
+            pool = list(compress(candidates, least_at))
+            if len(pool) > 1:
+                sizes = list(compress(scores.sizes, least_at))
+                smallest = min(sizes)
+                pool = list(compress(pool, map(operator.eq, sizes, repeat(smallest))))
+            choice = self._pick(pool, blocks, "miss", 0)
+            return Choice(choice.engine, "miss", 0.0 if total else None)
+        within = list(map(operator.le, load_list, repeat(bound)))
+        allowed = list(compress(candidates, within))
+        allowed_matches = list(compress(match_list, within))
+        best = max(allowed_matches)
+        chosen = list(map(operator.eq, allowed_matches, repeat(best)))
+        pool = list(compress(allowed, chosen))
+        if len(pool) > 1:
+            pool_loads = list(compress(compress(load_list, within), chosen))
+            lowest = min(pool_loads)
+            pool = list(compress(pool, map(operator.eq, pool_loads, repeat(lowest))))
+        choice = self._pick(pool, blocks, "hit" if best == best_any else "spill", 0)
+        return Choice(choice.engine, choice.reason, best / total if total else None)
 
     def decode(self, candidates: Sequence[str], load: Callable[[str], int],
                busy: Collection[str] | None = None) -> Choice | None:
