@@ -16,6 +16,7 @@ __all__ = [
     "ErrorDetail",
     "HandoffRejected",
     "KVTransferParams",
+    "KvEventsEndpoints",
     "PREFILL_KV_REQUEST",
     "error_json",
     "extract_handoff",
@@ -44,12 +45,23 @@ class KVTransferParams(msgspec.Struct, kw_only=True):
     do_remote_decode: bool = False
 
 
+class KvEventsEndpoints(msgspec.Struct, kw_only=True):
+    """An engine's KV event publisher, in vLLM's KVEventsConfig names and as vLLM was given them (wildcard host
+    and all: the router puts the engine's own host in its place)."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
 class EngineIdentity(msgspec.Struct, kw_only=True):
     engine_id: str
     model: str
     generation: str
     process_started_at: float
     kv_roles: list[str]
+    # Null when the engine publishes no KV events (or an older plugin does not say).
+    kv_events: KvEventsEndpoints | None = None
 
 
 class AttestRequest(msgspec.Struct):
