@@ -286,6 +286,32 @@ def test_the_process_publishes_in_the_encoding_and_hash_asked_for(encoding: str,
         assert "Traceback" not in process.stderr.read()
 
 
+def test_a_fleet_process_gives_each_engine_its_own_publisher(tmp_path: Any) -> None:
+    listed = tmp_path / "engines.json"
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    command = [sys.executable, "-m", "narwhal", "mock-engine", "--port", "0", "--engines", "3",
+               "--prefill-engines", "2", "--engines-file", str(listed), "--cache-blocks", "8",
+               "--kv-events", "0", "--kv-events-replay", "0", "--kv-events-topic", "t"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True) as process:
+        assert process.stdout is not None and process.stderr is not None
+        try:
+            *ready, _ = [json.loads(process.stdout.readline()) for _ in range(4)]
+            written = json.loads(listed.read_text())["engines"]
+            assert [e["kv_events"] for e in written] == [line["kv_events"] for line in ready]
+            endpoints = {e["kv_events"]["endpoint"] for e in written} | \
+                {e["kv_events"]["replay_endpoint"] for e in written}
+            assert len(endpoints) == 6 and all(e["kv_events"]["topic"] == "t" for e in written)
+            for line in ready:
+                with httpx.Client(base_url=f"http://127.0.0.1:{line['port']}", timeout=5) as client:
+                    assert client.get("/narwhal/identity").json()["kv_events"] == line["kv_events"]
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=10) == 0
+        finally:
+            if process.poll() is None:
+                process.kill()
+        assert "Traceback" not in process.stderr.read()
+
+
 def test_kv_events_need_a_cache_and_replay_needs_events(capsys: pytest.CaptureFixture[str]) -> None:
     from narwhal.tools.mock.engine import main
 

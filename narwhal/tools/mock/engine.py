@@ -86,7 +86,7 @@ from narwhal.tools.mock.faults import (
 )
 from narwhal.tools.mock.kv_publisher import KvEventsSettings, KvPublisher
 from narwhal.tools.mock.prefix_cache import PrefixCache
-from narwhal.wire import AttestRequest, AttestResponse, EngineIdentity, KVTransferParams
+from narwhal.wire import AttestRequest, AttestResponse, EngineIdentity, KvEventsEndpoints, KVTransferParams
 
 if TYPE_CHECKING:
     from narwhal.http1.server import Request, Responder
@@ -1379,6 +1379,8 @@ class _EngineEntry(msgspec.Struct, frozen=True):
     role: str
     port: int
     url: str
+    # Its KV event publisher (``--kv-events``), as its identity reports it; null when off.
+    kv_events: KvEventsEndpoints | None = None
 
 
 class _EnginesFile(msgspec.Struct, frozen=True):
@@ -1389,7 +1391,9 @@ def _write_engines_file(path: Path, engines: list[MockEngine]) -> None:
     """Write the served engines to ``path`` whole (a temporary file renamed over it)."""
     entries = [_EngineEntry(engine.engine_id, engine.settings.role, engine.port,
                             f"{'https' if engine.settings.tls_cert_file else 'http'}://"
-                            f"{engine.settings.host}:{engine.port}") for engine in engines]
+                            f"{engine.settings.host}:{engine.port}",
+                            None if engine.kv_publisher is None else engine.kv_publisher.identity())
+               for engine in engines]
     partial = path.with_name(path.name + ".partial")
     partial.write_bytes(msgspec.json.encode(_EnginesFile(entries)) + b"\n")
     partial.replace(path)
