@@ -320,3 +320,17 @@ def test_kv_events_need_a_cache_and_replay_needs_events(capsys: pytest.CaptureFi
         with pytest.raises(SystemExit) as exited:
             main(argv)
         assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_taken_kv_events_port_is_one_line_and_exit_2() -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "narwhal.tools.mock", "--role", "prefill", "--cache-blocks", "4",
+                               "--kv-events", str(port)], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"KV events port {port}: Address already in use" in done.stderr

@@ -158,8 +158,12 @@ def _bind(socket: TrioSocket, host: str, port: int) -> int:
     address = f"[{host}]" if ":" in host else host
     if ":" in host:
         socket.socket.setsockopt(zmq.IPV6, 1)
-    if port:
-        socket.socket.bind(f"tcp://{address}:{port}")
-        return port
-    bound: int = socket.socket.bind_to_random_port(f"tcp://{address}")
+    try:
+        if port:
+            socket.socket.bind(f"tcp://{address}:{port}")
+            return port
+        bound: int = socket.socket.bind_to_random_port(f"tcp://{address}")
+    except zmq.ZMQError as exc:
+        # An OSError, so the CLI says "cannot listen" in one line, as for its HTTP port.
+        raise OSError(exc.errno, f"KV events port {port}: {exc.strerror}") from None
     return bound
