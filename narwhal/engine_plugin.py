@@ -20,6 +20,9 @@ and unbuffered, to vLLM's app. What it reports:
                         kv_both -> [producer, consumer]; no KV connector -> []
     process_started_at  this process's start, from /proc/self/stat (else the time
                         the middleware was built)
+    kv_events           --kv-events-config's endpoint, replay_endpoint and topic, as
+                        given (a wildcard host stays: the router puts the engine's
+                        host in its place); null unless it enables the zmq publisher
 
 The attestation key is read from ``$NARWHAL_FLEET_KEY_FILE`` (on every attest,
 so a fixed or rotated key file needs no engine restart) or ``$NARWHAL_FLEET_KEY``.
@@ -87,6 +90,9 @@ _KV_ROLES: dict[str, tuple[str, ...]] = {
 _MAX_ATTEST_BODY_BYTES = 4096
 _MAX_NONCE_CHARS = 256
 
+# vLLM's KVEventsConfig.endpoint default.
+_KV_EVENTS_ENDPOINT = "tcp://*:5557"
+
 _log = logging.getLogger(__name__)
 
 Scope = MutableMapping[str, Any]
@@ -109,6 +115,25 @@ class VllmArgs:
     kv_role: str | None = None
     # Why --kv-transfer-config could not be read, if it could not.
     kv_config_problem: str | None = None
+    # --kv-events-config as given (JSON, then any dotted --kv-events-config.KEY on top); None if not given.
+    kv_events_config: dict[str, Any] | None = None
+    # Why --kv-events-config could not be read, if it could not.
+    kv_events_problem: str | None = None
+
+    def kv_events(self) -> dict[str, Any] | None:
+        """The publisher's endpoints as vLLM's KVEventsConfig resolves them; None when events are off."""
+        config = self.kv_events_config
+        if config is None or self.kv_events_problem is not None:
+            return None
+        enabled = _truthy(config.get("enable_kv_cache_events", False))
+        # vLLM: publisher None means "zmq" when events are enabled, "null" otherwise.
+        publisher = config.get("publisher") or ("zmq" if enabled else "null")
+        if not enabled or publisher != "zmq":
+            return None
+        replay = config.get("replay_endpoint")
+        return {"endpoint": str(config.get("endpoint") or _KV_EVENTS_ENDPOINT),
+                "replay_endpoint": None if replay in (None, "") else str(replay),
+                "topic": str(config.get("topic") or "")}
 
 
 def parse_vllm_argv(argv: Sequence[str]) -> VllmArgs:
@@ -127,6 +152,8 @@ def parse_vllm_argv(argv: Sequence[str]) -> VllmArgs:
     served: str | None = None
     kv_role: str | None = None
     problem: str | None = None
+    kv_events: dict[str, Any] | None = None
+    kv_events_problem: str | None = None
     for i, arg in enumerate(args):
         if not arg.startswith("--"):
             continue
@@ -147,8 +174,25 @@ def parse_vllm_argv(argv: Sequence[str]) -> VllmArgs:
             kv_role, problem = _kv_role_from_json(value)
         elif flag == "--kv-transfer-config.kv_role":
             kv_role, problem = value, None
+        elif flag == "--kv-events-config":
+            try:
+                parsed = json.loads(value)
+            except ValueError as exc:
+                kv_events_problem = f"--kv-events-config is not JSON ({exc})"
+                continue
+            if not isinstance(parsed, dict):
+                kv_events_problem = "--kv-events-config is not a JSON object"
+                continue
+            kv_events = {**(kv_events or {}), **parsed}
+        elif flag.startswith("--kv-events-config."):
+            kv_events = {**(kv_events or {}), flag.partition(".")[2]: value}
     return VllmArgs(model=positional or flag_model, served_model_name=served, kv_role=kv_role,
-                    kv_config_problem=problem)
+                    kv_config_problem=problem, kv_events_config=kv_events, kv_events_problem=kv_events_problem)
+
+
+def _truthy(value: Any) -> bool:
+    # A dotted flag's value is the command line's string; JSON gives a bool.
+    return value is True or (isinstance(value, str) and value.strip().lower() in ("true", "1", "yes"))
 
 
 def _kv_role_from_json(text: str) -> tuple[str | None, str | None]:
@@ -204,6 +248,10 @@ class PluginSettings:
     key_environ: Mapping[str, str] = dataclasses.field(default_factory=dict, repr=False)
     # The etcd registration $NARWHAL_REGISTER_ETCD asks for; a one-line problem if it cannot be done; None if not asked.
     registration: Registration | str | None = None
+    # vLLM's KV event publisher (endpoint, replay_endpoint, topic), None when it publishes none.
+    kv_events: Mapping[str, Any] | None = None
+    # Why --kv-events-config could not be read: a warning, not a problem (the engine serves and is identified).
+    kv_events_problem: str | None = None
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None,
@@ -251,12 +299,13 @@ class PluginSettings:
                                                      identity_problems=problems)
         return cls(engine_id=engine_id, generation=generation, model=model, kv_roles=kv_roles,
                    process_started_at=started_at, problems=tuple(problems), key_environ=key_environ,
-                   registration=registration)
+                   registration=registration, kv_events=vllm.kv_events(), kv_events_problem=vllm.kv_events_problem)
 
     def identity(self) -> dict[str, Any]:
         """The ``GET /narwhal/identity`` answer."""
         return {"engine_id": self.engine_id, "model": self.model, "generation": self.generation,
-                "process_started_at": self.process_started_at, "kv_roles": list(self.kv_roles)}
+                "process_started_at": self.process_started_at, "kv_roles": list(self.kv_roles),
+                "kv_events": None if self.kv_events is None else dict(self.kv_events)}
 
     def key(self) -> bytes:
         """The fleet key, read now; ``attestation.FleetKeyError`` saying why there is none."""
@@ -279,6 +328,9 @@ class IdentityMiddleware:
         else:
             _log.info("narwhal identity plugin: engine_id=%s model=%s generation=%s kv_roles=%s",
                       s.engine_id, s.model, s.generation, list(s.kv_roles))
+        if s.kv_events_problem is not None:
+            # The engine is still identified; only a router's precise placement misses its KV events.
+            _log.warning("narwhal identity plugin cannot report KV events: %s", s.kv_events_problem)
         self.registrar: PluginRegistrar | None = None
         if isinstance(s.registration, str):
             # The engine serves on; only the router's discovery misses it, and this line says why.

@@ -16,6 +16,7 @@ __all__ = [
     "ErrorDetail",
     "HandoffRejected",
     "KVTransferParams",
+    "KvEventsIdentity",
     "PREFILL_KV_REQUEST",
     "error_json",
     "extract_handoff",

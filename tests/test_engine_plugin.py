@@ -74,7 +74,8 @@ def test_settings_come_from_the_environment_and_the_command_line() -> None:
     s = PluginSettings.from_environment(ENV, ARGV, started_at=1700000000.5)
     assert s.problems == ()
     assert s.identity() == {"engine_id": "prefill-0", "model": "Qwen/Qwen3-0.6B", "generation": "g7",
-                            "process_started_at": 1700000000.5, "kv_roles": ["producer", "consumer"]}
+                            "process_started_at": 1700000000.5, "kv_roles": ["producer", "consumer"],
+                            "kv_events": None}
 
 
 def test_served_model_name_wins_over_the_model_and_narwhal_model_over_both() -> None:
@@ -107,6 +108,53 @@ def test_an_engine_without_a_kv_connector_reports_no_kv_roles() -> None:
 def test_what_the_plugin_cannot_tell_is_named(env: dict[str, str], argv: list[str], problem: str) -> None:
     s = PluginSettings.from_environment(env, argv)
     assert any(problem in p for p in s.problems), s.problems
+
+
+# ----- KV events: --kv-events-config ------------------------------------------------------------
+
+KV_EVENTS = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", ' \
+            '"replay_endpoint": "tcp://*:5558", "topic": "kv"}'
+
+
+@pytest.mark.parametrize(("flags", "reported"), [
+    (["--kv-events-config", KV_EVENTS],
+     {"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv"}),
+    # vLLM's defaults: publisher "zmq" once enabled, endpoint tcp://*:5557, no replay socket, topic "".
+    (['--kv_events_config={"enable_kv_cache_events": true}'],
+     {"endpoint": "tcp://*:5557", "replay_endpoint": None, "topic": ""}),
+    # the dotted form, its values strings; a host as given (not a wildcard) stays as it is
+    (["--kv-events-config.enable_kv_cache_events", "true", "--kv-events-config.endpoint", "tcp://10.0.0.7:6000"],
+     {"endpoint": "tcp://10.0.0.7:6000", "replay_endpoint": None, "topic": ""}),
+    # a dotted key on top of the JSON
+    (["--kv-events-config", KV_EVENTS, "--kv-events-config.topic", "other"],
+     {"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "other"}),
+    # off: not enabled, the null publisher, no flag at all
+    (["--kv-events-config", '{"enable_kv_cache_events": false, "endpoint": "tcp://*:5557"}'], None),
+    (["--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "null"}'], None),
+    ([], None),
+])
+def test_the_identity_reports_vllm_kv_events_endpoints(flags: list[str], reported: dict[str, Any] | None) -> None:
+    s = PluginSettings.from_environment(ENV, [*ARGV, *flags], started_at=1.0)
+    assert s.problems == () and s.kv_events_problem is None
+    assert s.identity()["kv_events"] == reported
+
+
+async def test_the_identity_answer_carries_the_kv_events_object() -> None:
+    middleware, _ = plugin(argv=[*ARGV, "--kv-events-config", KV_EVENTS])
+    status, _, body = await call(middleware, "GET", "/narwhal/identity")
+    assert status == 200
+    assert json.loads(body)["kv_events"] == {"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558",
+                                             "topic": "kv"}
+
+
+def test_an_unreadable_kv_events_config_is_a_warning_not_an_unidentified_engine(
+        caplog: pytest.LogCaptureFixture) -> None:
+    settings = PluginSettings.from_environment(ENV, [*ARGV, "--kv-events-config", "{oops"], started_at=1.0)
+    assert settings.problems == () and settings.identity()["kv_events"] is None
+    assert settings.kv_events_problem is not None and "--kv-events-config is not JSON" in settings.kv_events_problem
+    with caplog.at_level("WARNING", logger="narwhal.engine_plugin"):
+        IdentityMiddleware(InnerApp(), settings)
+    assert "cannot report KV events: --kv-events-config is not JSON" in caplog.text
 
 
 # ----- process_started_at ------------------------------------------------------------------------
@@ -183,7 +231,8 @@ async def test_identity_answers_the_contract_fields() -> None:
     status, headers, body = await call(middleware, "GET", "/narwhal/identity")
     assert status == 200 and headers[b"content-type"] == b"application/json"
     assert json.loads(body) == {"engine_id": "prefill-0", "model": "Qwen/Qwen3-0.6B", "generation": "g7",
-                                "process_started_at": 1700000000.25, "kv_roles": ["producer", "consumer"]}
+                                "process_started_at": 1700000000.25, "kv_roles": ["producer", "consumer"],
+                                "kv_events": None}
     assert inner.calls == []
 
 

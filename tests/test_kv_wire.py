@@ -165,8 +165,18 @@ def test_encode_round_trips(style, hashes) -> None:
 def test_vllm_style_is_what_vllm_sends() -> None:
     batch = KvBatch(1.5, [BlockStored([1, U64_MAX], None, [1, 2, 3, 4, 5, 6, 7, 8], 4, medium="GPU"),
                           BlockRemoved([1], medium="GPU"), AllBlocksCleared()])
-    # vLLM writes a nil data_parallel_rank where ours leaves it out; the rest is byte for byte.
-    assert encode_batch(batch) == VLLM_INT[:1].replace(b"\x93", b"\x92") + VLLM_INT[1:-1]
+    # As vLLM 0.32's CPU build publishes at run time (its scheduler sets extra_keys, one None per block,
+    # group_idx and kv_cache_spec_kind, which the structs above leave at their defaults): the same fields in
+    # vLLM's order; it reads back as the batch.
+    encoded = msgspec.msgpack.decode(encode_batch(batch))
+    stored, removed, cleared = encoded[1]
+    assert list(stored) == ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                            "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind"]
+    assert stored["extra_keys"] == [None, None] and stored["kv_cache_spec_kind"] == "full_attention"
+    assert list(removed) == ["type", "block_hashes", "medium", "group_idx"] and cleared == {"type": "AllBlocksCleared"}
+    vllm_fields = msgspec.msgpack.decode(VLLM_INT)[1][0]
+    assert list(vllm_fields) == list(stored)[:len(vllm_fields)]
+    assert decode_batch(encode_batch(batch)) == batch
 
 
 def test_hashes_of_the_wrong_type_or_too_long() -> None:

@@ -290,7 +290,7 @@ async def test_identity_and_attestation_signature() -> None:
                   process_started_at=1234.5)
     identity = (await call(mock, "GET", "/narwhal/identity")).json()
     assert identity == {"engine_id": "p1", "model": "mock-model", "generation": "g7",
-                        "process_started_at": 1234.5, "kv_roles": ["producer"]}
+                        "process_started_at": 1234.5, "kv_roles": ["producer"], "kv_events": None}
     assert (await call(engine(), "GET", "/narwhal/identity")).json()["kv_roles"] == ["consumer"]
     attest = (await call(mock, "POST", "/narwhal/attest", {"nonce": "n-1"})).json()
     expected = hmac.new(b"k", b"p1|n-1|g7", hashlib.sha256).hexdigest()

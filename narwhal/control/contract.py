@@ -123,6 +123,16 @@ def shown_list(values: list[str]) -> str:
     return f"[{items}{more}]"
 
 
+class _IdentityKvEventsUnread(msgspec.Struct, kw_only=True):
+    """An identity whose ``kv_events`` is not read (the fields EngineIdentity requires, and the rest skipped)."""
+
+    engine_id: str
+    model: str
+    generation: str
+    process_started_at: float
+    kv_roles: list[str]
+
+
 def read_identity(raw: bytes) -> EngineIdentity:
     """The ``GET /narwhal/identity`` answer, typed; an oversized document or field is refused."""
     if len(raw) > MAX_IDENTITY_BYTES:
@@ -131,7 +141,13 @@ def read_identity(raw: bytes) -> EngineIdentity:
     try:
         identity = msgspec.json.decode(raw, type=EngineIdentity)
     except msgspec.DecodeError as exc:
-        raise ContractViolation(f"GET /narwhal/identity: unreadable identity: {bounded(str(exc))}") from None
+        try:
+            # A kv_events we cannot read costs only the KV event feed: the engine is still identified.
+            unread = msgspec.json.decode(raw, type=_IdentityKvEventsUnread)
+        except msgspec.DecodeError:
+            raise ContractViolation(f"GET /narwhal/identity: unreadable identity: {bounded(str(exc))}") from None
+        identity = EngineIdentity(engine_id=unread.engine_id, model=unread.model, generation=unread.generation,
+                                  process_started_at=unread.process_started_at, kv_roles=unread.kv_roles)
     for field, limit in attestation.IDENTITY_FIELD_CHARS.items():
         value: str = getattr(identity, field)
         if len(value) > limit:

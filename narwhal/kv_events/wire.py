@@ -295,11 +295,22 @@ def _event_out(event: KvEvent, arrays: bool, hashes: Literal["int", "bytes"]) ->
             "medium": event.medium,
             "lora_name": "lora" if event.lora else None,
         }
-        if event.extra_keys:
+        if arrays and not event.extra_keys and not event.lora:
+            # Older vLLM's array_like BlockStored ended at medium (lora_name came later).
+            del fields["lora_name"]
+        if not arrays:
+            # vLLM 0.32 as its CPU build sends them: one extra_keys entry per block (None: tokens alone key
+            # it), and the KV cache group with its kind.
+            fields["extra_keys"] = [["salt"] if event.extra_keys else None for _ in event.block_hashes]
+            fields["group_idx"] = 0
+            fields["kv_cache_spec_kind"] = "full_attention"
+        elif event.extra_keys:
             fields["extra_keys"] = [["salt"] for _ in event.block_hashes]
     elif isinstance(event, BlockRemoved):
         fields = {"type": "BlockRemoved", "block_hashes": [_hash_out(h, hashes) for h in event.block_hashes],
                   "medium": event.medium}
+        if not arrays:
+            fields["group_idx"] = 0
     else:
         fields = {"type": "AllBlocksCleared"}
     return list(fields.values()) if arrays else fields

@@ -78,7 +78,7 @@ async def test_the_plugin_inside_a_fastapi_vllm_answers_identity_and_attestation
         identity = (await client.get("/narwhal/identity")).json()
         assert {k: v for k, v in identity.items() if k != "process_started_at"} == {
             "engine_id": "prefill-0", "model": SERVED, "generation": GENERATION,
-            "kv_roles": ["producer", "consumer"]}
+            "kv_roles": ["producer", "consumer"], "kv_events": None}
         # The engine process's own start, from /proc: after we spawned it, before it was ready.
         assert before - 0.05 <= identity["process_started_at"] <= ready_at
 

@@ -87,6 +87,9 @@ class Engine:
     log_path: Path
     process: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
+    # A prefill engine publishes its KV events (--kv-events-config): ZeroMQ PUB and replay (ROUTER) ports.
+    kv_events_port: int | None = None
+    kv_events_replay_port: int | None = None
 
     @property
     def url(self) -> str:
@@ -160,6 +163,9 @@ class VllmFleet:
                 name = f"{prefix}{role[0]}{i}"
                 self.engines[name] = Engine(name, role, free_port(), free_port(), index % cpus,
                                             workdir / f"{name}.log")
+                if role == "prefill":
+                    self.engines[name].kv_events_port = free_port()
+                    self.engines[name].kv_events_replay_port = free_port()
                 index += 1
 
     def __getitem__(self, name: str) -> Engine:
@@ -178,7 +184,19 @@ class VllmFleet:
                 # on AMX; a CPU (or VM) with amx_tile but without amx_bf16 dies of SIGILL in the first decode.
                 "--dtype", "float32",
                 "--kv-transfer-config", json.dumps(kv), "--middleware", PLUGIN,
+                *self.kv_events_flags(engine),
                 *([] if os.environ.get("NARWHAL_REAL_VLLM_EAGER", "1") == "0" else ["--enforce-eager"])]
+
+    @staticmethod
+    def kv_events_flags(engine: Engine) -> list[str]:
+        """vLLM's --kv-events-config for an engine that publishes, as an operator writes it: a wildcard host (the
+        plugin reports it as given, and the router puts the engine's host in its place)."""
+        if engine.kv_events_port is None:
+            return []
+        config = {"enable_kv_cache_events": True, "publisher": "zmq",
+                  "endpoint": f"tcp://*:{engine.kv_events_port}",
+                  "replay_endpoint": f"tcp://*:{engine.kv_events_replay_port}"}
+        return ["--kv-events-config", json.dumps(config)]
 
     def environment(self, engine: Engine) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "NARWHAL_", "PYTHONPATH"))}

@@ -38,7 +38,8 @@ marked ``-c``. Requests vLLM's request model or sampling parameters refuse (``n`
 out of [0, 2] or not a number, an empty prompt, ...) get vLLM's 400 and error body.
 
 Fault injection (``narwhal.tools.mock.faults``) is set with ``--fault`` or at run time
-through ``/mock/faults``; ``/mock/stats`` reports what the engine saw.
+through ``/mock/faults``; ``/mock/stats`` reports what the engine saw. With ``--kv-events`` its
+prefix cache's stores and evictions go out as vLLM's KV events (``narwhal.tools.mock.kv_publisher``).
 """
 
 from __future__ import annotations
@@ -83,8 +84,9 @@ from narwhal.tools.mock.faults import (
     Operation,
     parse_fault_spec,
 )
+from narwhal.tools.mock.kv_publisher import KvEventsSettings, KvPublisher
 from narwhal.tools.mock.prefix_cache import PrefixCache
-from narwhal.wire import AttestRequest, AttestResponse, EngineIdentity, KVTransferParams
+from narwhal.wire import AttestRequest, AttestResponse, EngineIdentity, KvEventsIdentity, KVTransferParams
 
 if TYPE_CHECKING:
     from narwhal.http1.server import Request, Responder
@@ -275,6 +277,8 @@ class MockSettings(msgspec.Struct, frozen=True, kw_only=True):
     # first half (0: none), and N tokens per SSE event.
     split_every: int = 0
     tokens_per_event: int = 1
+    # Publish the prefix cache's stores and evictions as vLLM's KV events (None: off).
+    kv_events: KvEventsSettings | None = None
 
     @property
     def effective_kv_roles(self) -> tuple[str, ...]:
@@ -481,7 +485,8 @@ class MockEngine:
         self._ids = itertools.count(1)
         self._id_prefix = secrets.token_hex(4)
         self._blocks = itertools.count(1)
-        self.prefix_cache = PrefixCache(settings.prefix_cache_blocks, _BLOCK_TOKENS) \
+        self.kv_publisher = KvPublisher(settings.kv_events, settings.host) if settings.kv_events else None
+        self.prefix_cache = PrefixCache(settings.prefix_cache_blocks, _BLOCK_TOKENS, listener=self.kv_publisher) \
             if settings.prefix_cache_blocks > 0 else None
         self._prefill_lock = trio.Lock()
         for spec in settings.faults:
@@ -497,6 +502,7 @@ class MockEngine:
             "/mock/faults": {b"GET": self._list_faults, b"POST": self._set_fault, b"DELETE": self._clear_faults},
             "/mock/stats": {b"GET": self._get_stats},
             "/mock/stats/reset": {b"POST": self._reset_stats},
+            "/reset_prefix_cache": {b"POST": self._reset_prefix_cache},
         }
 
     def __repr__(self) -> str:
@@ -618,7 +624,8 @@ class MockEngine:
             engine_id=self.engine_id, model=self._reported_model(applied),
             generation=self._reported_generation(applied),
             process_started_at=self.settings.process_started_at,
-            kv_roles=list(self.settings.effective_kv_roles))
+            kv_roles=list(self.settings.effective_kv_roles),
+            kv_events=None if self.kv_publisher is None else self.kv_publisher.identity())
         await responder.respond(200, _JSON, _encode(identity))
 
     def signature(self, nonce: str, generation: str | None = None) -> str:
@@ -783,6 +790,8 @@ class MockEngine:
         tokens = tokenize(messages=body.messages) if chat else tokenize(body.prompt)
         async with self._prefill_lock:
             cached = self.prefix_cache.prefill(tokens) if self.prefix_cache is not None else 0
+            if self.kv_publisher is not None:
+                self.kv_publisher.flush()
             delay_s = (len(tokens) - cached) * self.settings.prefill_s_per_token
             if delay_s > 0:
                 await trio.sleep(delay_s)
@@ -1029,9 +1038,21 @@ class MockEngine:
             self.prefix_cache.reset_counters()
         await responder.respond(200, _JSON, _encode(self._describe_stats()))
 
+    async def _reset_prefix_cache(self, request: Request, responder: Responder) -> None:
+        # vLLM's dev-mode route: empties the cache (AllBlocksCleared on the KV event feed), keeps the metrics.
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        if self.kv_publisher is not None:
+            self.kv_publisher.flush()
+        await responder.respond(200, _JSON, _encode({"success": True}))
+
     def _describe_stats(self) -> dict[str, Any]:
         described = self.stats.describe()
         described["prefix_cache"] = None if self.prefix_cache is None else self.prefix_cache.describe()
+        publisher = self.kv_publisher
+        described["kv_events"] = None if publisher is None else {
+            **msgspec.structs.asdict(publisher.identity()), "published": publisher.published,
+            "dropped": publisher.dropped}
         return described
 
 
@@ -1159,7 +1180,18 @@ class MockService:
             self._window.cancel()
 
     async def run(self, *, task_status: trio.TaskStatus[MockEngine] = trio.TASK_STATUS_IGNORED) -> None:
-        """Serve until ``stop``; reports the engine once its port is bound."""
+        """Serve until ``stop``; reports the engine once its port (and KV event publisher, if any) is bound."""
+        publisher = self.engine.kv_publisher
+        if publisher is None:
+            await self._serve(task_status=task_status)
+            return
+        async with trio.open_nursery() as nursery:
+            # Bound before the engine reports: its identity names the publisher's ports.
+            await nursery.start(publisher.run)
+            await self._serve(task_status=task_status)
+            nursery.cancel_scope.cancel()
+
+    async def _serve(self, *, task_status: trio.TaskStatus[MockEngine]) -> None:
         engine = self.engine
         host, port = engine.settings.host, engine.settings.port
         reported = False
@@ -1245,6 +1277,19 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="require client certificates signed by this CA (mutual TLS)")
     parser.add_argument("--prefix-cache-blocks", type=int, default=0, metavar="N",
                         help="model a prefix cache: an LRU of N 16-token prompt blocks (default 0: none)")
+    parser.add_argument("--cache-blocks", type=int, dest="prefix_cache_blocks", default=0, metavar="N",
+                        help="the same as --prefix-cache-blocks")
+    parser.add_argument("--kv-events", type=int, metavar="PORT",
+                        help="publish the prefix cache's stores and evictions as vLLM's KV events (ZeroMQ PUB on "
+                             "PORT, 0 picks one; needs --cache-blocks); with --engines N: PORT ... PORT+N-1")
+    parser.add_argument("--kv-events-replay", type=int, metavar="PORT",
+                        help="answer vLLM's replay requests on PORT (ZeroMQ ROUTER; 0 picks one)")
+    parser.add_argument("--kv-events-topic", default="", metavar="T", help="the events' topic (default empty)")
+    parser.add_argument("--kv-events-encoding", choices=("vllm", "array", "map"), default="vllm",
+                        help="vllm: as vLLM 0.32 sends them (default); array: events as tagged arrays (older vLLM); "
+                             "map: the batch as a map")
+    parser.add_argument("--kv-events-hash", choices=("int", "bytes"), default="int",
+                        help="block hashes as unsigned 64-bit ints (default, as vLLM) or 32 bytes")
     parser.add_argument("--prefill-s-per-token", type=float, default=0.0, metavar="S",
                         help="prefill time per prompt token not in the prefix cache; prefills run one at a time "
                              "(default 0)")
@@ -1270,6 +1315,17 @@ def _settings_from_args(args: argparse.Namespace) -> MockSettings:
         raise ValueError(f"--tokens-per-event must be >= 1, got {args.tokens_per_event}")
     if args.tls_client_ca_file is not None and args.tls_cert_file is None:
         raise ValueError("--tls-client-ca-file needs --tls-cert-file and --tls-key-file")
+    kv_events: KvEventsSettings | None = None
+    if args.kv_events is not None:
+        if args.prefix_cache_blocks <= 0:
+            raise ValueError("--kv-events needs a prefix cache to report: --cache-blocks N")
+        if not all(0 <= port <= 65535 for port in (args.kv_events, args.kv_events_replay or 0)):
+            raise ValueError("--kv-events and --kv-events-replay must be ports (0 picks one)")
+        kv_events = KvEventsSettings(port=args.kv_events, replay_port=args.kv_events_replay,
+                                     topic=args.kv_events_topic, encoding=args.kv_events_encoding,
+                                     hashes=args.kv_events_hash)
+    elif args.kv_events_replay is not None:
+        raise ValueError("--kv-events-replay needs --kv-events")
     return MockSettings(
         role=args.role or "decode", host=args.host, port=args.port, engine_id=args.engine_id, model=args.model,
         generation=args.generation, attestation_key=args.attestation_key, max_model_len=args.max_model_len,
@@ -1278,7 +1334,7 @@ def _settings_from_args(args: argparse.Namespace) -> MockSettings:
         idle_timeout_s=args.idle_timeout_s, sse_writes=args.sse_writes, tls_cert_file=args.tls_cert_file,
         tls_key_file=args.tls_key_file, tls_client_ca_file=args.tls_client_ca_file,
         prefix_cache_blocks=args.prefix_cache_blocks, prefill_s_per_token=args.prefill_s_per_token,
-        split_every=args.split_chars_every, tokens_per_event=args.tokens_per_event)
+        split_every=args.split_chars_every, tokens_per_event=args.tokens_per_event, kv_events=kv_events)
 
 
 def _fleet_from_args(args: argparse.Namespace) -> list[MockSettings]:
@@ -1303,7 +1359,17 @@ def _fleet_from_args(args: argparse.Namespace) -> list[MockSettings]:
         return [msgspec.structs.replace(base, role=roles[0])]
     return [msgspec.structs.replace(
         base, role=role, port=base.port + i if base.port else 0,
-        engine_id=f"{base.engine_id}-{i}" if base.engine_id else None) for i, role in enumerate(roles)]
+        engine_id=f"{base.engine_id}-{i}" if base.engine_id else None,
+        kv_events=_offset_kv_events(base.kv_events, i)) for i, role in enumerate(roles)]
+
+
+def _offset_kv_events(settings: KvEventsSettings | None, i: int) -> KvEventsSettings | None:
+    """Engine ``i``'s publisher ports: offset by ``i`` as vLLM offsets them per data-parallel rank (0 stays 0)."""
+    if settings is None or i == 0:
+        return settings
+    return msgspec.structs.replace(settings, port=settings.port + i if settings.port else 0,
+                                   replay_port=settings.replay_port + i if settings.replay_port else
+                                   settings.replay_port)
 
 
 class _EngineEntry(msgspec.Struct, frozen=True):
@@ -1313,6 +1379,8 @@ class _EngineEntry(msgspec.Struct, frozen=True):
     role: str
     port: int
     url: str
+    # Its KV event publisher (``--kv-events``), as its identity reports it; null when off.
+    kv_events: KvEventsIdentity | None = None
 
 
 class _EnginesFile(msgspec.Struct, frozen=True):
@@ -1323,7 +1391,9 @@ def _write_engines_file(path: Path, engines: list[MockEngine]) -> None:
     """Write the served engines to ``path`` whole (a temporary file renamed over it)."""
     entries = [_EngineEntry(engine.engine_id, engine.settings.role, engine.port,
                             f"{'https' if engine.settings.tls_cert_file else 'http'}://"
-                            f"{engine.settings.host}:{engine.port}") for engine in engines]
+                            f"{engine.settings.host}:{engine.port}",
+                            None if engine.kv_publisher is None else engine.kv_publisher.identity())
+               for engine in engines]
     partial = path.with_name(path.name + ".partial")
     partial.write_bytes(msgspec.json.encode(_EnginesFile(entries)) + b"\n")
     partial.replace(path)
@@ -1342,6 +1412,8 @@ async def _run(fleet: MockSettings | list[MockSettings], engines_file: Path | No
                 settings = engine.settings
                 ready = {"event": "mock_engine_ready", "port": engine.port, "engine_id": engine.engine_id,
                          "role": settings.role, "model": settings.model, "tls": settings.tls_cert_file is not None}
+                if engine.kv_publisher is not None:
+                    ready["kv_events"] = msgspec.structs.asdict(engine.kv_publisher.identity())
                 sys.stdout.write(_encode(ready).decode() + "\n")
             if engines_file is not None:
                 _write_engines_file(engines_file, engines)

@@ -1,0 +1,79 @@
+"""vLLM's own KV events from the tier's prefill engine (CPU build, --kv-events-config): what a router subscribes to.
+
+``p1`` is started with ``--kv-events-config`` (ZeroMQ PUB and replay on a wildcard host); the plugin reports
+the endpoints as given. The events are decoded generically (msgspec) and checked against the prompt's token
+ids from vLLM's own ``/tokenize``.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import trio
+import zmq
+
+from tests.real_vllm.fleet import MODEL_NAME
+
+pytestmark = pytest.mark.real_vllm
+
+END = (-1).to_bytes(8, "big", signed=True)
+
+
+def replay(port: int, start_seq: int) -> list[tuple[int, bytes]]:
+    """vLLM's replay protocol from a DEALER: the buffered batches from ``start_seq`` on, up to the end marker."""
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        dealer.send_multipart([b"", start_seq.to_bytes(8, "big")])
+        batches = []
+        while True:
+            assert dealer.poll(30_000), "no answer from vLLM's replay socket"
+            _, _, seq, payload = dealer.recv_multipart()
+            if seq == END:
+                return batches
+            batches.append((int.from_bytes(seq, "big"), payload))
+    finally:
+        dealer.close()
+        context.term()
+
+
+async def test_the_prefill_engine_publishes_the_blocks_it_stores(fleet) -> None:
+    import httpx
+
+    p1 = fleet["p1"]
+    async with httpx.AsyncClient(timeout=60) as client:
+        identity = (await client.get(f"{p1.url}/narwhal/identity")).json()
+        assert identity["kv_events"] == {"endpoint": f"tcp://*:{p1.kv_events_port}",
+                                         "replay_endpoint": f"tcp://*:{p1.kv_events_replay_port}", "topic": ""}
+        for decode in fleet.of_role("decode"):  # none with NARWHAL_REAL_VLLM_DECODE=0
+            assert (await client.get(f"{decode.url}/narwhal/identity")).json()["kv_events"] is None
+
+        before = await trio.to_thread.run_sync(replay, p1.kv_events_replay_port, 0)
+        last = before[-1][0] if before else -1
+        # Unique to this run (not cached yet), about 550 of the tiny tokenizer's tokens: 4 blocks of 128.
+        prompt = f"{trio.current_time():.6f} " + " ".join(f"word{i}" for i in range(100))
+        tokens = (await client.post(f"{p1.url}/tokenize", json={"model": MODEL_NAME, "prompt": prompt})).json()
+        tokens = tokens["tokens"]
+        assert 256 < len(tokens) < 2000
+        answer = await client.post(f"{p1.url}/v1/completions",
+                                   json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1})
+        assert answer.status_code == 200
+    decode = msgspec.msgpack.Decoder().decode
+    stored: list[dict] = []
+    with trio.fail_after(30):
+        while not stored:
+            for _, payload in await trio.to_thread.run_sync(replay, p1.kv_events_replay_port, last + 1):
+                ts, events, *rank = decode(payload)
+                assert isinstance(ts, float) and rank in ([], [0])
+                stored += [e for e in events if e["type"] == "BlockStored"]
+            await trio.sleep(0.2)  # vLLM publishes from its own thread once the step is done
+    block_size = stored[0]["block_size"]
+    chained = [h for event in stored for h in event["block_hashes"]]
+    ids = [t for event in stored for t in event["token_ids"]]
+    # The prompt's whole blocks, in order, the first with no parent; hashes unsigned 64-bit ints.
+    assert ids == tokens[:len(tokens) // block_size * block_size] and len(chained) == len(tokens) // block_size
+    assert stored[0]["parent_block_hash"] is None and stored[0]["medium"] == "GPU"
+    assert all(isinstance(h, int) and 0 <= h < 2**64 for h in chained)
+    print(f"\nvLLM KV events: block_size {block_size}, {len(chained)} blocks stored, fields {sorted(stored[0])}")
