@@ -307,7 +307,14 @@ class _Feed:
         assert self.last_seq is not None
         want = self.last_seq + 1
         failure = "no_replay" if self.source.replay is None else await self._replay(ctx, want, catch_up=False)
-        if failure is None or failure == "flood" or seen is None or self.last_seq is None:
+        if failure is None or failure == "flood" or self.last_seq is None:
+            return
+        if seen is None:
+            # A reconnect whose replay could not answer: whatever was published meanwhile (a new process,
+            # evictions) is unknown. Cleared, and in step again from the next live message.
+            self._resync(want, None, failure)
+            self.last_seq = None
+            self._caught_up = True
             return
         if self.last_seq + 1 < seen:
             # What is still missing is lost: cleared, and in step again with the message that showed the gap.
@@ -414,7 +421,7 @@ class _Feed:
         self._tokens -= cost
         return self._tokens + cost > 0
 
-    def _resync(self, from_seq: int, to_seq: int, reason: str) -> None:
+    def _resync(self, from_seq: int, to_seq: int | None, reason: str) -> None:
         self._sink.clear(self.engine)
         self.counters.resyncs += 1
         self._dup_low = self._dup_high = None
