@@ -217,6 +217,9 @@ class VllmFleet:
             "NARWHAL_FLEET_KEY": FLEET_KEY,
             "NARWHAL_NIXL_PROGRESS_DELAY_US": "2000",
         })
+        if engine.kv_events_port is not None:
+            # POST /reset_prefix_cache (an operator's way to empty the cache: AllBlocksCleared) is a dev route.
+            env["VLLM_SERVER_DEV_MODE"] = "1"
         if self.register_etcd is not None and engine.role == "decode":
             env.update({"NARWHAL_REGISTER_ETCD": self.register_etcd, "NARWHAL_REGISTER_URL": engine.url,
                         "NARWHAL_REGISTER_TTL_S": "3"})

@@ -7,11 +7,13 @@ ids from vLLM's own ``/tokenize``.
 
 from __future__ import annotations
 
+import httpx
 import msgspec
 import pytest
 import trio
 import zmq
 
+from tests.real_vllm.conftest import AUTH
 from tests.real_vllm.fleet import MODEL_NAME
 
 pytestmark = pytest.mark.real_vllm
@@ -40,8 +42,6 @@ def replay(port: int, start_seq: int) -> list[tuple[int, bytes]]:
 
 
 async def test_the_prefill_engine_publishes_the_blocks_it_stores(fleet) -> None:
-    import httpx
-
     p1 = fleet["p1"]
     async with httpx.AsyncClient(timeout=60) as client:
         identity = (await client.get(f"{p1.url}/narwhal/identity")).json()
@@ -77,3 +77,49 @@ async def test_the_prefill_engine_publishes_the_blocks_it_stores(fleet) -> None:
     assert stored[0]["parent_block_hash"] is None and stored[0]["medium"] == "GPU"
     assert all(isinstance(h, int) and 0 <= h < 2**64 for h in chained)
     print(f"\nvLLM KV events: block_size {block_size}, {len(chained)} blocks stored, fields {sorted(stored[0])}")
+
+
+async def test_the_routers_view_follows_what_vllm_stored_and_cleared(start_narwhal, fleet) -> None:
+    """The router subscribes at the endpoints the plugin reports (no kv_events in its config): its
+    /admin/placement counts the blocks vLLM stored for a prompt sent through it, and none once vLLM empties
+    its cache."""
+    narwhal = await start_narwhal()
+    p1 = fleet["p1"]
+
+    async def feed() -> dict:
+        response = await narwhal.client.get(f"{narwhal.url}/admin/placement", headers=AUTH)
+        assert response.status_code == 200, response.text
+        return response.json()["engines"]["p1"]["kv_events"]
+
+    async def wait(what: str, check, timeout_s: float = 60.0) -> dict:
+        with trio.move_on_after(timeout_s):
+            while not check(state := await feed()):
+                await trio.sleep(0.2)
+            return state
+        raise AssertionError(f"timed out waiting for p1's feed: {what}; last {state}")
+
+    before = await wait("live", lambda state: state["state"] == "live")
+    prompt = f"{trio.current_time():.6f} " + " ".join(f"whale{i}" for i in range(100))
+    async with httpx.AsyncClient(timeout=60) as client:
+        tokens = (await client.post(f"{p1.url}/tokenize", json={"model": MODEL_NAME, "prompt": prompt})).json()
+    answer = await narwhal.call(lambda: narwhal.openai.completions.create(model=MODEL_NAME, prompt=prompt,
+                                                                          max_tokens=2))
+    assert answer.choices[0].text is not None
+    whole = len(tokens["tokens"]) // 128
+    stored = await wait(f"{whole} more blocks", lambda state: state["blocks"] >= before["blocks"] + whole)
+    assert stored["last_seq"] is not None and stored["dropped"] == 0
+    # vLLM empties its cache (AllBlocksCleared): the router's view of p1 goes to nothing. The decode may still
+    # hold the prompt's blocks for a moment (vLLM then answers success false): asked until it takes.
+    async with httpx.AsyncClient(timeout=60) as client:
+        with trio.fail_after(60):
+            while True:
+                reset = await client.post(f"{p1.url}/reset_prefix_cache")
+                assert reset.status_code == 200, reset.text
+                if not reset.content or reset.json().get("success", True):
+                    break
+                await trio.sleep(0.5)
+    # vLLM publishes the clear with its next scheduler step: one more request makes one.
+    await narwhal.call(lambda: narwhal.openai.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=1))
+    cleared = await wait("cleared", lambda state: state["blocks"] < whole)
+    print(f"\nrouter's view of p1: {before['blocks']} -> {stored['blocks']} blocks after the prompt, "
+          f"{cleared['blocks']} after /reset_prefix_cache; last_seq {cleared['last_seq']}")
