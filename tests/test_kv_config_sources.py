@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from narwhal.config import ConfigError, parse_config
@@ -109,3 +110,14 @@ def test_a_new_publisher_is_the_same_engine_not_a_removal_and_an_addition() -> N
     # Another url still is another engine.
     elsewhere = parse_config(ENGINES.replace("http://10.0.0.1:8000", "http://10.0.0.7:8000"))
     assert registry.apply(entries_from_config(elsewhere), now=1.0).changed == ["p1"]
+
+
+def test_an_identity_whose_kv_events_cannot_be_read_still_identifies_the_engine() -> None:
+    from narwhal.control.contract import read_identity
+
+    base = {"engine_id": "p1", "model": "m", "generation": "g", "process_started_at": 1.0, "kv_roles": ["kv_producer"]}
+    good = read_identity(msgspec.json.encode({**base, "kv_events": {"endpoint": "tcp://*:5557", "topic": "kv"}}))
+    assert good.kv_events == KvEventsIdentity(endpoint="tcp://*:5557", topic="kv")
+    assert read_identity(msgspec.json.encode(base)).kv_events is None
+    odd = read_identity(msgspec.json.encode({**base, "kv_events": {"endpoint": 5557}}))
+    assert (odd.engine_id, odd.kv_events) == ("p1", None)
