@@ -134,6 +134,13 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
                              "worth with their suffixes)")
     prefix.add_argument("--prefill-s-per-token", type=float, default=None, metavar="S",
                         help=f"the prefill mock's time per uncached prompt token (default {_PREFIX_S_PER_TOKEN:g})")
+    prefix.add_argument("--compare-kv-events", action="store_true",
+                        help="two passes on the same fleet, the prefill mocks publishing KV events: precise "
+                             "placement ([placement] kv_events = \"auto\") then the approximate index (\"off\"), "
+                             "the mocks' caches emptied before each; a row per pass with the best possible hit rate")
+    prefix.add_argument("--routers", type=int, default=1, metavar="N",
+                        help="N Narwhal routers in front of the same engines, each its own process and config, "
+                             "the load split between them (default 1)")
     run.add_argument("--fault-downtime-s", type=float, default=4.0,
                      help="faults: how long the killed engine stays down (default 4)")
     run.add_argument("--fault-5xx-s", type=float, default=4.0,
@@ -208,6 +215,15 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         prefill_s = args.prefill_s_per_token if args.prefill_s_per_token is not None else _PREFIX_S_PER_TOKEN
         if cache_blocks < 0 or prefill_s < 0:
             raise ValueError("--mock-cache-blocks and --prefill-s-per-token must be >= 0")
+        if (args.compare_kv_events or args.routers > 1) and (
+                cache_blocks < 1 or args.tls or args.router_cmd or args.baseline or args.chat_turns):
+            raise ValueError("--compare-kv-events and --routers need mock caches (--mock-cache-blocks >= 1), "
+                             "completions (no --chat-turns) and Narwhal started here (no --tls, --router-cmd "
+                             "or --baseline)")
+    elif args.compare_kv_events or args.routers != 1:
+        raise ValueError("--compare-kv-events and --routers go with --scenario prefix")
+    if args.routers < 1:
+        raise ValueError("--routers must be at least 1")
     token_delay_s = args.token_delay_s if args.token_delay_s is not None else (
         _FAULTS_TOKEN_DELAY_S if faults else 0.0)
     if prefill < 1 or decode < 1:
@@ -268,7 +284,8 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         pair=tuple(args.pair) if args.pair else None, prefixes=args.prefixes,
         prefix_words=args.prefix_words, suffix_words=args.suffix_words, prefix_skew=args.prefix_skew,
         chat_turns=args.chat_turns, mock_cache_blocks=int(cache_blocks), prefill_s_per_token=prefill_s,
-        fleet_sizes=fleet_sizes, fleet_idle_s=args.fleet_idle_s)
+        fleet_sizes=fleet_sizes, fleet_idle_s=args.fleet_idle_s, compare_kv_events=args.compare_kv_events,
+        routers=args.routers)
 
 
 def _fleet_sizes(text: str) -> tuple[int, ...]:
@@ -305,7 +322,11 @@ def run_from_args(args: argparse.Namespace) -> int:
               f"({least:g} s); add --duration-s to be sure", file=sys.stderr)
     failures: list[BaseException] = []
     try:
-        report = trio.run(run_fleet_scale if settings.scenario == "fleet" else run_bench, settings)
+        from narwhal.tools.bench.placement import run_placement_passes
+
+        run = run_fleet_scale if settings.scenario == "fleet" else \
+            run_placement_passes if settings.placement_passes else run_bench
+        report = trio.run(run, settings)
     except* (RuntimeError, OSError, ValueError) as group:
         failures = _leaves(group)
     if failures:

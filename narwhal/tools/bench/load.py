@@ -83,6 +83,9 @@ class LoadSpec(msgspec.Struct, frozen=True, kw_only=True):
     # Several models (bench --models N): one body per model, each naming its model; request n sends
     # model_bodies[n % N], round robin by request. Empty: every request sends ``body``.
     model_bodies: tuple[bytes, ...] = ()
+    # Several routers on this host (bench --routers N): worker i sends to ports[i % N] instead of ``port``,
+    # so the load splits evenly between them. Empty: every worker sends to ``port``.
+    ports: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -342,15 +345,16 @@ class _Load:
         state.issued += 1
         return True
 
-    async def worker(self) -> None:
+    async def worker(self, index: int = 0) -> None:
         conn: trio.abc.Stream | None = None
+        port = self.spec.ports[index % len(self.spec.ports)] if self.spec.ports else self.spec.port
         try:
             models = len(self.requests)
             while self.take_ticket():
                 record = RequestRecord(trio.current_time() - self.t0)
                 if models > 1:
                     record.model_index = (self.state.issued - 1) % models
-                conn = await self.one(conn, record)
+                conn = await self.one(conn, record, port)
                 self.finish(record)
         finally:
             if conn is not None:
@@ -395,8 +399,9 @@ class _Load:
             return "malformed"
         return build_request(spec, spec.body[:-1] + b',"kv_transfer_params":' + bytes(kv) + b"}")
 
-    async def one(self, conn: trio.abc.Stream | None, record: RequestRecord) -> trio.abc.Stream | None:
-        """Send one request on ``conn`` (or a new connection); returns the connection to reuse, if any."""
+    async def one(self, conn: trio.abc.Stream | None, record: RequestRecord,
+                  port: int | None = None) -> trio.abc.Stream | None:
+        """Send one request on ``conn`` (or a new connection to ``port``, else the spec's); returns it to reuse."""
         started = trio.current_time()
         exchange: _Exchange | None = None
         ended_early = False
@@ -415,7 +420,7 @@ class _Load:
                 reused = conn is not None
                 if conn is None:
                     try:
-                        conn = await _connect(self.host, self.spec.port)
+                        conn = await _connect(self.host, self.spec.port if port is None else port)
                         if self.ssl_context is not None:
                             conn = await _secure(conn, self.ssl_context, self.spec.host)
                     except _Refused as exc:
@@ -520,8 +525,8 @@ async def run_load(spec: LoadSpec, *, state: LoadState | None = None,
     if spec.duration_s is not None:
         load.stop_at = load.t0 + spec.duration_s
     async with trio.open_nursery() as nursery:
-        for _ in range(spec.concurrency):
-            nursery.start_soon(load.worker)
+        for index in range(spec.concurrency):
+            nursery.start_soon(load.worker, index)
     duration_s = trio.current_time() - load.t0
     return LoadResult(load.records, load.gaps_s, duration_s=duration_s, wall_started_at=wall_started_at,
                       connections_opened=load.connections_opened,

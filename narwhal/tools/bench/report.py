@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from narwhal.tools.bench.prefix import PrefixReport, format_prefix_lines
+from narwhal.tools.bench.prefix import PlacementPass, PrefixReport, format_pass_lines, format_prefix_lines
 
 __all__ = [
     "AdminAnswer",
@@ -279,6 +279,8 @@ class BenchReport(msgspec.Struct, frozen=True, kw_only=True):
     prefix: PrefixReport | None = None
     # The fleet scenario: every size (``run`` is then the largest fleet's load).
     fleet_scale: FleetScaleReport | None = None
+    # --compare-kv-events / --routers N: each placement pass (``run`` and ``prefix`` are then the first's).
+    placement_passes: list[PlacementPass] | None = None
 
 
 # ----- the table -------------------------------------------------------------------
@@ -460,4 +462,6 @@ def format_report(report: BenchReport) -> str:
         lines += _fault_lines(report.faults)
     if report.prefix is not None:
         lines += format_prefix_lines(report.prefix)
+    if report.placement_passes:
+        lines += format_pass_lines(report.placement_passes)
     return "\n".join(lines)

@@ -91,6 +91,10 @@ class BenchSettings(msgspec.Struct, frozen=True, kw_only=True):
     chat_turns: int = 0
     mock_cache_blocks: int = 0
     prefill_s_per_token: float = 0.0
+    # Placement passes (narwhal.tools.bench.placement): precise then approximate on one fleet, and the
+    # Narwhal routers in front of it (each its own process); either makes the prefill mocks publish KV events.
+    compare_kv_events: bool = False
+    routers: int = 1
     # The fleet scenario (bench --scenario fleet): the fleet sizes, and the idle window at each.
     fleet_sizes: tuple[int, ...] = (4, 64, 256)
     fleet_idle_s: float = 10.0
@@ -102,7 +106,14 @@ class BenchSettings(msgspec.Struct, frozen=True, kw_only=True):
         if self.mock_cache_blocks or self.prefill_s_per_token:
             args += ["--prefix-cache-blocks", str(self.mock_cache_blocks),
                      "--prefill-s-per-token", repr(self.prefill_s_per_token)]
+        if self.placement_passes:
+            args += ["--kv-events", "0", "--kv-events-replay", "0"]
         return args
+
+    @property
+    def placement_passes(self) -> bool:
+        """Whether the run is placement passes (``--compare-kv-events`` or ``--routers`` >= 2)."""
+        return self.scenario == "prefix" and (self.compare_kv_events or self.routers > 1)
 
     @property
     def model_names(self) -> list[str]:

@@ -85,7 +85,7 @@ from narwhal.tools.mock.faults import (
     parse_fault_spec,
 )
 from narwhal.tools.mock.kv_publisher import KvEventsSettings, KvPublisher
-from narwhal.tools.mock.prefix_cache import PrefixCache
+from narwhal.tools.mock.prefix_cache import PrefixCache, block_hash
 from narwhal.wire import AttestRequest, AttestResponse, EngineIdentity, KvEventsIdentity, KVTransferParams
 
 if TYPE_CHECKING:
@@ -109,6 +109,8 @@ _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")
 _DONE = b"data: [DONE]\n\n"
 _GARBAGE = b"<html><body>502 upstream confused</body></html>\r\n\x00\xff not server-sent events\r\n"
 _BLOCK_TOKENS = 16
+# Distinct first blocks /mock/stats counts prefills by (prefills_by_first_block); a bound, not a need.
+_FIRST_BLOCK_KEYS = 4096
 _VOCAB = 32000
 # vLLM samples greedily below this temperature, and then refuses n > 1.
 _GREEDY_EPS = 1e-5
@@ -302,6 +304,9 @@ class MockStats:
     last_decode_body: bytes | None = None
     last_request_ids: dict[str, str | None] = dataclasses.field(
         default_factory=lambda: {"prefill": None, "decode": None})
+    # Prefills through the prefix cache by their prompt's first block (a hash), so the bench can tell
+    # whether one prefix always went to the same engine; at most _FIRST_BLOCK_KEYS keys.
+    prefills_by_first_block: Counter[str] = dataclasses.field(default_factory=Counter)
 
     def describe(self) -> dict[str, Any]:
         def body(raw: bytes | None) -> Any:
@@ -318,6 +323,7 @@ class MockStats:
             "last_prefill_body": body(self.last_prefill_body),
             "last_decode_body": body(self.last_decode_body),
             "last_request_ids": dict(self.last_request_ids),
+            "prefills_by_first_block": dict(self.prefills_by_first_block),
         }
 
 
@@ -788,6 +794,11 @@ class MockEngine:
     async def _compute_prefill(self, body: _CompletionBody, chat: bool) -> None:
         """One prefill at a time, taking ``prefill_s_per_token`` per prompt token not in the prefix cache."""
         tokens = tokenize(messages=body.messages) if chat else tokenize(body.prompt)
+        by_block = self.stats.prefills_by_first_block
+        if len(tokens) >= _BLOCK_TOKENS:
+            key = block_hash(None, tokens[:_BLOCK_TOKENS])[:8].hex()
+            if key in by_block or len(by_block) < _FIRST_BLOCK_KEYS:
+                by_block[key] += 1
         async with self._prefill_lock:
             cached = self.prefix_cache.prefill(tokens) if self.prefix_cache is not None else 0
             if self.kv_publisher is not None:
