@@ -218,6 +218,14 @@ async def start(nursery: trio.Nursery, feeds: KvFeeds, *publishers: Publisher) -
     await nursery.start(feeds.run)
 
 
+async def follow(nursery: trio.Nursery, feeds: KvFeeds, pub: Publisher) -> None:
+    """``pub`` and the feeds running, engine "e" subscribed to it and its first replay (the catch-up) asked."""
+    await start(nursery, feeds, pub)
+    feeds.set_sources({"e": pub.source()})
+    await pub.subscribed()
+    await pub.asked(1)
+
+
 FAST = FeedLimits(replay_idle_s=0.5, stall_s=0.5)
 
 
@@ -229,10 +237,7 @@ async def test_batches_reach_the_sink_in_order(ctx) -> None:
     feeds = KvFeeds(sink, limits=FAST)
     with trio.fail_after(WAIT):
         async with trio.open_nursery() as nursery:
-            await start(nursery, feeds, pub)
-            feeds.set_sources({"e": pub.source()})
-            await pub.subscribed()
-            await pub.asked(1)
+            await follow(nursery, feeds, pub)
             for _ in range(20):
                 pub.publish()
             await sink.until(lambda: len(sink.applied()) == 23)
@@ -254,10 +259,7 @@ async def test_a_gap_is_filled_by_replay(ctx) -> None:
     feeds = KvFeeds(sink, limits=FAST)
     with trio.fail_after(WAIT):
         async with trio.open_nursery() as nursery:
-            await start(nursery, feeds, pub)
-            feeds.set_sources({"e": pub.source()})
-            await pub.subscribed()
-            await pub.asked(1)
+            await follow(nursery, feeds, pub)
             pub.publish()
             await sink.until(lambda: sink.applied() == [0.0])
             pub.publish(send=False)  # seq 1 never reaches the subscriber
@@ -278,10 +280,7 @@ async def test_a_reconnect_asks_replay(ctx) -> None:
     feeds = KvFeeds(sink, limits=FAST)
     with trio.fail_after(WAIT):
         async with trio.open_nursery() as nursery:
-            await start(nursery, feeds, pub)
-            feeds.set_sources({"e": pub.source()})
-            await pub.subscribed()
-            await pub.asked(1)
+            await follow(nursery, feeds, pub)
             pub.publish()
             await sink.until(lambda: sink.applied() == [0.0])
             pub.rebind()
@@ -335,10 +334,7 @@ async def test_sequence_going_backwards_clears(ctx, caplog) -> None:
     feeds = KvFeeds(sink, limits=FAST)
     with trio.fail_after(WAIT):
         async with trio.open_nursery() as nursery:
-            await start(nursery, feeds, pub)
-            feeds.set_sources({"e": pub.source()})
-            await pub.subscribed()
-            await pub.asked(1)
+            await follow(nursery, feeds, pub)
             for _ in range(4):
                 pub.publish()
             await sink.until(lambda: len(sink.applied()) == 4)
@@ -362,10 +358,7 @@ async def test_a_message_over_the_bound_is_dropped_and_the_feed_goes_on(ctx, cap
     feeds = KvFeeds(sink, limits=FeedLimits(max_message_bytes=1000, replay_idle_s=0.5, stall_s=0.5))
     with trio.fail_after(WAIT):
         async with trio.open_nursery() as nursery:
-            await start(nursery, feeds, pub)
-            feeds.set_sources({"e": pub.source()})
-            await pub.subscribed()
-            await pub.asked(1)
+            await follow(nursery, feeds, pub)
             pub.publish()
             await sink.until(lambda: sink.applied() == [0.0])
             pub.publish(b"\x00" * 5000, keep=False)
@@ -390,10 +383,7 @@ async def test_garbage_is_dropped_and_counted(ctx, caplog) -> None:
     feeds = KvFeeds(sink, limits=FAST)
     with trio.fail_after(WAIT):
         async with trio.open_nursery() as nursery:
-            await start(nursery, feeds, pub)
-            feeds.set_sources({"e": pub.source()})
-            await pub.subscribed()
-            await pub.asked(1)
+            await follow(nursery, feeds, pub)
             pub.publish()
             pub.publish(b"\xc1garbage")
             pub.publish(b"\x92\xcb")
@@ -418,10 +408,7 @@ async def test_a_flood_past_the_budget_is_dropped_and_resynced(ctx, caplog) -> N
     feeds = KvFeeds(sink, clock=lambda: now[0], limits=limits)
     with trio.fail_after(WAIT):
         async with trio.open_nursery() as nursery:
-            await start(nursery, feeds, pub)
-            feeds.set_sources({"e": pub.source()})
-            await pub.subscribed()
-            await pub.asked(1)
+            await follow(nursery, feeds, pub)
             for _ in range(30):  # each costs 2 (one event, one message); the clock stands still
                 pub.publish(keep=False)
             await sink.until(lambda: len(sink.applied()) == 10)
@@ -510,10 +497,7 @@ async def test_new_process_clears_and_starts_over(ctx) -> None:
     feeds = KvFeeds(sink, limits=FAST)
     with trio.fail_after(WAIT):
         async with trio.open_nursery() as nursery:
-            await start(nursery, feeds, pub)
-            feeds.set_sources({"e": pub.source()})
-            await pub.subscribed()
-            await pub.asked(1)
+            await follow(nursery, feeds, pub)
             pub.publish()
             await sink.until(lambda: sink.applied() == [0.0])
             pub.buffer = []
@@ -535,10 +519,7 @@ async def test_only_the_topic_asked_for(ctx) -> None:
     feeds = KvFeeds(sink, limits=FAST)
     with trio.fail_after(WAIT):
         async with trio.open_nursery() as nursery:
-            await start(nursery, feeds, pub)
-            feeds.set_sources({"e": pub.source()})
-            await pub.subscribed()
-            await pub.asked(1)
+            await follow(nursery, feeds, pub)
             # A topic that only starts with ours (ZeroMQ's subscription matches it) is not ours.
             pub.pub.send_multipart_nowait([b"kv-other", (7).to_bytes(8, "big"),
                                            encode_batch(KvBatch(7.0, [AllBlocksCleared()]))])

@@ -161,8 +161,6 @@ class Placer:
         """
         if not candidates:
             return None
-        if scores is not None and len(candidates) > 1 and self.cache_aware:
-            return self._prefill_scored(candidates, blocks, load, scores)
         n = len(blocks)
         index = self.index
         if len(candidates) == 1:
@@ -175,23 +173,27 @@ class Placer:
         load_list = list(map(load, candidates))
         least = min(load_list)
         bound = max(least + self.balance_abs, least * self.balance_rel)
-        match_list = index.match_each(candidates, blocks)
+        if scores is None:
+            match_list, total = index.match_each(candidates, blocks), n
+        else:
+            match_list, total = scores.matches, scores.total
         best_any = max(match_list)
         if best_any == 0:
-            pool = list(compress(candidates, map(operator.eq, load_list, repeat(least))))
+            least_at = list(map(operator.eq, load_list, repeat(least)))
+            pool = list(compress(candidates, least_at))
             if len(pool) > 1:
-                # The emptiest index among the least loaded: new prefixes spread over the caches.
-                sizes = index.entries_of(pool)
+                # The emptiest cache among the least loaded: new prefixes spread over the caches.
+                sizes = index.entries_of(pool) if scores is None else list(compress(scores.sizes, least_at))
                 smallest = min(sizes)
                 pool = list(compress(pool, map(operator.eq, sizes, repeat(smallest))))
-            return self._pick(pool, blocks, "miss", 0)
+            return self._pick(pool, blocks, "miss", 0, total)
         within = list(map(operator.le, load_list, repeat(bound)))
         allowed = list(compress(candidates, within))
         allowed_matches = list(compress(match_list, within))
         best = max(allowed_matches)
         chosen = list(map(operator.eq, allowed_matches, repeat(best)))
         pool = list(compress(allowed, chosen))
-        if len(pool) > 1 and best:
+        if len(pool) > 1 and best and scores is None:
             # Equal holders: the one that had it last, whose cache most likely still has it. A spilled
             # prefix thus concentrates again on one engine instead of crowding several caches, and
             # worker processes agree on which (the time of a placement travels with its record).
@@ -202,38 +204,7 @@ class Placer:
             pool_loads = list(compress(compress(load_list, within), chosen))
             lowest = min(pool_loads)
             pool = list(compress(pool, map(operator.eq, pool_loads, repeat(lowest))))
-        return self._pick(pool, blocks, "hit" if best == best_any else "spill", best)
-
-    def _prefill_scored(self, candidates: Sequence[str], blocks: Sequence[int], load: Callable[[str], int],
-                        scores: Scores) -> Choice:
-        # The same steps as prefill's, on the given matches.
-        load_list = list(map(load, candidates))
-        least = min(load_list)
-        bound = max(least + self.balance_abs, least * self.balance_rel)
-        match_list = scores.matches
-        total = scores.total
-        best_any = max(match_list)
-        if best_any == 0:
-            least_at = list(map(operator.eq, load_list, repeat(least)))
-            pool = list(compress(candidates, least_at))
-            if len(pool) > 1:
-                sizes = list(compress(scores.sizes, least_at))
-                smallest = min(sizes)
-                pool = list(compress(pool, map(operator.eq, sizes, repeat(smallest))))
-            choice = self._pick(pool, blocks, "miss", 0)
-            return Choice(choice.engine, "miss", 0.0 if total else None)
-        within = list(map(operator.le, load_list, repeat(bound)))
-        allowed = list(compress(candidates, within))
-        allowed_matches = list(compress(match_list, within))
-        best = max(allowed_matches)
-        chosen = list(map(operator.eq, allowed_matches, repeat(best)))
-        pool = list(compress(allowed, chosen))
-        if len(pool) > 1:
-            pool_loads = list(compress(compress(load_list, within), chosen))
-            lowest = min(pool_loads)
-            pool = list(compress(pool, map(operator.eq, pool_loads, repeat(lowest))))
-        choice = self._pick(pool, blocks, "hit" if best == best_any else "spill", 0)
-        return Choice(choice.engine, choice.reason, best / total if total else None)
+        return self._pick(pool, blocks, "hit" if best == best_any else "spill", best, total)
 
     def decode(self, candidates: Sequence[str], load: Callable[[str], int],
                busy: Collection[str] | None = None) -> Choice | None:
@@ -273,8 +244,12 @@ class Placer:
             if self.on_record is not None:
                 self.on_record(engine, blocks, at)
 
-    def _pick(self, pool: list[str], blocks: Sequence[int], reason: Reason, matched: int) -> Choice:
+    def _pick(self, pool: list[str], blocks: Sequence[int], reason: Reason, matched: int,
+              total: int | None = None) -> Choice:
+        """``matched`` of ``total`` (default: the prompt's blocks) as the choice's share."""
         n = len(blocks)
+        if total is None:
+            total = n
         if len(pool) == 1:
             name = pool[0]
         elif not n:
@@ -283,4 +258,4 @@ class Placer:
         else:
             anchor = blocks[min(n, ANCHOR_BLOCKS) - 1] if n else 0
             name = max(pool, key=lambda candidate: self.rank(anchor, candidate))
-        return Choice(name, reason, matched / n if n else None)
+        return Choice(name, reason, matched / total if total else None)
