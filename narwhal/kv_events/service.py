@@ -75,6 +75,11 @@ class KvEvents:
             self.feeds.new_process(engine)
         self.index.clear(engine)
 
+    @property
+    def active(self) -> bool:
+        """Whether any feed may be live (some publisher known, mode not off): else a request asks nothing of it."""
+        return bool(self._sources) and self.mode != "off"
+
     def live(self, engine: str) -> bool:
         """Whether placement may score ``engine`` from its feed (subscribed and in step)."""
         return self.mode != "off" and self.feeds.live(engine)

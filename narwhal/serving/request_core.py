@@ -648,7 +648,8 @@ class RequestCore:
                        exclude: str | None = None) -> None:
         join, rid = ex.join, ex.rid
         counted: _TokenizeResult | None = None
-        if self.placement.kv is not None and not (join is not None and join.started):
+        feeds = self.placement.kv
+        if feeds is not None and feeds.active and not (join is not None and join.started):
             # The engines' KV events key blocks by token IDs: the prompt's are asked before the choice.
             counted = await self._tokens_for_placement(route, request, ex, avoid)
         prefill_name = self._place("prefill", avoid, route, request, ex,
