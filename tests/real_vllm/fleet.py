@@ -144,8 +144,11 @@ class VllmFleet:
     """Prefill and decode vLLM engines from one venv and one model; ``start``/``restart``/``stop`` by name."""
 
     def __init__(self, python: str, model: str, workdir: Path, *, prefill: int = 1, decode: int = 2,
-                 served_name: str = MODEL_NAME, prefix: str = "", register_etcd: str | None = None) -> None:
+                 served_name: str = MODEL_NAME, prefix: str = "", register_etcd: str | None = None,
+                 cache_blocks: int | None = None) -> None:
         self.python = python
+        # Set: each engine's KV cache is this many blocks (--num-gpu-blocks-override), small enough to evict.
+        self.cache_blocks = cache_blocks
         # Set: the decode engines register themselves there (the plugin's NARWHAL_REGISTER_ETCD).
         self.register_etcd = register_etcd
         self.model = model
@@ -185,6 +188,7 @@ class VllmFleet:
                 "--dtype", "float32",
                 "--kv-transfer-config", json.dumps(kv), "--middleware", PLUGIN,
                 *self.kv_events_flags(engine),
+                *([] if self.cache_blocks is None else ["--num-gpu-blocks-override", str(self.cache_blocks)]),
                 *([] if os.environ.get("NARWHAL_REAL_VLLM_EAGER", "1") == "0" else ["--enforce-eager"])]
 
     @staticmethod
@@ -383,10 +387,10 @@ def warm_pairs(pairs: Sequence[tuple[Engine, Engine]], served_name: str, attempt
 @contextlib.contextmanager
 def running_fleet(python: str, model: str, workdir: Path, *, prefill: int = 1, decode: int = 2,
                   timeout_s: float = DEFAULT_START_TIMEOUT_S, served_name: str = MODEL_NAME,
-                  prefix: str = "") -> Iterator[VllmFleet]:
+                  prefix: str = "", cache_blocks: int | None = None) -> Iterator[VllmFleet]:
     """A started fleet for the ``with`` block; every engine's process group is stopped at its end."""
     fleet = VllmFleet(python, model, workdir, prefill=prefill, decode=decode, served_name=served_name,
-                      prefix=prefix)
+                      prefix=prefix, cache_blocks=cache_blocks)
     try:
         fleet.start(timeout_s=timeout_s)
         yield fleet

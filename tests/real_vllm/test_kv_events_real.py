@@ -7,6 +7,8 @@ ids from vLLM's own ``/tokenize``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import httpx
 import msgspec
 import pytest
@@ -14,7 +16,7 @@ import trio
 import zmq
 
 from tests.real_vllm.conftest import AUTH
-from tests.real_vllm.fleet import MODEL_NAME
+from tests.real_vllm.fleet import DEFAULT_START_TIMEOUT_S, MODEL_NAME, VllmFleet, running_fleet
 
 pytestmark = pytest.mark.real_vllm
 
@@ -123,3 +125,48 @@ async def test_the_routers_view_follows_what_vllm_stored_and_cleared(start_narwh
     cleared = await wait("cleared", lambda state: state["blocks"] < whole)
     print(f"\nrouter's view of p1: {before['blocks']} -> {stored['blocks']} blocks after the prompt, "
           f"{cleared['blocks']} after /reset_prefix_cache; last_seq {cleared['last_seq']}")
+
+
+SMALL_CACHE_BLOCKS = 48
+
+
+@pytest.fixture(scope="module")
+def small_cache(vllm_fleet: VllmFleet, vllm_environment: tuple[str, str],
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
+    """One more prefill engine, ``k-p1``, whose KV cache is 48 blocks of 128 tokens: a few prompts evict."""
+    python, model = vllm_environment
+    with running_fleet(python, model, tmp_path_factory.mktemp("vllm-k"), prefill=1, decode=0, prefix="k-",
+                       cache_blocks=SMALL_CACHE_BLOCKS, timeout_s=DEFAULT_START_TIMEOUT_S) as small:
+        vllm_fleet.start_times.extend(small.start_times)
+        yield small
+
+
+async def test_the_routers_view_follows_what_vllm_evicts(start_narwhal, fleet, small_cache) -> None:
+    """Prompts through the router fill k-p1's small cache past its size: vLLM evicts (BlockRemoved) and the
+    router's count of its blocks stays within the cache, while far more were stored."""
+    narwhal = await start_narwhal(engines=["d1"], more_engines=small_cache.described())
+
+    async def feed() -> dict:
+        response = await narwhal.client.get(f"{narwhal.url}/admin/placement", headers=AUTH)
+        assert response.status_code == 200, response.text
+        return response.json()["engines"]["k-p1"]["kv_events"]
+
+    with trio.fail_after(60):
+        while (await feed())["state"] != "live":
+            await trio.sleep(0.2)
+    stored = 0
+    seen: list[int] = []
+    for serial in range(20):
+        prompt = f"{serial} {trio.current_time():.6f} " + " ".join(f"orca{serial}x{i}" for i in range(100))
+        answer = await narwhal.call(lambda p=prompt: narwhal.openai.completions.create(
+            model=MODEL_NAME, prompt=p, max_tokens=1))
+        assert answer.choices
+        stored += 4  # each prompt is over 4 blocks of 128 of the tiny tokenizer's tokens (checked above)
+        seen.append((await feed())["blocks"])
+    with trio.fail_after(30):
+        while (state := await feed())["blocks"] > SMALL_CACHE_BLOCKS:
+            await trio.sleep(0.2)
+    assert stored > 1.5 * SMALL_CACHE_BLOCKS
+    assert max(seen) <= SMALL_CACHE_BLOCKS and state["blocks"] > 0, seen
+    assert state["dropped"] == 0
+    print(f"\nk-p1 ({SMALL_CACHE_BLOCKS} blocks): router's block count after each prompt {seen}")
