@@ -35,6 +35,7 @@ class KvEvents:
         self.feeds = feeds if feeds is not None else KvFeeds(self.index)
         self._sources: dict[str, FeedSource] = {}
         self._placement = placement
+        self.active = False
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Run the feeds until cancelled."""
@@ -64,6 +65,9 @@ class KvEvents:
 
     def _apply_sources(self) -> None:
         self.feeds.set_sources({} if self.mode == "off" else self._sources)
+        # Whether any feed may be live (a publisher known, mode not off): else a request asks nothing of it
+        # (an attribute, read on every request).
+        self.active = bool(self._sources) and self.mode != "off"
 
     @property
     def sources(self) -> Mapping[str, FeedSource]:
@@ -74,11 +78,6 @@ class KvEvents:
         if engine in self._sources and self.mode != "off":
             self.feeds.new_process(engine)
         self.index.clear(engine)
-
-    @property
-    def active(self) -> bool:
-        """Whether any feed may be live (some publisher known, mode not off): else a request asks nothing of it."""
-        return bool(self._sources) and self.mode != "off"
 
     def live(self, engine: str) -> bool:
         """Whether placement may score ``engine`` from its feed (subscribed and in step)."""

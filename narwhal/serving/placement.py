@@ -88,6 +88,8 @@ class RequestPlacement:
         # clock the feeds run on.
         self.kv = kv
         self._clock = clock
+        # kv_events = "required": only engines with a live feed prefill (read on every request).
+        self.required = kv is not None and config.placement.kv_events == "required"
 
     def configure(self, placement: PlacementConfig) -> None:
         """A config reload changed ``[placement]``: the next choice follows it (in each process, by its snapshot)."""
@@ -102,11 +104,12 @@ class RequestPlacement:
         self.config = placement
         if self.kv is not None:
             self.kv.configure(placement)
+        self.required = self.kv is not None and placement.kv_events == "required"
 
     def prefill_candidates(self, candidates: list[str]) -> list[str]:
         """``kv_events = "required"``: only the engines with a live feed may prefill."""
         kv = self.kv
-        if kv is None or kv.mode != "required":
+        if kv is None or not self.required:
             return candidates
         return [name for name in candidates if kv.live(name)]
 

@@ -615,7 +615,7 @@ class RequestCore:
 
     def _candidates(self, role: str, avoid: set[str], model: str | None, exclude: str | None = None) -> list[str]:
         candidates = self.supervisor.eligible(role, model)
-        if role == "prefill":
+        if role == "prefill" and self.placement.required:
             candidates = self.placement.prefill_candidates(candidates)
         if exclude is not None:
             # A continuation's decode never goes back to the engine that just broke the stream.
