@@ -392,13 +392,9 @@ class Router:
 
     def _kv_sources_changed(self) -> None:
         """The engine set or an identity moved a KV event publisher: subscribe where they say now (workers too)."""
-        kv = getattr(self, "kv_events", None)
-        registry = getattr(self, "registry", None)
-        if kv is None or registry is None:
-            return  # still being built: the first subscriptions are made from the whole set in run()
-        specs = registry.spec_list()
-        kv.set_engines(spec.name for spec in specs if spec.role == "prefill")
-        kv.set_sources(feed_sources(specs, self.kv_publishers.reported()))
+        specs = self.registry.spec_list()
+        self.kv_events.set_engines(spec.name for spec in specs if spec.role == "prefill")
+        self.kv_events.set_sources(feed_sources(specs, self.kv_publishers.reported()))
         if self.worker_count > 1:
             self.hub.publish()
 

@@ -16,6 +16,7 @@ from narwhal.errors import EngineFailure, FailureClass
 from narwhal.fleet import FleetEventKind, HoldKind
 from narwhal.fleet.admission import Admission
 from narwhal.fleet.placement import IndexRecord, InFlight, PrefixIndex, SharedIndex, prompt_blocks
+from narwhal.kv_events.wire import BlockStored, KvBatch
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.pools.control import ControlPool
 from narwhal.router import Router
@@ -162,18 +163,23 @@ async def test_a_drained_prefill_engine_restarted_as_a_newer_process_is_forgotte
                                                  transport=httpx.MockTransport(route))
     index = router.prefix_index.index
     blocks = prompt_blocks({"prompt": PROMPT}, chat=False, block_tokens=16)
+    # What the engines' KV event feeds said they hold (readmission's process identity clears it too).
+    tokens = list(range(64))
     for name in ("p1", "p2"):
         index.record(name, blocks, 1.0)
+        router.kv_events.index.apply(name, KvBatch(0.0, [BlockStored(
+            block_hashes=[1, 2, 3, 4], parent_block_hash=None, token_ids=tokens, block_size=16)]), 0.0)
     caplog.set_level("INFO", logger="narwhal.events")
     # An operator drain keeps the entries: the process and its cache stay ...
     router.readmitter.drain("p1", trio.current_time())
     assert (await router.readmitter.readmit("p1", operator=True)).readmitted
-    assert index.entries("p1") == len(blocks)
+    assert index.entries("p1") == len(blocks) and router.kv_events.index.blocks("p1") == 4
     # ... unless the engine is restarted while drained: it comes back with an empty cache.
     router.readmitter.drain("p1", trio.current_time())
     engines[9001].process_started_at = time.time() + 1.0
     assert (await router.readmitter.readmit("p1", operator=True)).readmitted
     assert index.entries("p1") == 0 and index.entries("p2") == len(blocks)
+    assert (router.kv_events.index.blocks("p1"), router.kv_events.index.blocks("p2")) == (0, 4)
     forgotten = [json.loads(r.getMessage()) for r in caplog.records if "prefix_index_forgotten" in r.getMessage()]
     assert [(line["engine"], line["reason"]) for line in forgotten] == [("p1", "newer_process")]
     await router.readmitter.control_pool.aclose()

@@ -456,24 +456,32 @@ class KvFeeds:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the feeds until cancelled (sources set before start now)."""
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         try:
             async with trio.open_nursery() as nursery:
-                self._nursery, self._ctx = nursery, ctx
+                self._nursery = nursery
                 for feed in self._feeds.values():
-                    nursery.start_soon(feed.run, ctx)
+                    self._run_feed(feed)
                 task_status.started()
                 await trio.sleep_forever()
         finally:
-            self._nursery = self._ctx = None
-            ctx.destroy(linger=0)
+            self._nursery = None
+            if self._ctx is not None:
+                self._ctx.destroy(linger=0)
+                self._ctx = None
+
+    def _run_feed(self, feed: _Feed) -> None:
+        assert self._nursery is not None
+        if self._ctx is None:
+            # Made with the first feed: a router with no publisher runs no ZeroMQ I/O thread.
+            self._ctx = zmq.Context()
+        self._nursery.start_soon(feed.run, self._ctx)
 
     def _start(self, engine: str, source: FeedSource) -> None:
         counters = self._counters.setdefault(engine, _Counters())
         feed = _Feed(engine, source, self, counters)
         self._feeds[engine] = feed
-        if self._nursery is not None and self._ctx is not None:
-            self._nursery.start_soon(feed.run, self._ctx)
+        if self._nursery is not None:
+            self._run_feed(feed)
 
     def set_sources(self, sources: Mapping[str, FeedSource]) -> None:
         """Start feeds for new engines, stop those of engines gone, restart those whose source changed."""

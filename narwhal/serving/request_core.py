@@ -36,7 +36,7 @@ import re
 from bisect import bisect_left
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn, Protocol, TypeVar
 
 import msgspec
 import trio
@@ -169,16 +169,17 @@ class _UsageOnly(msgspec.Struct):
     usage: _Usage | None = None
 
 
-class _TokenizeResult(msgspec.Struct):
+class _TokenizeCount(msgspec.Struct):
     count: int
     max_model_len: int | None = None
+
+
+class _TokenizeResult(_TokenizeCount):
     # vLLM's /tokenize answer lists every token ID: read only where a KV event feed scores them.
     tokens: list[int] | None = None
 
 
-class _TokenizeCount(msgspec.Struct):
-    count: int
-    max_model_len: int | None = None
+_T = TypeVar("_T", bound=_TokenizeCount)
 
 
 # Counting alone, a typed decoder skips the token IDs without building a list.
@@ -775,26 +776,35 @@ class RequestCore:
         if route != _CHAT_ROUTE and isinstance(prompt, list):
             return _TokenizeResult(len(prompt), None, prompt)
         engine = self.engines[least_outstanding(candidates, self.in_flight.loader(), self.rng)]
-        query = ({"model": request["model"], "messages": request["messages"]} if route == _CHAT_ROUTE
-                 else {"model": request["model"], "prompt": prompt})
         with trio.CancelScope(deadline=ex.deadline_at) as scope:
             self.in_flight.acquire(engine.name)
             try:
-                _, raw = await self.data_pool.post_json(engine, "/tokenize", _encode_json.encode(query),
-                                                        request_id=ex.rid)
-            except (EngineFailure, UpstreamClientError, PoolSaturated) as exc:
-                self._translate("tokenize", exc)
+                counted = await self._tokenize(route, request, engine, ex.rid, _decode_tokenize)
             finally:
                 self.in_flight.release(engine.name)
         if scope.cancelled_caught:
             raise _DeadlinePassed()
+        return counted if counted is not None and counted.tokens is not None else None
+
+    async def _tokenize(self, route: str, request: dict[str, Any], engine: EngineSpec, rid: str,
+                        decoder: msgspec.json.Decoder[_T]) -> _T | None:
+        """The prompt's /tokenize answer from ``engine`` (None when unreadable: no reason to refuse the request).
+
+        The engine's failure is this attempt's (``_translate``); the context length it reports is kept.
+        """
+        query = ({"model": request["model"], "messages": request["messages"]} if route == _CHAT_ROUTE
+                 else {"model": request["model"], "prompt": request.get("prompt")})
         try:
-            counted = _decode_tokenize.decode(raw)
+            _, raw = await self.data_pool.post_json(engine, "/tokenize", _encode_json.encode(query), request_id=rid)
+        except (EngineFailure, UpstreamClientError, PoolSaturated) as exc:
+            self._translate("tokenize", exc)
+        try:
+            counted = decoder.decode(raw)
         except (msgspec.DecodeError, RecursionError):
             return None
         if counted.max_model_len is not None:
             self._max_model_len[engine.name] = counted.max_model_len
-        return counted if counted.tokens is not None else None
+        return counted
 
     async def _check_context(self, route: str, request: dict[str, Any], prefill: EngineSpec,
                              rid: str, counted: _TokenizeResult | None = None) -> int | None:
@@ -811,21 +821,10 @@ class RequestCore:
             # engine's last /tokenize answer gave; none known yet, the engine judges (its 400 is the client's).
             counted = _TokenizeResult(len(prompt), self._max_model_len.get(prefill.name))
         else:
-            query = ({"model": request["model"], "messages": request["messages"]} if route == _CHAT_ROUTE
-                     else {"model": request["model"], "prompt": prompt})
-            try:
-                _, raw = await self.data_pool.post_json(prefill, "/tokenize", _encode_json.encode(query),
-                                                        request_id=rid)
-            except (EngineFailure, UpstreamClientError, PoolSaturated) as exc:
-                self._translate("tokenize", exc)
-            try:
-                count = _decode_count.decode(raw)
-            except (msgspec.DecodeError, RecursionError):
-                # A tokenizer answer we cannot read is no reason to refuse the request.
+            count = await self._tokenize(route, request, prefill, rid, _decode_count)
+            if count is None:
                 return None
             counted = _TokenizeResult(count.count, count.max_model_len)
-            if counted.max_model_len is not None:
-                self._max_model_len[prefill.name] = counted.max_model_len
         limit = counted.max_model_len
         if limit is None:
             return counted.count

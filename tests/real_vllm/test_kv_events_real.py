@@ -170,3 +170,50 @@ async def test_the_routers_view_follows_what_vllm_evicts(start_narwhal, fleet, s
     assert max(seen) <= SMALL_CACHE_BLOCKS and state["blocks"] > 0, seen
     assert state["dropped"] == 0
     print(f"\nk-p1 ({SMALL_CACHE_BLOCKS} blocks): router's block count after each prompt {seen}")
+
+
+async def test_the_router_tokenizes_first_and_places_on_the_engine_vllm_says_holds_the_prompt(
+        start_narwhal, fleet, small_cache) -> None:
+    """Two prefill engines that publish (p1 and k-p1): the router asks vLLM's /tokenize before placing (the
+    feeds key blocks by token IDs), and a prompt, completion or chat, sent again goes where vLLM stored it."""
+    narwhal = await start_narwhal(engines=["p1", "d1"], more_engines=small_cache.described())
+
+    async def feeds() -> dict:
+        response = await narwhal.client.get(f"{narwhal.url}/admin/placement", headers=AUTH)
+        assert response.status_code == 200, response.text
+        return {name: engine["kv_events"] for name, engine in response.json()["engines"].items()}
+
+    with trio.fail_after(60):
+        while {state["state"] for state in (await feeds()).values()} != {"live"}:
+            await trio.sleep(0.2)
+
+    async def request_line(count: int) -> dict:
+        with trio.fail_after(30):
+            while len(lines := narwhal.process.events("request")) < count:
+                await trio.sleep(0.1)
+        return lines[count - 1]
+
+    stamp = f"{trio.current_time():.6f}"
+    text = f"{stamp} " + " ".join(f"narwhal{i}" for i in range(100))
+    system = f"{stamp} You are a whale. " + " ".join(f"tusk{i}" for i in range(100))
+    sends = [lambda: narwhal.openai.completions.create(model=MODEL_NAME, prompt=text, max_tokens=1),
+             lambda: narwhal.openai.chat.completions.create(
+                 model=MODEL_NAME, max_tokens=1,
+                 messages=[{"role": "system", "content": system}, {"role": "user", "content": "first"}]),
+             lambda: narwhal.openai.chat.completions.create(
+                 model=MODEL_NAME, max_tokens=1,
+                 messages=[{"role": "system", "content": system}, {"role": "user", "content": "second"}])]
+    count = 0
+    for first, again in ((sends[0], sends[0]), (sends[1], sends[2])):
+        before = await feeds()
+        await narwhal.call(first)
+        count += 1
+        holder = (await request_line(count))["prefill"]
+        # vLLM publishes the prompt's blocks after its prefill: wait until the router has them.
+        with trio.fail_after(30):
+            while (await feeds())[holder]["blocks"] <= before[holder]["blocks"]:
+                await trio.sleep(0.2)
+        await narwhal.call(again)
+        count += 1
+        line = await request_line(count)
+        assert line["prefill"] == holder and line["prefix_match"] and line["prefix_match"] > 0.5, line
