@@ -417,9 +417,15 @@ class LeaseConfig(_Section, frozen=True):
     takeover_ready_failures: int = 3
     # Where a standby polls this router's /ready; default: from serving.listen.
     advertise_url: str | None = None
+    # "standby": the holder serves, the others wait. "replicas": every router serves; the holder decides.
+    mode: Literal["standby", "replicas"] = "standby"
+    # A replica that cannot read etcd serves on its last view this long, then stops admitting.
+    replica_stale_s: float = 30.0
+    # The shared secret of the routers' link (POST /cluster/evidence), when not mutual TLS.
+    cluster_token_file: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("ttl_s", "renew_interval_s", "fence_margin_s", "takeover_ready_failures"):
+        for name in ("ttl_s", "renew_interval_s", "fence_margin_s", "takeover_ready_failures", "replica_stale_s"):
             _positive(name, getattr(self, name))
         # client-go's rule of thumb: two renewals may fail before the holder must fence.
         if not self.ttl_s > self.fence_margin_s + 2 * self.renew_interval_s:
@@ -682,6 +688,13 @@ class Config(_Section, frozen=True):
         if self.discovery.backend == "etcd" and not self.discovery_endpoints:
             raise ValueError("discovery.endpoints is required when discovery.backend = \"etcd\" and [lease] has "
                              "no endpoints")
+        if self.lease.mode == "replicas":
+            if self.lease.backend != "etcd":
+                raise ValueError(f"lease.mode = \"replicas\" needs lease.backend = \"etcd\" (the routers share the "
+                                 f"fleet through etcd), got {json.dumps(self.lease.backend)}")
+            if self.lease.cluster_token_file is None and self.serving.tls_client_ca_file is None:
+                raise ValueError("lease.mode = \"replicas\" needs the routers' link authenticated: set "
+                                 "lease.cluster_token_file, or serving.tls_client_ca_file for mutual TLS")
 
     @property
     def discovery_endpoints(self) -> list[str]:
@@ -727,6 +740,20 @@ class Config(_Section, frozen=True):
             return f"{socket.gethostname()}-{os.getpid()}"
         return f"{host}-{port}"
 
+
+    def cluster_token(self, base_dir: Path | None = None) -> str | None:
+        """The routers' link secret from ``lease.cluster_token_file``, when one is named."""
+        if self.lease.cluster_token_file is None:
+            return None
+        path = resolve_config_path(self.lease.cluster_token_file, base_dir)
+        try:
+            token = read_regular_file(path, MAX_KEY_FILE_BYTES).strip()
+        except FileRefused as exc:
+            raise ConfigError(f"lease.cluster_token_file: cannot read {str(path)!r}: {exc}") from None
+        if not token or any(byte <= 0x20 or byte >= 0x7f for byte in token):
+            raise ConfigError(f"lease.cluster_token_file: {str(path)!r} must hold one token of printable ASCII "
+                              "without spaces")
+        return token.decode()
 
     def attestation_key_bytes(self, base_dir: Path | None = None) -> bytes | None:
         """The fleet's HMAC key, read from the file when one is named."""

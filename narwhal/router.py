@@ -25,7 +25,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,6 +37,19 @@ from narwhal.app.control_app import create_app
 from narwhal.app.router_status import RouterStatus, router_status
 from narwhal.app.ui_routes import register_ui_routes
 from narwhal.clocks import to_monotonic
+from narwhal.cluster.control import ClusterControl
+from narwhal.cluster.link import EvidenceReceiver, EvidenceSender, PlacementRelay, link_ssl_context
+from narwhal.cluster.publisher import FleetPublisher
+from narwhal.cluster.records import (
+    ClusterRouter,
+    ClusterView,
+    ControllerRef,
+    EvidenceItem,
+    FleetEntry,
+    PlacedPrompt,
+)
+from narwhal.cluster.service import ClusterService
+from narwhal.cluster.store import ClusterStore
 from narwhal.config import (
     Config,
     ConfigError,
@@ -69,10 +82,10 @@ from narwhal.control.placement_view import PlacementView, placement_view
 from narwhal.control.readmission import Readmitter
 from narwhal.control.reload import ReloadError, ReloadOutcome, split_config_error
 from narwhal.control.supervisor import Supervisor
-from narwhal.errors import StartupError
+from narwhal.errors import FailureClass, StartupError, SuccessKind
 from narwhal.fleet import Fleet, FleetEvent, FleetEventKind, HoldKind
 from narwhal.fleet.admission import Admission
-from narwhal.fleet.placement import SharedIndex
+from narwhal.fleet.placement import IndexRecord, SharedIndex
 from narwhal.fleet.registry import EngineEntry, EngineRegistry, entries_from_config
 from narwhal.fleet.telemetry import Telemetry
 from narwhal.http1.asgi import ASGILifespan, call_asgi
@@ -95,9 +108,11 @@ from narwhal.stages.persistence import HandoffExtra, PersistenceStage
 from narwhal.state.handoff import LeaseOwnership
 from narwhal.state.resume import apply_resume, operator_holds, plan_resume
 from narwhal.tls import ExpiryWatch, TLSContexts
+from narwhal.wire import error_json
 from narwhal.workers.hub import Poke, WorkerHub
 from narwhal.workers.plane import WorkerDataPlane
 from narwhal.workers.process import WorkerSet
+from narwhal.workers.protocol import Evidence
 from narwhal.workers.view import WorkerView
 
 __all__ = ["Router"]
@@ -185,12 +200,16 @@ class Router:
         self.resume = resume
         self.router_id = config.lease.router_id or f"{socket.gethostname()}-{os.getpid()}"
         self.metrics = RouterMetrics()
+        # [lease] mode = "replicas": every router serves, the lease holder decides (narwhal.cluster).
+        self.replicas = config.lease.mode == "replicas"
+        self.lease: LeaseService | None = None
+        self.cluster: ClusterService | None = None
         # Parts are built in dependency order and given their collaborators; none is wired afterwards.
         # Where two parts need each other, one of them gets a callable resolved when called: a
         # method of this router reading a part built later (self._forget_on_fleet_event, ...).
         # The publisher's wake-up: admission and the fleet writer poke it, the hub waits on it.
         poke = Poke()
-        self.admission = Admission(clock=trio.current_time, on_change=poke)
+        self.admission = Admission(clock=trio.current_time, on_change=poke, view_reason=self._stale_reason)
         # The engine set every per-engine table follows (self.engine_set tells them of its changes).
         self.registry = EngineRegistry(entries_from_config(config), grace_s=config.serving.shutdown_grace_s)
         engines = self.registry.entries()
@@ -209,7 +228,8 @@ class Router:
             liveness_misses=recovery.liveness_misses,
             failure_quarantine_s=recovery.failure_quarantine_s,
             probe_interval_s=recovery.probe_interval_s,
-        ), self.metrics, listeners=[self._forget_on_fleet_event], on_change=poke)
+        ), self.metrics, listeners=[self._forget_on_fleet_event], on_change=self._fleet_changed(poke),
+            decides=self._decides if self.replicas else None)
         # Every engine request says it came from this router: one arriving back here is a loop.
         self.via_token = f"narwhal-{secrets.token_hex(8)}"
         # Certificates are read here: a problem is a ConfigError naming the key.
@@ -232,14 +252,22 @@ class Router:
         self.worker_count = config.serving.workers
         # Workers place on the registry's engine set (engines being removed included) and the running
         # config's placement and engine timeouts, from their snapshots.
-        self.hub = WorkerHub(self.supervisor, self.admission, engines=[entry.name for entry in engines],
+        # A replica's request path: the controller's eligibility less what this router cannot reach, its
+        # evidence reported to the controller (narwhal.cluster.control).
+        self.cluster_control = ClusterControl(
+            self.supervisor, replica=self._is_replica, report=self._report_evidence, clock=trio.current_time,
+            hold_s=lambda: self.config.recovery.probe_interval_s) if self.replicas else None
+        self.hub = WorkerHub(self.cluster_control or self.supervisor, self.admission,
+                             engines=[entry.name for entry in engines],
                              clock=trio.current_time,
                              to_link_clock=None if self.worker_count == 1
                              else functools.partial(to_monotonic, clock=trio.current_time),
                              record_sample=self.timeline.record_request, share_in_flight=self.worker_count > 1,
                              engine_specs=self.registry.spec_list, running_config=lambda: self.config,
                              poke=poke, index=self.prefix_index if self.worker_count > 1 else None,
-                             admit_until=self._admit_until, kv_sources=lambda: self.kv_events.sources)
+                             admit_until=self._admit_until, kv_sources=lambda: self.kv_events.sources,
+                             admit_until_reason=self._admit_until_reason if self.replicas else None,
+                             on_placed=self._placed_by_workers if self.replicas else None)
         self.index_relay = self.hub.index_relay
         self.data_plane = self._build_data_plane(config_dir)
         self.in_flight = self.data_plane.in_flight
@@ -260,7 +288,8 @@ class Router:
                                      # A drained engine restarted by its operator comes back with an empty
                                      # cache: readmission sees the new process.
                                      on_newer_process=self._newer_process,
-                                     model_lengths=self.model_lengths, kv_publishers=self.kv_publishers)
+                                     model_lengths=self.model_lengths, kv_publishers=self.kv_publishers,
+                                     acting=self._decides if self.replicas else None)
         self.stages = build_stages(config=config, supervisor=self.supervisor, control_pool=self.control_pool,
                                    telemetry=self.telemetry, in_flight=self.in_flight,
                                    persistence_stage=self.persistence, readmission=self.readmitter,
@@ -268,11 +297,13 @@ class Router:
         self.controller = self.stages.controller
         self.drain = self.stages.drain
         self.lease = self._build_lease(backend)
+        self.cluster = self._build_cluster(backend, config_dir)
         controller = config.controller
         self.monitor = Monitor(self.stages.in_spec_order(), interval_s=controller.monitor_interval_s,
                                stage_timeout_s=controller.stage_timeout_s,
                                failure_limit=controller.monitor_failure_limit,
-                               admission=self.admission, metrics=self.metrics)
+                               admission=self.admission, metrics=self.metrics,
+                               acting=self._decides if self.replicas else None)
         self.engine_view = EngineViewer(config=config, fleet=self.fleet, in_flight=self.in_flight,
                                         readmitter=self.readmitter, controller=self.controller, monitor=self.monitor,
                                         prefix_index=self.prefix_index.index, specs=self.registry.specs,
@@ -295,6 +326,8 @@ class Router:
         # Every part that reads a reloadable key, in the order a reload hands it the new config.
         self._reconfigurable = self._reconfigurable_parts()
         self.bound_port: int | None = None
+        # The admin listener's port once bound (it may be 0 in the config).
+        self._admin_port: int | None = None
         # Where a standby reaches this router, once the serving port is bound (lease.advertise_url unset).
         self._own_url: str | None = None
         self._register_gauges()
@@ -354,7 +387,9 @@ class Router:
                                admission=self.admission, metrics=self.metrics, telemetry=self.timeline,
                                serve_rest=functools.partial(call_asgi, self.app),
                                placement=RequestPlacement(config, self.metrics,
-                                                          build_placer(config, self.prefix_index.index),
+                                                          build_placer(config, self.prefix_index.index,
+                                                                       on_record=self._placed_locally
+                                                                       if self.replicas else None),
                                                           kv=self.kv_events))
         return plane
 
@@ -366,6 +401,32 @@ class Router:
                             serving=ServingParts(admission=self.admission, persistence=self.persistence,
                                                  fleet=self.fleet, own_readiness=self.own_readiness),
                             advertise_url=self._advertise_url, engines=self._followed_engines)
+
+    def _build_cluster(self, backend: LeaseBackend | None, config_dir: Path | None) -> ClusterService | None:
+        """With ``[lease] mode = "replicas"``: membership, the fleet's records, the link (narwhal.cluster)."""
+        if not self.replicas:
+            return None
+        assert isinstance(backend, EtcdLeaseBackend)  # the config requires etcd for replicas
+        config = self.config
+        lease = config.lease
+        token = config.cluster_token(config_dir)
+        store = ClusterStore(lease.endpoints, key=lease.key, timeout_s=min(2.0, lease.renew_interval_s))
+        publisher = FleetPublisher(prefix=store.fleet_prefix, entries=self._fleet_entries,
+                                   write=functools.partial(self._write_fleet, backend),
+                                   published_names=self._published_names, acting=self._decides)
+        relay_placements = config.placement.policy == "cache_aware"
+        sender = EvidenceSender(router_id=self.router_id, controller=self._controller_ref, token=token,
+                                apply_placements=self._apply_placed if relay_placements else None,
+                                ssl_context=link_ssl_context(config, config_dir))
+        self.cluster_receiver: EvidenceReceiver = EvidenceReceiver(
+            router_id=self.router_id, token=token, mutual_tls=config.serving.tls_client_ca_file is not None,
+            controller_ref=self._controller_ref, apply_evidence=self._apply_remote_evidence,
+            apply_placements=self._apply_placed, relay=PlacementRelay())
+        return ClusterService(config=config, router_id=self.router_id, store=store, publisher=publisher,
+                              sender=sender, admission=self.admission, is_controller=self._decides,
+                              apply_fleet=self._apply_fleet, became_controller=self._became_controller,
+                              advertise_url=lambda: self.lease.advertise_url if self.lease is not None else "",
+                              cluster_url=self._cluster_url)
 
     # -- what parts built earlier ask of parts built later -----------------------------
 
@@ -381,6 +442,140 @@ class Router:
             return False
         return await etcd.write_handoff(data, record)
 
+    def _decides(self) -> bool:
+        """Whether this router decides for the fleet: always, but a replica (mode replicas, lease not held)."""
+        return not self.replicas or (self.lease is not None and self.lease.role is Role.ACTIVE)
+
+    def _is_replica(self) -> bool:
+        return not self._decides()
+
+    def _fleet_changed(self, poke: Poke) -> Callable[[], None]:
+        """What the fleet writer calls after every mutation: the hub's poke, and the controller's publisher."""
+        if not self.replicas:
+            return poke
+
+        def changed() -> None:
+            poke()
+            if self.cluster is not None:
+                self.cluster.publisher.poke()
+        return changed
+
+    def _stale_reason(self, now: float) -> str:
+        return self.cluster.stale_reason(now) if self.cluster is not None else "replica: fleet view too old"
+
+    def _admit_until_reason(self) -> str:
+        """What a worker says past its replica's view deadline."""
+        deadline = self.admission.view_deadline
+        return self._stale_reason(deadline if deadline is not None else trio.current_time())
+
+    def _report_evidence(self, item: EvidenceItem) -> None:
+        if self.cluster is not None:
+            self.cluster.sender.report(item)
+
+    def _controller_ref(self) -> ControllerRef | None:
+        return self.cluster.controller_ref() if self.cluster is not None else None
+
+    def _apply_remote_evidence(self, engine: str, failure: FailureClass | None, success: SuccessKind | None) -> None:
+        """A replica's evidence, applied as a worker's (in arrival order, to the one fleet)."""
+        self.hub.receive(-1, Evidence(engine=engine, failure_class=None if failure is None else failure.value,
+                                      success_kind=None if success is None else success.value))
+
+    def _placed_locally(self, engine: str, blocks: Sequence[int], at: float) -> None:
+        """This process placed a prompt (replicas mode): the other routers learn it over the link."""
+        self._share_placement([PlacedPrompt(engine, list(blocks))])
+
+    def _placed_by_workers(self, records: list[IndexRecord]) -> None:
+        self._share_placement([PlacedPrompt(record.engine, record.blocks) for record in records])
+
+    def _share_placement(self, prompts: list[PlacedPrompt]) -> None:
+        cluster = self.cluster
+        if cluster is None:
+            return
+        if cluster.is_replica:
+            for prompt in prompts:
+                cluster.sender.placed(prompt.engine, prompt.blocks)
+        else:
+            self.cluster_receiver.placed_here(prompts)
+
+    def _apply_placed(self, prompts: list[PlacedPrompt]) -> None:
+        """Other routers' placements, into this router's prefix index (and its workers')."""
+        shared = self.prefix_index
+        at = time.monotonic()
+        records = [IndexRecord(prompt.engine, shared.epochs.get(prompt.engine, 0), prompt.blocks, at)
+                   for prompt in prompts if prompt.engine in self.prefix_index.index.engines]
+        if not records:
+            return
+        if self.index_relay is not None:
+            self.index_relay.apply_external(records)
+        else:
+            shared.apply(records)
+
+    def _fleet_entries(self) -> list[FleetEntry]:
+        """What the controller publishes: each engine, its state and its publisher, stamped with the term."""
+        now, wall = trio.current_time(), time.time()
+        records = {record.name: record for record in self.fleet.snapshot(now, wall)}
+        sources = self.kv_events.sources
+        epoch = self.lease.holding.epoch if self.lease is not None else 0
+        return [FleetEntry(entry=entry, record=records[entry.name], eligible=self.fleet.is_eligible(entry.name, now),
+                           kv_source=sources.get(entry.name),
+                           process_started_at=self.readmitter.process_started(entry.name),
+                           controller=self.router_id, epoch=epoch)
+                for entry in self.registry.entries() if entry.name in records]
+
+    async def _write_fleet(self, etcd: EtcdLeaseBackend, puts: Sequence[tuple[str, bytes]],
+                           deletes: Sequence[str]) -> bool:
+        lease = self.lease
+        record = None if lease is None else lease.record
+        if lease is None or record is None or not lease.valid_threadsafe():
+            return False
+        return await etcd.write_guarded(puts, deletes, record)
+
+    async def _published_names(self) -> list[str]:
+        assert self.cluster is not None
+        keys, _ = await self.cluster.store.fleet_keys()
+        return [key.name for key in keys]
+
+    def _apply_fleet(self, entries: dict[str, FleetEntry], changed: Sequence[str], fresh: Sequence[str],
+                     ejected: Sequence[str]) -> None:
+        """A replica takes the controller's fleet: its engine set, then each changed engine's record; an engine
+        that is a newer process (``fresh``) or newly ejected has an empty cache (its prefixes are forgotten)."""
+        wanted = {entry.entry.name: entry.entry for entry in entries.values()}
+        if wanted != {entry.name: entry for entry in self.registry.entries()}:
+            self.engine_set.apply(list(wanted.values()))
+        records = [entries[name].record for name in changed if name in entries and name in self.fleet]
+        try:
+            self.fleet.restore(records, trio.current_time(), time.time())
+        except ValueError as exc:
+            log_event("cluster_fleet_not_applied", level=logging.WARNING, router_id=self.router_id, reason=str(exc))
+            return
+        if self.cluster_control is not None:
+            for name in changed:
+                self.cluster_control.exclusions.clear(name)  # the controller decided since: its word stands
+        for name in fresh:
+            self._newer_process(name)
+        for name in ejected:
+            self._forget_prefixes(name, "ejected")
+        self._kv_sources_changed()
+
+    def _became_controller(self, entries: dict[str, FleetEntry]) -> None:
+        """This router took the lease: the records it followed are fresher than the handoff it just read."""
+        records = [entry.record for name, entry in entries.items() if name in self.fleet]
+        try:
+            self.fleet.restore(records, trio.current_time(), time.time())
+        except ValueError as exc:
+            log_event("cluster_fleet_not_applied", level=logging.WARNING, router_id=self.router_id, reason=str(exc))
+        if self.cluster_control is not None:
+            for name in list(entries):
+                self.cluster_control.exclusions.clear(name)
+
+    def _cluster_url(self) -> str:
+        """Where the other routers reach this one's /cluster/evidence and /admin: [admin] listen, else advertised."""
+        listen = self.config.admin.listen
+        if listen is None:
+            return self.lease.advertise_url if self.lease is not None else ""
+        host, port = parse_listen(listen)
+        return _default_advertise_url(host, self._admin_port or port, self.tls.server is not None)
+
     def _acts(self) -> bool:
         """Whether this router acts on what it sees (discovery): always without a lease, else while it holds it."""
         return self.lease is None or self.lease.role is Role.ACTIVE
@@ -394,7 +589,16 @@ class Router:
         """The engine set or an identity moved a KV event publisher: subscribe where they say now (workers too)."""
         specs = self.registry.spec_list()
         self.kv_events.set_engines(spec.name for spec in specs if spec.role == "prefill")
-        self.kv_events.set_sources(feed_sources(specs, self.kv_publishers.reported()))
+        sources = feed_sources(specs, self.kv_publishers.reported())
+        if self.cluster is not None and self.cluster.is_replica:
+            # The publishers the controller resolved (from identities this replica never read) come first.
+            prefill = {spec.name for spec in specs if spec.role == "prefill"}
+            resolved = {name: entry.kv_source for name, entry in self.cluster.applied.items()
+                        if entry.kv_source is not None and name in prefill}
+            sources = {**sources, **resolved}
+        self.kv_events.set_sources(sources)
+        if self.cluster is not None:
+            self.cluster.publisher.poke()
         if self.worker_count > 1:
             self.hub.publish()
 
@@ -402,6 +606,8 @@ class Router:
         """Readmission saw a new process of ``engine``: its caches are empty (the index and its feed start over)."""
         self._forget_prefixes(engine, reason="newer_process")
         self.kv_events.new_process(engine)
+        if self.cluster is not None:
+            self.cluster.publisher.poke()
 
     def _loops_to_self(self, spec: EngineSpec) -> str | None:
         """A discovered engine whose url is this router's serving address (the file's engines are refused so)."""
@@ -423,6 +629,8 @@ class Router:
     def _admit_until(self) -> float | None:
         """The lease-derived admission deadline (control clock) worker processes check on their own clocks."""
         lease = self.lease
+        if self.replicas:
+            return self.admission.view_deadline  # a replica's view age; None on the controller
         if lease is None:
             return None
         return lease.admission_deadline if math.isfinite(lease.admission_deadline) else None
@@ -462,6 +670,30 @@ class Router:
         if self.lease is None:
             return LeaseView(router_id=self.router_id, backend="none", role="active")
         return self.lease.view()
+
+    async def cluster_view(self) -> ClusterView:
+        """What /admin/cluster shows: the routers, their roles, the fleet revision each applied and its lag."""
+        if self.cluster is not None:
+            return await self.cluster.cluster_view()
+        role = "controller" if self._acts() else "standby"
+        url = self.lease.advertise_url if self.lease is not None else self._advertise_url()
+        me = ClusterRouter(router_id=self.router_id, role=role, advertise_url=url, fleet_revision=0, lag_s=0.0,
+                           cluster_url=url, is_self=True)
+        return ClusterView(mode=self.config.lease.mode, router_id=self.router_id, role=role,
+                           controller=self.router_id if role == "controller" else None, fleet_revision=0,
+                           view_age_s=None, stale=False, routers=[me])
+
+    def controller_redirect(self) -> ControllerRef | None:
+        """None when this router may act on an admin change (it decides); else the controller to send it to."""
+        return self._controller_ref() if self.replicas and not self._decides() else None
+
+    def cluster_evidence(self, body: bytes, *, authorization: str | None, peer_cert: bool,
+                         peer: str = "") -> tuple[int, bytes]:
+        """``POST /cluster/evidence``: a replica's evidence and placements (the controller applies them)."""
+        if self.cluster is None:
+            return 404, error_json("this router is not in replicas mode ([lease] mode = \"replicas\")",
+                                   "invalid_request_error", "not_found")
+        return self.cluster_receiver.handle(body, authorization=authorization, peer_cert=peer_cert, peer=peer)
 
     def _in_flight_counts(self) -> Mapping[str, int]:
         return self.in_flight.counts
@@ -622,6 +854,8 @@ class Router:
                 listeners = []
                 if self.lease is not None:
                     await nursery.start(self.lease.run)
+                if self.cluster is not None:
+                    await nursery.start(self.cluster.run)
                 log_event("router_started", router_id=self.router_id, listen=join_listen(host, self.bound_port),
                           engines=len(self.config.engines), pid=os.getpid(), handoff=str(self.handoff_path),
                           tls=self.tls.server is not None, workers=self.worker_count)
@@ -683,6 +917,7 @@ class Router:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, port))
             sock.listen(128)
+            self._admin_port = sock.getsockname()[1]
         except OSError as exc:
             sock.close()
             raise StartupError(f"admin.listen: cannot listen on {address}: {exc.strerror or exc}") from None
@@ -732,7 +967,8 @@ class Router:
             changes = diff_configs(self.config, new)
             self._apply_config(merge_reloadable(self.config, new), key)
             # The new engine set (an engine that moved to another model: a removal and an addition), applied.
-            self._apply_engine_set(self.discovery.apply_entries())
+            if self._decides():
+                self._apply_engine_set(self.discovery.apply_entries())
             await self.control_pool.set_timeouts(self.config.engine)
             # The data plane (each worker's) takes placement, the engine timeouts and the engine set now.
             self.hub.publish()

@@ -39,6 +39,7 @@ class EtcdServer:
     def __init__(self, process: trio.Process, url: str) -> None:
         self.process = process
         self.url = url
+        self.ports = (0, 0)
 
     async def stop(self) -> None:
         """Kill it at once (tests stop etcd to see the lease fail) and reap it."""
@@ -47,9 +48,10 @@ class EtcdServer:
         await self.process.wait()
 
 
-async def start_etcd(data_dir: Path, *, timeout_s: float = 20.0) -> EtcdServer:
-    """Start etcd on free 127.0.0.1 ports and wait until it answers /health."""
-    client_port, peer_port = _free_port(), _free_port()
+async def start_etcd(data_dir: Path, *, timeout_s: float = 20.0, ports: tuple[int, int] | None = None) -> EtcdServer:
+    """Start etcd on free 127.0.0.1 ports (or ``ports``: client, peer, to start it again where it was) and wait
+    until it answers /health."""
+    client_port, peer_port = ports if ports is not None else (_free_port(), _free_port())
     url = f"http://127.0.0.1:{client_port}"
     peer = f"http://127.0.0.1:{peer_port}"
     log = open(data_dir.parent / f"{data_dir.name}.log", "wb")  # noqa: SIM115 - the process owns it
@@ -61,6 +63,7 @@ async def start_etcd(data_dir: Path, *, timeout_s: float = 20.0) -> EtcdServer:
         stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
     log.close()
     server = EtcdServer(process, url)
+    server.ports = (client_port, peer_port)
     async with httpx.AsyncClient(timeout=1.0) as client:
         with trio.move_on_after(timeout_s):
             while process.returncode is None:

@@ -87,6 +87,33 @@ def create_app(router: AppState) -> QuartTrio:
             return None
         return _error(400, str(problem), "invalid_request_error", problem.code)
 
+    @app.before_request
+    async def _replica_admin() -> Response | None:
+        # A replica decides nothing: a change sent to it goes to the controller (narwhal admin follows this).
+        if request.method not in ("POST", "PUT", "DELETE") or not request.path.startswith("/admin/"):
+            return None
+        controller = router.controller_redirect()
+        if controller is None:
+            return None
+        message = (f"this router is a replica: drains and reloads are decided by the controller "
+                   f"{controller.router_id or '(none yet)'} at {controller.cluster_url or '(unknown)'}; send it "
+                   "there (narwhal admin follows this answer)")
+        body = {"error": {"message": message, "type": "invalid_request_error", "code": "not_controller"},
+                "controller": controller}
+        return Response(msgspec.json.encode(body), status=409, content_type="application/json")
+
+    @app.get("/admin/cluster")
+    async def admin_cluster() -> Response:
+        return _json(await router.cluster_view())
+
+    @app.post("/cluster/evidence")
+    async def cluster_evidence() -> Response:
+        data = await request.get_data(cache=False, as_text=False)
+        body = data if isinstance(data, bytes) else data.encode()
+        status, data = router.cluster_evidence(body, authorization=request.headers.get("authorization"),
+                                               peer_cert=False, peer=request.remote_addr or "")
+        return Response(data, status=status, content_type="application/json")
+
     @app.get("/health")
     async def health() -> Response:
         return _json({"status": "ok"})

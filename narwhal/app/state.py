@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from narwhal.cluster.records import ClusterView, ControllerRef
 from narwhal.config import Config
 from narwhal.control.discovery import DiscoveryView
 from narwhal.control.engine_view import EngineEntry, EnginesView
@@ -58,6 +59,11 @@ class _Telemetry(Protocol):
 
 class AppState(Protocol):
     """Everything the control app and the admin routes use."""
+
+    async def cluster_view(self) -> ClusterView: ...
+    def controller_redirect(self) -> ControllerRef | None: ...
+    def cluster_evidence(self, body: bytes, *, authorization: str | None, peer_cert: bool,
+                         peer: str = "") -> tuple[int, bytes]: ...
 
     @property
     def config(self) -> Config: ...

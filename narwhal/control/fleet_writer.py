@@ -49,8 +49,11 @@ class FleetWriter:
 
     def __init__(self, fleet: Fleet, metrics: RouterMetrics, *,
                  listeners: Sequence[Callable[[FleetEvent], None]] = (),
-                 on_change: Callable[[], None] | None = None) -> None:
+                 on_change: Callable[[], None] | None = None, decides: Callable[[], bool] | None = None) -> None:
+        """``decides()``: False on a replica (``[lease] mode = "replicas"``), whose fleet is the controller's,
+        restored from its records: evidence, probes, holds, ejections and readmissions then change nothing."""
         self._fleet = fleet
+        self._decides = decides
         self.metrics = metrics
         self._runner: ActionRunner | None = None
         # Actions returned before a runner was attached (e.g. by resume): run on attach.
@@ -178,12 +181,16 @@ class FleetWriter:
         Evidence about an engine a reload removed (a request or probe that
         outlived it) is dropped here: the fleet no longer has a row for it.
         """
+        if self._decides is not None and not self._decides():
+            return []
         if name not in self._fleet:
             return []
         return self._done(self._fleet.record_failure(name, failure_class, now))
 
     def record_success(self, name: str, kind: SuccessKind, now: float) -> list[Action]:
         """``Fleet.record_success``; the request path's common case costs one check."""
+        if self._decides is not None and not self._decides():
+            return []
         if name not in self._fleet:
             return []
         actions = self._fleet.record_success(name, kind, now)
@@ -194,6 +201,8 @@ class FleetWriter:
     def record_health_sweep(self, results: Mapping[str, bool], now: float, *,
                             unchecked: Collection[str] = (), answered: Collection[str] = ()) -> list[Action]:
         """``Fleet.record_health_sweep`` (engines a reload removed meanwhile left out)."""
+        if self._decides is not None and not self._decides():
+            return []
         known = self._fleet
         if any(name not in known for name in (*results, *unchecked, *answered)):
             results = {name: ok for name, ok in results.items() if name in known}
@@ -204,6 +213,8 @@ class FleetWriter:
     def record_probe(self, name: str, outcome: ProbeOutcome, now: float, *, leg: str | None = None,
                      reason: str = "", failure_class: FailureClass | None = None) -> list[Action]:
         """``Fleet.record_probe`` (dropped for an engine a reload removed)."""
+        if self._decides is not None and not self._decides():
+            return []
         if name not in self._fleet:
             return []
         return self._done(self._fleet.record_probe(name, outcome, now, leg=leg, reason=reason,
@@ -211,6 +222,8 @@ class FleetWriter:
 
     def start_due_probes(self, now: float) -> list[Action]:
         """Hand every re-probe the fleet scheduled for ``now`` or earlier to the runner."""
+        if self._decides is not None and not self._decides():
+            return []
         actions = [Action(ActionKind.INFERENCE_PROBE, name, None, "scheduled re-probe after an inconclusive one")
                    for name in self._fleet.probes_due(now)]
         return self._done(actions)
@@ -218,12 +231,16 @@ class FleetWriter:
     def add_hold(self, name: str, kind: HoldKind, reason: str, now: float,
                  deadline: float | None = None) -> list[Action]:
         """``Fleet.add_hold`` (an inference-verification hold asks for a probe: run); none on a removed engine."""
+        if self._decides is not None and not self._decides():
+            return []
         if name not in self._fleet:
             return []
         return self._done(self._fleet.add_hold(name, kind, reason, now, deadline))
 
     def clear_hold(self, name: str, kind: HoldKind, now: float) -> bool:
         """``Fleet.clear_hold``; False for an engine a reload removed."""
+        if self._decides is not None and not self._decides():
+            return False
         if name not in self._fleet:
             return False
         cleared = self._fleet.clear_hold(name, kind, now)
@@ -233,12 +250,16 @@ class FleetWriter:
     def eject(self, name: str, reason: str, now: float, failure_class: FailureClass | None = None, *,
               label: EjectionCause | None = None) -> list[Action]:
         """``Fleet.eject`` (nothing for an engine a reload removed)."""
+        if self._decides is not None and not self._decides():
+            return []
         if name not in self._fleet:
             return []
         return self._done(self._fleet.eject(name, reason, now, failure_class, label=label))
 
     def readmit(self, name: str, now: float, *, health_to_eligible_s: float | None = None) -> None:
         """``Fleet.readmit``."""
+        if self._decides is not None and not self._decides():
+            return
         self._fleet.readmit(name, now, health_to_eligible_s=health_to_eligible_s)
         self._publish()
 

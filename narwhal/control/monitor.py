@@ -108,8 +108,13 @@ class Monitor:
 
     def __init__(self, stages: Sequence[Stage], *, interval_s: float, stage_timeout_s: float,
                  failure_limit: int, admission: Admission, metrics: RouterMetrics,
-                 clock: Callable[[], float] = trio.current_time) -> None:
-        """``clock`` must be trio's clock (or share its time base): passes ``sleep_until`` on it."""
+                 clock: Callable[[], float] = trio.current_time, acting: Callable[[], bool] | None = None,
+                 passive: frozenset[str] = frozenset({"telemetry"})) -> None:
+        """``clock`` must be trio's clock (or share its time base): passes ``sleep_until`` on it.
+
+        ``acting()`` False (a replica): a pass runs only the ``passive`` stages, which decide nothing."""
+        self._acting = acting
+        self._passive = passive
         names = [stage.name for stage in stages]
         if len(set(names)) != len(names):
             raise ValueError(f"stage names must be unique, got {names}")
@@ -169,8 +174,12 @@ class Monitor:
         started_at = self.clock()
         errors: list[StageError] = []
         finished = {stage.name: trio.Event() for stage in self.stages}
+        acting = self._acting is None or self._acting()
         async with trio.open_nursery() as nursery:
             for stage in self.stages:
+                if not acting and stage.name not in self._passive:
+                    finished[stage.name].set()
+                    continue
                 nursery.start_soon(self._run_stage, stage, number, finished, errors,
                                    name=f"monitor stage {stage.name}")
         errors.sort(key=lambda error: self._position[error.stage])

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import httpx
 import msgspec
@@ -33,7 +33,7 @@ from narwhal.discovery.etcd_http import (
 from narwhal.discovery.view import EngineView, KeyEvent, StoredKey, ViewChange
 from narwhal.errors import NarwhalError
 
-__all__ = ["EtcdWatcher", "ViewUpdate", "WatchStatus"]
+__all__ = ["EtcdWatcher", "ViewUpdate", "WatchStatus", "WatchedView"]
 
 # Bound on one line of the watch stream (one response, possibly many events); past it, list instead.
 MAX_LINE_BYTES = 16 * 1024 * 1024
@@ -41,6 +41,17 @@ _decode_line = msgspec.json.Decoder()
 # etcd's "require leader" metadata (clientv3.WithRequireLeader), through the gateway: a member cut off from
 # its leader refuses the watch, or cancels it, instead of keeping it open and silent.
 _WATCH_HEADERS = {"content-type": "application/json", "grpc-metadata-hasleader": "true"}
+
+
+class WatchedView(Protocol):
+    """What the watcher keeps up to date: discovery's ``EngineView``, or a replica's fleet records."""
+
+    revision: int
+
+    @property
+    def engines(self) -> dict[str, EngineSpec]: ...
+    def reset(self, keys: list[StoredKey], revision: int) -> ViewChange: ...
+    def apply(self, events: list[KeyEvent]) -> ViewChange: ...
 
 
 class WatchStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -79,7 +90,9 @@ class EtcdWatcher:
     def __init__(self, endpoints: Sequence[str], *, prefix: str = "/narwhal/engines/", timeout_s: float = 5.0,
                  idle_s: float = 30.0, resync_interval_s: float = 300.0, retry_min_s: float = 0.2,
                  retry_max_s: float = 5.0, page_size: int = 500, max_keys: int = 100_000,
-                 client: httpx.AsyncClient | None = None, wall_clock: Callable[[], float] = time.time) -> None:
+                 client: httpx.AsyncClient | None = None, wall_clock: Callable[[], float] = time.time,
+                 view: WatchedView | None = None) -> None:
+        """``view``: what the keys mean (default: engine registrations, discovery's ``EngineView``)."""
         self.prefix = prefix
         self.timeout_s = timeout_s
         self.idle_s = idle_s
@@ -92,7 +105,7 @@ class EtcdWatcher:
         self._http = EtcdHttp(endpoints, timeout_s=timeout_s, client=client)
         # Each watch on a connection of its own: a pooled one may have died silently since its last use.
         self._stream_client = client or httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0))
-        self._view = EngineView(prefix)
+        self._view: WatchedView = view if view is not None else EngineView(prefix)
         self._range = {"key": b64(prefix), "range_end": b64(prefix_end(prefix))}
         self._status = WatchStatus(endpoint=self._http.endpoints[0])
         self._cluster_id = ""

@@ -30,12 +30,17 @@ class Admission:
     """A set of named closures; ``reason()`` is None when admission is open."""
 
     def __init__(self, clock: Callable[[], float] | None = None, *,
-                 on_change: Callable[[], None] | None = None) -> None:
+                 on_change: Callable[[], None] | None = None,
+                 view_reason: Callable[[float], str] | None = None) -> None:
         """``clock`` (the request path's) lets ``reason()`` compare the lease deadline itself."""
         self._clock = clock
         self._closed: dict[str, str] = {}
         self._reason: str | None = None
         self._lease_deadline: float | None = None
+        # A replica's: from this instant its view of the fleet is too old to serve on (None: no such limit).
+        self._view_deadline: float | None = None
+        # The text past the view deadline, given the time (it says how old the view is).
+        self.view_reason = view_reason or (lambda now: "replica: fleet view too old")
         # Called after every change (worker processes get a new snapshot).
         self.on_change = on_change
 
@@ -51,6 +56,18 @@ class Admission:
         if self.on_change is not None:
             self.on_change()
 
+    @property
+    def view_deadline(self) -> float | None:
+        """Monotonic time (the request path's clock) from which a replica refuses new requests for want of a
+        current view of the fleet (``[lease] replica_stale_s`` after etcd last answered); None: no limit."""
+        return self._view_deadline
+
+    @view_deadline.setter
+    def view_deadline(self, deadline: float | None) -> None:
+        self._view_deadline = deadline
+        if self.on_change is not None:
+            self.on_change()
+
     def close(self, owner: str, reason: str) -> None:
         """Close admission on behalf of ``owner`` ('monitor', 'lease', 'shutdown')."""
         self._closed[owner] = reason
@@ -63,7 +80,7 @@ class Admission:
 
     def reason(self) -> str | None:
         """Why new requests are refused now, or None when admission is open (see ``refusal``)."""
-        if self._clock is None or self.lease_deadline is None:
+        if self._clock is None or (self.lease_deadline is None and self._view_deadline is None):
             return self._reason
         return self.refusal(self._clock())
 
@@ -74,6 +91,9 @@ class Admission:
         if deadline is not None and now >= deadline and "shutdown" not in self._closed \
                 and "lease" not in self._closed:
             return FENCED_REASON
+        view_deadline = self._view_deadline
+        if reason is None and view_deadline is not None and now >= view_deadline:
+            return self.view_reason(now)
         return reason
 
     def held_by(self, owner: str) -> str | None:

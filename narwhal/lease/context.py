@@ -18,7 +18,7 @@ import trio
 
 from narwhal.clocks import to_monotonic
 from narwhal.config import Config
-from narwhal.fleet.admission import Admission
+from narwhal.fleet.admission import FENCED_REASON, Admission
 from narwhal.lease.backend import LeaseBackend, LeaseBackendError
 from narwhal.lease.follower import Restorable
 from narwhal.lease.rules import LeaseHolding, LeaseRecord, Role, standby_reason
@@ -127,13 +127,29 @@ class LeaseContext:
     def suffix(self) -> str:
         return f" ({self.backend_problem})" if self.backend_problem else ""
 
+    @property
+    def serves_without_lease(self) -> bool:
+        """``mode = "replicas"``: every router serves; the lease only says who decides."""
+        return self.config.lease.mode == "replicas"
+
     def standby_text(self, holder: str | None) -> None:
-        self.admission.close("lease", standby_reason(holder) + self.suffix())
+        if self.serves_without_lease:
+            self.admission.open("lease")
+        else:
+            self.admission.close("lease", standby_reason(holder) + self.suffix())
+
+    def fenced_text(self) -> None:
+        """Fenced: a standby router stops admitting; a replica-mode router serves on as a replica."""
+        if self.serves_without_lease:
+            self.admission.open("lease")
+        else:
+            self.admission.close("lease", FENCED_REASON + self.suffix())
 
     def publish_deadline(self) -> None:
         """Hand the holding's admission deadline to admission and the writer's thread; wake the fence."""
         deadline = self.holding.admission_deadline
-        self.admission.lease_deadline = deadline
+        # In replicas mode admission does not hang on the lease (a replica's own deadline is its view's age).
+        self.admission.lease_deadline = None if self.serves_without_lease else deadline
         self._deadline_mono = self.clocks.mono(deadline) if math.isfinite(deadline) else -math.inf
         self.deadline_changed.set()
         self.deadline_changed = trio.Event()

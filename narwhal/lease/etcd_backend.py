@@ -300,5 +300,24 @@ class EtcdLeaseBackend:
             [{"request_put": {"key": _b64(self.handoff_key), "value": _b64(data)}}])
         return bool(answer.get("succeeded"))
 
+    async def write_guarded(self, puts: Sequence[tuple[str, bytes]], deletes: Sequence[str],
+                            record: LeaseRecord) -> bool:
+        """Put and delete keys only while the lease key is still ours, as the handoff is written.
+
+        In one txn per 64 operations (etcd's default limit is 128); False as soon as one finds the key not ours.
+        """
+        if not self._lease_id:
+            return False
+        guard = [{"key": _b64(self.key), "target": "CREATE", "result": "EQUAL",
+                  "create_revision": str(record.revision)},
+                 {"key": _b64(self.key), "target": "LEASE", "result": "EQUAL", "lease": str(self._lease_id)}]
+        ops: list[dict[str, Any]] = [{"request_put": {"key": _b64(key), "value": _b64(value)}} for key, value in puts]
+        ops += [{"request_delete_range": {"key": _b64(key)}} for key in deletes]
+        for start in range(0, len(ops), 64):
+            answer = await self._txn(guard, ops[start:start + 64])
+            if not answer.get("succeeded"):
+                return False
+        return True
+
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -15,7 +15,6 @@ import math
 
 import trio
 
-from narwhal.fleet.admission import FENCED_REASON
 from narwhal.lease.context import LeaseContext
 from narwhal.lease.handover import Handover
 from narwhal.lease.rules import Role
@@ -50,7 +49,7 @@ class Fence:
         term = holding.term
         now = ctx.clocks.clock()
         ctx.serving.persistence.paused = True
-        ctx.admission.close("lease", FENCED_REASON + ctx.suffix())
+        ctx.fenced_text()
         deadline = term.deadline if term is not None else now
         until = min(now, deadline)
         ctx.publish_deadline()

@@ -24,7 +24,6 @@ import logging
 
 import trio
 
-from narwhal.fleet.admission import FENCED_REASON
 from narwhal.lease.backend import LeaseBackendError
 from narwhal.lease.context import LeaseContext
 from narwhal.lease.fence import Fence
@@ -201,14 +200,17 @@ class TermKeeper:
             self._last_held = record
             self.follower.follow(record.holder, record.epoch)
         self.refresh_refusal()
-        await self.follow_handoff()
+        if not ctx.serves_without_lease:
+            # A replica follows the controller's per-engine records (narwhal.cluster), fresher than a handoff
+            # written each monitor pass; it reads the handoff once, when it takes the lease.
+            await self.follow_handoff()
         await self.watcher.poll(record, self._request_takeover)
 
     def refresh_refusal(self) -> None:
         """Say why admission is closed: fenced, or standing by (for whom, once the record was read)."""
         ctx = self.ctx
         if ctx.holding.role is Role.FENCED:
-            ctx.admission.close("lease", FENCED_REASON + ctx.suffix())
+            ctx.fenced_text()
         else:
             ctx.standby_text(ctx.holding.holder if self._lease_read else None)
 

@@ -26,8 +26,10 @@ import trio
 
 from narwhal.config import Config, EngineSpec
 from narwhal.errors import FailureClass, SuccessKind
+from narwhal.fleet.admission import FENCED_REASON
 from narwhal.fleet.model import ROLES
 from narwhal.fleet.placement import SharedIndex
+from narwhal.fleet.placement.shared_index import IndexRecord
 from narwhal.kv_events.feed import FeedSource
 from narwhal.obs.logs import log_event
 from narwhal.workers.index_relay import IndexRelay
@@ -128,9 +130,12 @@ class WorkerHub:
                  running_config: Callable[[], Config] | None = None, poke: Poke | None = None,
                  index: SharedIndex | None = None,
                  admit_until: Callable[[], float | None] | None = None,
-                 kv_sources: Callable[[], Mapping[str, FeedSource]] | None = None) -> None:
+                 kv_sources: Callable[[], Mapping[str, FeedSource]] | None = None,
+                 admit_until_reason: Callable[[], str] | None = None,
+                 on_placed: Callable[[list[IndexRecord]], None] | None = None) -> None:
         """``index``: the controller's prefix index, relayed between the workers (``IndexRelay``);
-        ``admit_until``: the lease-derived admission deadline on the control clock, read at each publish."""
+        ``admit_until``: the lease-derived admission deadline on the control clock, read at each publish (with
+        ``admit_until_reason()``, what workers say past it); ``on_placed``: told of the workers' placements."""
         self._control = control
         self._admission = admission
         self._clock = clock
@@ -154,7 +159,8 @@ class WorkerHub:
         self.excluded_since: dict[str, int] = {}
         self._admit_until: Callable[[], float | None] = admit_until if admit_until is not None else lambda: None
         # Told of the prompts each worker placed: the placements go on to the other workers.
-        self.index_relay = IndexRelay(index, self.workers) if index is not None else None
+        self.index_relay = IndexRelay(index, self.workers, on_applied=on_placed) if index is not None else None
+        self._admit_until_reason = admit_until_reason
         # The engine set workers place on (the supervisor's); None: as in the config they were given.
         self.engine_specs = engine_specs
         # The running config (reloads change it): workers take its placement and engine timeouts.
@@ -245,6 +251,7 @@ class WorkerHub:
             capacity_problem=control.capacity_problem(), capacity_problems=control.capacity_problems(),
             admission_reason=self._admission.reason(),
             admit_until=self._admit_until(),
+            admit_until_reason=FENCED_REASON if self._admit_until_reason is None else self._admit_until_reason(),
             valid_until=None if valid_until is None or math.isinf(valid_until) else valid_until,
             in_flight=self._in_flight_totals() if self._share_in_flight else {},
             engines=None if self.engine_specs is None else self.engine_specs(),

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from narwhal.fleet.placement import SharedIndex
+from narwhal.fleet.placement.shared_index import IndexRecord
 from narwhal.obs.logs import log_event
 from narwhal.workers.protocol import IndexUpdate, Report
 
@@ -28,8 +29,11 @@ class _Worker(Protocol):
 class IndexRelay:
     """Relays placements between workers through the controller's ``SharedIndex``."""
 
-    def __init__(self, shared: SharedIndex, workers: Mapping[int, _Worker]) -> None:
+    def __init__(self, shared: SharedIndex, workers: Mapping[int, _Worker], *,
+                 on_applied: Callable[[list[IndexRecord]], None] | None = None) -> None:
+        """``on_applied``: told of every worker's placements applied here (other routers get them too)."""
         self.shared = shared
+        self._on_applied = on_applied
         self._workers = workers
         # The epochs each worker (its link, so a restarted worker counts as new) was last sent.
         self._sent: dict[int, tuple[object, dict[str, int]]] = {}
@@ -37,12 +41,23 @@ class IndexRelay:
     def on_report(self, worker: int, report: Report) -> None:
         """Apply a worker's placements and send them to the other workers."""
         applied = self.shared.apply(report.placements) if report.placements else []
+        if applied and self._on_applied is not None:
+            self._on_applied(applied)
         epochs = self.shared.epochs
         for index, state in list(self._workers.items()):
             stale = self._sent.get(index) != (state, epochs)
             if (applied and index != worker) or (stale and index == worker):
                 self._send(index, state, IndexUpdate(records=applied if index != worker else [],
                                                      epochs=dict(epochs)))
+
+    def apply_external(self, records: list[IndexRecord]) -> None:
+        """Placements another router made: apply them here and send them to every worker."""
+        applied = self.shared.apply(records)
+        if not applied:
+            return
+        update = IndexUpdate(records=applied, epochs=dict(self.shared.epochs))
+        for index, state in list(self._workers.items()):
+            self._send(index, state, update)
 
     def forget(self, engine: str) -> None:
         """The engine's cache is gone: drop it here and in every worker."""

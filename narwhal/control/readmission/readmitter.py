@@ -150,14 +150,17 @@ class Readmitter:
                  inference_check: Callable[[str], Awaitable[str]] | None = None,
                  on_newer_process: Callable[[str], None] | None = None,
                  model_lengths: ModelLengths | None = None,
-                 kv_publishers: KvPublishers | None = None) -> None:
-        """``clock`` is trio's (monotonic, the fleet's time base); ``wall_clock`` unix seconds.
+                 kv_publishers: KvPublishers | None = None, acting: Callable[[], bool] | None = None) -> None:
+        """``acting()`` False (a replica, whose fleet is the controller's): no attempt starts.
+
+        ``clock`` is trio's (monotonic, the fleet's time base); ``wall_clock`` unix seconds.
 
         ``inference_check(name)`` runs an inference probe and returns its outcome
         ("success", "failed", "inconclusive"); without it, an inference-caused
         quarantine waits for its deadline.
         """
         self.config = config
+        self._acting = acting
         self.fleet = fleet
         self.control_pool = control_pool
         self.in_flight = in_flight
@@ -432,6 +435,10 @@ class Readmitter:
         contract.verify_attestation(self._key, identity, nonce, response.body)
         self._note_process(attempt.spec.name, identity.process_started_at, attempt.held_since_wall)
 
+    def process_started(self, name: str) -> float | None:
+        """The process start ``name``'s attested identity last reported (None: none attested)."""
+        return self._process_started.get(name)
+
     def _note_process(self, name: str, started: float, held_since_wall: float | None) -> None:
         """Tell ``on_newer_process`` when the attested process is not the one placement knew.
 
@@ -649,6 +656,8 @@ class Readmitter:
 
     def _start(self, name: str, now: float, *, on_health: bool) -> None:
         assert self._nursery is not None
+        if self._acting is not None and not self._acting():
+            return
         # Anchor the tick now, so the next pass does not start it again.
         self.schedule.started(name, now)
         self._scheduled.add(name)
