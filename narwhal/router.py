@@ -33,10 +33,12 @@ import msgspec
 import trio
 
 from narwhal.app.admin_routes import register_admin_routes
+from narwhal.app.cluster_routes import register_cluster_routes
 from narwhal.app.control_app import create_app
 from narwhal.app.router_status import RouterStatus, router_status
 from narwhal.app.ui_routes import register_ui_routes
 from narwhal.clocks import to_monotonic
+from narwhal.cluster.records import ClusterRouter, ClusterView, ControllerRef
 from narwhal.config import (
     Config,
     ConfigError,
@@ -88,13 +90,14 @@ from narwhal.obs.timeline import Timeline
 from narwhal.obs.timeline_feed import TimelineFeed
 from narwhal.pools.control import ControlPool
 from narwhal.serving.data_plane import DataPlane, LocalDataPlane
-from narwhal.serving.front import build_admin_server
+from narwhal.serving.front import admin_url, build_admin_server
 from narwhal.serving.placement import FollowedIndex, RequestPlacement, build_index, build_placer
 from narwhal.stages import build_stages
 from narwhal.stages.persistence import HandoffExtra, PersistenceStage
 from narwhal.state.handoff import LeaseOwnership
 from narwhal.state.resume import apply_resume, operator_holds, plan_resume
 from narwhal.tls import ExpiryWatch, TLSContexts
+from narwhal.wire import error_json
 from narwhal.workers.hub import Poke, WorkerHub
 from narwhal.workers.plane import WorkerDataPlane
 from narwhal.workers.process import WorkerSet
@@ -283,6 +286,7 @@ class Router:
                                       refusal=lambda: self.admission.refusal(trio.current_time()),
                                       specs=self.registry.spec_list)
         register_admin_routes(self.app, self)
+        register_cluster_routes(self.app, self)
         # The [admin] listen server while it runs.
         self.admin_server: HTTPServer | None = None
         register_ui_routes(self.app, self)
@@ -476,6 +480,26 @@ class Router:
                              degraded=monitor.degraded_reason, last_pass=monitor.last_pass,
                              stage_errors=self.metrics.stage_errors.values, worker_count=self.worker_count,
                              workers=self.hub.workers, restarts=workers.restarts if workers is not None else {})
+
+    def cluster_view(self) -> ClusterView:
+        """What /admin/cluster shows: with no replicas (``[lease] mode = "standby"``), this router alone."""
+        # (getattr: [lease] mode comes with the cluster's core; until then every router is in standby mode.)
+        role = "controller" if self._acts() else "standby"
+        advertise = self.config.lease.advertise_url or self._advertise_url()
+        return ClusterView(mode=getattr(self.config.lease, "mode", "standby"), router_id=self.router_id, role=role,
+                           controller=self.router_id if role == "controller" else None, fleet_revision=0,
+                           view_age_s=None, stale=False,
+                           routers=[ClusterRouter(router_id=self.router_id, role=role, advertise_url=advertise,
+                                                  fleet_revision=0, lag_s=0.0,
+                                                  cluster_url=admin_url(self.config) or advertise, is_self=True)])
+
+    def controller_redirect(self) -> ControllerRef | None:
+        """Who decides admin mutations when this router may not: never anyone else without replicas."""
+        return None
+
+    def cluster_evidence(self, body: bytes, *, authorization: str | None, peer_cert: bool) -> tuple[int, bytes]:
+        """``POST /cluster/evidence``: only a controller in replicas mode takes a replica's evidence."""
+        return 404, error_json("this router is not in replicas mode", "invalid_request_error", "not_found")
 
     def _handoff_extra(self) -> HandoffExtra:
         return HandoffExtra(consolidation_risk=self.controller.consolidation_risk(),

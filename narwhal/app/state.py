@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from narwhal.cluster.records import ClusterView, ControllerRef
 from narwhal.config import Config
 from narwhal.control.discovery import DiscoveryView
 from narwhal.control.engine_view import EngineEntry, EnginesView
@@ -90,4 +91,16 @@ class AppState(Protocol):
 
     def placement_view(self) -> PlacementView:
         """``/admin/placement``: each prefill engine's prefix index and KV event feed."""
+        ...
+
+    def cluster_view(self) -> ClusterView:
+        """``/admin/cluster``: the routers, their roles, the fleet revision each applied and its lag."""
+        ...
+
+    def controller_redirect(self) -> ControllerRef | None:
+        """None when this router may act on an admin mutation; else the controller that decides it."""
+        ...
+
+    def cluster_evidence(self, body: bytes, *, authorization: str | None, peer_cert: bool) -> tuple[int, bytes]:
+        """``POST /cluster/evidence``: a replica's report, authenticated and applied; (status, JSON body)."""
         ...

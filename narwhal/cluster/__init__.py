@@ -1,0 +1,1 @@
+"""Several routers serving at once (``[lease] mode = "replicas"``): the controller's fleet view shared through etcd."""
