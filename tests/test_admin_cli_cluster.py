@@ -1,17 +1,22 @@
 """``narwhal admin`` with several routers: the cluster table, and a replica's 409 followed once to the controller.
 
-Against a fake router (``httpx.MockTransport``): the request's host says which router it reached.
+Against a fake router (``httpx.MockTransport``): the request's host says which router it reached; then once
+against two routers serving on 127.0.0.1 (the replica's ``controller_redirect`` names the other).
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from test_admin_cli import engine, fake_router, run
+import trio
+from test_admin_api import TOKEN, admin_router, fleet_config, start_mock_fleet
+from test_admin_cli import engine, fake_router, run, serving
 
+from narwhal.cluster.records import ControllerRef
 from narwhal.tools.admin_cli import TOKEN_ENV, format_cluster
 
 REPLICA = "http://10.0.0.6:9000"
@@ -164,3 +169,29 @@ def test_admin_cluster_on_a_controller_and_a_stale_replica() -> None:
 def test_admin_cluster_json_prints_the_answer_as_it_came() -> None:
     code, out, _ = run(["cluster", "--json"], fake_router(lambda request: httpx.Response(200, json=VIEW)))
     assert code == 0 and json.loads(out) == VIEW
+
+
+# ----- against running routers ----------------------------------------------------------------------------------
+
+
+async def test_a_drain_sent_to_a_running_replica_lands_on_the_running_controller(
+        nursery: trio.Nursery, tmp_path: Path) -> None:
+    mocks = await start_mock_fleet(nursery)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    controller = admin_router(fleet_config(mocks, tmp_path / "a", token=TOKEN), listen="127.0.0.1:0")
+    replica = admin_router(fleet_config(mocks, tmp_path / "b", token=TOKEN), listen="127.0.0.1:0")
+    async with serving(controller) as controller_url, serving(replica) as replica_url:
+        replica.controller_redirect = lambda: ControllerRef(  # type: ignore[method-assign]
+            router_id=controller.router_id, cluster_url=controller_url)
+        code, out, err = await trio.to_thread.run_sync(
+            run, ["drain", "d1", "--url", replica_url, "--token", TOKEN])
+        assert code == 0, err
+        assert out.startswith("d1: drain requested;")
+        assert err == (f"narwhal admin: {replica_url} is a replica; sent to the controller {controller.router_id} "
+                       f"at {controller_url}\n")
+        assert controller.readmitter.drained("d1") and not replica.readmitter.drained("d1")
+        code, out, err = await trio.to_thread.run_sync(run, ["cluster", "--url", replica_url, "--token", TOKEN])
+        assert code == 0, err
+        assert out.splitlines()[0].startswith(f"cluster: mode standby, this router {replica.router_id} ")
+    mocks.stop_all()
