@@ -33,6 +33,7 @@ import msgspec
 import trio
 
 from narwhal.app.admin_routes import register_admin_routes
+from narwhal.app.cluster_routes import register_cluster_routes
 from narwhal.app.control_app import create_app
 from narwhal.app.router_status import RouterStatus, router_status
 from narwhal.app.ui_routes import register_ui_routes
@@ -314,6 +315,7 @@ class Router:
                                       refusal=lambda: self.admission.refusal(trio.current_time()),
                                       specs=self.registry.spec_list)
         register_admin_routes(self.app, self)
+        register_cluster_routes(self.app, self)
         # The [admin] listen server while it runs.
         self.admin_server: HTTPServer | None = None
         register_ui_routes(self.app, self)
@@ -676,9 +678,9 @@ class Router:
         if self.cluster is not None:
             return await self.cluster.cluster_view()
         role = "controller" if self._acts() else "standby"
-        url = self.lease.advertise_url if self.lease is not None else self._advertise_url()
+        url = self.config.lease.advertise_url or self._advertise_url()
         me = ClusterRouter(router_id=self.router_id, role=role, advertise_url=url, fleet_revision=0, lag_s=0.0,
-                           cluster_url=url, is_self=True)
+                           cluster_url=self._cluster_url() or url, is_self=True)
         return ClusterView(mode=self.config.lease.mode, router_id=self.router_id, role=role,
                            controller=self.router_id if role == "controller" else None, fleet_revision=0,
                            view_age_s=None, stale=False, routers=[me])
@@ -691,7 +693,7 @@ class Router:
                          peer: str = "") -> tuple[int, bytes]:
         """``POST /cluster/evidence``: a replica's evidence and placements (the controller applies them)."""
         if self.cluster is None:
-            return 404, error_json("this router is not in replicas mode ([lease] mode = \"replicas\")",
+            return 404, error_json("this router is not in replicas mode",
                                    "invalid_request_error", "not_found")
         return self.cluster_receiver.handle(body, authorization=authorization, peer_cert=peer_cert, peer=peer)
 

@@ -5,7 +5,9 @@ traffic come here? ``?model=NAME``: for that model), ``/metrics`` (Prometheus
 text), ``/v1/models`` (and ``/v1/models/{id}``) and the admin API under
 ``/admin/``, which needs a bearer token when one is configured; without one,
 requests a browser marks as from another site or sent to a foreign ``Host``
-are refused (``narwhal.app.admin_guard``).
+are refused (``narwhal.app.admin_guard``). On a replica (``[lease] mode =
+"replicas"``) every admin mutation is a 409 ``not_controller`` naming the
+controller that decides it.
 The app holds no state of its own: it reads the router's through ``AppState``
 (``narwhal.app.state``), never the ``Router`` itself.
 """
@@ -22,11 +24,14 @@ from quart_trio import QuartTrio
 from narwhal.app.admin_guard import admin_refusal, is_admin_api_path
 from narwhal.app.query import unexpected_parameter
 from narwhal.app.state import AppState
+from narwhal.cluster.records import ControllerRef
 from narwhal.wire import error_json
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "not_controller"]
 
 _encode_json = msgspec.json.Encoder()
+# The methods of an admin mutation: on a replica these go to the controller (409 not_controller).
+_MUTATIONS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 
 def _json(payload: Any, status: int = 200) -> Response:
@@ -35,6 +40,16 @@ def _json(payload: Any, status: int = 200) -> Response:
 
 def _error(status: int, message: str, type_: str, code: str | None = None) -> Response:
     return Response(error_json(message, type_, code), status=status, content_type="application/json")
+
+
+def not_controller(controller: ControllerRef) -> Response:
+    """The 409 of an admin mutation on a replica: the controller decides it; ``narwhal admin`` follows the answer."""
+    who = controller.router_id or "(not registered yet)"
+    where = controller.cluster_url or "(unknown)"
+    error = msgspec.json.decode(error_json(
+        f"this router is a replica: drains and reloads are decided by the controller {who} at {where}; "
+        "send it there (narwhal admin follows this answer)", "invalid_request_error", "not_controller"))
+    return _json({**error, "controller": controller}, status=409)
 
 
 def create_app(router: AppState) -> QuartTrio:
@@ -88,31 +103,12 @@ def create_app(router: AppState) -> QuartTrio:
         return _error(400, str(problem), "invalid_request_error", problem.code)
 
     @app.before_request
-    async def _replica_admin() -> Response | None:
-        # A replica decides nothing: a change sent to it goes to the controller (narwhal admin follows this).
-        if request.method not in ("POST", "PUT", "DELETE") or not request.path.startswith("/admin/"):
+    async def _admin_on_replica() -> Response | None:
+        # After the auth check: only a caller allowed to mutate learns where the controller is.
+        if request.method not in _MUTATIONS or not is_admin_api_path(request.path):
             return None
         controller = router.controller_redirect()
-        if controller is None:
-            return None
-        message = (f"this router is a replica: drains and reloads are decided by the controller "
-                   f"{controller.router_id or '(none yet)'} at {controller.cluster_url or '(unknown)'}; send it "
-                   "there (narwhal admin follows this answer)")
-        body = {"error": {"message": message, "type": "invalid_request_error", "code": "not_controller"},
-                "controller": controller}
-        return Response(msgspec.json.encode(body), status=409, content_type="application/json")
-
-    @app.get("/admin/cluster")
-    async def admin_cluster() -> Response:
-        return _json(await router.cluster_view())
-
-    @app.post("/cluster/evidence")
-    async def cluster_evidence() -> Response:
-        data = await request.get_data(cache=False, as_text=False)
-        body = data if isinstance(data, bytes) else data.encode()
-        status, data = router.cluster_evidence(body, authorization=request.headers.get("authorization"),
-                                               peer_cert=False, peer=request.remote_addr or "")
-        return Response(data, status=status, content_type="application/json")
+        return None if controller is None else not_controller(controller)
 
     @app.get("/health")
     async def health() -> Response:

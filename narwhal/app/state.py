@@ -60,11 +60,6 @@ class _Telemetry(Protocol):
 class AppState(Protocol):
     """Everything the control app and the admin routes use."""
 
-    async def cluster_view(self) -> ClusterView: ...
-    def controller_redirect(self) -> ControllerRef | None: ...
-    def cluster_evidence(self, body: bytes, *, authorization: str | None, peer_cert: bool,
-                         peer: str = "") -> tuple[int, bytes]: ...
-
     @property
     def config(self) -> Config: ...
     @property
@@ -96,4 +91,17 @@ class AppState(Protocol):
 
     def placement_view(self) -> PlacementView:
         """``/admin/placement``: each prefill engine's prefix index and KV event feed."""
+        ...
+
+    async def cluster_view(self) -> ClusterView:
+        """``/admin/cluster``: the routers, their roles, the fleet revision each applied and its lag."""
+        ...
+
+    def controller_redirect(self) -> ControllerRef | None:
+        """None when this router may act on an admin mutation; else the controller that decides it."""
+        ...
+
+    def cluster_evidence(self, body: bytes, *, authorization: str | None, peer_cert: bool,
+                         peer: str = "") -> tuple[int, bytes]:
+        """``POST /cluster/evidence``: a replica's report, authenticated and applied; (status, JSON body)."""
         ...

@@ -15,7 +15,11 @@ import trio
 from narwhal.http1.server import Request
 from narwhal.http1.target import asgi_path
 
-__all__ = ["ASGIApp", "ASGILifespan", "ASGIResponder", "call_asgi"]
+__all__ = ["ASGIApp", "ASGILifespan", "ASGIResponder", "PEER_CERT_EXTENSION", "call_asgi"]
+
+# The scope's extension that says a TLS peer presented a client certificate the listener verified (True);
+# absent on plain HTTP and on TLS without one. The cluster's routes authenticate routers by it.
+PEER_CERT_EXTENSION = "narwhal.peer_cert"
 
 
 
@@ -32,6 +36,10 @@ class ASGIResponder(Protocol):
 
     @property
     def secure(self) -> bool: ...
+    @property
+    def peer_certified(self) -> bool:
+        """The TLS peer presented a client certificate the listener verified (read only when ``secure``)."""
+        ...
     @property
     def started(self) -> bool: ...
     @property
@@ -117,9 +125,12 @@ class _HTTPCall:
 async def call_asgi(
     app: ASGIApp, request: Request, responder: ASGIResponder, *, server: tuple[str, int] | None = None
 ) -> None:
-    """Serve ``request`` with the ASGI ``app``, writing the response through ``responder``."""
+    """Serve ``request`` with the ASGI ``app``, writing the response through ``responder``.
+
+    A TLS peer with a verified client certificate is marked in ``scope["extensions"]`` (``PEER_CERT_EXTENSION``).
+    """
     raw_path = request.raw_path
-    scope = {
+    scope: dict[str, Any] = {
         "type": "http",
         "asgi": {"version": "3.0"},
         "http_version": request.http_version,
@@ -134,6 +145,8 @@ async def call_asgi(
         "client": request.client,
         "server": server,
     }
+    if responder.secure and responder.peer_certified:
+        scope["extensions"] = {PEER_CERT_EXTENSION: True}
     call = _HTTPCall(request, responder)
     await app(scope, call.receive, call.send)
 

@@ -157,6 +157,19 @@ class Connection:
         """The connection is TLS."""
         return isinstance(self.stream, trio.SSLStream)
 
+    @property
+    def peer_certified(self) -> bool:
+        """The TLS peer presented a client certificate. Verified whenever presented: a server context asks
+        for one only with ``serving.tls_client_ca_file``, and then requires it to verify (``CERT_REQUIRED``)."""
+        stream = self.stream
+        if not isinstance(stream, trio.SSLStream):
+            return False
+        try:
+            return stream.getpeercert(binary_form=True) is not None
+        except ValueError:
+            # Before the handshake (never here: the server hands over only handshaken streams).
+            return False
+
     def peer(self) -> tuple[str, int] | None:
         """The client's (host, port), or None when the socket cannot say."""
         if self._client is None and self.sock is not None:

@@ -37,6 +37,10 @@ class Wire(ClientSocket, Protocol):
     def secure(self) -> bool:
         """The connection is TLS."""
         ...
+    @property
+    def peer_certified(self) -> bool:
+        """The TLS peer presented a client certificate the handshake verified."""
+        ...
     async def send(self, data: bytes) -> None:
         """One write; ``ClientDisconnected`` if the client is gone."""
         ...
@@ -72,6 +76,11 @@ class Responder:
     def secure(self) -> bool:
         """True when the request came over TLS."""
         return self._conn.secure
+
+    @property
+    def peer_certified(self) -> bool:
+        """True when the TLS peer presented a client certificate the handshake verified."""
+        return self._conn.peer_certified
 
     async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         """Send a complete response (head and body in one write)."""

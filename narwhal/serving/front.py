@@ -3,10 +3,11 @@
 One handler for ``narwhal.http1.server.HTTPServer``. A request carrying this
 router's own ``Via`` token came back to it (an engine URL points at a router):
 508 ``loop_detected``. Completion routes accept POST only (405 with
-``Allow: POST`` otherwise). With ``[admin] listen`` the admin paths are 404
-here, the body naming the admin address. The rest goes to ``rest``: in one process the ASGI adapter to the
-quart-trio control app, so both share one port; in a worker, the answers it
-gives from its snapshot and the controller for everything else.
+``Allow: POST`` otherwise). With ``[admin] listen`` the admin paths (and the
+routers' ``/cluster/`` link) are 404 here, the body naming the admin address.
+The rest goes to ``rest``: in one process the ASGI adapter to the quart-trio
+control app, so both share one port; in a worker, the answers it gives from
+its snapshot and the controller for everything else.
 """
 
 from __future__ import annotations
@@ -27,15 +28,18 @@ __all__ = ["Front", "admin_elsewhere_body", "admin_url", "build_admin_server", "
 _JSON = [(b"content-type", b"application/json")]
 _NOT_ALLOWED = error_json("completion routes accept POST only", "invalid_request_error", "method_not_allowed")
 _NOT_ALLOWED_HEADERS = [*_JSON, (b"allow", b"POST")]
+# The paths [admin] listen takes off the traffic port: the admin API and the routers' link (/cluster/evidence).
+_ADMIN_LISTEN_PREFIXES = ("/admin", "/cluster")
 # Admin requests carry small JSON bodies, if any.
 _ADMIN_MAX_BODY_BYTES = 64 * 1024
 
 
 def is_admin_path(request: Request) -> bool:
-    """Would the app route ``request`` to the admin API? Read from the path the ASGI scope gets
-    (``split_target``, absolute form included; percent-decoded), leading slashes collapsed."""
+    """Is ``request`` for what ``[admin] listen`` serves instead of the traffic port: the admin API (``/admin``)
+    or the routers' link (``/cluster``)? Read from the path the ASGI scope gets (``split_target``, absolute
+    form included; percent-decoded), leading slashes collapsed."""
     path = "/" + asgi_path(request.raw_path).lstrip("/")
-    return path == "/admin" or path.startswith("/admin/")
+    return any(path == prefix or path.startswith(prefix + "/") for prefix in _ADMIN_LISTEN_PREFIXES)
 
 
 def admin_url(config: Config) -> str | None:

@@ -1,4 +1,4 @@
-"""``python -m narwhal admin engines|models|reload|drain NAME|maintenance NAME|readmit NAME``: the operator's commands.
+"""``python -m narwhal admin engines|models|cluster|reload|drain NAME|...``: the operator's commands.
 
 Each talks to a running router's admin API (``--url``, default
 http://127.0.0.1:8000; ``--token``, default ``$NARWHAL_ADMIN_TOKEN``), prints
@@ -7,6 +7,11 @@ stderr when the router cannot be reached or says no (401, 404, a refused
 readmission's 409 with the failed check and why, a reload whose TLS files
 failed); a token that cannot travel in an HTTP header (not printable ASCII)
 exits 2 before any request.
+
+Against a replica (``[lease] mode = "replicas"``) a drain or a reload is a 409
+``not_controller`` naming the controller: the command is sent once more, to the
+controller's ``cluster_url`` with the same token and TLS options, and stderr
+says so; a second refusal is printed as the error (never followed again).
 
 An ``https://`` router is verified with ``--ca-file`` (default
 ``$NARWHAL_ADMIN_CA_FILE``), else with OpenSSL's default store, which honours
@@ -18,10 +23,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import ssl
 import sys
 import urllib.parse
+from collections.abc import Callable
 from typing import Any, TextIO
 
 import httpx
@@ -30,8 +37,8 @@ from narwhal.config import admin_token_problem
 from narwhal.errors import NarwhalError
 from narwhal.tools.cli_args import http_url
 
-__all__ = ["add_parser", "format_discovery", "format_engines", "format_models", "format_placement", "format_reload",
-           "run_admin"]
+__all__ = ["add_parser", "format_cluster", "format_discovery", "format_engines", "format_models", "format_placement",
+           "format_reload", "run_admin"]
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 TOKEN_ENV = "NARWHAL_ADMIN_TOKEN"
@@ -79,6 +86,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     placement = actions.add_parser("placement", help="show each prefill engine's prefix index and KV event feed "
                                                      "(state, last sequence, blocks, events/s, resyncs, dropped)")
     _add_connection_options(placement, defaults=False)
+    cluster = actions.add_parser("cluster", help="show the routers serving this fleet: role, advertise URL, fleet "
+                                                 "revision applied, lag (* marks the router asked)")
+    cluster.add_argument("--json", action="store_true", help="print /admin/cluster's JSON as it came")
+    _add_connection_options(cluster, defaults=False)
     reload = actions.add_parser("reload", help="read the config file again (as SIGHUP does) and show what changed",
                                 description="Read the router's config file again, as SIGHUP does, and show "
                                             "what changed and which changes need a restart.")
@@ -110,21 +121,29 @@ def run_admin(args: argparse.Namespace, *, transport: httpx.BaseTransport | None
     except _AdminError as exc:
         err.write(f"narwhal admin: {exc}\n")
         return 2
-    try:
+
+    def open_client(url: str) -> httpx.Client:
         # trust_env=False: no proxy from the environment on the way to a router; SSL_CERT_FILE is
         # honoured by _tls_context instead.
-        with httpx.Client(base_url=args.url.rstrip("/"), headers=headers, timeout=_TIMEOUT_S,
-                          transport=transport, trust_env=False, verify=verify) as client:
+        return httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=_TIMEOUT_S,
+                            transport=transport, trust_env=False, verify=verify)
+
+    try:
+        with open_client(args.url) as client:
+            admin = _Admin(client, args.url.rstrip("/"), open_client, err)
             if args.action == "engines":
-                out.write(format_engines(_call(client, "GET", "/admin/engines")["engines"]))
+                out.write(format_engines(admin.call("GET", "/admin/engines")["engines"]))
             elif args.action == "discovery":
-                out.write(format_discovery(_call(client, "GET", "/admin/discovery")))
+                out.write(format_discovery(admin.call("GET", "/admin/discovery")))
             elif args.action == "placement":
-                out.write(format_placement(_call(client, "GET", "/admin/placement")))
+                out.write(format_placement(admin.call("GET", "/admin/placement")))
             elif args.action == "models":
-                out.write(format_models(_call(client, "GET", "/admin/models")["models"]))
+                out.write(format_models(admin.call("GET", "/admin/models")["models"]))
+            elif args.action == "cluster":
+                view = admin.call("GET", "/admin/cluster")
+                out.write(json.dumps(view, indent=2) + "\n" if args.json else format_cluster(view))
             elif args.action == "reload":
-                body = _call(client, "POST", "/admin/reload")
+                body = admin.call("POST", "/admin/reload")
                 out.write(format_reload(body))
                 if body.get("tls") == "failed":
                     # The config part applied; the TLS files did not, and the router keeps its old ones.
@@ -132,7 +151,7 @@ def run_admin(args: argparse.Namespace, *, transport: httpx.BaseTransport | None
                                       "certificates until a reload reads good files")
             else:
                 path = f"/admin/engines/{urllib.parse.quote(args.name, safe='')}/{args.action}"
-                out.write(_format_action(_call(client, "POST", path)))
+                out.write(_format_action(admin.call("POST", path)))
     except _AdminError as exc:
         err.write(f"narwhal admin: {exc}\n")
         return 1
@@ -171,9 +190,52 @@ def _reason(exc: OSError | ssl.SSLError) -> str:
     return exc.strerror or str(exc)
 
 
-def _call(client: httpx.Client, method: str, path: str) -> dict[str, Any]:
+class _Admin:
+    """One command's calls to ``--url``; a replica's ``not_controller`` answer is followed once, to the controller."""
+
+    def __init__(self, client: httpx.Client, url: str, open_client: Callable[[str], httpx.Client],
+                 err: TextIO) -> None:
+        self.client = client
+        self.url = url
+        self.open_client = open_client
+        self.err = err
+
+    def call(self, method: str, path: str) -> dict[str, Any]:
+        """The answer's JSON object on 200; else ``_AdminError`` with the one line to print."""
+        response = _send(self.client, method, path)
+        controller = _controller_of(response)
+        if controller is None:
+            return _answer(self.client, response)
+        who, url = controller
+        self.err.write(f"narwhal admin: {self.url} is a replica; sent to the controller {who} at {url}\n")
+        # Once: the controller's own answer is the command's, a second not_controller included.
+        with self.open_client(url) as client:
+            return _answer(client, _send(client, method, path))
+
+
+def _controller_of(response: httpx.Response) -> tuple[str, str] | None:
+    """(router_id, cluster_url) of a replica's 409 ``not_controller`` that names where the controller is."""
+    if response.status_code != 409:
+        return None
     try:
-        response = client.request(method, path)
+        body = response.json()
+    except ValueError:
+        return None
+    if not isinstance(body, dict):
+        return None
+    error, controller = body.get("error"), body.get("controller")
+    if not isinstance(error, dict) or error.get("code") != "not_controller" or not isinstance(controller, dict):
+        return None
+    url = controller.get("cluster_url")
+    if not isinstance(url, str) or urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+        return None
+    who = controller.get("router_id")
+    return (who if isinstance(who, str) and who else "(unnamed)"), url
+
+
+def _send(client: httpx.Client, method: str, path: str) -> httpx.Response:
+    try:
+        return client.request(method, path)
     except httpx.HTTPError as exc:
         hint = ""
         if "CERTIFICATE_VERIFY_FAILED" in str(exc):
@@ -181,6 +243,9 @@ def _call(client: httpx.Client, method: str, path: str) -> dict[str, Any]:
         elif "CERTIFICATE_REQUIRED" in str(exc) or "certificate required" in str(exc):
             hint = " (the router requires a client certificate: pass --cert-file and --key-file)"
         raise _AdminError(f"cannot reach {client.base_url}: {exc or type(exc).__name__}{hint}") from None
+
+
+def _answer(client: httpx.Client, response: httpx.Response) -> dict[str, Any]:
     try:
         body = response.json()
     except ValueError:
@@ -198,6 +263,22 @@ def _call(client: httpx.Client, method: str, path: str) -> dict[str, Any]:
         message += (f" (no admin API at {client.base_url}: if the router sets [admin] listen, "
                     "pass --url ADMIN_ADDRESS)")
     raise _AdminError(f"HTTP {response.status_code}: {message}")
+
+
+def format_cluster(view: dict[str, Any]) -> str:
+    """``/admin/cluster`` as a line about this router's view, then a row per router (``*``: the one asked)."""
+    age = view.get("view_age_s")
+    lines = [f"cluster: mode {view.get('mode')}, this router {view.get('router_id')} ({view.get('role')}), "
+             f"controller {view.get('controller') or '-'}, view age "
+             + ("-" if age is None else f"{age:.1f} s") + f", stale {'yes' if view.get('stale') else 'no'}", ""]
+    header = ("", "ROUTER", "ROLE", "ADVERTISE_URL", "FLEET_REVISION", "LAG_S")
+    rows = [("*" if r.get("is_self") else "", str(r.get("router_id")), str(r.get("role")),
+             str(r.get("advertise_url")), str(r.get("fleet_revision")), f"{r.get('lag_s', 0.0):.1f}")
+            for r in view.get("routers", [])]
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+    lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+              for row in (header, *rows)]
+    return "\n".join(lines) + "\n"
 
 
 def format_reload(body: dict[str, Any]) -> str:

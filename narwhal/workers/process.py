@@ -62,8 +62,9 @@ _JSON = ((b"content-type", b"application/json"),)
 class _CollectingResponder:
     """A responder for the control app's answer to a forwarded request: gathers it whole."""
 
-    def __init__(self, secure: bool) -> None:
+    def __init__(self, secure: bool, peer_certified: bool = False) -> None:
         self.secure = secure
+        self.peer_certified = peer_certified
         self.started = False
         self.finished = False
         self.client_disconnected = False
@@ -284,7 +285,7 @@ class WorkerSet:
             process.kill()
 
     async def _answer_forward(self, link: StreamLink, message: Forward) -> None:
-        responder = _CollectingResponder(message.secure)
+        responder = _CollectingResponder(message.secure, message.peer_cert)
         try:
             # The same path derivation as the worker's front (absolute form reduced), checked again here:
             # a forwarded request never reaches the admin API while [admin] listen has it.

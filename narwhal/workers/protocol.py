@@ -226,6 +226,8 @@ class Forward(_Message, tag="forward"):
     # The client's connection was TLS (the app sees scheme "https").
     secure: bool = False
     http_version: str = "1.1"
+    # The client's TLS connection presented a verified client certificate (the cluster's link authenticates by it).
+    peer_cert: bool = False
 
 
 ControllerMessage = Welcome | Snapshot | ForwardReply | ReloadTLS | Stop | IndexUpdate

@@ -190,7 +190,8 @@ class Worker:
         try:
             self.link.send(Forward(id=forward_id, method=request.method, target=request.target,
                                    headers=request.headers, body=request.body, client=request.client,
-                                   secure=responder.secure, http_version=request.http_version))
+                                   secure=responder.secure, http_version=request.http_version,
+                                   peer_cert=responder.secure and responder.peer_certified))
             with trio.move_on_after(FORWARD_TIMEOUT_S):
                 await waiter[0].wait()
         except LinkClosed:

@@ -281,4 +281,4 @@ async def test_a_replica_cut_from_etcd_serves_for_replica_stale_s_then_refuses_a
 
     await wait_until(serving_again, timeout_s=15.0, what="the replica serving again", poll_s=0.1)
     assert (await cluster.client.post(f"{r2.url}/v1/completions", json=REQUEST)).status_code == 200
-    assert r2.events("cluster_view_current", router_id="r2")
+    assert await r2.wait_event("cluster_view_current", timeout_s=2.0, router_id="r2")
