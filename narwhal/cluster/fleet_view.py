@@ -48,6 +48,11 @@ class FleetRecordsView:
         if not name or entry.entry.name != name or entry.record.name != name:
             self.invalid += 1
             return None
+        try:
+            entry.entry.spec()  # an address the pools could not use is no engine
+        except ValueError:
+            self.invalid += 1
+            return None
         return entry
 
     def reset(self, keys: Iterable[StoredKey], revision: int) -> ViewChange:

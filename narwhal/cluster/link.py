@@ -37,6 +37,8 @@ __all__ = ["MAX_BATCH_BYTES", "EvidenceReceiver", "EvidenceSender", "PlacementRe
 # A batch body never exceeds this (the receiver answers 413 past it; the sender sends at most MAX_ITEMS).
 MAX_BATCH_BYTES = 4 * 1024 * 1024
 MAX_ITEMS = 2048
+# A sender keeps each body under this: [admin] listen, where the link is served when set, takes 64 KiB bodies.
+LINK_BODY_BYTES = 60_000
 MAX_PLACEMENTS = 2048
 _encode = msgspec.json.Encoder().encode
 _decode_batch = msgspec.json.Decoder(EvidenceBatch).decode
@@ -240,12 +242,23 @@ class EvidenceSender:
             self._placed.clear()
         if ref.router_id != self._cursor_of:
             self.cursor, self._cursor_of = 0, ref.router_id  # another controller's ring
-        batch = EvidenceBatch(router_id=self.router_id, evidence=items, placements=placements,
-                              cursor=self.cursor)
+        body = _encode(EvidenceBatch(router_id=self.router_id, evidence=items, placements=placements,
+                                     cursor=self.cursor))
+        while len(body) > LINK_BODY_BYTES and (placements or len(items) > 1):
+            # Within the admin listener's body bound: what does not fit goes with the next batch.
+            if placements:
+                placements, later = placements[:len(placements) // 2], placements[len(placements) // 2:]
+                for prompt in later:
+                    self.placed(prompt.engine, prompt.blocks)
+            else:
+                items, later_items = items[:len(items) // 2], items[len(items) // 2:]
+                self._queue.extendleft(reversed(later_items))
+            body = _encode(EvidenceBatch(router_id=self.router_id, evidence=items, placements=placements,
+                                         cursor=self.cursor))
         url = ref.cluster_url.rstrip("/") + "/cluster/evidence"
         problem: str | None = None
         try:
-            response = await self._client.post(url, content=_encode(batch), headers=self._headers)
+            response = await self._client.post(url, content=body, headers=self._headers)
             if response.status_code == 200:
                 reply = _decode_reply(response.content)
                 self.cursor = reply.cursor
