@@ -48,6 +48,8 @@ from narwhal.cluster.records import (
     EvidenceItem,
     FleetEntry,
     PlacedPrompt,
+    decisions_of,
+    with_decisions,
 )
 from narwhal.cluster.service import ClusterService
 from narwhal.cluster.store import ClusterStore
@@ -84,7 +86,7 @@ from narwhal.control.readmission import Readmitter
 from narwhal.control.reload import ReloadError, ReloadOutcome, split_config_error
 from narwhal.control.supervisor import Supervisor
 from narwhal.errors import FailureClass, StartupError, SuccessKind
-from narwhal.fleet import Fleet, FleetEvent, FleetEventKind, HoldKind
+from narwhal.fleet import EngineRecord, Fleet, FleetEvent, FleetEventKind, HoldKind
 from narwhal.fleet.admission import Admission
 from narwhal.fleet.placement import IndexRecord, SharedIndex
 from narwhal.fleet.registry import EngineEntry, EngineRegistry, entries_from_config
@@ -518,7 +520,8 @@ class Router:
         records = {record.name: record for record in self.fleet.snapshot(now, wall)}
         sources = self.kv_events.sources
         epoch = self.lease.holding.epoch if self.lease is not None else 0
-        return [FleetEntry(entry=entry, record=records[entry.name], eligible=self.fleet.is_eligible(entry.name, now),
+        return [FleetEntry(entry=entry, record=decisions_of(records[entry.name]),
+                           eligible=self.fleet.is_eligible(entry.name, now),
                            kv_source=sources.get(entry.name),
                            process_started_at=self.readmitter.process_started(entry.name),
                            controller=self.router_id, epoch=epoch)
@@ -544,9 +547,10 @@ class Router:
         wanted = {entry.entry.name: entry.entry for entry in entries.values()}
         if wanted != {entry.name: entry for entry in self.registry.entries()}:
             self.engine_set.apply(list(wanted.values()))
-        records = [entries[name].record for name in changed if name in entries and name in self.fleet]
+        now, wall = trio.current_time(), time.time()
+        records = self._with_decisions({name: entries[name] for name in changed if name in entries}, now, wall)
         try:
-            self.fleet.restore(records, trio.current_time(), time.time())
+            self.fleet.restore(records, now, wall)
         except ValueError as exc:
             log_event("cluster_fleet_not_applied", level=logging.WARNING, router_id=self.router_id, reason=str(exc))
             return
@@ -561,14 +565,21 @@ class Router:
 
     def _became_controller(self, entries: dict[str, FleetEntry]) -> None:
         """This router took the lease: the records it followed are fresher than the handoff it just read."""
-        records = [entry.record for name, entry in entries.items() if name in self.fleet]
+        now, wall = trio.current_time(), time.time()
+        records = self._with_decisions(entries, now, wall)
         try:
-            self.fleet.restore(records, trio.current_time(), time.time())
+            self.fleet.restore(records, now, wall)
         except ValueError as exc:
             log_event("cluster_fleet_not_applied", level=logging.WARNING, router_id=self.router_id, reason=str(exc))
         if self.cluster_control is not None:
             for name in list(entries):
                 self.cluster_control.exclusions.clear(name)
+
+    def _with_decisions(self, entries: Mapping[str, FleetEntry], now: float, wall: float) -> list[EngineRecord]:
+        """This router's records of ``entries``' engines, with the controller's decisions in them (its own
+        evidence counts and totals kept)."""
+        current = {record.name: record for record in self.fleet.snapshot(now, wall)}
+        return [with_decisions(current[name], entry.record) for name, entry in entries.items() if name in current]
 
     def _cluster_url(self) -> str:
         """Where the other routers reach this one's /cluster/evidence and /admin: [admin] listen, else advertised."""

@@ -442,3 +442,21 @@ async def test_the_sender_keeps_a_batch_under_the_admin_listeners_body_bound() -
     assert all(len(body) <= 60_000 for body in bodies) and len(bodies) > 1
     assert sum(len(json.loads(body)["placements"]) for body in bodies) == 400
     await sender.aclose()
+
+
+def test_the_controller_publishes_its_decisions_not_its_evidence() -> None:
+    from narwhal.cluster.records import decisions_of, with_decisions
+    from narwhal.fleet.model import EngineCounters
+
+    hold = HoldRecord(kind=HoldKind.OPERATOR_DRAIN, reason="x", since_wall=1.0)
+    full = EngineRecord(name="p1", role="prefill", model="m", ejected=True, ejected_reason="dead",
+                        holds=[hold], streaks={FailureClass.TIMEOUT: 2}, liveness_misses=1,
+                        counters=EngineCounters(ejections=3))
+    published = decisions_of(full)
+    assert published.ejected and published.holds == [hold] and published.ejected_reason == "dead"
+    assert published.streaks == {} and published.liveness_misses == 0 and published.counters == EngineCounters()
+    # Another failure counted changes nothing published: no write, no watch event on every router.
+    assert decisions_of(msgspec.structs.replace(full, streaks={FailureClass.TIMEOUT: 3})) == published
+    mine = EngineRecord(name="p1", role="prefill", model="m", counters=EngineCounters(ejections=7))
+    merged = with_decisions(mine, published)
+    assert merged.ejected and merged.holds == [hold] and merged.counters.ejections == 7

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
 import ssl
 import time
 from collections import deque
@@ -39,6 +40,8 @@ MAX_BATCH_BYTES = 4 * 1024 * 1024
 MAX_ITEMS = 2048
 # A sender keeps each body under this: [admin] listen, where the link is served when set, takes 64 KiB bodies.
 LINK_BODY_BYTES = 60_000
+# An idle replica asks for the others' placements this often (a busy one every relay_interval_s).
+IDLE_POLL_S = 2.0
 MAX_PLACEMENTS = 2048
 _encode = msgspec.json.Encoder().encode
 _decode_batch = msgspec.json.Decoder(EvidenceBatch).decode
@@ -193,6 +196,7 @@ class EvidenceSender:
         self._client = client or httpx.AsyncClient(timeout=timeout_s, verify=ssl_context or True)
         self.cursor = 0
         self._cursor_of = ""
+        self._last_placed = -math.inf
         self.dropped = 0
         self.sent = 0
         self.problem: str | None = None
@@ -203,6 +207,7 @@ class EvidenceSender:
         if placed is None or not blocks:
             return
         key = (engine, blocks[-1])
+        self._last_placed = time.monotonic()
         if key not in placed:
             if len(placed) >= MAX_PLACEMENTS:
                 self.dropped += 1
@@ -221,7 +226,7 @@ class EvidenceSender:
         task_status.started()
         delay = 0.1
         while True:
-            with trio.move_on_after(self.relay_interval_s if self._placed is not None else 3600):
+            with trio.move_on_after(self._poll_s()):
                 await self._wake.wait()
             self._wake = trio.Event()
             ref = self._controller()
@@ -233,6 +238,13 @@ class EvidenceSender:
                 self._wake.set()
             else:
                 delay = 0.1
+
+    def _poll_s(self) -> float:
+        """How long to wait for evidence before asking for the others' placements: ``relay_interval_s`` while
+        this router places (it sent some in the last 10 s), 2 s when idle, never without a prefix index."""
+        if self._placed is None:
+            return 3600.0
+        return self.relay_interval_s if time.monotonic() - self._last_placed < 10.0 else IDLE_POLL_S
 
     async def _send(self, ref: ControllerRef) -> bool:
         items = [self._queue.popleft() for _ in range(min(len(self._queue), MAX_ITEMS))]

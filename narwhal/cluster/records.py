@@ -17,7 +17,7 @@ from narwhal.fleet.registry import EngineEntry
 from narwhal.kv_events.feed import FeedSource
 
 __all__ = ["FLEET_SCHEMA", "ClusterRouter", "ClusterView", "ControllerRef", "EvidenceBatch", "EvidenceItem",
-           "EvidenceReply", "FleetEntry", "PlacedPrompt", "RouterEntry"]
+           "EvidenceReply", "FleetEntry", "PlacedPrompt", "RouterEntry", "decisions_of", "with_decisions"]
 
 # The version of ``FleetEntry``; a replica reading a higher one still applies the fields it knows.
 FLEET_SCHEMA = 1
@@ -28,7 +28,8 @@ class FleetEntry(msgspec.Struct, frozen=True, kw_only=True):
 
     schema: int = FLEET_SCHEMA
     entry: EngineEntry
-    # The fleet's own record: eligibility follows from it (ejection, holds), as in the handoff.
+    # The controller's decisions about it (``decisions_of`` its record): ejection and holds (drain,
+    # maintenance, quarantine, ...), in the handoff's format; eligibility follows from them.
     record: EngineRecord
     # Whether the engine takes new requests at the controller, when it wrote this (informational).
     eligible: bool = False
@@ -41,6 +42,25 @@ class FleetEntry(msgspec.Struct, frozen=True, kw_only=True):
     controller: str = ""
     epoch: int = 0
     written_at: float = 0.0
+
+
+def decisions_of(record: EngineRecord) -> EngineRecord:
+    """What the controller publishes of an engine's record: its decisions (ejection, holds), not its evidence.
+
+    Streaks, liveness misses and counters change with every failure the controller counts; published, they
+    would be a write (and a watch event on every router) per failed request. They stay the controller's (its
+    handoff keeps them) and may be lost with it.
+    """
+    return EngineRecord(name=record.name, role=record.role, model=record.model, ejected=record.ejected,
+                        ejected_reason=record.ejected_reason, ejected_cause=record.ejected_cause,
+                        ejected_at_wall=record.ejected_at_wall, holds=record.holds)
+
+
+def with_decisions(current: EngineRecord, published: EngineRecord) -> EngineRecord:
+    """``current`` (this router's record of the engine) with the controller's decisions in place of its own."""
+    return msgspec.structs.replace(current, ejected=published.ejected, ejected_reason=published.ejected_reason,
+                                   ejected_cause=published.ejected_cause, ejected_at_wall=published.ejected_at_wall,
+                                   holds=published.holds)
 
 
 class RouterEntry(msgspec.Struct, frozen=True, kw_only=True):

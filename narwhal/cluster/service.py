@@ -269,7 +269,9 @@ class ClusterService:
                         if written is None or msgspec.structs.replace(entry, view_at=0.0) != written:
                             await self.store.put_router(entry, lease_id)
                             written = msgspec.structs.replace(entry, view_at=0.0)
-                        if self.role == REPLICA or self.clock() - self._routers_listed_at >= 5.0:
+                        # Every 5 s, and at once while the link to the controller fails (a new one?).
+                        if self.clock() - self._routers_listed_at >= 5.0 or (
+                                self.role == REPLICA and self.sender.problem is not None):
                             self._routers = {e.router_id: e for e in await self.store.routers()}
                             self._routers_listed_at = self.clock()
                     if self.membership_problem is not None:

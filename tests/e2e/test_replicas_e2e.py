@@ -172,19 +172,27 @@ async def test_every_router_serves_and_the_replicas_see_the_controller_and_its_v
 
 async def test_a_drain_at_the_controller_holds_on_every_router_within_a_second(cluster: Cluster) -> None:
     r1, r2, r3 = await cluster.start_three()
-    drained_at = time.monotonic()
-    response = await cluster.client.post(f"{r1.url}/admin/engines/d2/drain")
-    assert response.status_code == 200
 
-    async def drained_everywhere() -> bool:
+    async def drained_everywhere(name: str, drained: bool) -> bool:
         for router in (r2, r3):
-            holds = (await cluster.engine(router, "d2"))["holds"]
-            if not any(hold["kind"] == "operator_drain" for hold in holds):
+            holds = (await cluster.engine(router, name))["holds"]
+            if any(hold["kind"] == "operator_drain" for hold in holds) != drained:
                 return False
         return True
 
-    await wait_until(drained_everywhere, timeout_s=5.0, what="the drain on both replicas", poll_s=0.02)
-    assert time.monotonic() - drained_at < 1.0
+    # Ten changes (a drain, then its readmission, five times): each holds on both replicas within a second.
+    delays = []
+    for _ in range(5):
+        for action, drained in (("drain", True), ("readmit", False)):
+            sent_at = time.monotonic()
+            response = await cluster.client.post(f"{r1.url}/admin/engines/d2/{action}")
+            assert response.status_code == 200, response.text
+            await wait_until(lambda drained=drained: drained_everywhere("d2", drained), timeout_s=5.0,
+                             what=f"d2 {action} on both replicas", poll_s=0.01)
+            delays.append(time.monotonic() - sent_at)
+    assert max(delays) < 1.0, delays
+    assert (await cluster.client.post(f"{r1.url}/admin/engines/d2/drain")).status_code == 200
+    await wait_until(lambda: drained_everywhere("d2", True), timeout_s=5.0, what="the drain", poll_s=0.01)
     before = (await cluster.client.get(f"{cluster.engines['d2'].url}/mock/stats")).json()["decode"]
     for router in (r2, r3):
         for _ in range(4):
@@ -282,3 +290,31 @@ async def test_a_replica_cut_from_etcd_serves_for_replica_stale_s_then_refuses_a
     await wait_until(serving_again, timeout_s=15.0, what="the replica serving again", poll_s=0.1)
     assert (await cluster.client.post(f"{r2.url}/v1/completions", json=REQUEST)).status_code == 200
     assert await r2.wait_event("cluster_view_current", timeout_s=2.0, router_id="r2")
+
+
+async def test_a_prefix_placed_through_one_router_goes_to_the_same_prefill_engine_through_the_others(
+        cluster: Cluster) -> None:
+    r1, r2, r3 = await cluster.start_three()
+
+    async def prefill_counts() -> dict[str, int]:
+        return {name: (await cluster.client.get(f"{cluster.engines[name].url}/mock/stats")).json()["prefill"]
+                for name in ("p1", "p2")}
+
+    async def engine_of(router: LocalProcess, prompt: str) -> str:
+        before = await prefill_counts()
+        response = await cluster.client.post(f"{router.url}/v1/completions",
+                                             json={**REQUEST, "prompt": prompt})
+        assert response.status_code == 200, response.text
+        after = await prefill_counts()
+        (engine,) = [name for name in after if after[name] != before[name]]
+        return engine
+
+    prompts = [f"shared system prompt {n}: " + "the quick brown fox jumps over the lazy dog " * 30 for n in range(6)]
+    # A prompt nobody holds goes to either (equally loaded) engine: without the relay, the other routers would
+    # match r2's choices by chance only (one in 4,096 for these twelve).
+    first = {prompt: await engine_of(r2, prompt) for prompt in prompts}
+    # The placements reach the controller with r2's next batch and the other routers with their next replies.
+    await trio.sleep(2.5)
+    for router in (r3, r1):
+        for prompt in prompts:
+            assert await engine_of(router, prompt) == first[prompt], router.name
