@@ -46,14 +46,14 @@ class Cluster:
         for name, role in (("p1", "prefill"), ("p2", "prefill"), ("d1", "decode"), ("d2", "decode")):
             self.engines[name] = await start_mock_engine(self.nursery, role, engine_id=name)
 
-    def write_config(self, router_id: str, **lease_extra: Any) -> Path:
+    def write_config(self, router_id: str, *, serving: dict[str, Any] | None = None, **lease_extra: Any) -> Path:
         (self.tmp_path / router_id).mkdir(exist_ok=True)
         lease: dict[str, Any] = {"backend": "etcd", "mode": "replicas", "router_id": router_id, "ttl_s": TTL_S,
                                  "renew_interval_s": RENEW_S, "fence_margin_s": MARGIN_S,
                                  "endpoints": [self.etcd.url], "key": "/narwhal/cluster-test",
                                  "cluster_token_file": str(self.tmp_path / "token"), **lease_extra}
         sections = {
-            "serving": {"shutdown_grace_s": 2.0},
+            "serving": {"shutdown_grace_s": 2.0, **(serving or {})},
             "engine": {"connect_timeout_s": 1.0, "request_timeout_s": 10.0},
             "controller": {"monitor_interval_s": 0.2, "stage_timeout_s": 1.0},
             "handoff": {"path": str(self.tmp_path / router_id / "handoff.json")},
@@ -66,8 +66,9 @@ class Cluster:
             sections))
         return path
 
-    async def start_router(self, router_id: str, **lease_extra: Any) -> LocalProcess:
-        router = await start_router(self.nursery, str(self.write_config(router_id, **lease_extra)))
+    async def start_router(self, router_id: str, *, serving: dict[str, Any] | None = None,
+                           **lease_extra: Any) -> LocalProcess:
+        router = await start_router(self.nursery, str(self.write_config(router_id, serving=serving, **lease_extra)))
         router.name = router_id
         self.routers[router_id] = router
         return router
@@ -85,10 +86,11 @@ class Cluster:
     async def engine(self, router: LocalProcess, name: str) -> dict[str, Any]:
         return (await self.client.get(f"{router.url}/admin/engines/{name}", timeout=5.0)).json()["engine"]
 
-    async def start_three(self, **lease_extra: Any) -> list[LocalProcess]:
+    async def start_three(self, *, workers_r3: int = 1, **lease_extra: Any) -> list[LocalProcess]:
         first = await self.start_router("r1", **lease_extra)
         assert await first.wait_event("lease_acquired", timeout_s=10.0, holder="r1")
-        routers = [first, await self.start_router("r2", **lease_extra), await self.start_router("r3", **lease_extra)]
+        routers = [first, await self.start_router("r2", **lease_extra),
+                   await self.start_router("r3", serving={"workers": workers_r3}, **lease_extra)]
 
         async def all_serving() -> bool:
             for router in routers:
@@ -138,7 +140,8 @@ async def _load(client: httpx.AsyncClient, router: LocalProcess, stop: trio.Even
 
 
 async def test_every_router_serves_and_the_replicas_see_the_controller_and_its_view(cluster: Cluster) -> None:
-    r1, r2, r3 = await cluster.start_three()
+    # r3 serves with two worker processes: its workers place on the controller's view too.
+    r1, r2, r3 = await cluster.start_three(workers_r3=2)
     for router in (r1, r2, r3):
         for _ in range(3):
             served = await cluster.client.post(f"{router.url}/v1/completions", json=REQUEST)
@@ -152,6 +155,30 @@ async def test_every_router_serves_and_the_replicas_see_the_controller_and_its_v
     # The fleet is in etcd, one key per engine, and a replica's engines are the controller's.
     for name in ("p1", "p2", "d1", "d2"):
         assert (await cluster.engine(r3, name))["eligible"] is True
+    # The controller's drain reaches r3's workers: none of them places on the drained engine.
+    async def worker_seqs() -> list[int]:
+        status = (await cluster.client.get(f"{r3.url}/admin/router")).json()
+        return [worker["snapshot_seq"] for worker in status["workers"]]
+
+    assert (await cluster.client.post(f"{r1.url}/admin/engines/d1/drain")).status_code == 200
+
+    async def r3_drained() -> bool:
+        return any(hold["kind"] == "operator_drain" for hold in (await cluster.engine(r3, "d1"))["holds"])
+
+    await wait_until(r3_drained, timeout_s=3.0, what="the drain on r3")
+    # A snapshot a worker reports taking after this was published after the drain was in r3's fleet (a
+    # replica republishes at least every keepalive: its view deadline moves).
+    seqs = await worker_seqs()
+    assert len(seqs) == 2
+
+    async def workers_have_it() -> bool:
+        return all(now > then for now, then in zip(await worker_seqs(), seqs, strict=True))
+
+    await wait_until(workers_have_it, timeout_s=5.0, what="a newer snapshot in both of r3's workers")
+    before = (await cluster.client.get(f"{cluster.engines['d1'].url}/mock/stats")).json()["decode"]
+    for _ in range(6):
+        assert (await cluster.client.post(f"{r3.url}/v1/completions", json=REQUEST)).status_code == 200
+    assert (await cluster.client.get(f"{cluster.engines['d1'].url}/mock/stats")).json()["decode"] == before
     # A drain sent to a replica is refused with the controller's name; the link refuses strangers.
     refused = await cluster.client.post(f"{r2.url}/admin/engines/p1/drain")
     assert refused.status_code == 409
