@@ -297,3 +297,28 @@ async def test_a_worker_forwards_cluster_evidence_with_the_peer_certificate_flag
         w.on_message(reply)
     assert calls == [(b'{"e":1}', "Bearer t", True)]
     assert (answer.status, answer.body) == (202, b'{"applied":1}')
+
+
+async def test_a_replicas_link_presents_its_serving_certificate_to_a_mutual_tls_controller(
+        make_router, monkeypatch, tmp_path: Path) -> None:
+    from narwhal.cluster.link import EvidenceSender, link_ssl_context
+    from narwhal.cluster.records import EvidenceItem
+
+    router = make_router()
+    calls = recording(router, monkeypatch, (200, b'{"controller": "r1"}'))
+    ca, server = _tls(client_ca=True)
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    mine = ca.issue_cert("router-r2")
+    mine.cert_chain_pems[0].write_to_path(str(tmp_path / "cert.pem"))
+    mine.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
+    replica = parse_config(GOOD + '\n[serving]\ntls_cert_file = "cert.pem"\ntls_key_file = "key.pem"\n'
+                                  'tls_client_ca_file = "ca.pem"\n')
+    context = link_ssl_context(replica, tmp_path)
+    assert context is not None
+    async with served(router.app, server) as port:
+        sender = EvidenceSender(router_id="r2", controller=lambda: None, token=None, apply_placements=None,
+                                ssl_context=context)
+        sender.report(EvidenceItem("p1", failure_class="connection"))
+        assert await sender._send(ControllerRef(router_id="r1", cluster_url=f"https://127.0.0.1:{port}"))
+        await sender.aclose()
+    assert len(calls) == 1 and calls[0][2] is True  # the controller saw a verified client certificate
