@@ -226,6 +226,9 @@ class FakeState:
     def lease_view(self) -> LeaseView:
         return LeaseView(router_id="r1", backend="none", role="active")
 
+    def controller_redirect(self) -> None:
+        return None  # it decides: admin changes apply here
+
 
 async def test_the_app_serves_from_any_object_with_the_app_state() -> None:
     state = FakeState()
