@@ -227,6 +227,9 @@ async def test_a_drain_at_the_controller_holds_on_every_router_within_a_second(c
     assert (await cluster.client.get(f"{cluster.engines['d2'].url}/mock/stats")).json()["decode"] == before
 
 
+# The killed router resets its clients' connections mid-answer; httpx then leaves a response's byte-stream
+# generator to the garbage collector, which pytest reports as unraisable. It is the test client's, not ours.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 async def test_kill_9_the_controller_under_load_the_survivors_fail_nothing_and_one_takes_over(
         cluster: Cluster) -> None:
     r1, r2, r3 = await cluster.start_three()
