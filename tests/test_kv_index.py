@@ -265,21 +265,20 @@ def test_pending_blocks_are_bounded_too() -> None:
 
 
 # Two of the four combinations (each costs seconds under tracemalloc): bytes hashes one block an event (the
-# most objects a block), int hashes in events of 16.
-@pytest.mark.parametrize(("hashes", "per_event"), [(bytes_hashes, 1), (int_hashes, 16)])
-def test_accounted_bytes_cover_what_python_allocates(hashes: type, per_event: int) -> None:
-    # 43,691 and 87,382 blocks are just past a table's growth: the worst point.
-    for blocks in (43_691, 87_382):
-        kv = KvIndex(["p1"], max_bytes=ENTRY_BYTES * blocks)
-        tracemalloc.start()
-        try:
-            for one in chain_batches(hashes(), blocks, per_event):
-                kv.apply("p1", one, 0.0)
-            _, peak = tracemalloc.get_traced_memory()
-        finally:
-            tracemalloc.stop()
-        assert kv.blocks("p1") == blocks
-        assert peak <= kv.total_bytes() <= kv.max_bytes
+# most objects a block), int hashes in events of 16; each at one of the two sizes just past a table's growth
+# (43,691 and 87,382 blocks: the worst points).
+@pytest.mark.parametrize(("hashes", "per_event", "blocks"), [(bytes_hashes, 1, 43_691), (int_hashes, 16, 87_382)])
+def test_accounted_bytes_cover_what_python_allocates(hashes: type, per_event: int, blocks: int) -> None:
+    kv = KvIndex(["p1"], max_bytes=ENTRY_BYTES * blocks)
+    tracemalloc.start()
+    try:
+        for one in chain_batches(hashes(), blocks, per_event):
+            kv.apply("p1", one, 0.0)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert kv.blocks("p1") == blocks
+    assert peak <= kv.total_bytes() <= kv.max_bytes
 
 
 def test_churn_and_pending_stay_within_the_bound() -> None:
