@@ -177,6 +177,8 @@ class ServingConfig(_Section, frozen=True):
     # One pump per process reads every live decode stream and writes it to its client
     # (plain sockets; TLS keeps the request task's own relay). false: every stream relays in its own task.
     relay_pump: bool = True
+    # Bounded policy only: requests waiting for capacity at most (the lowest priority class is shed first).
+    max_queue: int = 256
     # Data-plane processes. 1: one process does everything. N > 1: this process
     # is the controller and N workers serve the data plane on the same port.
     workers: int = 1
@@ -196,7 +198,7 @@ class ServingConfig(_Section, frozen=True):
                              "are only asked for over HTTPS)")
         for name in ("max_connections", "request_deadline_s", "max_body_bytes",
                      "max_header_bytes", "idle_timeout_s", "max_attempts", "header_timeout_s",
-                     "body_timeout_s", "client_write_timeout_s"):
+                     "body_timeout_s", "client_write_timeout_s", "max_queue"):
             _positive(name, getattr(self, name))
         if self.max_client_connections is not None:
             _positive("max_client_connections", self.max_client_connections)
@@ -526,6 +528,21 @@ class PlacementConfig(_Section, frozen=True):
         _positive("block_tokens", self.block_tokens)
 
 
+class AuthConfig(_Section, frozen=True):
+    """Client keys on the completion routes (``narwhal.auth``): who may call, how much, and in which class."""
+
+    # A TOML file of [[keys]] (narwhal keys add); relative to the config file. Unset: no client auth.
+    keys_file: str | None = None
+    # The share of the data pool kept for high priority: floor(max_connections * reserve_high), at least 1.
+    reserve_high: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.reserve_high < 1.0:
+            raise ValueError(f"reserve_high must be at least 0 and below 1, got {self.reserve_high:g}")
+        if self.keys_file is not None and not self.keys_file:
+            raise ValueError("keys_file must not be empty when set")
+
+
 class AdminConfig(_Section, frozen=True):
     token: str | None = None
     # A reload may take the token away (open the admin API) only when the new file says so here.
@@ -661,6 +678,7 @@ class Config(_Section, frozen=True):
     admin: AdminConfig = AdminConfig()
     placement: PlacementConfig = PlacementConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
+    auth: AuthConfig = AuthConfig()
     engines: list[EngineSpec] = []
 
     def __post_init__(self) -> None:

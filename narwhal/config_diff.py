@@ -53,6 +53,9 @@ RELOADABLE_KEYS: frozenset[str] = frozenset({
     "admin.allowed_hosts",
     # Discovered engines join [[engines]]: the watch restarts on a changed section, the union is applied again.
     "discovery",
+    # Client keys: the keys file is read again (a bad one changes nothing), the reserve applies at once.
+    "auth",
+    "serving.max_queue",
 })
 
 

@@ -37,6 +37,8 @@ from narwhal.app.cluster_routes import register_cluster_routes
 from narwhal.app.control_app import create_app
 from narwhal.app.router_status import RouterStatus, router_status
 from narwhal.app.ui_routes import register_ui_routes
+from narwhal.auth.client_auth import AuthSettings, read_client_keys
+from narwhal.auth.keys import KeyEntry
 from narwhal.clocks import to_monotonic
 from narwhal.cluster.control import ClusterControl
 from narwhal.cluster.link import EvidenceReceiver, EvidenceSender, PlacementRelay, link_ssl_context
@@ -203,6 +205,8 @@ class Router:
         self.resume = resume
         self.router_id = config.lease.router_id or f"{socket.gethostname()}-{os.getpid()}"
         self.metrics = RouterMetrics()
+        # Client keys ([auth] keys_file), read here: a bad file stops the start naming the problem.
+        self._keys = read_client_keys(config, config_dir)
         # [lease] mode = "replicas": every router serves, the lease holder decides (narwhal.cluster).
         self.replicas = config.lease.mode == "replicas"
         self.lease: LeaseService | None = None
@@ -270,7 +274,8 @@ class Router:
                              poke=poke, index=self.prefix_index if self.worker_count > 1 else None,
                              admit_until=self._admit_until, kv_sources=lambda: self.kv_events.sources,
                              admit_until_reason=self._admit_until_reason if self.replicas else None,
-                             on_placed=self._placed_by_workers if self.replicas else None)
+                             on_placed=self._placed_by_workers if self.replicas else None,
+                             auth=self._auth_settings)
         self.index_relay = self.hub.index_relay
         self.data_plane = self._build_data_plane(config_dir)
         self.in_flight = self.data_plane.in_flight
@@ -384,7 +389,8 @@ class Router:
         # by a function call, from worker processes over a socket: one code path.
         view = WorkerView(lambda message: hub.receive(0, message), clock=trio.current_time,
                           refresh=hub.refresh_if_fleet_changed, on_engines=engines_changed,
-                          on_settings=settings_changed, on_fleet=lambda fleet: plane.core.set_fleet(fleet))
+                          on_settings=settings_changed, on_fleet=lambda fleet: plane.core.set_fleet(fleet),
+                          on_auth=lambda settings: plane.configure_auth(settings))
         hub.attach(0, view.apply)
         # In one process admission and telemetry are the controller's own, not reported.
         plane = LocalDataPlane(config, tls=self.tls, via_token=self.via_token, supervisor=view,
@@ -394,7 +400,8 @@ class Router:
                                                           build_placer(config, self.prefix_index.index,
                                                                        on_record=self._placed_locally
                                                                        if self.replicas else None),
-                                                          kv=self.kv_events))
+                                                          kv=self.kv_events),
+                               auth=self._auth_settings())
         return plane
 
     def _build_lease(self, backend: LeaseBackend | None) -> LeaseService | None:
@@ -430,7 +437,7 @@ class Router:
                               sender=sender, admission=self.admission, is_controller=self._decides,
                               apply_fleet=self._apply_fleet, became_controller=self._became_controller,
                               advertise_url=lambda: self.lease.advertise_url if self.lease is not None else "",
-                              cluster_url=self._cluster_url)
+                              cluster_url=self._cluster_url, on_routers=self.hub.poke)
 
     # -- what parts built earlier ask of parts built later -----------------------------
 
@@ -445,6 +452,15 @@ class Router:
         if lease is None or record is None or not lease.valid_threadsafe():
             return False
         return await etcd.write_handoff(data, record)
+
+    def _auth_settings(self) -> AuthSettings | None:
+        """Client auth as the data plane applies it: the keys, the reserve, the queue bound and this process's share
+        of every limit (1 / worker processes, x 1 / routers serving in replicas mode)."""
+        if self._keys is None:
+            return None
+        routers = self.cluster.serving_routers() if self.cluster is not None else 1
+        return AuthSettings(keys=self._keys, reserve_high=self.config.auth.reserve_high,
+                            max_queue=self.config.serving.max_queue, share=1.0 / (self.worker_count * max(1, routers)))
 
     def _decides(self) -> bool:
         """Whether this router decides for the fleet: always, but a replica (mode replicas, lease not held)."""
@@ -869,6 +885,9 @@ class Router:
                     await nursery.start(self.lease.run)
                 if self.cluster is not None:
                     await nursery.start(self.cluster.run)
+                if self._keys is None:
+                    log_event("client_auth_off", router_id=self.router_id,
+                              reason="no [auth] keys_file: the completion routes take every caller")
                 log_event("router_started", router_id=self.router_id, listen=join_listen(host, self.bound_port),
                           engines=len(self.config.engines), pid=os.getpid(), handoff=str(self.handoff_path),
                           tls=self.tls.server is not None, workers=self.worker_count)
@@ -968,7 +987,7 @@ class Router:
             file = str(self.config_path)
             try:
                 # Off the event loop: file reads (the config, the fleet key) must not stall streams.
-                new, key = await trio.to_thread.run_sync(self._read_config_file, self.config_path)
+                new, key, keys = await trio.to_thread.run_sync(self._read_config_file, self.config_path)
             except ConfigError as exc:
                 return self._reload_failed(split_config_error(str(exc), file))
             except OSError as exc:
@@ -979,6 +998,8 @@ class Router:
                 return self._reload_failed(problem)
             changes = diff_configs(self.config, new)
             self._apply_config(merge_reloadable(self.config, new), key)
+            # Keys added are admitted, keys removed refused, from the next request on (every worker's snapshot).
+            self._keys = keys
             # The new engine set (an engine that moved to another model: a removal and an addition), applied.
             if self._decides():
                 self._apply_engine_set(self.discovery.apply_entries())
@@ -991,10 +1012,10 @@ class Router:
             tls, tls_error = await self._reload_tls_outcome()
             return ReloadOutcome(file=file, reloaded=True, changes=changes, tls=tls, tls_error=tls_error)
 
-    def _read_config_file(self, path: Path) -> tuple[Config, bytes | None]:
-        """The config file and the fleet key it names, read and checked (blocking: run in a thread)."""
+    def _read_config_file(self, path: Path) -> tuple[Config, bytes | None, list[KeyEntry] | None]:
+        """The config file, the fleet key and the client keys it names, read and checked (blocking: a thread)."""
         new = load_config(path)
-        return new, new.attestation_key_bytes(self.config_dir)
+        return new, new.attestation_key_bytes(self.config_dir), read_client_keys(new, self.config_dir)
 
     @staticmethod
     def _reload_failed(error: ReloadError) -> ReloadOutcome:

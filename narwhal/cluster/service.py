@@ -54,7 +54,8 @@ class ClusterService:
                  became_controller: Callable[[dict[str, FleetEntry]], None],
                  advertise_url: Callable[[], str], cluster_url: Callable[[], str],
                  clock: Callable[[], float] = trio.current_time, wall_clock: Callable[[], float] = time.time,
-                 poll_s: float = 0.2, watcher: EtcdWatcher | None = None) -> None:
+                 poll_s: float = 0.2, watcher: EtcdWatcher | None = None,
+                 on_routers: Callable[[], None] | None = None) -> None:
         """``apply_fleet(entries, changed, fresh, ejected)``: a replica takes the controller's fleet (``fresh``:
         engines that are a newer process, ``ejected``: newly ejected); ``became_controller(entries)``: the
         records this router followed, applied once more when it takes over."""
@@ -94,6 +95,8 @@ class ClusterService:
         # The other routers as last listed (for the controller's address).
         self._routers: dict[str, RouterEntry] = {}
         self._routers_listed_at = -math.inf
+        # Told when the routers serving change in number (each router's share of a client's limits follows).
+        self._on_routers = on_routers
         # What this replica last applied of each engine (a newer process or an ejection is seen against it).
         self.applied: dict[str, FleetEntry] = {}
 
@@ -113,6 +116,11 @@ class ClusterService:
         """The /ready and 503 text of a replica past ``replica_stale_s``."""
         base = self.fresh_at if self.fresh_at is not None else self._start_clock
         return f"replica: fleet view {int(now - base)} s old"
+
+    def serving_routers(self) -> int:
+        """How many routers serve, as the cluster's keys last said (this one at least): limits are shared."""
+        others = sum(1 for entry in self._routers.values() if entry.router_id != self.router_id)
+        return 1 + others
 
     def controller_ref(self) -> ControllerRef | None:
         """None while this router is the controller; else who is (as last listed)."""
@@ -272,8 +280,11 @@ class ClusterService:
                         # Every 5 s, and at once while the link to the controller fails (a new one?).
                         if self.clock() - self._routers_listed_at >= 5.0 or (
                                 self.role == REPLICA and self.sender.problem is not None):
+                            before = self.serving_routers()
                             self._routers = {e.router_id: e for e in await self.store.routers()}
                             self._routers_listed_at = self.clock()
+                            if self.serving_routers() != before and self._on_routers is not None:
+                                self._on_routers()
                     if self.membership_problem is not None:
                         log_event("cluster_membership_restored", router_id=self.router_id)
                     self.membership_problem = None

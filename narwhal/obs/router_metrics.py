@@ -80,6 +80,15 @@ class RouterMetrics:
                                     "failed leg to the first bytes of the next.", ("model",), JOIN_GAP_BUCKETS_S)
         self.saturations = r.counter("narwhal_saturations", "Requests refused for saturation by reason.",
                                      ("reason", "model"))
+        # Client keys ([auth] keys_file): a tenant is a key's name, a bounded set the operator wrote.
+        self.tenant_requests = r.counter("narwhal_tenant_requests", "Finished client requests by tenant and status.",
+                                         ("tenant", "status"))
+        self.tenant_tokens = r.counter("narwhal_tenant_tokens", "Tokens by tenant and kind (prompt, completion).",
+                                       ("tenant", "kind"))
+        self.tenant_queue_wait = r.histogram("narwhal_tenant_queue_wait_seconds",
+                                             "Time an admitted request waited for capacity, by tenant.", ("tenant",))
+        self.tenant_refusals = r.counter("narwhal_tenant_refusals", "Requests refused by client auth, by tenant "
+                                         "(unknown for a missing or invalid key) and reason.", ("tenant", "reason"))
         self.handoff_write = r.histogram("narwhal_handoff_write_seconds",
                                          "Time one handoff file took to write, fsync and rename into place.", (),
                                          HANDOFF_WRITE_BUCKETS_S)

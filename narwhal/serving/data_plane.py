@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import msgspec
 import trio
 
+from narwhal.auth.client_auth import AuthSettings, ClientAuth
 from narwhal.config import Config, EngineConfig, PlacementConfig
 from narwhal.fleet.placement import InFlight, InFlightCounts
 from narwhal.http1.server import Request, Responder
@@ -79,7 +80,7 @@ class LocalDataPlane:
     def __init__(self, config: Config, *, tls: TLSContexts, via_token: str, supervisor: Supervisor,
                  admission: AdmissionGate, metrics: RouterMetrics, telemetry: TelemetrySink,
                  serve_rest: Handler, yield_at_cap: bool = False,
-                 placement: RequestPlacement | None = None) -> None:
+                 placement: RequestPlacement | None = None, auth: AuthSettings | None = None) -> None:
         """``serve_rest`` answers every route but the completions (the control app, or a worker's forwarder).
 
         ``yield_at_cap``: a worker process at its connection cap leaves new connections to its siblings.
@@ -90,9 +91,12 @@ class LocalDataPlane:
         self.data_pool = DataPool(max_connections=config.serving.max_connections, engine_config=config.engine,
                                   wait_for_slot=config.serving.policy == "bounded", via=f"1.1 {via_token}",
                                   ssl_context=tls.engine)
+        # Client keys, limits and the priority gate, when [auth] names a keys file (the snapshot brings them).
+        self._capacity = config.serving.max_connections
+        self._bounded = config.serving.policy == "bounded"
         self.core = RequestCore(config=config, supervisor=supervisor, data_pool=self.data_pool,
                                 in_flight=self.in_flight, admission=admission, metrics=metrics, telemetry=telemetry,
-                                placement=placement)
+                                placement=placement, auth=self._client_auth(auth))
         # With [admin] listen the admin API is off the traffic port entirely.
         self.front = Front(self.core, serve_rest, via_token=via_token,
                            admin_elsewhere=admin_url(config))
@@ -114,6 +118,21 @@ class LocalDataPlane:
     def shutdown(self, grace_s: float) -> None:
         """Stop accepting; requests in flight get ``grace_s`` to finish."""
         self.server.shutdown(grace_s)
+
+    def _client_auth(self, settings: AuthSettings | None) -> ClientAuth | None:
+        if settings is None or settings.keys is None:
+            return None
+        return ClientAuth(settings, capacity=self._capacity, bounded=self._bounded)
+
+    def configure_auth(self, settings: AuthSettings | None) -> None:
+        """The keys file was read again (or the router's share changed): new requests see it at once."""
+        core = self.core
+        if settings is None or settings.keys is None:
+            core.auth = None
+        elif core.auth is None:
+            core.auth = self._client_auth(settings)
+        else:
+            core.auth.configure(settings)
 
     def configure(self, placement: PlacementConfig, engine_config: EngineConfig) -> None:
         """A config reload (through the snapshot): placement and the engine timeouts of new calls follow it."""

@@ -71,11 +71,11 @@ class Exchange:
     from ``started_at``); a leg on an engine a reload removed is cut as well (``RequestCore._cut``).
     """
 
-    __slots__ = ("attempts", "continuations", "continued_after", "continuing", "deadline_at", "deadline_scope",
-                 "decode", "error_class", "error_engine", "inter_token_s", "join", "join_gap_s", "legs", "model",
-                 "prefill", "prefix_match",
+    __slots__ = ("admitted", "attempts", "continuations", "continued_after", "continuing", "deadline_at",
+                 "deadline_scope", "decode", "error_class", "error_engine", "inter_token_s", "join", "join_gap_s",
+                 "legs", "model", "prefill", "prefix_match", "prompt_tokens",
                  "regenerated", "request", "rid", "rid_header", "route", "sink", "started_at", "status",
-                 "stream_error", "tokens", "ttft_s")
+                 "stream_error", "tenant", "tokens", "ttft_s")
 
     def __init__(self, route: str, rid: str, sink: Sink, started_at: float) -> None:
         self.route = route
@@ -118,6 +118,10 @@ class Exchange:
         self.continued_after: str | None = None
         # Tokens continuations generated again from a whole character back (the client had them).
         self.regenerated = 0
+        # Client auth: the tenant (its key's name), what it holds while served, and the prompt's token count.
+        self.tenant: str | None = None
+        self.admitted: Any = None
+        self.prompt_tokens: int | None = None
 
     def attempt(self, prefill: EngineSpec, decode: EngineSpec, route: str,
                 request: dict[str, Any]) -> tuple[Leg, Leg]:
@@ -171,4 +175,5 @@ class Exchange:
             prefix_match=None if prefix_match is None else round(prefix_match, 3),
             relay=self.relay(),
             model=None if self.model is None else self.model.name,
+            tenant=self.tenant,
         )

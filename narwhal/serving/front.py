@@ -81,7 +81,7 @@ class Front:
         if request.path in COMPLETION_ROUTES:
             if request.method == b"POST":
                 await self.core.handle(request.path, request.body, request.get_header(b"x-request-id"),
-                                       responder)
+                                       responder, request.get_header(b"authorization"))
             else:
                 await responder.respond(405, _NOT_ALLOWED_HEADERS, _NOT_ALLOWED)
             return

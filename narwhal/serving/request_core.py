@@ -41,6 +41,8 @@ from typing import Any, NoReturn, Protocol, TypeVar
 import msgspec
 import trio
 
+from narwhal.auth.client_auth import Admitted, AuthRefused, ClientAuth
+from narwhal.auth.keys import KeyEntry
 from narwhal.config import Config, EngineSpec, FleetConfig
 from narwhal.errors import (
     ClientGone,
@@ -135,12 +137,15 @@ class DataPool(Protocol):
 class ClientError(NarwhalError):
     """A request the router refuses before or instead of serving it."""
 
-    def __init__(self, status: int, message: str, type_: str, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, type_: str, code: str | None = None,
+                 headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type_
         self.code = code
+        # Sent with the error (retry-after, x-ratelimit-*, www-authenticate).
+        self.headers = headers
 
     def body(self) -> bytes:
         return error_json(self.message, self.type, self.code)
@@ -163,6 +168,7 @@ class _AttemptFailed(NarwhalError):
 
 class _Usage(msgspec.Struct):
     completion_tokens: int = 0
+    prompt_tokens: int | None = None
 
 
 class _UsageOnly(msgspec.Struct):
@@ -267,8 +273,10 @@ class RequestCore:
                  in_flight: InFlight, admission: AdmissionGate, metrics: RouterMetrics,
                  telemetry: TelemetrySink | None = None,
                  clock: Callable[[], float] = trio.current_time, rng: random.Random | None = None,
-                 placement: RequestPlacement | None = None) -> None:
+                 placement: RequestPlacement | None = None, auth: ClientAuth | None = None) -> None:
+        """``auth``: client keys, limits and the priority gate (None: none of it, as without ``[auth]``)."""
         self.config = config
+        self.auth = auth
         self.supervisor = supervisor
         self.data_pool = data_pool
         self.in_flight = in_flight
@@ -353,7 +361,8 @@ class RequestCore:
 
     # -- entry point -------------------------------------------------------
 
-    async def handle(self, route: str, body: bytes, request_id: bytes | None, sink: Sink) -> None:
+    async def handle(self, route: str, body: bytes, request_id: bytes | None, sink: Sink,
+                     authorization: bytes | None = None) -> None:
         """Serve one completion request and write its response to ``sink``."""
         started_at = self.clock()
         if request_id and len(request_id) <= _MAX_REQUEST_ID and request_id.isascii():
@@ -367,14 +376,14 @@ class RequestCore:
                 if self._bounded:
                     with trio.move_on_after(self._deadline_s) as deadline:
                         ex.deadline_scope = deadline
-                        await self._serve(ex, body)
+                        await self._serve(ex, body, authorization)
                     expired = deadline.cancelled_caught
                 else:
                     # One attempt, and every await of the request is inside it: its leg scope carries the
                     # deadline (one cancel scope fewer per request than a scope of its own here).
                     ex.deadline_at = trio.current_time() + self._deadline_s
                     try:
-                        await self._serve(ex, body)
+                        await self._serve(ex, body, authorization)
                         expired = False
                     except _DeadlinePassed:
                         expired = True
@@ -419,9 +428,12 @@ class RequestCore:
             await sink.end_stream(_sse_error(error.message, error.type, error.code))
         else:
             ex.status = error.status
-            await sink.respond(error.status, [*_JSON_HEADERS, ex.rid_header], error.body())
+            await sink.respond(error.status, [*_JSON_HEADERS, ex.rid_header, *error.headers], error.body())
 
     def _finish(self, ex: Exchange) -> None:
+        admitted = ex.admitted
+        if admitted is not None:
+            self._finish_tenant(ex, admitted)
         duration_s = self.clock() - ex.started_at
         route = ex.route
         # The served model's own name (a bounded set); "" for a request refused before its model was known:
@@ -441,17 +453,21 @@ class RequestCore:
 
     # -- one request ---------------------------------------------------------
 
-    async def _serve(self, ex: Exchange, body: bytes) -> None:
+    async def _serve(self, ex: Exchange, body: bytes, authorization: bytes | None = None) -> None:
         # The gate compares the lease deadline itself, per request: no timer closes it on time.
         closed = self.admission.reason()
         if closed is not None:
             # Refused before the body is read: the model is not known yet.
             self.metrics.saturations.inc("admission_closed", "")
             raise ClientError(503, closed, "service_unavailable", "admission_closed")
+        auth = self.auth
+        key = self._identify(auth, authorization) if auth is not None else None
         route, rid, sink = ex.route, ex.rid, ex.sink
         request = ex.request = self._validate(route, body, ex)
         served = ex.model
         assert served is not None  # _validate names it
+        if auth is not None and key is not None:
+            await self._admit(auth, key, ex, request)
         if served.request_deadline_s != self._deadline_s:
             # The model's own deadline, from the request's start, as serving.request_deadline_s would be.
             shift = served.request_deadline_s - self._deadline_s
@@ -515,6 +531,48 @@ class RequestCore:
                     retry: dict[str, Any] = {"class": failed.failure_class}
                     log_event("request_retry", request_id=rid, attempt=ex.attempts,
                               engine=failed.engine, continued=sink.started, **retry)
+
+    def _identify(self, auth: ClientAuth, authorization: bytes | None) -> KeyEntry:
+        """The caller's key (401 before anything else is read of the request)."""
+        try:
+            return auth.identify(authorization)
+        except AuthRefused as refused:
+            self.metrics.tenant_refusals.inc("unknown", refused.reason)
+            raise ClientError(refused.status, refused.message, refused.type, refused.code,
+                              refused.headers) from None
+
+    async def _admit(self, auth: ClientAuth, key: KeyEntry, ex: Exchange, request: dict[str, Any]) -> None:
+        """The key's model, limits and place in line: refused here, a request never reaches an engine."""
+        served = ex.model
+        assert served is not None
+        ex.tenant = key.name
+        deadline = ex.deadline_scope.deadline if ex.deadline_scope is not None else ex.deadline_at
+        try:
+            asked = request.get("model")
+            auth.check_model(key, (asked if isinstance(asked, str) else served.name, served.name))
+            ex.admitted = await auth.admit(key, deadline)
+        except AuthRefused as refused:
+            self.metrics.tenant_refusals.inc(key.name, refused.reason)
+            if refused.status == 503:
+                self.metrics.saturations.inc(refused.code, served.name)
+            raise ClientError(refused.status, refused.message, refused.type, refused.code,
+                              refused.headers) from None
+        self.metrics.tenant_queue_wait.observe(ex.admitted.queue_wait_s, key.name)
+
+    def _finish_tenant(self, ex: Exchange, admitted: Admitted) -> None:
+        """Give back the request's gate slot and concurrency; count its tokens against the tenant."""
+        ex.admitted = None
+        auth = self.auth
+        prompt = ex.prompt_tokens or 0
+        if auth is not None:
+            auth.finish(admitted, prompt + ex.tokens)
+        name = admitted.key.name
+        metrics = self.metrics
+        metrics.tenant_requests.inc(name, str(ex.status))
+        if prompt:
+            metrics.tenant_tokens.inc(name, "prompt", amount=prompt)
+        if ex.tokens:
+            metrics.tenant_tokens.inc(name, "completion", amount=ex.tokens)
 
     async def _after_relay(self, ex: Exchange, failed: _AttemptFailed, not_continued: str | None,
                            queued: bool) -> None:
@@ -669,6 +727,7 @@ class RequestCore:
                     if (self._count_tokens or counted is not None) and not (join is not None and join.started):
                         # A continuation's prompt grew by exactly the tokens its max_tokens shrank by.
                         prompt_tokens = await self._check_context(route, request, prefill.engine, rid, counted)
+                        ex.prompt_tokens = prompt_tokens
                         if join is not None and prompt_tokens is not None:
                             join.note_prompt_tokens(prompt_tokens)
                     if join is not None and join.started and join.uncounted:
@@ -931,6 +990,8 @@ class RequestCore:
             except (msgspec.DecodeError, RecursionError):
                 usage = None
             ex.tokens = usage.completion_tokens if usage else 0
+            if usage and ex.prompt_tokens is None:
+                ex.prompt_tokens = usage.prompt_tokens
             ex.status = 200
             await sink.respond(200, [*_JSON_HEADERS, ex.rid_header], strip_kv_from_body(raw))
             return

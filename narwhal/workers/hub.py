@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import msgspec
 import trio
 
+from narwhal.auth.client_auth import AuthSettings
 from narwhal.config import Config, EngineSpec
 from narwhal.errors import FailureClass, SuccessKind
 from narwhal.fleet.admission import FENCED_REASON
@@ -132,7 +133,8 @@ class WorkerHub:
                  admit_until: Callable[[], float | None] | None = None,
                  kv_sources: Callable[[], Mapping[str, FeedSource]] | None = None,
                  admit_until_reason: Callable[[], str] | None = None,
-                 on_placed: Callable[[list[IndexRecord]], None] | None = None) -> None:
+                 on_placed: Callable[[list[IndexRecord]], None] | None = None,
+                 auth: Callable[[], AuthSettings | None] | None = None) -> None:
         """``index``: the controller's prefix index, relayed between the workers (``IndexRelay``);
         ``admit_until``: the lease-derived admission deadline on the control clock, read at each publish (with
         ``admit_until_reason()``, what workers say past it); ``on_placed``: told of the workers' placements."""
@@ -161,6 +163,8 @@ class WorkerHub:
         # Told of the prompts each worker placed: the placements go on to the other workers.
         self.index_relay = IndexRelay(index, self.workers, on_applied=on_placed) if index is not None else None
         self._admit_until_reason = admit_until_reason
+        # The client keys' settings workers apply (None: no client auth).
+        self._auth = auth
         # The engine set workers place on (the supervisor's); None: as in the config they were given.
         self.engine_specs = engine_specs
         # The running config (reloads change it): workers take its placement and engine timeouts.
@@ -258,7 +262,8 @@ class WorkerHub:
             placement=None if config is None else config.placement,
             fleet=None if config is None else config.fleet,
             engine_config=None if config is None else config.engine,
-            kv_sources={} if self.kv_sources is None else dict(self.kv_sources()))
+            kv_sources={} if self.kv_sources is None else dict(self.kv_sources()),
+            auth=None if self._auth is None else self._auth())
 
     def _for_link(self, content: Snapshot) -> Snapshot:
         """``content`` numbered and with its deadlines on the link's clock, ready to send."""

@@ -18,6 +18,7 @@ import struct
 
 import msgspec
 
+from narwhal.auth.client_auth import AuthSettings
 from narwhal.config import Config, EngineConfig, EngineSpec, FleetConfig, PlacementConfig
 from narwhal.errors import NarwhalError
 from narwhal.fleet.placement import IndexRecord
@@ -114,6 +115,8 @@ class Snapshot(_Message, tag="snapshot"):
     fleet: FleetConfig | None = None
     # Each prefill engine's KV event publisher (its config's, else its identity's): each worker subscribes.
     kv_sources: dict[str, FeedSource] = {}
+    # Client keys, limits and the priority gate's settings ([auth], the keys file as the controller read it).
+    auth: AuthSettings | None = None
 
 
 class IndexUpdate(_Message, tag="index_update"):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from narwhal.auth.client_auth import AuthSettings
 from narwhal.config import EngineConfig, EngineSpec, FleetConfig, PlacementConfig
 from narwhal.errors import FailureClass, SuccessKind
 from narwhal.workers.protocol import Evidence, RequestSample, Snapshot
@@ -31,7 +32,8 @@ class WorkerView:
                  refresh: Callable[[], None] | None = None,
                  on_engines: Callable[[list[EngineSpec]], None] | None = None,
                  on_settings: Callable[[PlacementConfig, EngineConfig], None] | None = None,
-                 on_fleet: Callable[[FleetConfig], None] | None = None) -> None:
+                 on_fleet: Callable[[FleetConfig], None] | None = None,
+                 on_auth: Callable[[AuthSettings | None], None] | None = None) -> None:
         self._send = send
         self._clock = clock
         # In one process the hub is asked before each read whether the fleet
@@ -45,6 +47,8 @@ class WorkerView:
         self.on_settings = on_settings
         # Told the [fleet] keys (models, aliases, their limits) when a snapshot changes them (``set_fleet``).
         self.on_fleet = on_fleet
+        # Told the client keys' settings when a snapshot changes them (``LocalDataPlane.configure_auth``).
+        self.on_auth = on_auth
 
     def apply(self, snapshot: Snapshot) -> None:
         """Take a newer snapshot (older ones, reordered or replayed, are ignored).
@@ -56,6 +60,8 @@ class WorkerView:
             last = self.snapshot
             if snapshot.fleet is not None and snapshot.fleet != last.fleet and self.on_fleet is not None:
                 self.on_fleet(snapshot.fleet)
+            if snapshot.auth != last.auth and self.on_auth is not None:
+                self.on_auth(snapshot.auth)
             if snapshot.engines is not None and snapshot.engines != last.engines and self.on_engines is not None:
                 self.on_engines(snapshot.engines)
             if (snapshot.placement is not None and snapshot.engine_config is not None and self.on_settings is not None
