@@ -1,4 +1,4 @@
-"""Command line: ``python -m narwhal serve|mock-engine|demo|bench|admin|engine-check``.
+"""Command line: ``python -m narwhal serve|mock-engine|demo|bench|admin|engine-check|register|keys``.
 
 Every command exits non-zero with one plain line on stderr when its input is
 wrong (a bad config names the key and the problem; no traceback).
@@ -55,6 +55,7 @@ def _build_parser() -> argparse.ArgumentParser:
     from narwhal.discovery.register import add_parser as add_register_parser
     from narwhal.tools.admin_cli import add_parser as add_admin_parser
     from narwhal.tools.engine_check import add_parser as add_engine_check_parser
+    from narwhal.tools.keys_cli import add_parser as add_keys_parser
 
     parser = OneLineParser(prog="narwhal", description="Narwhal: a router for disaggregated LLM serving.")
     parser.add_argument("--version", action="version", version=f"narwhal {__version__}")
@@ -66,6 +67,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_admin_parser(sub)
     add_engine_check_parser(sub)
     add_register_parser(sub)
+    add_keys_parser(sub)
     return parser
 
 

@@ -826,9 +826,9 @@ def _check_models(config: Config) -> None:
                              "aliases must be unique across models - at `$.fleet.models`")
 
 
-def _key_type(key: str) -> object:
-    """The declared type at a dotted key (``engines[1].role``), or None when the path leaves the schema."""
-    current: object = Config
+def _key_type(key: str, root: type[msgspec.Struct] = Config) -> object:
+    """The declared type at a dotted key (``engines[1].role``) of ``root``, or None when the path leaves the schema."""
+    current: object = root
     for part in re.findall(r"[^.\[\]]+|\[\d+\]", key):
         if part.startswith("["):
             args = typing.get_args(current)
@@ -869,17 +869,18 @@ def _engine_by_name(key: str, names: list[object]) -> str:
     return f"engine {json.dumps(name)}{key[match.end():]}"
 
 
-def _did_you_mean(section: str, name: str) -> str:
+def _did_you_mean(section: str, name: str, root: type[msgspec.Struct] = Config) -> str:
     """``" (did you mean 'workers'?)"`` when ``name`` is close to a key of the struct at ``section``."""
-    owner = _key_type(section) if section else Config
+    owner = _key_type(section, root) if section else root
     if not (isinstance(owner, type) and issubclass(owner, msgspec.Struct)):
         return ""
     close = difflib.get_close_matches(name, [f.name for f in msgspec.structs.fields(owner)], n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _explain(exc: msgspec.ValidationError, data: bytes | str = "") -> str:
-    # msgspec says "... - at `$.serving.listen`"; operators think in TOML keys.
+def _explain(exc: msgspec.ValidationError, data: bytes | str = "", root: type[msgspec.Struct] = Config) -> str:
+    # msgspec says "... - at `$.serving.listen`"; operators think in TOML keys. ``root``: the file's schema
+    # (the keys file's messages are made here too).
     text = str(exc)
     message, sep, where = text.rpartition(" - at `")
     if not sep:
@@ -887,15 +888,15 @@ def _explain(exc: msgspec.ValidationError, data: bytes | str = "") -> str:
     key = where.rstrip("`").removeprefix("$").lstrip(".")
     unknown = re.fullmatch(r"Object contains unknown field `(.+)`", message)
     if unknown:
-        message = "unknown key" + _did_you_mean(key, unknown.group(1))
+        message = "unknown key" + _did_you_mean(key, unknown.group(1), root)
         key = f"{key}.{unknown.group(1)}" if key else unknown.group(1)
     enum = re.fullmatch(r"Invalid enum value (.+)", message)
-    allowed = typing.get_args(_key_type(key)) if enum else ()
+    allowed = typing.get_args(_key_type(key, root)) if enum else ()
     if enum and allowed:
         message = f"must be one of {', '.join(json.dumps(v) for v in allowed)}; got {enum.group(1)}"
     # A struct's own check that names its field ("listen: port out of range") belongs to that field's key.
-    field = re.match(r"([a-z_]+): ", message)
-    own = _key_type(key)
+    field = re.match(r"([a-z_][a-z0-9_]*): ", message)
+    own = _key_type(key, root)
     if field and isinstance(own, type) and issubclass(own, msgspec.Struct) and \
             field.group(1) in {f.name for f in msgspec.structs.fields(own)}:
         key = f"{key}.{field.group(1)}" if key else field.group(1)

@@ -207,7 +207,7 @@ def read_document(path: str | os.PathLike[str], *, max_bytes: int = MAX_DOCUMENT
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes, *,
-                 proceed: Callable[[], bool] | None = None, sync_directory: bool = True) -> bool:
+                 proceed: Callable[[], bool] | None = None, sync_directory: bool = True, mode: int = 0o644) -> bool:
     """Replace ``path`` with ``data`` so that readers only ever see a complete file.
 
     A temporary file unique to this process and call (pid and a random suffix)
@@ -225,12 +225,14 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, *,
     the path then holds this document or the one it replaced (each complete, its
     data fsynced before its rename). The persistence stage does so when the
     document repeats the state of the last one whose rename was made durable.
+
+    ``mode``: the new file's permissions (less the umask); the keys file is 0600.
     """
     destination = Path(path)
     directory = destination.parent
     # Same directory as the destination: os.replace is atomic only within one filesystem.
     temporary = directory / f".{destination.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
     renamed = False
     try:
         try:
