@@ -1,6 +1,7 @@
 """The cluster's routes: the routers' view for the operator, and the replicas' link to the controller.
 
     GET  /admin/cluster      the routers, their role, the fleet revision each applied and its lag
+    GET  /admin/tenants      each client key's requests, tokens and refusals (the top 20)
     POST /cluster/evidence   a replica's failure evidence (and placement records) for the controller
 
 ``/cluster/evidence`` is not under ``/admin/``: its peers are routers, authenticated
@@ -17,6 +18,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from narwhal.app.state import AppState
+from narwhal.app.tenants_view import tenants_view
 from narwhal.http1.asgi import PEER_CERT_EXTENSION
 
 __all__ = ["register_cluster_routes"]
@@ -36,6 +38,11 @@ def register_cluster_routes(app: QuartTrio, router: AppState) -> None:
     @app.get("/admin/cluster")
     async def admin_cluster() -> Response:
         return Response(_encode_json.encode(await router.cluster_view()), status=200, content_type="application/json")
+
+    @app.get("/admin/tenants")
+    async def admin_tenants() -> Response:
+        view = tenants_view(router.metrics.render(), auth=router.config.auth.keys_file is not None)
+        return Response(_encode_json.encode(view), status=200, content_type="application/json")
 
     @app.post("/cluster/evidence")
     async def cluster_evidence() -> Response:

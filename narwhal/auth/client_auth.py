@@ -19,10 +19,10 @@ from pathlib import Path
 
 import msgspec
 import trio
+
 from narwhal.auth.keys import KeyEntry, KeyStore, read_keys_file
 from narwhal.auth.limits import TenantLimits
 from narwhal.auth.priority import GateRefused, PriorityGate, Ticket
-
 from narwhal.config import Config, ConfigError, resolve_config_path
 from narwhal.errors import NarwhalError
 
