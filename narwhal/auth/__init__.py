@@ -1,0 +1,1 @@
+"""Client keys, per-key limits and priority classes on the data plane."""
