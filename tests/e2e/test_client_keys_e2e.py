@@ -45,7 +45,7 @@ class World:
         self.engines: dict[str, LocalProcess] = {}
         self.router: LocalProcess | None = None
 
-    async def start(self, keys: dict[str, dict[str, Any]]) -> LocalProcess:
+    async def start(self, keys: dict[str, dict[str, Any]], *, workers: int = 1) -> LocalProcess:
         for name, role in (("p1", "prefill"), ("d1", "decode")):
             self.engines[name] = await start_mock_engine(self.nursery, role, engine_id=name)
         self.write_keys(keys)
@@ -53,7 +53,8 @@ class World:
         config.write_text(render_config(
             [(name, engine.url, "prefill" if name.startswith("p") else "decode")
              for name, engine in self.engines.items()],
-            {"auth": {"keys_file": "keys.toml"}, "handoff": {"path": str(self.tmp_path / "handoff.json")},
+            {"serving": {"workers": workers}, "auth": {"keys_file": "keys.toml"},
+             "handoff": {"path": str(self.tmp_path / "handoff.json")},
              "fleet": {"attestation_key": "narwhal-dev-key"}}))
         self.router = await start_router(self.nursery, str(config))
         return self.router
@@ -111,15 +112,18 @@ async def test_keys_models_and_limits_answer_as_openai_and_a_refusal_never_reach
     assert 'narwhal_tenant_refusals_total{tenant="alpha",reason="requests"} 1' in metrics
     assert 'narwhal_tenant_refusals_total{tenant="unknown",reason="invalid_api_key"} 3' in metrics
     assert 'narwhal_tenant_refusals_total{tenant="beta",reason="model"} 1' in metrics
+    assert await world.router.wait_event("request", timeout_s=2.0, status=429, tenant="alpha")
     lines = [line for line in world.router.lines if line.get("event") == "request" and line.get("status") == 200]
     assert lines and all(line["tenant"] == "alpha" for line in lines)
     # The key itself is in no log line.
     assert not any(KEYS["alpha"] in str(line) for line in world.router.lines)
 
 
+# With two workers the keys reach each worker in the controller's snapshot.
+@pytest.mark.parametrize("workers", [1, 2])
 async def test_a_reload_admits_a_new_key_and_refuses_a_removed_one_at_once_and_a_bad_file_changes_nothing(
-        world: World) -> None:
-    router = await world.start({"alpha": {}})
+        world: World, workers: int) -> None:
+    router = await world.start({"alpha": {}}, workers=workers)
     assert (await world.complete(KEYS["alpha"])).status_code == 200
     assert (await world.complete(KEYS["gamma"])).status_code == 401
     world.write_keys({"gamma": {}})
@@ -130,7 +134,8 @@ async def test_a_reload_admits_a_new_key_and_refuses_a_removed_one_at_once_and_a
         return (await world.complete(KEYS["gamma"])).status_code == 200
 
     await wait_until(gamma_admitted, timeout_s=2.0, what="the new key admitted")
-    assert (await world.complete(KEYS["alpha"])).status_code == 401
+    for _ in range(2 * workers):  # every worker (connections are spread over them)
+        assert (await world.complete(KEYS["alpha"])).status_code == 401
     (world.tmp_path / "keys.toml").write_text("[[keys]]\nname = \"broken\"\nsha256 = \"zz\"\n")
     os.kill(router.pid, signal.SIGHUP)
     failed = await router.wait_event("config_reload_failed", timeout_s=5.0)

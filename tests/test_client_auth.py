@@ -1,0 +1,135 @@
+"""The request path's client auth in process: identify, model, limits, the gate, and the tenants view."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import trio
+import trio.testing
+
+from narwhal.app.tenants_view import tenants_view
+from narwhal.auth.client_auth import ANONYMOUS, AuthRefused, AuthSettings, ClientAuth
+from narwhal.auth.keys import KeyEntry
+
+
+def entry(name: str, key: str, **fields: object) -> KeyEntry:
+    return KeyEntry(name=name, sha256=hashlib.sha256(key.encode()).hexdigest(), **fields)  # type: ignore[arg-type]
+
+
+def auth(*keys: KeyEntry, capacity: int = 4, bounded: bool = False, reserve_high: float = 0.0,
+         clock: list[float] | None = None) -> ClientAuth:
+    now = clock if clock is not None else [0.0]
+    return ClientAuth(AuthSettings(keys=list(keys), reserve_high=reserve_high, max_queue=8), capacity=capacity,
+                      bounded=bounded, clock=lambda: now[0])
+
+
+def test_identify_answers_401_for_a_missing_or_unknown_key_and_the_entry_for_a_known_one() -> None:
+    alpha = entry("alpha", "k-alpha")
+    client = auth(alpha)
+    assert client.identify(b"Bearer k-alpha") == alpha
+    for header in (None, b"Bearer nope", b"Basic k-alpha", b"k-alpha"):
+        with pytest.raises(AuthRefused) as refused:
+            client.identify(header)
+        assert (refused.value.status, refused.value.code) == (401, "invalid_api_key")
+    # Without a keys file every caller is one anonymous tenant.
+    off = ClientAuth(AuthSettings(keys=None), capacity=4, bounded=False, clock=lambda: 0.0)
+    assert off.identify(None) is ANONYMOUS
+
+
+def test_a_key_may_use_only_its_models_by_the_name_asked_or_the_served_model() -> None:
+    client = auth()
+    limited = entry("beta", "k-beta", models=["llama"])
+    client.check_model(limited, ("llama", "llama"))
+    client.check_model(limited, ("alias-of-llama", "llama"))
+    with pytest.raises(AuthRefused) as refused:
+        client.check_model(limited, ("other", "other"))
+    assert (refused.value.status, refused.value.code, refused.value.reason) == (403, "model_not_allowed", "model")
+    client.check_model(entry("all", "k-all"), ("anything", "anything"))
+
+
+async def test_a_limit_answers_429_with_openais_headers_and_a_finished_request_gives_back_its_slots() -> None:
+    now = [0.0]
+    alpha = entry("alpha", "k-alpha", requests_per_minute=2, max_concurrent=1)
+    client = auth(alpha, clock=now)
+    first = await client.admit(alpha, deadline=10.0)
+    with pytest.raises(AuthRefused) as refused:
+        await client.admit(alpha, deadline=10.0)  # one in flight at most
+    assert (refused.value.status, refused.value.code) == (429, "rate_limit_exceeded")
+    assert refused.value.reason == "concurrent"
+    client.finish(first, tokens=10)
+    second = await client.admit(alpha, deadline=10.0)
+    client.finish(second, tokens=0)
+    with pytest.raises(AuthRefused) as refused:
+        await client.admit(alpha, deadline=10.0)
+    headers = dict(refused.value.headers)
+    assert refused.value.reason == "requests"
+    assert headers[b"x-ratelimit-limit-requests"] == b"2" and int(headers[b"retry-after"]) >= 1
+    now[0] = 30.0  # one request back (two a minute)
+    client.finish(await client.admit(alpha, deadline=40.0), tokens=0)
+
+
+async def test_saturated_normal_requests_are_refused_overloaded_while_high_ones_take_the_reserve() -> None:
+    normal, high = entry("n", "k-n"), entry("h", "k-h", priority="high")
+    client = auth(normal, high, capacity=4, reserve_high=0.25)
+    held = [await client.admit(normal, deadline=10.0) for _ in range(3)]
+    with pytest.raises(AuthRefused) as refused:
+        await client.admit(normal, deadline=10.0)
+    assert (refused.value.status, refused.value.code) == (503, "overloaded")
+    assert dict(refused.value.headers)[b"retry-after"] == b"1"
+    top = await client.admit(high, deadline=10.0)
+    with pytest.raises(AuthRefused) as refused:
+        await client.admit(high, deadline=10.0)
+    assert refused.value.code == "pool_saturated"
+    for admitted in (*held, top):
+        client.finish(admitted, tokens=0)
+    # A refused request gave its concurrency back: the tenant is not charged for what it never got.
+    assert client.limits.in_flight("n") == 0
+
+
+async def test_under_the_bounded_policy_a_request_waits_for_capacity_and_says_how_long() -> None:
+    normal = entry("n", "k-n")
+    client = auth(normal, capacity=1, bounded=True, clock=[0.0])
+    first = await client.admit(normal, deadline=trio.current_time() + 10.0)
+    waited: list[float] = []
+
+    async def second() -> None:
+        admitted = await client.admit(normal, deadline=trio.current_time() + 10.0)
+        waited.append(admitted.queue_wait_s)
+        client.finish(admitted, tokens=0)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(second)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not waited
+        client.finish(first, tokens=0)
+    assert len(waited) == 1
+
+
+def test_a_reload_admits_new_keys_and_refuses_removed_ones_at_once() -> None:
+    alpha, gamma = entry("alpha", "k-alpha"), entry("gamma", "k-gamma")
+    client = auth(alpha)
+    client.configure(AuthSettings(keys=[gamma], max_queue=8))
+    assert client.identify(b"Bearer k-gamma") == gamma
+    with pytest.raises(AuthRefused):
+        client.identify(b"Bearer k-alpha")
+
+
+def test_the_tenants_view_sums_the_metrics_and_ranks_by_requests() -> None:
+    text = "\n".join([
+        '# HELP narwhal_tenant_requests_total Finished client requests by tenant and status.',
+        'narwhal_tenant_requests_total{tenant="a",status="200"} 5',
+        'narwhal_tenant_requests_total{tenant="a",status="429"} 2',
+        'narwhal_tenant_requests_total{tenant="b",status="200"} 9',
+        'narwhal_tenant_tokens_total{tenant="a",kind="prompt"} 100',
+        'narwhal_tenant_tokens_total{tenant="a",kind="completion"} 40',
+        'narwhal_tenant_refusals_total{tenant="a",reason="requests"} 2',
+        'narwhal_tenant_refusals_total{tenant="unknown",reason="invalid_api_key"} 3',
+        'narwhal_requests_total{route="/v1/completions",status="200",model="m"} 14',
+    ])
+    view = tenants_view(text, auth=True)
+    assert [row.tenant for row in view.tenants] == ["b", "a", "unknown"]
+    a = view.tenants[1]
+    assert (a.requests, a.errors, a.prompt_tokens, a.completion_tokens, a.refusals) == (7, 2, 100, 40,
+                                                                                    {"requests": 2})
+    assert tenants_view(text, auth=True, limit=1).tenants[0].tenant == "b"
