@@ -501,11 +501,16 @@ class Router:
                                       success_kind=None if success is None else success.value))
 
     def _placed_locally(self, engine: str, blocks: Sequence[int], at: float) -> None:
-        """This process placed a prompt (replicas mode): the other routers learn it over the link."""
-        self._share_placement([PlacedPrompt(engine, list(blocks))])
+        """This process placed a prompt (replicas mode): the other routers learn it over the link, unless the
+        engine publishes its KV events (every router reads those itself)."""
+        if not self.kv_events.live(engine):
+            self._share_placement([PlacedPrompt(engine, list(blocks))])
 
     def _placed_by_workers(self, records: list[IndexRecord]) -> None:
-        self._share_placement([PlacedPrompt(record.engine, record.blocks) for record in records])
+        live = self.kv_events.live
+        prompts = [PlacedPrompt(record.engine, record.blocks) for record in records if not live(record.engine)]
+        if prompts:
+            self._share_placement(prompts)
 
     def _share_placement(self, prompts: list[PlacedPrompt]) -> None:
         cluster = self.cluster
@@ -521,8 +526,9 @@ class Router:
         """Other routers' placements, into this router's prefix index (and its workers')."""
         shared = self.prefix_index
         at = time.monotonic()
+        live = self.kv_events.live
         records = [IndexRecord(prompt.engine, shared.epochs.get(prompt.engine, 0), prompt.blocks, at)
-                   for prompt in prompts if prompt.engine in self.prefix_index.index.engines]
+                   for prompt in prompts if prompt.engine in self.prefix_index.index.engines and not live(prompt.engine)]
         if not records:
             return
         if self.index_relay is not None:
