@@ -219,3 +219,33 @@ async def test_a_router_without_a_lease_is_lone() -> None:
 
     async with httpx.AsyncClient(transport=httpx.MockTransport(handle)) as client:
         assert await router_roles(client, _targets()[:1]) == [("vm-7", "lone")]
+
+
+@pytest.mark.e2e
+def test_bench_with_three_routers_runs_them_as_one_cluster(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "out.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "narwhal", "bench", "--scenario", "prefix", "--routers", "3", "--compare-routers",
+         "--prefill", "2", "--decode", "1", "--prefixes", "2", "--requests", "90", "--concurrency", "6",
+         "--warmup", "6", "--json", str(out), "--quiet"],
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    lone, apart, cluster = report["placement_passes"]
+    assert [p["routers"] for p in (lone, apart, cluster)] == [1, 3, 3]
+    assert [p["cluster"] for p in (lone, apart, cluster)] == [False, False, True]
+    assert all(p["errors"] == 0 for p in (lone, apart, cluster))
+    roles = sorted(row["role"] for row in cluster["router_usage"])
+    assert roles == ["controller", "replica", "replica"]
+    assert sorted(row["router_id"] for row in cluster["router_usage"]) == ["bench-r1", "bench-r2", "bench-r3"]
+    # Worker i goes to router i mod 3: two workers each, every router served some, all 90 in all.
+    assert sum(row["requests"] for row in cluster["router_usage"]) == 90
+    assert all(row["requests"] > 0 for row in cluster["router_usage"])
+    assert [row["role"] for row in lone["router_usage"]] == ["lone"]
+    (comparison,) = report["routers_comparison"]
+    assert comparison["routers"] == 3 and comparison["hit_rate_ratio"] is not None
+    assert "3 routers / 1 router (auto): hit rate" in done.stdout
