@@ -149,9 +149,11 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
                              "on a free 127.0.0.1 port; each run and pass uses a key of its own under "
                              "/narwhal-bench/)")
     prefix.add_argument("--compare-routers", action="store_true",
-                        help="--routers N: first a pass with one router alone (no lease, today's single router), "
-                             "then the N-router pass, the mocks' caches emptied before each; prints the hit-rate "
-                             "ratio and the replicas' (and controller's) CPU per request over the lone router's")
+                        help="--routers N: first a pass with one router alone (no lease, today's single router) "
+                             "and, for a cluster, one with the same N routers with no lease; then the N-router "
+                             "pass; the mocks' caches emptied before each; prints the hit-rate ratio and CPU per "
+                             "request over the lone router's (all N, replicas, controller) and the replicas' over "
+                             "the N routers with no lease")
     prefix.add_argument("--independent-routers", action="store_true",
                         help="--routers N: N routers with no lease that know nothing of each other (issue 37's "
                              "setup) instead of one cluster")
