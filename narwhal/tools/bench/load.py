@@ -132,7 +132,7 @@ _decode_handoff = msgspec.json.Decoder(_Handoff).decode
 class RequestRecord:
     """What one request did; times in seconds, ``started_at`` from the start of the load."""
 
-    __slots__ = ("started_at", "status", "kind", "ttft_s", "total_s", "tokens", "model_index")
+    __slots__ = ("started_at", "status", "kind", "ttft_s", "total_s", "tokens", "model_index", "target")
 
     def __init__(self, started_at: float) -> None:
         self.started_at = started_at
@@ -143,6 +143,8 @@ class RequestRecord:
         self.tokens = 0
         # Which of the spec's model_bodies the request sent (0 with one model).
         self.model_index = 0
+        # Which of the spec's ports it went to (0 without ``ports``): requests per router with --routers N.
+        self.target = 0
 
     def as_dict(self) -> dict[str, object]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -250,6 +252,14 @@ class LoadResult:
     def tokens(self) -> int:
         return sum(record.tokens for record in self.records if record.kind == "ok")
 
+    def ok_by_target(self, targets: int) -> list[int]:
+        """Requests that succeeded, per index of the spec's ``ports`` (``targets`` of them)."""
+        counts = [0] * targets
+        for record in self.records:
+            if record.kind == "ok":
+                counts[record.target] += 1
+        return counts
+
     def summary(self, model_index: int | None = None) -> LoadSummary:
         """Every request's figures, or (``model_index``) only those one model's requests saw.
 
@@ -347,11 +357,13 @@ class _Load:
 
     async def worker(self, index: int = 0) -> None:
         conn: trio.abc.Stream | None = None
-        port = self.spec.ports[index % len(self.spec.ports)] if self.spec.ports else self.spec.port
+        target = index % len(self.spec.ports) if self.spec.ports else 0
+        port = self.spec.ports[target] if self.spec.ports else self.spec.port
         try:
             models = len(self.requests)
             while self.take_ticket():
                 record = RequestRecord(trio.current_time() - self.t0)
+                record.target = target
                 if models > 1:
                     record.model_index = (self.state.issued - 1) % models
                 conn = await self.one(conn, record, port)

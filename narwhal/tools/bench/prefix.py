@@ -23,6 +23,8 @@ from typing import Any
 import httpx
 import msgspec
 
+from narwhal.tools.bench.cluster import RouterUsage, format_router_lines
+
 __all__ = ["CONVERSATIONS_PER_GROUP", "PlacementPass", "PrefixReport", "PrefixWorkload", "collect_prefix_report",
            "format_pass_lines", "format_prefix_lines", "same_engine_share"]
 
@@ -156,6 +158,10 @@ class PlacementPass(msgspec.Struct, frozen=True, kw_only=True):
     prefix: PrefixReport
     # Per router: per prefill engine, the kv_events state in its /admin/placement after the load.
     feeds: list[dict[str, str]] = []
+    # The routers formed one cluster ([lease] mode = "replicas" on etcd; bench --routers N >= 2).
+    cluster: bool = False
+    # Per router: its role, the requests the load sent it and their CPU (bench.cluster.RouterUsage).
+    router_usage: list[RouterUsage] = []
 
 
 def _placements(metrics: str) -> dict[str, float]:
@@ -216,23 +222,30 @@ def _share(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
+def _pass_label(p: PlacementPass) -> str:
+    return f"{p.name} x{p.routers}{' cluster' if p.cluster else ''}"
+
+
 def format_pass_lines(passes: Sequence[PlacementPass]) -> list[str]:
-    """``--compare-kv-events``: one row per pass, then precise over approximate."""
+    """Placement passes: one row per pass, each router's role and CPU per request, the feeds' states."""
     lines = ["", "placement passes (same fleet, caches reset between passes; best: see docs/benchmarks.md)",
-             f"  {'pass':<12} {'kv_events':<9} {'routers':>7} {'hit rate':>8} {'best':>6} {'/best':>6} "
+             f"  {'pass':<12} {'kv_events':<9} {'routers':>10} {'hit rate':>8} {'best':>6} {'/best':>6} "
              f"{'same eng':>8} {'ttft p50':>9} {'ttft p99':>9} {'req/s':>7} {'errors':>6}"]
     for p in passes:
         ttft = "-" if p.ttft_p50_ms is None else f"{p.ttft_p50_ms:.1f}ms"
         ttft99 = "-" if p.ttft_p99_ms is None else f"{p.ttft_p99_ms:.1f}ms"
         rps = "-" if p.requests_per_s is None else f"{p.requests_per_s:.1f}"
-        lines.append(f"  {p.name:<12} {p.kv_events:<9} {p.routers:>7} {_share(p.prefix.hit_rate):>8} "
+        routers = f"{p.routers} cluster" if p.cluster else str(p.routers)
+        lines.append(f"  {p.name:<12} {p.kv_events:<9} {routers:>10} {_share(p.prefix.hit_rate):>8} "
                      f"{_share(p.prefix.best_hit_rate):>6} {_share(p.prefix.hit_rate_vs_best):>6} "
                      f"{_share(p.prefix.same_engine_share):>8} {ttft:>9} {ttft99:>9} {rps:>7} {p.errors:>6}")
+    for p in passes:
+        lines += format_router_lines(_pass_label(p), p.router_usage)
     for p in passes:
         if p.feeds:
             states = "; ".join(", ".join(f"{engine} {state}" for engine, state in sorted(feed.items()))
                                for feed in p.feeds)
-            lines.append(f"  {p.name} feeds by router: {states}")
+            lines.append(f"  {_pass_label(p)} feeds by router: {states}")
     return lines
 
 

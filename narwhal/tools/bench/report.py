@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from narwhal.tools.bench.cluster import RoutersComparison, format_comparison_lines
 from narwhal.tools.bench.prefix import PlacementPass, PrefixReport, format_pass_lines, format_prefix_lines
 
 __all__ = [
@@ -281,6 +282,8 @@ class BenchReport(msgspec.Struct, frozen=True, kw_only=True):
     fleet_scale: FleetScaleReport | None = None
     # --compare-kv-events / --routers N: each placement pass (``run`` and ``prefix`` are then the first's).
     placement_passes: list[PlacementPass] | None = None
+    # --compare-routers: per kv_events mode, the N-router pass over the lone router's.
+    routers_comparison: list[RoutersComparison] | None = None
 
 
 # ----- the table -------------------------------------------------------------------
@@ -464,4 +467,7 @@ def format_report(report: BenchReport) -> str:
         lines += format_prefix_lines(report.prefix)
     if report.placement_passes:
         lines += format_pass_lines(report.placement_passes)
+    if report.routers_comparison:
+        lines += ["", "several routers against one (same fleet, caches emptied before each pass)",
+                  *format_comparison_lines(report.routers_comparison)]
     return "\n".join(lines)

@@ -95,6 +95,12 @@ class BenchSettings(msgspec.Struct, frozen=True, kw_only=True):
     # Narwhal routers in front of it (each its own process); either makes the prefill mocks publish KV events.
     compare_kv_events: bool = False
     routers: int = 1
+    # --routers N >= 2: the routers form one cluster ([lease] mode = "replicas") on this etcd, else on one
+    # started for the run; independent_routers: each alone with no lease (issue 37's setup).
+    etcd: str | None = None
+    independent_routers: bool = False
+    # --compare-routers: a lone router's pass (no lease) before the N-router pass, for each kv_events mode.
+    compare_routers: bool = False
     # The fleet scenario (bench --scenario fleet): the fleet sizes, and the idle window at each.
     fleet_sizes: tuple[int, ...] = (4, 64, 256)
     fleet_idle_s: float = 10.0
@@ -112,8 +118,13 @@ class BenchSettings(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def placement_passes(self) -> bool:
-        """Whether the run is placement passes (``--compare-kv-events`` or ``--routers`` >= 2)."""
-        return self.scenario == "prefix" and (self.compare_kv_events or self.routers > 1)
+        """Whether the run is placement passes: ``--compare-kv-events``, ``--compare-routers``, ``--routers`` >= 2."""
+        return self.scenario == "prefix" and (self.compare_kv_events or self.compare_routers or self.routers > 1)
+
+    @property
+    def cluster(self) -> bool:
+        """Whether the N-router passes run the routers as one cluster on etcd."""
+        return self.routers > 1 and not self.independent_routers
 
     @property
     def model_names(self) -> list[str]:
