@@ -526,9 +526,9 @@ class Router:
         """Other routers' placements, into this router's prefix index (and its workers')."""
         shared = self.prefix_index
         at = time.monotonic()
-        live = self.kv_events.live
+        live, known = self.kv_events.live, self.prefix_index.index.engines
         records = [IndexRecord(prompt.engine, shared.epochs.get(prompt.engine, 0), prompt.blocks, at)
-                   for prompt in prompts if prompt.engine in self.prefix_index.index.engines and not live(prompt.engine)]
+                   for prompt in prompts if prompt.engine in known and not live(prompt.engine)]
         if not records:
             return
         if self.index_relay is not None:
