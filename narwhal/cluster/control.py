@@ -20,6 +20,8 @@ from narwhal.workers.hub import ControlPlane
 
 __all__ = ["ClusterControl", "LocalExclusions"]
 
+_NONE: frozenset[str] = frozenset()
+
 
 class LocalExclusions:
     """Engines this replica stopped placing on by its own evidence, each until a deadline (pure)."""
@@ -50,6 +52,9 @@ class LocalExclusions:
     def next_expiry(self) -> float | None:
         return min(self._until.values(), default=None)
 
+    def __bool__(self) -> bool:
+        return bool(self._until)
+
 
 class ClusterControl:
     """The hub's control plane: the supervisor's, filtered and reported on a replica."""
@@ -69,8 +74,9 @@ class ClusterControl:
         self._reported_failing: set[str] = set()
 
     def _excluded(self) -> frozenset[str]:
-        if not self._replica():
-            return frozenset()
+        # The common case (nothing excluded: always on the controller) is one test: these are read per request.
+        if not self.exclusions or not self._replica():
+            return _NONE
         return self.exclusions.active(self._clock())
 
     def eligible(self, role: str, model: str | None = None) -> list[str]:
@@ -99,8 +105,10 @@ class ClusterControl:
         return self._supervisor.capacity_problems()
 
     def state_version(self) -> int:
-        self._excluded()  # drops expired exclusions, which bumps their version
-        return self._supervisor.state_version() + (self.exclusions.version << 40)
+        exclusions = self.exclusions
+        if exclusions:
+            exclusions.active(self._clock())  # drops expired exclusions, which bumps their version
+        return self._supervisor.state_version() + (exclusions.version << 40)
 
     def valid_until(self) -> float | None:
         deadline = self._supervisor.valid_until()
@@ -123,6 +131,6 @@ class ClusterControl:
 
     def record_success(self, engine: str, kind: SuccessKind) -> None:
         self._supervisor.record_success(engine, kind)
-        if self._replica() and engine in self._reported_failing:
+        if self._reported_failing and engine in self._reported_failing and self._replica():
             self._reported_failing.discard(engine)
             self._report(EvidenceItem(engine, success_kind=kind.value))
