@@ -598,6 +598,9 @@ class BatchSink(Sink):
         super().apply(engine, batch, now)
 
 
+# vLLM's own publisher runs in the real-vLLM tier's venv (importing vLLM takes seconds): the tier runs this
+# test (tests/real_vllm/test_kv_publisher_real.py), the main suite does not.
+@pytest.mark.real_vllm
 async def test_vllms_own_publisher(tmp_path) -> None:
     python = real_vllm_python()
     if python is None:
