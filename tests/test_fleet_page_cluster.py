@@ -68,3 +68,32 @@ def test_the_routers_section_is_hidden_for_a_lone_router_in_standby_mode() -> No
 def test_the_page_fetches_admin_cluster_and_has_the_section() -> None:
     page = PAGE.read_text()
     assert 'getJSON("/admin/cluster")' in page and "<h2>Routers</h2>" in page and 'id="routers"' in page
+
+
+_TENANTS = r"""
+function text(n) { return typeof n === "string" || typeof n === "number" ? String(n) : n.children.map(text).join(""); }
+const tbody = new Node("tbody");
+document.querySelector = sel => sel === "#tenants tbody" ? tbody : new Node("q");
+const out = [];
+for (const view of VIEWS) {
+  tbody.children = [];
+  renderTenants(view);
+  out.push([nodes["tenants-box"].hidden, tbody.children.map(row => row.children.map(text))]);
+}
+console.log(JSON.stringify(out));
+"""
+
+
+def test_the_tenants_section_lists_the_top_tenants_when_keys_are_on() -> None:
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed: the page's script cannot run here")
+    script = PAGE.read_text().split("<script>", 1)[1].split("</script>", 1)[0]
+    views = [{"auth": True, "tenants": [{"tenant": "team-a", "requests": 12, "errors": 2, "prompt_tokens": 300,
+                                         "completion_tokens": 90, "refusals": {"requests": 2}}]},
+             {"auth": False, "tenants": []}]
+    program = _DOM + script + f"\nconst VIEWS = {json.dumps(views)};\n" + _TENANTS
+    result = subprocess.run([node, "-e", program], capture_output=True, text=True, timeout=60, check=True)
+    shown, hidden = json.loads(result.stdout.strip().splitlines()[-1])
+    assert shown == [False, [["team-a", "12", "2", "300", "90", "requests 2"]]]
+    assert hidden[0] is True
