@@ -310,11 +310,12 @@ def external_target(url: str, pid: int | None) -> Target:
     return target
 
 
-async def probe_completion(client: httpx.AsyncClient, url: str, *, body: bytes) -> bool:
-    """One streamed completion through ``url``; True when it ended with ``data: [DONE]``."""
+async def probe_completion(client: httpx.AsyncClient, url: str, *, body: bytes,
+                           headers: Mapping[str, str] | None = None) -> bool:
+    """One streamed completion through ``url`` (with ``headers`` too); True when it ended with ``data: [DONE]``."""
     try:
         async with client.stream("POST", url + "/v1/completions", content=body,
-                                 headers={"content-type": "application/json"}) as response:
+                                 headers={"content-type": "application/json", **(headers or {})}) as response:
             if response.status_code != 200:
                 await response.aread()
                 return False
@@ -325,7 +326,7 @@ async def probe_completion(client: httpx.AsyncClient, url: str, *, body: bytes) 
 
 
 async def wait_until_serving(client: httpx.AsyncClient, target: Target, *, probe_body: bytes,
-                             timeout_s: float = 60.0) -> None:
+                             timeout_s: float = 60.0, headers: Mapping[str, str] | None = None) -> None:
     """Wait until ``target`` serves: ``/ready`` 200 for Narwhal, then a streamed completion for any router."""
     if target.kind == "external":
         # A router that is already running answers at once; a refused connection will not change in 10 s.
@@ -344,7 +345,7 @@ async def wait_until_serving(client: httpx.AsyncClient, target: Target, *, probe
                 except httpx.HTTPError:
                     pass
                 await trio.sleep(0.1)
-        while not await probe_completion(client, target.url, body=probe_body):
+        while not await probe_completion(client, target.url, body=probe_body, headers=headers):
             if target.process is not None and target.process.returncode is not None:
                 raise RuntimeError(f"the router exited with status {target.process.returncode} before serving"
                                    f"{_log_tail(target)}")
