@@ -64,7 +64,8 @@ def test_auth_options_and_priority_defaults() -> None:
 
 @pytest.mark.parametrize("argv", [
     ("--auth", "--target", "http://127.0.0.1:1"),
-    ("--auth", "--router-cmd", "x {port}"),
+    ("--compare-auth", "--router-cmd", "x {port}"),
+    ("--scenario", "priority", "--router-cmd", "x {port}"),
     ("--auth", "--scenario", "faults"),
     ("--compare-auth", "--scenario", "prefix"),
     ("--compare-auth", "--tls"),
@@ -316,3 +317,20 @@ def test_a_load_with_client_auth_end_to_end(tmp_path: Path) -> None:
     # Every request carried the key: none refused (a request without it is a 401).
     assert (report["run"]["load"]["ok"], report["run"]["load"]["errors"]) == (100, 0)
     assert report["settings"]["auth"] is True and report["run"]["router"]["cpu_s"] > 0
+
+
+def test_a_router_command_gets_the_keys_file_only_with_auth(tmp_path: Path) -> None:
+    from narwhal.tools.bench.fleet import BenchFleet, CommandTemplateError, command_for
+
+    class Engine:
+        def __init__(self, port: int) -> None:
+            self.url = f"http://127.0.0.1:{port}"
+
+    fleet = BenchFleet({"p1": Engine(1), "d1": Engine(2)},  # type: ignore[dict-item]
+                       {"p1": "prefill", "d1": "decode"}, [])
+    keys = tmp_path / "keys.toml"
+    argv = command_for("r {port} auth.keys_file={keys_file}", fleet, port=9, metrics_port=10, keys_file=keys)
+    assert argv == ["r", "9", f"auth.keys_file={keys}"]
+    with pytest.raises(CommandTemplateError):
+        command_for("r {keys_file}", fleet, port=9, metrics_port=10)
+    assert settings_from_args(_args("--auth", "--router-cmd", "r {port} {keys_file}")).auth

@@ -235,7 +235,9 @@ async def _start_target(nursery: trio.Nursery, settings: BenchSettings, fleet: B
         return external_target(settings.target, settings.target_pid)
     assert fleet is not None
     if settings.router_cmd:
-        return await start_command_router(nursery, settings.router_cmd, fleet, workdir)
+        keys_file = (extra or {}).get("auth", {}).get("keys_file")
+        return await start_command_router(nursery, settings.router_cmd, fleet, workdir,
+                                          Path(keys_file) if keys_file else None)
     overrides = dict(settings.overrides)
     for section, values in (extra or {}).items():
         overrides[section] = {**values, **overrides.get(section, {})}
