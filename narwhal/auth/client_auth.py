@@ -70,16 +70,18 @@ class AuthRefused(NarwhalError):
 
 
 class Admitted:
-    """One admitted request's holdings: its tenant, its gate ticket, and the limit headers to answer with."""
+    """One admitted request's holdings: its tenant and its gate ticket (and how long it waited for it).
 
-    __slots__ = ("headers", "key", "queue_wait_s", "ticket")
+    A served request carries no ``x-ratelimit-*`` headers (a refused one does): computing them costs a refill
+    and six formatted values per request, for headers OpenAI's clients read only on a 429.
+    """
 
-    def __init__(self, key: KeyEntry, ticket: Ticket | None, queue_wait_s: float,
-                 headers: list[tuple[bytes, bytes]]) -> None:
+    __slots__ = ("key", "queue_wait_s", "ticket")
+
+    def __init__(self, key: KeyEntry, ticket: Ticket | None, queue_wait_s: float) -> None:
         self.key = key
         self.ticket = ticket
         self.queue_wait_s = queue_wait_s
-        self.headers = headers
 
 
 def _retry_after(seconds: float) -> tuple[bytes, bytes]:
@@ -161,8 +163,7 @@ class ClientAuth:
             if self.enabled:
                 limits.release(key.name)
             raise
-        headers = limits.headers(key.name, self._clock()) if self.enabled else []
-        return Admitted(key, ticket, waited, headers)
+        return Admitted(key, ticket, waited)
 
     def finish(self, admitted: Admitted, tokens: int) -> None:
         """The request ended: its gate slot and concurrency back, its tokens charged."""
