@@ -189,6 +189,33 @@ def test_the_tenant_with_fewest_in_flight_in_its_class_goes_first_then_the_earli
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
+def test_closed_loop_clients_share_equally_when_their_in_flight_counts_tie(seed: int) -> None:
+    # Each client sends its next request as its last ends (the bench's clients): 8 light, 80 heavy, 8 slots.
+    # In flight ties at 4 and 4 most of the time; the tie goes to the tenant served longest ago, not to the one
+    # whose oldest waiter is oldest (the heavy tenant's always is: its queue is ten times longer).
+    rng = random.Random(seed)
+    state = GateState(capacity=8, reserve_high=0.0, max_queue=1_000_000)
+    held: list = []
+    for tenant, clients in (("light", 8), ("heavy", 80)):
+        for _ in range(clients):
+            outcome = state.arrive(tenant, "normal", 0.0)
+            if not hasattr(outcome, "waiter"):
+                held.append(outcome)
+    admitted: list[str] = []
+    while len(admitted) < 1000:
+        ticket = held.pop(rng.randrange(len(held)))
+        tenant = ticket.tenant
+        for waiter in state.leave(ticket):
+            held.append(waiter.ticket)
+            admitted.append(waiter.tenant)
+        outcome = state.arrive(tenant, "normal", 0.0)  # the client's next request
+        if not hasattr(outcome, "waiter"):
+            held.append(outcome)
+    counts = Counter(admitted[:1000])
+    assert counts["light"] >= 400 and counts["heavy"] >= 400, counts
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
 def test_two_tenants_of_one_class_share_equally_while_both_wait_one_sending_ten_times_more(seed: int) -> None:
     rng = random.Random(seed)
     state = GateState(capacity=8, reserve_high=0.0, max_queue=1_000_000)

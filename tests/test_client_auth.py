@@ -133,3 +133,49 @@ def test_the_tenants_view_sums_the_metrics_and_ranks_by_requests() -> None:
     assert (a.requests, a.errors, a.prompt_tokens, a.completion_tokens, a.refusals) == (7, 2, 100, 40,
                                                                                     {"requests": 2})
     assert tenants_view(text, auth=True, limit=1).tenants[0].tenant == "b"
+
+
+async def test_each_worker_process_enforces_its_share_of_a_limit(tmp_path) -> None:
+    from narwhal.config import parse_config
+    from narwhal.router import Router
+
+    (tmp_path / "keys.toml").write_text(f'[[keys]]\nname = "alpha"\nsha256 = "{"a" * 64}"\nrequests_per_minute = 60\n')
+    config = parse_config(f"""
+[serving]
+workers = 2
+policy = "bounded"
+max_queue = 32
+[auth]
+keys_file = "keys.toml"
+reserve_high = 0.25
+[handoff]
+path = "{tmp_path / 'handoff.json'}"
+[[engines]]
+name = "p1"
+url = "http://127.0.0.1:9001"
+role = "prefill"
+[[engines]]
+name = "d1"
+url = "http://127.0.0.1:9002"
+role = "decode"
+""")
+    router = Router(config, config_dir=tmp_path)
+    settings = router._auth_settings()
+    assert settings is not None and settings.share == 0.5
+    assert (settings.reserve_high, settings.max_queue) == (0.25, 32)
+    assert [key.name for key in settings.keys or []] == ["alpha"]
+    # The keys travel in every worker's snapshot.
+    assert router.hub._content()[1].auth == settings
+    await router.control_pool.aclose()
+
+
+def test_a_bad_keys_file_stops_the_start_naming_the_key(tmp_path) -> None:
+    from narwhal.config import ConfigError, parse_config
+    from narwhal.router import Router
+
+    (tmp_path / "keys.toml").write_text('[[keys]]\nname = "alpha"\nsha256 = "nothex"\n')
+    config = parse_config('[auth]\nkeys_file = "keys.toml"\n[[engines]]\nname = "p1"\n'
+                          'url = "http://127.0.0.1:9001"\nrole = "prefill"\n[[engines]]\nname = "d1"\n'
+                          'url = "http://127.0.0.1:9002"\nrole = "decode"\n')
+    with pytest.raises(ConfigError, match=r"auth\.keys_file: .*keys\[0\]\.sha256"):
+        Router(config, config_dir=tmp_path)

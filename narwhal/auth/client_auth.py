@@ -6,9 +6,10 @@ sees a request: ``identify`` (401 ``invalid_api_key``), ``check_model`` (403
 ``x-ratelimit-*`` headers), then the priority gate's ``enter`` (503
 ``overloaded`` / ``pool_saturated`` / ``queue_full`` with ``retry-after``).
 ``finish`` gives back what ``admit`` and ``enter`` took and charges the tokens
-the request used. Without a keys file there is no ``ClientAuth``: nothing of
-this runs (under the bounded policy the gate still bounds the queue, every
-request one tenant of class normal).
+the request used. Without a keys file the data plane builds no ``ClientAuth``:
+nothing of this runs (and the bounded policy waits for capacity as before,
+without the gate). ``AuthSettings(keys=None)`` (every caller the anonymous
+tenant) exists for the gate's own tests; the router never builds it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from narwhal.errors import NarwhalError
 
 __all__ = ["ANONYMOUS", "Admitted", "AuthRefused", "AuthSettings", "ClientAuth", "read_client_keys"]
 
-# The tenant of every request when no keys file is set (the bounded policy's queue still ranks by class).
+# The one tenant when a ClientAuth has no keys (its own tests; the router builds none without a keys file).
 ANONYMOUS = KeyEntry(name="-", sha256="0" * 64)
 
 
@@ -57,7 +58,7 @@ class AuthRefused(NarwhalError):
     """A request refused by client auth: the status, the OpenAI error body's fields and the headers to send."""
 
     def __init__(self, status: int, message: str, type_: str, code: str, reason: str,
-                 headers: Sequence[tuple[bytes, bytes]] = (), tenant: str | None = None) -> None:
+                 headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -66,20 +67,21 @@ class AuthRefused(NarwhalError):
         # The refusal's reason label (narwhal_tenant_refusals_total): invalid_api_key, model, requests, ...
         self.reason = reason
         self.headers = list(headers)
-        self.tenant = tenant
 
 
 class Admitted:
-    """One admitted request's holdings: its tenant, its gate ticket, and the limit headers to answer with."""
+    """One admitted request's holdings: its tenant and its gate ticket (and how long it waited for it).
 
-    __slots__ = ("headers", "key", "queue_wait_s", "ticket")
+    A served request carries no ``x-ratelimit-*`` headers (a refused one does): computing them costs a refill
+    and six formatted values per request, for headers OpenAI's clients read only on a 429.
+    """
 
-    def __init__(self, key: KeyEntry, ticket: Ticket | None, queue_wait_s: float,
-                 headers: list[tuple[bytes, bytes]]) -> None:
+    __slots__ = ("key", "queue_wait_s", "ticket")
+
+    def __init__(self, key: KeyEntry, ticket: Ticket | None, queue_wait_s: float) -> None:
         self.key = key
         self.ticket = ticket
         self.queue_wait_s = queue_wait_s
-        self.headers = headers
 
 
 def _retry_after(seconds: float) -> tuple[bytes, bytes]:
@@ -131,7 +133,7 @@ class ClientAuth:
         if allowed is None or any(name in allowed for name in names):
             return
         raise AuthRefused(403, f"the API key {key.name!r} may not use the model {names[0]!r}",
-                          "invalid_request_error", "model_not_allowed", "model", tenant=key.name)
+                          "invalid_request_error", "model_not_allowed", "model")
 
     async def admit(self, key: KeyEntry, deadline: float) -> Admitted:
         """Take the tenant's limits and a place in the gate (waiting in line under the bounded policy)."""
@@ -143,7 +145,7 @@ class ClientAuth:
                      "concurrent": "concurrent requests"}[refusal.reason]
             raise AuthRefused(429, f"rate limit reached for {key.name!r}: {limit}; retry after "
                               f"{max(1, math.ceil(refusal.retry_after_s))} s", "requests", "rate_limit_exceeded",
-                              refusal.reason, refusal.headers, tenant=key.name)
+                              refusal.reason, refusal.headers)
         try:
             if self._bounded:
                 ticket, waited = await self.gate.enter(key.name, key.priority, deadline)
@@ -156,13 +158,12 @@ class ClientAuth:
                        "pool_saturated": "router saturated: no free data connection",
                        "queue_full": "the queue for capacity is full"}[exc.code]
             raise AuthRefused(503, message, "service_unavailable", exc.code, exc.code,
-                              [_retry_after(exc.retry_after_s)], tenant=key.name) from None
+                              [_retry_after(exc.retry_after_s)]) from None
         except BaseException:
             if self.enabled:
                 limits.release(key.name)
             raise
-        headers = limits.headers(key.name, self._clock()) if self.enabled else []
-        return Admitted(key, ticket, waited, headers)
+        return Admitted(key, ticket, waited)
 
     def finish(self, admitted: Admitted, tokens: int) -> None:
         """The request ended: its gate slot and concurrency back, its tokens charged."""

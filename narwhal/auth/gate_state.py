@@ -94,6 +94,11 @@ class GateState:
         self._waiting = [0, 0, 0]
         self._waiting_total = 0
         self._seq = 0
+        # Per class, when each tenant was last granted a slot (a count of grants): ties in flight go to the
+        # tenant served longest ago, so a tenant with ten times the waiters does not win every tie by having the
+        # oldest one. Bounded by the keys file's tenants.
+        self._grants = 0
+        self._last_grant: tuple[dict[str, int], ...] = ({}, {}, {})
         self._capacity = self._share = self._reserved = self._max_queue = 0
         self.configure(capacity=capacity, reserve_high=reserve_high, max_queue=max_queue)
 
@@ -245,6 +250,8 @@ class GateState:
             self._shared += 1
         flight = self._flight[rank]
         flight[tenant] = flight.get(tenant, 0) + 1
+        self._grants += 1
+        self._last_grant[rank][tenant] = self._grants
         return Ticket(tenant, rank)
 
     def _dispatch(self) -> list[Waiter]:
@@ -263,12 +270,13 @@ class GateState:
         return admitted
 
     def _pop_fairest(self, rank: int) -> Waiter:
-        """The class's tenant with the fewest requests in flight in it (ties: earliest arrival) gives its first."""
-        flight = self._flight[rank]
+        """The class's tenant with the fewest requests in flight in it (ties: the one served longest ago, then
+        earliest arrival) gives its first."""
+        flight, last = self._flight[rank], self._last_grant[rank]
         best: deque[Waiter] | None = None
-        best_key = (0, 0)
+        best_key = (0, 0, 0)
         for tenant, queue in self._queues[rank].items():
-            key = (flight.get(tenant, 0), queue[0].seq)
+            key = (flight.get(tenant, 0), last.get(tenant, 0), queue[0].seq)
             if best is None or key < best_key:
                 best, best_key = queue, key
         assert best is not None

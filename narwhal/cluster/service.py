@@ -150,7 +150,7 @@ class ClusterService:
             if written:
                 newest = max(newest, written[-1][0])
         except (EtcdUnavailable, trio.TooSlowError):
-            pass
+            pass  # etcd does not answer: the routers as last listed, and this router's own view (its lag unknown)
         routers[self.router_id] = self.entry()
         rows = []
         for entry in sorted(routers.values(), key=lambda e: (e.role != CONTROLLER, e.router_id)):

@@ -80,8 +80,10 @@ class Front:
             return
         if request.path in COMPLETION_ROUTES:
             if request.method == b"POST":
-                await self.core.handle(request.path, request.body, request.get_header(b"x-request-id"),
-                                       responder, request.get_header(b"authorization"))
+                # The Authorization header is looked for only with client keys on: a request does not pay for them.
+                core = self.core
+                await core.handle(request.path, request.body, request.get_header(b"x-request-id"), responder,
+                                  request.get_header(b"authorization") if core.auth is not None else None)
             else:
                 await responder.respond(405, _NOT_ALLOWED_HEADERS, _NOT_ALLOWED)
             return

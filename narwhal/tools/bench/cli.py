@@ -33,6 +33,8 @@ _PREFIX_REQUESTS = 800
 _PREFIX_S_PER_TOKEN = 0.0002
 _FLEET_CONCURRENCY = 64
 _FLEET_REQUESTS = 3000
+_PRIORITY_DURATION_S = 20.0
+_PRIORITY_TOKEN_DELAY_S = 0.005
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
@@ -105,14 +107,34 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
                      help="--baseline pair: the engines to send each request to, prefill then decode")
     run.add_argument("--model", default="mock-model",
                      help="the model named in every request (default mock-model; a real fleet's model with --target)")
-    run.add_argument("--scenario", choices=("load", "faults", "prefix", "fleet"), default="load",
+    run.add_argument("--scenario", choices=("load", "faults", "prefix", "fleet", "priority"), default="load",
                      help="faults: kill a decode engine and restart it, make another answer 5xx, during the load; "
                           "prefix: shared prefixes with unique suffixes on prefill mocks that model a prefix "
                           f"cache (defaults then: --prefill {_PREFIX_PREFILL}, --decode 2, --tokens 8, "
                           f"--requests {_PREFIX_REQUESTS}); fleet: the same load in front of fleets of each of "
                           "--fleet-sizes engines, one mock process each, a quarter prefill (defaults then: "
                           f"--concurrency {_FLEET_CONCURRENCY}, --requests {_FLEET_REQUESTS}, --mock-writes "
-                          "per-event)")
+                          "per-event); priority: tenants of each priority class at once against a small data "
+                          "pool under policy = \"bounded\", queue waits by class and fairness within one (defaults "
+                          f"then: --duration-s {_PRIORITY_DURATION_S:g}, --token-delay-s {_PRIORITY_TOKEN_DELAY_S:g})")
+    auth = parser.add_argument_group("client keys (issue 39)")
+    auth.add_argument("--auth", action="store_true",
+                      help="--scenario load with client auth on: the router reads a keys file of one key (normal "
+                           "priority, no limits) and every request sends it as Authorization: Bearer (a --router-cmd "
+                           "template gets the file's path as {keys_file})")
+    auth.add_argument("--compare-auth", action="store_true",
+                      help="--scenario load, on one fleet: passes with client auth off then on, --auth-rounds "
+                           "times, each with a router started afresh; prints router CPU per request in each mode "
+                           "and on / off")
+    auth.add_argument("--auth-rounds", type=int, default=None, metavar="N",
+                      help="--compare-auth: rounds of (off, on) passes (default 2)")
+    auth.add_argument("--priority-max-connections", type=int, default=8, metavar="N",
+                      help="--scenario priority: the router's serving.max_connections (default %(default)s)")
+    auth.add_argument("--priority-reserve-high", type=float, default=0.125, metavar="SHARE",
+                      help="--scenario priority: the router's auth.reserve_high (default %(default)s)")
+    auth.add_argument("--priority-concurrency", type=int, default=4, metavar="N",
+                      help="--scenario priority: clients of high-a, normal-a and low-a; normal-b has ten times "
+                           "as many (default %(default)s)")
     scale = parser.add_argument_group("fleet scenario")
     scale.add_argument("--fleet-sizes", default=",".join(map(str, DEFAULT_SIZES)), metavar="N,N,...",
                        help="fleet sizes, in engines, each at least 2 (default %(default)s); a quarter of each "
@@ -194,6 +216,10 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     prefix = args.scenario == "prefix"
     scale = args.scenario == "fleet"
     requests, duration_s = args.requests, args.duration_s
+    _check_auth_args(args)
+    priority = args.scenario == "priority"
+    if priority and duration_s is None:
+        duration_s = _PRIORITY_DURATION_S
     concurrency = args.concurrency if args.concurrency is not None else _FLEET_CONCURRENCY if scale else 16
     mock_writes = args.mock_writes or ("per-event" if scale else "batched")
     fleet_sizes = _fleet_sizes(args.fleet_sizes) if scale else DEFAULT_SIZES
@@ -242,7 +268,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         raise ValueError("--routers must be at least 1")
     _check_cluster_args(args)
     token_delay_s = args.token_delay_s if args.token_delay_s is not None else (
-        _FAULTS_TOKEN_DELAY_S if faults else 0.0)
+        _FAULTS_TOKEN_DELAY_S if faults else _PRIORITY_TOKEN_DELAY_S if priority else 0.0)
     if prefill < 1 or decode < 1:
         raise ValueError("--prefill and --decode must be at least 1")
     if faults and decode < 2:
@@ -303,7 +329,37 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         chat_turns=args.chat_turns, mock_cache_blocks=int(cache_blocks), prefill_s_per_token=prefill_s,
         fleet_sizes=fleet_sizes, fleet_idle_s=args.fleet_idle_s, compare_kv_events=args.compare_kv_events,
         routers=args.routers, etcd=args.etcd, independent_routers=args.independent_routers,
-        compare_routers=args.compare_routers)
+        compare_routers=args.compare_routers, auth=args.auth or args.compare_auth, compare_auth=args.compare_auth,
+        auth_rounds=args.auth_rounds if args.auth_rounds is not None else 2,
+        priority_max_connections=args.priority_max_connections, priority_reserve_high=args.priority_reserve_high,
+        priority_concurrency=args.priority_concurrency)
+
+
+def _check_auth_args(args: argparse.Namespace) -> None:
+    """``--auth``, ``--compare-auth`` and ``--scenario priority`` need Narwhal and its fleet started here."""
+    priority = args.scenario == "priority"
+    if args.auth or args.compare_auth or priority:
+        what = "--scenario priority" if priority else "--auth and --compare-auth"
+        # --auth --router-cmd: the template names the keys file as {keys_file} (bench/cprofile_router.py).
+        if args.target or (args.router_cmd and (priority or args.compare_auth)):
+            raise ValueError(f"{what} need Narwhal started here (not --target or --router-cmd)")
+        if not priority and args.scenario != "load":
+            raise ValueError("--auth and --compare-auth go with --scenario load")
+    if args.auth_rounds is not None and (not args.compare_auth or args.auth_rounds < 1):
+        raise ValueError("--auth-rounds goes with --compare-auth and must be at least 1")
+    if args.compare_auth and (args.tls or args.baseline or args.models > 1):
+        raise ValueError("--compare-auth runs plain passes: no --tls, --baseline or --models")
+    if priority:
+        if args.auth or args.compare_auth or args.tls or args.baseline or args.models > 1:
+            raise ValueError("--scenario priority makes its own keys: no --auth, --compare-auth, --tls, "
+                             "--baseline or --models")
+        if args.requests is not None or args.concurrency is not None:
+            raise ValueError("--scenario priority runs each tenant's clients for --duration-s: no --requests; "
+                             "set the clients with --priority-concurrency, not --concurrency")
+        if args.priority_max_connections < 2 or args.priority_concurrency < 1:
+            raise ValueError("--priority-max-connections must be at least 2 and --priority-concurrency at least 1")
+        if not 0 <= args.priority_reserve_high < 1:
+            raise ValueError("--priority-reserve-high must be in [0, 1)")
 
 
 def _check_cluster_args(args: argparse.Namespace) -> None:
@@ -355,10 +411,14 @@ def run_from_args(args: argparse.Namespace) -> int:
               f"({least:g} s); add --duration-s to be sure", file=sys.stderr)
     failures: list[BaseException] = []
     try:
+        from narwhal.tools.bench.auth_compare import run_auth_comparison
         from narwhal.tools.bench.placement import run_placement_passes
+        from narwhal.tools.bench.priority import run_priority
 
         run = run_fleet_scale if settings.scenario == "fleet" else \
-            run_placement_passes if settings.placement_passes else run_bench
+            run_placement_passes if settings.placement_passes else \
+            run_priority if settings.scenario == "priority" else \
+            run_auth_comparison if settings.compare_auth else run_bench
         report = trio.run(run, settings)
     except* (RuntimeError, OSError, ValueError) as group:
         failures = _leaves(group)

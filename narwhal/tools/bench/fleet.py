@@ -267,13 +267,15 @@ class CommandTemplateError(NarwhalError, ValueError):
     """A ``--router-cmd`` template names a placeholder the benchmark does not fill."""
 
 
-def command_for(template: str, fleet: BenchFleet, *, port: int, metrics_port: int) -> list[str]:
+def command_for(template: str, fleet: BenchFleet, *, port: int, metrics_port: int,
+                keys_file: Path | None = None) -> list[str]:
     """Fill a ``--router-cmd`` template and split it into argv.
 
     Placeholders: ``{port}``, ``{metrics_port}``, ``{prefill_flags}`` (``--prefill URL``
     per prefill engine), ``{prefill_flags_bootstrap}`` (``--prefill URL 8998``, for
     sglang-router), ``{decode_flags}``, ``{prefill_urls}``, ``{decode_urls}``, and
-    ``{prefill[0]}``/``{decode[0]}`` for single engines.
+    ``{prefill[0]}``/``{decode[0]}`` for single engines; with ``bench --auth``, ``{keys_file}`` (the
+    keys file of the key the clients send).
     """
     prefill, decode = fleet.urls("prefill"), fleet.urls("decode")
     values = {
@@ -283,16 +285,19 @@ def command_for(template: str, fleet: BenchFleet, *, port: int, metrics_port: in
         "prefill_flags_bootstrap": " ".join(f"--prefill {url} 8998" for url in prefill),
         "decode_flags": " ".join(f"--decode {url}" for url in decode),
     }
+    if keys_file is not None:
+        values["keys_file"] = str(keys_file)
     try:
         return shlex.split(template.format(**values))
     except (KeyError, IndexError) as exc:
         raise CommandTemplateError(f"--router-cmd: unknown placeholder {exc}") from None
 
 
-async def start_command_router(nursery: trio.Nursery, template: str, fleet: BenchFleet, workdir: Path) -> Target:
+async def start_command_router(nursery: trio.Nursery, template: str, fleet: BenchFleet, workdir: Path,
+                               keys_file: Path | None = None) -> Target:
     """Start another router from a command template; its output goes to ``router.log`` in ``workdir``."""
     port, metrics_port = free_port(), free_port()
-    argv = command_for(template, fleet, port=port, metrics_port=metrics_port)
+    argv = command_for(template, fleet, port=port, metrics_port=metrics_port, keys_file=keys_file)
     log_path = workdir / "router.log"
     with open(log_path, "wb") as log:
         process = await trio.lowlevel.open_process(argv, stdout=log, stderr=subprocess.STDOUT,
@@ -310,11 +315,12 @@ def external_target(url: str, pid: int | None) -> Target:
     return target
 
 
-async def probe_completion(client: httpx.AsyncClient, url: str, *, body: bytes) -> bool:
-    """One streamed completion through ``url``; True when it ended with ``data: [DONE]``."""
+async def probe_completion(client: httpx.AsyncClient, url: str, *, body: bytes,
+                           headers: Mapping[str, str] | None = None) -> bool:
+    """One streamed completion through ``url`` (with ``headers`` too); True when it ended with ``data: [DONE]``."""
     try:
         async with client.stream("POST", url + "/v1/completions", content=body,
-                                 headers={"content-type": "application/json"}) as response:
+                                 headers={"content-type": "application/json", **(headers or {})}) as response:
             if response.status_code != 200:
                 await response.aread()
                 return False
@@ -325,7 +331,7 @@ async def probe_completion(client: httpx.AsyncClient, url: str, *, body: bytes) 
 
 
 async def wait_until_serving(client: httpx.AsyncClient, target: Target, *, probe_body: bytes,
-                             timeout_s: float = 60.0) -> None:
+                             timeout_s: float = 60.0, headers: Mapping[str, str] | None = None) -> None:
     """Wait until ``target`` serves: ``/ready`` 200 for Narwhal, then a streamed completion for any router."""
     if target.kind == "external":
         # A router that is already running answers at once; a refused connection will not change in 10 s.
@@ -344,7 +350,7 @@ async def wait_until_serving(client: httpx.AsyncClient, target: Target, *, probe
                 except httpx.HTTPError:
                     pass
                 await trio.sleep(0.1)
-        while not await probe_completion(client, target.url, body=probe_body):
+        while not await probe_completion(client, target.url, body=probe_body, headers=headers):
             if target.process is not None and target.process.returncode is not None:
                 raise RuntimeError(f"the router exited with status {target.process.returncode} before serving"
                                    f"{_log_tail(target)}")

@@ -19,6 +19,7 @@ from narwhal.tools.bench.prefix import PlacementPass, PrefixReport, format_pass_
 
 __all__ = [
     "AdminAnswer",
+    "AuthComparison",
     "BenchReport",
     "Distribution",
     "EngineTraffic",
@@ -26,8 +27,10 @@ __all__ = [
     "FleetScaleReport",
     "FleetSizeReport",
     "LoadSummary",
+    "PriorityReport",
     "ProcessUsage",
     "RunReport",
+    "TenantFigures",
     "distribution",
     "format_fleet_scale",
     "format_report",
@@ -265,6 +268,53 @@ class FleetScaleReport(msgspec.Struct, frozen=True, kw_only=True):
     cpu_per_request_less_scrapes_vs_smallest: dict[str, float | None] = {}
 
 
+class AuthComparison(msgspec.Struct, frozen=True, kw_only=True):
+    """``--compare-auth``: passes with client auth off and on alike; CPU per request over each mode's passes."""
+
+    passes: list[RunReport]
+    # Each pass's mode, in order (passes[i] had client auth on when auth_on[i]).
+    auth_on: list[bool]
+    cpu_ms_per_request_off: float | None
+    cpu_ms_per_request_on: float | None
+    # on / off: 1.03 is 3 % more CPU per request with auth on.
+    ratio: float | None
+
+
+class TenantFigures(msgspec.Struct, frozen=True, kw_only=True):
+    """One tenant of the priority scenario: what its clients saw and what the router says it waited."""
+
+    tenant: str
+    priority: str
+    concurrency: int
+    requests: int
+    ok: int
+    errors_by_status: dict[str, int]
+    # Requests served before the tenants' clients stopped issuing (the fairness window).
+    ok_in_window: int
+    client_total_p50_ms: float | None
+    # From narwhal_tenant_queue_wait_seconds over the run (bucket counts, interpolated within a bucket).
+    queue_wait_count: int
+    queue_wait_p50_ms: float | None
+    queue_wait_p90_ms: float | None
+    queue_wait_mean_ms: float | None
+
+
+class PriorityReport(msgspec.Struct, frozen=True, kw_only=True):
+    """``--scenario priority``: per tenant and per class queue waits under saturation, and fairness."""
+
+    max_connections: int
+    reserve_high: float
+    max_queue: int
+    duration_s: float
+    tenants: list[TenantFigures]
+    # Per class (both normal tenants' buckets together): p50 queue wait, ms.
+    class_queue_wait_p50_ms: dict[str, float | None]
+    ordered: bool
+    # normal-a's and normal-b's shares of the normal class's completions in the window; each >= 0.4 passes.
+    fairness_shares: dict[str, float | None]
+    fair: bool
+
+
 class BenchReport(msgspec.Struct, frozen=True, kw_only=True):
     """Everything ``--json`` writes: the settings, the run, the optional baseline and fault report."""
 
@@ -284,6 +334,10 @@ class BenchReport(msgspec.Struct, frozen=True, kw_only=True):
     placement_passes: list[PlacementPass] | None = None
     # --compare-routers: per kv_events mode, the N-router pass over the lone router's.
     routers_comparison: list[RoutersComparison] | None = None
+    # --compare-auth: the passes with client auth off and on (``run`` is then the last pass).
+    auth_comparison: AuthComparison | None = None
+    # --scenario priority (``run`` is then every tenant's requests together).
+    priority: PriorityReport | None = None
 
 
 # ----- the table -------------------------------------------------------------------
@@ -449,11 +503,43 @@ def format_fleet_scale(fleet: FleetScaleReport, label: str) -> str:
                       "/metrics; a quarter of each fleet prefills)"])
 
 
+def _auth_lines(comparison: AuthComparison) -> list[str]:
+    ratio = comparison.ratio
+    verdict = "-" if ratio is None else "within 3 %" if ratio <= 1.03 else "OVER 3 %"
+    return ["", f"client auth cost ({len(comparison.passes)} passes, off and on in turn, same fleet)",
+            f"  router CPU ms / request  auth off {_fmt(comparison.cpu_ms_per_request_off, 4)}, "
+            f"auth on {_fmt(comparison.cpu_ms_per_request_on, 4)}",
+            f"  on / off                 {_fmt(ratio, 3)} ({verdict})"]
+
+
+def _priority_lines(priority: PriorityReport) -> list[str]:
+    columns = [(f"{t.tenant} ({t.priority})", [
+        ("clients", str(t.concurrency)),
+        ("requests (ok / errors)", f"{t.ok} / {t.requests - t.ok}"),
+        ("ok before the clients stopped", str(t.ok_in_window)),
+        ("client total ms p50", _fmt(t.client_total_p50_ms, 1)),
+        ("queue wait ms p50 / p90", f"{_fmt(t.queue_wait_p50_ms, 1)} / {_fmt(t.queue_wait_p90_ms, 1)}"),
+        ("queue wait ms mean (n)", f"{_fmt(t.queue_wait_mean_ms, 1)} ({t.queue_wait_count})"),
+        ("errors by status", ", ".join(f"{k} {v}" for k, v in t.errors_by_status.items()) or "none"),
+    ]) for t in priority.tenants]
+    waits = priority.class_queue_wait_p50_ms
+    shares = priority.fairness_shares
+    return ["", f"priority scenario: max_connections {priority.max_connections}, reserve_high "
+            f"{priority.reserve_high:g}, max_queue {priority.max_queue}, clients for {priority.duration_s:g} s",
+            _table(columns),
+            "p50 queue wait by class ms: " + ", ".join(f"{c} {_fmt(v, 1)}" for c, v in waits.items())
+            + f"; high < normal < low: {'pass' if priority.ordered else 'FAIL'}",
+            "fairness (shares of the normal class's requests served while both waited): "
+            + ", ".join(f"{t} {_fmt(v * 100 if v is not None else None, 1)} %" for t, v in shares.items())
+            + f"; each >= 40 %: {'pass' if priority.fair else 'FAIL'}"]
+
+
 def format_report(report: BenchReport) -> str:
     """The table the CLI prints: the run, the direct baseline beside it, then the fault scenario."""
     if report.fleet_scale is not None:
         return format_fleet_scale(report.fleet_scale, report.run.label.partition(" (")[0])
-    columns = [(report.run.label, _rows(report.run))]
+    runs = report.auth_comparison.passes if report.auth_comparison is not None else [report.run]
+    columns = [(run.label, _rows(run)) for run in runs]
     columns += [(f"model {name}", _model_rows(load)) for name, load in report.run.models.items()]
     if report.baseline is not None:
         columns.append((report.baseline.label, _rows(report.baseline)))
@@ -470,4 +556,8 @@ def format_report(report: BenchReport) -> str:
     if report.routers_comparison:
         lines += ["", "several routers against one (same fleet, caches emptied before each pass)",
                   *format_comparison_lines(report.routers_comparison)]
+    if report.auth_comparison is not None:
+        lines += _auth_lines(report.auth_comparison)
+    if report.priority is not None:
+        lines += _priority_lines(report.priority)
     return "\n".join(lines)

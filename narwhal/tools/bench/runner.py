@@ -20,6 +20,7 @@ import httpx
 import msgspec
 import trio
 
+from narwhal.tools.bench.auth import BENCH_TENANT, auth_sections, write_keys_file
 from narwhal.tools.bench.fleet import (
     BenchFleet,
     Target,
@@ -31,7 +32,7 @@ from narwhal.tools.bench.fleet import (
     start_narwhal,
     wait_until_serving,
 )
-from narwhal.tools.bench.load import LoadSpec, completion_body, run_load
+from narwhal.tools.bench.load import LoadSpec, bearer_header, completion_body, run_load
 from narwhal.tools.bench.measure import EngineRef, measured_load
 from narwhal.tools.bench.prefix import PrefixWorkload, collect_prefix_report
 from narwhal.tools.bench.report import BenchReport, FaultReport, RunReport
@@ -104,6 +105,16 @@ class BenchSettings(msgspec.Struct, frozen=True, kw_only=True):
     # The fleet scenario (bench --scenario fleet): the fleet sizes, and the idle window at each.
     fleet_sizes: tuple[int, ...] = (4, 64, 256)
     fleet_idle_s: float = 10.0
+    # Client keys (issue 39). auth: the router reads a keys file of one key (normal priority, no limits) and
+    # every request sends it; compare_auth: auth_rounds rounds of a pass with auth off then one with it on.
+    auth: bool = False
+    compare_auth: bool = False
+    auth_rounds: int = 2
+    # The priority scenario (bench --scenario priority): the router's data pool, its high-priority reserve,
+    # and the concurrency of each tenant but normal-b (which has ten times it).
+    priority_max_connections: int = 8
+    priority_reserve_high: float = 0.125
+    priority_concurrency: int = 4
 
     @property
     def mock_args(self) -> list[str]:
@@ -142,10 +153,10 @@ class BenchSettings(msgspec.Struct, frozen=True, kw_only=True):
 
 def _spec(settings: BenchSettings, host: str, port: int, body: bytes, *, requests: int | None,
           duration_s: float | None, path: str = "/v1/completions",
-          model_bodies: tuple[bytes, ...] = ()) -> LoadSpec:
+          model_bodies: tuple[bytes, ...] = (), headers: bytes = b"") -> LoadSpec:
     return LoadSpec(host=host, port=port, body=body, concurrency=settings.concurrency, requests=requests,
                     duration_s=duration_s, keep_alive=settings.keep_alive, stream=settings.stream,
-                    timeout_s=settings.timeout_s, path=path, model_bodies=model_bodies,
+                    timeout_s=settings.timeout_s, path=path, model_bodies=model_bodies, headers=headers,
                     # Our mocks always send max_tokens: the fault scenario checks every join's arithmetic.
                     expect_tokens=settings.tokens if settings.scenario == "faults" and settings.target is None
                     else None)
@@ -165,13 +176,15 @@ def _engine_refs(fleet: BenchFleet | None) -> list[EngineRef]:
     return [(name, role, fleet.engines[name].url, fleet.engines[name].pid) for name, role in fleet.roles.items()]
 
 
-def _label(settings: BenchSettings, target: Target) -> str:
+def _label(settings: BenchSettings, target: Target, auth: bool | None = None) -> str:
     if settings.label:
         return settings.label
     if target.kind == "command" and target.command:
         return Path(target.command[0]).name
     if target.is_narwhal:
-        return "narwhal (tls)" if settings.tls else "narwhal"
+        auth = settings.auth if auth is None else auth
+        notes = [name for name, on in (("tls", settings.tls), ("auth", auth)) if on]
+        return f"narwhal ({', '.join(notes)})" if notes else "narwhal"
     return "target"
 
 
@@ -215,13 +228,19 @@ def _ratios(run: RunReport, direct: RunReport) -> dict[str, float | None]:
 
 
 async def _start_target(nursery: trio.Nursery, settings: BenchSettings, fleet: BenchFleet | None,
-                        workdir: Path, tls: BenchTLS | None = None) -> Target:
+                        workdir: Path, tls: BenchTLS | None = None,
+                        extra: dict[str, dict[str, Any]] | None = None) -> Target:
+    """The router to load; ``extra`` sections (client auth) go under the ``--set`` overrides."""
     if settings.target:
         return external_target(settings.target, settings.target_pid)
     assert fleet is not None
     if settings.router_cmd:
-        return await start_command_router(nursery, settings.router_cmd, fleet, workdir)
+        keys_file = (extra or {}).get("auth", {}).get("keys_file")
+        return await start_command_router(nursery, settings.router_cmd, fleet, workdir,
+                                          Path(keys_file) if keys_file else None)
     overrides = dict(settings.overrides)
+    for section, values in (extra or {}).items():
+        overrides[section] = {**values, **overrides.get(section, {})}
     if settings.scenario == "faults":
         # Retrying on another engine is what lets a router lose only the streams cut by a death.
         overrides = {**overrides, "serving": {"policy": "bounded", **overrides.get("serving", {})}}
@@ -237,11 +256,12 @@ async def _start_target(nursery: trio.Nursery, settings: BenchSettings, fleet: B
 
 async def _measure(nursery: trio.Nursery, settings: BenchSettings, fleet: BenchFleet | None, target: Target,
                    client: httpx.AsyncClient, body: bytes, ssl_context: ssl.SSLContext | None = None,
-                   workload: PrefixWorkload | None = None) -> tuple[RunReport, FaultReport | None]:
-    label = _label(settings, target)
+                   workload: PrefixWorkload | None = None, headers: bytes = b"",
+                   label: str | None = None) -> tuple[RunReport, FaultReport | None]:
+    label = label or _label(settings, target)
     spec = _spec(settings, target.host, target.port, body, requests=settings.requests,
                  duration_s=settings.duration_s, path=workload.path if workload else "/v1/completions",
-                 model_bodies=_model_bodies(settings))
+                 model_bodies=_model_bodies(settings), headers=headers)
     scenario = None
     if settings.scenario == "faults":
         assert fleet is not None
@@ -348,18 +368,26 @@ async def run_bench(settings: BenchSettings) -> BenchReport:
                     fleet = await start_fleet(nursery, prefill=settings.prefill, decode=settings.decode,
                                               mock_args=mock_args,
                                               models=settings.model_names if settings.models > 1 else ())
-                target = await _start_target(nursery, settings, fleet, workdir, tls)
+                extra, headers, probe_headers = None, b"", None
+                if settings.auth:
+                    # One key, normal priority, no limits: what the check itself costs, nothing refused.
+                    key = write_keys_file(workdir / "keys.toml", [(BENCH_TENANT, "normal")])[BENCH_TENANT]
+                    extra = auth_sections(workdir / "keys.toml")
+                    headers, probe_headers = bearer_header(key), {"authorization": f"Bearer {key}"}
+                target = await _start_target(nursery, settings, fleet, workdir, tls, extra)
                 # A router started here may take a while to come up; one already running should answer now.
                 for probe_body in probe_bodies:
                     await wait_until_serving(client, target, probe_body=probe_body,
-                                             timeout_s=10.0 if target.kind == "external" else 60.0)
+                                             timeout_s=10.0 if target.kind == "external" else 60.0,
+                                             headers=probe_headers)
                 if settings.warmup:
                     await run_load(_spec(settings, target.host, target.port, body, requests=settings.warmup,
                                          duration_s=None, path=workload.path if workload else "/v1/completions",
-                                         model_bodies=_model_bodies(settings)),
+                                         model_bodies=_model_bodies(settings), headers=headers),
                                    ssl_context=context, bodies=workload)
                 load_started_unix = time.time()
-                run, faults = await _measure(nursery, settings, fleet, target, client, body, context, workload)
+                run, faults = await _measure(nursery, settings, fleet, target, client, body, context, workload,
+                                             headers)
                 timeline = await _timeline(client, target)
                 if workload is not None and fleet is not None:
                     prefix = await collect_prefix_report(
