@@ -45,9 +45,11 @@ __all__ = [
     "RunningConfig",
     "ServingConfig",
     "TelemetryConfig",
+    "TracingConfig",
     "admin_token_problem",
     "host_name_problem",
     "load_config",
+    "otlp_endpoint_problem",
     "parse_config",
     "parse_listen",
     "zmq_endpoint_problem",
@@ -543,6 +545,56 @@ class AuthConfig(_Section, frozen=True):
             raise ValueError("keys_file must not be empty when set")
 
 
+class TracingConfig(_Section, frozen=True):
+    """OpenTelemetry traces (``narwhal.tracing``): one trace per request, exported over OTLP/HTTP (protobuf)."""
+
+    # The collector's OTLP/HTTP base URL (spans go to <otlp_endpoint>/v1/traces). Unset: no tracing, no cost.
+    otlp_endpoint: str | None = None
+    service_name: str = "narwhal"
+    # Parent-based: a client's sampled traceparent is always followed; a new trace is kept at this ratio.
+    sample_ratio: float = 1.0
+    # Sent with every export (e.g. a collector's API key).
+    headers: dict[str, str] = {}
+
+    def __post_init__(self) -> None:
+        if self.otlp_endpoint is not None:
+            problem = otlp_endpoint_problem(self.otlp_endpoint)
+            if problem is not None:
+                raise ValueError(f"otlp_endpoint: {problem}")
+        if not self.service_name or not _PRINTABLE.fullmatch(self.service_name):
+            raise ValueError("service_name: must be non-empty printable ASCII")
+        if not (0.0 <= self.sample_ratio <= 1.0):
+            raise ValueError(f"sample_ratio: must be between 0 and 1, got {self.sample_ratio:g}")
+        for name, value in self.headers.items():
+            if not _TOKEN.fullmatch(name):
+                raise ValueError(f"headers: {name!r} is not a valid header name")
+            if not _PRINTABLE.fullmatch(value):
+                raise ValueError(f"headers: the value of {name!r} must be printable ASCII")
+
+    @property
+    def enabled(self) -> bool:
+        return self.otlp_endpoint is not None
+
+
+# A header name (RFC 9110 token) and a value of printable ASCII (and spaces): what can go on the wire as is.
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_PRINTABLE = re.compile(r"[\x20-\x7e]*")
+
+
+def otlp_endpoint_problem(url: str) -> str | None:
+    """Why ``url`` is not an OTLP/HTTP base URL (http or https, a host, no query), or None."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 -- raises on a bad port
+    except ValueError as exc:
+        return f"is not a URL: {exc}"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"must be an http(s)://HOST:PORT URL, got {url!r}"
+    if parts.query or parts.fragment:
+        return f"must have no query or fragment, got {url!r}"
+    return None
+
+
 class AdminConfig(_Section, frozen=True):
     token: str | None = None
     # A reload may take the token away (open the admin API) only when the new file says so here.
@@ -679,6 +731,7 @@ class Config(_Section, frozen=True):
     placement: PlacementConfig = PlacementConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
     auth: AuthConfig = AuthConfig()
+    tracing: TracingConfig = TracingConfig()
     engines: list[EngineSpec] = []
 
     def __post_init__(self) -> None:

@@ -56,6 +56,8 @@ RELOADABLE_KEYS: frozenset[str] = frozenset({
     # Client keys: the keys file is read again (a bad one changes nothing), the reserve applies at once.
     "auth",
     "serving.max_queue",
+    # Traces: the exporters take the new endpoint, headers and service name; new requests the new ratio.
+    "tracing",
 })
 
 

@@ -89,6 +89,11 @@ class RouterMetrics:
                                              "Time an admitted request waited for capacity, by tenant.", ("tenant",))
         self.tenant_refusals = r.counter("narwhal_tenant_refusals", "Requests refused by client auth, by tenant "
                                          "(unknown for a missing or invalid key) and reason.", ("tenant", "reason"))
+        # Traces ([tracing] otlp_endpoint): spans the exporter could not queue or send (never retried).
+        self.trace_spans_dropped = r.counter("narwhal_trace_spans_dropped",
+                                             "Trace spans dropped: queue_full (the export queue was full) or "
+                                             "export_failed (the collector failed, refused or timed out).",
+                                             ("reason",))
         self.handoff_write = r.histogram("narwhal_handoff_write_seconds",
                                          "Time one handoff file took to write, fsync and rename into place.", (),
                                          HANDOFF_WRITE_BUCKETS_S)

@@ -117,15 +117,33 @@ class RequestTrace:
         """The trace id as the log line's ``trace_id`` field shows it (32 lowercase hex digits)."""
         return self.context.trace_id.hex()
 
+    @property
+    def sampled(self) -> bool:
+        return self.context.sampled
+
     def child(self, name: str, start_ns: int, kind: int = KIND_INTERNAL) -> Span:
-        """A new span under the root."""
+        """A new span under the root; an unsampled trace hands out its root instead (nothing is recorded, and
+        engines get the root's id with the not-sampled flag), so it costs no span per step."""
+        if not self.context.sampled:
+            return self.root
         return Span(self.context.trace_id, self._ids.span_id(), self.root.span_id, name, kind, start_ns)
 
     def finish(self, span: Span, end_ns: int, *, error: str | None = None) -> None:
-        """End ``span`` and hand it to the sink (when the trace is sampled)."""
-        span.end(end_ns, error=error)
+        """End ``span`` and hand it to the sink; nothing when the trace is not sampled."""
         if self.context.sampled:
+            span.end(end_ns, error=error)
             self._sink(span)
+
+    def engine_headers(self, span: Span) -> bytes:
+        """The header lines an engine request made within ``span`` carries (``traceparent``, and the client's
+        ``tracestate`` when it sent one), each as ``\\r\\nname: value`` for the data pool's request head."""
+        lines = b"\r\ntraceparent: " + self.traceparent_for(span)
+        state = self.context.tracestate
+        return lines + b"\r\ntracestate: " + state.encode("ascii") if state else lines
+
+    def response_header(self) -> tuple[bytes, bytes]:
+        """The ``traceparent`` the client's response carries: the root span's."""
+        return (b"traceparent", format_traceparent(self.context))
 
     def traceparent_for(self, span: Span) -> bytes:
         """The ``traceparent`` an engine request made within ``span`` carries: the engine's spans join under it."""

@@ -1,0 +1,143 @@
+"""The span exporter: a bounded queue the request path appends to, and one trio task that POSTs it as OTLP/HTTP.
+
+``submit`` never waits: a full queue drops the span (counted). ``run`` sends a batch every ``interval_s``,
+or as soon as ``batch`` spans are queued, one POST at a time bounded by ``timeout_s``; a POST that fails or
+times out drops its batch (counted) and is never retried, so a slow or absent collector costs a bounded
+queue and a counter, never a backlog or a client's latency. Not the OpenTelemetry SDK's BatchSpanProcessor:
+it runs a thread and its exporter blocks on ``requests``, neither of which belongs in a trio process.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+import trio
+
+from narwhal.obs.logs import log_event
+from narwhal.obs.metrics import Counter
+from narwhal.tracing.otlp import encode_spans
+from narwhal.tracing.spans import Span
+
+__all__ = ["DROP_EXPORT_FAILED", "DROP_QUEUE_FULL", "SpanExporter", "traces_url"]
+
+# The reasons a span is dropped: the label of narwhal_trace_spans_dropped_total.
+DROP_QUEUE_FULL = "queue_full"
+DROP_EXPORT_FAILED = "export_failed"
+
+_PROTOBUF = "application/x-protobuf"
+# A failing collector is logged once per this many seconds, not once per batch.
+_LOG_EVERY_S = 60.0
+
+
+def traces_url(endpoint: str) -> str:
+    """Where OTLP/HTTP takes traces: ``<endpoint>/v1/traces``."""
+    return endpoint.rstrip("/") + "/v1/traces"
+
+
+def _scope_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("narwhal")
+    except Exception:  # noqa: BLE001 -- an uninstalled tree still exports
+        return "0"
+
+
+class SpanExporter:
+    """Ended spans in, OTLP/HTTP protobuf out, off the request path; drops what it cannot send in time."""
+
+    def __init__(self, *, endpoint: str, headers: Mapping[str, str], service_name: str, max_queue: int = 8192,
+                 batch: int = 512, interval_s: float = 1.0, timeout_s: float = 5.0,
+                 client: httpx.AsyncClient | None = None, dropped_counter: Counter | None = None) -> None:
+        self._queue: deque[Span] = deque()
+        self._max_queue = max_queue
+        self._batch = batch
+        self._interval_s = interval_s
+        self._timeout_s = timeout_s
+        self._client = client
+        self._counter = dropped_counter
+        self._wake = trio.Event()
+        self._version = _scope_version()
+        self._url = ""
+        self._headers: dict[str, str] = {}
+        self._service_name = service_name
+        self._last_logged = -_LOG_EVERY_S
+        self.configure(endpoint=endpoint, headers=headers, service_name=service_name)
+        self.dropped = 0
+        self.exported = 0
+
+    def configure(self, *, endpoint: str, headers: Mapping[str, str], service_name: str) -> None:
+        """A reload: later exports go to ``endpoint`` with these headers and service name."""
+        self._url = traces_url(endpoint)
+        self._headers = {**headers, "content-type": _PROTOBUF}
+        self._service_name = service_name
+
+    def submit(self, span: Span) -> None:
+        """Queue an ended span; never waits (a full queue drops it)."""
+        queue = self._queue
+        if len(queue) >= self._max_queue:
+            self._drop(DROP_QUEUE_FULL, 1)
+            return
+        queue.append(span)
+        if len(queue) >= self._batch:
+            self._wake.set()
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def _drop(self, reason: str, count: int) -> None:
+        self.dropped += count
+        if self._counter is not None:
+            self._counter.inc(reason, amount=count)
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Export until cancelled; the client is this task's (closed with it) unless one was given."""
+        if self._client is not None:
+            task_status.started()
+            await self._loop(self._client)
+            return
+        # No retries and no pooled keep-alive beyond one connection: one POST at a time.
+        async with httpx.AsyncClient(timeout=self._timeout_s, trust_env=False) as client:
+            task_status.started()
+            await self._loop(client)
+
+    async def _loop(self, client: httpx.AsyncClient) -> None:
+        while True:
+            with trio.move_on_after(self._interval_s):
+                await self._wake.wait()
+            self._wake = trio.Event()
+            while self._queue:
+                await self.export_batch(client)
+                if len(self._queue) < self._batch:
+                    break
+
+    async def export_batch(self, client: httpx.AsyncClient) -> None:
+        """POST up to ``batch`` queued spans once; a failure or timeout drops them (counted)."""
+        queue, take = self._queue, min(self._batch, len(self._queue))
+        spans = [queue.popleft() for _ in range(take)]
+        if not spans:
+            return
+        body = encode_spans(spans, service_name=self._service_name, scope_version=self._version)
+        problem: str | None = None
+        with trio.move_on_after(self._timeout_s) as scope:
+            try:
+                response = await client.post(self._url, content=body, headers=self._headers)
+                if not 200 <= response.status_code < 300:
+                    problem = f"HTTP {response.status_code}"
+            except httpx.HTTPError as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+        if scope.cancelled_caught:
+            problem = f"no answer within {self._timeout_s:g} s"
+        if problem is None:
+            self.exported += take
+            return
+        self._drop(DROP_EXPORT_FAILED, take)
+        now = trio.current_time()
+        if now - self._last_logged >= _LOG_EVERY_S:
+            self._last_logged = now
+            log_event("trace_export_failed", level=logging.WARNING, url=self._url, spans=take, problem=problem,
+                      dropped_total=self.dropped)

@@ -1,0 +1,145 @@
+"""Trace context, sampling, a request's spans, the OTLP encoding, and the [tracing] config section."""
+
+from __future__ import annotations
+
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from narwhal.config import ConfigError, TracingConfig, parse_config
+from narwhal.config_diff import is_reloadable
+from narwhal.tracing.context import IdSource, Sampler, TraceContext, format_traceparent, parse_traceparent
+from narwhal.tracing.otlp import encode_spans
+from narwhal.tracing.spans import KIND_CLIENT, STATUS_ERROR, Span
+from narwhal.tracing.tracer import Tracer
+
+TRACE = bytes.fromhex("4bf92f3577b34da6a3ce929d0e0e4736")
+PARENT = bytes.fromhex("00f067aa0ba902b7")
+HEADER = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def test_parse_and_format_traceparent() -> None:
+    context = parse_traceparent(HEADER, b"vendor=abc")
+    assert context == TraceContext(TRACE, PARENT, True, "vendor=abc")
+    assert format_traceparent(context) == HEADER
+    assert parse_traceparent(HEADER.replace(b"-01", b"-00")).sampled is False
+
+
+@pytest.mark.parametrize("value", [
+    b"", b"garbage", b"ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+    b"00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+    b"00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+    b"00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+    b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
+])
+def test_a_malformed_traceparent_is_ignored(value: bytes) -> None:
+    assert parse_traceparent(value) is None
+
+
+def test_a_future_version_is_read_by_version_00s_fields() -> None:
+    context = parse_traceparent(b"01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-more")
+    assert context is not None and context.trace_id == TRACE
+
+
+def test_an_oversized_tracestate_is_dropped_whole() -> None:
+    assert parse_traceparent(HEADER, b"a=" + b"x" * 600).tracestate == ""
+
+
+def test_sampler_follows_the_parent_and_samples_roots_by_ratio() -> None:
+    ids = IdSource(seed=7)
+    assert Sampler(0.0).sampled(TraceContext(TRACE, PARENT, True), TRACE)
+    assert not Sampler(1.0).sampled(TraceContext(TRACE, PARENT, False), TRACE)
+    assert all(Sampler(1.0).sampled(None, ids.trace_id()) for _ in range(100))
+    assert not any(Sampler(0.0).sampled(None, ids.trace_id()) for _ in range(100))
+    kept = sum(Sampler(0.25).sampled(None, ids.trace_id()) for _ in range(4000))
+    assert 800 < kept < 1200
+    with pytest.raises(ValueError):
+        Sampler(1.5)
+
+
+def test_tracer_continues_a_clients_trace() -> None:
+    sunk: list[Span] = []
+    tracer = Tracer(TracingConfig(otlp_endpoint="http://c:4318"), sunk.append, ids=IdSource(seed=1),
+                    now_ns=lambda: 5)
+    trace = tracer.start(HEADER, b"vendor=abc")
+    assert trace.context.trace_id == TRACE and trace.root.parent_span_id == PARENT
+    assert trace.root.span_id != PARENT
+    prefill = trace.child("narwhal.prefill", 6, KIND_CLIENT)
+    assert trace.engine_headers(prefill) == (b"\r\ntraceparent: 00-" + TRACE.hex().encode() + b"-"
+                                             + prefill.span_id.hex().encode() + b"-01\r\ntracestate: vendor=abc")
+    trace.finish(prefill, 7, error="timeout")
+    trace.finish(trace.root, 8)
+    assert sunk == [prefill, trace.root]
+    assert prefill.status_code == STATUS_ERROR
+    assert trace.response_header() == (b"traceparent", b"00-%s-%s-01" % (TRACE.hex().encode(),
+                                                                         trace.root.span_id.hex().encode()))
+
+
+def test_an_unsampled_trace_records_nothing_but_still_propagates() -> None:
+    sunk: list[Span] = []
+    tracer = Tracer(TracingConfig(otlp_endpoint="http://c:4318", sample_ratio=0.0), sunk.append)
+    trace = tracer.start(None, None)
+    child = trace.child("narwhal.decode", 1, KIND_CLIENT)
+    assert child is trace.root
+    assert trace.engine_headers(child).endswith(b"-00")
+    trace.finish(child, 2)
+    trace.finish(trace.root, 3)
+    assert sunk == []
+    # A client's sampled trace is followed whatever the ratio.
+    assert tracer.start(HEADER, None).sampled
+
+
+def test_tracer_reconfigure_changes_the_ratio() -> None:
+    tracer = Tracer(TracingConfig(otlp_endpoint="http://c:4318", sample_ratio=0.0), lambda span: None)
+    tracer.configure(TracingConfig(otlp_endpoint="http://c:4318", sample_ratio=1.0))
+    assert tracer.start(None, None).sampled
+
+
+def test_encoded_spans_decode_with_opentelemetry_proto() -> None:
+    span = Span(TRACE, PARENT, bytes(range(1, 9)), "narwhal.prefill", KIND_CLIENT, 1_000)
+    span.set("gen_ai.request.model", "m")
+    span.set("narwhal.attempt", 2)
+    span.set("narwhal.prefix_match", 0.5)
+    span.set("narwhal.retried", True)
+    span.event("narwhal.engine_failure", 1_500, **{"narwhal.engine": "p1"})
+    span.end(2_000, error="timeout")
+    message = ExportTraceServiceRequest.FromString(encode_spans([span], service_name="svc", scope_version="1"))
+    [decoded] = message.resource_spans[0].scope_spans[0].spans
+    assert message.resource_spans[0].scope_spans[0].scope.name == "narwhal"
+    assert (decoded.trace_id, decoded.span_id, decoded.parent_span_id) == (TRACE, PARENT, bytes(range(1, 9)))
+    assert (decoded.name, decoded.kind, decoded.start_time_unix_nano, decoded.end_time_unix_nano) == \
+        ("narwhal.prefill", KIND_CLIENT, 1_000, 2_000)
+    values = {kv.key: kv.value for kv in decoded.attributes}
+    assert values["gen_ai.request.model"].string_value == "m"
+    assert values["narwhal.attempt"].int_value == 2
+    assert values["narwhal.prefix_match"].double_value == 0.5
+    assert values["narwhal.retried"].bool_value is True
+    assert decoded.events[0].name == "narwhal.engine_failure"
+    assert decoded.events[0].time_unix_nano == 1_500
+    assert (decoded.status.code, decoded.status.message) == (STATUS_ERROR, "timeout")
+
+
+def test_tracing_config_defaults_and_reload() -> None:
+    config = parse_config("")
+    assert config.tracing == TracingConfig()
+    assert not config.tracing.enabled
+    config = parse_config('[tracing]\notlp_endpoint = "http://otel:4318"\nservice_name = "edge"\n'
+                          'sample_ratio = 0.1\nheaders = { "x-api-key" = "secret" }\n')
+    assert config.tracing.enabled
+    assert (config.tracing.service_name, config.tracing.sample_ratio, config.tracing.headers) == \
+        ("edge", 0.1, {"x-api-key": "secret"})
+    assert is_reloadable("tracing.sample_ratio") and is_reloadable("tracing.otlp_endpoint")
+
+
+@pytest.mark.parametrize(("text", "key"), [
+    ('otlp_endpoint = "otel:4318"', "tracing.otlp_endpoint"),
+    ('otlp_endpoint = "http://otel:4318/?x=1"', "tracing.otlp_endpoint"),
+    ("sample_ratio = 1.5", "tracing.sample_ratio"),
+    ("sample_ratio = -0.1", "tracing.sample_ratio"),
+    ('service_name = ""', "tracing.service_name"),
+    ('headers = { "bad name" = "v" }', "tracing.headers"),
+    ('headers = { "x-key" = "line\\nbreak" }', "tracing.headers"),
+    ("sample = 1.0", "tracing.sample"),
+])
+def test_tracing_config_errors_name_the_key(text: str, key: str) -> None:
+    with pytest.raises(ConfigError, match=f"<config>: {key}[:. ]"):
+        parse_config(f"[tracing]\n{text}\n")
