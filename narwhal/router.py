@@ -390,7 +390,8 @@ class Router:
         view = WorkerView(lambda message: hub.receive(0, message), clock=trio.current_time,
                           refresh=hub.refresh_if_fleet_changed, on_engines=engines_changed,
                           on_settings=settings_changed, on_fleet=lambda fleet: plane.core.set_fleet(fleet),
-                          on_auth=lambda settings: plane.configure_auth(settings))
+                          on_auth=lambda settings: plane.configure_auth(settings),
+                          on_tracing=lambda tracing: plane.configure_tracing(tracing))
         hub.attach(0, view.apply)
         # In one process admission and telemetry are the controller's own, not reported.
         plane = LocalDataPlane(config, tls=self.tls, via_token=self.via_token, supervisor=view,

@@ -159,9 +159,9 @@ def test_the_request_line_is_built_from_the_exchange_and_its_legs(caplog: pytest
     fields = {key: value for key, value in line.items() if key not in ("event", "ts", "level")}
     assert list(fields) == ["request_id", "route", "status", "prefill", "decode", "ttft_ms", "tokens",
                             "duration_ms", "attempts", "continuations", "join_gap_ms", "regenerated_tokens",
-                            "error", "continued_after", "prefix_match", "relay", "model", "tenant"]
+                            "error", "continued_after", "prefix_match", "relay", "model", "tenant", "trace_id"]
     assert fields == {"request_id": "r1", "route": "/v1/completions", "status": 200, "prefill": "p2",
                       "decode": "d2", "ttft_ms": 12.346, "tokens": 7, "duration_ms": 1500.0, "attempts": 2,
                       "continuations": 1, "join_gap_ms": None, "regenerated_tokens": 0,
                       "error": None, "continued_after": None, "prefix_match": None, "relay": "pump",
-                      "model": None, "tenant": None}
+                      "model": None, "tenant": None, "trace_id": None}

@@ -53,15 +53,16 @@ class DataPoolStatistics(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _post_request(engine: EngineSpec, path: str, body: bytes, request_id: str, accept: bytes,
-                  via: bytes = b"") -> bytes:
-    """``via`` is a whole header line (``b"\\r\\nvia: ..."``) or empty."""
+                  via: bytes = b"", trace: bytes = b"") -> bytes:
+    """``via`` is a whole header line (``b"\\r\\nvia: ..."``) or empty; ``trace`` whole lines too (traceparent,
+    tracestate: ``narwhal.tracing.spans.RequestTrace.engine_headers``) or empty."""
     if "\r" in request_id or "\n" in request_id or not path.startswith("/") or " " in path:
         raise ValueError(f"unsafe request line or request id: {path!r} {request_id!r}")
     return b"".join((
         b"POST ", path.encode("ascii"), b" HTTP/1.1\r\nhost: ", engine_endpoint(engine.url)[2],
         b"\r\ncontent-type: application/json\r\naccept: ", accept,
         b"\r\ncontent-length: ", str(len(body)).encode("ascii"),
-        b"\r\nx-request-id: ", request_id.encode("latin-1"), via, b"\r\n\r\n", body,
+        b"\r\nx-request-id: ", request_id.encode("latin-1"), via, trace, b"\r\n\r\n", body,
     ))
 
 
@@ -302,9 +303,11 @@ class DataPool:
         connections.write_timeout_s = engine_config.request_timeout_s
 
     async def post_json(self, engine: EngineSpec, path: str, body: bytes, *,
-                        request_id: str) -> tuple[int, bytes]:
-        """POST a JSON body; (status, body) for 2xx, otherwise the classified failure is raised."""
-        request = _post_request(engine, path, body, request_id, b"application/json", self._via)
+                        request_id: str, trace: bytes = b"") -> tuple[int, bytes]:
+        """POST a JSON body; (status, body) for 2xx, otherwise the classified failure is raised.
+
+        ``trace``: the request's trace context header lines (empty without tracing)."""
+        request = _post_request(engine, path, body, request_id, b"application/json", self._via, trace)
         read_timeout_s = self._config.request_timeout_s
         async with classify.pool_slot(self._limiter, "data", wait=self._wait):
             conn, head = await self._request(engine, request)
@@ -320,7 +323,7 @@ class DataPool:
 
     @contextlib.asynccontextmanager
     async def stream(self, engine: EngineSpec, path: str, body: bytes, *,
-                     request_id: str) -> AsyncIterator[UpstreamStream]:
+                     request_id: str, trace: bytes = b"") -> AsyncIterator[UpstreamStream]:
         """POST expecting text/event-stream; entering sends the request and reads the head.
 
         A non-2xx answer raises as ``post_json`` does, after its body is read. The
@@ -328,7 +331,7 @@ class DataPool:
         """
         if not self._watchdog_running:
             raise RuntimeError("DataPool.run() is not running: stream deadlines would never fire")
-        request = _post_request(engine, path, body, request_id, b"text/event-stream", self._via)
+        request = _post_request(engine, path, body, request_id, b"text/event-stream", self._via, trace)
         first_token_s = self._config.first_token_deadline_s
         async with classify.pool_slot(self._limiter, "data", wait=self._wait):
             conn, head = await self._request(engine, request, head_deadline_s=first_token_s,

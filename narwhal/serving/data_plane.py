@@ -18,7 +18,7 @@ import msgspec
 import trio
 
 from narwhal.auth.client_auth import AuthSettings, ClientAuth
-from narwhal.config import Config, EngineConfig, PlacementConfig
+from narwhal.config import Config, EngineConfig, PlacementConfig, TracingConfig
 from narwhal.fleet.placement import InFlight, InFlightCounts
 from narwhal.http1.server import Request, Responder
 from narwhal.obs.router_metrics import RouterMetrics
@@ -27,6 +27,7 @@ from narwhal.serving.front import Front, admin_url, build_front_server
 from narwhal.serving.placement import RequestPlacement
 from narwhal.serving.request_core import AdmissionGate, RequestCore, Supervisor, TelemetrySink
 from narwhal.tls import TLSContexts
+from narwhal.tracing.service import TracingService
 
 __all__ = ["DataPlane", "DataPoolUsage", "EngineInFlight", "LocalDataPlane"]
 
@@ -94,9 +95,11 @@ class LocalDataPlane:
         # Client keys, limits and the priority gate, when [auth] names a keys file (the snapshot brings them).
         self._capacity = config.serving.max_connections
         self._bounded = config.serving.policy == "bounded"
+        # Traces ([tracing]): this process's tracer and exporter; the core holds None while tracing is off.
+        self.tracing = TracingService(config.tracing, metrics.trace_spans_dropped)
         self.core = RequestCore(config=config, supervisor=supervisor, data_pool=self.data_pool,
                                 in_flight=self.in_flight, admission=admission, metrics=metrics, telemetry=telemetry,
-                                placement=placement, auth=self._client_auth(auth))
+                                placement=placement, auth=self._client_auth(auth), tracer=self.tracing.tracer)
         # With [admin] listen the admin API is off the traffic port entirely.
         self.front = Front(self.core, serve_rest, via_token=via_token,
                            admin_elsewhere=admin_url(config))
@@ -108,6 +111,8 @@ class LocalDataPlane:
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.data_pool.run)
+                # Exporting runs beside the server, off the request path, until the server has drained.
+                await nursery.start(self.tracing.run)
                 await self.server.serve_listeners(listeners, task_status=_Reported(task_status, bound_port))
                 nursery.cancel_scope.cancel()
         finally:
@@ -133,6 +138,11 @@ class LocalDataPlane:
             core.auth = self._client_auth(settings)
         else:
             core.auth.configure(settings)
+
+    def configure_tracing(self, tracing: TracingConfig) -> None:
+        """A reload changed [tracing]: new requests are traced (or not) by it, the next export goes by it."""
+        self.tracing.configure(tracing)
+        self.core.tracer = self.tracing.tracer
 
     def configure(self, placement: PlacementConfig, engine_config: EngineConfig) -> None:
         """A config reload (through the snapshot): placement and the engine timeouts of new calls follow it."""

@@ -19,8 +19,12 @@ from narwhal.http1.pump import ClientSocket
 from narwhal.obs.logs import log_event
 from narwhal.served_models import ServedModel
 from narwhal.serving.continuation import StreamJoin
+from narwhal.tracing.spans import RequestTrace, Span
 
-__all__ = ["Exchange", "Leg", "LegKind", "Sink"]
+__all__ = ["UNTRACED", "Exchange", "Leg", "LegKind", "Sink"]
+
+# The data pool's keyword for an engine request of an untraced exchange: none (never mutated).
+UNTRACED: dict[str, bytes] = {}
 
 # A continuation is a decode leg that resumes a stream the client already has bytes of.
 LegKind = Literal["prefill", "decode", "continuation"]
@@ -47,7 +51,7 @@ class Sink(Protocol):
 class Leg:
     """One engine call of an exchange: its kind, engine, attempt, how its stream was relayed, how it failed."""
 
-    __slots__ = ("attempt", "engine", "error", "kind", "relay", "request", "route")
+    __slots__ = ("attempt", "engine", "error", "kind", "relay", "request", "route", "span")
 
     def __init__(self, kind: LegKind, engine: EngineSpec, attempt: int, route: str,
                  request: dict[str, Any]) -> None:
@@ -62,6 +66,8 @@ class Leg:
         self.relay: str | None = None
         # The failure class that ended the leg, if one did.
         self.error: str | None = None
+        # The leg's span while it runs (traced requests only).
+        self.span: Span | None = None
 
 
 class Exchange:
@@ -74,13 +80,21 @@ class Exchange:
     __slots__ = ("admitted", "attempts", "continuations", "continued_after", "continuing", "deadline_at",
                  "deadline_scope", "decode", "error_class", "error_engine", "inter_token_s", "join", "join_gap_s",
                  "legs", "model", "prefill", "prefix_match", "prompt_tokens",
-                 "regenerated", "request", "rid", "rid_header", "route", "sink", "started_at", "status",
-                 "stream_error", "tenant", "tokens", "ttft_s")
+                 "regenerated", "request", "response_ids", "rid", "rid_header", "route", "sink", "started_at",
+                 "queue_span", "status", "stream_error", "tenant", "tokens", "trace", "trace_kw", "ttft_s")
 
     def __init__(self, route: str, rid: str, sink: Sink, started_at: float) -> None:
         self.route = route
         self.rid = rid
         self.rid_header = (b"x-request-id", rid.encode("latin-1"))
+        # The headers that say which request (and trace) a response answers: x-request-id, and traceparent.
+        self.response_ids: tuple[tuple[bytes, bytes], ...] = (self.rid_header,)
+        # The request's trace (None: tracing off), and the data pool keyword of the engine call in progress:
+        # {"trace": header lines} naming that call's span, or UNTRACED.
+        self.trace: RequestTrace | None = None
+        self.trace_kw: dict[str, bytes] = UNTRACED
+        # The narwhal.queue span while the request waits for capacity (sampled traces only).
+        self.queue_span: Span | None = None
         self.sink = sink
         self.started_at = started_at
         # When the request deadline passes, in trio time, where a leg scope carries it (saturate policy).
@@ -155,7 +169,7 @@ class Exchange:
 
     def log_line(self, duration_s: float) -> None:
         """The ``request`` event (docs/operations.md): its fields, in this order, are an interface."""
-        ttft_s, join_gap_s, prefix_match = self.ttft_s, self.join_gap_s, self.prefix_match
+        ttft_s, join_gap_s, prefix_match, trace = self.ttft_s, self.join_gap_s, self.prefix_match, self.trace
         log_event(
             "request",
             request_id=self.rid,
@@ -176,4 +190,5 @@ class Exchange:
             relay=self.relay(),
             model=None if self.model is None else self.model.name,
             tenant=self.tenant,
+            trace_id=None if trace is None or not trace.sampled else trace.trace_id_hex,
         )

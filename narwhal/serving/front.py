@@ -82,8 +82,15 @@ class Front:
             if request.method == b"POST":
                 # The Authorization header is looked for only with client keys on: a request does not pay for them.
                 core = self.core
-                await core.handle(request.path, request.body, request.get_header(b"x-request-id"), responder,
-                                  request.get_header(b"authorization") if core.auth is not None else None)
+                authorization = request.get_header(b"authorization") if core.auth is not None else None
+                if core.tracer is None:
+                    await core.handle(request.path, request.body, request.get_header(b"x-request-id"), responder,
+                                      authorization)
+                else:
+                    # The client's trace context, looked for only with tracing on (as the key with keys on).
+                    await core.handle(request.path, request.body, request.get_header(b"x-request-id"), responder,
+                                      authorization, request.get_header(b"traceparent"),
+                                      request.get_header(b"tracestate"))
             else:
                 await responder.respond(405, _NOT_ALLOWED_HEADERS, _NOT_ALLOWED)
             return

@@ -33,8 +33,9 @@ import math
 import os
 import random
 import re
+import time
 from bisect import bisect_left
-from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, NoReturn, Protocol, TypeVar
 
@@ -59,7 +60,7 @@ from narwhal.http1.pump import OnChunk, Pump
 from narwhal.obs.logs import log_event
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.served_models import ServedModel, ServedModels
-from narwhal.serving import continuation
+from narwhal.serving import continuation, request_spans
 from narwhal.serving.client_view import (
     KV_KEY,
     choice_count,
@@ -70,9 +71,11 @@ from narwhal.serving.client_view import (
     wants_usage,
 )
 from narwhal.serving.continuation import CONTINUED_CLASSES, ENGINE_REMOVED, StreamJoin
-from narwhal.serving.exchange import Exchange, Leg, Sink
+from narwhal.serving.exchange import UNTRACED, Exchange, Leg, Sink
 from narwhal.serving.placement import RequestPlacement
 from narwhal.serving.relay import PumpRelay, Upstream, relay, relay_joined
+from narwhal.tracing.spans import Span
+from narwhal.tracing.tracer import Tracer
 from narwhal.wire import PREFILL_KV_REQUEST, HandoffRejected, error_json, read_handoff
 
 __all__ = ["COMPLETION_ROUTES", "AdmissionGate", "RequestCore", "Sink", "TelemetrySink"]
@@ -125,9 +128,11 @@ DecodeStream = Upstream
 class DataPool(Protocol):
     """The data pool's calls the request path makes (``narwhal.pools.data.DataPool``)."""
 
-    async def post_json(self, engine: EngineSpec, path: str, body: bytes, *, request_id: str) -> tuple[int, bytes]: ...
+    # ``trace``: the engine call's trace context header lines; passed only when the request is traced.
+    async def post_json(self, engine: EngineSpec, path: str, body: bytes, *, request_id: str,
+                        trace: bytes = b"") -> tuple[int, bytes]: ...
     def stream(self, engine: EngineSpec, path: str, body: bytes, *,
-               request_id: str) -> AbstractAsyncContextManager[DecodeStream]: ...
+               request_id: str, trace: bytes = b"") -> AbstractAsyncContextManager[DecodeStream]: ...
     @property
     def pump(self) -> Pump | None:
         """The process's relay pump; None where there is none (a test's pool)."""
@@ -273,10 +278,13 @@ class RequestCore:
                  in_flight: InFlight, admission: AdmissionGate, metrics: RouterMetrics,
                  telemetry: TelemetrySink | None = None,
                  clock: Callable[[], float] = trio.current_time, rng: random.Random | None = None,
-                 placement: RequestPlacement | None = None, auth: ClientAuth | None = None) -> None:
-        """``auth``: client keys, limits and the priority gate (None: none of it, as without ``[auth]``)."""
+                 placement: RequestPlacement | None = None, auth: ClientAuth | None = None,
+                 tracer: Tracer | None = None) -> None:
+        """``auth``: client keys, limits and the priority gate (None: none of it, as without ``[auth]``).
+        ``tracer``: each request's trace ([tracing]; None: no tracing work at all)."""
         self.config = config
         self.auth = auth
+        self.tracer = tracer
         self.supervisor = supervisor
         self.data_pool = data_pool
         self.in_flight = in_flight
@@ -362,14 +370,22 @@ class RequestCore:
     # -- entry point -------------------------------------------------------
 
     async def handle(self, route: str, body: bytes, request_id: bytes | None, sink: Sink,
-                     authorization: bytes | None = None) -> None:
-        """Serve one completion request and write its response to ``sink``."""
+                     authorization: bytes | None = None, traceparent: bytes | None = None,
+                     tracestate: bytes | None = None) -> None:
+        """Serve one completion request and write its response to ``sink``.
+
+        ``traceparent``/``tracestate``: the client's trace context, read by the front only with tracing on."""
         started_at = self.clock()
         if request_id and len(request_id) <= _MAX_REQUEST_ID and request_id.isascii():
             rid = request_id.decode("ascii")
         else:
             rid = f"nw-{self._id_prefix}-{next(self._ids)}"
         ex = Exchange(route, rid, sink, started_at)
+        tracer = self.tracer
+        if tracer is not None:
+            trace = ex.trace = tracer.start(traceparent, tracestate)
+            ex.response_ids = (ex.rid_header, trace.response_header())
+            ex.trace_kw = request_spans.trace_kw(trace, trace.root)
         answered = False
         try:
             try:
@@ -428,7 +444,7 @@ class RequestCore:
             await sink.end_stream(_sse_error(error.message, error.type, error.code))
         else:
             ex.status = error.status
-            await sink.respond(error.status, [*_JSON_HEADERS, ex.rid_header, *error.headers], error.body())
+            await sink.respond(error.status, [*_JSON_HEADERS, *ex.response_ids, *error.headers], error.body())
 
     def _finish(self, ex: Exchange) -> None:
         admitted = ex.admitted
@@ -449,7 +465,76 @@ class RequestCore:
                                           error_engine=ex.error_engine, status=ex.status,
                                           error_class=ex.error_class or ex.continued_after,
                                           failed=ex.status >= 400 or ex.stream_error)
+        if ex.trace is not None:
+            self._end_trace(ex)
         ex.log_line(duration_s)
+
+    # -- the request's trace (only with [tracing] on: ``ex.trace`` is None otherwise) -----------------------
+
+    @staticmethod
+    def _end_trace(ex: Exchange) -> None:
+        trace = ex.trace
+        assert trace is not None
+        now_ns = time.time_ns()
+        if ex.queue_span is not None:
+            # Still waiting for capacity when the request ended (its deadline, the client left).
+            trace.finish(ex.queue_span, now_ns, error=ex.error_class or "cancelled")
+            ex.queue_span = None
+        request_spans.end_request(trace, ex, now_ns)
+
+    @staticmethod
+    def _queued(ex: Exchange, reason: str, waited_s: float = 0.0) -> None:
+        """The request waits for capacity (``reason``) from now, or waited ``waited_s`` until now."""
+        trace = ex.trace
+        if trace is None or not trace.sampled:
+            return
+        now_ns = time.time_ns()
+        if waited_s:
+            trace.finish(request_spans.open_queue(trace, now_ns - int(waited_s * 1e9), reason), now_ns)
+        elif ex.queue_span is None:
+            ex.queue_span = request_spans.open_queue(trace, now_ns, reason)
+
+    @staticmethod
+    async def _traced(ex: Exchange, attempt: Coroutine[Any, Any, None]) -> None:
+        """A traced request's attempt: a leg's span still open when it fails is ended with why."""
+        try:
+            await attempt
+        except BaseException as exc:
+            trace = ex.trace
+            assert trace is not None
+            now_ns = time.time_ns()
+            why = (exc.failure_class if isinstance(exc, _AttemptFailed) else
+                   "deadline" if isinstance(exc, _DeadlinePassed) else
+                   exc.code or exc.type if isinstance(exc, ClientError) else
+                   "cancelled" if isinstance(exc, trio.Cancelled) else type(exc).__name__)
+            message = exc.error.message if isinstance(exc, _AttemptFailed) else None
+            for leg in ex.legs[-2:]:
+                span = leg.span
+                if span is not None:
+                    leg.span = None
+                    request_spans.end_leg(trace, ex, leg, span, now_ns, error=leg.error or why, message=message)
+            raise
+
+    def _open_leg(self, ex: Exchange, leg: Leg) -> None:
+        trace = ex.trace
+        if trace is not None:
+            leg.span = request_spans.open_leg(trace, ex, leg, time.time_ns())
+
+    @staticmethod
+    def _end_leg(ex: Exchange, leg: Leg) -> None:
+        """A leg that succeeded: its span ends now."""
+        trace, span = ex.trace, leg.span
+        if trace is not None and span is not None:
+            leg.span = None
+            request_spans.end_leg(trace, ex, leg, span, time.time_ns())
+
+    @staticmethod
+    def _placed(ex: Exchange) -> None:
+        """The wait for capacity, if any, ended: an attempt has its engines."""
+        trace, span = ex.trace, ex.queue_span
+        if trace is not None and span is not None:
+            ex.queue_span = None
+            trace.finish(span, time.time_ns())
 
     # -- one request ---------------------------------------------------------
 
@@ -497,7 +582,8 @@ class RequestCore:
                                       "upstream_error", "not_continued")
                 leg_route, leg_request = leg
             try:
-                await self._attempt(ex, leg_route, leg_request, failed_engines, exclude)
+                attempt = self._attempt(ex, leg_route, leg_request, failed_engines, exclude)
+                await (attempt if ex.trace is None else self._traced(ex, attempt))
                 if ex.continuing:
                     self.metrics.continuations.inc("completed", _model_label(ex))
                     ex.stream_completed()
@@ -526,6 +612,8 @@ class RequestCore:
                     raise failed.error from None
                 if queued:
                     # Waiting for capacity is bounded by the request deadline, not by attempts.
+                    if ex.trace is not None:
+                        self._queued(ex, failed.failure_class)
                     await trio.sleep(_QUEUE_POLL_S)
                 else:
                     retry: dict[str, Any] = {"class": failed.failure_class}
@@ -558,6 +646,8 @@ class RequestCore:
             raise ClientError(refused.status, refused.message, refused.type, refused.code,
                               refused.headers) from None
         self.metrics.tenant_queue_wait.observe(ex.admitted.queue_wait_s, key.name)
+        if ex.trace is not None and ex.admitted.queue_wait_s > 0:
+            self._queued(ex, "priority_gate", ex.admitted.queue_wait_s)
 
     def _finish_tenant(self, ex: Exchange, admitted: Admitted) -> None:
         """Give back the request's gate slot and concurrency; count its tokens against the tenant."""
@@ -586,7 +676,7 @@ class RequestCore:
         if join.finished:
             # The last token reached the client; only usage and [DONE] were lost.
             if join.tail_needs_count:
-                await self._count_tail(join, rid, ex.model.name if ex.model is not None else None)
+                await self._count_tail(join, rid, ex.model.name if ex.model is not None else None, ex.trace_kw)
             ex.tokens = join.tokens
             ex.status = 200
             await ex.sink.end_stream(join.tail())
@@ -685,7 +775,7 @@ class RequestCore:
         return candidates
 
     def _place(self, role: str, avoid: set[str], route: str, request: dict[str, Any], ex: Exchange,
-               exclude: str | None = None, tokens: Sequence[int] | None = None) -> str:
+               exclude: str | None = None, tokens: Sequence[int] | None = None, span: Span | None = None) -> str:
         model = ex.model.name if ex.model is not None else None
         candidates = self._candidates(role, avoid, model, exclude)
         choice = self.placement.choose(role, candidates, route, request, self.in_flight, model or "", tokens)
@@ -701,6 +791,15 @@ class RequestCore:
                                  None, "no_capacity")
         if role == "prefill":
             ex.prefix_match = choice.matched
+        if span is not None:
+            span.set(f"narwhal.placement.{role}", choice.engine)
+            span.set(f"narwhal.placement.{role}_reason", choice.reason)
+            span.set(f"narwhal.placement.{role}_candidates", len(candidates))
+            if choice.reason == "spill":
+                # A better-matching engine was too loaded: the prompt spilled to another.
+                span.set("narwhal.placement.spill", True)
+            if choice.matched is not None:
+                span.set("narwhal.placement.prefix_match", choice.matched)
         return choice.engine
 
     async def _attempt(self, ex: Exchange, route: str, request: dict[str, Any], avoid: set[str],
@@ -708,12 +807,23 @@ class RequestCore:
         join, rid = ex.join, ex.rid
         counted: _TokenizeResult | None = None
         feeds = self.placement.kv
-        if feeds is not None and feeds.active and not (join is not None and join.started):
-            # The engines' KV events key blocks by token IDs: the prompt's are asked before the choice.
-            counted = await self._tokens_for_placement(route, request, ex, avoid)
-        prefill_name = self._place("prefill", avoid, route, request, ex,
-                                   tokens=counted.tokens if counted is not None else None)
-        decode_name = self._place("decode", avoid, route, request, ex, exclude)
+        trace = ex.trace
+        placing = None if trace is None or not trace.sampled else trace.child("narwhal.placement", time.time_ns())
+        try:
+            if feeds is not None and feeds.active and not (join is not None and join.started):
+                # The engines' KV events key blocks by token IDs: the prompt's are asked before the choice.
+                counted = await self._tokens_for_placement(route, request, ex, avoid)
+            prefill_name = self._place("prefill", avoid, route, request, ex,
+                                       tokens=counted.tokens if counted is not None else None, span=placing)
+            decode_name = self._place("decode", avoid, route, request, ex, exclude, span=placing)
+        except BaseException as exc:
+            if trace is not None and placing is not None:
+                trace.finish(placing, time.time_ns(), error=getattr(exc, "failure_class", type(exc).__name__))
+            raise
+        if trace is not None:
+            if placing is not None:
+                trace.finish(placing, time.time_ns())
+            self._placed(ex)
         prefill, decode = ex.attempt(self.engines[prefill_name], self.engines[decode_name], route, request)
         in_flight = self.in_flight
         # One cancel scope for both legs (a scope costs as much as the rest of a leg's bookkeeping),
@@ -723,10 +833,13 @@ class RequestCore:
         try:
             with cut.scope:
                 in_flight.acquire(prefill_name)
+                if trace is not None:
+                    self._open_leg(ex, prefill)
                 try:
                     if (self._count_tokens or counted is not None) and not (join is not None and join.started):
                         # A continuation's prompt grew by exactly the tokens its max_tokens shrank by.
-                        prompt_tokens = await self._check_context(route, request, prefill.engine, rid, counted)
+                        prompt_tokens = await self._check_context(route, request, prefill.engine, rid, counted,
+                                                                  trace=ex.trace_kw)
                         ex.prompt_tokens = prompt_tokens
                         if join is not None and prompt_tokens is not None:
                             join.note_prompt_tokens(prompt_tokens)
@@ -734,7 +847,7 @@ class RequestCore:
                         # Tokens came without IDs: the engine counts what the client has, and the leg is
                         # built again from its count (never from events, which may carry several tokens).
                         try:
-                            await self._count_join(join, prefill.engine, rid)
+                            await self._count_join(join, prefill.engine, rid, trace=ex.trace_kw)
                         except _Uncountable as exc:
                             self.metrics.continuations.inc("not_eligible", _model_label(ex))
                             log_event("stream_not_continued", request_id=rid, reason="uncounted")
@@ -745,17 +858,25 @@ class RequestCore:
                         assert leg is not None
                         prefill.route, prefill.request = decode.route, decode.request = leg
                         ex.tokens = join.tokens
-                    kv = await self._prefill(prefill.route, prefill.request, prefill.engine, rid)
+                    kv = await self._prefill(prefill.route, prefill.request, prefill.engine, rid, trace=ex.trace_kw)
+                    if trace is not None:
+                        if prefill.span is not None and trace.sampled:
+                            prefill.span.set("narwhal.kv_handoff.bytes", len(_encode_json.encode(kv)))
+                        self._end_leg(ex, prefill)
                 finally:
                     in_flight.release(prefill_name)
                 if not cut.scope.cancel_called:
                     cut.move(decode_name, "decode")
                     in_flight.acquire(decode_name)
+                    if trace is not None:
+                        self._open_leg(ex, decode)
                     try:
                         await self._decode_leg(ex, decode, kv)
                     finally:
                         in_flight.release(decode_name)
                     decoded = True
+                    if trace is not None:
+                        self._end_leg(ex, decode)
         except _AttemptFailed as failed:
             (decode if cut.leg == "decode" else prefill).error = failed.failure_class
             raise
@@ -771,9 +892,13 @@ class RequestCore:
             # The prefill engine was cut just as its leg ended (no checkpoint left to see it): the prefill
             # counts, and the decode runs under a scope of its own, as with one scope per leg.
             in_flight.acquire(decode_name)
+            if trace is not None:
+                self._open_leg(ex, decode)
             try:
                 with self._cuttable(decode_name, "decode", ex.deadline_at):
                     await self._decode_leg(ex, decode, kv)
+                if trace is not None:
+                    self._end_leg(ex, decode)
             except _AttemptFailed as failed:
                 decode.error = failed.failure_class
                 raise
@@ -838,7 +963,7 @@ class RequestCore:
         with trio.CancelScope(deadline=ex.deadline_at) as scope:
             self.in_flight.acquire(engine.name)
             try:
-                counted = await self._tokenize(route, request, engine, ex.rid, _decode_tokenize)
+                counted = await self._tokenize(route, request, engine, ex.rid, _decode_tokenize, ex.trace_kw)
             finally:
                 self.in_flight.release(engine.name)
         if scope.cancelled_caught:
@@ -846,7 +971,7 @@ class RequestCore:
         return counted if counted is not None and counted.tokens is not None else None
 
     async def _tokenize(self, route: str, request: dict[str, Any], engine: EngineSpec, rid: str,
-                        decoder: msgspec.json.Decoder[_T]) -> _T | None:
+                        decoder: msgspec.json.Decoder[_T], trace: Mapping[str, bytes] = UNTRACED) -> _T | None:
         """The prompt's /tokenize answer from ``engine`` (None when unreadable: no reason to refuse the request).
 
         The engine's failure is this attempt's (``_translate``); the context length it reports is kept.
@@ -854,7 +979,8 @@ class RequestCore:
         query = ({"model": request["model"], "messages": request["messages"]} if route == _CHAT_ROUTE
                  else {"model": request["model"], "prompt": request.get("prompt")})
         try:
-            _, raw = await self.data_pool.post_json(engine, "/tokenize", _encode_json.encode(query), request_id=rid)
+            _, raw = await self.data_pool.post_json(engine, "/tokenize", _encode_json.encode(query), request_id=rid,
+                                                    **trace)
         except (EngineFailure, UpstreamClientError, PoolSaturated) as exc:
             self._translate("tokenize", exc)
         try:
@@ -866,7 +992,8 @@ class RequestCore:
         return counted
 
     async def _check_context(self, route: str, request: dict[str, Any], prefill: EngineSpec,
-                             rid: str, counted: _TokenizeResult | None = None) -> int | None:
+                             rid: str, counted: _TokenizeResult | None = None, *,
+                             trace: Mapping[str, bytes] = UNTRACED) -> int | None:
         """Refuse a prompt the context cannot hold; returns the prompt's token count when /tokenize gave it.
 
         ``counted``: the prompt's count already asked (placement's token IDs), not asked again.
@@ -880,7 +1007,7 @@ class RequestCore:
             # engine's last /tokenize answer gave; none known yet, the engine judges (its 400 is the client's).
             counted = _TokenizeResult(len(prompt), self._max_model_len.get(prefill.name))
         else:
-            count = await self._tokenize(route, request, prefill, rid, _decode_count)
+            count = await self._tokenize(route, request, prefill, rid, _decode_count, trace)
             if count is None:
                 return None
             counted = _TokenizeResult(count.count, count.max_model_len)
@@ -897,7 +1024,8 @@ class RequestCore:
                               "context_length_exceeded")
         return counted.count
 
-    async def _count_join(self, join: StreamJoin, engine: EngineSpec, rid: str) -> None:
+    async def _count_join(self, join: StreamJoin, engine: EngineSpec, rid: str, *,
+                          trace: Mapping[str, bytes] = UNTRACED) -> None:
         """Count, with ``engine``'s /tokenize, the tokens of all the text the client has (and the original prompt,
         when no engine has said yet): a leg without token IDs tells the router only how many events it sent.
 
@@ -916,7 +1044,7 @@ class RequestCore:
                 continue
             try:
                 _, raw = await self.data_pool.post_json(engine, "/tokenize", _encode_json.encode(query),
-                                                        request_id=rid)
+                                                        request_id=rid, **trace)
                 counts.append(_decode_count.decode(raw).count)
             except UpstreamClientError as exc:
                 self.supervisor.record_success(exc.engine, SuccessKind.CLIENT_4XX)
@@ -933,7 +1061,8 @@ class RequestCore:
             counts.append(None)
         join.counted(counts[0], counts[1])
 
-    async def _count_tail(self, join: StreamJoin, rid: str, model: str | None) -> None:
+    async def _count_tail(self, join: StreamJoin, rid: str, model: str | None,
+                          trace: Mapping[str, bytes] = UNTRACED) -> None:
         """The counts a tail's usage chunk needs, from the first eligible prefill engine that gives them; if none
         does, the tail goes without usage (``StreamJoin.tail``)."""
         for name in self.supervisor.eligible("prefill", model):
@@ -941,12 +1070,13 @@ class RequestCore:
             if engine is None:
                 continue
             try:
-                await self._count_join(join, engine, rid)
+                await self._count_join(join, engine, rid, trace=trace)
                 return
             except (_AttemptFailed, _Uncountable):
                 continue
 
-    async def _prefill(self, route: str, request: dict[str, Any], prefill: EngineSpec, rid: str) -> dict[str, Any]:
+    async def _prefill(self, route: str, request: dict[str, Any], prefill: EngineSpec, rid: str, *,
+                       trace: Mapping[str, bytes] = UNTRACED) -> dict[str, Any]:
         body = dict(request)
         body["max_tokens"] = 1
         if "max_completion_tokens" in body:
@@ -955,7 +1085,8 @@ class RequestCore:
         body.pop("stream_options", None)
         body["kv_transfer_params"] = PREFILL_KV_REQUEST
         try:
-            _, raw = await self.data_pool.post_json(prefill, route, _encode_json.encode(body), request_id=rid)
+            _, raw = await self.data_pool.post_json(prefill, route, _encode_json.encode(body), request_id=rid,
+                                                    **trace)
         except EngineFailure as exc:
             if exc.cause == "ResponseTooLarge" and exc.status is not None and 200 <= exc.status < 300:
                 # A prefill that said 200 and sent more than can be held: its handoff is unreadable.
@@ -982,7 +1113,7 @@ class RequestCore:
         payload = _encode_json.encode(body)
         if not request.get("stream", False):
             _, raw = await self._engine_call("decode", self.data_pool.post_json(
-                decode, route, payload, request_id=ex.rid))
+                decode, route, payload, request_id=ex.rid, **ex.trace_kw))
             self.supervisor.record_success(decode.name, SuccessKind.DECODE_TERMINAL)
             ex.ttft_s = self.clock() - ex.started_at
             try:
@@ -993,7 +1124,7 @@ class RequestCore:
             if usage and ex.prompt_tokens is None:
                 ex.prompt_tokens = usage.prompt_tokens
             ex.status = 200
-            await sink.respond(200, [*_JSON_HEADERS, ex.rid_header], strip_kv_from_body(raw))
+            await sink.respond(200, [*_JSON_HEADERS, *ex.response_ids], strip_kv_from_body(raw))
             return
         clock = self.clock
         # The inter-token histogram observed inline, once per read (``Histogram.observe``'s work, no call).
@@ -1002,7 +1133,7 @@ class RequestCore:
         role_events = 0
         upstream: DecodeStream | None = None
         try:
-            async with self.data_pool.stream(decode, route, payload, request_id=ex.rid) as upstream:
+            async with self.data_pool.stream(decode, route, payload, request_id=ex.rid, **ex.trace_kw) as upstream:
                 read = upstream.read
                 chunk = await read()
                 if not chunk:
@@ -1016,7 +1147,7 @@ class RequestCore:
                     role_events = choice_count(request)
                 if chunk.find(KV_KEY) >= 0:
                     chunk = strip_kv_from_events(chunk)
-                head = [*_SSE_HEADERS, ex.rid_header]
+                head = [*_SSE_HEADERS, *ex.response_ids]
                 # One client write per upstream read, except the read that carries [DONE]: it is
                 # held and goes out with the chunked terminator in one write (P5).
                 if not upstream.saw_terminal:
@@ -1091,7 +1222,7 @@ class RequestCore:
         body["kv_transfer_params"] = kv
         payload = _encode_json.encode(body)
         sink, decode = ex.sink, leg.engine
-        head = [*_SSE_HEADERS, ex.rid_header]
+        head = [*_SSE_HEADERS, *ex.response_ids]
         gaps = [0.0, 0]
         # The inter-token histogram observed inline, once per read (``Histogram.observe``'s work, no call).
         gap_bounds = self.metrics.inter_token.bounds
@@ -1113,7 +1244,8 @@ class RequestCore:
 
         diverged = join.diverged
         try:
-            async with self.data_pool.stream(decode, leg.route, payload, request_id=ex.rid) as upstream:
+            async with self.data_pool.stream(decode, leg.route, payload, request_id=ex.rid,
+                                             **ex.trace_kw) as upstream:
                 ex.status = 200
                 await relay_joined(join, upstream, sink, head, leg, clock=self.clock, on_first=on_first,
                                    on_gap=on_gap, pump=self._to_pump)

@@ -262,6 +262,7 @@ class WorkerHub:
             placement=None if config is None else config.placement,
             fleet=None if config is None else config.fleet,
             engine_config=None if config is None else config.engine,
+            tracing=None if config is None else config.tracing,
             kv_sources={} if self.kv_sources is None else dict(self.kv_sources()),
             auth=None if self._auth is None else self._auth())
 

@@ -19,7 +19,7 @@ import struct
 import msgspec
 
 from narwhal.auth.client_auth import AuthSettings
-from narwhal.config import Config, EngineConfig, EngineSpec, FleetConfig, PlacementConfig
+from narwhal.config import Config, EngineConfig, EngineSpec, FleetConfig, PlacementConfig, TracingConfig
 from narwhal.errors import NarwhalError
 from narwhal.fleet.placement import IndexRecord
 from narwhal.kv_events.feed import FeedSource
@@ -117,6 +117,8 @@ class Snapshot(_Message, tag="snapshot"):
     kv_sources: dict[str, FeedSource] = {}
     # Client keys, limits and the priority gate's settings ([auth], the keys file as the controller read it).
     auth: AuthSettings | None = None
+    # [tracing] as the controller runs it; None: as in the Welcome's config.
+    tracing: TracingConfig | None = None
 
 
 class IndexUpdate(_Message, tag="index_update"):

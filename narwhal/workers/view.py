@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 
 from narwhal.auth.client_auth import AuthSettings
-from narwhal.config import EngineConfig, EngineSpec, FleetConfig, PlacementConfig
+from narwhal.config import EngineConfig, EngineSpec, FleetConfig, PlacementConfig, TracingConfig
 from narwhal.errors import FailureClass, SuccessKind
 from narwhal.workers.protocol import Evidence, RequestSample, Snapshot
 
@@ -33,7 +33,8 @@ class WorkerView:
                  on_engines: Callable[[list[EngineSpec]], None] | None = None,
                  on_settings: Callable[[PlacementConfig, EngineConfig], None] | None = None,
                  on_fleet: Callable[[FleetConfig], None] | None = None,
-                 on_auth: Callable[[AuthSettings | None], None] | None = None) -> None:
+                 on_auth: Callable[[AuthSettings | None], None] | None = None,
+                 on_tracing: Callable[[TracingConfig], None] | None = None) -> None:
         self._send = send
         self._clock = clock
         # In one process the hub is asked before each read whether the fleet
@@ -49,6 +50,8 @@ class WorkerView:
         self.on_fleet = on_fleet
         # Told the client keys' settings when a snapshot changes them (``LocalDataPlane.configure_auth``).
         self.on_auth = on_auth
+        # Told [tracing] when a snapshot changes it (``LocalDataPlane.configure_tracing``).
+        self.on_tracing = on_tracing
 
     def apply(self, snapshot: Snapshot) -> None:
         """Take a newer snapshot (older ones, reordered or replayed, are ignored).
@@ -60,6 +63,8 @@ class WorkerView:
             last = self.snapshot
             if snapshot.fleet is not None and snapshot.fleet != last.fleet and self.on_fleet is not None:
                 self.on_fleet(snapshot.fleet)
+            if snapshot.tracing is not None and snapshot.tracing != last.tracing and self.on_tracing is not None:
+                self.on_tracing(snapshot.tracing)
             if snapshot.auth != last.auth and self.on_auth is not None:
                 self.on_auth(snapshot.auth)
             if snapshot.engines is not None and snapshot.engines != last.engines and self.on_engines is not None:

@@ -72,7 +72,8 @@ class Worker:
         self.link = link
         self.view = WorkerView(self._send, on_engines=self._engines_changed, on_settings=self._settings_changed,
                                on_fleet=lambda fleet: self.plane.core.set_fleet(fleet),
-                               on_auth=lambda settings: self.plane.configure_auth(settings))
+                               on_auth=lambda settings: self.plane.configure_auth(settings),
+                               on_tracing=lambda tracing: self.plane.configure_tracing(tracing))
         self.metrics = RouterMetrics()
         self.telemetry = TelemetryRelay()
         # The controller read these files a moment ago; a worker reads its own copies.

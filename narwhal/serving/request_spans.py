@@ -1,0 +1,111 @@
+"""What each span of a request records (issue 40): the request, its queue wait, placement and engine legs.
+
+The request core calls these only when the exchange has a trace (``Exchange.trace``), once per request,
+attempt or leg: nothing here runs per token. Attribute names follow OpenTelemetry's semantic conventions
+where they exist (``http.route``, ``http.response.status_code``, ``error.type``, ``server.address``,
+``gen_ai.*``); the rest are ``narwhal.*``. An unsampled trace hands out its root span for every child
+(``RequestTrace.child``), so the attributes set here go nowhere and cost a dict store.
+"""
+
+from __future__ import annotations
+
+from narwhal.config import engine_endpoint
+from narwhal.serving.exchange import Exchange, Leg
+from narwhal.tracing.spans import KIND_CLIENT, KIND_INTERNAL, RequestTrace, Span
+
+__all__ = ["end_leg", "end_request", "open_leg", "open_queue", "trace_kw"]
+
+_OPERATION = {"/v1/completions": "text_completion", "/v1/chat/completions": "chat"}
+
+
+def trace_kw(trace: RequestTrace, span: Span) -> dict[str, bytes]:
+    """The data pool's keyword for an engine call made within ``span``: its trace context header lines."""
+    return {"trace": trace.engine_headers(span)}
+
+
+def open_queue(trace: RequestTrace, start_ns: int, reason: str) -> Span:
+    """The wait for capacity (``narwhal.queue``), from ``start_ns``: opened only when the request waited."""
+    span = trace.child("narwhal.queue", start_ns, KIND_INTERNAL)
+    span.set("narwhal.queue.reason", reason)
+    return span
+
+
+def open_leg(trace: RequestTrace, ex: Exchange, leg: Leg, now_ns: int) -> Span:
+    """A prefill, decode or continuation leg's span (client kind), its engine call's traceparent set on ``ex``."""
+    if not trace.sampled:
+        # Engines get the root's context with the not-sampled flag (ex.trace_kw already names it).
+        return trace.root
+    span = trace.child(f"narwhal.{leg.kind}", now_ns, KIND_CLIENT)
+    engine = leg.engine
+    host, port, _, _ = engine_endpoint(engine.url)
+    span.set("narwhal.engine", engine.name)
+    span.set("server.address", host)
+    span.set("server.port", port)
+    span.set("narwhal.attempt", leg.attempt)
+    # The retry number: 0 for the first attempt.
+    span.set("narwhal.retry", leg.attempt - 1)
+    span.set("gen_ai.operation.name", _OPERATION.get(leg.route, leg.route))
+    if ex.model is not None:
+        span.set("gen_ai.request.model", ex.model.name)
+    if leg.kind == "continuation" and ex.join is not None:
+        # The tokens regenerated before this join: its own count is the difference when it ends.
+        span.set("narwhal.continuation.regenerated_before", ex.join.regenerated)
+    ex.trace_kw = trace_kw(trace, span)
+    return span
+
+
+def end_leg(trace: RequestTrace, ex: Exchange, leg: Leg, span: Span, now_ns: int, *,
+            error: str | None = None, message: str | None = None) -> None:
+    """End a leg's span: its failure class (and the evidence it gave), or its usage."""
+    if span is trace.root:
+        return
+    ex.trace_kw = trace_kw(trace, trace.root)
+    failure = error or leg.error
+    if leg.kind != "prefill":
+        if ex.prompt_tokens is not None:
+            span.set("gen_ai.usage.input_tokens", ex.prompt_tokens)
+        span.set("gen_ai.usage.output_tokens", ex.tokens)
+        if leg.kind == "continuation":
+            before = span.attributes.pop("narwhal.continuation.regenerated_before", 0)
+            span.set("narwhal.continuation.regenerated_tokens", ex.regenerated - int(before))
+            if ex.join_gap_s is not None:
+                span.set("narwhal.continuation.join_gap_ms", round(ex.join_gap_s * 1000, 3))
+    if failure is None:
+        trace.finish(span, now_ns)
+        return
+    span.set("error.type", failure)
+    span.set("narwhal.failure_class", failure)
+    # The failure is evidence against the engine: what ejects it in the end, shown where it happened.
+    span.event("narwhal.engine_failure", now_ns, **{"narwhal.engine": leg.engine.name,
+                                                    "narwhal.failure_class": failure,
+                                                    "narwhal.stage": leg.kind})
+    trace.finish(span, now_ns, error=message or failure)
+
+
+def end_request(trace: RequestTrace, ex: Exchange, now_ns: int) -> None:
+    """End the root span (``narwhal.request``, server kind) with what the request line says."""
+    if not trace.sampled:
+        return
+    root = trace.root
+    root.set("http.route", ex.route)
+    root.set("http.request.method", "POST")
+    root.set("http.response.status_code", ex.status)
+    root.set("narwhal.request_id", ex.rid)
+    if ex.model is not None:
+        root.set("gen_ai.request.model", ex.model.name)
+    if ex.tenant is not None:
+        root.set("narwhal.tenant", ex.tenant)
+    root.set("narwhal.attempts", ex.attempts)
+    if ex.continuations:
+        root.set("narwhal.continuations", ex.continuations)
+    if ex.prompt_tokens is not None:
+        root.set("gen_ai.usage.input_tokens", ex.prompt_tokens)
+    root.set("gen_ai.usage.output_tokens", ex.tokens)
+    if ex.continued_after is not None:
+        root.set("narwhal.continued_after", ex.continued_after)
+    error = ex.error_class
+    if error is not None:
+        root.set("error.type", error)
+    elif ex.status >= 500:
+        error = f"HTTP {ex.status}"
+    trace.finish(root, now_ns, error=error)

@@ -1,0 +1,191 @@
+"""The request path's spans (issue 40), driven through the request core with a fake pool that records headers."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+
+import pytest
+import trio
+import trio.testing
+
+from narwhal.config import TracingConfig, parse_config
+from narwhal.errors import EngineFailure, FailureClass
+from narwhal.fleet.admission import Admission
+from narwhal.fleet.placement import InFlight
+from narwhal.obs.router_metrics import RouterMetrics
+from narwhal.serving.request_core import RequestCore
+from narwhal.tracing.spans import KIND_CLIENT, KIND_SERVER, STATUS_ERROR, Span
+from narwhal.tracing.tracer import Tracer
+from tests.test_request_core import CONFIG, FakePool, FakeSupervisor, Sink, body
+
+CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_PARENT = "00f067aa0ba902b7"
+TRACEPARENT = f"00-{CLIENT_TRACE}-{CLIENT_PARENT}-01".encode()
+
+
+class TracedPool(FakePool):
+    """The fake pool, keeping the trace header lines each engine call carried (b"" when none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.traces: list[tuple[str, str, bytes]] = []
+
+    async def post_json(self, engine, path, body, *, request_id, trace=b""):
+        self.traces.append((engine.name, path, trace))
+        return await super().post_json(engine, path, body, request_id=request_id)
+
+    @contextlib.asynccontextmanager
+    async def stream(self, engine, path, body, *, request_id, trace=b""):
+        self.traces.append((engine.name, path + " (stream)", trace))
+        async with super().stream(engine, path, body, request_id=request_id) as upstream:
+            yield upstream
+
+
+def make(ratio: float = 1.0, policy: str = "saturate", traced: bool = True):
+    config = parse_config(CONFIG.format(count_tokens="false", policy=policy))
+    spans: list[Span] = []
+    tracer = Tracer(TracingConfig(otlp_endpoint="http://c:4318", sample_ratio=ratio), spans.append) if traced else None
+    pool = TracedPool()
+    supervisor = FakeSupervisor()
+    core = RequestCore(config=config, supervisor=supervisor, data_pool=pool,
+                       in_flight=InFlight(e.name for e in config.engines), admission=Admission(),
+                       metrics=RouterMetrics(), tracer=tracer)
+    return core, pool, supervisor, spans
+
+
+def header_lines(trace: bytes) -> dict[str, str]:
+    lines = [line for line in trace.decode().split("\r\n") if line]
+    return dict(line.split(": ", 1) for line in lines)
+
+
+def by_name(spans: list[Span]) -> dict[str, list[Span]]:
+    out: dict[str, list[Span]] = {}
+    for span in spans:
+        out.setdefault(span.name, []).append(span)
+    return out
+
+
+async def test_a_streamed_pd_request_is_one_trace_continued_from_the_client(caplog) -> None:
+    core, pool, _, spans = make()
+    sink = Sink()
+    caplog.set_level(logging.INFO)
+    await core.handle("/v1/completions", body(stream=True), None, sink, None, TRACEPARENT, b"vendor=x")
+    named = by_name(spans)
+    [root] = named["narwhal.request"]
+    [placement] = named["narwhal.placement"]
+    [prefill] = named["narwhal.prefill"]
+    [decode] = named["narwhal.decode"]
+    assert "narwhal.queue" not in named  # it never waited
+    assert spans[-1] is root  # the root ends last
+    assert {span.trace_id.hex() for span in spans} == {CLIENT_TRACE}
+    assert root.parent_span_id.hex() == CLIENT_PARENT and root.kind == KIND_SERVER
+    assert {span.parent_span_id for span in (placement, prefill, decode)} == {root.span_id}
+    assert (prefill.kind, decode.kind) == (KIND_CLIENT, KIND_CLIENT)
+    assert root.attributes["http.route"] == "/v1/completions"
+    assert root.attributes["http.response.status_code"] == 200
+    assert root.attributes["gen_ai.request.model"] == "mock-model"
+    assert placement.attributes["narwhal.placement.prefill"] == "p1"
+    assert placement.attributes["narwhal.placement.decode"] in ("d1", "d2")
+    assert prefill.attributes["narwhal.engine"] == "p1"
+    assert prefill.attributes["narwhal.retry"] == 0
+    assert prefill.attributes["narwhal.kv_handoff.bytes"] > 0
+    assert decode.attributes["gen_ai.usage.output_tokens"] == 2
+    # Each engine call carries the traceparent of its own span, and the client's tracestate.
+    calls = {path: header_lines(trace) for _, path, trace in pool.traces}
+    assert calls["/v1/completions"] == {"traceparent": f"00-{CLIENT_TRACE}-{prefill.span_id.hex()}-01",
+                                        "tracestate": "vendor=x"}
+    assert calls["/v1/completions (stream)"]["traceparent"] == f"00-{CLIENT_TRACE}-{decode.span_id.hex()}-01"
+    # The response says which span answered; the request line names the trace.
+    assert (b"traceparent", f"00-{CLIENT_TRACE}-{root.span_id.hex()}-01".encode()) in sink.headers
+    [line] = [json.loads(r.getMessage()) for r in caplog.records if '"event": "request"' in r.getMessage()
+              or '"event":"request"' in r.getMessage()]
+    assert line["trace_id"] == CLIENT_TRACE
+
+
+async def test_a_retried_request_has_a_failed_attempt_with_its_evidence() -> None:
+    core, pool, supervisor, spans = make(policy="bounded")
+    pool.prefill.append(EngineFailure("p1", FailureClass.INFERENCE_STATUS, "HTTP 500", status=500))
+    sink = Sink()
+    await core.handle("/v1/completions", body(), None, sink)
+    assert sink.status == 200
+    named = by_name(spans)
+    first, second = named["narwhal.prefill"]
+    assert first.status_code == STATUS_ERROR
+    assert first.attributes["narwhal.failure_class"] == "inference_status"
+    assert [event.name for event in first.events] == ["narwhal.engine_failure"]
+    assert (first.attributes["narwhal.retry"], second.attributes["narwhal.retry"]) == (0, 1)
+    assert second.status_code == 0
+    [decode] = named["narwhal.decode"]
+    assert decode.attributes["narwhal.attempt"] == 2
+    [root] = named["narwhal.request"]
+    assert root.attributes["narwhal.attempts"] == 2
+    assert len(named["narwhal.placement"]) == 2
+
+
+async def test_a_failed_request_marks_the_root_an_error() -> None:
+    core, pool, _, spans = make()
+    pool.prefill.append(EngineFailure("p1", FailureClass.TIMEOUT, "no answer"))
+    sink = Sink()
+    await core.handle("/v1/completions", body(), None, sink)
+    assert sink.status == 504
+    root = spans[-1]
+    assert root.name == "narwhal.request"
+    assert root.status_code == STATUS_ERROR
+    assert root.attributes["http.response.status_code"] == 504
+    assert root.attributes["error.type"] == "timeout"
+
+
+@pytest.fixture
+def mock_clock():
+    return trio.testing.MockClock(autojump_threshold=0)
+
+
+async def test_waiting_for_capacity_is_a_queue_span(mock_clock) -> None:
+    core, pool, supervisor, spans = make(policy="bounded")
+    supervisor.roles["decode"] = []
+    sink = Sink()
+
+    async def capacity_returns() -> None:
+        await trio.sleep(0.12)
+        supervisor.roles["decode"] = ["d1"]
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(capacity_returns)
+        await core.handle("/v1/completions", body(), None, sink)
+    assert sink.status == 200
+    named = by_name(spans)
+    [queue] = named["narwhal.queue"]
+    assert queue.attributes["narwhal.queue.reason"] == "no_capacity"
+    assert queue.status_code == 0
+    assert queue.end_ns >= queue.start_ns
+    failed_placements = [s for s in named["narwhal.placement"] if s.status_code == STATUS_ERROR]
+    assert failed_placements
+
+
+async def test_an_unsampled_request_records_nothing_but_tells_the_engines() -> None:
+    core, pool, _, spans = make(ratio=0.0)
+    sink = Sink()
+    await core.handle("/v1/completions", body(stream=True), None, sink)
+    assert spans == []
+    assert all(header_lines(trace)["traceparent"].endswith("-00") for _, _, trace in pool.traces)
+    assert any(name == b"traceparent" for name, _ in sink.headers)
+
+
+async def test_without_tracing_engine_calls_carry_no_trace_headers() -> None:
+    core, pool, _, spans = make(traced=False)
+    sink = Sink()
+    await core.handle("/v1/completions", body(stream=True), None, sink)
+    assert sink.status == 200
+    assert [trace for _, _, trace in pool.traces] == [b"", b""]
+    assert not any(name == b"traceparent" for name, _ in sink.headers)
+
+
+@pytest.mark.parametrize("bad", [b"nonsense", b"00-" + b"0" * 32 + b"-" + b"1" * 16 + b"-01"])
+async def test_a_malformed_traceparent_starts_a_new_trace(bad: bytes) -> None:
+    core, _, _, spans = make()
+    await core.handle("/v1/completions", body(), None, Sink(), None, bad, None)
+    root = spans[-1]
+    assert root.parent_span_id is None
+    assert root.trace_id != bytes(16)
