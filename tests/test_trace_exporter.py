@@ -175,3 +175,27 @@ async def test_configure_sends_later_batches_to_the_new_endpoint(mock_clock) -> 
     assert "x-api-key" not in post.headers
     message = ExportTraceServiceRequest.FromString(post.content)
     assert message.resource_spans[0].resource.attributes[0].value.string_value == "renamed"
+
+
+async def test_the_service_follows_reloads_on_and_off(mock_clock) -> None:
+    from narwhal.config import TracingConfig
+    from narwhal.tracing.service import TracingService
+
+    service = TracingService(TracingConfig())
+    assert service.tracer is None and service.exporter is None
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        service.configure(TracingConfig(otlp_endpoint="http://c:4318", sample_ratio=0.5))
+        assert service.tracer is not None and service.tracer.sampler.ratio == 0.5
+        exporter = service.exporter
+        await trio.testing.wait_all_tasks_blocked()
+        # A change of ratio or endpoint keeps the exporter (and its queue).
+        service.configure(TracingConfig(otlp_endpoint="http://other:4318", sample_ratio=1.0))
+        assert service.exporter is exporter and service.tracer.sampler.ratio == 1.0
+        service.configure(TracingConfig())
+        assert service.tracer is None and service.exporter is None
+        await trio.testing.wait_all_tasks_blocked()
+        service.configure(TracingConfig(otlp_endpoint="http://c:4318"))
+        assert service.exporter is not None and service.exporter is not exporter
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()

@@ -45,6 +45,7 @@ prefix cache's stores and evictions go out as vLLM's KV events (``narwhal.tools.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import errno
 import hashlib
@@ -111,6 +112,8 @@ _GARBAGE = b"<html><body>502 upstream confused</body></html>\r\n\x00\xff not ser
 _BLOCK_TOKENS = 16
 # Distinct first blocks /mock/stats counts prefills by (prefills_by_first_block); a bound, not a need.
 _FIRST_BLOCK_KEYS = 4096
+# Trace contexts /mock/stats keeps (trace_headers): enough for a test, never a leak under a bench.
+_TRACE_HEADERS_KEPT = 256
 _VOCAB = 32000
 # vLLM samples greedily below this temperature, and then refuses n > 1.
 _GREEDY_EPS = 1e-5
@@ -307,6 +310,10 @@ class MockStats:
     # Prefills through the prefix cache by their prompt's first block (a hash), so the bench can tell
     # whether one prefix always went to the same engine; at most _FIRST_BLOCK_KEYS keys.
     prefills_by_first_block: Counter[str] = dataclasses.field(default_factory=Counter)
+    # The W3C trace context of the last completion requests (kind, request id, traceparent, tracestate): what a
+    # router's tracing passed on (issue 40). Bounded: the last _TRACE_HEADERS_KEPT.
+    trace_headers: collections.deque[dict[str, str | None]] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=_TRACE_HEADERS_KEPT))
 
     def describe(self) -> dict[str, Any]:
         def body(raw: bytes | None) -> Any:
@@ -324,6 +331,7 @@ class MockStats:
             "last_decode_body": body(self.last_decode_body),
             "last_request_ids": dict(self.last_request_ids),
             "prefills_by_first_block": dict(self.prefills_by_first_block),
+            "trace_headers": list(self.trace_headers),
         }
 
 
@@ -727,6 +735,13 @@ class MockEngine:
 
     def _record(self, request: Request, job: _Completion, kv: dict[str, Any] | None) -> None:
         stats = self.stats
+        traceparent = request.get_header(b"traceparent")
+        if traceparent is not None:
+            state = request.get_header(b"tracestate")
+            stats.trace_headers.append({
+                "kind": "prefill" if job.handoff else "decode" if kv is not None else "plain",
+                "request_id": _request_id(request), "traceparent": traceparent.decode("latin-1"),
+                "tracestate": None if state is None else state.decode("latin-1")})
         if job.handoff:
             stats.prefill += 1
             stats.last_prefill_body = request.body
