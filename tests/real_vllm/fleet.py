@@ -34,6 +34,8 @@ GENERATION = "real-vllm-g1"
 FLEET_KEY = "narwhal-real-vllm-key"
 MAX_MODEL_LEN = 2048
 PLUGIN = "narwhal.engine_plugin.IdentityMiddleware"
+# In engine_site/ (first on the engines' PYTHONPATH): GET /narwhal-test/trace-headers lists what came in.
+TRACE_RECORDER = "narwhal_trace_recorder.TraceRecorder"
 # vLLM listens only once the model is loaded: 21-53 s alone on an idle machine, far more on 2 busy cores.
 DEFAULT_START_TIMEOUT_S = float(os.environ.get("NARWHAL_REAL_VLLM_START_TIMEOUT_S", "600"))
 
@@ -187,6 +189,8 @@ class VllmFleet:
                 # on AMX; a CPU (or VM) with amx_tile but without amx_bf16 dies of SIGILL in the first decode.
                 "--dtype", "float32",
                 "--kv-transfer-config", json.dumps(kv), "--middleware", PLUGIN,
+                # Test-only: records the trace context each request carried (tracing, issue 40).
+                "--middleware", TRACE_RECORDER,
                 *self.kv_events_flags(engine),
                 *([] if self.cache_blocks is None else ["--num-gpu-blocks-override", str(self.cache_blocks)]),
                 *([] if os.environ.get("NARWHAL_REAL_VLLM_EAGER", "1") == "0" else ["--enforce-eager"])]
