@@ -199,3 +199,15 @@ async def test_the_service_follows_reloads_on_and_off(mock_clock) -> None:
         assert service.exporter is not None and service.exporter is not exporter
         await trio.testing.wait_all_tasks_blocked()
         nursery.cancel_scope.cancel()
+
+
+async def test_flush_sends_what_is_queued_at_once(mock_clock) -> None:
+    seen = Seen()
+    exp, _ = exporter(seen, interval_s=60.0, batch=2)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(exp.run)
+        exp.submit(span(1))
+        await exp.flush()
+        assert trio.current_time() == 0.0
+        nursery.cancel_scope.cancel()
+    assert seen.spans == 1 and exp.queued == 0

@@ -75,6 +75,10 @@ class DataPlane(Protocol):
         ...
 
 
+# At shutdown, the spans still queued get this long to reach the collector.
+_TRACE_FLUSH_S = 2.0
+
+
 class LocalDataPlane:
     """The data plane of this process: data pool, request core, front and its HTTP/1.1 server."""
 
@@ -114,6 +118,8 @@ class LocalDataPlane:
                 # Exporting runs beside the server, off the request path, until the server has drained.
                 await nursery.start(self.tracing.run)
                 await self.server.serve_listeners(listeners, task_status=_Reported(task_status, bound_port))
+                # Drained: the last requests' spans go out (bounded), then the exporter stops with the pool.
+                await self.tracing.flush(_TRACE_FLUSH_S)
                 nursery.cancel_scope.cancel()
         finally:
             # Close engine sockets even when cancelled: leaked connections outlive the process.

@@ -100,10 +100,20 @@ class SpanExporter:
             task_status.started()
             await self._loop(self._client)
             return
-        # No retries and no pooled keep-alive beyond one connection: one POST at a time.
+        # No retries: one POST at a time, each bounded by timeout_s.
         async with httpx.AsyncClient(timeout=self._timeout_s, trust_env=False) as client:
-            task_status.started()
-            await self._loop(client)
+            self._client = client
+            try:
+                task_status.started()
+                await self._loop(client)
+            finally:
+                self._client = None
+
+    async def flush(self) -> None:
+        """Export what is queued now (a clean shutdown), one bounded POST a batch; nothing when not running."""
+        client = self._client
+        while self._queue and client is not None:
+            await self.export_batch(client)
 
     async def _loop(self, client: httpx.AsyncClient) -> None:
         while True:

@@ -49,6 +49,13 @@ class TracingService:
         assert self.tracer is not None
         self.tracer.configure(config)
 
+    async def flush(self, timeout_s: float) -> None:
+        """Send the spans still queued, for at most ``timeout_s`` (the process is stopping)."""
+        exporter = self.exporter
+        if exporter is not None:
+            with trio.move_on_after(timeout_s):
+                await exporter.flush()
+
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Run the exporter while tracing is on; wait for a reload that turns it on while it is off."""
         task_status.started()

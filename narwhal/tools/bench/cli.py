@@ -135,6 +135,11 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     auth.add_argument("--priority-concurrency", type=int, default=4, metavar="N",
                       help="--scenario priority: clients of high-a, normal-a and low-a; normal-b has ten times "
                            "as many (default %(default)s)")
+    traces = parser.add_argument_group("traces (issue 40)")
+    traces.add_argument("--tracing-ratio", type=float, default=None, metavar="R",
+                        help="the router started here traces requests ([tracing] sample_ratio = R, 0..1) and "
+                             "exports to a counting collector run by the bench: compare its CPU per request "
+                             "with a run without (default: tracing off)")
     scale = parser.add_argument_group("fleet scenario")
     scale.add_argument("--fleet-sizes", default=",".join(map(str, DEFAULT_SIZES)), metavar="N,N,...",
                        help="fleet sizes, in engines, each at least 2 (default %(default)s); a quarter of each "
@@ -307,6 +312,10 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         raise ValueError("--duration-s must be positive")
     if not 500 <= args.fault_status <= 599:
         raise ValueError("--fault-status must be 500-599")
+    if args.tracing_ratio is not None and (not 0.0 <= args.tracing_ratio <= 1.0 or args.target or args.router_cmd
+                                           or scale or args.routers > 1):
+        raise ValueError("--tracing-ratio R needs 0 <= R <= 1 and Narwhal started here by a one-router scenario "
+                         "(not --target, --router-cmd, --scenario fleet or --routers)")
     warmup = args.warmup if args.warmup is not None else 2 * concurrency
     overrides = _parse_overrides(args.overrides)
     if overrides and not args.router_cmd and not args.target:
@@ -332,7 +341,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         compare_routers=args.compare_routers, auth=args.auth or args.compare_auth, compare_auth=args.compare_auth,
         auth_rounds=args.auth_rounds if args.auth_rounds is not None else 2,
         priority_max_connections=args.priority_max_connections, priority_reserve_high=args.priority_reserve_high,
-        priority_concurrency=args.priority_concurrency)
+        priority_concurrency=args.priority_concurrency, tracing_ratio=args.tracing_ratio)
 
 
 def _check_auth_args(args: argparse.Namespace) -> None:

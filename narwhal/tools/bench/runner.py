@@ -21,6 +21,7 @@ import msgspec
 import trio
 
 from narwhal.tools.bench.auth import BENCH_TENANT, auth_sections, write_keys_file
+from narwhal.tools.bench.collector import CountingCollector
 from narwhal.tools.bench.fleet import (
     BenchFleet,
     Target,
@@ -115,6 +116,9 @@ class BenchSettings(msgspec.Struct, frozen=True, kw_only=True):
     priority_max_connections: int = 8
     priority_reserve_high: float = 0.125
     priority_concurrency: int = 4
+    # Traces (issue 40): the router started here exports to a counting collector (run here) at this sample
+    # ratio; None: tracing off.
+    tracing_ratio: float | None = None
 
     @property
     def mock_args(self) -> list[str]:
@@ -184,6 +188,8 @@ def _label(settings: BenchSettings, target: Target, auth: bool | None = None) ->
     if target.is_narwhal:
         auth = settings.auth if auth is None else auth
         notes = [name for name, on in (("tls", settings.tls), ("auth", auth)) if on]
+        if settings.tracing_ratio is not None:
+            notes.append(f"tracing {settings.tracing_ratio:g}")
         return f"narwhal ({', '.join(notes)})" if notes else "narwhal"
     return "target"
 
@@ -363,6 +369,7 @@ async def run_bench(settings: BenchSettings) -> BenchReport:
         async with httpx.AsyncClient(timeout=10.0, verify=verify) as client, trio.open_nursery() as nursery:
             fleet: BenchFleet | None = None
             target: Target | None = None
+            collector: CountingCollector | None = None
             try:
                 if not settings.target:
                     fleet = await start_fleet(nursery, prefill=settings.prefill, decode=settings.decode,
@@ -374,6 +381,11 @@ async def run_bench(settings: BenchSettings) -> BenchReport:
                     key = write_keys_file(workdir / "keys.toml", [(BENCH_TENANT, "normal")])[BENCH_TENANT]
                     extra = auth_sections(workdir / "keys.toml")
                     headers, probe_headers = bearer_header(key), {"authorization": f"Bearer {key}"}
+                if settings.tracing_ratio is not None:
+                    collector = CountingCollector()
+                    await nursery.start(collector.serve)
+                    extra = {**(extra or {}), "tracing": {"otlp_endpoint": collector.url,
+                                                          "sample_ratio": settings.tracing_ratio}}
                 target = await _start_target(nursery, settings, fleet, workdir, tls, extra)
                 # A router started here may take a while to come up; one already running should answer now.
                 for probe_body in probe_bodies:
@@ -406,6 +418,10 @@ async def run_bench(settings: BenchSettings) -> BenchReport:
                     if fleet is not None:
                         await fleet.stop()
                 nursery.cancel_scope.cancel()
-            return BenchReport(settings=_settings_record(settings, target), run=run, baseline=baseline,
+            record = _settings_record(settings, target)
+            if collector is not None:
+                # What the router exported while the bench ran (its last batch may come after the end).
+                record["trace_collector"] = collector.report()
+            return BenchReport(settings=record, run=run, baseline=baseline,
                                router_vs_direct=_ratios(run, baseline) if baseline else None, faults=faults,
                                timeline=timeline, load_started_unix=load_started_unix, prefix=prefix)
