@@ -160,8 +160,11 @@ async def test_waiting_for_capacity_is_a_queue_span(mock_clock) -> None:
     assert queue.attributes["narwhal.queue.reason"] == "no_capacity"
     assert queue.status_code == 0
     assert queue.end_ns >= queue.start_ns
+    # The first refusal says why it waited; the polls after it are the queue span, not a placement each.
     failed_placements = [s for s in named["narwhal.placement"] if s.status_code == STATUS_ERROR]
-    assert failed_placements
+    assert len(failed_placements) == 1
+    assert failed_placements[0].status_message == "no_capacity"
+    assert len(named["narwhal.placement"]) == 2
 
 
 async def test_an_unsampled_request_records_nothing_but_tells_the_engines() -> None:

@@ -818,7 +818,10 @@ class RequestCore:
             decode_name = self._place("decode", avoid, route, request, ex, exclude, span=placing)
         except BaseException as exc:
             if trace is not None and placing is not None:
-                trace.finish(placing, time.time_ns(), error=getattr(exc, "failure_class", type(exc).__name__))
+                failure = getattr(exc, "failure_class", type(exc).__name__)
+                # Polling for capacity: the first refusal says why the request waits, the queue span how long.
+                if ex.queue_span is None or failure not in _QUEUEABLE:
+                    trace.finish(placing, time.time_ns(), error=failure)
             raise
         if trace is not None:
             if placing is not None:

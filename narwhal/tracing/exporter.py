@@ -66,6 +66,10 @@ class SpanExporter:
         self._service_name = service_name
         self._last_logged = -_LOG_EVERY_S
         self.configure(endpoint=endpoint, headers=headers, service_name=service_name)
+        if dropped_counter is not None:
+            # Both series exist from the start, at 0: a dashboard sees tracing on before anything dropped.
+            for reason in (DROP_QUEUE_FULL, DROP_EXPORT_FAILED):
+                dropped_counter.inc(reason, amount=0)
         self.dropped = 0
         self.exported = 0
 

@@ -6,12 +6,16 @@ context each request carried (``/mock/stats`` ``trace_headers``).
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import tomllib
 from typing import Any
 
 import pytest
 import trio
 
+from narwhal.tools.local_fleet import render_config
 from tests.e2e.test_continuation_e2e import BOUNDED, MOCK, count_from_here
 from tests.e2e.waiting import wait_until
 from tests.otlp_collector import Collector, attributes
@@ -164,4 +168,47 @@ async def test_worker_processes_export(start_fleet, nursery):
         spans = await spans_of(collector, trace, {"narwhal.request", "narwhal.prefill", "narwhal.decode"})
         assert len(spans["narwhal.request"]) == 1
     text = (await fleet.client.get(f"{fleet.url}/metrics")).text
-    assert "narwhal_trace_spans_dropped_total{" not in text
+    assert 'narwhal_trace_spans_dropped_total{reason="export_failed"} 0' in text
+    assert 'narwhal_trace_spans_dropped_total{reason="queue_full"} 0' in text
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_a_reload_turns_tracing_on_and_off(start_fleet, nursery, workers):
+    collector = await start_collector(nursery)
+    fleet = await start_fleet(sections={"serving": {"workers": workers, "shutdown_grace_s": 5.0}})
+    untraced = await fleet.client.post(f"{fleet.url}/v1/completions", json=REQUEST)
+    assert "traceparent" not in untraced.headers
+
+    async def reload(tracing_section: dict[str, Any] | None) -> None:
+        config = tomllib.loads(fleet.config_path.read_text())
+        engines = [(e["name"], e["url"], e["role"]) for e in config.pop("engines")]
+        config.pop("tracing", None)
+        if tracing_section is not None:
+            config["tracing"] = tracing_section
+        fleet.config_path.write_text(render_config(engines, config))
+        seen = len(fleet.router.events("config_reloaded"))
+        os.kill(fleet.router.pid, signal.SIGHUP)
+
+        async def reloaded() -> bool:
+            return len(fleet.router.events("config_reloaded")) > seen
+
+        await wait_until(reloaded, what="config_reloaded")
+
+    await reload(tracing(collector.url))
+
+    async def traced() -> bool:
+        response = await fleet.client.post(f"{fleet.url}/v1/completions", json=REQUEST,
+                                           headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"})
+        return "traceparent" in response.headers
+
+    # Every worker takes the new section from its next snapshot.
+    await wait_until(traced, what="a traced response")
+    await spans_of(collector, CLIENT_TRACE, {"narwhal.request", "narwhal.decode"})
+    await reload(None)
+
+    async def untraced_again() -> bool:
+        response = await fleet.client.post(f"{fleet.url}/v1/completions", json=REQUEST)
+        return "traceparent" not in response.headers
+
+    for _ in range(4):  # each worker, whichever answers
+        await wait_until(untraced_again, what="tracing off")
