@@ -383,9 +383,13 @@ class RequestCore:
         ex = Exchange(route, rid, sink, started_at)
         tracer = self.tracer
         if tracer is not None:
-            trace = ex.trace = tracer.start(traceparent, tracestate)
+            trace = tracer.start(traceparent, tracestate)
             ex.response_ids = (ex.rid_header, trace.response_header())
             ex.trace_kw = request_spans.trace_kw(trace, trace.root)
+            if trace.sampled:
+                ex.trace = trace
+            # Not sampled: nothing is recorded, and the request goes on as an untraced one (ex.trace None)
+            # but for the context its engines and its client get (the root's, flag 00).
         answered = False
         try:
             try:
@@ -514,11 +518,6 @@ class RequestCore:
                     leg.span = None
                     request_spans.end_leg(trace, ex, leg, span, now_ns, error=leg.error or why, message=message)
             raise
-
-    def _open_leg(self, ex: Exchange, leg: Leg) -> None:
-        trace = ex.trace
-        if trace is not None:
-            leg.span = request_spans.open_leg(trace, ex, leg, time.time_ns())
 
     @staticmethod
     def _end_leg(ex: Exchange, leg: Leg) -> None:
@@ -837,7 +836,7 @@ class RequestCore:
             with cut.scope:
                 in_flight.acquire(prefill_name)
                 if trace is not None:
-                    self._open_leg(ex, prefill)
+                    prefill.span = request_spans.open_leg(trace, ex, prefill, time.time_ns())
                 try:
                     if (self._count_tokens or counted is not None) and not (join is not None and join.started):
                         # A continuation's prompt grew by exactly the tokens its max_tokens shrank by.
@@ -872,7 +871,7 @@ class RequestCore:
                     cut.move(decode_name, "decode")
                     in_flight.acquire(decode_name)
                     if trace is not None:
-                        self._open_leg(ex, decode)
+                        decode.span = request_spans.open_leg(trace, ex, decode, time.time_ns())
                     try:
                         await self._decode_leg(ex, decode, kv)
                     finally:
@@ -896,7 +895,7 @@ class RequestCore:
             # counts, and the decode runs under a scope of its own, as with one scope per leg.
             in_flight.acquire(decode_name)
             if trace is not None:
-                self._open_leg(ex, decode)
+                decode.span = request_spans.open_leg(trace, ex, decode, time.time_ns())
             try:
                 with self._cuttable(decode_name, "decode", ex.deadline_at):
                     await self._decode_leg(ex, decode, kv)

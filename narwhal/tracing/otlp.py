@@ -100,8 +100,28 @@ def _key_value(key: str, value: AttrValue) -> bytes:
     return _key(key) + body
 
 
+# Most attributes repeat from request to request whole (a route, an engine, a model, a status, a retry number):
+# each one's tagged bytes are kept, so encoding one is a dict lookup. Keys whose values are one request's own
+# are not (they would only churn the cache); the class is part of the key, as True == 1.
+_ATTRIBUTES: dict[tuple[bytes, str, AttrValue, type], bytes] = {}
+_MAX_ATTRIBUTES = 8192
+_UNIQUE_KEYS = frozenset({"narwhal.request_id"})
+
+
 def _attributes(tag: bytes, attributes: dict[str, AttrValue]) -> bytes:
-    return b"".join([_field(tag, _key_value(key, value)) for key, value in attributes.items()])
+    cache = _ATTRIBUTES
+    out = []
+    for key, value in attributes.items():
+        cache_key = (tag, key, value, value.__class__)
+        encoded = cache.get(cache_key)
+        if encoded is None:
+            encoded = _field(tag, _key_value(key, value))
+            if key not in _UNIQUE_KEYS and value.__class__ is not float:
+                if len(cache) >= _MAX_ATTRIBUTES:
+                    cache.clear()
+                cache[cache_key] = encoded
+        out.append(encoded)
+    return b"".join(out)
 
 
 def _event(event: SpanEvent) -> bytes:

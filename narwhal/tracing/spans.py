@@ -102,7 +102,7 @@ class RequestTrace:
     engines see the decision, but its spans never reach the sink.
     """
 
-    __slots__ = ("context", "root", "_ids", "_sink")
+    __slots__ = ("context", "root", "sampled", "_ids", "_root_headers", "_root_traceparent", "_sink")
 
     def __init__(self, context: TraceContext, *, parent_span_id: bytes | None, start_ns: int, ids: IdSource,
                  sink: Callable[[Span], None]) -> None:
@@ -111,15 +111,15 @@ class RequestTrace:
                          start_ns)
         self._ids = ids
         self._sink = sink
+        self.sampled = context.sampled
+        # The root's traceparent: the client's response header, and what engine calls outside a leg carry.
+        self._root_traceparent = format_traceparent(context)
+        self._root_headers = self._headers(self._root_traceparent)
 
     @property
     def trace_id_hex(self) -> str:
         """The trace id as the log line's ``trace_id`` field shows it (32 lowercase hex digits)."""
         return self.context.trace_id.hex()
-
-    @property
-    def sampled(self) -> bool:
-        return self.context.sampled
 
     def child(self, name: str, start_ns: int, kind: int = KIND_INTERNAL) -> Span:
         """A new span under the root; an unsampled trace hands out its root instead (nothing is recorded, and
@@ -137,14 +137,22 @@ class RequestTrace:
     def engine_headers(self, span: Span) -> bytes:
         """The header lines an engine request made within ``span`` carries (``traceparent``, and the client's
         ``tracestate`` when it sent one), each as ``\\r\\nname: value`` for the data pool's request head."""
-        lines = b"\r\ntraceparent: " + self.traceparent_for(span)
+        if span is self.root:
+            return self._root_headers
+        return self._headers(self.traceparent_for(span))
+
+    def _headers(self, traceparent: bytes) -> bytes:
+        lines = b"\r\ntraceparent: " + traceparent
         state = self.context.tracestate
         return lines + b"\r\ntracestate: " + state.encode("ascii") if state else lines
 
     def response_header(self) -> tuple[bytes, bytes]:
         """The ``traceparent`` the client's response carries: the root span's."""
-        return (b"traceparent", format_traceparent(self.context))
+        return (b"traceparent", self._root_traceparent)
 
     def traceparent_for(self, span: Span) -> bytes:
         """The ``traceparent`` an engine request made within ``span`` carries: the engine's spans join under it."""
-        return format_traceparent(TraceContext(span.trace_id, span.span_id, self.context.sampled))
+        if span is self.root:
+            return self._root_traceparent
+        return b"00-%s-%s-%s" % (span.trace_id.hex().encode(), span.span_id.hex().encode(),
+                                 b"01" if self.sampled else b"00")
