@@ -192,3 +192,16 @@ async def test_a_malformed_traceparent_starts_a_new_trace(bad: bytes) -> None:
     root = spans[-1]
     assert root.parent_span_id is None
     assert root.trace_id != bytes(16)
+
+
+async def test_a_clients_unsampled_trace_goes_on_unrecorded() -> None:
+    core, pool, _, spans = make(ratio=1.0)
+    sink = Sink()
+    await core.handle("/v1/completions", body(stream=True), None, sink, None, TRACEPARENT[:-2] + b"00", b"v=1")
+    assert spans == []
+    for _, _, trace in pool.traces:
+        lines = header_lines(trace)
+        assert lines["traceparent"].startswith(f"00-{CLIENT_TRACE}-") and lines["traceparent"].endswith("-00")
+        assert lines["tracestate"] == "v=1"
+    [value] = [v for name, v in sink.headers if name == b"traceparent"]
+    assert value.decode().startswith(f"00-{CLIENT_TRACE}-")

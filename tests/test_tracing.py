@@ -9,8 +9,8 @@ from narwhal.config import ConfigError, TracingConfig, parse_config
 from narwhal.config_diff import is_reloadable
 from narwhal.tracing.context import IdSource, Sampler, TraceContext, format_traceparent, parse_traceparent
 from narwhal.tracing.otlp import encode_spans
-from narwhal.tracing.spans import KIND_CLIENT, STATUS_ERROR, Span
-from narwhal.tracing.tracer import Tracer
+from narwhal.tracing.spans import KIND_CLIENT, STATUS_ERROR, RequestTrace, Span
+from narwhal.tracing.tracer import Propagated, Tracer
 
 TRACE = bytes.fromhex("4bf92f3577b34da6a3ce929d0e0e4736")
 PARENT = bytes.fromhex("00f067aa0ba902b7")
@@ -78,14 +78,39 @@ def test_an_unsampled_trace_records_nothing_but_still_propagates() -> None:
     sunk: list[Span] = []
     tracer = Tracer(TracingConfig(otlp_endpoint="http://c:4318", sample_ratio=0.0), sunk.append)
     trace = tracer.start(None, None)
+    assert isinstance(trace, Propagated) and not trace.sampled
+    name, value = trace.response_header()
+    assert name == b"traceparent" and parse_traceparent(value).sampled is False
+    assert trace.root_headers == b"\r\ntraceparent: " + value
+    # A client's unsampled trace goes on with its id and tracestate, never recorded.
+    client = tracer.start(HEADER.replace(b"-01", b"-00"), b"vendor=abc")
+    assert isinstance(client, Propagated)
+    assert client.root_headers.startswith(b"\r\ntraceparent: 00-" + TRACE.hex().encode())
+    assert client.root_headers.endswith(b"-00\r\ntracestate: vendor=abc")
+    # A client's sampled trace is followed whatever the ratio.
+    assert tracer.start(HEADER, None).sampled
+    assert sunk == []
+
+
+def test_an_unsampled_request_trace_hands_out_its_root() -> None:
+    sunk: list[Span] = []
+    trace = RequestTrace(TraceContext(TRACE, PARENT, False), parent_span_id=None, start_ns=1, ids=IdSource(),
+                         sink=sunk.append)
     child = trace.child("narwhal.decode", 1, KIND_CLIENT)
     assert child is trace.root
     assert trace.engine_headers(child).endswith(b"-00")
     trace.finish(child, 2)
-    trace.finish(trace.root, 3)
     assert sunk == []
-    # A client's sampled trace is followed whatever the ratio.
-    assert tracer.start(HEADER, None).sampled
+
+
+def test_the_sampling_decision_is_the_trace_ids() -> None:
+    tracer = Tracer(TracingConfig(otlp_endpoint="http://c:4318", sample_ratio=0.5), lambda span: None,
+                    ids=IdSource(seed=3))
+    sampler = Sampler(0.5)
+    for _ in range(200):
+        trace = tracer.start(None, None)
+        trace_id = bytes.fromhex(trace.response_header()[1].decode().split("-")[1])
+        assert sampler.sampled(None, trace_id) is trace.sampled
 
 
 def test_tracer_reconfigure_changes_the_ratio() -> None:

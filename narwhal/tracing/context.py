@@ -72,6 +72,8 @@ class IdSource:
 
     def __init__(self, seed: int | None = None) -> None:
         self._random = random.Random(int.from_bytes(os.urandom(16), "big") if seed is None else seed)
+        # Random bits as an int (``bits(128)``): the tracer's path for a trace it does not sample.
+        self.bits = self._random.getrandbits
 
     def trace_id(self) -> bytes:
         """16 random bytes, never all zero."""
@@ -102,10 +104,11 @@ class Sampler:
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"sample ratio must be in [0, 1], got {ratio}")
         self.ratio = ratio
-        self._bound = round(ratio * (_TRACE_ID_LIMIT + 1))
+        # A root is sampled when its trace id's low 8 bytes, as an int, are below this.
+        self.bound = round(ratio * (_TRACE_ID_LIMIT + 1))
 
     def sampled(self, parent: TraceContext | None, trace_id: bytes) -> bool:
         """Whether the span with this parent (None: a root) and trace id is recorded."""
         if parent is not None:
             return parent.sampled
-        return int.from_bytes(trace_id[8:], "big") < self._bound
+        return int.from_bytes(trace_id[8:], "big") < self.bound

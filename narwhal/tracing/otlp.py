@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from narwhal.tracing.spans import AttrValue, Span, SpanEvent
 
-__all__ = ["SCOPE_NAME", "encode_spans"]
+__all__ = ["SCOPE_NAME", "encode_encoded", "encode_span", "encode_spans"]
 
 SCOPE_NAME = "narwhal"
 
@@ -22,9 +22,16 @@ _pack_fixed64 = struct.Struct("<Q").pack
 _pack_double = struct.Struct("<d").pack
 
 
+# One-byte varints, made once: most lengths and enum values are below 128.
+_SMALL = [bytes((n,)) for n in range(0x80)]
+
+
 def _varint(value: int) -> bytes:
     if value < 0x80:
-        return bytes((value,))
+        return _SMALL[value]
+    if value < 0x4000:
+        # Two bytes: a span's own length, mostly.
+        return bytes(((value & 0x7F) | 0x80, value >> 7))
     out = bytearray()
     while value >= 0x80:
         out.append((value & 0x7F) | 0x80)
@@ -35,7 +42,8 @@ def _varint(value: int) -> bytes:
 
 def _field(tag: bytes, payload: bytes) -> bytes:
     """A length-delimited field: its tag, the payload's length, the payload."""
-    return tag + _varint(len(payload)) + payload
+    size = len(payload)
+    return tag + (_SMALL[size] if size < 0x80 else _varint(size)) + payload
 
 
 def _text(value: str) -> bytes:
@@ -101,27 +109,30 @@ def _key_value(key: str, value: AttrValue) -> bytes:
 
 
 # Most attributes repeat from request to request whole (a route, an engine, a model, a status, a retry number):
-# each one's tagged bytes are kept, so encoding one is a dict lookup. Keys whose values are one request's own
-# are not (they would only churn the cache); the class is part of the key, as True == 1.
-_ATTRIBUTES: dict[tuple[bytes, str, AttrValue, type], bytes] = {}
+# each (key, value) item's tagged bytes are kept, one cache per tag, so encoding one is a dict lookup of the
+# item ``dict.items()`` hands out. Keys whose values are one request's own, and floats, are not kept (they would
+# only churn the cache). A key always takes values of one type here (True == 1 would share an entry otherwise).
 _MAX_ATTRIBUTES = 8192
 _UNIQUE_KEYS = frozenset({"narwhal.request_id"})
+_SPAN_ATTRIBUTES: dict[tuple[str, AttrValue], bytes] = {}
+_EVENT_ATTRIBUTES: dict[tuple[str, AttrValue], bytes] = {}
+
+
+def _attribute(cache: dict[tuple[str, AttrValue], bytes], tag: bytes, item: tuple[str, AttrValue]) -> bytes:
+    """A cache miss: encode the item, and keep it unless its value is one request's own."""
+    key, value = item
+    encoded = _field(tag, _key_value(key, value))
+    if key not in _UNIQUE_KEYS and value.__class__ is not float:
+        if len(cache) >= _MAX_ATTRIBUTES:
+            cache.clear()
+        cache[item] = encoded
+    return encoded
 
 
 def _attributes(tag: bytes, attributes: dict[str, AttrValue]) -> bytes:
-    cache = _ATTRIBUTES
-    out = []
-    for key, value in attributes.items():
-        cache_key = (tag, key, value, value.__class__)
-        encoded = cache.get(cache_key)
-        if encoded is None:
-            encoded = _field(tag, _key_value(key, value))
-            if key not in _UNIQUE_KEYS and value.__class__ is not float:
-                if len(cache) >= _MAX_ATTRIBUTES:
-                    cache.clear()
-                cache[cache_key] = encoded
-        out.append(encoded)
-    return b"".join(out)
+    cache = _SPAN_ATTRIBUTES if tag == _SPAN_ATTR else _EVENT_ATTRIBUTES
+    get = cache.get
+    return b"".join([get(item) or _attribute(cache, tag, item) for item in attributes.items()])
 
 
 def _event(event: SpanEvent) -> bytes:
@@ -131,23 +142,31 @@ def _event(event: SpanEvent) -> bytes:
     return _field(_SPAN_EVENT, body)
 
 
-def _span(span: Span) -> bytes:
+_IDS_HEAD = _SPAN_TRACE_ID + b"\x10"
+_SPAN_ID_HEAD = _SPAN_SPAN_ID + b"\x08"
+_PARENT_HEAD = _SPAN_PARENT + b"\x08"
+# Span kinds are 1..5: one varint byte each.
+_pack_times = struct.Struct("<BBBQBQ").pack
+
+
+def encode_span(span: Span) -> bytes:
+    """One span as the bytes of its ``ScopeSpans.spans`` field: what ``encode_encoded`` joins into a request."""
     name = _NAMES.get(span.name)
     if name is None:
         if len(_NAMES) >= _MAX_CACHED:
             _NAMES.clear()
         name = _NAMES[span.name] = _field(_SPAN_NAME, _text(span.name))
+    parent = span.parent_span_id
     parts = [
-        _SPAN_TRACE_ID, b"\x10", span.trace_id, _SPAN_SPAN_ID, b"\x08", span.span_id,
+        _IDS_HEAD, span.trace_id, _SPAN_ID_HEAD, span.span_id,
+        _PARENT_HEAD + parent if parent is not None else b"", name,
+        # kind (varint), then start and end (fixed64), each with its tag: one pack.
+        _pack_times(0x30, span.kind, 0x39, span.start_ns, 0x41, span.end_ns),
     ]
-    if span.parent_span_id is not None:
-        parts += (_SPAN_PARENT, b"\x08", span.parent_span_id)
-    parts += (name, _SPAN_KIND, _varint(span.kind), _SPAN_START, _pack_fixed64(span.start_ns), _SPAN_END,
-              _pack_fixed64(span.end_ns))
     if span.attributes:
         parts.append(_attributes(_SPAN_ATTR, span.attributes))
-    for event in span.events:
-        parts.append(_event(event))
+    if span.events:
+        parts += [_event(event) for event in span.events]
     if span.status_code:
         status = _STATUS_CODE + _varint(span.status_code)
         if span.status_message:
@@ -158,8 +177,14 @@ def _span(span: Span) -> bytes:
 
 def encode_spans(spans: Sequence[Span], *, service_name: str, scope_version: str) -> bytes:
     """One ``ExportTraceServiceRequest``: resource {service.name}, one scope "narwhal" holding ``spans``."""
+    return encode_encoded([encode_span(span) for span in spans], service_name=service_name,
+                          scope_version=scope_version)
+
+
+def encode_encoded(spans: Sequence[bytes], *, service_name: str, scope_version: str) -> bytes:
+    """As ``encode_spans``, of spans already encoded (``encode_span``)."""
     resource = _field(_T1_LEN, _key_value("service.name", service_name))  # Resource.attributes = 1
     scope = _field(_T1_LEN, _text(SCOPE_NAME)) + _field(_T2_LEN, _text(scope_version))
-    scope_spans = _field(_T1_LEN, scope) + b"".join([_span(span) for span in spans])
+    scope_spans = _field(_T1_LEN, scope) + b"".join(spans)
     resource_spans = _field(_T1_LEN, resource) + _field(_T2_LEN, scope_spans)
     return _field(_T1_LEN, resource_spans)

@@ -102,7 +102,7 @@ class RequestTrace:
     engines see the decision, but its spans never reach the sink.
     """
 
-    __slots__ = ("context", "root", "sampled", "_ids", "_root_headers", "_root_traceparent", "_sink")
+    __slots__ = ("context", "root", "root_headers", "sampled", "_ids", "_root_traceparent", "_sink")
 
     def __init__(self, context: TraceContext, *, parent_span_id: bytes | None, start_ns: int, ids: IdSource,
                  sink: Callable[[Span], None]) -> None:
@@ -114,7 +114,8 @@ class RequestTrace:
         self.sampled = context.sampled
         # The root's traceparent: the client's response header, and what engine calls outside a leg carry.
         self._root_traceparent = format_traceparent(context)
-        self._root_headers = self._headers(self._root_traceparent)
+        # The header lines of an engine call outside a leg (the data pool's ``trace``).
+        self.root_headers = self._headers(self._root_traceparent)
 
     @property
     def trace_id_hex(self) -> str:
@@ -130,15 +131,22 @@ class RequestTrace:
 
     def finish(self, span: Span, end_ns: int, *, error: str | None = None) -> None:
         """End ``span`` and hand it to the sink; nothing when the trace is not sampled."""
-        if self.context.sampled:
-            span.end(end_ns, error=error)
+        if self.sampled:
+            # Span.end, inline: once per span of every traced request.
+            if span.ended:
+                raise RuntimeError(f"span {span.name} {span.span_id.hex()} ended twice")
+            span.ended = True
+            span.end_ns = end_ns
+            if error is not None:
+                span.status_code = STATUS_ERROR
+                span.status_message = error
             self._sink(span)
 
     def engine_headers(self, span: Span) -> bytes:
         """The header lines an engine request made within ``span`` carries (``traceparent``, and the client's
         ``tracestate`` when it sent one), each as ``\\r\\nname: value`` for the data pool's request head."""
         if span is self.root:
-            return self._root_headers
+            return self.root_headers
         return self._headers(self.traceparent_for(span))
 
     def _headers(self, traceparent: bytes) -> bytes:

@@ -13,7 +13,27 @@ from narwhal.config import TracingConfig
 from narwhal.tracing.context import IdSource, Sampler, TraceContext, parse_traceparent
 from narwhal.tracing.spans import RequestTrace, Span
 
-__all__ = ["Tracer"]
+__all__ = ["Propagated", "Tracer"]
+
+_LOW_64 = (1 << 64) - 1
+
+
+class Propagated:
+    """A new trace this router does not sample: only its context travels (response and engine calls, flag 00)."""
+
+    __slots__ = ("_header", "root_headers")
+
+    sampled = False
+
+    def __init__(self, traceparent: bytes, tracestate: str = "") -> None:
+        self._header = (b"traceparent", traceparent)
+        # What every engine call of the request carries (as ``RequestTrace.root_headers``).
+        self.root_headers = b"\r\ntraceparent: " + traceparent
+        if tracestate:
+            self.root_headers += b"\r\ntracestate: " + tracestate.encode("ascii")
+
+    def response_header(self) -> tuple[bytes, bytes]:
+        return self._header
 
 
 class Tracer:
@@ -34,14 +54,22 @@ class Tracer:
         if config.sample_ratio != self.sampler.ratio:
             self.sampler = Sampler(config.sample_ratio)
 
-    def start(self, traceparent: bytes | None, tracestate: bytes | None) -> RequestTrace:
-        """The trace of a request that arrived with these headers (either may be absent or malformed)."""
+    def start(self, traceparent: bytes | None, tracestate: bytes | None) -> RequestTrace | Propagated:
+        """The trace of a request that arrived with these headers (either may be absent or malformed); a new trace
+        that is not sampled costs two random numbers and one formatted header (``Propagated``)."""
         ids = self._ids
         parent = parse_traceparent(traceparent, tracestate) if traceparent is not None else None
         if parent is None:
-            trace_id = ids.trace_id()
-            context = TraceContext(trace_id, ids.span_id(), self.sampler.sampled(None, trace_id))
+            # The trace id, drawn first: its low 8 bytes decide (as Sampler.sampled would).
+            bits = ids.bits(128) or 1
+            if (bits & _LOW_64) >= self.sampler.bound:
+                return Propagated(b"00-%032x-%016x-00" % (bits, ids.bits(64) or 1))
+            context = TraceContext(bits.to_bytes(16, "big"), ids.span_id(), True)
             return RequestTrace(context, parent_span_id=None, start_ns=self.now_ns(), ids=ids, sink=self._sink)
+        if not parent.sampled:
+            # The client's decision: nothing recorded; its trace goes on with our span id, flag 00.
+            return Propagated(b"00-%s-%016x-00" % (parent.trace_id.hex().encode(), ids.bits(64) or 1),
+                              parent.tracestate)
         context = TraceContext(parent.trace_id, ids.span_id(), parent.sampled, parent.tracestate)
         return RequestTrace(context, parent_span_id=parent.span_id, start_ns=self.now_ns(), ids=ids,
                             sink=self._sink)
