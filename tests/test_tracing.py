@@ -168,3 +168,14 @@ def test_tracing_config_defaults_and_reload() -> None:
 def test_tracing_config_errors_name_the_key(text: str, key: str) -> None:
     with pytest.raises(ConfigError, match=f"<config>: {key}[:. ]"):
         parse_config(f"[tracing]\n{text}\n")
+
+
+def test_the_data_pool_puts_the_trace_lines_in_the_request_head() -> None:
+    from narwhal.config import EngineSpec
+    from narwhal.pools.data import _post_request
+
+    engine = EngineSpec(name="d1", url="http://127.0.0.1:9", role="decode")
+    lines = b"\r\ntraceparent: " + HEADER + b"\r\ntracestate: vendor=abc"
+    head = _post_request(engine, "/v1/completions", b"{}", "r1", b"text/event-stream", trace=lines)
+    assert b"\r\nx-request-id: r1\r\ntraceparent: " + HEADER + b"\r\ntracestate: vendor=abc\r\n\r\n{}" in head
+    assert b"traceparent" not in _post_request(engine, "/v1/completions", b"{}", "r1", b"text/event-stream")
