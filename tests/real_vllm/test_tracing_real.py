@@ -1,16 +1,17 @@
 """Traces through Narwhal to real vLLM (issue 40): the engines get the router's traceparent (one span of its own
-per leg) and the client's tracestate.
+per leg) and the client's tracestate, and the router's spans reach a collector double.
 
 The engines record what came in with a test-only middleware (``engine_site/narwhal_trace_recorder.py``), so
-this holds whether or not the tier's vLLM has its OpenTelemetry extras for ``--otlp-traces-endpoint``; the
-tier's venv has no opentelemetry-proto, so the router exports to a port nobody listens on (its spans are
-dropped and counted: tracing never needs the collector to serve).
+this holds whether or not vLLM itself exports (``--otlp-traces-endpoint``: the tier's engines are shared by
+every test and run without it). vLLM's tracing extras bring opentelemetry-proto into the tier's venv, which
+the collector double decodes with.
 """
 
 from __future__ import annotations
 
 import httpx
 import pytest
+import trio
 
 from tests.real_vllm.fleet import MODEL_NAME
 
@@ -26,8 +27,13 @@ async def seen_by(client: httpx.AsyncClient, engine_url: str) -> list[dict[str, 
     return response.json()
 
 
-async def test_real_vllm_gets_the_routers_traceparent(start_narwhal) -> None:
-    narwhal = await start_narwhal(engines=["p1", "d1"], tracing={"otlp_endpoint": "http://127.0.0.1:9"})
+async def test_real_vllm_gets_the_routers_traceparent(start_narwhal, nursery) -> None:
+    pytest.importorskip("opentelemetry.proto")
+    from tests.otlp_collector import Collector
+
+    collector = Collector()
+    await nursery.start(collector.serve)
+    narwhal = await start_narwhal(engines=["p1", "d1"], tracing={"otlp_endpoint": collector.url})
     response = await narwhal.client.post(
         f"{narwhal.url}/v1/completions",
         json={"model": MODEL_NAME, "prompt": "The narwhal router", "max_tokens": 4, "temperature": 0,
@@ -48,5 +54,12 @@ async def test_real_vllm_gets_the_routers_traceparent(start_narwhal) -> None:
         assert parent not in (CLIENT_SPAN, root)  # a leg's own span, under the router's request span
         parents.add(parent)
         assert seen["tracestate"] == "tier=real"
-    # The prefill and the decode are two spans.
+    # The prefill and the decode are two spans: the router's, exported.
     assert len(parents) >= 2
+    tid = bytes.fromhex(TRACE)
+    with trio.fail_after(30):
+        await collector.wait_for(lambda: {"narwhal.request", "narwhal.prefill", "narwhal.decode"}
+                                 <= {span.name for span in collector.trace(tid)})
+    [prefill] = collector.named("narwhal.prefill", tid)
+    [decode] = collector.named("narwhal.decode", tid)
+    assert {prefill.span_id.hex(), decode.span_id.hex()} <= parents
