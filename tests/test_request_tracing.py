@@ -205,3 +205,16 @@ async def test_a_clients_unsampled_trace_goes_on_unrecorded() -> None:
         assert lines["tracestate"] == "v=1"
     [value] = [v for name, v in sink.headers if name == b"traceparent"]
     assert value.decode().startswith(f"00-{CLIENT_TRACE}-")
+
+
+async def test_an_engines_4xx_ends_its_leg_without_evidence() -> None:
+    from narwhal.errors import UpstreamClientError
+
+    core, pool, supervisor, spans = make()
+    pool.prefill.append(UpstreamClientError("p1", 400, b'{"error": {"message": "bad prompt"}}'))
+    sink = Sink()
+    await core.handle("/v1/completions", body(), None, sink)
+    assert sink.status == 400
+    [prefill] = by_name(spans)["narwhal.prefill"]
+    assert prefill.status_code == STATUS_ERROR and prefill.events == []
+    assert supervisor.failures == []

@@ -511,12 +511,17 @@ class RequestCore:
                    "deadline" if isinstance(exc, _DeadlinePassed) else
                    exc.code or exc.type if isinstance(exc, ClientError) else
                    "cancelled" if isinstance(exc, trio.Cancelled) else type(exc).__name__)
-            message = exc.error.message if isinstance(exc, _AttemptFailed) else None
+            failed = exc if isinstance(exc, _AttemptFailed) else None
             for leg in ex.legs[-2:]:
                 span = leg.span
                 if span is not None:
                     leg.span = None
-                    request_spans.end_leg(trace, ex, leg, span, now_ns, error=leg.error or why, message=message)
+                    # Evidence against the leg's engine (what _translate recorded), not a removal's cut or a 4xx.
+                    evidence = (failed is not None and failed.engine == leg.engine.name
+                                and failed.failure_class != ENGINE_REMOVED)
+                    request_spans.end_leg(trace, ex, leg, span, now_ns, error=leg.error or why,
+                                          message=None if failed is None else failed.error.message,
+                                          evidence=evidence)
             raise
 
     @staticmethod

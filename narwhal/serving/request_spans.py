@@ -56,8 +56,9 @@ def open_leg(trace: RequestTrace, ex: Exchange, leg: Leg, now_ns: int) -> Span:
 
 
 def end_leg(trace: RequestTrace, ex: Exchange, leg: Leg, span: Span, now_ns: int, *,
-            error: str | None = None, message: str | None = None) -> None:
-    """End a leg's span: its failure class (and the evidence it gave), or its usage."""
+            error: str | None = None, message: str | None = None, evidence: bool = False) -> None:
+    """End a leg's span: its failure class (and, when the failure was ``evidence`` against its engine, an event
+    saying so), or its usage."""
     if span is trace.root:
         return
     ex.trace_kw = trace_kw(trace, trace.root)
@@ -76,10 +77,11 @@ def end_leg(trace: RequestTrace, ex: Exchange, leg: Leg, span: Span, now_ns: int
         return
     span.set("error.type", failure)
     span.set("narwhal.failure_class", failure)
-    # The failure is evidence against the engine: what ejects it in the end, shown where it happened.
-    span.event("narwhal.engine_failure", now_ns, **{"narwhal.engine": leg.engine.name,
-                                                    "narwhal.failure_class": failure,
-                                                    "narwhal.stage": leg.kind})
+    if evidence:
+        # The failure is evidence against the engine: what ejects it in the end, shown where it happened.
+        span.event("narwhal.engine_failure", now_ns, **{"narwhal.engine": leg.engine.name,
+                                                        "narwhal.failure_class": failure,
+                                                        "narwhal.stage": leg.kind})
     trace.finish(span, now_ns, error=message or failure)
 
 
