@@ -796,14 +796,7 @@ class RequestCore:
         if role == "prefill":
             ex.prefix_match = choice.matched
         if span is not None:
-            span.set(f"narwhal.placement.{role}", choice.engine)
-            span.set(f"narwhal.placement.{role}_reason", choice.reason)
-            span.set(f"narwhal.placement.{role}_candidates", len(candidates))
-            if choice.reason == "spill":
-                # A better-matching engine was too loaded: the prompt spilled to another.
-                span.set("narwhal.placement.spill", True)
-            if choice.matched is not None:
-                span.set("narwhal.placement.prefix_match", choice.matched)
+            request_spans.placed(span, role, choice, len(candidates))
         return choice.engine
 
     async def _attempt(self, ex: Exchange, route: str, request: dict[str, Any], avoid: set[str],

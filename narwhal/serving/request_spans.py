@@ -10,10 +10,11 @@ where they exist (``http.route``, ``http.response.status_code``, ``error.type``,
 from __future__ import annotations
 
 from narwhal.config import engine_endpoint
+from narwhal.fleet.placement import Choice
 from narwhal.serving.exchange import Exchange, Leg
 from narwhal.tracing.spans import KIND_CLIENT, KIND_INTERNAL, RequestTrace, Span
 
-__all__ = ["end_leg", "end_request", "open_leg", "open_queue", "trace_kw"]
+__all__ = ["end_leg", "end_request", "open_leg", "open_queue", "placed", "trace_kw"]
 
 _OPERATION = {"/v1/completions": "text_completion", "/v1/chat/completions": "chat"}
 _LEG_NAMES = {"prefill": "narwhal.prefill", "decode": "narwhal.decode", "continuation": "narwhal.continuation"}
@@ -29,6 +30,25 @@ def open_queue(trace: RequestTrace, start_ns: int, reason: str) -> Span:
     span = trace.child("narwhal.queue", start_ns, KIND_INTERNAL)
     span.set("narwhal.queue.reason", reason)
     return span
+
+
+# The placement span's keys, per role (made once, not per request).
+_PLACED_KEYS = {role: (f"narwhal.placement.{role}", f"narwhal.placement.{role}_reason",
+                       f"narwhal.placement.{role}_candidates") for role in ("prefill", "decode")}
+
+
+def placed(span: Span, role: str, choice: Choice, candidates: int) -> None:
+    """What the placement span says of one role's choice: the engine, why, among how many; a spill, the match."""
+    engine_key, reason_key, candidates_key = _PLACED_KEYS[role]
+    attributes = span.attributes
+    attributes[engine_key] = choice.engine
+    attributes[reason_key] = choice.reason
+    attributes[candidates_key] = candidates
+    if choice.reason == "spill":
+        # A better-matching engine was too loaded: the prompt spilled to another.
+        attributes["narwhal.placement.spill"] = True
+    if choice.matched is not None:
+        attributes["narwhal.placement.prefix_match"] = choice.matched
 
 
 def open_leg(trace: RequestTrace, ex: Exchange, leg: Leg, now_ns: int) -> Span:
@@ -64,14 +84,15 @@ def end_leg(trace: RequestTrace, ex: Exchange, leg: Leg, span: Span, now_ns: int
     ex.trace_kw = trace_kw(trace, trace.root)
     failure = error or leg.error
     if leg.kind != "prefill":
+        attributes = span.attributes
         if ex.prompt_tokens is not None:
-            span.set("gen_ai.usage.input_tokens", ex.prompt_tokens)
-        span.set("gen_ai.usage.output_tokens", ex.tokens)
+            attributes["gen_ai.usage.input_tokens"] = ex.prompt_tokens
+        attributes["gen_ai.usage.output_tokens"] = ex.tokens
         if leg.kind == "continuation":
-            before = span.attributes.pop("narwhal.continuation.regenerated_before", 0)
-            span.set("narwhal.continuation.regenerated_tokens", ex.regenerated - int(before))
+            before = attributes.pop("narwhal.continuation.regenerated_before", 0)
+            attributes["narwhal.continuation.regenerated_tokens"] = ex.regenerated - int(before)
             if ex.join_gap_s is not None:
-                span.set("narwhal.continuation.join_gap_ms", round(ex.join_gap_s * 1000, 3))
+                attributes["narwhal.continuation.join_gap_ms"] = round(ex.join_gap_s * 1000, 3)
     if failure is None:
         trace.finish(span, now_ns)
         return

@@ -134,7 +134,11 @@ class SpanExporter:
     async def export_batch(self, client: httpx.AsyncClient) -> None:
         """POST up to ``batch`` queued spans once; a failure or timeout drops them (counted)."""
         queue, take = self._queue, min(self._batch, len(self._queue))
-        spans = [queue.popleft() for _ in range(take)]
+        if take == len(queue):
+            spans = list(queue)
+            queue.clear()
+        else:
+            spans = [queue.popleft() for _ in range(take)]
         if not spans:
             return
         body = encode_encoded(spans, service_name=self._service_name, scope_version=self._version)

@@ -130,6 +130,7 @@ def _attribute(cache: dict[tuple[str, AttrValue], bytes], tag: bytes, item: tupl
 
 
 def _attributes(tag: bytes, attributes: dict[str, AttrValue]) -> bytes:
+    # (encode_span does the same inline for a span's own attributes.)
     cache = _SPAN_ATTRIBUTES if tag == _SPAN_ATTR else _EVENT_ATTRIBUTES
     get = cache.get
     return b"".join([get(item) or _attribute(cache, tag, item) for item in attributes.items()])
@@ -164,7 +165,8 @@ def encode_span(span: Span) -> bytes:
         _pack_times(0x30, span.kind, 0x39, span.start_ns, 0x41, span.end_ns),
     ]
     if span.attributes:
-        parts.append(_attributes(_SPAN_ATTR, span.attributes))
+        get = _SPAN_ATTRIBUTES.get
+        parts += [get(item) or _attribute(_SPAN_ATTRIBUTES, _SPAN_ATTR, item) for item in span.attributes.items()]
     if span.events:
         parts += [_event(event) for event in span.events]
     if span.status_code:
@@ -172,7 +174,12 @@ def encode_span(span: Span) -> bytes:
         if span.status_message:
             status = _field(_STATUS_MESSAGE, _text(span.status_message)) + status
         parts.append(_field(_SPAN_STATUS, status))
-    return _field(_T2_LEN, b"".join(parts))  # ScopeSpans.spans = 2
+    body = b"".join(parts)
+    size = len(body)
+    # ScopeSpans.spans = 2; a span is 128 bytes to 16 KiB, mostly: a two-byte length, inline.
+    if 0x80 <= size < 0x4000:
+        return b"\x12" + bytes(((size & 0x7F) | 0x80, size >> 7)) + body
+    return _field(_T2_LEN, body)
 
 
 def encode_spans(spans: Sequence[Span], *, service_name: str, scope_version: str) -> bytes:

@@ -102,7 +102,8 @@ class RequestTrace:
     engines see the decision, but its spans never reach the sink.
     """
 
-    __slots__ = ("context", "root", "root_headers", "sampled", "_ids", "_root_traceparent", "_sink")
+    __slots__ = ("context", "root", "root_headers", "sampled", "_flags_state", "_ids", "_root_traceparent", "_sink",
+                 "_trace_head")
 
     def __init__(self, context: TraceContext, *, parent_span_id: bytes | None, start_ns: int, ids: IdSource,
                  sink: Callable[[Span], None]) -> None:
@@ -114,8 +115,13 @@ class RequestTrace:
         self.sampled = context.sampled
         # The root's traceparent: the client's response header, and what engine calls outside a leg carry.
         self._root_traceparent = format_traceparent(context)
+        # What every engine call's lines share: before the span id, and after it (flags, the client's tracestate).
+        self._trace_head = b"\r\ntraceparent: 00-" + context.trace_id.hex().encode() + b"-"
+        state = context.tracestate
+        self._flags_state = (b"-01" if context.sampled else b"-00") + (
+            b"\r\ntracestate: " + state.encode("ascii") if state else b"")
         # The header lines of an engine call outside a leg (the data pool's ``trace``).
-        self.root_headers = self._headers(self._root_traceparent)
+        self.root_headers = self._trace_head + context.span_id.hex().encode() + self._flags_state
 
     @property
     def trace_id_hex(self) -> str:
@@ -147,12 +153,7 @@ class RequestTrace:
         ``tracestate`` when it sent one), each as ``\\r\\nname: value`` for the data pool's request head."""
         if span is self.root:
             return self.root_headers
-        return self._headers(self.traceparent_for(span))
-
-    def _headers(self, traceparent: bytes) -> bytes:
-        lines = b"\r\ntraceparent: " + traceparent
-        state = self.context.tracestate
-        return lines + b"\r\ntracestate: " + state.encode("ascii") if state else lines
+        return self._trace_head + span.span_id.hex().encode() + self._flags_state
 
     def response_header(self) -> tuple[bytes, bytes]:
         """The ``traceparent`` the client's response carries: the root span's."""
