@@ -179,3 +179,41 @@ def test_a_bad_keys_file_stops_the_start_naming_the_key(tmp_path) -> None:
                           'url = "http://127.0.0.1:9002"\nrole = "decode"\n')
     with pytest.raises(ConfigError, match=r"auth\.keys_file: .*keys\[0\]\.sha256"):
         Router(config, config_dir=tmp_path)
+
+
+def test_saturate_without_a_reserve_takes_no_gate_slot_and_reads_no_clock_for_a_tenant_without_limits() -> None:
+    # The data pool refuses a full pool itself (pool_saturated, retry-after): the gate would only repeat it.
+    plain, limited = entry("p", "k-p"), entry("l", "k-l", requests_per_minute=60)
+    reads: list[int] = []
+
+    def clock() -> float:
+        reads.append(1)
+        return 0.0
+
+    client = ClientAuth(AuthSettings(keys=[plain, limited], max_queue=8), capacity=1, bounded=False, clock=clock)
+    held = [client.admit_now(plain) for _ in range(3)]  # beyond capacity 1: the pool, not the gate, bounds it
+    assert all(admitted.ticket is None and not admitted.limited for admitted in held)
+    assert client.gate.stats()["normal"]["in_use"] == 0
+    for admitted in held:
+        client.finish(admitted, tokens=40)
+    assert reads == []
+    # A tenant with a limit takes it (and reads the clock); its concurrency comes back at finish.
+    taken = client.admit_now(limited)
+    assert taken.limited and reads
+    assert client.limits.in_flight("l") == 1
+    client.finish(taken, tokens=0)
+    assert client.limits.in_flight("l") == 0
+
+
+def test_a_reload_adding_a_reserve_gates_new_requests_and_one_admitted_before_leaves_nothing_behind() -> None:
+    normal = entry("n", "k-n")
+    client = auth(normal, capacity=4)
+    before = client.admit_now(normal)
+    assert before.ticket is None
+    client.configure(AuthSettings(keys=[normal], reserve_high=0.25, max_queue=8))
+    after = client.admit_now(normal)
+    assert after.ticket is not None
+    client.finish(before, tokens=0)  # held no ticket: gives none back
+    assert client.gate.stats()["normal"]["in_use"] == 1
+    client.finish(after, tokens=0)
+    assert client.gate.stats()["normal"]["in_use"] == 0

@@ -524,6 +524,8 @@ async def test_pool_saturation_is_503_and_not_engine_failure():
     sink = Sink()
     await core.handle("/v1/completions", body(), None, sink)
     assert sink.status == 503 and sink.json()["error"]["code"] == "pool_saturated"
+    # A refusal for capacity says when to try again, as the priority gate's refusals do.
+    assert dict(sink.headers)[b"retry-after"] == b"1"
     assert supervisor.failures == []
 
 

@@ -70,18 +70,20 @@ class AuthRefused(NarwhalError):
 
 
 class Admitted:
-    """One admitted request's holdings: its tenant and its gate ticket (and how long it waited for it).
+    """One admitted request's holdings: its tenant, its gate ticket (and how long it waited for it), and whether
+    it took its tenant's limits (a tenant without limits takes none: no clock read, no bucket).
 
     A served request carries no ``x-ratelimit-*`` headers (a refused one does): computing them costs a refill
     and six formatted values per request, for headers OpenAI's clients read only on a 429.
     """
 
-    __slots__ = ("key", "queue_wait_s", "ticket")
+    __slots__ = ("key", "limited", "queue_wait_s", "ticket")
 
-    def __init__(self, key: KeyEntry, ticket: Ticket | None, queue_wait_s: float) -> None:
+    def __init__(self, key: KeyEntry, ticket: Ticket | None, queue_wait_s: float, limited: bool = False) -> None:
         self.key = key
         self.ticket = ticket
         self.queue_wait_s = queue_wait_s
+        self.limited = limited
 
 
 def _retry_after(seconds: float) -> tuple[bytes, bytes]:
@@ -99,10 +101,13 @@ class ClientAuth:
         self.store = KeyStore(settings.keys or [])
         self.limits = TenantLimits()
         self.limits.configure(settings.keys or [], share=settings.share)
+        # The tenants with a limit: only their requests read the clock and touch a bucket.
+        self._limited = self.limits.limited
         self.gate = PriorityGate(capacity=capacity, reserve_high=settings.reserve_high,
                                  max_queue=settings.max_queue, clock=clock)
         self._capacity = capacity
         self.settings = settings
+        self._gated = _gated(settings, bounded)
 
     def configure(self, settings: AuthSettings) -> None:
         """A reload (or a new share): keys added are admitted at once, keys removed refused at once."""
@@ -112,8 +117,12 @@ class ClientAuth:
         self.enabled = settings.keys is not None
         self.store = KeyStore(settings.keys or [])
         self.limits.configure(settings.keys or [], share=settings.share)
+        self._limited = self.limits.limited
         self.gate.reconfigure(capacity=self._capacity, reserve_high=settings.reserve_high,
                               max_queue=settings.max_queue)
+        # Requests admitted ungated before a reload that gates them hold no ticket: the gate counts from here
+        # (the data pool's own connection bound still holds meanwhile).
+        self._gated = _gated(settings, self._bounded)
 
     def identify(self, authorization: bytes | None) -> KeyEntry:
         """The caller's key entry; 401 for a missing, malformed or unknown key."""
@@ -137,41 +146,71 @@ class ClientAuth:
 
     async def admit(self, key: KeyEntry, deadline: float) -> Admitted:
         """Take the tenant's limits and a place in the gate (waiting in line under the bounded policy)."""
-        now = self._clock()
-        limits = self.limits
-        refusal = limits.admit(key.name, now) if self.enabled else None
-        if refusal is not None:
-            limit = {"requests": "requests per minute", "tokens": "tokens per minute",
-                     "concurrent": "concurrent requests"}[refusal.reason]
-            raise AuthRefused(429, f"rate limit reached for {key.name!r}: {limit}; retry after "
-                              f"{max(1, math.ceil(refusal.retry_after_s))} s", "requests", "rate_limit_exceeded",
-                              refusal.reason, refusal.headers)
+        if not self._bounded:
+            return self.admit_now(key)
+        limited = key.name in self._limited and self._take_limits(key)
         try:
-            if self._bounded:
-                ticket, waited = await self.gate.enter(key.name, key.priority, deadline)
-            else:
-                ticket, waited = self.gate.try_enter(key.name, key.priority), 0.0
-        except GateRefused as exc:
-            if self.enabled:
-                limits.release(key.name)
-            message = {"overloaded": f"the router is at capacity for {key.priority} priority requests",
-                       "pool_saturated": "router saturated: no free data connection",
-                       "queue_full": "the queue for capacity is full"}[exc.code]
-            raise AuthRefused(503, message, "service_unavailable", exc.code, exc.code,
-                              [_retry_after(exc.retry_after_s)]) from None
-        except BaseException:
-            if self.enabled:
-                limits.release(key.name)
-            raise
-        return Admitted(key, ticket, waited)
+            ticket, waited = await self.gate.enter(key.name, key.priority, deadline)
+        except BaseException as exc:
+            refusal = self._not_admitted(key, limited, exc)
+            if refusal is None:
+                raise
+            raise refusal from None
+        return Admitted(key, ticket, waited, limited)
+
+    def admit_now(self, key: KeyEntry) -> Admitted:
+        """The saturate policy's admission: the tenant's limits and a slot at once, or a refusal; never waits."""
+        limited = key.name in self._limited and self._take_limits(key)
+        if not self._gated:
+            return Admitted(key, None, 0.0, limited)
+        try:
+            ticket = self.gate.try_enter(key.name, key.priority)
+        except BaseException as exc:
+            refusal = self._not_admitted(key, limited, exc)
+            if refusal is None:
+                raise
+            raise refusal from None
+        return Admitted(key, ticket, 0.0, limited)
+
+    def _not_admitted(self, key: KeyEntry, limited: bool, exc: BaseException) -> AuthRefused | None:
+        """The gate refused (503 to raise) or failed otherwise (None: re-raise); the limits taken go back."""
+        if limited:
+            self.limits.release(key.name)
+        return _capacity_refusal(key, exc) if isinstance(exc, GateRefused) else None
+
+    def _take_limits(self, key: KeyEntry) -> bool:
+        """One request off a limited tenant's limits (True), or 429."""
+        refusal = self.limits.admit(key.name, self._clock())
+        if refusal is None:
+            return True
+        limit = {"requests": "requests per minute", "tokens": "tokens per minute",
+                 "concurrent": "concurrent requests"}[refusal.reason]
+        raise AuthRefused(429, f"rate limit reached for {key.name!r}: {limit}; retry after "
+                          f"{max(1, math.ceil(refusal.retry_after_s))} s", "requests", "rate_limit_exceeded",
+                          refusal.reason, refusal.headers)
 
     def finish(self, admitted: Admitted, tokens: int) -> None:
         """The request ended: its gate slot and concurrency back, its tokens charged."""
         if admitted.ticket is not None:
             self.gate.leave(admitted.ticket)
             admitted.ticket = None
-        if self.enabled:
-            name = admitted.key.name
+        name = admitted.key.name
+        if admitted.limited:
+            admitted.limited = False
             self.limits.release(name)
-            if tokens > 0:
-                self.limits.charge(name, tokens, self._clock())
+        if tokens > 0 and name in self._limited:
+            self.limits.charge(name, tokens, self._clock())
+
+
+def _gated(settings: AuthSettings, bounded: bool) -> bool:
+    """Whether requests pass the priority gate: always under the bounded policy (its queue); under saturate
+    only with a reserve for high priority. Without one the gate would refuse exactly when the data pool is
+    full, as the pool itself does (``pool_saturated``), so it is skipped: no ticket per request."""
+    return bounded or settings.reserve_high > 0
+
+
+def _capacity_refusal(key: KeyEntry, exc: GateRefused) -> AuthRefused:
+    message = {"overloaded": f"the router is at capacity for {key.priority} priority requests",
+               "pool_saturated": "router saturated: no free data connection",
+               "queue_full": "the queue for capacity is full"}[exc.code]
+    return AuthRefused(503, message, "service_unavailable", exc.code, exc.code, [_retry_after(exc.retry_after_s)])

@@ -163,8 +163,12 @@ class GateState:
 
     def try_enter(self, tenant: str, priority: str) -> Ticket | RefusalCode:
         """A slot now, or why not: "overloaded" when only the reserve is free, else "pool_saturated"."""
-        rank = _rank(priority)
-        if self._free(rank) and (self._waiting_total == 0 or not self._waiting_ahead(rank)):
+        rank = _RANKS.get(priority)
+        if rank is None:
+            rank = _rank(priority)  # raises, naming the classes
+        # ``_free``, inline: this runs for every request under the saturate policy.
+        if (self._total < self._capacity and (rank == _HIGH or self._shared < self._share)
+                and (self._waiting_total == 0 or not self._waiting_ahead(rank))):
             return self._grant(tenant, rank)
         # Normal or low with slots free that only high may take: the class is over its share.
         return "overloaded" if self._total < self._capacity else "pool_saturated"

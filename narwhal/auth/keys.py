@@ -139,10 +139,13 @@ class KeyStore:
         # Bounded before any work: the scheme, spaces and the longest key we hash.
         if authorization is None or len(authorization) > MAX_KEY_BYTES + 64:
             return None
-        scheme, _, key = authorization.strip(b" \t").partition(b" ")
-        if scheme.lower() != b"bearer":
-            return None
-        key = key.lstrip(b" ")
+        if authorization.startswith(b"Bearer "):
+            key = authorization[7:].strip(b" \t")  # what every OpenAI client sends: one test, one strip
+        else:
+            scheme, _, key = authorization.strip(b" \t").partition(b" ")
+            if scheme.lower() != b"bearer":
+                return None
+            key = key.lstrip(b" ")
         if not key or len(key) > MAX_KEY_BYTES:
             return None
         digest = _sha256(key).hexdigest()

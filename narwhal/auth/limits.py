@@ -106,6 +106,8 @@ class TenantLimits:
 
     def __init__(self) -> None:
         self._tenants: dict[str, _Tenant] = {}
+        # The tenants with at least one limit (the others' requests skip the buckets).
+        self.limited: frozenset[str] = frozenset()
 
     def configure(self, keys: Sequence[KeyEntry], share: float = 1.0) -> None:
         """Take the limits of ``keys`` times ``share`` (this router's part, 0 < share <= 1), at least 1 each.
@@ -123,6 +125,9 @@ class TenantLimits:
             tenant.max_concurrent = None if entry.max_concurrent is None else _scaled(entry.max_concurrent, share)
             tenants[entry.name] = tenant
         self._tenants = tenants
+        self.limited = frozenset(name for name, tenant in tenants.items()
+                                 if tenant.requests is not None or tenant.tokens is not None
+                                 or tenant.max_concurrent is not None)
 
     def admit(self, tenant: str, now: float) -> LimitRefusal | None:
         """Take one request (and one concurrency slot), or refuse saying which limit and when to retry."""

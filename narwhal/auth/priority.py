@@ -49,9 +49,9 @@ class PriorityGate:
     def try_enter(self, tenant: str, priority: str) -> Ticket:
         """Saturate policy: a slot at once, or GateRefused ("overloaded" or "pool_saturated")."""
         got = self._state.try_enter(tenant, priority)
-        if isinstance(got, Ticket):
+        if got.__class__ is Ticket:
             return got
-        raise GateRefused(got)
+        raise GateRefused(got)  # type: ignore[arg-type]
 
     async def enter(self, tenant: str, priority: str, deadline: float) -> tuple[Ticket, float]:
         """Bounded policy: a slot, waiting for one in the queue if need be; returns (ticket, seconds waited).

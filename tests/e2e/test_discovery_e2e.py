@@ -183,6 +183,7 @@ async def test_registered_engines_serve_within_2_s_and_a_killed_registrar_takes_
     assert not await _ready(world)  # no decode engine left
 
 
+@pytest.mark.long
 async def test_an_etcd_outage_drops_no_engine_and_a_change_made_meanwhile_is_applied_once_back(
         world: World) -> None:
     await world.register("p1")
