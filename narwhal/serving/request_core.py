@@ -503,13 +503,14 @@ class RequestCore:
             ex.queue_span = request_spans.open_queue(trace, now_ns, reason)
 
     @staticmethod
-    async def _traced(ex: Exchange, attempt: Coroutine[Any, Any, None]) -> None:
-        """A traced request's attempt: a leg's span still open when it fails is ended with why."""
-        try:
-            await attempt
-        except BaseException as exc:
-            trace = ex.trace
-            assert trace is not None
+    def _attempt_ended(ex: Exchange, exc: BaseException) -> None:
+        """A traced request's attempt raised: a leg's span still open is ended with why.
+
+        Called from ``_serve``'s handlers rather than by a wrapping coroutine: a wrapper would be one more frame
+        on every resume of the attempt.
+        """
+        trace = ex.trace
+        if trace is not None:
             now_ns = time.time_ns()
             why = (exc.failure_class if isinstance(exc, _AttemptFailed) else
                    "deadline" if isinstance(exc, _DeadlinePassed) else
@@ -526,7 +527,6 @@ class RequestCore:
                     request_spans.end_leg(trace, ex, leg, span, now_ns, error=leg.error or why,
                                           message=None if failed is None else failed.error.message,
                                           evidence=evidence)
-            raise
 
     @staticmethod
     def _end_leg(ex: Exchange, leg: Leg) -> None:
@@ -603,8 +603,12 @@ class RequestCore:
                                       "upstream_error", "not_continued")
                 leg_route, leg_request = leg
             try:
-                attempt = self._attempt(ex, leg_route, leg_request, failed_engines, exclude)
-                await (attempt if ex.trace is None else self._traced(ex, attempt))
+                try:
+                    await self._attempt(ex, leg_route, leg_request, failed_engines, exclude)
+                except BaseException as exc:
+                    if ex.trace is not None:
+                        self._attempt_ended(ex, exc)
+                    raise
                 if ex.continuing:
                     self.metrics.continuations.inc("completed", _model_label(ex))
                     ex.stream_completed()
