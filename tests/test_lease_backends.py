@@ -283,6 +283,44 @@ async def test_an_abandoned_lease_file_write_never_lands_later(tmp_path: Path, m
     assert not [path.name for path in tmp_path.iterdir() if path.name.endswith(".tmp")]
 
 
+async def test_a_holder_stalled_in_its_write_holds_no_lock_and_the_lease_passes_on(tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    # A holder frozen while it writes (SIGSTOP, a hung disk) must not keep the others from an expired lease:
+    # the lock covers only the check and the rename, never the write and its fsync.
+    now = [0.0]
+    ra, rb = (FileLeaseBackend(path=tmp_path / "lease.json", handoff_path=tmp_path / "h.json", ttl_s=2.0,
+                               wall_clock=lambda: now[0]) for _ in range(2))
+    held = (await ra.acquire("ra", "http://127.0.0.1:1")).record
+    assert held is not None
+    stalled, resume = threading.Event(), threading.Event()
+    real_fsync = os.fsync
+
+    def stall_once(fd: int) -> None:
+        if not stalled.is_set():
+            stalled.set()
+            resume.wait(10.0)
+        real_fsync(fd)
+
+    monkeypatch.setattr(handoff.os, "fsync", stall_once)
+    renewal = []
+    async with trio.open_nursery() as nursery:
+        async def renew() -> None:
+            renewal.append(await ra.renew(held))
+
+        nursery.start_soon(renew)
+        await trio.to_thread.run_sync(stalled.wait, 5.0)
+        now[0] = 3.0  # past ra's expiry
+        with trio.fail_after(5):
+            taken = await rb.acquire("rb", "http://127.0.0.1:2")
+        assert taken.acquired and taken.record is not None and taken.record.epoch == 2
+        resume.set()
+    # ra's renewal found the record changed under it and starts over: the lease is rb's now.
+    assert renewal[0].lost and not renewal[0].ok
+    record = await rb.read()
+    assert record is not None and record.holder == "rb"
+    assert not [path.name for path in tmp_path.iterdir() if path.name.endswith(".tmp")]
+
+
 # -- the files are read bounded, regular files only, never blocking --------------------------------
 
 def _write_if_read(path: Path, data: bytes) -> None:

@@ -40,8 +40,11 @@ __all__ = [
     "HandoffUnreadable",
     "LeaseOwnership",
     "decode_document",
+    "discard_prepared",
     "encode_document",
+    "fsync_directory",
     "json_nesting_exceeds",
+    "prepare_atomic",
     "read_document",
     "write_atomic",
 ]
@@ -229,11 +232,27 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, *,
     ``mode``: the new file's permissions (less the umask); the keys file is 0600.
     """
     destination = Path(path)
-    directory = destination.parent
-    # Same directory as the destination: os.replace is atomic only within one filesystem.
-    temporary = directory / f".{destination.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    temporary = prepare_atomic(destination, data, mode=mode)
     renamed = False
+    try:
+        if proceed is not None and not proceed():
+            return False
+        os.replace(temporary, destination)
+        renamed = True
+    finally:
+        if not renamed:
+            discard_prepared(temporary)
+    if sync_directory:
+        fsync_directory(destination.parent)
+    return True
+
+
+def prepare_atomic(destination: Path, data: bytes, *, mode: int = 0o644) -> Path:
+    """A temporary file beside ``destination`` holding ``data``, written in full and fsynced: the rename is the
+    caller's (``write_atomic``, or a lease change that renames under its lock); removed if the write fails."""
+    # Same directory as the destination: os.replace is atomic only within one filesystem.
+    temporary = destination.parent / f".{destination.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
     try:
         try:
             view = memoryview(data)
@@ -243,22 +262,22 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, *,
             os.fsync(fd)
         finally:
             os.close(fd)
-        if proceed is not None and not proceed():
-            return False
-        os.replace(temporary, destination)
-        renamed = True
-    finally:
-        if not renamed:
-            try:
-                os.unlink(temporary)
-            except OSError:
-                pass  # the original error is the one worth raising
-    if sync_directory:
-        _fsync_directory(directory)
-    return True
+    except BaseException:
+        discard_prepared(temporary)
+        raise
+    return temporary
 
 
-def _fsync_directory(directory: Path) -> None:
+def discard_prepared(temporary: Path) -> None:
+    """Remove a prepared file that was not renamed into place."""
+    try:
+        os.unlink(temporary)
+    except OSError:
+        pass  # the error that led here is the one worth raising
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (a no-op where the filesystem cannot fsync a directory)."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
