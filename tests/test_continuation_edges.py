@@ -502,3 +502,70 @@ async def test_an_engine_whose_tokenize_cannot_count_ends_the_stream_as_not_cont
     assert error["code"] == "not_continued" and "counted" in error["message"]
     assert metrics.continuations.values.get(("not_eligible", "mock-model")) == 1
     assert len(decode_calls(pool)) == 1
+
+
+# vLLM 0.32's refusal of a prompt longer than its context (renderers/params.py), as its API server sends it.
+_CONTEXT_REFUSAL = json.dumps({
+    "error": {"message": "This model's maximum context length is 2048 tokens. However, your prompt contains 2049 "
+                         "input tokens, which exceeds this limit even without any output tokens. Please reduce the "
+                         "length of the input prompt.", "type": "BadRequestError", "param": "input_tokens",
+              "code": 400}}).encode()
+
+
+def _refuse_continuations(pool, body: bytes) -> None:
+    original = pool._answer
+
+    async def refuse(engine, path, raw):
+        if json.loads(raw).get("continue_final_message"):
+            raise UpstreamClientError(engine.name, 400, body)
+        return await original(engine, path, raw)
+
+    pool._answer = refuse
+
+
+@pytest.mark.parametrize("usage", [True, False], ids=["with-usage", "without-usage"])
+async def test_a_continuation_that_no_longer_fits_the_context_ends_the_answer_as_length(caplog, usage):
+    # A chat answer without max_tokens runs to the end of the context. Continued from its text, the answer so far
+    # may tokenize to more than the context holds (a random model's bytes did, with real vLLM): the engine refuses,
+    # and the answer ends where the uninterrupted one would have, with finish_reason "length", not with an error.
+    core, supervisor, pool, _, metrics = make()
+    _refuse_continuations(pool, _CONTEXT_REFUSAL)
+    pool.cuts = [4]
+    sink = ClientSink()
+    extra: dict[str, Any] = {} if usage else {"stream_options": ...}
+    with caplog.at_level("INFO", logger="narwhal.events"):
+        await core.handle(CHAT, request_body(CHAT, max_tokens=..., **extra), None, sink)
+    assert sink.status == 200 and sink.ended
+    events = sink.events()
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    chunks = events[:-1]
+    assert all("error" not in c for c in chunks)
+    assert numbers(text_of(chunks, chat=True)) == list(range(PROMPT_TOKENS[CHAT], PROMPT_TOKENS[CHAT] + 4))
+    finals = [c for e in chunks for c in e["choices"] if c.get("finish_reason") is not None]
+    assert finals == [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}]
+    assert len({e["id"] for e in chunks}) == 1 and len({e["created"] for e in chunks}) == 1
+    usages = [e["usage"] for e in chunks if e.get("usage")]
+    assert usages == ([{"prompt_tokens": PROMPT_TOKENS[CHAT], "completion_tokens": 4,
+                        "total_tokens": PROMPT_TOKENS[CHAT] + 4}] if usage else [])
+    line = request_line(caplog)
+    assert (line["status"], line["error"], line["continued_after"], line["continuations"], line["tokens"]) == (
+        200, None, "stream", 1, 4)
+    ended = [json.loads(r.getMessage()) for r in caplog.records if '"stream_ended_at_context"' in r.getMessage()]
+    assert len(ended) == 1 and ended[0]["tokens"] == 4 and "maximum context length" in ended[0]["message"]
+    assert metrics.continuations.values[("context_full", "mock-model")] == 1
+    # The refusal is the request's, never evidence against the engine that gave it.
+    assert all(engine.startswith("d") for engine, _ in supervisor.failures)
+
+
+async def test_a_continuation_refused_for_another_reason_still_ends_with_the_error(caplog):
+    core, _, pool, _, metrics = make()
+    _refuse_continuations(pool, json.dumps({"error": {"message": "continue_final_message is not supported",
+                                                      "type": "BadRequestError", "code": 400}}).encode())
+    pool.cuts = [4]
+    sink = ClientSink()
+    await core.handle(CHAT, request_body(CHAT, max_tokens=...), None, sink)
+    events = sink.events()
+    # As before: the stream ends with the engine's refusal as an SSE error event (and no [DONE]).
+    assert events[-1]["error"]["code"] == "upstream_rejected" and "[DONE]" not in events
+    assert not [c for e in events[:-1] for c in e["choices"] if c.get("finish_reason")]
+    assert ("context_full", "mock-model") not in metrics.continuations.values

@@ -73,7 +73,8 @@ class RouterMetrics:
                                            MATCH_BUCKETS)
         self.continuations = r.counter("narwhal_continuations",
                                         "Stream continuations by outcome: completed, failed (continued again "
-                                        "or ended), exhausted (no attempts or deadline left), not_eligible.",
+                                        "or ended), exhausted (no attempts or deadline left), not_eligible, "
+                                        "context_full (the answer filled the context: ended as length).",
                                         ("outcome", "model"))
         self.join_gap = r.histogram("narwhal_continuation_join_gap_seconds",
                                     "Time a client waited at a continuation join: from the last bytes of the "

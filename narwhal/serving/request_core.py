@@ -644,6 +644,11 @@ class RequestCore:
                     retry: dict[str, Any] = {"class": failed.failure_class}
                     log_event("request_retry", request_id=rid, attempt=ex.attempts,
                               engine=failed.engine, continued=sink.started, **retry)
+            except ClientError as refused:
+                if join is None or not join.started or not _fills_context(refused):
+                    raise
+                await self._end_at_context(ex, join, refused)
+                return
 
     def _admit(self, auth: ClientAuth, key: KeyEntry, ex: Exchange, request: dict[str, Any]) -> None:
         """The key's model, limits and a slot at once (saturate): refused here, a request never reaches an engine."""
@@ -757,6 +762,21 @@ class RequestCore:
             self.metrics.continuations.inc("not_eligible", _model_label(ex))
             log_event("stream_not_continued", request_id=rid, reason="no_other_decode_engine")
             raise failed.error from None
+
+    async def _end_at_context(self, ex: Exchange, join: StreamJoin, refused: ClientError) -> None:
+        """An engine refused a continuation because the answer so far fills its context: the answer ends as the
+        uninterrupted one would have, with ``finish_reason: "length"``, its usage and [DONE]; no error event."""
+        self.metrics.continuations.inc("context_full", _model_label(ex))
+        log_event("stream_ended_at_context", request_id=ex.rid, prefill=ex.prefill, decode=ex.decode,
+                  tokens=join.tokens, message=refused.message)
+        join.end_at_context()
+        if join.tail_needs_count:
+            await self._count_tail(join, ex.rid, ex.model.name if ex.model is not None else None, ex.trace_kw)
+        ex.tokens = join.tokens
+        ex.status = 200
+        ex.continuing = False
+        await ex.sink.end_stream(join.tail())
+        ex.stream_completed()
 
     def _validate(self, route: str, body: bytes, ex: Exchange) -> dict[str, Any]:
         try:
@@ -1360,6 +1380,16 @@ def _client_gone(exc: BaseException) -> ClientGone | None:
             if found is not None:
                 return found
     return None
+
+
+# How engines say a prompt does not fit the context: vLLM ("maximum context length", "longer than the maximum
+# model length"), SGLang ("longer than the model's context length").
+_CONTEXT_FULL = re.compile(r"context length|model length", re.IGNORECASE)
+
+
+def _fills_context(refused: ClientError) -> bool:
+    """Whether an engine refused a request because its prompt does not fit the context (its 4xx message says so)."""
+    return refused.code == "upstream_rejected" and _CONTEXT_FULL.search(refused.message) is not None
 
 
 def _upstream_message(exc: UpstreamClientError) -> str:

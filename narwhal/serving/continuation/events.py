@@ -16,7 +16,7 @@ from narwhal.errors import NarwhalError
 
 __all__ = ["DATA", "DONE_EVENT", "ERROR_MARK", "IDS", "MAX_EVENT_BYTES", "OLD_ERROR_MARK", "EngineErrorEvent",
            "Event", "decode_event", "drop_logprobs", "error_message", "raise_error_events",
-           "read_head", "strip_compact_ids", "usage_event"]
+           "finish_event", "read_head", "strip_compact_ids", "usage_event"]
 
 # One SSE event larger than this is not a stream we can join (a prompt's token IDs fit easily).
 MAX_EVENT_BYTES = 16 * 1024 * 1024
@@ -139,4 +139,13 @@ def usage_event(id_: Any, created: Any, model: Any, chat: bool, usage: dict[str,
     """A usage-only chunk of the answer (no choices), as the engines send it."""
     obj = {"id": id_, "object": "chat.completion.chunk" if chat else "text_completion",
            "created": created, "model": model, "choices": [], "usage": usage}
+    return DATA + encode_json.encode(obj) + b"\n\n"
+
+
+def finish_event(id_: Any, created: Any, model: Any, chat: bool, reason: str) -> bytes:
+    """A chunk that ends the one choice with ``finish_reason`` and no text, as an engine's last chunk would."""
+    choice: dict[str, Any] = ({"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason} if chat else
+                              {"index": 0, "text": "", "logprobs": None, "finish_reason": reason})
+    obj = {"id": id_, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+           "model": model, "choices": [choice]}
     return DATA + encode_json.encode(obj) + b"\n\n"

@@ -24,6 +24,7 @@ from narwhal.serving.continuation.events import (
     drop_logprobs,
     encode_json,
     error_message,
+    finish_event,
     read_head,
     usage_event,
 )
@@ -54,6 +55,8 @@ class StreamJoin:
         self.continuations = 0
         self.continuing = False
         self._finished = False
+        # Ended by ``end_at_context``: the tail carries the finish_reason no engine sent.
+        self._ended_at_context = False
         self.leg_route = route
         self.leg_relayed = False
         self.last_relay_at: float | None = None
@@ -420,13 +423,22 @@ class StreamJoin:
         """Whether ``tail`` owes a usage chunk whose numbers no engine has given yet (``counted`` gives them)."""
         return self._account.tail_needs_count
 
+    def end_at_context(self) -> None:
+        """The answer so far fills the engines' context: it ends here, as an engine ends it, with
+        ``finish_reason: "length"`` (``tail`` then gives the chunk before its usage and [DONE])."""
+        self.fold()
+        self._finished = True
+        self._ended_at_context = True
+
     def tail(self) -> bytes:
         """The end of an answer whose last token came but whose leg failed before [DONE].
 
         Its usage chunk, when the client asked for one, carries the engines' counts; if
         they could not be had (``tail_needs_count`` still true), it is left out: no usage
         rather than a wrong one."""
+        model = self.request.get("model")
+        head = finish_event(self.id, self.created, model, self.chat, "length") if self._ended_at_context else b""
         usage = self._account.tail_usage(self.tokens)
         if usage is None:
-            return DONE_EVENT
-        return usage_event(self.id, self.created, self.request.get("model"), self.chat, usage) + DONE_EVENT
+            return head + DONE_EVENT
+        return head + usage_event(self.id, self.created, model, self.chat, usage) + DONE_EVENT
