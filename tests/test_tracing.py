@@ -92,6 +92,29 @@ def test_an_unsampled_trace_records_nothing_but_still_propagates() -> None:
     assert sunk == []
 
 
+def test_begin_gives_the_request_path_the_trace_and_both_headers() -> None:
+    sunk: list[Span] = []
+    unsampled = Tracer(TracingConfig(otlp_endpoint="http://c:4318", sample_ratio=0.0), sunk.append)
+    trace, (name, value), lines = unsampled.begin(None, None)
+    assert trace is None and name == b"traceparent" and lines == b"\r\ntraceparent: " + value
+    context = parse_traceparent(value)
+    assert context is not None and not context.sampled
+    # Each request its own ids.
+    assert unsampled.begin(None, None)[1] != (name, value)
+    # A client's unsampled context: its trace id and tracestate go on, nothing is recorded.
+    trace, (_, value), lines = unsampled.begin(HEADER.replace(b"-01", b"-00"), b"vendor=abc")
+    assert trace is None and value.startswith(b"00-" + TRACE.hex().encode()) and value.endswith(b"-00")
+    assert lines == b"\r\ntraceparent: " + value + b"\r\ntracestate: vendor=abc"
+    # Sampled: the trace, whose root's context the client and the engine calls get.
+    sampled = Tracer(TracingConfig(otlp_endpoint="http://c:4318"), sunk.append)
+    for header in (None, HEADER, b"malformed"):
+        trace, response, lines = sampled.begin(header, None)
+        assert isinstance(trace, RequestTrace) and trace.sampled
+        assert response == trace.response_header() and lines == trace.root_headers
+        assert (trace.context.trace_id == TRACE) is (header == HEADER)
+    assert sunk == []
+
+
 def test_an_unsampled_request_trace_hands_out_its_root() -> None:
     sunk: list[Span] = []
     trace = RequestTrace(TraceContext(TRACE, PARENT, False), parent_span_id=None, start_ns=1, ids=IdSource(),

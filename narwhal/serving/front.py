@@ -87,10 +87,12 @@ class Front:
                     await core.handle(request.path, request.body, request.get_header(b"x-request-id"), responder,
                                       authorization)
                 else:
-                    # The client's trace context, looked for only with tracing on (as the key with keys on).
+                    # The client's trace context, looked for only with tracing on (as the key with keys on); its
+                    # tracestate only with a traceparent (W3C: without one, tracestate is not read).
+                    traceparent = request.get_header(b"traceparent")
                     await core.handle(request.path, request.body, request.get_header(b"x-request-id"), responder,
-                                      authorization, request.get_header(b"traceparent"),
-                                      request.get_header(b"tracestate"))
+                                      authorization, traceparent,
+                                      None if traceparent is None else request.get_header(b"tracestate"))
             else:
                 await responder.respond(405, _NOT_ALLOWED_HEADERS, _NOT_ALLOWED)
             return

@@ -74,7 +74,7 @@ from narwhal.serving.continuation import CONTINUED_CLASSES, ENGINE_REMOVED, Stre
 from narwhal.serving.exchange import UNTRACED, Exchange, Leg, Sink
 from narwhal.serving.placement import RequestPlacement
 from narwhal.serving.relay import PumpRelay, Upstream, relay, relay_joined
-from narwhal.tracing.spans import RequestTrace, Span
+from narwhal.tracing.spans import Span
 from narwhal.tracing.tracer import Tracer
 from narwhal.wire import PREFILL_KV_REQUEST, HandoffRejected, error_json, read_handoff
 
@@ -387,13 +387,11 @@ class RequestCore:
         ex = Exchange(route, rid, sink, started_at)
         tracer = self.tracer
         if tracer is not None:
-            trace = tracer.start(traceparent, tracestate)
-            ex.response_ids = (ex.rid_header, trace.response_header())
-            ex.trace_kw = {"trace": trace.root_headers}
-            if isinstance(trace, RequestTrace) and trace.sampled:
-                ex.trace = trace
             # Not sampled: nothing is recorded, and the request goes on as an untraced one (ex.trace None)
             # but for the context its engines and its client get (the root's, flag 00).
+            ex.trace, header, lines = tracer.begin(traceparent, tracestate)
+            ex.response_ids = (ex.rid_header, header)
+            ex.trace_kw = {"trace": lines}
         answered = False
         try:
             try:

@@ -54,18 +54,36 @@ class Tracer:
         if config.sample_ratio != self.sampler.ratio:
             self.sampler = Sampler(config.sample_ratio)
 
+    def begin(self, traceparent: bytes | None,
+              tracestate: bytes | None) -> tuple[RequestTrace | None, tuple[bytes, bytes], bytes]:
+        """What the request path needs of a new request's trace: the trace to record (None unless sampled), the
+        response's ``traceparent`` header and the engine calls' header lines.
+
+        A request without a ``traceparent`` that is not sampled (most, at a small ratio) is decided here without
+        a trace object: two random numbers and one formatted header (``start`` does the rest)."""
+        if traceparent is None:
+            ids = self._ids
+            # The trace id, drawn first: its low 8 bytes decide (as Sampler.sampled would).
+            bits = ids.bits(128) or 1
+            if (bits & _LOW_64) >= self.sampler.bound:
+                header = b"00-%032x-%016x-00" % (bits, ids.bits(64) or 1)
+                return None, (b"traceparent", header), b"\r\ntraceparent: " + header
+            context = TraceContext(bits.to_bytes(16, "big"), ids.span_id(), True)
+            trace = RequestTrace(context, parent_span_id=None, start_ns=self.now_ns(), ids=ids, sink=self._sink)
+            return trace, trace.response_header(), trace.root_headers
+        started = self.start(traceparent, tracestate)
+        recorded = started if isinstance(started, RequestTrace) and started.sampled else None
+        return recorded, started.response_header(), started.root_headers
+
     def start(self, traceparent: bytes | None, tracestate: bytes | None) -> RequestTrace | Propagated:
         """The trace of a request that arrived with these headers (either may be absent or malformed); a new trace
         that is not sampled costs two random numbers and one formatted header (``Propagated``)."""
         ids = self._ids
         parent = parse_traceparent(traceparent, tracestate) if traceparent is not None else None
         if parent is None:
-            # The trace id, drawn first: its low 8 bytes decide (as Sampler.sampled would).
-            bits = ids.bits(128) or 1
-            if (bits & _LOW_64) >= self.sampler.bound:
-                return Propagated(b"00-%032x-%016x-00" % (bits, ids.bits(64) or 1))
-            context = TraceContext(bits.to_bytes(16, "big"), ids.span_id(), True)
-            return RequestTrace(context, parent_span_id=None, start_ns=self.now_ns(), ids=ids, sink=self._sink)
+            # A new trace, as ``begin`` starts one.
+            trace, (_, header), _ = self.begin(None, None)
+            return trace if trace is not None else Propagated(header)
         if not parent.sampled:
             # The client's decision: nothing recorded; its trace goes on with our span id, flag 00.
             return Propagated(b"00-%s-%016x-00" % (parent.trace_id.hex().encode(), ids.bits(64) or 1),
