@@ -6,6 +6,8 @@ in this term and writes only those that differ, and deletes engines that left.
 Writes are guarded by the lease (a controller whose lease is gone writes
 nothing). A new term starts by listing what is there, so engines an earlier
 controller published and that are no longer in the fleet are deleted too.
+A failed write is retried with a backoff (``retry_s`` doubling to 5 s);
+``retry_now()`` (the router reached etcd again) ends it at once.
 
 Events (JSON lines): ``cluster_fleet_published`` (debug), ``cluster_fleet_write_failed``.
 """
@@ -63,6 +65,8 @@ class FleetPublisher:
         self._wall_clock = wall_clock
         self.retry_s = retry_s
         self._changed = trio.Event()
+        # Set by retry_now(): the current backoff, or the next one, ends at once (cleared by a write).
+        self._retry = trio.Event()
         # What this term wrote (stable form); None: nothing yet (list first).
         self._written: dict[str, FleetEntry] | None = None
         self.writes = 0
@@ -71,6 +75,11 @@ class FleetPublisher:
     def poke(self) -> None:
         """The fleet may have changed: look (cheap; the run loop does the work)."""
         self._changed.set()
+
+    def retry_now(self) -> None:
+        """etcd answered another caller again (an outage is over): retry a failed write now rather than at the
+        end of its backoff (up to 5 s). One call ends at most one backoff."""
+        self._retry.set()
 
     def new_term(self) -> None:
         """This router became the controller: publish everything against what the store holds."""
@@ -95,7 +104,10 @@ class FleetPublisher:
                               message=str(exc))
                 self.last_problem = str(exc)
                 self.poke()
-                await trio.sleep(delay)
+                with trio.move_on_after(delay):
+                    await self._retry.wait()
+                if self._retry.is_set():
+                    self._retry = trio.Event()
                 delay = min(delay * 2, 5.0)
 
     async def publish_once(self) -> bool:
@@ -116,6 +128,8 @@ class FleetPublisher:
             log_event("cluster_fleet_published", level=logging.DEBUG, changed=len(puts), removed=len(deletes))
         self._written = stable
         self.last_problem = None
+        if self._retry.is_set():
+            self._retry = trio.Event()  # written: a wake-up asked for meanwhile has nothing left to end
         return True
 
 

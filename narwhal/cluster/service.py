@@ -12,6 +12,10 @@ service watches the lease's role (every ``poll_s``, as discovery does) and:
 - keeps the replica's admission deadline: ``replica_stale_s`` after etcd last
   answered both the watch and the membership (``cluster_view_stale`` once when
   it passes, ``cluster_view_current`` when etcd answers again);
+- ends an outage promptly: the membership's keepalive, which never backs off,
+  is the probe; its first success after a failure ends the fleet watch's and
+  the publisher's backoffs (up to 5 s each) at once, so a router serves and
+  publishes again within about a keepalive of etcd's return;
 - runs the controller's publisher and the replica's evidence sender.
 
 Events (JSON lines): ``cluster_role``, ``cluster_view_stale``, ``cluster_view_current``,
@@ -287,6 +291,10 @@ class ClusterService:
                                 self._on_routers()
                     if self.membership_problem is not None:
                         log_event("cluster_membership_restored", router_id=self.router_id)
+                        # etcd answers again: the watch and the publisher, backing off from the outage (up
+                        # to 5 s), try now; the view is current again as soon as the watch is back.
+                        self.watcher.retry_now()
+                        self.publisher.retry_now()
                     self.membership_problem = None
                     self._membership_ok = True
                     self._contact()

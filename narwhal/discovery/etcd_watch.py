@@ -7,7 +7,9 @@ it (or went back in time: a restore), and lists again every
 that long. A watch quiet for ``idle_s`` is reopened (a proxy may have dropped
 it without a word). While etcd cannot be reached the last known view stands:
 it is never emptied for an outage; ``on_update`` hears ``degraded`` once and
-``recovered`` when etcd answers again.
+``recovered`` when etcd answers again. Retries back off from ``retry_min_s`` to
+``retry_max_s``; ``retry_now()`` (another part of the router reached etcd again)
+ends the current backoff at once, so an outage's end is not waited out.
 """
 
 from __future__ import annotations
@@ -111,6 +113,8 @@ class EtcdWatcher:
         self._cluster_id = ""
         self._opened = False  # the current watch stream has said "created"
         self._on_update: Callable[[ViewUpdate], None] = lambda update: None
+        # Set by retry_now(): the current backoff, or the next one, ends at once (cleared by any contact).
+        self._retry = trio.Event()
 
     @property
     def engines(self) -> dict[str, EngineSpec]:
@@ -122,6 +126,18 @@ class EtcdWatcher:
 
     def _set(self, **fields: Any) -> None:
         self._status = msgspec.structs.replace(self._status, **fields)
+
+    def retry_now(self) -> None:
+        """etcd answered another caller again (an outage is over): end this watch's backoff now rather than
+        after up to ``retry_max_s``. One call ends at most one backoff; a watch in contact ignores it."""
+        self._retry.set()
+
+    async def _backoff(self, delay: float) -> None:
+        """Wait ``delay`` before the next attempt, or until ``retry_now()``."""
+        with trio.move_on_after(delay):
+            await self._retry.wait()
+        if self._retry.is_set():
+            self._retry = trio.Event()
 
     def _report(self, reason: Literal["listed", "events", "degraded", "recovered"], change: ViewChange) -> None:
         self._on_update(ViewUpdate(reason=reason, engines=self._view.engines, change=change, status=self.status))
@@ -155,13 +171,13 @@ class EtcdWatcher:
                     delay = self.retry_min_s
                 else:
                     # A stream that ends as soon as it opens (a proxy, an overloaded member): do not spin.
-                    await trio.sleep(delay)
+                    await self._backoff(delay)
                     delay = min(delay * 2, self.retry_max_s)
             except _Relist:
                 need_list = True
                 if trio.current_time() - listed_at < 1.0:
                     # Listed a moment ago and must list again (compacted again at once?): do not spin.
-                    await trio.sleep(delay)
+                    await self._backoff(delay)
                     delay = min(delay * 2, self.retry_max_s)
             except EtcdUnavailable as exc:
                 self._set(connected=False)
@@ -169,7 +185,7 @@ class EtcdWatcher:
                 if not started:
                     task_status.started()
                     started = True
-                await trio.sleep(delay)
+                await self._backoff(delay)
                 delay = min(delay * 2, self.retry_max_s)
 
     def _degraded(self, reason: str) -> None:
@@ -182,6 +198,8 @@ class EtcdWatcher:
     def _contact(self) -> None:
         """etcd answered: the view is current as of now, and an outage is over."""
         self._set(current_at=self.wall_clock(), endpoint=self._http.endpoints[self._http.current])
+        if self._retry.is_set():
+            self._retry = trio.Event()  # in contact: a wake-up asked for meanwhile has nothing left to end
         if self._status.degraded is not None:
             self._set(degraded=None, degraded_since=None)
             self._report("recovered", ViewChange())
