@@ -224,15 +224,21 @@ async def test_sigterm_drains_a_stream_in_flight_on_each_worker(start_fleet) -> 
     assert {e["worker"] for e in exits} == {0, 1} and all(e["returncode"] == 0 for e in exits)
 
 
-async def _collect(client: httpx.AsyncClient, url: str, sink: list[str]) -> None:
-    sink.append(await _stream(client, url, tokens=60))
+async def _collect(client: httpx.AsyncClient, url: str, sink: list[str], *,
+                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """A 60-token stream into ``sink``; started once its response head came (a worker is serving it)."""
+    body = {"model": "mock-model", "prompt": "hello", "max_tokens": 60, "stream": True}
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        task_status.started()
+        sink.append((await response.aread()).decode())
 
 
 async def _streams_on_each_worker(fleet, client: httpx.AsyncClient, nursery: trio.Nursery, sink: list[str]) -> int:
     """Open long streams (new connections) until each worker has one in flight; how many were opened.
 
-    Each next stream is opened once the last one is counted (in flight or finished, by the
-    workers' reports), so a slow machine opens no more of them, only later.
+    Each next stream is opened once the last one's response head came and the workers' reports count it (in
+    flight or finished), so a slow machine opens no more of them, only later.
     """
     await _every_worker_serving(fleet)
 
@@ -245,7 +251,9 @@ async def _streams_on_each_worker(fleet, client: httpx.AsyncClient, nursery: tri
     opened = 0
     with trio.fail_after(60):
         while True:
-            nursery.start_soon(_collect, client, fleet.url, sink)
+            # Started once its response head came: a signal sent after that finds it in flight at a worker, never
+            # still in a listener's backlog (a connection no worker accepted yet is closed by a drain, rightly).
+            await nursery.start(_collect, client, fleet.url, sink)
             opened += 1
 
             async def counted(target: int = opened) -> list[float] | None:
