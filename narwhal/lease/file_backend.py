@@ -112,9 +112,8 @@ class FileLeaseBackend:
             record, result = decide(current)
             if record is None:
                 return result
-            abandoned: threading.Event | None = getattr(self._abandoned, "event", None)
-            if abandoned is not None and abandoned.is_set():
-                raise LeaseBackendError(f"a write of {self.path} was abandoned by its caller; not applied")
+            # Early as well as under the lock: an abandoned change writes no file at all.
+            self._raise_if_abandoned()
             try:
                 temporary = prepare_atomic(self.path, _encoder.encode(record) + b"\n")
             except OSError as exc:
@@ -133,13 +132,17 @@ class FileLeaseBackend:
                 return result
         raise LeaseBackendError(f"{self.path} changed under each of {_CHANGE_ATTEMPTS} attempts to change it")
 
+    def _raise_if_abandoned(self) -> None:
+        """This thread's caller stopped waiting (``_run``): its change must not land."""
+        abandoned: threading.Event | None = getattr(self._abandoned, "event", None)
+        if abandoned is not None and abandoned.is_set():
+            raise LeaseBackendError(f"a write of {self.path} was abandoned by its caller; not applied")
+
     def _rename_if_unchanged(self, read: LeaseRecord | None, temporary: Path) -> bool:
         """Under the lock: put ``temporary`` in place if the record is still ``read`` (False: it changed)."""
         if self._read_record() != read:
             return False
-        abandoned: threading.Event | None = getattr(self._abandoned, "event", None)
-        if abandoned is not None and abandoned.is_set():
-            raise LeaseBackendError(f"a write of {self.path} was abandoned by its caller; not applied")
+        self._raise_if_abandoned()
         try:
             os.replace(temporary, self.path)
         except OSError as exc:

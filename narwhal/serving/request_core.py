@@ -735,12 +735,7 @@ class RequestCore:
             raise failed.error from None
         if join.finished:
             # The last token reached the client; only usage and [DONE] were lost.
-            if join.tail_needs_count:
-                await self._count_tail(join, rid, ex.model.name if ex.model is not None else None, ex.trace_kw)
-            ex.tokens = join.tokens
-            ex.status = 200
-            await ex.sink.end_stream(join.tail())
-            ex.stream_completed()
+            await self._end_with_tail(ex, join)
             return
         # A decode that broke, or a continuation's own leg that failed before relaying anything.
         continuable = failed.failure_class in CONTINUED_CLASSES or queued or (
@@ -768,11 +763,16 @@ class RequestCore:
         log_event("stream_ended_at_context", request_id=ex.rid, prefill=ex.prefill, decode=ex.decode,
                   tokens=join.tokens, message=refused.message)
         join.end_at_context()
+        ex.continuing = False
+        await self._end_with_tail(ex, join)
+
+    async def _end_with_tail(self, ex: Exchange, join: StreamJoin) -> None:
+        """End a finished answer's stream after a failure: what ``join.tail`` owes (usage, counted by an engine if
+        none gave it, and [DONE]); the request completed, with the failure noted."""
         if join.tail_needs_count:
             await self._count_tail(join, ex.rid, ex.model.name if ex.model is not None else None, ex.trace_kw)
         ex.tokens = join.tokens
         ex.status = 200
-        ex.continuing = False
         await ex.sink.end_stream(join.tail())
         ex.stream_completed()
 
