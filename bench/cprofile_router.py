@@ -11,6 +11,10 @@ serving.count_tokens=true is given). cProfile writes OUT.prof when the router ex
 (the bench stops it with SIGTERM). Startup, shutdown and the monitor are in the
 counts too: run N=500 and N=2500 and let `bench/cprofile_compare.py` divide the
 difference by 2,000. Call counts do not move with the machine's load; times do.
+
+With ``--cachegrind`` before TREE the router runs under valgrind's cachegrind instead
+(user-space instructions, OUT.cg): `bench/cachegrind_compare.py` divides those the same
+way. Instructions also count the C work a call count does not see (a hash, a copy).
 """
 
 import os
@@ -18,7 +22,11 @@ import sys
 import tempfile
 import tomllib
 
-tree, port, prefill_url, decode_url, out = sys.argv[1:6]
+args = sys.argv[1:]
+cachegrind = bool(args) and args[0] == "--cachegrind"
+if cachegrind:
+    args = args[1:]
+tree, port, prefill_url, decode_url, out = args[:5]
 tree = os.path.abspath(tree)
 sys.path.insert(0, tree)
 os.chdir(tree)
@@ -28,7 +36,7 @@ sections: dict[str, dict[str, object]] = {
     "serving": {"count_tokens": False, "shutdown_grace_s": 2.0},
     "fleet": {"attestation_key": "narwhal-dev-key"},
 }
-for item in sys.argv[6:]:
+for item in args[5:]:
     key, _, raw = item.partition("=")
     section, _, name = key.partition(".")
     try:
@@ -44,5 +52,8 @@ with open(config, "w") as f:
 # The router's JSON logs go to a file: a pipe nobody reads would stall it.
 log = os.open(os.path.join(work, "router.log"), os.O_WRONLY | os.O_CREAT, 0o600)
 os.dup2(log, 2)
-os.execvp(sys.executable, [sys.executable, "-m", "cProfile", "-o", os.path.abspath(out), "-m", "narwhal", "serve",
-                           "--config", config, "--listen", f"127.0.0.1:{port}"])
+serve = ["-m", "narwhal", "serve", "--config", config, "--listen", f"127.0.0.1:{port}"]
+if cachegrind:
+    os.execvp("valgrind", ["valgrind", "--tool=cachegrind", "--cache-sim=no",
+                           f"--cachegrind-out-file={os.path.abspath(out)}", sys.executable, *serve])
+os.execvp(sys.executable, [sys.executable, "-m", "cProfile", "-o", os.path.abspath(out), *serve])

@@ -138,6 +138,22 @@ def test_a_long_header_is_refused_without_hashing(store, monkeypatch):
     assert hashed == [512, len(KEY)]
 
 
+def test_the_fast_and_general_header_paths_agree(store):
+    # "Bearer KEY" as clients send it takes the path without a method call; spaces, tabs or another case take
+    # the general one: either finds the same tenant, and neither accepts a key the other refuses.
+    for header in (f"Bearer {KEY}", f"Bearer \t{KEY}", f"Bearer {KEY}\t", f"Bearer {KEY} ", f"bEaReR {KEY}",
+                   f"\tBearer {KEY}"):
+        assert store.lookup(header.encode()).name == "alice", header
+    for header in (f"Bearer {KEY[:-1]}", f"Bearer {KEY}{KEY}", f"Bearer\t{KEY}", "Bearer \t", "Bearer \t "):
+        assert store.lookup(header.encode()) is None, header
+
+
+def test_the_key_hash_is_sha256():
+    # CPython's own SHA-256 where it has one (faster than OpenSSL's for a key): the digest hashlib gives.
+    for data in (b"", b"nwk-" + b"k" * 43, bytes(range(256)) * 3):
+        assert keys_module._sha256(data).hexdigest() == hashlib.sha256(data).hexdigest()
+
+
 def test_the_digest_is_compared_in_constant_time(store, monkeypatch):
     compared = []
     real = keys_module.hmac.compare_digest

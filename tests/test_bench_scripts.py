@@ -4,9 +4,12 @@ bench/relay_cost.py's counted workload, run small."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 _REPO = Path(__file__).resolve().parent.parent
 
@@ -145,3 +148,31 @@ def test_the_relay_cost_strace_parser_sums_the_rows() -> None:
     text = _STRACE.format(read=1000, write=700, write_errors=3)
     assert relay_cost._strace_kinds(text) == {"read": 1000, "write": 700, "epoll_wait": 300}
     assert relay_cost._strace_total(text) == 2000
+
+
+def _cachegrind(path: Path, requests: int, *, per_request: dict[tuple[str, str], int]) -> None:
+    # cachegrind's output format: a fixed part (startup) plus each function's instructions per request.
+    lines = ["desc: I1 cache: none", "cmd: python -m narwhal serve", "events: Ir"]
+    total = 0
+    for (source, function), count in per_request.items():
+        ir = 1000 + count * requests
+        total += ir
+        lines += [f"fl=/tmp/build/Python-3.11.7/{source}", f"fn={function}", f"1 {ir}"]
+    lines.append(f"summary: {total}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.skipif(shutil.which("cg_annotate") is None, reason="valgrind's cg_annotate is not installed")
+def test_cachegrind_compare_gives_instructions_per_request_by_function(tmp_path: Path) -> None:
+    before = {("Python/ceval.c", "_PyEval_EvalFrameDefault"): 300, ("Modules/sha256module.c", "sha_transform"): 0}
+    after = {("Python/ceval.c", "_PyEval_EvalFrameDefault"): 330, ("Modules/sha256module.c", "sha_transform"): 70}
+    for name, requests, counts in (("a1", 10, before), ("a2", 30, before), ("b1", 10, after), ("b2", 30, after)):
+        _cachegrind(tmp_path / f"{name}.cg", requests, per_request=counts)
+    result = subprocess.run([sys.executable, "bench/cachegrind_compare.py",
+                             *(str(tmp_path / f"{n}.cg") for n in ("a1", "a2", "b1", "b2")), "--requests", "20"],
+                            cwd=_REPO, capture_output=True, text=True, timeout=60, check=True)
+    before_line, after_line, *rows = result.stdout.splitlines()
+    assert before_line == "before: 300 instructions per request"
+    assert after_line == "after:  400 instructions per request (+33.33%)"
+    assert rows[0].split() == ["+70", "0", "->", "70", "Modules/sha256module.c:sha_transform"]
+    assert rows[1].split() == ["+30", "300", "->", "330", "Python/ceval.c:_PyEval_EvalFrameDefault"]

@@ -8,8 +8,10 @@ import pytest
 import trio
 import trio.testing
 
+import narwhal.auth.client_auth as client_auth_module
+import narwhal.auth.keys as keys_module
 from narwhal.app.tenants_view import tenants_view
-from narwhal.auth.client_auth import ANONYMOUS, AuthRefused, AuthSettings, ClientAuth
+from narwhal.auth.client_auth import ANONYMOUS, AuthRefused, AuthSettings, ClientAuth, KeyMemo
 from narwhal.auth.keys import KeyEntry
 
 
@@ -217,3 +219,70 @@ def test_a_reload_adding_a_reserve_gates_new_requests_and_one_admitted_before_le
     assert client.gate.stats()["normal"]["in_use"] == 1
     client.finish(after, tokens=0)
     assert client.gate.stats()["normal"]["in_use"] == 0
+
+
+def test_an_admission_that_holds_nothing_is_one_shared_object_and_a_removed_key_still_gets_its_own() -> None:
+    plain, limited = entry("p", "k-p"), entry("l", "k-l", max_concurrent=2)
+    client = auth(plain, limited)
+    first, second = client.admit_now(plain), client.admit_now(plain)
+    # No ticket, no limit taken: nothing for finish to give back, so nothing new per request.
+    assert first is second and first.key is plain
+    client.finish(first, tokens=10)
+    assert (first.ticket, first.limited, first.queue_wait_s) == (None, False, 0.0)
+    # A tenant with a limit holds its own (finish gives its concurrency back once).
+    taken = [client.admit_now(limited) for _ in range(2)]
+    assert taken[0] is not taken[1] and all(admitted.limited for admitted in taken)
+    # Looked up before a reload removed it: admitted once more, with an admission of its own (no KeyError).
+    client.configure(AuthSettings(keys=[limited], max_queue=8))
+    gone = client.admit_now(plain)
+    assert gone.key is plain and gone is not first
+    # A reload that changes the entry of a name: the new entry's admission, never the old one's.
+    changed = entry("l", "k-l")
+    client.configure(AuthSettings(keys=[changed], max_queue=8))
+    assert client.admit_now(changed).key is changed
+
+
+def test_a_connections_memo_skips_the_hash_for_its_key_again_but_never_outlives_a_reload(monkeypatch) -> None:
+    hashed: list[bytes] = []
+    real = keys_module._sha256
+
+    def counting(data: bytes = b"") -> object:
+        hashed.append(data)
+        return real(data)
+
+    monkeypatch.setattr(keys_module, "_sha256", counting)
+    alpha, beta = entry("alpha", "k-alpha"), entry("beta", "k-beta")
+    client = auth(alpha, beta)
+    memo = KeyMemo()
+    assert client.identify(b"Bearer k-alpha", memo) == alpha
+    assert client.identify(b"Bearer k-alpha", memo) == alpha
+    assert hashed == [b"k-alpha"]  # the second request on the connection: no hash
+    # Another key on the same connection is looked up (and remembered instead); a wrong one is refused.
+    assert client.identify(b"Bearer k-beta", memo) == beta
+    for header in (b"Bearer k-alphb", b"Bearer k-bet", None):
+        with pytest.raises(AuthRefused):
+            client.identify(header, memo)
+    assert client.identify(b"Bearer k-beta", memo) == beta
+    # A refused header leaves the memo as it was: beta again costs no hash.
+    assert hashed == [b"k-alpha", b"k-beta", b"k-alphb", b"k-bet"]
+    # A reload that removes the key refuses it at once, memo or not.
+    client.configure(AuthSettings(keys=[alpha], max_queue=8))
+    with pytest.raises(AuthRefused) as refused:
+        client.identify(b"Bearer k-beta", memo)
+    assert refused.value.status == 401
+
+
+def test_the_memo_compares_the_header_in_constant_time(monkeypatch) -> None:
+    compared: list[tuple[bytes, bytes]] = []
+    real = client_auth_module.hmac.compare_digest
+
+    def spy(a, b):  # type: ignore[no-untyped-def]
+        compared.append((a, b))
+        return real(a, b)
+
+    client = auth(entry("alpha", "k-alpha"))
+    memo = KeyMemo()
+    client.identify(b"Bearer k-alpha", memo)
+    monkeypatch.setattr(client_auth_module.hmac, "compare_digest", spy)
+    client.identify(b"Bearer k-alpha", memo)
+    assert compared == [(b"Bearer k-alpha", b"Bearer k-alpha")]

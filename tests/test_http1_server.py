@@ -139,6 +139,27 @@ async def test_request_fields_and_response_framing() -> None:
     assert ["x-trace", "t1"] in seen["headers"]
 
 
+async def test_a_memo_lives_as_long_as_its_connection() -> None:
+    seen: list[object] = []
+
+    async def remember(request: Request, responder: Responder) -> None:
+        seen.append(request.memo)
+        request.memo = (request.memo or 0) + 1  # type: ignore[operator]
+        await responder.respond(200, [], b"")
+
+    async with running(remember) as (_server, port):
+        async with httpx.AsyncClient() as client:  # one kept-alive connection
+            for _ in range(3):
+                assert (await client.get(f"http://127.0.0.1:{port}/")).status_code == 200
+        async with httpx.AsyncClient() as client:  # a new connection starts with none
+            await client.get(f"http://127.0.0.1:{port}/")
+    assert seen == [None, 1, 2, None]
+    # A request that came with no connection keeps nothing.
+    alone = Request(b"GET", b"/")
+    alone.memo = 5
+    assert alone.memo is None
+
+
 async def test_chunked_request_body_is_dechunked() -> None:
     async with running(echo) as (_server, port), raw_client(port) as client:
         await client.send(

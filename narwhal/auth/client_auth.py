@@ -14,6 +14,7 @@ tenant) exists for the gate's own tests; the router never builds it.
 
 from __future__ import annotations
 
+import hmac
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -27,7 +28,7 @@ from narwhal.auth.priority import GateRefused, PriorityGate, Ticket
 from narwhal.config import Config, ConfigError, resolve_config_path
 from narwhal.errors import NarwhalError
 
-__all__ = ["ANONYMOUS", "Admitted", "AuthRefused", "AuthSettings", "ClientAuth", "read_client_keys"]
+__all__ = ["ANONYMOUS", "Admitted", "AuthRefused", "AuthSettings", "ClientAuth", "KeyMemo", "read_client_keys"]
 
 # The one tenant when a ClientAuth has no keys (its own tests; the router builds none without a keys file).
 ANONYMOUS = KeyEntry(name="-", sha256="0" * 64)
@@ -69,6 +70,18 @@ class AuthRefused(NarwhalError):
         self.headers = list(headers)
 
 
+class KeyMemo:
+    """One client connection's last verified key: its ``Authorization`` header, the key set it was found in
+    and the entry. A reload replaces the key set, so a memo of the old one is never used again."""
+
+    __slots__ = ("entry", "header", "store")
+
+    def __init__(self) -> None:
+        self.header = b""
+        self.store: KeyStore | None = None
+        self.entry: KeyEntry | None = None
+
+
 class Admitted:
     """One admitted request's holdings: its tenant, its gate ticket (and how long it waited for it), and whether
     it took its tenant's limits (a tenant without limits takes none: no clock read, no bucket).
@@ -102,7 +115,8 @@ class ClientAuth:
         self.limits = TenantLimits()
         self.limits.configure(settings.keys or [], share=settings.share)
         # The tenants with a limit: only their requests read the clock and touch a bucket.
-        self._limited = self.limits.limited
+        self.limited = self.limits.limited
+        self._free = _free_admissions(settings)
         self.gate = PriorityGate(capacity=capacity, reserve_high=settings.reserve_high,
                                  max_queue=settings.max_queue, clock=clock)
         self._capacity = capacity
@@ -117,23 +131,34 @@ class ClientAuth:
         self.enabled = settings.keys is not None
         self.store = KeyStore(settings.keys or [])
         self.limits.configure(settings.keys or [], share=settings.share)
-        self._limited = self.limits.limited
+        self.limited = self.limits.limited
+        self._free = _free_admissions(settings)
         self.gate.reconfigure(capacity=self._capacity, reserve_high=settings.reserve_high,
                               max_queue=settings.max_queue)
         # Requests admitted ungated before a reload that gates them hold no ticket: the gate counts from here
         # (the data pool's own connection bound still holds meanwhile).
         self._gated = _gated(settings, self._bounded)
 
-    def identify(self, authorization: bytes | None) -> KeyEntry:
-        """The caller's key entry; 401 for a missing, malformed or unknown key."""
+    def identify(self, authorization: bytes | None, memo: KeyMemo | None = None) -> KeyEntry:
+        """The caller's key entry; 401 for a missing, malformed or unknown key.
+
+        ``memo``: the connection's last verified key (``KeyMemo``); the same header again on it, with the same
+        keys, is that entry without a hash (compared in constant time, as the digest would be)."""
         if not self.enabled:
             return ANONYMOUS
-        key = self.store.lookup(authorization)
+        store = self.store
+        if memo is not None and memo.store is store and authorization is not None:
+            entry = memo.entry
+            if entry is not None and hmac.compare_digest(memo.header, authorization):
+                return entry
+        key = store.lookup(authorization)
         if key is None:
             what = "no API key" if authorization is None else "an invalid API key"
             raise AuthRefused(401, f"this router needs a valid API key (Authorization: Bearer KEY); the request "
                               f"had {what}", "invalid_request_error", "invalid_api_key", "invalid_api_key",
                               [(b"www-authenticate", b'Bearer realm="narwhal"')])
+        if memo is not None and authorization is not None:
+            memo.header, memo.store, memo.entry = authorization, store, key
         return key
 
     def check_model(self, key: KeyEntry, names: Sequence[str]) -> None:
@@ -148,7 +173,7 @@ class ClientAuth:
         """Take the tenant's limits and a place in the gate (waiting in line under the bounded policy)."""
         if not self._bounded:
             return self.admit_now(key)
-        limited = key.name in self._limited and self._take_limits(key)
+        limited = key.name in self.limited and self._take_limits(key)
         try:
             ticket, waited = await self.gate.enter(key.name, key.priority, deadline)
         except BaseException as exc:
@@ -160,8 +185,16 @@ class ClientAuth:
 
     def admit_now(self, key: KeyEntry) -> Admitted:
         """The saturate policy's admission: the tenant's limits and a slot at once, or a refusal; never waits."""
-        limited = key.name in self._limited and self._take_limits(key)
+        limited = key.name in self.limited and self._take_limits(key)
         if not self._gated:
+            if not limited:
+                # Nothing taken, nothing to give back: the tenant's one shared admission (not a new object).
+                try:
+                    free = self._free[key.name]
+                except KeyError:  # a reload removed the key since it was looked up
+                    free = None
+                if free is not None and free.key is key:
+                    return free
             return Admitted(key, None, 0.0, limited)
         try:
             ticket = self.gate.try_enter(key.name, key.priority)
@@ -198,8 +231,13 @@ class ClientAuth:
         if admitted.limited:
             admitted.limited = False
             self.limits.release(name)
-        if tokens > 0 and name in self._limited:
+        if tokens > 0 and name in self.limited:
             self.limits.charge(name, tokens, self._clock())
+
+
+def _free_admissions(settings: AuthSettings) -> dict[str, Admitted]:
+    """Each key's admission that holds nothing (no ticket, no limit taken): never changed by ``finish``."""
+    return {key.name: Admitted(key, None, 0.0) for key in settings.keys or ()}
 
 
 def _gated(settings: AuthSettings, bounded: bool) -> bool:

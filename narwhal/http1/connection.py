@@ -110,6 +110,7 @@ class Connection:
         "context",
         "disconnected",
         "fd",
+        "memo",
         "on_stall",
         "overflow",
         "protocol",
@@ -151,6 +152,9 @@ class Connection:
         self._idle = False
         # A new connection's request is usually there already: read before waiting.
         self._drained = False
+        # The handler's memory of this connection between its requests (``Request.memo``): the front keeps
+        # the client key it verified last, so a kept-alive client's next requests are not hashed again.
+        self.memo: object = None
 
     @property
     def secure(self) -> bool:

@@ -72,6 +72,9 @@ ProtocolError = tuple[int, str, str]
 
 
 class _Peer(Protocol):
+    # What the handler keeps between the requests of one connection (``Request.memo``).
+    memo: object
+
     def peer(self) -> tuple[str, int] | None: ...
 
 
@@ -131,6 +134,18 @@ class Request:
             if key == name:
                 return value
         return None
+
+    @property
+    def memo(self) -> object:
+        """What the handler keeps between the requests of this request's connection: None until it sets one
+        (and for a request with no connection, whose memo is never kept)."""
+        conn = self._conn
+        return None if conn is None else conn.memo
+
+    @memo.setter
+    def memo(self, value: object) -> None:
+        if self._conn is not None:
+            self._conn.memo = value
 
     def __repr__(self) -> str:
         return f"<Request {self.method.decode()} {self.target.decode('latin-1')} HTTP/{self.http_version}>"

@@ -16,6 +16,7 @@ import logging
 import ssl
 from collections.abc import Awaitable, Callable
 
+from narwhal.auth.client_auth import KeyMemo
 from narwhal.config import Config
 from narwhal.http1.server import OVERFLOW_CONNECTIONS, Handler, HTTPServer, Request, Responder, client_connection_budget
 from narwhal.http1.target import asgi_path
@@ -82,17 +83,27 @@ class Front:
             if request.method == b"POST":
                 # The Authorization header is looked for only with client keys on: a request does not pay for them.
                 core = self.core
-                authorization = request.get_header(b"authorization") if core.auth is not None else None
+                memo: KeyMemo | None = None
+                authorization = None
+                if core.auth is not None:
+                    authorization = request.get_header(b"authorization")
+                    # The connection's last verified key: a kept-alive client's next requests skip the hash.
+                    kept = request.memo
+                    if isinstance(kept, KeyMemo):
+                        memo = kept
+                    else:
+                        memo = request.memo = KeyMemo()
                 if core.tracer is None:
                     await core.handle(request.path, request.body, request.get_header(b"x-request-id"), responder,
-                                      authorization)
+                                      authorization, key_memo=memo)
                 else:
                     # The client's trace context, looked for only with tracing on (as the key with keys on); its
                     # tracestate only with a traceparent (W3C: without one, tracestate is not read).
                     traceparent = request.get_header(b"traceparent")
                     await core.handle(request.path, request.body, request.get_header(b"x-request-id"), responder,
                                       authorization, traceparent,
-                                      None if traceparent is None else request.get_header(b"tracestate"))
+                                      None if traceparent is None else request.get_header(b"tracestate"),
+                                      key_memo=memo)
             else:
                 await responder.respond(405, _NOT_ALLOWED_HEADERS, _NOT_ALLOWED)
             return

@@ -42,7 +42,7 @@ from typing import Any, NoReturn, Protocol, TypeVar
 import msgspec
 import trio
 
-from narwhal.auth.client_auth import Admitted, AuthRefused, ClientAuth
+from narwhal.auth.client_auth import Admitted, AuthRefused, ClientAuth, KeyMemo
 from narwhal.auth.keys import KeyEntry
 from narwhal.config import Config, EngineSpec, FleetConfig
 from narwhal.errors import (
@@ -95,6 +95,8 @@ _MAX_UPSTREAM_MESSAGE = 2048
 _QUEUEABLE = frozenset({"no_capacity", "pool_saturated", "local_resource_exhausted"})
 # A refusal for capacity tells the client when to try again (capacity frees as requests end).
 _RETRY_AFTER = ((b"retry-after", b"1"),)
+# Status codes as metric label text, made once: the per-tenant counter's label without a str() per request.
+_STATUS_TEXT = [str(code) for code in range(600)]
 
 _decode_json = msgspec.json.Decoder()
 _encode_json = msgspec.json.Encoder()
@@ -375,10 +377,11 @@ class RequestCore:
 
     async def handle(self, route: str, body: bytes, request_id: bytes | None, sink: Sink,
                      authorization: bytes | None = None, traceparent: bytes | None = None,
-                     tracestate: bytes | None = None) -> None:
+                     tracestate: bytes | None = None, *, key_memo: KeyMemo | None = None) -> None:
         """Serve one completion request and write its response to ``sink``.
 
-        ``traceparent``/``tracestate``: the client's trace context, read by the front only with tracing on."""
+        ``traceparent``/``tracestate``: the client's trace context, read by the front only with tracing on;
+        ``key_memo``: the client connection's last verified key (client keys on)."""
         started_at = self.clock()
         if request_id and len(request_id) <= _MAX_REQUEST_ID and request_id.isascii():
             rid = request_id.decode("ascii")
@@ -398,14 +401,14 @@ class RequestCore:
                 if self._bounded:
                     with trio.move_on_after(self._deadline_s) as deadline:
                         ex.deadline_scope = deadline
-                        await self._serve(ex, body, authorization)
+                        await self._serve(ex, body, authorization, key_memo)
                     expired = deadline.cancelled_caught
                 else:
                     # One attempt, and every await of the request is inside it: its leg scope carries the
                     # deadline (one cancel scope fewer per request than a scope of its own here).
                     ex.deadline_at = trio.current_time() + self._deadline_s
                     try:
-                        await self._serve(ex, body, authorization)
+                        await self._serve(ex, body, authorization, key_memo)
                         expired = False
                     except _DeadlinePassed:
                         expired = True
@@ -544,7 +547,8 @@ class RequestCore:
 
     # -- one request ---------------------------------------------------------
 
-    async def _serve(self, ex: Exchange, body: bytes, authorization: bytes | None = None) -> None:
+    async def _serve(self, ex: Exchange, body: bytes, authorization: bytes | None = None,
+                     key_memo: KeyMemo | None = None) -> None:
         # The gate compares the lease deadline itself, per request: no timer closes it on time.
         closed = self.admission.reason()
         if closed is not None:
@@ -556,7 +560,7 @@ class RequestCore:
         if auth is not None:
             # 401 before anything else is read of the request.
             try:
-                key = auth.identify(authorization)
+                key = auth.identify(authorization, key_memo)
             except AuthRefused as refused:
                 self.metrics.tenant_refusals.inc("unknown", refused.reason)
                 raise ClientError(refused.status, refused.message, refused.type, refused.code,
@@ -658,8 +662,9 @@ class RequestCore:
         except AuthRefused as refused:
             raise self._auth_refused(key, ex, refused) from None
         # Nothing waits under saturate: the wait of 0 is one bucket's count (``_observe_queue_wait``, inline).
-        cell = self._zero_wait.get(key.name)
-        if cell is None:
+        try:
+            cell = self._zero_wait[key.name]
+        except KeyError:
             self._observe_queue_wait(key.name, 0.0)
         else:
             cell[0][cell[1]] += 1
@@ -708,21 +713,33 @@ class RequestCore:
         ex.admitted = None
         auth = self.auth
         prompt = ex.prompt_tokens or 0
-        if auth is not None:
-            auth.finish(admitted, prompt + ex.tokens)
         name = admitted.key.name
-        # ``Counter.inc``'s work, inline: once per request with keys on, where every call counts (docs/benchmarks.md).
+        # ClientAuth.finish has nothing to do for an admission that holds nothing, of a tenant without limits.
+        if auth is not None and (admitted.ticket is not None or admitted.limited or name in auth.limited):
+            auth.finish(admitted, prompt + ex.tokens)
+        # ``Counter.inc``'s work, inline, without a call: once per request with keys on, where every call counts
+        # (docs/benchmarks.md).
         requests = self.metrics.tenant_requests.values
-        label = (name, str(ex.status))
-        requests[label] = requests.get(label, 0.0) + 1.0
+        status = ex.status
+        label = (name, _STATUS_TEXT[status] if 100 <= status < 600 else str(status))
+        try:
+            requests[label] += 1.0
+        except KeyError:
+            requests[label] = 1.0
         if prompt or ex.tokens:
             tokens = self.metrics.tenant_tokens.values
             if prompt:
                 label = (name, "prompt")
-                tokens[label] = tokens.get(label, 0.0) + prompt
+                try:
+                    tokens[label] += prompt
+                except KeyError:
+                    tokens[label] = float(prompt)
             if ex.tokens:
                 label = (name, "completion")
-                tokens[label] = tokens.get(label, 0.0) + ex.tokens
+                try:
+                    tokens[label] += ex.tokens
+                except KeyError:
+                    tokens[label] = float(ex.tokens)
 
     async def _after_relay(self, ex: Exchange, failed: _AttemptFailed, not_continued: str | None,
                            queued: bool) -> None:
