@@ -141,3 +141,22 @@ async def test_a_reload_admits_a_new_key_and_refuses_a_removed_one_at_once_and_a
     failed = await router.wait_event("config_reload_failed", timeout_s=5.0)
     assert failed and failed[0]["key"].startswith("auth.keys_file")
     assert (await world.complete(KEYS["gamma"])).status_code == 200
+
+
+async def test_a_finished_request_gives_back_its_concurrency_and_is_charged_its_tokens(world: World) -> None:
+    # Through the request path's end (RequestCore._finish_tenant), not ClientAuth alone: beta's one slot comes
+    # back after each request, and alpha's tokens (prompt and completion) are charged once its request ends.
+    await world.start({"alpha": {"tokens_per_minute": 1}, "beta": {"max_concurrent": 1}})
+    assert world.router is not None
+    for _ in range(3):
+        served = await world.complete(KEYS["beta"])
+        assert served.status_code == 200, served.text
+    assert (await world.complete(KEYS["alpha"])).status_code == 200
+    limited = await world.complete(KEYS["alpha"])
+    assert limited.status_code == 429, limited.text
+    assert limited.headers["x-ratelimit-limit-tokens"] == "1"
+    assert limited.headers["x-ratelimit-remaining-tokens"] == "0"
+    metrics = (await world.client.get(f"{world.router.url}/metrics")).text
+    assert 'narwhal_tenant_refusals_total{tenant="alpha",reason="tokens"} 1' in metrics
+    assert 'narwhal_tenant_requests_total{tenant="beta",status="200"} 3' in metrics
+    assert 'narwhal_tenant_refusals_total{tenant="beta"' not in metrics
