@@ -5,10 +5,14 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+from collections.abc import Callable
+from typing import Any
 
+import msgspec
 import pytest
 import trio
 import trio.testing
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from narwhal.config import TracingConfig, parse_config
 from narwhal.errors import EngineFailure, FailureClass
@@ -16,6 +20,7 @@ from narwhal.fleet.admission import Admission
 from narwhal.fleet.placement import InFlight
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.serving.request_core import RequestCore
+from narwhal.tracing.otlp import encode_spans
 from narwhal.tracing.spans import KIND_CLIENT, KIND_SERVER, STATUS_ERROR, Span
 from narwhal.tracing.tracer import Tracer
 from tests.test_request_core import CONFIG, FakePool, FakeSupervisor, Sink, body
@@ -43,10 +48,44 @@ class TracedPool(FakePool):
             yield upstream
 
 
+class Seen(msgspec.Struct):
+    """A span as a collector decodes it from the router's OTLP protobuf (opentelemetry-proto)."""
+
+    name: str
+    trace_id: bytes
+    span_id: bytes
+    parent_span_id: bytes | None
+    kind: int
+    start_ns: int
+    end_ns: int
+    attributes: dict[str, Any]
+    events: list[str]
+    status_code: int
+    status_message: str
+
+
+def _value(value: Any) -> Any:
+    return getattr(value, value.WhichOneof("value"))
+
+
+def collected(spans: list[Seen]) -> Callable[[list[Span]], None]:
+    """A tracer's sink that encodes each handed-over batch as the exporter does and keeps what a collector reads."""
+    def sink(ended: list[Span]) -> None:
+        message = ExportTraceServiceRequest.FromString(encode_spans(ended, service_name="narwhal", scope_version="1"))
+        for span in message.resource_spans[0].scope_spans[0].spans:
+            attributes = {kv.key: _value(kv.value) for kv in span.attributes}
+            assert len(attributes) == len(span.attributes)  # OTLP keys are unique within a span
+            spans.append(Seen(span.name, span.trace_id, span.span_id, span.parent_span_id or None, span.kind,
+                              span.start_time_unix_nano, span.end_time_unix_nano, attributes,
+                              [event.name for event in span.events], span.status.code, span.status.message))
+    return sink
+
+
 def make(ratio: float = 1.0, policy: str = "saturate", traced: bool = True):
     config = parse_config(CONFIG.format(count_tokens="false", policy=policy))
-    spans: list[Span] = []
-    tracer = Tracer(TracingConfig(otlp_endpoint="http://c:4318", sample_ratio=ratio), spans.append) if traced else None
+    spans: list[Seen] = []
+    tracer = (Tracer(TracingConfig(otlp_endpoint="http://c:4318", sample_ratio=ratio), collected(spans))
+              if traced else None)
     pool = TracedPool()
     supervisor = FakeSupervisor()
     core = RequestCore(config=config, supervisor=supervisor, data_pool=pool,
@@ -60,8 +99,8 @@ def header_lines(trace: bytes) -> dict[str, str]:
     return dict(line.split(": ", 1) for line in lines)
 
 
-def by_name(spans: list[Span]) -> dict[str, list[Span]]:
-    out: dict[str, list[Span]] = {}
+def by_name(spans: list[Seen]) -> dict[str, list[Seen]]:
+    out: dict[str, list[Seen]] = {}
     for span in spans:
         out.setdefault(span.name, []).append(span)
     return out
@@ -114,7 +153,7 @@ async def test_a_retried_request_has_a_failed_attempt_with_its_evidence() -> Non
     first, second = named["narwhal.prefill"]
     assert first.status_code == STATUS_ERROR
     assert first.attributes["narwhal.failure_class"] == "inference_status"
-    assert [event.name for event in first.events] == ["narwhal.engine_failure"]
+    assert first.events == ["narwhal.engine_failure"]
     assert (first.attributes["narwhal.retry"], second.attributes["narwhal.retry"]) == (0, 1)
     assert second.status_code == 0
     [decode] = named["narwhal.decode"]

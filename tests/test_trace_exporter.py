@@ -110,6 +110,47 @@ async def test_a_full_queue_drops_and_counts_without_waiting(mock_clock) -> None
     assert "narwhal_trace_spans_dropped_total{reason=\"queue_full\"} 2" in metrics.render()
 
 
+async def test_a_requests_spans_are_one_entry_counted_in_spans(mock_clock) -> None:
+    seen = Seen()
+    exp, metrics = exporter(seen, interval_s=10.0, max_queue=6, batch=4)
+    # Three spans of one request: one entry, three spans queued; no POST yet (under the batch).
+    exp.submit_all([span(1), span(2), span(3)])
+    assert exp.queued == 3
+    # Four more would pass max_queue: all four are dropped (counted as four), none queued.
+    exp.submit_all([span(n) for n in range(4, 8)])
+    assert (exp.queued, exp.dropped, metrics.trace_spans_dropped.get(DROP_QUEUE_FULL)) == (3, 4, 4)
+    exp.submit_all([span(8), span(9)])
+    assert exp.queued == 5
+    async with trio.open_nursery() as nursery:
+        await nursery.start(exp.run)
+        await seen.posted.wait()
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    # Past the batch at once: whole entries go out until the batch is reached (3 + 2 spans here, one POST).
+    [post] = seen.posts
+    message = ExportTraceServiceRequest.FromString(post.content)
+    assert [s.span_id for s in message.resource_spans[0].scope_spans[0].spans] == [
+        n.to_bytes(8, "big") for n in (1, 2, 3, 8, 9)]
+    assert (exp.queued, exp.exported) == (0, 5)
+
+
+async def test_a_batch_takes_whole_entries_up_to_about_its_size(mock_clock) -> None:
+    seen = Seen()
+    exp, _ = exporter(seen, interval_s=10.0, batch=4)
+    for first in (1, 4, 7):
+        exp.submit_all([span(first), span(first + 1), span(first + 2)])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(exp.run)
+        await seen.posted.wait()
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    # Nine spans, batch 4: the first POST takes two entries (6 spans: the batch, plus the rest of the entry that
+    # reached it), and the 3 left wait for the interval.
+    assert [len(ExportTraceServiceRequest.FromString(p.content).resource_spans[0].scope_spans[0].spans)
+            for p in seen.posts] == [6]
+    assert exp.queued == 3
+
+
 async def test_a_hanging_collector_never_blocks_submit_and_its_batches_drop(mock_clock) -> None:
     seen = Seen("hang")
     exp, metrics = exporter(seen, interval_s=1.0, timeout_s=5.0, max_queue=4, batch=2)

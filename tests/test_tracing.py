@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
@@ -9,7 +11,7 @@ from narwhal.config import ConfigError, TracingConfig, parse_config
 from narwhal.config_diff import is_reloadable
 from narwhal.tracing.context import IdSource, Sampler, TraceContext, format_traceparent, parse_traceparent
 from narwhal.tracing.otlp import encode_spans
-from narwhal.tracing.spans import KIND_CLIENT, STATUS_ERROR, RequestTrace, Span
+from narwhal.tracing.spans import KIND_CLIENT, STATUS_ERROR, RequestTrace, SharedAttributes, Span
 from narwhal.tracing.tracer import Propagated, Tracer
 
 TRACE = bytes.fromhex("4bf92f3577b34da6a3ce929d0e0e4736")
@@ -58,7 +60,7 @@ def test_sampler_follows_the_parent_and_samples_roots_by_ratio() -> None:
 
 def test_tracer_continues_a_clients_trace() -> None:
     sunk: list[Span] = []
-    tracer = Tracer(TracingConfig(otlp_endpoint="http://c:4318"), sunk.append, ids=IdSource(seed=1),
+    tracer = Tracer(TracingConfig(otlp_endpoint="http://c:4318"), sunk.extend, ids=IdSource(seed=1),
                     now_ns=lambda: 5)
     trace = tracer.start(HEADER, b"vendor=abc")
     assert trace.context.trace_id == TRACE and trace.root.parent_span_id == PARENT
@@ -76,7 +78,7 @@ def test_tracer_continues_a_clients_trace() -> None:
 
 def test_an_unsampled_trace_records_nothing_but_still_propagates() -> None:
     sunk: list[Span] = []
-    tracer = Tracer(TracingConfig(otlp_endpoint="http://c:4318", sample_ratio=0.0), sunk.append)
+    tracer = Tracer(TracingConfig(otlp_endpoint="http://c:4318", sample_ratio=0.0), sunk.extend)
     trace = tracer.start(None, None)
     assert isinstance(trace, Propagated) and not trace.sampled
     name, value = trace.response_header()
@@ -94,7 +96,7 @@ def test_an_unsampled_trace_records_nothing_but_still_propagates() -> None:
 
 def test_begin_gives_the_request_path_the_trace_and_both_headers() -> None:
     sunk: list[Span] = []
-    unsampled = Tracer(TracingConfig(otlp_endpoint="http://c:4318", sample_ratio=0.0), sunk.append)
+    unsampled = Tracer(TracingConfig(otlp_endpoint="http://c:4318", sample_ratio=0.0), sunk.extend)
     trace, (name, value), lines = unsampled.begin(None, None)
     assert trace is None and name == b"traceparent" and lines == b"\r\ntraceparent: " + value
     context = parse_traceparent(value)
@@ -106,7 +108,7 @@ def test_begin_gives_the_request_path_the_trace_and_both_headers() -> None:
     assert trace is None and value.startswith(b"00-" + TRACE.hex().encode()) and value.endswith(b"-00")
     assert lines == b"\r\ntraceparent: " + value + b"\r\ntracestate: vendor=abc"
     # Sampled: the trace, whose root's context the client and the engine calls get.
-    sampled = Tracer(TracingConfig(otlp_endpoint="http://c:4318"), sunk.append)
+    sampled = Tracer(TracingConfig(otlp_endpoint="http://c:4318"), sunk.extend)
     for header in (None, HEADER, b"malformed"):
         trace, response, lines = sampled.begin(header, None)
         assert isinstance(trace, RequestTrace) and trace.sampled
@@ -118,7 +120,7 @@ def test_begin_gives_the_request_path_the_trace_and_both_headers() -> None:
 def test_an_unsampled_request_trace_hands_out_its_root() -> None:
     sunk: list[Span] = []
     trace = RequestTrace(TraceContext(TRACE, PARENT, False), parent_span_id=None, start_ns=1, ids=IdSource(),
-                         sink=sunk.append)
+                         sink=sunk.extend)
     child = trace.child("narwhal.decode", 1, KIND_CLIENT)
     assert child is trace.root
     assert trace.engine_headers(child).endswith(b"-00")
@@ -127,7 +129,7 @@ def test_an_unsampled_request_trace_hands_out_its_root() -> None:
 
 
 def test_the_sampling_decision_is_the_trace_ids() -> None:
-    tracer = Tracer(TracingConfig(otlp_endpoint="http://c:4318", sample_ratio=0.5), lambda span: None,
+    tracer = Tracer(TracingConfig(otlp_endpoint="http://c:4318", sample_ratio=0.5), lambda spans: None,
                     ids=IdSource(seed=3))
     sampler = Sampler(0.5)
     for _ in range(200):
@@ -137,7 +139,7 @@ def test_the_sampling_decision_is_the_trace_ids() -> None:
 
 
 def test_tracer_reconfigure_changes_the_ratio() -> None:
-    tracer = Tracer(TracingConfig(otlp_endpoint="http://c:4318", sample_ratio=0.0), lambda span: None)
+    tracer = Tracer(TracingConfig(otlp_endpoint="http://c:4318", sample_ratio=0.0), lambda spans: None)
     tracer.configure(TracingConfig(otlp_endpoint="http://c:4318", sample_ratio=1.0))
     assert tracer.start(None, None).sampled
 
@@ -164,6 +166,70 @@ def test_encoded_spans_decode_with_opentelemetry_proto() -> None:
     assert decoded.events[0].name == "narwhal.engine_failure"
     assert decoded.events[0].time_unix_nano == 1_500
     assert (decoded.status.code, decoded.status.message) == (STATUS_ERROR, "timeout")
+
+
+def test_a_requests_spans_reach_the_sink_together_when_the_root_ends() -> None:
+    batches: list[list[Span]] = []
+    trace = RequestTrace(TraceContext(TRACE, PARENT, True), parent_span_id=None, start_ns=1, ids=IdSource(seed=2),
+                         sink=batches.append)
+    placement = trace.child("narwhal.placement", 2)
+    prefill = trace.child("narwhal.prefill", 3, KIND_CLIENT)
+    trace.finish(placement, 4)
+    trace.finish(prefill, 5)
+    assert batches == []  # children wait for their root
+    trace.finish(trace.root, 6)
+    assert batches == [[placement, prefill, trace.root]]
+    # A child that ends after its root (a tail the request left running) goes on its own.
+    late = trace.child("narwhal.decode", 7, KIND_CLIENT)
+    trace.finish(late, 8)
+    assert batches[1:] == [[late]]
+    with pytest.raises(RuntimeError, match="ended twice"):
+        trace.finish(late, 9)
+    # Every span its own id, none the root's.
+    ids = [span.span_id for span in (placement, prefill, late)]
+    assert len(set(ids)) == 3 and PARENT not in ids
+
+
+def test_span_ids_are_drawn_together_and_never_all_zero() -> None:
+    class Stub(random.Random):
+        """Draws zeros first (as a real source may, once in 2**64), then counts up."""
+
+        def __init__(self) -> None:
+            super().__init__(0)
+            self.draws = 0
+
+        def getrandbits(self, k: int) -> int:
+            self.draws += 1
+            return 0 if self.draws == 1 else (1 << k) - self.draws
+
+    ids = IdSource(seed=0)
+    ids._random = Stub()
+    drawn = ids.span_ids(3)
+    assert len(drawn) == 24 and ids._random.draws == 2
+    # The all-zero draw was thrown away whole, not passed on as an invalid id.
+    assert all(drawn[at:at + 8] != bytes(8) for at in (0, 8, 16))
+    assert len(IdSource().span_ids(4)) == 32
+
+
+def test_shared_attributes_are_encoded_once_and_carried_by_each_span() -> None:
+    shared = SharedAttributes({"narwhal.engine": "p1", "server.port": 8100})
+    spans = []
+    for n in (1, 2):
+        span = Span(TRACE, n.to_bytes(8, "big"), PARENT, "narwhal.prefill", KIND_CLIENT, 1_000)
+        span.shared = shared
+        span.set("narwhal.kv_handoff.bytes", 100 * n)
+        span.end(2_000)
+        spans.append(span)
+    message = ExportTraceServiceRequest.FromString(encode_spans(spans, service_name="svc", scope_version="1"))
+    decoded = message.resource_spans[0].scope_spans[0].spans
+    for n, span in zip((1, 2), decoded, strict=True):
+        values = {kv.key: kv.value for kv in span.attributes}
+        assert len(values) == len(span.attributes) == 3
+        assert values["narwhal.engine"].string_value == "p1" and values["server.port"].int_value == 8100
+        assert values["narwhal.kv_handoff.bytes"].int_value == 100 * n
+    assert shared.encoded is not None  # made by the first span, kept for the next
+    assert spans[0].all_attributes() == {"narwhal.engine": "p1", "server.port": 8100,
+                                         "narwhal.kv_handoff.bytes": 100}
 
 
 def test_tracing_config_defaults_and_reload() -> None:

@@ -896,7 +896,7 @@ class RequestCore:
         placing = None if trace is None or not trace.sampled else trace.child("narwhal.placement", time.time_ns())
         if trace is not None and placing is not None:
             # Placement's own engine calls (/tokenize for the KV event feeds) name its span.
-            ex.trace_kw = request_spans.trace_kw(trace, placing)
+            ex.trace_kw = trace.engine_kw(placing)
         try:
             if feeds is not None and feeds.active and not (join is not None and join.started):
                 # The engines' KV events key blocks by token IDs: the prompt's are asked before the choice.
@@ -906,7 +906,7 @@ class RequestCore:
             decode_name = self._place("decode", avoid, route, request, ex, exclude, span=placing)
         except BaseException as exc:
             if trace is not None and placing is not None:
-                ex.trace_kw = {"trace": trace.root_headers}
+                ex.trace_kw = trace.root_kw
                 failure = getattr(exc, "failure_class", type(exc).__name__)
                 # Polling for capacity: the first refusal says why the request waits, the queue span how long.
                 if ex.queue_span is None or failure not in _QUEUEABLE:
@@ -914,7 +914,7 @@ class RequestCore:
             raise
         if trace is not None:
             if placing is not None:
-                ex.trace_kw = {"trace": trace.root_headers}
+                ex.trace_kw = trace.root_kw
                 trace.finish(placing, time.time_ns())
             self._placed(ex)
         prefill, decode = ex.attempt(self.engines[prefill_name], self.engines[decode_name], route, request)

@@ -12,17 +12,28 @@ from __future__ import annotations
 from narwhal.config import engine_endpoint
 from narwhal.fleet.placement import Choice
 from narwhal.serving.exchange import Exchange, Leg
-from narwhal.tracing.spans import KIND_CLIENT, KIND_INTERNAL, RequestTrace, Span
+from narwhal.tracing.spans import KIND_CLIENT, KIND_INTERNAL, AttrValue, RequestTrace, SharedAttributes, Span
 
-__all__ = ["end_leg", "end_request", "open_leg", "open_queue", "placed", "trace_kw"]
+__all__ = ["end_leg", "end_request", "open_leg", "open_queue", "placed"]
 
 _OPERATION = {"/v1/completions": "text_completion", "/v1/chat/completions": "chat"}
 _LEG_NAMES = {"prefill": "narwhal.prefill", "decode": "narwhal.decode", "continuation": "narwhal.continuation"}
 
+# The attributes that repeat from request to request whole (a leg's engine, attempt, route and model; the
+# request's route, status, attempts, model and tenant) are one shared set per combination, encoded once
+# (``SharedAttributes``). Bounded: a reload can bring new engines, and tenants are many.
+_LEG_SHARED: dict[tuple[object, ...], SharedAttributes] = {}
+_REQUEST_SHARED: dict[tuple[object, ...], SharedAttributes] = {}
+_MAX_SHARED = 4096
 
-def trace_kw(trace: RequestTrace, span: Span) -> dict[str, bytes]:
-    """The data pool's keyword for an engine call made within ``span``: its trace context header lines."""
-    return {"trace": trace.engine_headers(span)}
+
+def _shared(cache: dict[tuple[object, ...], SharedAttributes], key: tuple[object, ...],
+            attributes: dict[str, AttrValue]) -> SharedAttributes:
+    """A cache miss: the shared set for ``key``, kept."""
+    if len(cache) >= _MAX_SHARED:
+        cache.clear()
+    shared = cache[key] = SharedAttributes(attributes)
+    return shared
 
 
 def open_queue(trace: RequestTrace, start_ns: int, reason: str) -> Span:
@@ -56,22 +67,25 @@ def open_leg(trace: RequestTrace, ex: Exchange, leg: Leg, now_ns: int) -> Span:
     if not trace.sampled:
         # Engines get the root's context with the not-sampled flag (ex.trace_kw already names it).
         return trace.root
-    span = trace.child(_LEG_NAMES[leg.kind], now_ns, KIND_CLIENT)
-    engine, attempt = leg.engine, leg.attempt
-    host, port, _, _ = engine_endpoint(engine.url)
-    # One dict built at once: a leg's span costs what its attributes do, so they are set in one go.
-    span.attributes = {
-        "narwhal.engine": engine.name, "server.address": host, "server.port": port, "narwhal.attempt": attempt,
-        # The retry number: 0 for the first attempt.
-        "narwhal.retry": attempt - 1,
-        "gen_ai.operation.name": _OPERATION.get(leg.route, leg.route),
-    }
-    if ex.model is not None:
-        span.attributes["gen_ai.request.model"] = ex.model.name
+    engine, attempt, model = leg.engine, leg.attempt, ex.model
+    key = (engine.name, engine.url, attempt, leg.route, None if model is None else model.name)
+    shared = _LEG_SHARED.get(key)
+    if shared is None:
+        host, port, _, _ = engine_endpoint(engine.url)
+        attributes: dict[str, AttrValue] = {
+            "narwhal.engine": engine.name, "server.address": host, "server.port": port, "narwhal.attempt": attempt,
+            # The retry number: 0 for the first attempt.
+            "narwhal.retry": attempt - 1,
+            "gen_ai.operation.name": _OPERATION.get(leg.route, leg.route),
+        }
+        if model is not None:
+            attributes["gen_ai.request.model"] = model.name
+        shared = _shared(_LEG_SHARED, key, attributes)
+    span = trace.child(_LEG_NAMES[leg.kind], now_ns, KIND_CLIENT, shared)
     if leg.kind == "continuation" and ex.join is not None:
         # The tokens regenerated before this join: its own count is the difference when it ends.
         span.attributes["narwhal.continuation.regenerated_before"] = ex.join.regenerated
-    ex.trace_kw = trace_kw(trace, span)
+    ex.trace_kw = trace.engine_kw(span)
     return span
 
 
@@ -81,7 +95,7 @@ def end_leg(trace: RequestTrace, ex: Exchange, leg: Leg, span: Span, now_ns: int
     saying so), or its usage."""
     if span is trace.root:
         return
-    ex.trace_kw = trace_kw(trace, trace.root)
+    ex.trace_kw = trace.root_kw
     failure = error or leg.error
     if leg.kind != "prefill":
         attributes = span.attributes
@@ -111,15 +125,21 @@ def end_request(trace: RequestTrace, ex: Exchange, now_ns: int) -> None:
     if not trace.sampled:
         return
     root = trace.root
+    model, tenant = ex.model, ex.tenant
+    key = (ex.route, ex.status, ex.attempts, None if model is None else model.name, tenant)
+    shared = _REQUEST_SHARED.get(key)
+    if shared is None:
+        common: dict[str, AttrValue] = {"http.route": ex.route, "http.request.method": "POST",
+                                     "http.response.status_code": ex.status, "narwhal.attempts": ex.attempts}
+        if model is not None:
+            common["gen_ai.request.model"] = model.name
+        if tenant is not None:
+            common["narwhal.tenant"] = tenant
+        shared = _shared(_REQUEST_SHARED, key, common)
+    root.shared = shared
     attributes = root.attributes
-    attributes.update({
-        "http.route": ex.route, "http.request.method": "POST", "http.response.status_code": ex.status,
-        "narwhal.request_id": ex.rid, "narwhal.attempts": ex.attempts, "gen_ai.usage.output_tokens": ex.tokens,
-    })
-    if ex.model is not None:
-        attributes["gen_ai.request.model"] = ex.model.name
-    if ex.tenant is not None:
-        attributes["narwhal.tenant"] = ex.tenant
+    attributes["narwhal.request_id"] = ex.rid
+    attributes["gen_ai.usage.output_tokens"] = ex.tokens
     if ex.continuations:
         attributes["narwhal.continuations"] = ex.continuations
     if ex.prompt_tokens is not None:

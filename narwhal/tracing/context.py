@@ -83,6 +83,15 @@ class IdSource:
             value = bits(128)
         return value.to_bytes(16, "big")
 
+    def span_ids(self, count: int) -> bytes:
+        """``count`` span ids, 8 random bytes each, none all zero, as one string (one draw for all)."""
+        bits, size = self._random.getrandbits, 8 * count
+        ids = bits(64 * count).to_bytes(size, "big")
+        # Eight zero bytes anywhere (an all-zero id among them) draw again: one search in C, not a loop.
+        while _ZERO_SPAN in ids:
+            ids = bits(64 * count).to_bytes(size, "big")
+        return ids
+
     def span_id(self) -> bytes:
         """8 random bytes, never all zero."""
         bits = self._random.getrandbits

@@ -1,7 +1,8 @@
 """The span exporter: a bounded queue the request path appends to, and one trio task that POSTs it as OTLP/HTTP.
 
-``submit`` never waits: a full queue drops the span (counted). ``run`` sends a batch every ``interval_s``,
-or as soon as ``batch`` spans are queued, one POST at a time bounded by ``timeout_s``; a POST that fails or
+``submit_all`` (a request's spans, encoded together) never waits: spans that would take the queue past
+``max_queue`` are dropped (counted). ``run`` sends a batch every ``interval_s``, or as soon as ``batch``
+spans are queued, one POST at a time bounded by ``timeout_s``; a POST that fails or
 times out drops its batch (counted) and is never retried, so a slow or absent collector costs a bounded
 queue and a counter, never a backlog or a client's latency. Not the OpenTelemetry SDK's BatchSpanProcessor:
 it runs a thread and its exporter blocks on ``requests``, neither of which belongs in a trio process.
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -19,7 +20,7 @@ import trio
 
 from narwhal.obs.logs import log_event
 from narwhal.obs.metrics import Counter
-from narwhal.tracing.otlp import encode_encoded, encode_span
+from narwhal.tracing.otlp import encode_encoded, encode_request
 from narwhal.tracing.spans import Span
 
 __all__ = ["DROP_EXPORT_FAILED", "DROP_QUEUE_FULL", "SpanExporter", "traces_url"]
@@ -52,9 +53,11 @@ class SpanExporter:
     def __init__(self, *, endpoint: str, headers: Mapping[str, str], service_name: str, max_queue: int = 8192,
                  batch: int = 2048, interval_s: float = 1.0, timeout_s: float = 5.0,
                  client: httpx.AsyncClient | None = None, dropped_counter: Counter | None = None) -> None:
-        # Spans encoded as they end: bytes, which the garbage collector never scans, instead of thousands of
-        # live span objects (and their dicts) held for up to interval_s.
-        self._queue: deque[bytes] = deque()
+        # A request's spans encoded together as its root ends, with how many they are: bytes, which the garbage
+        # collector never scans, instead of thousands of live span objects (and their dicts) held for up to
+        # interval_s. The bounds (max_queue, batch) count spans.
+        self._queue: deque[tuple[bytes, int]] = deque()
+        self._queued = 0
         self._max_queue = max_queue
         self._batch = batch
         self._interval_s = interval_s
@@ -82,18 +85,25 @@ class SpanExporter:
         self._service_name = service_name
 
     def submit(self, span: Span) -> None:
-        """Queue an ended span; never waits (a full queue drops it)."""
-        queue = self._queue
-        if len(queue) >= self._max_queue:
-            self._drop(DROP_QUEUE_FULL, 1)
+        """Queue one ended span; never waits (a full queue drops it)."""
+        self.submit_all((span,))
+
+    def submit_all(self, spans: Sequence[Span]) -> None:
+        """Queue ended spans (a request's) as one entry; never waits: if they do not all fit, all are dropped."""
+        count = len(spans)
+        queued = self._queued + count
+        if queued > self._max_queue:
+            self._drop(DROP_QUEUE_FULL, count)
             return
-        queue.append(encode_span(span))
-        if len(queue) >= self._batch:
+        self._queue.append((encode_request(spans), count))
+        self._queued = queued
+        if queued >= self._batch:
             self._wake.set()
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        """Spans waiting to be sent."""
+        return self._queued
 
     def _drop(self, reason: str, count: int) -> None:
         self.dropped += count
@@ -128,20 +138,28 @@ class SpanExporter:
             self._wake = trio.Event()
             while self._queue:
                 await self.export_batch(client)
-                if len(self._queue) < self._batch:
+                if self._queued < self._batch:
                     break
 
     async def export_batch(self, client: httpx.AsyncClient) -> None:
-        """POST up to ``batch`` queued spans once; a failure or timeout drops them (counted)."""
-        queue, take = self._queue, min(self._batch, len(self._queue))
-        if take == len(queue):
-            spans = list(queue)
-            queue.clear()
-        else:
-            spans = [queue.popleft() for _ in range(take)]
-        if not spans:
+        """POST the queued spans once, about ``batch`` at most (whole requests' entries: up to ``batch`` plus
+        one request's spans less one); a failure or timeout drops them (counted)."""
+        queue = self._queue
+        if not queue:
             return
-        body = encode_encoded(spans, service_name=self._service_name, scope_version=self._version)
+        if self._queued <= self._batch:
+            taken = list(queue)
+            queue.clear()
+            take = self._queued
+        else:
+            taken, take = [], 0
+            while queue and take < self._batch:
+                entry = queue.popleft()
+                taken.append(entry)
+                take += entry[1]
+        self._queued -= take
+        body = encode_encoded([data for data, _ in taken], service_name=self._service_name,
+                              scope_version=self._version)
         problem: str | None = None
         with trio.move_on_after(self._timeout_s) as scope:
             try:

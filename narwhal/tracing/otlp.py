@@ -10,9 +10,9 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 
-from narwhal.tracing.spans import AttrValue, Span, SpanEvent
+from narwhal.tracing.spans import AttrValue, SharedAttributes, Span, SpanEvent
 
-__all__ = ["SCOPE_NAME", "encode_encoded", "encode_span", "encode_spans"]
+__all__ = ["SCOPE_NAME", "encode_encoded", "encode_request", "encode_span", "encode_spans"]
 
 SCOPE_NAME = "narwhal"
 
@@ -94,6 +94,13 @@ def _key(key: str) -> bytes:
 
 def _key_value(key: str, value: AttrValue) -> bytes:
     """One ``KeyValue`` message's bytes (without its own tag)."""
+    if value.__class__ is str:
+        # First: the one attribute not kept encoded (a request id) is a string.
+        text = value.encode("utf-8", "replace")
+        size = len(text)
+        if size < 0x7E:
+            return _key(key) + b"\x12" + _SMALL[size + 2] + b"\x0a" + _SMALL[size] + text
+        return _key(key) + _field(_T2_LEN, _field(_ANY_STRING, text))
     if value is True:
         body = _ANY_BOOL_TRUE
     elif value is False:
@@ -143,53 +150,73 @@ def _event(event: SpanEvent) -> bytes:
     return _field(_SPAN_EVENT, body)
 
 
-_IDS_HEAD = _SPAN_TRACE_ID + b"\x10"
+# A span's kind, start and end with their tags, in one pack (kinds are 1..5: one varint byte).
+_pack_times = struct.Struct("<BBBQBQ").pack
+# The tags and lengths before the trace id, the span id and the parent's id.
+_TRACE_ID_HEAD = _SPAN_TRACE_ID + b"\x10"
 _SPAN_ID_HEAD = _SPAN_SPAN_ID + b"\x08"
 _PARENT_HEAD = _SPAN_PARENT + b"\x08"
-# Span kinds are 1..5: one varint byte each.
-_pack_times = struct.Struct("<BBBQBQ").pack
+
+
+def _encode_shared(shared: SharedAttributes) -> bytes:
+    """A shared attribute set's bytes, made by the first span that carries it and kept on it."""
+    shared.encoded = b"".join([_field(_SPAN_ATTR, _key_value(key, value)) for key, value in shared.attributes.items()])
+    return shared.encoded
 
 
 def encode_span(span: Span) -> bytes:
-    """One span as the bytes of its ``ScopeSpans.spans`` field: what ``encode_encoded`` joins into a request."""
-    name = _NAMES.get(span.name)
-    if name is None:
-        if len(_NAMES) >= _MAX_CACHED:
-            _NAMES.clear()
-        name = _NAMES[span.name] = _field(_SPAN_NAME, _text(span.name))
-    parent = span.parent_span_id
-    parts = [
-        _IDS_HEAD, span.trace_id, _SPAN_ID_HEAD, span.span_id,
-        _PARENT_HEAD + parent if parent is not None else b"", name,
-        # kind (varint), then start and end (fixed64), each with its tag: one pack.
-        _pack_times(0x30, span.kind, 0x39, span.start_ns, 0x41, span.end_ns),
-    ]
-    if span.attributes:
-        get = _SPAN_ATTRIBUTES.get
-        parts += [get(item) or _attribute(_SPAN_ATTRIBUTES, _SPAN_ATTR, item) for item in span.attributes.items()]
-    if span.events:
-        parts += [_event(event) for event in span.events]
-    if span.status_code:
-        status = _STATUS_CODE + _varint(span.status_code)
-        if span.status_message:
-            status = _field(_STATUS_MESSAGE, _text(span.status_message)) + status
-        parts.append(_field(_SPAN_STATUS, status))
-    body = b"".join(parts)
-    size = len(body)
-    # ScopeSpans.spans = 2; a span is 128 bytes to 16 KiB, mostly: a two-byte length, inline.
-    if 0x80 <= size < 0x4000:
-        return b"\x12" + bytes(((size & 0x7F) | 0x80, size >> 7)) + body
-    return _field(_T2_LEN, body)
+    """One span as the bytes of its ``ScopeSpans.spans`` field (``encode_request`` of one span)."""
+    return encode_request((span,))
+
+
+def encode_request(spans: Sequence[Span]) -> bytes:
+    """Spans (a request's, mostly) as the bytes of their ``ScopeSpans.spans`` fields, one after another: what
+    ``encode_encoded`` joins into an export request. One call a request, its loop inline: a traced request's
+    encoding is fixed cost per span, not per attribute."""
+    out: list[bytes] = []
+    get = _SPAN_ATTRIBUTES.get
+    names = _NAMES
+    for span in spans:
+        name = names.get(span.name)
+        if name is None:
+            if len(names) >= _MAX_CACHED:
+                names.clear()
+            name = names[span.name] = _field(_SPAN_NAME, _text(span.name))
+        # Protobuf readers take fields in any order: ids, times, name, then the attributes.
+        parent = span.parent_span_id
+        parts = [_TRACE_ID_HEAD, span.trace_id, _SPAN_ID_HEAD, span.span_id,
+                 _PARENT_HEAD if parent is not None else b"", parent or b"",
+                 _pack_times(0x30, span.kind, 0x39, span.start_ns, 0x41, span.end_ns), name]
+        shared = span.shared
+        if shared is not None:
+            parts.append(shared.encoded or _encode_shared(shared))
+        # A loop, not a comprehension (a function call of its own on 3.11): a span has few attributes of its own.
+        for item in span.attributes.items():
+            parts.append(get(item) or _attribute(_SPAN_ATTRIBUTES, _SPAN_ATTR, item))
+        if span.events:
+            parts += [_event(event) for event in span.events]
+        if span.status_code:
+            status = _STATUS_CODE + _varint(span.status_code)
+            if span.status_message:
+                status = _field(_STATUS_MESSAGE, _text(span.status_message)) + status
+            parts.append(_field(_SPAN_STATUS, status))
+        body = b"".join(parts)
+        size = len(body)
+        # ScopeSpans.spans = 2; a span is 128 bytes to 16 KiB, mostly: a two-byte length, inline.
+        if 0x80 <= size < 0x4000:
+            out += (b"\x12", bytes(((size & 0x7F) | 0x80, size >> 7)), body)
+        else:
+            out += (_T2_LEN, _varint(size), body)
+    return b"".join(out)
 
 
 def encode_spans(spans: Sequence[Span], *, service_name: str, scope_version: str) -> bytes:
     """One ``ExportTraceServiceRequest``: resource {service.name}, one scope "narwhal" holding ``spans``."""
-    return encode_encoded([encode_span(span) for span in spans], service_name=service_name,
-                          scope_version=scope_version)
+    return encode_encoded([encode_request(spans)], service_name=service_name, scope_version=scope_version)
 
 
 def encode_encoded(spans: Sequence[bytes], *, service_name: str, scope_version: str) -> bytes:
-    """As ``encode_spans``, of spans already encoded (``encode_span``)."""
+    """As ``encode_spans``, of spans already encoded (``encode_request``, ``encode_span``)."""
     resource = _field(_T1_LEN, _key_value("service.name", service_name))  # Resource.attributes = 1
     scope = _field(_T1_LEN, _text(SCOPE_NAME)) + _field(_T2_LEN, _text(scope_version))
     scope_spans = _field(_T1_LEN, scope) + b"".join(spans)

@@ -42,7 +42,7 @@ class TracingService:
         if self.exporter is None:
             self.exporter = SpanExporter(endpoint=endpoint, headers=config.headers,
                                          service_name=config.service_name, dropped_counter=self._counter)
-            self.tracer = Tracer(config, self.exporter.submit)
+            self.tracer = Tracer(config, self.exporter.submit_all)
             self._changed.set()
             return
         self.exporter.configure(endpoint=endpoint, headers=config.headers, service_name=config.service_name)

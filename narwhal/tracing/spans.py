@@ -1,4 +1,4 @@
-"""One request's spans: plain slotted objects, ended once and handed to a sink (the exporter): pure, no I/O.
+"""One request's spans: structs ended once and handed to a sink (the exporter) together: pure, no I/O.
 
 Times are Unix nanoseconds given by the caller (the request path reads its clock once per step); nothing
 here reads a clock or allocates beyond the span itself, so a traced request costs a few microseconds.
@@ -6,11 +6,12 @@ here reads a clock or allocates beyond the span itself, so a traced request cost
 
 from __future__ import annotations
 
+from binascii import hexlify
 from collections.abc import Callable
 
 import msgspec
 
-from narwhal.tracing.context import IdSource, TraceContext, format_traceparent
+from narwhal.tracing.context import IdSource, TraceContext
 
 __all__ = [
     "KIND_CLIENT",
@@ -22,6 +23,7 @@ __all__ = [
     "STATUS_UNSET",
     "AttrValue",
     "RequestTrace",
+    "SharedAttributes",
     "Span",
     "SpanEvent",
 ]
@@ -51,29 +53,48 @@ class SpanEvent(msgspec.Struct, frozen=True, array_like=True):
     attributes: dict[str, AttrValue]
 
 
-class Span:
-    """One operation of a request; mutable until ``end``, which may be called once."""
+class SharedAttributes:
+    """Attributes many spans carry alike (a leg's engine, attempt, route and model): one read-only dict shared by
+    those spans, whose OTLP bytes the encoder makes once (``encoded``) instead of once a span. A span's own
+    attributes never repeat a key of its shared set (the encoder writes both, and OTLP keys are unique)."""
 
-    __slots__ = ("trace_id", "span_id", "parent_span_id", "name", "kind", "start_ns", "end_ns", "attributes",
-                 "events", "status_code", "status_message", "ended")
+    __slots__ = ("attributes", "encoded")
 
-    def __init__(self, trace_id: bytes, span_id: bytes, parent_span_id: bytes | None, name: str, kind: int,
-                 start_ns: int) -> None:
-        self.trace_id = trace_id
-        self.span_id = span_id
-        self.parent_span_id = parent_span_id
-        self.name = name
-        self.kind = kind
-        self.start_ns = start_ns
-        self.end_ns = 0
-        self.attributes: dict[str, AttrValue] = {}
-        self.events: list[SpanEvent] = []
-        self.status_code = STATUS_UNSET
-        self.status_message = ""
-        self.ended = False
+    def __init__(self, attributes: dict[str, AttrValue]) -> None:
+        self.attributes = attributes
+        self.encoded: bytes | None = None
+
+
+class Span(msgspec.Struct, gc=False):
+    """One operation of a request; mutable until ``end``, which may be called once.
+
+    Its attributes are its ``shared`` set's (if any) and its own ``attributes``, whose keys differ. A struct
+    built in C (several a traced request) and left out of the garbage collector's scans: it holds no cycle.
+    """
+
+    trace_id: bytes
+    span_id: bytes
+    parent_span_id: bytes | None
+    name: str
+    kind: int
+    start_ns: int
+    end_ns: int = 0
+    attributes: dict[str, AttrValue] = {}  # msgspec gives each span its own empty dict
+    shared: SharedAttributes | None = None
+    # None until the first event: most spans have none, and an empty list is one more object for the collector.
+    events: list[SpanEvent] | None = None
+    status_code: int = STATUS_UNSET
+    status_message: str = ""
+    ended: bool = False
 
     def __repr__(self) -> str:
         return f"Span({self.name!r}, span_id={self.span_id.hex()}, ended={self.ended})"
+
+    def all_attributes(self) -> dict[str, AttrValue]:
+        """Every attribute the span carries: its shared set's and its own."""
+        if self.shared is None:
+            return dict(self.attributes)
+        return {**self.shared.attributes, **self.attributes}
 
     def set(self, key: str, value: AttrValue) -> None:
         """Set one attribute (OpenTelemetry semantic-convention names where they exist)."""
@@ -81,6 +102,8 @@ class Span:
 
     def event(self, name: str, time_ns: int, **attributes: AttrValue) -> None:
         """Record an event at ``time_ns``."""
+        if self.events is None:
+            self.events = []
         self.events.append(SpanEvent(name, time_ns, attributes))
 
     def end(self, end_ns: int, *, error: str | None = None) -> None:
@@ -95,65 +118,97 @@ class Span:
 
 
 class RequestTrace:
-    """One request's spans: the root narwhal.request (server) and its children; hands them to a sink once ended.
+    """One request's spans: the root narwhal.request (server) and its children; hands them to a sink together
+    when the root ends (one encode and one queue entry a request), a child that ends after its root alone.
 
     ``context`` is the root span's own context (a fresh span id; the trace id and sampling decision continued
     from the client's ``traceparent`` or new). An unsampled trace still gives ``traceparent_for`` (flag 00) so
     engines see the decision, but its spans never reach the sink.
     """
 
-    __slots__ = ("context", "root", "root_headers", "sampled", "_flags_state", "_ids", "_root_traceparent", "_sink",
-                 "_trace_head")
+    __slots__ = ("context", "root", "root_headers", "root_kw", "sampled", "_ended", "_flags_state", "_ids",
+                 "_next_id", "_root_traceparent", "_sink", "_span_ids", "_trace_head")
 
     def __init__(self, context: TraceContext, *, parent_span_id: bytes | None, start_ns: int, ids: IdSource,
-                 sink: Callable[[Span], None]) -> None:
+                 sink: Callable[[list[Span]], None], span_ids: bytes = b"") -> None:
+        """``span_ids``: ids already drawn for the children (8 bytes each; more are drawn as needed)."""
         self.context = context
         self.root = Span(context.trace_id, context.span_id, parent_span_id, "narwhal.request", KIND_SERVER,
                          start_ns)
         self._ids = ids
         self._sink = sink
-        self.sampled = context.sampled
+        # The children ended so far, handed on with the root.
+        self._ended: list[Span] = []
+        # Child span ids, drawn a few at a time (a request's placement, prefill and decode).
+        self._span_ids = span_ids
+        self._next_id = 0
+        self.sampled = sampled = context.sampled
+        trace_hex, span_hex = context.trace_id.hex().encode(), context.span_id.hex().encode()
+        flags = b"-01" if sampled else b"-00"
         # The root's traceparent: the client's response header, and what engine calls outside a leg carry.
-        self._root_traceparent = format_traceparent(context)
+        self._root_traceparent = b"00-" + trace_hex + b"-" + span_hex + flags
         # What every engine call's lines share: before the span id, and after it (flags, the client's tracestate).
-        self._trace_head = b"\r\ntraceparent: 00-" + context.trace_id.hex().encode() + b"-"
+        self._trace_head = b"\r\ntraceparent: 00-" + trace_hex + b"-"
         state = context.tracestate
-        self._flags_state = (b"-01" if context.sampled else b"-00") + (
-            b"\r\ntracestate: " + state.encode("ascii") if state else b"")
-        # The header lines of an engine call outside a leg (the data pool's ``trace``).
-        self.root_headers = self._trace_head + context.span_id.hex().encode() + self._flags_state
+        self._flags_state = flags + b"\r\ntracestate: " + state.encode("ascii") if state else flags
+        # The header lines of an engine call outside a leg, and the data pool's keyword carrying them (shared by
+        # every such call of the request: a keyword dict is only unpacked, never changed).
+        self.root_headers = self._trace_head + span_hex + self._flags_state
+        self.root_kw = {"trace": self.root_headers}
 
     @property
     def trace_id_hex(self) -> str:
         """The trace id as the log line's ``trace_id`` field shows it (32 lowercase hex digits)."""
         return self.context.trace_id.hex()
 
-    def child(self, name: str, start_ns: int, kind: int = KIND_INTERNAL) -> Span:
-        """A new span under the root; an unsampled trace hands out its root instead (nothing is recorded, and
-        engines get the root's id with the not-sampled flag), so it costs no span per step."""
-        if not self.context.sampled:
+    def child(self, name: str, start_ns: int, kind: int = KIND_INTERNAL,
+              shared: SharedAttributes | None = None) -> Span:
+        """A new span under the root (carrying ``shared``); an unsampled trace hands out its root instead (nothing
+        is recorded, and engines get the root's id with the not-sampled flag), so it costs no span per step."""
+        if not self.sampled:
             return self.root
-        return Span(self.context.trace_id, self._ids.span_id(), self.root.span_id, name, kind, start_ns)
+        at = self._next_id
+        if at == len(self._span_ids):
+            self._span_ids, at = self._ids.span_ids(3), 0
+        self._next_id = at + 8
+        return Span(self.context.trace_id, self._span_ids[at:at + 8], self.root.span_id, name, kind, start_ns,
+                    shared=shared)
 
     def finish(self, span: Span, end_ns: int, *, error: str | None = None) -> None:
-        """End ``span`` and hand it to the sink; nothing when the trace is not sampled."""
-        if self.sampled:
-            # Span.end, inline: once per span of every traced request.
-            if span.ended:
-                raise RuntimeError(f"span {span.name} {span.span_id.hex()} ended twice")
-            span.ended = True
-            span.end_ns = end_ns
-            if error is not None:
-                span.status_code = STATUS_ERROR
-                span.status_message = error
-            self._sink(span)
+        """End ``span``: the root hands every ended span to the sink, a child waits for it (or goes alone once
+        the root has ended); nothing when the trace is not sampled."""
+        if not self.sampled:
+            return
+        # Span.end, inline: once per span of every traced request.
+        if span.ended:
+            raise RuntimeError(f"span {span.name} {span.span_id.hex()} ended twice")
+        span.ended = True
+        span.end_ns = end_ns
+        if error is not None:
+            span.status_code = STATUS_ERROR
+            span.status_message = error
+        root = self.root
+        if span is root:
+            ended = self._ended
+            ended.append(span)
+            self._sink(ended)
+        elif root.ended:
+            self._sink([span])
+        else:
+            self._ended.append(span)
 
     def engine_headers(self, span: Span) -> bytes:
         """The header lines an engine request made within ``span`` carries (``traceparent``, and the client's
         ``tracestate`` when it sent one), each as ``\\r\\nname: value`` for the data pool's request head."""
         if span is self.root:
             return self.root_headers
-        return self._trace_head + span.span_id.hex().encode() + self._flags_state
+        return self._trace_head + hexlify(span.span_id) + self._flags_state
+
+    def engine_kw(self, span: Span) -> dict[str, bytes]:
+        """The data pool's keyword for an engine call made within ``span``: ``{"trace": engine_headers}``."""
+        if span is self.root:
+            return self.root_kw
+        return {"trace": self._trace_head + hexlify(span.span_id) + self._flags_state}
 
     def response_header(self) -> tuple[bytes, bytes]:
         """The ``traceparent`` the client's response carries: the root span's."""

@@ -41,7 +41,7 @@ class Tracer:
 
     __slots__ = ("_ids", "_sink", "now_ns", "sampler")
 
-    def __init__(self, config: TracingConfig, sink: Callable[[Span], None], *, ids: IdSource | None = None,
+    def __init__(self, config: TracingConfig, sink: Callable[[list[Span]], None], *, ids: IdSource | None = None,
                  now_ns: Callable[[], int] = time.time_ns) -> None:
         self.sampler = Sampler(config.sample_ratio)
         self._sink = sink
@@ -68,8 +68,11 @@ class Tracer:
             if (bits & _LOW_64) >= self.sampler.bound:
                 header = b"00-%032x-%016x-00" % (bits, ids.bits(64) or 1)
                 return None, (b"traceparent", header), b"\r\ntraceparent: " + header
-            context = TraceContext(bits.to_bytes(16, "big"), ids.span_id(), True)
-            trace = RequestTrace(context, parent_span_id=None, start_ns=self.now_ns(), ids=ids, sink=self._sink)
+            # The root's id and its first three children's in one draw.
+            span_ids = ids.span_ids(4)
+            context = TraceContext(bits.to_bytes(16, "big"), span_ids[:8], True)
+            trace = RequestTrace(context, parent_span_id=None, start_ns=self.now_ns(), ids=ids, sink=self._sink,
+                                 span_ids=span_ids[8:])
             return trace, trace.response_header(), trace.root_headers
         started = self.start(traceparent, tracestate)
         recorded = started if isinstance(started, RequestTrace) and started.sampled else None
