@@ -18,8 +18,10 @@ from narwhal.config import TracingConfig, parse_config
 from narwhal.errors import EngineFailure, FailureClass
 from narwhal.fleet.admission import Admission
 from narwhal.fleet.placement import InFlight
+from narwhal.fleet.placement.policy import Choice
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.serving.request_core import RequestCore
+from narwhal.serving.request_spans import placed
 from narwhal.tracing.otlp import encode_spans
 from narwhal.tracing.spans import KIND_CLIENT, KIND_SERVER, STATUS_ERROR, Span
 from narwhal.tracing.tracer import Tracer
@@ -257,3 +259,30 @@ async def test_an_engines_4xx_ends_its_leg_without_evidence() -> None:
     [prefill] = by_name(spans)["narwhal.prefill"]
     assert prefill.status_code == STATUS_ERROR and prefill.events == []
     assert supervisor.failures == []
+
+
+def test_the_placement_span_says_both_choices_a_spill_and_the_match() -> None:
+    spans = []
+    for matched in (0.75, 0.5):
+        span = Span(bytes(range(1, 17)), bytes(range(1, 9)), None, "narwhal.placement", 1, 1_000)
+        placed(span, "prefill", Choice("p2", "spill", matched), 3)
+        placed(span, "decode", Choice("d1", "least_outstanding", None), 2)
+        span.end(2_000)
+        spans.append(span)
+    # The choices repeat whole: one shared set for both requests; the match is each request's own.
+    assert spans[0].shared is spans[1].shared
+    seen: list[Seen] = []
+    collected(seen)(spans)
+    for one, matched in zip(seen, (0.75, 0.5), strict=True):
+        assert one.attributes == {
+            "narwhal.placement.prefill": "p2", "narwhal.placement.prefill_reason": "spill",
+            "narwhal.placement.prefill_candidates": 3, "narwhal.placement.spill": True,
+            "narwhal.placement.decode": "d1", "narwhal.placement.decode_reason": "least_outstanding",
+            "narwhal.placement.decode_candidates": 2, "narwhal.placement.prefix_match": matched}
+    # Another prefill choice under the same decode choice is another set.
+    other = Span(bytes(range(1, 17)), bytes(range(1, 9)), None, "narwhal.placement", 1, 1_000)
+    placed(other, "prefill", Choice("p1", "hit", 1.0), 3)
+    placed(other, "decode", Choice("d1", "least_outstanding", None), 2)
+    assert other.shared is not spans[0].shared
+    assert other.all_attributes()["narwhal.placement.prefill"] == "p1"
+    assert "narwhal.placement.spill" not in other.all_attributes()

@@ -20,9 +20,11 @@ _OPERATION = {"/v1/completions": "text_completion", "/v1/chat/completions": "cha
 _LEG_NAMES = {"prefill": "narwhal.prefill", "decode": "narwhal.decode", "continuation": "narwhal.continuation"}
 
 # The attributes that repeat from request to request whole (a leg's engine, attempt, route and model; the
-# request's route, status, attempts, model and tenant) are one shared set per combination, encoded once
+# placement's choices; the request's route, status, attempts, model and tenant) are one shared set per combination, encoded once
 # (``SharedAttributes``). Bounded: a reload can bring new engines, and tenants are many.
 _LEG_SHARED: dict[tuple[object, ...], SharedAttributes] = {}
+# The placement span's: keyed by the set before (the prefill's choice, when the decode's is added) and the choice.
+_PLACED_SHARED: dict[tuple[object, ...], SharedAttributes] = {}
 _REQUEST_SHARED: dict[tuple[object, ...], SharedAttributes] = {}
 _MAX_SHARED = 4096
 
@@ -49,17 +51,26 @@ _PLACED_KEYS = {role: (f"narwhal.placement.{role}", f"narwhal.placement.{role}_r
 
 
 def placed(span: Span, role: str, choice: Choice, candidates: int) -> None:
-    """What the placement span says of one role's choice: the engine, why, among how many; a spill, the match."""
-    engine_key, reason_key, candidates_key = _PLACED_KEYS[role]
-    attributes = span.attributes
-    attributes[engine_key] = choice.engine
-    attributes[reason_key] = choice.reason
-    attributes[candidates_key] = candidates
-    if choice.reason == "spill":
-        # A better-matching engine was too loaded: the prompt spilled to another.
-        attributes["narwhal.placement.spill"] = True
+    """What the placement span says of one role's choice: the engine, why, among how many; a spill, the match.
+
+    The choice joins the span's shared set (the roles' choices repeat whole from request to request); the
+    matched share of the prompt, a float of this request's, is the span's own."""
+    before = span.shared
+    key = (before, role, choice.engine, choice.reason, candidates)
+    shared = _PLACED_SHARED.get(key)
+    if shared is None:
+        engine_key, reason_key, candidates_key = _PLACED_KEYS[role]
+        attributes: dict[str, AttrValue] = {} if before is None else dict(before.attributes)
+        attributes[engine_key] = choice.engine
+        attributes[reason_key] = choice.reason
+        attributes[candidates_key] = candidates
+        if choice.reason == "spill":
+            # A better-matching engine was too loaded: the prompt spilled to another.
+            attributes["narwhal.placement.spill"] = True
+        shared = _shared(_PLACED_SHARED, key, attributes)
+    span.shared = shared
     if choice.matched is not None:
-        attributes["narwhal.placement.prefix_match"] = choice.matched
+        span.attributes["narwhal.placement.prefix_match"] = choice.matched
 
 
 def open_leg(trace: RequestTrace, ex: Exchange, leg: Leg, now_ns: int) -> Span:
