@@ -1,8 +1,9 @@
-"""bench/pump_summary.py: the tables of issue 24's measurement, from a results directory made up here; and
-bench/relay_cost.py's counted workload, run small."""
+"""bench/pump_summary.py: the tables of issue 24's measurement, from a results directory made up here;
+bench/relay_cost.py's counted workload and bench/trace_work.py's traced request, run small."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -10,6 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from narwhal.config import TracingConfig
+from narwhal.tracing.tracer import Tracer
 
 _REPO = Path(__file__).resolve().parent.parent
 
@@ -176,3 +180,18 @@ def test_cachegrind_compare_gives_instructions_per_request_by_function(tmp_path:
     assert after_line == "after:  400 instructions per request (+33.33%)"
     assert rows[0].split() == ["+70", "0", "->", "70", "Modules/sha256module.c:sha_transform"]
     assert rows[1].split() == ["+30", "300", "->", "330", "Python/ceval.c:_PyEval_EvalFrameDefault"]
+
+
+def test_trace_work_makes_one_requests_spans_and_times_them() -> None:
+    spec = importlib.util.spec_from_file_location("trace_work", _REPO / "bench" / "trace_work.py")
+    assert spec is not None and spec.loader is not None
+    trace_work = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trace_work)
+    handed: list[list[object]] = []
+    trace_work.traced(Tracer(TracingConfig(otlp_endpoint="http://127.0.0.1:9"), handed.append), 1)
+    # The request core's spans of a plain streamed P/D request, handed over together as the root ends.
+    assert [[span.name for span in spans] for spans in handed] == [
+        ["narwhal.placement", "narwhal.prefill", "narwhal.decode", "narwhal.request"]]
+    result = subprocess.run([sys.executable, "bench/trace_work.py", "--requests", "200"], cwd=_REPO,
+                            capture_output=True, text=True, timeout=120, check=True)
+    assert "tracing work" in result.stdout and "us per request" in result.stdout
