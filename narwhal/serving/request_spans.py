@@ -20,8 +20,8 @@ _OPERATION = {"/v1/completions": "text_completion", "/v1/chat/completions": "cha
 _LEG_NAMES = {"prefill": "narwhal.prefill", "decode": "narwhal.decode", "continuation": "narwhal.continuation"}
 
 # The attributes that repeat from request to request whole (a leg's engine, attempt, route and model; the
-# placement's choices; the request's route, status, attempts, model and tenant) are one shared set per combination, encoded once
-# (``SharedAttributes``). Bounded: a reload can bring new engines, and tenants are many.
+# placement's choices; the request's route, status, attempts, model and tenant) are one shared set per
+# combination, encoded once (``SharedAttributes``). Bounded: a reload can bring new engines, and tenants are many.
 _LEG_SHARED: dict[tuple[object, ...], SharedAttributes] = {}
 # The placement span's: keyed by the set before (the prefill's choice, when the decode's is added) and the choice.
 _PLACED_SHARED: dict[tuple[object, ...], SharedAttributes] = {}
