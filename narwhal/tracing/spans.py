@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from narwhal.tracing.context import IdSource, TraceContext
+from narwhal.tracing.context import IdSource, TraceContext, format_traceparent
 
 __all__ = [
     "KIND_CLIENT",
@@ -142,18 +142,18 @@ class RequestTrace:
         # Child span ids, drawn a few at a time (a request's placement, prefill and decode).
         self._span_ids = span_ids
         self._next_id = 0
-        self.sampled = sampled = context.sampled
-        trace_hex, span_hex = context.trace_id.hex().encode(), context.span_id.hex().encode()
-        flags = b"-01" if sampled else b"-00"
+        self.sampled = context.sampled
         # The root's traceparent: the client's response header, and what engine calls outside a leg carry.
-        self._root_traceparent = b"00-" + trace_hex + b"-" + span_hex + flags
+        # "00-" 32 hex "-" 16 hex "-" 2 hex: cut at the span id, it gives every engine call's line.
+        parent = self._root_traceparent = format_traceparent(context)
         # What every engine call's lines share: before the span id, and after it (flags, the client's tracestate).
-        self._trace_head = b"\r\ntraceparent: 00-" + trace_hex + b"-"
+        self._trace_head = b"\r\ntraceparent: " + parent[:36]
+        flags = parent[52:]
         state = context.tracestate
         self._flags_state = flags + b"\r\ntracestate: " + state.encode("ascii") if state else flags
         # The header lines of an engine call outside a leg, and the data pool's keyword carrying them (shared by
         # every such call of the request: a keyword dict is only unpacked, never changed).
-        self.root_headers = self._trace_head + span_hex + self._flags_state
+        self.root_headers = self._trace_head + parent[36:52] + self._flags_state
         self.root_kw = {"trace": self.root_headers}
 
     @property
@@ -179,14 +179,7 @@ class RequestTrace:
         the root has ended); nothing when the trace is not sampled."""
         if not self.sampled:
             return
-        # Span.end, inline: once per span of every traced request.
-        if span.ended:
-            raise RuntimeError(f"span {span.name} {span.span_id.hex()} ended twice")
-        span.ended = True
-        span.end_ns = end_ns
-        if error is not None:
-            span.status_code = STATUS_ERROR
-            span.status_message = error
+        span.end(end_ns, error=error)
         root = self.root
         if span is root:
             ended = self._ended
@@ -200,12 +193,11 @@ class RequestTrace:
     def engine_headers(self, span: Span) -> bytes:
         """The header lines an engine request made within ``span`` carries (``traceparent``, and the client's
         ``tracestate`` when it sent one), each as ``\\r\\nname: value`` for the data pool's request head."""
-        if span is self.root:
-            return self.root_headers
-        return self._trace_head + hexlify(span.span_id) + self._flags_state
+        return self.engine_kw(span)["trace"]
 
     def engine_kw(self, span: Span) -> dict[str, bytes]:
-        """The data pool's keyword for an engine call made within ``span``: ``{"trace": engine_headers}``."""
+        """The data pool's keyword for an engine call made within ``span``: ``{"trace": engine_headers}`` (what the
+        request path asks for: the root's is made once)."""
         if span is self.root:
             return self.root_kw
         return {"trace": self._trace_head + hexlify(span.span_id) + self._flags_state}
