@@ -94,10 +94,12 @@ def _run_worker(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     import trio
 
+    from narwhal.gc_tuning import tune_for_serving
     from narwhal.obs.logs import configure_logging
     from narwhal.workers.worker import run_worker
 
     configure_logging(args.log_level)
+    tune_for_serving()
     trio.run(run_worker, args.index, args.control_fd, args.listen_fd)
     return 0
 
@@ -166,6 +168,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from narwhal.config import ConfigError, load_config
     from narwhal.errors import StartupError
+    from narwhal.gc_tuning import tune_for_serving
     from narwhal.obs.logs import configure_logging, flush_logs, log_event
 
     try:
@@ -184,6 +187,7 @@ def _serve(args: argparse.Namespace) -> int:
         # certificate). test_tls.py and test_tls_server.py check the one line and exit 2.
         print(f"narwhal: config error: {args.config}: {exc}", file=sys.stderr)
         return 2
+    tune_for_serving()
     try:
         trio.run(run_until_signal, router, lambda: _EarlySighup.arrived)
     except (StartupError, BaseExceptionGroup) as exc:
