@@ -75,7 +75,8 @@ def build_stages(*, config: Config, supervisor: StageSupervisor, control_pool: C
     clock = supervisor.clock
     controller = config.controller
     health = HealthStage(supervisor=supervisor, control_pool=control_pool, engines=config.engines,
-                         check_timeout_s=health_check_timeout_s(config), observer=health_observer)
+                         check_timeout_s=health_check_timeout_s(config), observer=health_observer,
+                         parallel=config.engine.control_connections)
     return MonitorStages(
         controller=ControllerStage(fleet=fleet, telemetry=telemetry, drift_factor=controller.drift_factor,
                                    drift_intervals=controller.drift_intervals, metrics=supervisor.metrics,
