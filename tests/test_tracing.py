@@ -10,7 +10,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from narwhal.config import ConfigError, TracingConfig, parse_config
 from narwhal.config_diff import is_reloadable
 from narwhal.tracing.context import IdSource, Sampler, TraceContext, format_traceparent, parse_traceparent
-from narwhal.tracing.otlp import encode_spans
+from narwhal.tracing.otlp import encode_encoded, encode_request, encode_spans
 from narwhal.tracing.spans import KIND_CLIENT, STATUS_ERROR, RequestTrace, SharedAttributes, Span
 from narwhal.tracing.tracer import Propagated, Tracer
 
@@ -166,6 +166,50 @@ def test_encoded_spans_decode_with_opentelemetry_proto() -> None:
     assert decoded.events[0].name == "narwhal.engine_failure"
     assert decoded.events[0].time_unix_nano == 1_500
     assert (decoded.status.code, decoded.status.message) == (STATUS_ERROR, "timeout")
+
+
+def _nested_export(spans: list[bytes], service_name: str, scope_version: str) -> bytes:
+    """The export request built the plain way, each enclosing message made whole around the one inside it."""
+    def field(tag: int, payload: bytes) -> bytes:
+        size, head = len(payload), bytearray([tag])
+        while size >= 0x80:
+            head.append((size & 0x7F) | 0x80)
+            size >>= 7
+        head.append(size)
+        return bytes(head) + payload
+
+    key_value = field(0x0A, b"service.name") + field(0x12, field(0x0A, service_name.encode()))
+    scope = field(0x0A, b"narwhal") + field(0x12, scope_version.encode())
+    scope_spans = field(0x0A, scope) + b"".join(spans)
+    return field(0x0A, field(0x0A, field(0x0A, key_value)) + field(0x12, scope_spans))
+
+
+@pytest.mark.parametrize("requests", [0, 1, 3, 600])
+def test_a_batch_is_the_export_request_of_its_requests_spans_in_order(requests: int) -> None:
+    """One join, lengths added up first: the same bytes as the nested messages, and what a collector decodes."""
+    rng = random.Random(requests)
+    batch: list[Span] = []
+    entries: list[bytes] = []
+    for number in range(requests):
+        spans = []
+        for child in range(rng.randrange(1, 5)):
+            span = Span(TRACE, rng.randbytes(8), PARENT, "narwhal.decode", KIND_CLIENT, number)
+            # Large attributes now and then: a span past 16 KiB, a batch past 2 MiB (longer length prefixes).
+            span.set("narwhal.request_id", "r" * rng.choice((10, 100, 20_000)) + str(child))
+            span.end(number + 1)
+            spans.append(span)
+        batch += spans
+        entries.append(encode_request(spans))
+    body = encode_encoded(entries, service_name="svc", scope_version="1.2.3")
+    assert body == _nested_export(entries, "svc", "1.2.3")
+    message = ExportTraceServiceRequest.FromString(body)
+    [resource_spans] = message.resource_spans
+    assert resource_spans.resource.attributes[0].value.string_value == "svc"
+    [scope_spans] = resource_spans.scope_spans
+    assert (scope_spans.scope.name, scope_spans.scope.version) == ("narwhal", "1.2.3")
+    assert [decoded.span_id for decoded in scope_spans.spans] == [span.span_id for span in batch]
+    assert [decoded.attributes[0].value.string_value for decoded in scope_spans.spans] == \
+        [span.attributes["narwhal.request_id"] for span in batch]
 
 
 def test_a_requests_spans_reach_the_sink_together_when_the_root_ends() -> None:
