@@ -534,7 +534,10 @@ async def test_only_the_topic_asked_for(ctx) -> None:
 async def test_live_batches_held_during_a_replay_are_bounded(ctx) -> None:
     pub = Publisher(ctx)
     sink = Sink()
-    feeds = KvFeeds(sink, limits=FeedLimits(inbox_messages=3, replay_idle_s=2, stall_s=0.5))
+    # The replay is held by the test's gate, not by time: an idle limit of WAIT, so a loaded machine that takes
+    # seconds to read the ten batches cannot end the replay before the gate opens (with 2 s a loaded CI run
+    # once waited here until WAIT).
+    feeds = KvFeeds(sink, limits=FeedLimits(inbox_messages=3, replay_idle_s=WAIT, stall_s=0.5))
     with trio.fail_after(WAIT):
         async with trio.open_nursery() as nursery:
             await start(nursery, feeds, pub)
