@@ -145,6 +145,30 @@ async def test_a_streamed_pd_request_is_one_trace_continued_from_the_client(capl
     assert line["trace_id"] == CLIENT_TRACE
 
 
+class _LiveFeeds:
+    """KV event feeds that are live and want the prompt's token IDs: placement asks a prefill's /tokenize."""
+
+    active = True
+    mode = "preferred"
+
+    def wanted(self, candidates) -> bool:
+        return True
+
+
+async def test_placements_own_engine_call_carries_the_placement_spans_traceparent() -> None:
+    core, pool, _, spans = make()
+    core.placement.kv = _LiveFeeds()
+    await core.handle("/v1/completions", body(stream=True), None, Sink(), None, TRACEPARENT, b"vendor=x")
+    named = by_name(spans)
+    [placement], [prefill], [decode] = named["narwhal.placement"], named["narwhal.prefill"], named["narwhal.decode"]
+    calls = {path: header_lines(trace) for _, path, trace in pool.traces}
+    assert calls["/tokenize"] == {"traceparent": f"00-{CLIENT_TRACE}-{placement.span_id.hex()}-01",
+                                  "tracestate": "vendor=x"}
+    # The legs after it carry their own spans' again.
+    assert calls["/v1/completions"]["traceparent"] == f"00-{CLIENT_TRACE}-{prefill.span_id.hex()}-01"
+    assert calls["/v1/completions (stream)"]["traceparent"] == f"00-{CLIENT_TRACE}-{decode.span_id.hex()}-01"
+
+
 async def test_a_retried_request_has_a_failed_attempt_with_its_evidence() -> None:
     core, pool, supervisor, spans = make(policy="bounded")
     pool.prefill.append(EngineFailure("p1", FailureClass.INFERENCE_STATUS, "HTTP 500", status=500))

@@ -11,7 +11,9 @@ import trio.testing
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from narwhal.obs.router_metrics import RouterMetrics
+from narwhal.tracing import exporter as exporter_module
 from narwhal.tracing.exporter import DROP_EXPORT_FAILED, DROP_QUEUE_FULL, SpanExporter, traces_url
+from narwhal.tracing.otlp import encode_request
 from narwhal.tracing.spans import Span
 
 
@@ -252,3 +254,44 @@ async def test_flush_sends_what_is_queued_at_once(mock_clock) -> None:
         assert trio.current_time() == 0.0
         nursery.cancel_scope.cancel()
     assert seen.spans == 1 and exp.queued == 0
+
+
+
+async def test_a_large_batch_is_encoded_in_chunks_that_let_the_data_plane_run(mock_clock, monkeypatch) -> None:
+    # Spans are encoded by the export task, not as requests end: 300 requests' spans in one POST, in order,
+    # and between chunks of their encoding other tasks run (a checkpoint), so a big batch never stalls them.
+    seen = Seen()
+    exp, _ = exporter(seen, interval_s=10.0, batch=300, max_queue=1000)
+    encoded = 0
+
+    def counting(spans):
+        nonlocal encoded
+        encoded += 1
+        return encode_request(spans)
+
+    monkeypatch.setattr(exporter_module, "encode_request", counting)
+    seen_by_data_plane: set[int] = set()
+
+    async def data_plane() -> None:
+        while not seen.posts:
+            seen_by_data_plane.add(encoded)
+            await trio.lowlevel.checkpoint()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(exp.run)
+        await trio.testing.wait_all_tasks_blocked()  # the export task waits for its batch
+        nursery.start_soon(data_plane)
+        for n in range(1, 301):
+            exp.submit_all([span(n)])  # the 300th fills the batch: the export task wakes now
+        assert encoded == 0  # nothing is encoded as requests end
+        await seen.posted.wait()
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    [post] = seen.posts
+    assert trio.current_time() == 0.0
+    message = ExportTraceServiceRequest.FromString(post.content)
+    ids = [s.span_id for s in message.resource_spans[0].scope_spans[0].spans]
+    assert ids == [n.to_bytes(8, "big") for n in range(1, 301)]
+    assert exp.exported == 300
+    # The data plane ran between the chunks (128, 128, 44 requests), before the batch was whole.
+    assert {128, 256} <= seen_by_data_plane

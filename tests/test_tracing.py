@@ -117,6 +117,37 @@ def test_begin_gives_the_request_path_the_trace_and_both_headers() -> None:
     assert sunk == []
 
 
+class _Drawn(IdSource):
+    """Ids whose first draw is given: the one draw of a new trace's ids (trace id, root and three children)."""
+
+    def __init__(self, first: int) -> None:
+        super().__init__(seed=5)
+        draws = iter([first])
+        random_bits = self.bits
+        self.bits = lambda k: next(draws, None) or random_bits(k)
+
+
+def test_a_new_traces_ids_come_from_one_draw_and_are_never_all_zero() -> None:
+    sampled = TracingConfig(otlp_endpoint="http://c:4318")
+    ids = [0x1111 << 256 | 0x22 << 192 | 0x33 << 128 | 0x44 << 64 | 0x55]
+    trace, (_, value), _ = Tracer(sampled, lambda spans: None, ids=_Drawn(ids[0])).begin(None, None)
+    assert trace is not None and trace.context.trace_id == (0x1111).to_bytes(16, "big")
+    assert value == b"00-%032x-%016x-01" % (0x1111, 0x22)
+    assert [trace.child("narwhal.placement", 1).span_id for _ in range(3)] == [
+        (n).to_bytes(8, "big") for n in (0x33, 0x44, 0x55)]
+    # An all-zero trace id becomes ...01; a zero span id among the four draws them again.
+    trace, (_, value), _ = Tracer(sampled, lambda spans: None, ids=_Drawn(0x22 << 192)).begin(None, None)
+    assert trace is not None and trace.context.trace_id == (1).to_bytes(16, "big")
+    assert bytes(8) not in trace.context.span_id and value.startswith(b"00-" + b"0" * 31 + b"1-")
+    assert bytes(8) != trace.child("narwhal.decode", 1).span_id
+    # Not sampled: the header's span id is the draw's low 8 bytes (never zero either).
+    unsampled = TracingConfig(otlp_endpoint="http://c:4318", sample_ratio=0.0)
+    assert Tracer(unsampled, lambda spans: None, ids=_Drawn(ids[0])).begin(None, None)[1][1] == (
+        b"00-%032x-%016x-00" % (0x1111, 0x55))
+    assert Tracer(unsampled, lambda spans: None, ids=_Drawn(1 << 256)).begin(None, None)[1][1] == (
+        b"00-%032x-%016x-00" % (1, 1))
+
+
 def test_an_unsampled_request_trace_hands_out_its_root() -> None:
     sunk: list[Span] = []
     trace = RequestTrace(TraceContext(TRACE, PARENT, False), parent_span_id=None, start_ns=1, ids=IdSource(),

@@ -392,9 +392,11 @@ class RequestCore:
         if tracer is not None:
             # Not sampled: nothing is recorded, and the request goes on as an untraced one (ex.trace None)
             # but for the context its engines and its client get (the root's, flag 00).
-            ex.trace, header, lines = tracer.begin(traceparent, tracestate)
+            trace, header, lines = tracer.begin(traceparent, tracestate)
+            ex.trace = trace
             ex.response_ids = (ex.rid_header, header)
-            ex.trace_kw = {"trace": lines}
+            # A sampled trace has the keyword made already (the root's lines).
+            ex.trace_kw = {"trace": lines} if trace is None else trace.root_kw
         answered = False
         try:
             try:
@@ -894,11 +896,11 @@ class RequestCore:
         feeds = self.placement.kv
         trace = ex.trace
         placing = None if trace is None or not trace.sampled else trace.child("narwhal.placement", time.time_ns())
-        if trace is not None and placing is not None:
-            # Placement's own engine calls (/tokenize for the KV event feeds) name its span.
-            ex.trace_kw = trace.engine_kw(placing)
         try:
             if feeds is not None and feeds.active and not (join is not None and join.started):
+                if trace is not None and placing is not None:
+                    # Placement's own engine calls (/tokenize for the KV event feeds) name its span.
+                    ex.trace_kw = trace.engine_kw(placing)
                 # The engines' KV events key blocks by token IDs: the prompt's are asked before the choice.
                 counted = await self._tokens_for_placement(route, request, ex, avoid)
             prefill_name = self._place("prefill", avoid, route, request, ex,

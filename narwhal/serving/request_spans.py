@@ -92,11 +92,10 @@ def open_leg(trace: RequestTrace, ex: Exchange, leg: Leg, now_ns: int) -> Span:
         if model is not None:
             attributes["gen_ai.request.model"] = model.name
         shared = _shared(_LEG_SHARED, key, attributes)
-    span = trace.child(_LEG_NAMES[leg.kind], now_ns, KIND_CLIENT, shared)
+    span, ex.trace_kw = trace.open(_LEG_NAMES[leg.kind], now_ns, KIND_CLIENT, shared)
     if leg.kind == "continuation" and ex.join is not None:
         # The tokens regenerated before this join: its own count is the difference when it ends.
         span.attributes["narwhal.continuation.regenerated_before"] = ex.join.regenerated
-    ex.trace_kw = trace.engine_kw(span)
     return span
 
 

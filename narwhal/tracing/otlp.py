@@ -10,7 +10,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 
-from narwhal.tracing.spans import AttrValue, SharedAttributes, Span, SpanEvent
+from narwhal.tracing.spans import SPAN_NAMES, AttrValue, SharedAttributes, Span, SpanEvent
 
 __all__ = ["SCOPE_NAME", "encode_encoded", "encode_request", "encode_span", "encode_spans"]
 
@@ -55,13 +55,7 @@ def _text(value: str) -> bytes:
 _T1_LEN = b"\x0a"  # field 1, length-delimited
 _T2_LEN = b"\x12"
 _T3_LEN = b"\x1a"
-_SPAN_TRACE_ID = b"\x0a"  # Span.trace_id = 1
-_SPAN_SPAN_ID = b"\x12"  # Span.span_id = 2
-_SPAN_PARENT = b"\x22"  # Span.parent_span_id = 4
 _SPAN_NAME = b"\x2a"  # Span.name = 5
-_SPAN_KIND = b"\x30"  # Span.kind = 6 (varint)
-_SPAN_START = b"\x39"  # Span.start_time_unix_nano = 7 (fixed64)
-_SPAN_END = b"\x41"  # Span.end_time_unix_nano = 8 (fixed64)
 _SPAN_ATTR = b"\x4a"  # Span.attributes = 9
 _SPAN_EVENT = b"\x5a"  # Span.events = 11
 _SPAN_STATUS = b"\x7a"  # Span.status = 15
@@ -150,12 +144,25 @@ def _event(event: SpanEvent) -> bytes:
     return _field(_SPAN_EVENT, body)
 
 
-# A span's kind, start and end with their tags, in one pack (kinds are 1..5: one varint byte).
-_pack_times = struct.Struct("<BBBQBQ").pack
-# The tags and lengths before the trace id, the span id and the parent's id.
-_TRACE_ID_HEAD = _SPAN_TRACE_ID + b"\x10"
-_SPAN_ID_HEAD = _SPAN_SPAN_ID + b"\x08"
-_PARENT_HEAD = _SPAN_PARENT + b"\x08"
+# A span's ids, kind, start and end with their tags and lengths, in one pack: trace_id = 1 (16 bytes), span_id = 2
+# (8 bytes), parent_span_id = 4 (8 bytes; a root has none), kind = 6 (varint: 1..5, one byte), start and end
+# (fixed64). The tags are constant arguments, so one C call writes the span's fixed part.
+_pack_child_head = struct.Struct("<BB16sBB8sBB8sBBBQBQ").pack
+_pack_root_head = struct.Struct("<BB16sBB8sBBBQBQ").pack
+# ScopeSpans.spans = 2, with a two-byte length: a span is 128 bytes to 16 KiB, mostly.
+_pack_span_tag2 = struct.Struct("<BBB").pack
+
+
+def _name(name: str) -> bytes:
+    """A cache miss: a span name's tagged bytes, kept (the interface's names are made at import)."""
+    if len(_NAMES) >= _MAX_CACHED:
+        _NAMES.clear()
+    encoded = _NAMES[name] = _field(_SPAN_NAME, _text(name))
+    return encoded
+
+
+for _span_name in SPAN_NAMES:
+    _name(_span_name)
 
 
 def _encode_shared(shared: SharedAttributes) -> bytes:
@@ -175,18 +182,17 @@ def encode_request(spans: Sequence[Span]) -> bytes:
     encoding is fixed cost per span, not per attribute."""
     out: list[bytes] = []
     get = _SPAN_ATTRIBUTES.get
-    names = _NAMES
+    name_of = _NAMES.get
     for span in spans:
-        name = names.get(span.name)
-        if name is None:
-            if len(names) >= _MAX_CACHED:
-                names.clear()
-            name = names[span.name] = _field(_SPAN_NAME, _text(span.name))
-        # Protobuf readers take fields in any order: ids, times, name, then the attributes.
+        # Protobuf readers take fields in any order: ids, kind, times, name, then the attributes.
         parent = span.parent_span_id
-        parts = [_TRACE_ID_HEAD, span.trace_id, _SPAN_ID_HEAD, span.span_id,
-                 _PARENT_HEAD if parent is not None else b"", parent or b"",
-                 _pack_times(0x30, span.kind, 0x39, span.start_ns, 0x41, span.end_ns), name]
+        if parent is not None:
+            head = _pack_child_head(0x0A, 16, span.trace_id, 0x12, 8, span.span_id, 0x22, 8, parent,
+                                    0x30, span.kind, 0x39, span.start_ns, 0x41, span.end_ns)
+        else:
+            head = _pack_root_head(0x0A, 16, span.trace_id, 0x12, 8, span.span_id,
+                                   0x30, span.kind, 0x39, span.start_ns, 0x41, span.end_ns)
+        parts = [head, name_of(span.name) or _name(span.name)]
         shared = span.shared
         if shared is not None:
             parts.append(shared.encoded or _encode_shared(shared))
@@ -202,9 +208,8 @@ def encode_request(spans: Sequence[Span]) -> bytes:
             parts.append(_field(_SPAN_STATUS, status))
         body = b"".join(parts)
         size = len(body)
-        # ScopeSpans.spans = 2; a span is 128 bytes to 16 KiB, mostly: a two-byte length, inline.
         if 0x80 <= size < 0x4000:
-            out += (b"\x12", bytes(((size & 0x7F) | 0x80, size >> 7)), body)
+            out += (_pack_span_tag2(0x12, (size & 0x7F) | 0x80, size >> 7), body)
         else:
             out += (_T2_LEN, _varint(size), body)
     return b"".join(out)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from narwhal.tracing.context import IdSource, TraceContext, format_traceparent
+from narwhal.tracing.context import IdSource, TraceContext
 
 __all__ = [
     "KIND_CLIENT",
@@ -117,6 +117,12 @@ class Span(msgspec.Struct, gc=False):
             self.status_message = error
 
 
+# Where, in an engine call's header lines (b"\r\ntraceparent: 00-<trace id>-<span id>-<flags>..."), the
+# traceparent value and the span id's 16 hex digits start.
+_TRACEPARENT_AT = len(b"\r\ntraceparent: ")
+_SPAN_ID_AT = _TRACEPARENT_AT + len(b"00-") + 32 + len(b"-")
+
+
 class RequestTrace:
     """One request's spans: the root narwhal.request (server) and its children; hands them to a sink together
     when the root ends (one encode and one queue entry a request), a child that ends after its root alone.
@@ -126,15 +132,18 @@ class RequestTrace:
     engines see the decision, but its spans never reach the sink.
     """
 
-    __slots__ = ("context", "root", "root_headers", "root_kw", "sampled", "_ended", "_flags_state", "_ids",
-                 "_next_id", "_root_traceparent", "_sink", "_span_ids", "_trace_head")
+    __slots__ = ("context", "response_traceparent", "root", "root_headers", "root_kw", "sampled", "_ended",
+                 "_flags_state", "_ids", "_next_id", "_sink", "_span_ids", "_trace_head")
 
-    def __init__(self, context: TraceContext, *, parent_span_id: bytes | None, start_ns: int, ids: IdSource,
+    def __init__(self, context: TraceContext, parent_span_id: bytes | None, start_ns: int, ids: IdSource,
                  sink: Callable[[list[Span]], None], span_ids: bytes = b"") -> None:
-        """``span_ids``: ids already drawn for the children (8 bytes each; more are drawn as needed)."""
+        """``span_ids``: ids already drawn for the children (8 bytes each; more are drawn as needed).
+
+        Every traced request builds one, so its arguments may be given by position (a keyword call to a Python
+        ``__init__`` costs twice a positional one) and its headers are cut from one formatted line."""
         self.context = context
-        self.root = Span(context.trace_id, context.span_id, parent_span_id, "narwhal.request", KIND_SERVER,
-                         start_ns)
+        trace_id, root_id = context.trace_id, context.span_id
+        self.root = Span(trace_id, root_id, parent_span_id, "narwhal.request", KIND_SERVER, start_ns)
         self._ids = ids
         self._sink = sink
         # The children ended so far, handed on with the root.
@@ -142,19 +151,22 @@ class RequestTrace:
         # Child span ids, drawn a few at a time (a request's placement, prefill and decode).
         self._span_ids = span_ids
         self._next_id = 0
-        self.sampled = context.sampled
-        # The root's traceparent: the client's response header, and what engine calls outside a leg carry.
-        # "00-" 32 hex "-" 16 hex "-" 2 hex: cut at the span id, it gives every engine call's line.
-        parent = self._root_traceparent = format_traceparent(context)
-        # What every engine call's lines share: before the span id, and after it (flags, the client's tracestate).
-        self._trace_head = b"\r\ntraceparent: " + parent[:36]
-        flags = parent[52:]
+        self.sampled = sampled = context.sampled
+        hexed = hexlify(trace_id + root_id)
+        # The header lines of an engine call outside a leg: "\r\ntraceparent: 00-" trace id "-" span id "-" flags,
+        # then the client's tracestate. A child's lines are the same with its own span id.
+        lines = b"\r\ntraceparent: 00-%b-%b-%b" % (hexed[:32], hexed[32:], b"01" if sampled else b"00")
         state = context.tracestate
-        self._flags_state = flags + b"\r\ntracestate: " + state.encode("ascii") if state else flags
-        # The header lines of an engine call outside a leg, and the data pool's keyword carrying them (shared by
-        # every such call of the request: a keyword dict is only unpacked, never changed).
-        self.root_headers = self._trace_head + parent[36:52] + self._flags_state
-        self.root_kw = {"trace": self.root_headers}
+        if state:
+            lines += b"\r\ntracestate: " + state.encode("ascii")
+        self.root_headers = lines
+        self._trace_head = lines[:_SPAN_ID_AT]
+        self._flags_state = lines[_SPAN_ID_AT + 16:]
+        # The root's traceparent: the client's response header, as the response's header list takes it.
+        self.response_traceparent = (b"traceparent", lines[_TRACEPARENT_AT:_TRACEPARENT_AT + 55])
+        # The data pool's keyword carrying the root's lines (shared by every such call of the request: a keyword
+        # dict is only unpacked, never changed).
+        self.root_kw = {"trace": lines}
 
     @property
     def trace_id_hex(self) -> str:
@@ -173,6 +185,15 @@ class RequestTrace:
         self._next_id = at + 8
         return Span(self.context.trace_id, self._span_ids[at:at + 8], self.root.span_id, name, kind, start_ns,
                     shared=shared)
+
+    def open(self, name: str, start_ns: int, kind: int = KIND_INTERNAL,
+             shared: SharedAttributes | None = None) -> tuple[Span, dict[str, bytes]]:
+        """``child``, with the data pool's keyword for the span's engine calls (``engine_kw``): what a leg asks
+        for together."""
+        span = self.child(name, start_ns, kind, shared)
+        if span is self.root:
+            return span, self.root_kw
+        return span, {"trace": self._trace_head + hexlify(span.span_id) + self._flags_state}
 
     def finish(self, span: Span, end_ns: int, *, error: str | None = None) -> None:
         """End ``span``: the root hands every ended span to the sink, a child waits for it (or goes alone once
@@ -196,19 +217,19 @@ class RequestTrace:
         return self.engine_kw(span)["trace"]
 
     def engine_kw(self, span: Span) -> dict[str, bytes]:
-        """The data pool's keyword for an engine call made within ``span``: ``{"trace": engine_headers}`` (what the
-        request path asks for: the root's is made once)."""
+        """The data pool's keyword for an engine call made within ``span``: ``{"trace": engine_headers}`` (the
+        root's is made once)."""
         if span is self.root:
             return self.root_kw
         return {"trace": self._trace_head + hexlify(span.span_id) + self._flags_state}
 
     def response_header(self) -> tuple[bytes, bytes]:
         """The ``traceparent`` the client's response carries: the root span's."""
-        return (b"traceparent", self._root_traceparent)
+        return self.response_traceparent
 
     def traceparent_for(self, span: Span) -> bytes:
         """The ``traceparent`` an engine request made within ``span`` carries: the engine's spans join under it."""
         if span is self.root:
-            return self._root_traceparent
+            return self.response_traceparent[1]
         return b"00-%s-%s-%s" % (span.trace_id.hex().encode(), span.span_id.hex().encode(),
                                  b"01" if self.sampled else b"00")

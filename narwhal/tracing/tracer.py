@@ -16,6 +16,8 @@ from narwhal.tracing.spans import RequestTrace, Span
 __all__ = ["Propagated", "Tracer"]
 
 _LOW_64 = (1 << 64) - 1
+_ONE_TRACE = (1).to_bytes(16, "big")
+_ZERO_SPAN = bytes(8)
 
 
 class Propagated:
@@ -60,27 +62,33 @@ class Tracer:
         response's ``traceparent`` header and the engine calls' header lines.
 
         A request without a ``traceparent`` that is not sampled (most, at a small ratio) is decided here without
-        a trace object: two random numbers and one formatted header (``start`` does the rest)."""
+        a trace object: one random number and one formatted header (``start`` does the rest)."""
         if traceparent is None:
             ids = self._ids
-            # The trace id, drawn first: its low 8 bytes decide (as Sampler.sampled would).
-            bits = ids.bits(128) or 1
-            if (bits & _LOW_64) >= self.sampler.bound:
-                header = b"00-%032x-%016x-00" % (bits, ids.bits(64) or 1)
+            # One draw: the trace id (the high 16 bytes), the root's span id and its first three children's.
+            drawn = ids.bits(384)
+            trace_bits = drawn >> 256
+            # The trace id's low 8 bytes decide (as Sampler.sampled would).
+            if (trace_bits & _LOW_64) >= self.sampler.bound:
+                header = b"00-%032x-%016x-00" % (trace_bits or 1, (drawn & _LOW_64) or 1)
                 return None, (b"traceparent", header), b"\r\ntraceparent: " + header
-            # The root's id and its first three children's in one draw.
-            span_ids = ids.span_ids(4)
-            context = TraceContext(bits.to_bytes(16, "big"), span_ids[:8], True)
-            trace = RequestTrace(context, parent_span_id=None, start_ns=self.now_ns(), ids=ids, sink=self._sink,
-                                 span_ids=span_ids[8:])
-            return trace, trace.response_header(), trace.root_headers
+            raw = drawn.to_bytes(48, "big")
+            trace_id, span_ids = raw[:16], raw[16:]
+            # All-zero ids are invalid (W3C): about one draw in 2**61 has one.
+            if not trace_bits:
+                trace_id = _ONE_TRACE
+            if _ZERO_SPAN in span_ids:
+                span_ids = ids.span_ids(4)
+            trace = RequestTrace(TraceContext(trace_id, span_ids[:8], True), None, self.now_ns(), ids, self._sink,
+                                 span_ids[8:])
+            return trace, trace.response_traceparent, trace.root_headers
         started = self.start(traceparent, tracestate)
         recorded = started if isinstance(started, RequestTrace) and started.sampled else None
         return recorded, started.response_header(), started.root_headers
 
     def start(self, traceparent: bytes | None, tracestate: bytes | None) -> RequestTrace | Propagated:
         """The trace of a request that arrived with these headers (either may be absent or malformed); a new trace
-        that is not sampled costs two random numbers and one formatted header (``Propagated``)."""
+        that is not sampled costs one random number and one formatted header (``Propagated``)."""
         ids = self._ids
         parent = parse_traceparent(traceparent, tracestate) if traceparent is not None else None
         if parent is None:
