@@ -21,9 +21,16 @@ LONG = {"model": MODEL_NAME, "prompt": "A long answer about whales", "max_tokens
 
 
 class StreamWatch:
-    """A long stream read in a worker thread: when its first token arrived, and how it ended."""
+    """A long stream read in a worker thread: when its first token arrived, and how it ended.
 
-    def __init__(self) -> None:
+    ``first_signal``: what the stream's engine is sent as its first token is read, at once from the reading thread
+    (a hop to the test's event loop first let a busy machine's vLLM finish all 1,800 tokens before the signal
+    landed, and the stream then ended whole).
+    """
+
+    def __init__(self, first_signal: int | None = None) -> None:
+        self.first_signal = first_signal
+        self.victim: Engine | None = None
         self.first = trio.Event()
         self.ended = trio.Event()
         self.chunks = 0
@@ -41,6 +48,8 @@ class StreamWatch:
                     if chunk.usage is not None:
                         self.completion_tokens = chunk.usage.completion_tokens
                     if self.chunks == 1:
+                        if self.first_signal is not None and self.victim is not None:
+                            self.victim.signal_group(self.first_signal)
                         trio.from_thread.run_sync(self.first.set, trio_token=token)
             self.finished = True
         except openai.APIError as exc:
@@ -54,8 +63,9 @@ class StreamWatch:
     async def start(self, narwhal: Narwhal, nursery: trio.Nursery) -> Engine:
         """Start the stream on the first decode engine (the others drained, so placement has no choice: a 400-token
         stream can end in a second on an idle machine, before anyone could find where it went); once its first
-        token has arrived, that engine."""
+        token has arrived (and the engine was sent ``first_signal``), that engine."""
         victim, *others = narwhal.fleet.of_role("decode")
+        self.victim = victim
         for other in others:
             response = await narwhal.client.post(f"{narwhal.url}/admin/engines/{other.name}/drain", headers=AUTH)
             assert response.status_code == 200, response.text
@@ -87,9 +97,8 @@ def readmitted_by_itself(state: dict[str, Any]) -> bool:
 async def test_sigkill_mid_stream_is_an_sse_stream_error_then_ejection_and_automatic_readmission(
         start_narwhal, nursery) -> None:
     narwhal = await start_narwhal()
-    watch = StreamWatch()
+    watch = StreamWatch(signal.SIGKILL)
     victim = await watch.start(narwhal, nursery)
-    victim.signal_group(signal.SIGKILL)
 
     await watch.end(60)
     assert watch.error is not None and not watch.finished, "the stream should end with an error event"
@@ -114,9 +123,8 @@ async def test_sigkill_mid_stream_is_an_sse_stream_error_then_ejection_and_autom
 async def test_sigstop_is_ejected_after_silent_sweeps_and_readmitted_after_sigcont(start_narwhal, nursery) -> None:
     narwhal = await start_narwhal(engine={"stream_silence_s": 120.0, "health_timeout_s": 1.0},
                                   recovery={"liveness_misses": 3, "probe_interval_s": 1.0})
-    watch = StreamWatch()
+    watch = StreamWatch(signal.SIGSTOP)
     victim = await watch.start(narwhal, nursery)
-    victim.signal_group(signal.SIGSTOP)
     try:
         state = await narwhal.wait_engine(victim.name, lambda e: e["ejected"], what="ejected while frozen",
                                           timeout_s=90)
