@@ -293,5 +293,6 @@ async def test_a_large_batch_is_encoded_in_chunks_that_let_the_data_plane_run(mo
     ids = [s.span_id for s in message.resource_spans[0].scope_spans[0].spans]
     assert ids == [n.to_bytes(8, "big") for n in range(1, 301)]
     assert exp.exported == 300
-    # The data plane ran between the chunks (128, 128, 44 requests), before the batch was whole.
-    assert {128, 256} <= seen_by_data_plane
+    # The data plane ran between the chunks (128, 128, 44 requests), before the batch was whole (which gap it
+    # ran in depends on trio's order within a scheduling batch, but a task that checkpoints lets it run in one).
+    assert seen_by_data_plane & {128, 256}
