@@ -13,14 +13,16 @@ import re
 
 import msgspec
 
-__all__ = ["MAX_TRACESTATE_BYTES", "IdSource", "Sampler", "TraceContext", "format_traceparent", "parse_traceparent"]
+__all__ = ["INVALID_SPAN_ID", "MAX_TRACESTATE_BYTES", "IdSource", "Sampler", "TraceContext", "format_traceparent",
+           "parse_traceparent"]
 
 # The spec asks vendors to pass on at least 512 bytes of tracestate; a longer one is dropped whole (not cut
 # mid-member), so an engine never gets a truncated list.
 MAX_TRACESTATE_BYTES = 512
 
 _ZERO_TRACE = bytes(16)
-_ZERO_SPAN = bytes(8)
+# An all-zero span id is invalid (W3C); a draw holding one is drawn again.
+INVALID_SPAN_ID = bytes(8)
 # version-traceid-parentid-flags; a future version may add fields after another dash.
 _TRACEPARENT = re.compile(rb"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?", re.DOTALL)
 # Printable ASCII, space and tab: what may travel in a header value as it came.
@@ -48,7 +50,7 @@ def parse_traceparent(value: bytes | None, tracestate: bytes | None = None) -> T
         return None
     trace_id = bytes.fromhex(trace_hex.decode())
     span_id = bytes.fromhex(span_hex.decode())
-    if trace_id == _ZERO_TRACE or span_id == _ZERO_SPAN:
+    if trace_id == _ZERO_TRACE or span_id == INVALID_SPAN_ID:
         return None
     state = ""
     if tracestate is not None:
@@ -88,7 +90,7 @@ class IdSource:
         bits, size = self._random.getrandbits, 8 * count
         ids = bits(64 * count).to_bytes(size, "big")
         # Eight zero bytes anywhere (an all-zero id among them) draw again: one search in C, not a loop.
-        while _ZERO_SPAN in ids:
+        while INVALID_SPAN_ID in ids:
             ids = bits(64 * count).to_bytes(size, "big")
         return ids
 

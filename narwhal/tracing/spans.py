@@ -191,9 +191,7 @@ class RequestTrace:
         """``child``, with the data pool's keyword for the span's engine calls (``engine_kw``): what a leg asks
         for together."""
         span = self.child(name, start_ns, kind, shared)
-        if span is self.root:
-            return span, self.root_kw
-        return span, {"trace": self._trace_head + hexlify(span.span_id) + self._flags_state}
+        return span, self.engine_kw(span)
 
     def finish(self, span: Span, end_ns: int, *, error: str | None = None) -> None:
         """End ``span``: the root hands every ended span to the sink, a child waits for it (or goes alone once

@@ -10,14 +10,13 @@ import time
 from collections.abc import Callable
 
 from narwhal.config import TracingConfig
-from narwhal.tracing.context import IdSource, Sampler, TraceContext, parse_traceparent
+from narwhal.tracing.context import INVALID_SPAN_ID, IdSource, Sampler, TraceContext, parse_traceparent
 from narwhal.tracing.spans import RequestTrace, Span
 
 __all__ = ["Propagated", "Tracer"]
 
 _LOW_64 = (1 << 64) - 1
 _ONE_TRACE = (1).to_bytes(16, "big")
-_ZERO_SPAN = bytes(8)
 
 
 class Propagated:
@@ -77,7 +76,7 @@ class Tracer:
             # All-zero ids are invalid (W3C): about one draw in 2**61 has one.
             if not trace_bits:
                 trace_id = _ONE_TRACE
-            if _ZERO_SPAN in span_ids:
+            if INVALID_SPAN_ID in span_ids:
                 span_ids = ids.span_ids(4)
             trace = RequestTrace(TraceContext(trace_id, span_ids[:8], True), None, self.now_ns(), ids, self._sink,
                                  span_ids[8:])
