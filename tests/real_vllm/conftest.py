@@ -23,6 +23,8 @@ finalizer reports as unclosed when a stream ends before its generator does.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -137,8 +139,24 @@ class Narwhal:
         await self.client.aclose()
 
 
+# A handoff fsync on the machine's disk can wait tens of seconds behind the writes of vLLM engines starting
+# (the filesystem's journal flushes them first); tmpfs has no such wait.
+SHM = Path("/dev/shm")
+
+
 @pytest.fixture
-async def start_narwhal(fleet: VllmFleet, nursery: trio.Nursery, tmp_path: Path):
+def handoff_dir(tmp_path: Path):
+    """Where the routers of a test keep their handoffs: on tmpfs when the machine has one."""
+    if not (SHM.is_dir() and os.access(SHM, os.W_OK)):
+        yield tmp_path
+        return
+    directory = Path(tempfile.mkdtemp(prefix="narwhal-real-handoff-", dir=SHM))
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+async def start_narwhal(fleet: VllmFleet, nursery: trio.Nursery, tmp_path: Path, handoff_dir: Path):
     """``await start_narwhal(**sections)``: a router in front of ``fleet``, returned once every engine is eligible."""
     started: list[Narwhal] = []
     logs: list[Any] = []
@@ -147,7 +165,7 @@ async def start_narwhal(fleet: VllmFleet, nursery: trio.Nursery, tmp_path: Path)
                     models: Sequence[dict[str, Any]] = (), **sections: dict[str, Any]) -> Narwhal:
         sections.setdefault("admin", {})["token"] = ADMIN_TOKEN
         config_path = tmp_path / f"narwhal-{len(started)}.toml"
-        config_path.write_text(fleet.router_config(tmp_path / f"handoff-{len(started)}.json", engines=engines,
+        config_path.write_text(fleet.router_config(handoff_dir / f"handoff-{len(started)}.json", engines=engines,
                                                    more_engines=more_engines, models=models, **sections))
         env = {"PYTHONPATH": str(REPO)}
         # Its JSON log lines are kept in process.lines and, for whoever reads the run afterwards, in a file.
