@@ -23,7 +23,6 @@ finalizer reports as unclosed when a stream ends before its generator does.
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -150,9 +149,8 @@ def handoff_dir(tmp_path: Path):
     if not (SHM.is_dir() and os.access(SHM, os.W_OK)):
         yield tmp_path
         return
-    directory = Path(tempfile.mkdtemp(prefix="narwhal-real-handoff-", dir=SHM))
-    yield directory
-    shutil.rmtree(directory, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="narwhal-real-handoff-", dir=SHM) as directory:
+        yield Path(directory)
 
 
 @pytest.fixture
