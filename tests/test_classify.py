@@ -148,11 +148,33 @@ def test_sse_watch_survives_every_split_point():
     for cut in range(1, len(CLEAN)):
         w = watch(CLEAN[:cut], CLEAN[cut:])
         assert w.valid and w.finish(), cut
+        assert w.data_events == 3, cut
 
 
 def test_sse_watch_byte_by_byte():
     w = watch(*(CLEAN[i:i + 1] for i in range(len(CLEAN))))
     assert w.valid and w.finish()
+    assert w.data_events == 3
+
+
+@pytest.mark.parametrize(("reads", "events"), [
+    ((CLEAN,), 3),
+    ((CLEAN.replace(b"\n", b"\r\n"),), 3),
+    # A token whose text says "data: " is one event, not two; nor is an event of two data lines.
+    ((b'data: {"text": "data: x"}\n\ndata: [DONE]\n\n',), 2),
+    ((b'data: {"text": "data: x"}\n\n', b"data: [DONE]\n\n"), 2),
+    ((b"data: a\ndata: b\n\ndata: [DONE]\n\n",), 2),
+    # Comments, id and retry are no data events; an event whose data follows another field is one.
+    ((b": keep-alive\n\nevent: x\ndata: 1\n\nid: 7\n\nretry: 10\n\ndata: [DONE]\n\n",), 2),
+    # A field name cut between reads, and an event ended only by the end of the body.
+    ((b"da", b"ta: 1\n", b"\ndata: [DO", b"NE]\n", b"\n"), 2),
+    ((b"data: 1\n\n", b"data: [DONE]\n"), 2),
+    ((b"data:1\n\ndata:[DONE]\n\n",), 2),
+])
+def test_sse_watch_counts_data_events_by_event(reads, events):
+    w = watch(*reads)
+    w.finish()
+    assert w.data_events == events
 
 
 def test_sse_watch_tracks_terminal_as_events_arrive():
@@ -225,9 +247,10 @@ def test_the_one_event_path_leaves_the_watch_as_feed_alone_would(reads):
     fed, taken = classify.SSEWatch(), classify.SSEWatch()
     for data in reads:
         assert take(taken, data) == fed.feed(data)
-        assert (taken.valid, taken.saw_terminal, taken.between_events) == (fed.valid, fed.saw_terminal,
-                                                                            fed.between_events)
+        assert (taken.valid, taken.saw_terminal, taken.between_events, taken.data_events) == (
+            fed.valid, fed.saw_terminal, fed.between_events, fed.data_events)
     assert taken.finish() == fed.finish()
+    assert taken.data_events == fed.data_events
 
 
 def test_the_one_event_path_survives_every_split_point():

@@ -18,7 +18,7 @@ import trio
 
 from narwhal.config import EngineConfig, EngineSpec
 from narwhal.errors import EngineFailure, FailureClass, PoolSaturated, UpstreamClientError
-from narwhal.pools.data import DataPool
+from narwhal.pools.data import DataPool, UpstreamStream
 
 FAST = EngineConfig(connect_timeout_s=0.5, request_timeout_s=0.5, first_token_deadline_s=0.3,
                     stream_silence_s=0.3, pool_idle_s=4.0)
@@ -358,12 +358,8 @@ async def test_clean_stream_yields_every_byte_and_returns_its_connection(serve, 
     assert engine.connections == 1
 
 
-async def test_the_stream_counts_its_data_events_in_every_shape_of_read(serve, make_pool):
-    # One event per read (the usual read), two in one, [DONE] with a late event after it (not relayed, not
-    # counted), and events split across reads: the count is the relayed bytes' ``data: `` events.
-    parts = [EVENTS[0], EVENTS[1], EVENTS[0] + EVENTS[1], b'data: {"te', b'xt": "c"}\n', b"\n",
-             EVENTS[2] + b"data: late\n\n"]
-
+async def relay_parts(serve, make_pool, parts: list[bytes]) -> tuple[bytes, UpstreamStream]:
+    """A stream whose engine writes each of ``parts`` as its own chunk: the relayed bytes, and the stream."""
     async def respond(request, stream, index):
         await stream.send_all(SSE_HEAD)
         for part in parts:
@@ -373,13 +369,29 @@ async def test_the_stream_counts_its_data_events_in_every_shape_of_read(serve, m
         return True
     engine = await serve(respond)
     pool = await make_pool()
-    items = []
     async with pool.stream(engine.spec, "/v1/completions", b'{"stream": true}', request_id="r") as upstream:
-        async for item in upstream:
-            items.append(item)
-    relayed = b"".join(items)
+        relayed = b"".join([item async for item in upstream])
+    return relayed, upstream
+
+
+async def test_the_stream_counts_its_data_events_in_every_shape_of_read(serve, make_pool):
+    # One event per read (the usual read), two in one, [DONE] with a late event after it (not relayed, not
+    # counted), and events split across reads: the count is the relayed events.
+    parts = [EVENTS[0], EVENTS[1], EVENTS[0] + EVENTS[1], b'data: {"te', b'xt": "c"}\n', b"\n",
+             EVENTS[2] + b"data: late\n\n"]
+    relayed, upstream = await relay_parts(serve, make_pool, parts)
     assert relayed == b"".join(parts[:-1]) + EVENTS[2]
     assert upstream.data_events == relayed.count(b"data: ") == 6
+
+
+async def test_a_tokens_text_that_says_data_is_one_event_in_every_shape_of_read(serve, make_pool):
+    # The count is by event: a token whose text holds "data: " (the usual read, two events in a read, an
+    # event split across reads) is one event, as is an event of two data lines.
+    says = b'data: {"text": "data: x"}\n\n'
+    parts = [says, says + says, says[:8], says[8:], b"data: a\ndata: b\n\n", EVENTS[2]]
+    relayed, upstream = await relay_parts(serve, make_pool, parts)
+    assert relayed == b"".join(parts)
+    assert upstream.data_events == 6
 
 
 async def test_stream_cut_off_after_the_terminal_marker_still_ends_cleanly(serve, make_pool):

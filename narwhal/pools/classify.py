@@ -266,6 +266,9 @@ class SSEWatch:
     def __init__(self) -> None:
         self.valid = True
         self.saw_terminal = False
+        # The events with a ``data:`` field ended so far ([DONE] included): counted by event, so a token's text
+        # that says ``data: `` is not an event, nor is a multi-line event more than one.
+        self.data_events = 0
         self._event = b""  # first bytes of the event not yet ended by a blank line
         self._after_newline = False
 
@@ -284,6 +287,7 @@ class SSEWatch:
                 and not self._event and self.valid):
             self._after_newline = True
             self.saw_terminal = data == _DONE_EVENT
+            self.data_events += 1
             return True
         return False
 
@@ -297,12 +301,14 @@ class SSEWatch:
             data = data[1:]
         if not data:
             return self.valid
-        if (not self._event and data.startswith(b"data:") and data.endswith(b"\n\n")
-                and data.count(b"\n\n") == data.count(b"\n\ndata:") + 1):
-            # The usual read: whole `data:` events. Counting separators checks them all in C.
-            self._after_newline = True
-            self.saw_terminal = data.rsplit(b"\n\n", 2)[-2].lstrip(b"\n") in _TERMINAL_EVENTS
-            return self.valid
+        if not self._event and data.startswith(b"data:") and data.endswith(b"\n\n"):
+            ended = data.count(b"\n\n")
+            if ended == data.count(b"\n\ndata:") + 1:
+                # The usual read: whole `data:` events. Counting separators checks them all in C.
+                self._after_newline = True
+                self.data_events += ended
+                self.saw_terminal = data.rsplit(b"\n\n", 2)[-2].lstrip(b"\n") in _TERMINAL_EVENTS
+                return self.valid
         self._after_newline = data.endswith(b"\n")
         *complete, rest = data.split(b"\n\n")
         if complete:
@@ -334,6 +340,8 @@ class SSEWatch:
         if not all(map(_starts_with_field, events)):
             self.valid = False
             return
+        # Off the usual path (whole `data:` events, counted in ``feed``): an event may have other fields first.
+        self.data_events += sum(1 for event in events if event.startswith(b"data:") or b"\ndata:" in event)
         for event in reversed(events):
             if not event.startswith(b":"):  # a comment is not an event
                 self.saw_terminal = event.rstrip(b"\n") in _TERMINAL_EVENTS

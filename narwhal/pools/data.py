@@ -99,16 +99,13 @@ class UpstreamStream:
     """
 
     __slots__ = ("_conn", "_engine", "_finished", "_first_token_at", "_first_token_s", "_scope", "_silence_s",
-                 "_started", "_watch", "data_events", "expired", "headers", "saw_terminal", "status")
+                 "_started", "_watch", "expired", "headers", "saw_terminal", "status")
 
     def __init__(self, engine: str, conn: EngineConnection, head: HTTPResponseHead, scope: trio.CancelScope, *,
                  first_token_s: float, silence_s: float) -> None:
         self.status = head.status
         self.headers = head.headers
         self.saw_terminal = False
-        # The ``data: `` events read so far (each one a token, less [DONE] and the answer's other non-tokens):
-        # counted as the reads are checked, so the relay need not scan them again.
-        self.data_events = 0
         # Set by the watchdog, with the message of the deadline that passed, just before it cancels _scope.
         self.expired: str | None = None
         self._engine = engine
@@ -121,6 +118,12 @@ class UpstreamStream:
         self._started = False
         self._finished = False
         self._watch = classify.SSEWatch()
+
+    @property
+    def data_events(self) -> int:
+        """The ``data:`` events read so far (each one a token, less [DONE] and the answer's other non-tokens):
+        counted by the SSE check as it ends each event, so the relay need not scan the reads again."""
+        return self._watch.data_events
 
     def check_deadline(self, now: float) -> None:
         """The watchdog's tick: cancel the stream if its engine has kept it waiting too long."""
@@ -224,16 +227,13 @@ class UpstreamStream:
                 raise classify.stream_failure(self._engine, _NO_DONE)
             return b""
         watch = self._watch
-        if watch.one_event(data):
-            # The usual read, one whole event: no [DONE] to cut at, one ``data: `` event.
-            self.data_events += 1
-        else:
+        # The usual read is one whole event: no [DONE] to cut at (``one_event``); else the general check.
+        if not watch.one_event(data):
             done_at = data.find(_DONE_EVENT)
             if done_at >= 0 and not data.endswith(_DONE_EVENT):
                 data = self._cut_at_done(data, done_at)
             if not watch.feed(data):
                 raise classify.stream_failure(self._engine, "response body is not a server-sent event stream")
-            self.data_events += data.count(b"data: ")
         self.saw_terminal = watch.saw_terminal
         self._started = True
         return data
