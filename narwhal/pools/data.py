@@ -229,9 +229,12 @@ class UpstreamStream:
         watch = self._watch
         # The usual read is one whole event: no [DONE] to cut at (``one_event``); else the general check.
         if not watch.one_event(data):
-            done_at = data.find(_DONE_EVENT)
-            if done_at >= 0 and not data.endswith(_DONE_EVENT):
-                data = self._cut_at_done(data, done_at)
+            # A read that ends with the marker (the last of a batch of events) has nothing after it to cut:
+            # the search of the whole read is left out.
+            if not data.endswith(_DONE_EVENT):
+                done_at = data.find(_DONE_EVENT)
+                if done_at >= 0:
+                    data = self._cut_at_done(data, done_at)
             if not watch.feed(data):
                 raise classify.stream_failure(self._engine, "response body is not a server-sent event stream")
         self.saw_terminal = watch.saw_terminal
