@@ -170,6 +170,9 @@ def test_sse_watch_byte_by_byte():
     ((b"da", b"ta: 1\n", b"\ndata: [DO", b"NE]\n", b"\n"), 2),
     ((b"data: 1\n\n", b"data: [DONE]\n"), 2),
     ((b"data:1\n\ndata:[DONE]\n\n",), 2),
+    # Blank lines beyond the one that ends an event end nothing more.
+    ((b"data: 1\n\n\ndata: [DONE]\n\n",), 2),
+    ((b"data: 1\n\n\n\ndata: [DONE]\n\n", b"\n"), 2),
 ])
 def test_sse_watch_counts_data_events_by_event(reads, events):
     w = watch(*reads)

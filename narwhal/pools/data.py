@@ -230,7 +230,8 @@ class UpstreamStream:
         # The usual read is one whole event: no [DONE] to cut at (``one_event``); else the general check.
         if not watch.one_event(data):
             # A read that ends with the marker (the last of a batch of events) has nothing after it to cut:
-            # the search of the whole read is left out.
+            # the search of the whole read is left out (one holding an earlier marker too, which no engine
+            # sends, goes to the client whole: OpenAI's clients stop at the first).
             if not data.endswith(_DONE_EVENT):
                 done_at = data.find(_DONE_EVENT)
                 if done_at >= 0:
