@@ -36,6 +36,14 @@ async def test_completions_streamed_and_not(start_narwhal) -> None:
     # Greedy: the streamed pieces join to the whole answer. How many pieces is vLLM's choice, not ours: on a
     # loaded CPU its output loop can coalesce all 8 tokens into one delta, so the count is not asserted.
     assert "".join(texts) == whole.choices[0].text and finish == "length" and len(texts) >= 1
+    # Without usage asked for, the request line's count is the stream's data events less [DONE], counted by
+    # event as vLLM writes them: one per chunk the client got.
+    with trio.move_on_after(10):
+        while len(narwhal.process.events("request")) < 2:
+            await trio.sleep(0.05)
+    whole_line, streamed_line = narwhal.process.events("request")[:2]
+    assert whole_line["tokens"] == 8, whole_line
+    assert streamed_line["tokens"] == len(texts), (streamed_line, texts)
 
 
 async def test_chat_streamed_and_not(start_narwhal) -> None:
