@@ -192,6 +192,39 @@ def test_property_the_index_never_exceeds_its_bound(max_entries: int,
         assert all(index.entries(name) <= index.quota for name in ENGINES)
 
 
+def _chained(branch: int, fork: int, length: int) -> list[int]:
+    """A prompt's blocks as chained hashes make them: block i stands for the whole prefix through i. Prompts
+    of one ``branch`` share it all; another branch shares the first ``fork`` blocks of branch 0's."""
+    return [i if branch == 0 or i < fork else 1000 * branch + i for i in range(length)]
+
+
+_PROMPTS = st.tuples(st.integers(min_value=0, max_value=3), st.integers(min_value=0, max_value=12),
+                     st.integers(min_value=0, max_value=12))
+
+
+@settings(max_examples=80, deadline=None)
+@given(operations=st.lists(st.tuples(st.sampled_from(["record", "forget"]), st.sampled_from(ENGINES), _PROMPTS),
+                           max_size=40),
+       max_entries=st.integers(min_value=0, max_value=48), prompt=_PROMPTS,
+       at=st.integers(min_value=0, max_value=12))
+def test_property_the_per_engine_passes_equal_one_engine_at_a_time(
+        operations: list[tuple[str, str, tuple[int, int, int]]], max_entries: int, prompt: tuple[int, int, int],
+        at: int) -> None:
+    # Engines holding all, part or none of a prompt (and engines the index does not hold), as placement asks.
+    index = PrefixIndex(ENGINES, max_bytes=max_entries * ENTRY_BYTES)
+    for step, (op, engine, recorded) in enumerate(operations):
+        if op == "record":
+            index.record(engine, _chained(*recorded), float(step))
+        else:
+            index.forget(engine)
+    engines = [*ENGINES, "unknown", ENGINES[0]]
+    blocks = _chained(*prompt)
+    assert index.match_each(engines, blocks) == [index.match(name, blocks) for name in engines]
+    assert all(type(value) is int for value in index.match_each(engines, blocks))
+    assert index.entries_of(engines) == [index.entries(name) for name in engines]
+    assert index.last_used_each(engines, at) == [index.last_used(name, at) for name in engines]
+
+
 # -- the policy: table-driven -----------------------------------------------------------------
 
 HOT = blocks_of(text(512, "hot"))
