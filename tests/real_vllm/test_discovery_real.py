@@ -61,8 +61,9 @@ async def test_a_decode_engine_that_registers_itself_serves_and_leaves_when_stop
                 narwhal.openai.completions.create, model=MODEL_NAME, prompt="the registered engine decodes",
                 max_tokens=4, temperature=0))
             assert answer.choices[0].text
-            lines = [line for line in narwhal.process.events("request") if line.get("status") == 200]
-            assert lines and lines[-1]["prefill"] == "p1" and lines[-1]["decode"] == "r-d1"
+            # The request line follows the answer (the router writes its log lines in batches of up to ~100 ms).
+            lines = await narwhal.process.wait_event("request", timeout_s=10, status=200)
+            assert lines and lines[-1]["prefill"] == "p1" and lines[-1]["decode"] == "r-d1", lines
             assert narwhal.process.events("engine_discovered", engine="r-d1", source="etcd")
             # Stopped (SIGTERM): the plugin revokes its lease at shutdown; the router takes the engine out.
             await trio.to_thread.run_sync(registered.stop_all)
