@@ -98,10 +98,13 @@ def test_fleet_scenario_reports_every_figure_per_size(tmp_path: Path) -> None:
         # The handoff lists every engine: it grows with the fleet; each write was timed.
         assert size["handoff_bytes"] > 0 and size["handoff_writes"] >= 1 and size["handoff_write_mean_ms"] > 0
         answers = {a["path"]: a for a in size["answers"]}
-        assert set(answers) == {"/admin/engines", "/admin/ui", "/admin/router", "/admin/timeline", "/metrics"}
+        assert set(answers) == {"/admin/engines", "/admin/ui", "/admin/router", "/admin/timeline",
+                                "/admin/timeline?seconds=3", "/metrics"}
         assert all(a["status"] == 200 and a["bytes"] > 0 and a["ms"] >= 0 for a in answers.values())
+        # The page reads the timeline's whole window when it opens, then only the seconds since.
+        assert answers["/admin/timeline?seconds=3"]["bytes"] < answers["/admin/timeline"]["bytes"]
         assert size["fleet_page_refresh_bytes"] == sum(
-            answers[p]["bytes"] for p in ("/admin/engines", "/admin/router", "/admin/timeline"))
+            answers[p]["bytes"] for p in ("/admin/engines", "/admin/router", "/admin/timeline?seconds=3"))
         assert size["rss_mb"] > 10
     assert sizes[1]["handoff_bytes"] > sizes[0]["handoff_bytes"]
     assert sizes[1]["answers"][0]["bytes"] > sizes[0]["answers"][0]["bytes"]  # /admin/engines lists 4, not 2

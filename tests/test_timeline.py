@@ -67,10 +67,19 @@ def test_the_ring_forgets_what_is_older_than_the_window() -> None:
         t.record(second + 0.6, status=200, error_class=None, ttft_s=None) if second == 2 else None
     v = t.view(10.0, 0.0)
     assert (v.start, v.requests) == (6.0, [1, 1, 1, 1])
-    assert len(t._ring) == 4
+    assert len(t._ring) == 5  # the window's complete seconds and the open one
     # A gap of more than the window: every slot is stale and shows as empty, not as old data.
     v = t.view(30.0, 0.0)
     assert v.requests == [0, 0, 0, 0] and v.ttft_p50_ms == [None] * 4
+
+
+def test_a_view_taken_while_a_second_is_open_shows_the_oldest_complete_second() -> None:
+    # The open second has a slot of its own: it once took the oldest complete second's, which read as empty.
+    t = Timeline(["e"], window_s=4)
+    for second in range(10):
+        t.record(second + 0.5, status=200, error_class=None, ttft_s=0.01)
+    v = t.view(9.7, 0.0)
+    assert (v.start, v.requests, v.ttft_p50_ms) == (5.0, [1, 1, 1, 1], [10.0] * 4)
 
 
 def test_ttft_samples_per_second_are_a_bounded_reservoir_reduced_when_the_second_closes() -> None:
@@ -81,7 +90,7 @@ def test_ttft_samples_per_second_are_a_bounded_reservoir_reduced_when_the_second
     assert bucket is not None and bucket.ttft is not None and len(bucket.ttft) == 50
     t.record(6.1, status=200, error_class=None, ttft_s=0.5)
     # The closed second kept numbers only.
-    assert t._ring[5 % 3].ttft is None  # type: ignore[union-attr]
+    assert t._ring[5 % 4].ttft is None  # type: ignore[union-attr]
     v = t.view(7.0, 0.0, seconds=2)
     assert v.requests == [10_000, 1]
     p50 = v.ttft_p50_ms[0]

@@ -1,6 +1,6 @@
 """The router's last minutes in one-second buckets: what ``GET /admin/timeline`` and the fleet page draw.
 
-A fixed ring of ``window_s`` buckets (15 minutes by default). Each bucket holds
+A fixed ring of ``window_s`` complete seconds' buckets (15 minutes by default) and the open second's. Each bucket holds
 the requests that finished in its second, their errors and recoveries by
 class, their time to first token (a bounded reservoir while the second is open, reduced to p50/p99
 when the next second starts), and the last sample of requests in flight and
@@ -101,12 +101,14 @@ class Timeline:
         self.max_error_classes = max_error_classes
         # Seeded: the reservoir's choice never depends on anything outside this object.
         self._rng = rng or random.Random(0)
-        self._ring: list[_Bucket | None] = [None] * window_s
+        # One slot more than the window: the open second must not take the slot of the oldest complete one.
+        self._slots = window_s + 1
+        self._ring: list[_Bucket | None] = [None] * self._slots
         self._open: _Bucket | None = None
 
     def __repr__(self) -> str:
         filled = sum(bucket is not None for bucket in self._ring)
-        return f"<Timeline [{filled}/{self.window_s} buckets | {len(self.engines)} engines]>"
+        return f"<Timeline [{filled}/{self._slots} buckets | {len(self.engines)} engines]>"
 
     def _bucket(self, now: float) -> _Bucket:
         second = math.floor(now)
@@ -119,7 +121,7 @@ class Timeline:
         if open_ is not None:
             open_.seal()
         bucket = _Bucket(second)
-        self._ring[second % self.window_s] = bucket
+        self._ring[second % self._slots] = bucket
         self._open = bucket
         return bucket
 
@@ -181,7 +183,7 @@ class Timeline:
         in_flight: dict[str, list[int | None]] = {name: [] for name in self.engines}
         state: dict[str, list[str | None]] = {name: [] for name in self.engines}
         for i, second in enumerate(range(start, end)):
-            bucket = self._ring[second % self.window_s]
+            bucket = self._ring[second % self._slots]
             if bucket is None or bucket.second != second:
                 bucket = None
             requests.append(bucket.requests if bucket else 0)
