@@ -5,6 +5,7 @@ import warnings
 from functools import partial
 
 import httpx
+import pytest
 import trio
 
 _BODY = b"x" * 50_000_000  # far beyond the socket buffers: the send blocks with the body half written
@@ -40,8 +41,10 @@ async def test_a_post_cancelled_while_its_body_is_sent_leaves_no_error() -> None
 
 
 async def test_httpx_still_abandons_the_body_generator() -> None:
-    # When this fails, httpx closes its body iterator: drop the filter in pyproject.toml.
+    # The scenario above does meet the warning; an httpx that no longer abandons its body iterator skips here,
+    # saying so (a dependency's fix must not fail our CI), and the filter in pyproject.toml can go.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ResourceWarning)
         await _post_cut_short_mid_body()
-    assert any("ByteStream.__aiter__" in str(w.message) for w in caught)
+    if not any("ByteStream.__aiter__" in str(w.message) for w in caught):
+        pytest.skip(f"httpx {httpx.__version__} closes its request body's iterator: drop the filterwarnings entry")
