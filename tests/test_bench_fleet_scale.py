@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import narwhal.app
+from narwhal.tools.bench import scale
 from narwhal.tools.bench.cli import build_parser, settings_from_args
 from narwhal.tools.bench.scale import fleet_split, metric_samples
 
@@ -98,14 +101,24 @@ def test_fleet_scenario_reports_every_figure_per_size(tmp_path: Path) -> None:
         # The handoff lists every engine: it grows with the fleet; each write was timed.
         assert size["handoff_bytes"] > 0 and size["handoff_writes"] >= 1 and size["handoff_write_mean_ms"] > 0
         answers = {a["path"]: a for a in size["answers"]}
-        assert set(answers) == {"/admin/engines", "/admin/ui", "/admin/router", "/admin/timeline",
-                                "/admin/timeline?seconds=3", "/metrics"}
+        page_reads = ("/admin/engines", "/admin/router", "/admin/timeline?seconds=3", "/admin/discovery",
+                      "/admin/placement", "/admin/cluster", "/admin/tenants")
+        assert set(answers) == {*page_reads, "/admin/ui", "/admin/timeline", "/metrics"}
         assert all(a["status"] == 200 and a["bytes"] > 0 and a["ms"] >= 0 for a in answers.values())
         # The page reads the timeline's whole window when it opens, then only the seconds since.
         assert answers["/admin/timeline?seconds=3"]["bytes"] < answers["/admin/timeline"]["bytes"]
-        assert size["fleet_page_refresh_bytes"] == sum(
-            answers[p]["bytes"] for p in ("/admin/engines", "/admin/router", "/admin/timeline?seconds=3"))
+        assert size["fleet_page_refresh_bytes"] == sum(answers[p]["bytes"] for p in page_reads)
         assert size["rss_mb"] > 10
     assert sizes[1]["handoff_bytes"] > sizes[0]["handoff_bytes"]
     assert sizes[1]["answers"][0]["bytes"] > sizes[0]["answers"][0]["bytes"]  # /admin/engines lists 4, not 2
     assert sizes[0]["memory_per_engine_kb"] is None and isinstance(sizes[1]["memory_per_engine_kb"], float)
+
+
+def test_the_page_reads_the_scenario_counts_are_the_pages_own() -> None:
+    # What the fleet page fetches each refresh (its script's getJSON calls; the timeline through getTimeline,
+    # whose steady read is the seconds since) is what "KiB read per refresh" adds up.
+    script = (Path(narwhal.app.__file__).parent / "ui_page.html").read_text()
+    refresh = script.split("async function refresh()", 1)[1].split("\n}\n", 1)[0]
+    fetched = re.findall(r'getJSON\("(/admin/[a-z]+)"\)', refresh)
+    assert "getTimeline()" in refresh
+    assert set(scale._FLEET_PAGE_READS) == {*fetched, "/admin/timeline?seconds=3"}

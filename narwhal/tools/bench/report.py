@@ -251,9 +251,10 @@ class FleetSizeReport(msgspec.Struct, frozen=True, kw_only=True):
     handoff_write_max_ms_at_most: float | None = None
     # /admin/engines, the fleet page (/admin/ui) and what it reads every second, /metrics.
     answers: list[AdminAnswer] = []
-    # The bytes the fleet page reads each refresh once open: /admin/engines + /admin/router + the timeline's last
-    # seconds (/admin/timeline?seconds=3). Until 2026-12-05 the page read the whole window each second, and this
-    # figure counted it (docs/benchmarks.md, "Fleet scale").
+    # The bytes the fleet page reads each refresh once open: /admin/engines, /admin/router, the timeline's last
+    # seconds (/admin/timeline?seconds=3), /admin/discovery, /admin/placement, /admin/cluster, /admin/tenants.
+    # Until 2026-12-05 it counted the first three only, the timeline's whole window among them (the page read it
+    # each second then): docs/benchmarks.md, "Fleet scale".
     fleet_page_refresh_bytes: int | None = None
     # The router's resident set after the load, and its growth per engine over the smallest fleet.
     rss_mb: float | None = None
@@ -487,6 +488,10 @@ def _fleet_rows(size: FleetSizeReport, ratio: float | None, ratio_less_scrapes: 
         ("  /admin/router", answer("/admin/router")),
         ("  /admin/timeline (when the page opens)", answer("/admin/timeline")),
         ("  /admin/timeline?seconds=3 (each refresh)", answer("/admin/timeline?seconds=3")),
+        ("  /admin/discovery", answer("/admin/discovery")),
+        ("  /admin/placement", answer("/admin/placement")),
+        ("  /admin/cluster", answer("/admin/cluster")),
+        ("  /admin/tenants", answer("/admin/tenants")),
         ("  KiB read per refresh", _fmt(size.fleet_page_refresh_bytes / 1024
                                         if size.fleet_page_refresh_bytes is not None else None, 1)),
         ("/metrics", answer("/metrics")),
