@@ -454,3 +454,31 @@ async def test_a_query_parameter_an_admin_route_does_not_take_is_400_naming_it(h
     assert error["code"] == "unknown_query_parameter"
     assert "'\uff53econds'" in error["message"]
     assert h.hold_kinds("d1") == []
+
+
+async def test_admin_tenants_reads_the_tenant_counters_and_renders_nothing_else(harness, monkeypatch) -> None:
+    h = await harness()
+    metrics = h.router.metrics
+    metrics.tenant_requests.inc("team-a", "200", amount=5)
+    metrics.tenant_requests.inc("team-a", "429", amount=2)
+    metrics.tenant_requests.inc("team-b", "200", amount=9)
+    metrics.tenant_tokens.inc("team-a", "prompt", amount=100)
+    metrics.tenant_refusals.inc("team-a", "requests", amount=2)
+    rendered: list[str] = []
+    render = metrics.registry.render
+
+    def spy(prefix: str = "") -> str:
+        text = render(prefix)
+        rendered.append(text)
+        return text
+
+    monkeypatch.setattr(metrics.registry, "render", spy)
+    status, body = await h.get("/admin/tenants")
+    assert status == 200
+    assert [(row["tenant"], row["requests"], row["errors"]) for row in body["tenants"]] == [
+        ("team-b", 9, 0), ("team-a", 7, 2)]
+    assert body["tenants"][1]["prompt_tokens"] == 100 and body["tenants"][1]["refusals"] == {"requests": 2}
+    # Only the tenant families were rendered: the whole exposition grows with the fleet.
+    [text] = rendered
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    assert names and all(name.startswith("narwhal_tenant_") for name in names), names

@@ -41,7 +41,8 @@ def register_cluster_routes(app: QuartTrio, router: AppState) -> None:
 
     @app.get("/admin/tenants")
     async def admin_tenants() -> Response:
-        view = tenants_view(router.metrics.render(), auth=router.config.auth.keys_file is not None)
+        # Only the tenant families: the whole exposition grows with the fleet (~100 KiB at 256 engines).
+        view = tenants_view(router.metrics.render("narwhal_tenant_"), auth=router.config.auth.keys_file is not None)
         return Response(_encode_json.encode(view), status=200, content_type="application/json")
 
     @app.post("/cluster/evidence")

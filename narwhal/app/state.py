@@ -50,7 +50,7 @@ class OperatorActions(Protocol):
 
 
 class _Metrics(Protocol):
-    def render(self) -> str: ...
+    def render(self, prefix: str = "") -> str: ...
 
 
 class _Telemetry(Protocol):

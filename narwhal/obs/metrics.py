@@ -165,9 +165,12 @@ class Registry:
         self._metrics.append(metric)
         return metric
 
-    def render(self) -> str:
+    def render(self, prefix: str = "") -> str:
+        """The text exposition of every metric, or of those whose name starts with ``prefix``."""
         lines: list[str] = []
         for metric in self._metrics:
+            if not metric.name.startswith(prefix):
+                continue
             # Text format 0.0.4 names a counter by its sample name, suffix included.
             name = f"{metric.name}_total" if metric.kind == "counter" else metric.name
             lines.append(f"# HELP {name} {metric.help}")

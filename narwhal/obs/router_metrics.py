@@ -111,5 +111,6 @@ class RouterMetrics:
         """Register a gauge read from live state at scrape time."""
         self.registry.gauge(name, help_text, labels, read)
 
-    def render(self) -> str:
-        return self.registry.render()
+    def render(self, prefix: str = "") -> str:
+        """``/metrics``, or only the metrics whose name starts with ``prefix`` (``/admin/tenants`` reads its own)."""
+        return self.registry.render(prefix)
