@@ -100,7 +100,7 @@ class FakeReadmitter:
     def __init__(self) -> None:
         self.last: dict[str, ReadmissionResult] = {}
 
-    def admin_state(self, name: str) -> ReadmissionState:
+    def admin_state(self, name: str, view: object = None) -> ReadmissionState:
         return ReadmissionState(drained=name == "d2", maintenance_started_at=None, readmission_running=False,
                                 last_readmission=self.last.get(name))
 

@@ -415,6 +415,11 @@ async def test_maintenance_refuses_an_engine_that_was_not_restarted_and_accepts_
     started_at = world.readmitter.maintenance("d1", world.now())
     assert started_at == WALL_BASE + 100
     assert world.readmitter.admin_state("d1").maintenance_started_at == started_at
+    # /admin/engines hands over the view it already has: the same state (drained, maintenance start, schedule).
+    for name in ("d1", "d2", "p1"):
+        assert world.readmitter.admin_state(name, world.fleet.view(name, world.now())) == \
+            world.readmitter.admin_state(name)
+    assert world.readmitter.admin_state("d1").drained is True
     assert "d1" not in world.fleet.eligible("decode", world.now())
     await trio.sleep(30)
 

@@ -122,7 +122,7 @@ class _FleetViews(Protocol):
 
 
 class _Readmitter(Protocol):
-    def admin_state(self, name: str) -> ReadmissionState: ...
+    def admin_state(self, name: str, view: EngineView | None = None) -> ReadmissionState: ...
 
 
 class _Controller(Protocol):
@@ -179,7 +179,7 @@ class EngineViewer:
 
     def _entry(self, view: EngineView) -> EngineEntry:
         spec = self.specs[view.name] if self.specs is not None else self.config.engine_spec(view.name)
-        readmission = self.readmitter.admin_state(view.name)
+        readmission = self.readmitter.admin_state(view.name, view)
         counters = view.counters
         return EngineEntry(
             name=view.name,

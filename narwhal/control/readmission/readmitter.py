@@ -272,7 +272,10 @@ class Readmitter:
     def maintenance_started_at(self, name: str) -> float | None:
         """When ``name``'s maintenance began (unix seconds), or None when it is not under maintenance."""
         now = self.clock()
-        hold = next((h for h in self.fleet.view(name, now).holds if h.kind is HoldKind.MAINTENANCE), None)
+        return self._maintenance_started_at(self.fleet.view(name, now), now)
+
+    def _maintenance_started_at(self, view: EngineView, now: float) -> float | None:
+        hold = next((h for h in view.holds if h.kind is HoldKind.MAINTENANCE), None)
         if hold is None:
             return None
         return self.wall_clock() - (now - hold.since)
@@ -288,15 +291,19 @@ class Readmitter:
         """The latest readmission attempt for ``name``, or None."""
         return self._last.get(name)
 
-    def admin_state(self, name: str) -> ReadmissionState:
-        """What ``/admin/engines`` shows of ``name`` from here: drained, maintenance start, last attempt."""
+    def admin_state(self, name: str, view: EngineView | None = None) -> ReadmissionState:
+        """What ``/admin/engines`` shows of ``name`` from here: drained, maintenance start, last attempt.
+
+        ``view``: the engine's view the caller already has (``/admin/engines`` lists hundreds: one view each)."""
         now = self.clock()
-        view = self.fleet.view(name, now)
+        if view is None:
+            view = self.fleet.view(name, now)
         schedule = self._synced(view)
         next_at = self.next_attempt_at(view)
         if next_at is not None and schedule.health_since is not None:
             next_at = min(next_at, max(schedule.not_before, now))
-        return ReadmissionState(drained=self.drained(name), maintenance_started_at=self.maintenance_started_at(name),
+        return ReadmissionState(drained=drained((hold.kind for hold in view.holds), self.in_flight[name]),
+                                maintenance_started_at=self._maintenance_started_at(view, now),
                                 readmission_running=self._locks[name].locked(), last_readmission=self._last.get(name),
                                 health_answered_at=schedule.health_since if view.ejected else None,
                                 readmission_backoff_s=self.schedule.backoff_s(schedule.level) if view.ejected else 0.0,
