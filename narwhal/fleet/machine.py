@@ -142,6 +142,8 @@ __all__ = ["Fleet"]
 # keeps a shell that never drains from growing memory without limit.
 EVENT_BACKLOG = 10_000
 PROBE_LEGS = (None, "prefill", "decode")
+# Holds are listed in HoldKind's order; iterating the enum class itself costs a generator step per member.
+_HOLD_ORDER = tuple(HoldKind)
 
 
 def _cause(name: str | None) -> Cause | None:
@@ -610,7 +612,7 @@ class Fleet:
             name=engine.name, role=engine.role, model=engine.model, eligible=name in self._eligible_names,
             ejected=engine.ejected, ejected_reason=engine.ejected_reason,
             ejected_cause=engine.ejected_cause, ejected_at=engine.ejected_at,
-            holds=[engine.holds[kind] for kind in HoldKind if kind in engine.holds],
+            holds=[engine.holds[kind] for kind in _HOLD_ORDER if kind in engine.holds] if engine.holds else [],
             evidence=dict(engine.streaks), liveness_misses=engine.liveness_misses,
             next_probe_at=engine.next_probe_at, probe_in_flight=engine.probe_in_flight,
             readmission_allowed=self.readmission_allowed(name, now),
@@ -652,7 +654,7 @@ class Fleet:
             ejected_at_wall=wall(engine.ejected_at),
             holds=[HoldRecord(kind=hold.kind, reason=hold.reason, since_wall=wall_now + (hold.since - now),
                               deadline_wall=wall(hold.deadline), deferred=hold.deferred, cause=hold.cause)
-                   for kind in HoldKind if (hold := engine.holds.get(kind)) is not None],
+                   for kind in _HOLD_ORDER if (hold := engine.holds.get(kind)) is not None],
             streaks=dict(engine.streaks), liveness_misses=engine.liveness_misses,
             next_probe_at_wall=wall(engine.next_probe_at), counters=self._counters(engine),
         ) for engine in self._engines.values() if not engine.removing]
