@@ -445,6 +445,9 @@ def test_successful_inference_check_clears_the_quarantine_first() -> None:
     fail(fleet, "d1", FailureClass.TIMEOUT, 0.0)
     fail(fleet, "d1", FailureClass.STREAM, 0.0)
     assert hold_kinds(fleet, "d1", 0.0) == [HoldKind.INFERENCE_VERIFICATION, HoldKind.FAILURE_QUARANTINE]
+    # The handoff lists them in the same order (the kinds' order, not the order they were added).
+    [record] = [r for r in fleet.snapshot(0.0, 100.0) if r.name == "d1"]
+    assert [h.kind for h in record.holds] == [HoldKind.INFERENCE_VERIFICATION, HoldKind.FAILURE_QUARANTINE]
     fleet.record_probe("d1", "success", 1.0)
     assert hold_kinds(fleet, "d1", 1.0) == []
     assert fleet.is_eligible("d1", 1.0)

@@ -10,31 +10,18 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 
-import narwhal.app
 from narwhal.obs.timeline import Timeline
+from tests.test_fleet_page_discovery import _DOM
+from tests.test_fleet_page_models import PAGE
 
-PAGE = Path(narwhal.app.__file__).parent / "ui_page.html"
 WINDOW = 20
 # Where the router's clock (trio's, which starts at a random offset) and the wall clock stand at second 0.
 CLOCK0, WALL0 = 51_000.0, 1_780_000_000.0
-
-_DOM = r"""
-class Node { constructor(tag) { this.tag = tag; this.attrs = {}; this.children = []; this.dataset = {}; }
-  setAttribute(k, v) { this.attrs[k] = String(v); } append(...c) { this.children.push(...c); }
-  addEventListener() {} replaceChildren(...c) { this.children = c; } }
-globalThis.document = {createElement: t => new Node(t), createElementNS: (_, t) => new Node(t),
-  querySelector: () => new Node("x"), getElementById: () => new Node("x"), body: new Node("body")};
-globalThis.location = {hash: "", pathname: "/admin/ui"};
-globalThis.history = {replaceState() {}};
-globalThis.fetch = async () => { throw new Error("no network here"); };
-globalThis.setTimeout = () => 0; globalThis.setInterval = () => 0;
-"""
 
 
 def merge(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[dict[str, Any] | None]:

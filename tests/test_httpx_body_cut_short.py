@@ -18,18 +18,20 @@ async def _post_cut_short_mid_body() -> None:
 
     async def read_once_then_stall() -> None:
         async with listener, await listener.accept() as stream:
-            while b"xxxx" not in await stream.receive_some(65536):
-                pass
+            # Until the body's bytes arrive (the head comes first); the sender never closes before.
+            while b"xxxx" not in (data := await stream.receive_some(65536)):
+                assert data, "the client closed before its body arrived"
             body_arriving.set()
             await trio.sleep_forever()
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(read_once_then_stall)
-        async with httpx.AsyncClient() as client, trio.open_nursery() as sender:
-            sender.start_soon(partial(client.post, f"http://127.0.0.1:{port}/", content=_BODY))
-            await body_arriving.wait()
-            sender.cancel_scope.cancel()
-        nursery.cancel_scope.cancel()
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_once_then_stall)
+            async with httpx.AsyncClient() as client, trio.open_nursery() as sender:
+                sender.start_soon(partial(client.post, f"http://127.0.0.1:{port}/", content=_BODY))
+                await body_arriving.wait()
+                sender.cancel_scope.cancel()
+            nursery.cancel_scope.cancel()
     gc.collect()
     await trio.sleep(0)
 

@@ -282,8 +282,10 @@ class Readmitter:
 
     def drained(self, name: str) -> bool:
         """True when ``name`` is under a drain or maintenance hold and has nothing in flight."""
-        view = self.fleet.view(name, self.clock())
-        return drained((hold.kind for hold in view.holds), self.in_flight[name])
+        return self._drained(self.fleet.view(name, self.clock()))
+
+    def _drained(self, view: EngineView) -> bool:
+        return drained((hold.kind for hold in view.holds), self.in_flight[view.name])
 
     # ----- the admin view ---------------------------------------------------------------
 
@@ -302,7 +304,7 @@ class Readmitter:
         next_at = self.next_attempt_at(view)
         if next_at is not None and schedule.health_since is not None:
             next_at = min(next_at, max(schedule.not_before, now))
-        return ReadmissionState(drained=drained((hold.kind for hold in view.holds), self.in_flight[name]),
+        return ReadmissionState(drained=self._drained(view),
                                 maintenance_started_at=self._maintenance_started_at(view, now),
                                 readmission_running=self._locks[name].locked(), last_readmission=self._last.get(name),
                                 health_answered_at=schedule.health_since if view.ejected else None,
