@@ -67,6 +67,8 @@ def vllm_environment() -> tuple[str, str]:
 
 
 _START_TIMES: list[tuple[list[str], float]] = []
+# What a test that passed had to work around (a retry, a slow machine), printed at the end of the run.
+TIER_NOTES: list[str] = []
 
 
 @pytest.fixture(scope="session")
@@ -86,6 +88,8 @@ def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untype
     # What the engines cost in start time, for the tier's README and CI budget.
     for names, seconds in _START_TIMES:
         terminalreporter.write_line(f"real-vllm: started {'+'.join(names)} (ready, NIXL warmed up) in {seconds:.1f} s")
+    for note in TIER_NOTES:
+        terminalreporter.write_line(f"real-vllm: {note}")
 
 
 @pytest.fixture
