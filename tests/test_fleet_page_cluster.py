@@ -4,17 +4,9 @@ hidden for a lone router in standby mode. The page's script runs under Node with
 
 from __future__ import annotations
 
-import json
-import shutil
-import subprocess
-
-import pytest
-
-from tests.test_fleet_page_discovery import _DOM
-from tests.test_fleet_page_models import PAGE
+from tests.fleet_page_script import PAGE, run_page
 
 _RUN = r"""
-function text(n) { return typeof n === "string" || typeof n === "number" ? String(n) : n.children.map(text).join(""); }
 const tbody = new Node("tbody");
 document.querySelector = sel => sel === "#routers tbody" ? tbody : new Node("q");
 const out = [];
@@ -33,13 +25,7 @@ ROUTER = {"router_id": "r1", "role": "controller", "advertise_url": "http://a:80
 
 
 def render(*views: dict) -> list[list]:
-    node = shutil.which("node")
-    if node is None:
-        pytest.skip("node is not installed: the page's script cannot run here")
-    script = PAGE.read_text().split("<script>", 1)[1].split("</script>", 1)[0]
-    program = _DOM + script + f"\nconst VIEWS = {json.dumps(views)};\n" + _RUN
-    result = subprocess.run([node, "-e", program], capture_output=True, text=True, timeout=60, check=True)
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_page(_RUN, VIEWS=views)
 
 
 def test_the_routers_section_lists_every_router_in_replicas_mode() -> None:
@@ -71,7 +57,6 @@ def test_the_page_fetches_admin_cluster_and_has_the_section() -> None:
 
 
 _TENANTS = r"""
-function text(n) { return typeof n === "string" || typeof n === "number" ? String(n) : n.children.map(text).join(""); }
 const tbody = new Node("tbody");
 document.querySelector = sel => sel === "#tenants tbody" ? tbody : new Node("q");
 const out = [];
@@ -85,15 +70,9 @@ console.log(JSON.stringify(out));
 
 
 def test_the_tenants_section_lists_the_top_tenants_when_keys_are_on() -> None:
-    node = shutil.which("node")
-    if node is None:
-        pytest.skip("node is not installed: the page's script cannot run here")
-    script = PAGE.read_text().split("<script>", 1)[1].split("</script>", 1)[0]
     views = [{"auth": True, "tenants": [{"tenant": "team-a", "requests": 12, "errors": 2, "prompt_tokens": 300,
                                          "completion_tokens": 90, "refusals": {"requests": 2}}]},
              {"auth": False, "tenants": []}]
-    program = _DOM + script + f"\nconst VIEWS = {json.dumps(views)};\n" + _TENANTS
-    result = subprocess.run([node, "-e", program], capture_output=True, text=True, timeout=60, check=True)
-    shown, hidden = json.loads(result.stdout.strip().splitlines()[-1])
+    shown, hidden = run_page(_TENANTS, VIEWS=views)
     assert shown == [False, [["team-a", "12", "2", "300", "90", "requests 2"]]]
     assert hidden[0] is True

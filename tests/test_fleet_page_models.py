@@ -6,32 +6,11 @@ an ``/admin/engines`` answer and the rows it builds are read back. Skips when ``
 
 from __future__ import annotations
 
-import json
-import shutil
-import subprocess
-from pathlib import Path
-
-import pytest
-
-import narwhal.app
-
-PAGE = Path(narwhal.app.__file__).parent / "ui_page.html"
-
-_DOM = r"""
-class Node { constructor(tag) { this.tag = tag; this.attrs = {}; this.children = []; this.dataset = {}; }
-  setAttribute(k, v) { this.attrs[k] = String(v); } append(...c) { this.children.push(...c); }
-  addEventListener() {} replaceChildren(...c) { this.children = c; } }
-const tbody = new Node("tbody");
-globalThis.document = {createElement: t => new Node(t), createElementNS: (_, t) => new Node(t),
-  querySelector: () => tbody, getElementById: () => new Node("x"), body: new Node("body")};
-globalThis.location = {hash: "", pathname: "/admin/ui"};
-globalThis.history = {replaceState() {}};
-globalThis.fetch = async () => { throw new Error("no network here"); };
-globalThis.setTimeout = () => 0; globalThis.setInterval = () => 0;
-"""
+from tests.fleet_page_script import run_page
 
 _RUN = r"""
-function text(n) { return typeof n === "string" ? n : n.children.map(text).join(""); }
+const tbody = new Node("tbody");
+document.querySelector = () => tbody;
 const engine = (name, model, ejected) => ({name, model, role: "decode", url: "http://x", ejected, eligible: !ejected,
   holds: [], evidence: {}, counters: {failures: {}}, in_flight: 0, drained: false, last_readmission: null});
 const out = [];
@@ -46,13 +25,7 @@ console.log(JSON.stringify(out));
 
 
 def rows(*fleets: list[tuple[str, str, bool]]) -> list[list[list[str]]]:
-    node = shutil.which("node")
-    if node is None:
-        pytest.skip("node is not installed: the page's script cannot run here")
-    script = PAGE.read_text().split("<script>", 1)[1].split("</script>", 1)[0]
-    program = _DOM + script + f"\nconst ENGINES = {json.dumps(fleets)};\n" + _RUN
-    result = subprocess.run([node, "-e", program], capture_output=True, text=True, timeout=60, check=True)
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_page(_RUN, ENGINES=fleets)
 
 
 def test_engines_are_grouped_under_a_heading_per_model_only_when_several_are_served() -> None:

@@ -7,17 +7,12 @@ not installed.
 
 from __future__ import annotations
 
-import json
-import shutil
-import subprocess
 from typing import Any
 
 import msgspec
-import pytest
 
 from narwhal.obs.timeline import Timeline
-from tests.test_fleet_page_discovery import _DOM
-from tests.test_fleet_page_models import PAGE
+from tests.fleet_page_script import run_page
 
 WINDOW = 20
 # Where the router's clock (trio's, which starts at a random offset) and the wall clock stand at second 0.
@@ -25,14 +20,7 @@ CLOCK0, WALL0 = 51_000.0, 1_780_000_000.0
 
 
 def merge(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[dict[str, Any] | None]:
-    node = shutil.which("node")
-    if node is None:
-        pytest.skip("node is not installed: the page's script cannot run here")
-    script = PAGE.read_text().split("<script>", 1)[1].split("</script>", 1)[0]
-    program = (_DOM + script + f"\nconst PAIRS = {json.dumps(pairs)};\n"
-               "console.log(JSON.stringify(PAIRS.map(([c, f]) => mergeTimeline(c, f))));\n")
-    result = subprocess.run([node, "-"], input=program, capture_output=True, text=True, timeout=60, check=True)
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_page("console.log(JSON.stringify(PAIRS.map(([c, f]) => mergeTimeline(c, f))));\n", PAIRS=pairs)
 
 
 def view(timeline: Timeline, second: float, seconds: int | None = None, clock0: float = CLOCK0) -> dict[str, Any]:
