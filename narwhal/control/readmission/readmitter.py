@@ -600,6 +600,9 @@ class Readmitter:
         if name not in self._specs or name not in self.fleet:
             return  # a config reload removed it while its check ran
         now = self.clock()
+        if self.fleet.is_eligible(name, now):
+            # Not ejected (most answers): no view to build (a sweep of 256 engines built 256 a pass).
+            return
         view = self.fleet.view(name, now)
         if not view.ejected or view.removing:
             return
