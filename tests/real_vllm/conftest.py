@@ -33,7 +33,7 @@ import pytest
 import trio
 
 from narwhal.tools.local_fleet import LocalProcess, start_router
-from tests.real_vllm.fleet import DEFAULT_START_TIMEOUT_S, REPO, VllmFleet, running_fleet, tier_environment
+from tests.real_vllm.fleet import DEFAULT_START_TIMEOUT_S, REPO, TIER_NOTES, VllmFleet, running_fleet, tier_environment
 
 ADMIN_TOKEN = "real-vllm-admin"
 AUTH = {"authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -67,8 +67,6 @@ def vllm_environment() -> tuple[str, str]:
 
 
 _START_TIMES: list[tuple[list[str], float]] = []
-# What a test that passed had to work around (a retry, a slow machine), printed at the end of the run.
-TIER_NOTES: list[str] = []
 
 
 @pytest.fixture(scope="session")

@@ -32,6 +32,9 @@ NIXL_CURE_DIR = HERE / "engine_site"
 MODEL_NAME = "tiny-llama"
 GENERATION = "real-vllm-g1"
 FLEET_KEY = "narwhal-real-vllm-key"
+# What a test that passed had to work around (a retry, a slow machine), printed at the end of the run. Here, not
+# in conftest.py: pytest imports the conftest under another module name than the tests' imports do.
+TIER_NOTES: list[str] = []
 MAX_MODEL_LEN = 2048
 PLUGIN = "narwhal.engine_plugin.IdentityMiddleware"
 # In engine_site/ (first on the engines' PYTHONPATH): GET /narwhal-test/trace-headers lists what came in.

@@ -10,8 +10,8 @@ import openai
 import pytest
 import trio
 
-from tests.real_vllm.conftest import AUTH, TIER_NOTES, Narwhal
-from tests.real_vllm.fleet import MODEL_NAME, Engine
+from tests.real_vllm.conftest import AUTH, Narwhal
+from tests.real_vllm.fleet import MODEL_NAME, TIER_NOTES, Engine
 
 pytestmark = pytest.mark.real_vllm
 
