@@ -17,6 +17,7 @@ import pytest
 import trio
 import zmq
 
+import narwhal.kv_events.feed as feed_module
 from narwhal.kv_events.feed import FeedLimits, FeedSource, KvFeeds
 from narwhal.kv_events.wire import AllBlocksCleared, KvBatch, encode_batch
 from narwhal.kv_events.zmq_trio import TrioSocket
@@ -292,6 +293,49 @@ async def test_a_reconnect_asks_replay(ctx) -> None:
             pub.publish()
             await sink.until(lambda: sink.applied() == [0.0, 1.0, 2.0])
             assert feeds.stats()["e"].resyncs == 0
+            nursery.cancel_scope.cancel()
+    pub.close()
+
+
+async def test_a_live_batch_read_before_the_connection_event_is_not_a_publisher_restart(ctx, caplog,
+                                                                                       monkeypatch) -> None:
+    """ZeroMQ's monitor may report the handshake after the first live batch of that connection was read (seen in
+    the real-vLLM tier on a loaded machine). That batch's catch-up covered what the subscription missed; the late
+    event must not ask the replay again and close the window that skips the live copies of what the catch-up
+    delivered (a copy then looked like a new publisher counting from 0: a resync that cleared the engine)."""
+    held: list[feed_module._Inbox] = []
+    put = feed_module._Inbox.put
+
+    def hold_connected(self: feed_module._Inbox, item: object, size: int = 0) -> bool:
+        if item is feed_module._CONNECTED and not held:
+            held.append(self)
+            return True
+        return put(self, item, size)
+
+    monkeypatch.setattr(feed_module._Inbox, "put", hold_connected)
+    pub = Publisher(ctx)
+    sink = Sink()
+    feeds = KvFeeds(sink, limits=FAST)
+    with trio.fail_after(WAIT):
+        async with trio.open_nursery() as nursery:
+            await start(nursery, feeds, pub)
+            pub.publish(send=False)  # before the subscription: only in the replay buffer
+            feeds.set_sources({"e": pub.source()})
+            await pub.subscribed()
+            pub.publish()  # seq 1, live: read before the handshake event, it asks the catch-up
+            pub.publish(send=False)  # seq 2: its live copy is still on its way when the catch-up has it
+            await sink.until(lambda: sink.applied() == [0.0, 1.0, 2.0])
+            assert pub.replay_requests == [0]
+            # A second replay (what the late event asked before) is answered once the copy is on its way.
+            pub.replay_gate = trio.Event()
+            put(held[0], feed_module._CONNECTED)  # the handshake event, late
+            pub.pub.send_multipart_nowait([pub.topic, (2).to_bytes(8, "big"), pub.buffer[2][1]])
+            pub.publish(keep=False)  # seq 3, live only: read after the copy
+            pub.replay_gate.set()
+            await sink.until(lambda: 3.0 in sink.applied())
+            assert feeds.stats()["e"].resyncs == 0 and not events(caplog, "kv_events_resync")
+            assert sink.applied() == [0.0, 1.0, 2.0, 3.0] and sink.clears() == 1
+            assert pub.replay_requests == [0]
             nursery.cancel_scope.cancel()
     pub.close()
 

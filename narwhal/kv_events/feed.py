@@ -229,9 +229,16 @@ class _Feed:
     # --- the sequence -------------------------------------------------------------------------------
 
     async def _process(self, ctx: zmq.Context[zmq.Socket[bytes]], inbox: _Inbox) -> None:
+        # ZeroMQ's monitor may report a session's first handshake after a live message of that connection was
+        # read: that message already put the feed in step (its catch-up, or its gap filled), and a replay asked
+        # again would close the window that skips the live copies of what the catch-up delivered.
+        live_first = connected_before = False
         while True:
             item = await inbox.get()
             if item is _CONNECTED:
+                first, connected_before = not connected_before, True
+                if first and live_first:
+                    continue
                 # Messages published while we were away (or before our subscription reached the
                 # publisher) are only in its replay buffer.
                 if self.last_seq is None:
@@ -251,6 +258,7 @@ class _Feed:
             if seq < 0:
                 self._bad("KvWireError")
                 continue
+            live_first = live_first or not connected_before
             await self._on_live(ctx, seq, item[2])
 
     async def _on_live(self, ctx: zmq.Context[zmq.Socket[bytes]], seq: int, payload: bytes) -> None:
