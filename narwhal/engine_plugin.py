@@ -95,6 +95,25 @@ _KV_EVENTS_ENDPOINT = "tcp://*:5557"
 
 _log = logging.getLogger(__name__)
 
+
+def _show_plugin_logs() -> None:
+    """Give this logger a stderr handler when nothing would show its INFO lines.
+
+    Stock vLLM configures only its own ``vllm`` logger: with no handler here and none on the root logger, the
+    plugin's INFO lines (its identity, each registration and deregistration) were dropped and only WARNING and up
+    reached stderr through Python's last resort. A deployment that configures logging itself keeps its own.
+    """
+    if _log.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s"))
+    _log.addHandler(handler)
+    if _log.level == logging.NOTSET:
+        _log.setLevel(logging.INFO)
+    # Ours only: a root handler added later must not print each line twice.
+    _log.propagate = False
+
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -322,6 +341,7 @@ class IdentityMiddleware:
         """Starlette builds it as ``cls(app)`` (``add_middleware`` with no options, as vLLM calls it)."""
         self.app = app
         self.settings = settings if settings is not None else PluginSettings.from_environment()
+        _show_plugin_logs()
         s = self.settings
         if s.problems:
             _log.warning("narwhal identity plugin cannot identify this engine: %s", "; ".join(s.problems))

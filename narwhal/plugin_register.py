@@ -289,9 +289,17 @@ class PluginRegistrar:
             self._deregister("shutdown")
 
     def step(self) -> None:
-        """One round: check health, then register, keep alive or revoke as it says."""
-        healthy, detail = self._check_health()
+        """One round: keep the lease alive, check health, then register or revoke as it says.
+
+        The lease first, every round while registered: a health check that fails once, or answers late (a busy
+        API server), must not let the lease lapse before the health rule (two failures in a row) has decided
+        anything; the key vanishing then took a slow engine out of every router's fleet.
+        """
         try:
+            if self.registered:
+                self._keep()
+                self._etcd_down = False
+            healthy, detail = self._check_health()
             if not healthy:
                 self._failures += 1
                 if self.registered and self._failures >= _HEALTH_FAILURES:
@@ -304,8 +312,6 @@ class PluginRegistrar:
                 reason = ("started" if not self._ever_registered else "healthy" if self._was_unhealthy
                           else "lease_lost")
                 self._register(reason)
-            else:
-                self._keep()
             self._was_unhealthy = False
             self._etcd_down = False
         except (_EtcdUnavailable, _EtcdRefused, ValueError, TypeError, AttributeError) as exc:
@@ -350,7 +356,8 @@ class PluginRegistrar:
                                        "lease": str(lease_id)})
 
     def _keep(self) -> None:
-        """Keep the lease alive; register again when it is gone, put the key again when it is."""
+        """Keep the lease alive (forgotten when gone: the round's health check decides whether to register
+        again); put the key again when it is gone and the lease is not."""
         try:
             answer = self._etcd.post("/v3/lease/keepalive", {"ID": str(self.lease_id)})
             alive = int((answer.get("result") or {}).get("TTL") or 0) > 0
@@ -359,7 +366,6 @@ class PluginRegistrar:
         if not alive:
             # Expired (etcd was out, or unreachable from here, for longer than the TTL), or revoked by hand.
             self.lease_id = 0
-            self._register("lease_lost")
             return
         answer = self._etcd.post("/v3/kv/range", {"key": _b64(self.registration.key)})
         if not answer.get("kvs"):

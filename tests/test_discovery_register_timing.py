@@ -126,6 +126,25 @@ async def test_it_deregisters_after_health_failures_in_a_row(autojump_clock, nur
     nursery.cancel_scope.cancel()
 
 
+async def test_the_lease_is_kept_alive_through_health_failures_short_of_the_limit(autojump_clock, nursery,
+                                                                                caplog) -> None:
+    """Rounds whose health check failed, fewer than --health-failures in a row, still renew the lease: a busy
+    engine's key must not lapse before the rule has decided (it did when those rounds skipped the keepalive)."""
+    caplog.set_level(logging.INFO, logger="narwhal.events")
+    etcd, engine = FakeEtcd(), FakeEngine()
+    await nursery.start(registrar(etcd, engine, health_failures=3, ttl_s=6.0).run)
+    await trio.sleep(1.0)
+    first = etcd.keys[KEY]
+    engine.status = 503
+    await trio.sleep(4.0)  # the rounds at 2 s and 4 s fail: two in a row, short of three
+    engine.status = 200
+    await trio.sleep(6.0)
+    assert etcd.keys[KEY] == first  # the same lease all along
+    assert [e["reason"] for e in events(caplog, "registered")] == ["started"]
+    assert not events(caplog, "deregistered")
+    nursery.cancel_scope.cancel()
+
+
 async def test_an_outage_longer_than_the_ttl_is_logged_once_and_ends_with_a_new_lease(autojump_clock, nursery,
                                                                                       caplog) -> None:
     caplog.set_level(logging.INFO, logger="narwhal.events")

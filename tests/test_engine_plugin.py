@@ -452,3 +452,30 @@ def test_identity_fields_a_router_would_refuse_are_a_problem_here() -> None:
     s = PluginSettings.from_environment({**ENV, "NARWHAL_ENGINE_ID": "e" * 257}, ARGV, started_at=1.0)
     assert s.problems == ("engine_id is 257 characters long, more than 256 (set NARWHAL_ENGINE_ID)",)
     assert not PluginSettings.from_environment({**ENV, "NARWHAL_ENGINE_ID": "e" * 256}, ARGV, started_at=1.0).problems
+
+
+_LOG_PROBE = """
+import json, logging, sys
+from narwhal.engine_plugin import IdentityMiddleware, PluginSettings
+env, argv, configure_root = json.loads(sys.argv[1])
+if configure_root:
+    logging.basicConfig(level=logging.INFO, format="ROOT %(name)s %(message)s")
+IdentityMiddleware(lambda scope, receive, send: None, PluginSettings.from_environment(env, argv, started_at=1.0))
+logging.getLogger("narwhal.engine_plugin").info("narwhal registration: registered key=k lease=1 reason=started")
+"""
+
+
+@pytest.mark.parametrize("configure_root", [False, True], ids=["stock-vllm", "logging-configured"])
+def test_the_plugins_info_lines_reach_stderr_once_in_a_process_that_configured_no_logging(configure_root) -> None:
+    """Stock vLLM configures only its ``vllm`` logger: the plugin's INFO lines (identity, registration) must still
+    show, once; where the process configured logging itself, they go its way."""
+    result = subprocess.run([sys.executable, "-c", _LOG_PROBE, json.dumps([ENV, ARGV, configure_root])],
+                            capture_output=True, text=True, timeout=60, check=True)
+    lines = result.stderr.splitlines()
+    identity = [line for line in lines if "narwhal identity plugin: engine_id=prefill-0" in line]
+    registered = [line for line in lines if "narwhal registration: registered key=k" in line]
+    assert len(identity) == 1 and len(registered) == 1, result.stderr
+    if configure_root:
+        assert identity[0].startswith("ROOT narwhal.engine_plugin "), identity
+    else:
+        assert identity[0].startswith("INFO ") and "[narwhal.engine_plugin]" in identity[0], identity

@@ -283,3 +283,62 @@ async def test_without_lifespan_events_the_first_request_starts_the_registration
     await plugin({"type": "http", "method": "GET", "path": "/health", "headers": []}, receive, send)
     assert plugin.registrar.started
     await trio.to_thread.run_sync(plugin.registrar.stop)
+
+
+class RecordingEtcd:
+    """etcd's answers to the registrar's calls, recorded (no sockets: the rounds are driven by hand)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.lease_alive = True
+
+    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.calls.append(path)
+        if path == "/v3/lease/grant":
+            return {"ID": str(len(self.calls))}
+        if path == "/v3/lease/keepalive":
+            return {"result": {"TTL": "6"} if self.lease_alive else {}}
+        if path == "/v3/kv/range":
+            return {"kvs": [{"key": "k"}]}
+        return {}
+
+
+def driven_registrar(monkeypatch: pytest.MonkeyPatch, answers: list[bool]) -> tuple[PluginRegistrar, RecordingEtcd]:
+    """A registrar whose health checks answer ``answers`` in turn, against a recording etcd."""
+    registrar = PluginRegistrar(Registration(endpoints=("http://etcd",), name="d1", url="http://engine",
+                                             role="decode", model="m", ttl_s=6.0))
+    etcd = RecordingEtcd()
+    monkeypatch.setattr(registrar, "_etcd", etcd)
+    monkeypatch.setattr(registrar, "_check_health", lambda: (answers.pop(0), "" if answers else "timed out"))
+    return registrar, etcd
+
+
+def test_a_round_whose_health_check_fails_once_still_keeps_the_lease_alive(monkeypatch) -> None:
+    """A busy API server that misses one health check (or answers it late) keeps its key: the lease is renewed
+    every round until the health rule (two failures in a row) deregisters; a lapsed lease took the engine out of
+    the fleet (seen in the real-vLLM tier during a NIXL handshake)."""
+    registrar, etcd = driven_registrar(monkeypatch, [True, False, True, False, False])
+    registrar.step()
+    assert registrar.registered and etcd.calls == ["/v3/lease/grant", "/v3/kv/put"]
+    for _ in range(2):  # a miss, then an answer: kept alive in both rounds
+        etcd.calls.clear()
+        registrar.step()
+        assert registrar.registered and etcd.calls[0] == "/v3/lease/keepalive", etcd.calls
+    etcd.calls.clear()
+    registrar.step()  # a first miss: kept alive
+    registrar.step()  # the second in a row: revoked
+    assert etcd.calls == ["/v3/lease/keepalive", "/v3/kv/range", "/v3/lease/keepalive", "/v3/kv/range",
+                          "/v3/lease/revoke"]
+    assert not registrar.registered
+
+
+def test_a_lapsed_lease_is_registered_again_only_in_a_round_whose_health_check_passed(monkeypatch) -> None:
+    registrar, etcd = driven_registrar(monkeypatch, [True, False, True])
+    registrar.step()
+    etcd.lease_alive = False  # expired meanwhile
+    etcd.calls.clear()
+    registrar.step()  # gone, and health misses: not registered again yet
+    assert not registrar.registered and etcd.calls == ["/v3/lease/keepalive"]
+    etcd.calls.clear()
+    registrar.step()
+    assert registrar.registered and etcd.calls == ["/v3/lease/grant", "/v3/kv/put"]

@@ -131,9 +131,16 @@ class Registrar:
             await trio.sleep_until(next_round)
 
     async def step(self) -> None:
-        """Check health, then register, keep alive or revoke as it says."""
-        healthy, detail = await self._check_health()
+        """Keep the lease alive, check health, then register or revoke as it says.
+
+        The lease first, every round while registered: with ``--health-failures`` over 1, a health check that
+        fails once or answers late must not let the lease lapse before the rule has decided anything.
+        """
         try:
+            if self.registered:
+                await self._keep()
+                self._etcd_up()
+            healthy, detail = await self._check_health()
             if not healthy:
                 self._failures += 1
                 if self.registered and self._failures >= self.options.health_failures:
@@ -145,8 +152,6 @@ class Registrar:
                 reason = ("started" if not self._ever_registered else "healthy" if self._was_unhealthy
                           else "lease_lost")
                 await self._register(reason)
-            else:
-                await self._keep()
             self._was_unhealthy = False
             self._etcd_up()
         except (EtcdUnavailable, ValueError, TypeError, AttributeError) as exc:
@@ -189,7 +194,8 @@ class Registrar:
                                              "lease": str(lease_id)})
 
     async def _keep(self) -> None:
-        """Keep the lease alive; register again when it is gone, put the key again when it is."""
+        """Keep the lease alive (forgotten when gone: the round's health check decides whether to register
+        again); put the key again when it is gone and the lease is not."""
         try:
             answer = await self._etcd.post("/v3/lease/keepalive", {"ID": str(self.lease_id)})
             alive = int((answer.get("result") or {}).get("TTL") or 0) > 0
@@ -198,7 +204,6 @@ class Registrar:
         if not alive:
             # Expired (etcd was out, or unreachable from here, for longer than the TTL), or revoked by hand.
             self.lease_id = 0
-            await self._register("lease_lost")
             return
         answer = await self._etcd.post("/v3/kv/range", {"key": b64(self.options.key)})
         kvs = answer.get("kvs") or []

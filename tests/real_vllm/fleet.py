@@ -233,7 +233,7 @@ class VllmFleet:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         if self.register_etcd is not None and engine.role == "decode":
             env.update({"NARWHAL_REGISTER_ETCD": self.register_etcd, "NARWHAL_REGISTER_URL": engine.url,
-                        "NARWHAL_REGISTER_TTL_S": "3"})
+                        "NARWHAL_REGISTER_TTL_S": "6"})
         return env
 
     def spawn(self, engine: Engine) -> None:
