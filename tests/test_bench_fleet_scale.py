@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-import narwhal.app
 from narwhal.tools.bench import scale
 from narwhal.tools.bench.cli import build_parser, settings_from_args
 from narwhal.tools.bench.scale import fleet_split, metric_samples
+from tests.fleet_page_script import page_script
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -117,8 +117,7 @@ def test_fleet_scenario_reports_every_figure_per_size(tmp_path: Path) -> None:
 def test_the_page_reads_the_scenario_counts_are_the_pages_own() -> None:
     # What the fleet page fetches each refresh (its script's getJSON calls; the timeline through getTimeline,
     # whose steady read is the seconds since) is what "KiB read per refresh" adds up.
-    script = (Path(narwhal.app.__file__).parent / "ui_page.html").read_text()
-    refresh = script.split("async function refresh()", 1)[1].split("\n}\n", 1)[0]
+    refresh = page_script().split("async function refresh()", 1)[1].split("\n}\n", 1)[0]
     fetched = re.findall(r'getJSON\("(/admin/[a-z]+)"\)', refresh)
     assert "getTimeline()" in refresh
     assert set(scale._FLEET_PAGE_READS) == {*fetched, "/admin/timeline?seconds=3"}

@@ -44,8 +44,7 @@ DEFAULT_SIZES = (4, 64, 256)
 _TIMELINE_SINCE = "/admin/timeline?seconds=3"
 _FLEET_PAGE_READS = ("/admin/engines", "/admin/router", _TIMELINE_SINCE, "/admin/discovery", "/admin/placement",
                      "/admin/cluster", "/admin/tenants")
-_ANSWERS = ("/admin/engines", "/admin/ui", "/admin/router", "/admin/timeline", _TIMELINE_SINCE, "/admin/discovery",
-            "/admin/placement", "/admin/cluster", "/admin/tenants", "/metrics")
+_ANSWERS = (*_FLEET_PAGE_READS, "/admin/ui", "/admin/timeline", "/metrics")
 # /metrics is sampled once a second during the load (each sample deduplicated by pass count); a scrape's own
 # CPU is measured apart (_SCRAPES back to back) and taken out of the per-request figure "less scrapes".
 _SAMPLE_S = 1.0
