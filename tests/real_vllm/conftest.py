@@ -135,6 +135,15 @@ class Narwhal:
                 await trio.sleep(0.1)
         raise AssertionError(f"timed out after {timeout_s:g} s waiting for {name}: {what}; last state {state}")
 
+    async def wait_listed_and_eligible(self, name: str, *, timeout_s: float) -> None:
+        """Poll until the router lists ``name`` and places on it (a discovered engine may be unlisted meanwhile)."""
+        with trio.fail_after(timeout_s):
+            while True:
+                response = await self.client.get(f"{self.url}/admin/engines/{name}", headers=AUTH)
+                if response.status_code == 200 and response.json()["engine"]["eligible"]:
+                    return
+                await trio.sleep(0.2)
+
     async def aclose(self) -> None:
         self.openai.close()
         await self.client.aclose()

@@ -16,7 +16,6 @@ import pytest
 import trio
 
 from tests.etcd_server import start_etcd
-from tests.real_vllm.conftest import AUTH
 from tests.real_vllm.fleet import DEFAULT_START_TIMEOUT_S, MODEL_NAME, TIER_NOTES, VllmFleet, warm_pairs
 
 pytestmark = pytest.mark.real_vllm
@@ -58,16 +57,15 @@ async def test_a_decode_engine_that_registers_itself_serves_and_leaves_when_stop
             assert state["source"] == "discovery" and state["model"] == MODEL_NAME
             # The first P/D request between a new pair waits for NIXL's handshake; do it before the client's.
             await trio.to_thread.run_sync(lambda: warm_pairs([(fleet["p1"], registered["r-d1"])], MODEL_NAME))
+            # The handshake can stall either engine's API server for seconds on 2 busy cores: the router ejects a
+            # silent p1 (liveness), and r-d1's own plugin deregisters it when two of its health checks time out.
+            # Both come back once they answer; the client's request waits for that, as a client would retry.
             if narwhal.process.events("engine_vanished", engine="r-d1"):
-                # The handshake kept vLLM's API server from answering its own plugin's health checks twice in a
-                # row (2 busy cores): the plugin deregistered, and registers again once /health answers.
                 TIER_NOTES.append("discovery test: r-d1 left etcd during its NIXL warm-up and came back")
-                with trio.fail_after(90):  # removed meanwhile: listed again once rediscovered
-                    while True:
-                        response = await narwhal.client.get(f"{narwhal.url}/admin/engines/r-d1", headers=AUTH)
-                        if response.status_code == 200 and response.json()["engine"]["eligible"]:
-                            break
-                        await trio.sleep(0.2)
+            if narwhal.process.events("engine_ejected", engine="p1"):
+                TIER_NOTES.append("discovery test: the router ejected p1 (silent) during its NIXL warm-up; readmitted")
+            for name in ("p1", "r-d1"):
+                await narwhal.wait_listed_and_eligible(name, timeout_s=90.0)
             answer = await narwhal.call(functools.partial(
                 narwhal.openai.completions.create, model=MODEL_NAME, prompt="the registered engine decodes",
                 max_tokens=4, temperature=0))
