@@ -144,6 +144,25 @@ class Narwhal:
                     return
                 await trio.sleep(0.2)
 
+    async def wait_none_ejected(self, *, after: str, skip: Sequence[str] = (), timeout_s: float = 90.0) -> None:
+        """Poll until no engine but ``skip`` is ejected; a tier note says which were (``after``: what came before).
+
+        A restarted vLLM's first NIXL handshake can keep its peer's API server silent for seconds on 2 busy cores;
+        the router then ejects the peer (liveness) and readmits it once it answers. Requests that follow wait.
+        """
+        noted = False
+        with trio.fail_after(timeout_s):
+            while True:
+                response = await self.client.get(f"{self.url}/admin/engines", headers=AUTH)
+                assert response.status_code == 200, response.text
+                ejected = [e["name"] for e in response.json()["engines"] if e["ejected"] and e["name"] not in skip]
+                if not ejected:
+                    return
+                if not noted:
+                    TIER_NOTES.append(f"{after}: the router had ejected {', '.join(ejected)}; waited for readmission")
+                    noted = True
+                await trio.sleep(0.2)
+
     async def aclose(self) -> None:
         self.openai.close()
         await self.client.aclose()

@@ -152,6 +152,7 @@ async def test_a_greedy_stream_whose_decode_engine_is_killed_halfway_equals_the_
                   f"{narwhal.process.events('request')[-1]}")
             await trio.to_thread.run_sync(narwhal.fleet.restart, victim.name)
             await narwhal.wait_engine(victim.name, lambda e: e["eligible"], what="eligible after its restart")
+            await narwhal.wait_none_ejected(after=f"continuation test, {victim.name} restarted")
         assert line, (narwhal.process.events("request")[-1], narwhal.process.events("stream_not_continued"),
                       narwhal.process.events("request_retry"), interrupted[-3:])
         print(f"REAL-VLLM continuation {route}: request event {line[0]}; engine failures "

@@ -120,6 +120,7 @@ async def killed_mid_stream(narwhal: Narwhal, nursery: trio.Nursery) -> tuple[St
         await trio.to_thread.run_sync(narwhal.fleet.restart, victim.name)
         await narwhal.wait_engine(victim.name, lambda e: e["eligible"], what="eligible after the restart",
                                   timeout_s=120)
+        await narwhal.wait_none_ejected(after=f"SIGKILL test, {victim.name} restarted")
         await readmit_drained(narwhal, victim)
     raise AssertionError(f"no stream of {LONG['max_tokens']} tokens could be cut in {CUT_ATTEMPTS} attempts")
 
