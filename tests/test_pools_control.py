@@ -215,18 +215,22 @@ async def test_control_calls_go_through_while_the_data_pool_is_full(nursery):
 
 # real sockets: kept-alive connections, and never more sockets than control_connections ---------
 
+async def _request_head(stream: trio.SocketStream) -> bytes | None:
+    """The next request's head (a GET: no body follows), or None once the router hung up."""
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        data = await stream.receive_some(65536)
+        if not data:
+            return None
+        buf += data
+    return buf
+
+
 async def _keep_alive_engine(stream: trio.SocketStream, *, accepted: list[int], closed: list[int]) -> None:
     """Answers every GET with 200 on the same connection; records when the router hangs up."""
     accepted.append(1)
-    buf = b""
     try:
-        while True:
-            while b"\r\n\r\n" not in buf:
-                data = await stream.receive_some(65536)
-                if not data:
-                    return
-                buf += data
-            head, _, buf = buf.partition(b"\r\n\r\n")
+        while (head := await _request_head(stream)) is not None:
             assert head.startswith(b"GET /health HTTP/1.1\r\n")
             await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
     except trio.BrokenResourceError:
@@ -281,5 +285,73 @@ async def test_one_idle_connection_per_engine_is_kept_between_calls(nursery):
                     both.start_soon(pool.get, engines[0], "/health")
             await trio.testing.wait_all_tasks_blocked()
         assert len(accepted) == 6 and len(closed) == 1 and pool.idle_connections == 5
+    finally:
+        await pool.aclose()
+
+
+# real sockets, bounded by the whole call's deadline: ours, or the caller's when it comes first -----------------
+
+async def _slow_engine(stream: trio.SocketStream, *, how: str, accepted: list[int]) -> None:
+    """``hang``: reads the request, never answers; ``drip``: a head, then one body byte every 0.1 s forever;
+    ``ok``: answers 200 on the same connection."""
+    accepted.append(1)
+    try:
+        while await _request_head(stream) is not None:
+            if how == "hang":
+                await trio.sleep_forever()
+            if how == "drip":
+                await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n")
+                while True:
+                    await trio.sleep(0.1)
+                    await stream.send_all(b"x")
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+    except trio.BrokenResourceError:
+        return
+    finally:
+        await trio.aclose_forcefully(stream)
+
+
+async def _slow_engine_at(nursery, how: list[str], accepted: list[int]) -> EngineSpec:
+    async def serve(stream: trio.SocketStream) -> None:
+        await _slow_engine(stream, how=how[0], accepted=accepted)
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, serve, 0, host="127.0.0.1"))
+    return EngineSpec(name="e1", url=f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}", role="prefill")
+
+
+@pytest.mark.parametrize(("how", "failure_class"), [("hang", FailureClass.TIMEOUT), ("drip", FailureClass.STREAM)])
+async def test_a_kept_alive_call_is_bounded_as_a_whole_by_its_timeout(nursery, autojump_clock, how, failure_class):
+    # Each read comes in time (drip), or none does (hang): the bound is the whole call's, not a read's.
+    accepted: list[int] = []
+    engine = await _slow_engine_at(nursery, [how], accepted)
+    pool = ControlPool(control_connections=2, engine_config=EngineConfig(health_timeout_s=2.0))
+    try:
+        started = trio.current_time()
+        with trio.fail_after(10), pytest.raises(EngineFailure) as caught:
+            await pool.get(engine, "/health", timeout_s=0.5)
+        assert caught.value.failure_class is failure_class
+        assert trio.current_time() - started == pytest.approx(0.5)
+        assert pool.idle_connections == 0 and pool.statistics().in_use == 0
+    finally:
+        await pool.aclose()
+
+
+@pytest.mark.parametrize("how", ["hang", "drip"])
+async def test_a_call_under_a_nearer_caller_deadline_ends_there_and_drops_its_connection(nursery, autojump_clock,
+                                                                                        how):
+    # A health sweep's deadline comes before the call's own timeout: the sweep's scope ends the call (and reports
+    # it), the half-read connection is closed, and the next call opens a fresh one.
+    state = [how]
+    accepted: list[int] = []
+    engine = await _slow_engine_at(nursery, state, accepted)
+    pool = ControlPool(control_connections=2, engine_config=EngineConfig(health_timeout_s=2.0))
+    try:
+        started = trio.current_time()
+        with trio.move_on_after(1.0) as caller:
+            await pool.get(engine, "/health", timeout_s=5.0, caller_deadline=caller.deadline)
+        assert caller.cancelled_caught and trio.current_time() - started == pytest.approx(1.0)
+        assert pool.idle_connections == 0 and pool.statistics().in_use == 0
+        state[0] = "ok"
+        assert await pool.get(engine, "/health", timeout_s=5.0) == ControlResponse(status=200, body=b"ok")
+        assert len(accepted) == 2 and pool.idle_connections == 1
     finally:
         await pool.aclose()

@@ -58,7 +58,8 @@ class FakeControlPool:
         self.answers = answers
         self.calls: list[tuple[str, str, float | None, float]] = []
 
-    async def get(self, engine: EngineSpec, path: str, *, timeout_s: float | None = None) -> ControlResponse:
+    async def get(self, engine: EngineSpec, path: str, *, timeout_s: float | None = None,
+                  caller_deadline: float = float("inf")) -> ControlResponse:
         self.calls.append((engine.name, path, timeout_s, trio.current_time()))
         answer = self.answers.get(engine.name, "ok")
         if answer == "hang":

@@ -547,26 +547,35 @@ class EngineConnection:
             data = self._read_now()
         if data is None:
             read_by = trio.current_time() + read_timeout_s if read_timeout_s < _INF else _INF
-            with trio.move_on_at(min(read_by, deadline)) as scope:
-                try:
-                    if fd >= 0:
-                        while data is None:
-                            await self._wait_readable()
-                            data = self._read_now()
-                    else:
-                        data = bytes(await self._stream.receive_some(_READ_SIZE))
-                except trio.BrokenResourceError as exc:
+            if read_by == deadline == _INF:
+                # Only the caller's scope bounds it (the control pool's, around the whole call): no scope of its own.
+                data = await self._wait_data(fd)
+            else:
+                with trio.move_on_at(min(read_by, deadline)) as scope:
+                    data = await self._wait_data(fd)
+                if scope.cancelled_caught:
                     self._broken = True
-                    raise ConnectionClosed(_closed_message("connection reset by the engine", exc),
-                                           cause=_cause_name(exc), response_started=self._response_started) from exc
-            if scope.cancelled_caught:
-                self._broken = True
-                if deadline <= read_by:
-                    raise DeadlineExpired(deadline_message or "response deadline passed",
-                                          cause="DeadlineExpired")
-                raise ReadTimeout(f"no response bytes within {read_timeout_s:g} s", cause="ReadTimeout")
+                    if deadline <= read_by:
+                        raise DeadlineExpired(deadline_message or "response deadline passed",
+                                              cause="DeadlineExpired")
+                    raise ReadTimeout(f"no response bytes within {read_timeout_s:g} s", cause="ReadTimeout")
         assert data is not None
         self._parse(data)
+
+    async def _wait_data(self, fd: int) -> bytes:
+        """The next bytes the engine sends (b"" at its end of file), however long that takes."""
+        try:
+            if fd >= 0:
+                while True:
+                    await self._wait_readable()
+                    data = self._read_now()
+                    if data is not None:
+                        return data
+            return bytes(await self._stream.receive_some(_READ_SIZE))
+        except trio.BrokenResourceError as exc:
+            self._broken = True
+            raise ConnectionClosed(_closed_message("connection reset by the engine", exc),
+                                   cause=_cause_name(exc), response_started=self._response_started) from exc
 
     def _parse(self, data: bytes) -> None:
         if not data:

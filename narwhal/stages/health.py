@@ -131,7 +131,8 @@ class HealthStage:
         status: int | None = None
         with trio.move_on_at(deadline) as scope:
             try:
-                response = await self.control_pool.get(spec, "/health", timeout_s=self.check_timeout_s)
+                response = await self.control_pool.get(spec, "/health", timeout_s=self.check_timeout_s,
+                                                       caller_deadline=deadline)
             except EngineFailure as exc:
                 answer = exc  # no HTTP answer: silent
             except PoolSaturated as exc:
