@@ -253,7 +253,7 @@ class Router:
                                    keep_intervals=config.telemetry.keep_intervals)
         # /admin/timeline: fed with every finished request (the workers' via their reports) and sampled each second.
         self.timeline = TimelineFeed(Timeline([entry.name for entry in engines]), self.telemetry,
-                                     in_flight=self._in_flight_counts, views=self.fleet.views)
+                                     in_flight=self._in_flight_counts, states=self.fleet.states)
         # The app reads this router's state as it answers: built here, the data plane hands it other routes.
         self.app = create_app(self)
         self.worker_count = config.serving.workers

@@ -25,6 +25,7 @@ from narwhal.fleet import (
     FleetEventKind,
     HoldKind,
 )
+from narwhal.obs.timeline_feed import engine_state
 
 ENGINES = [("p1", "prefill"), ("p2", "prefill"), ("d1", "decode"), ("d2", "decode")]
 EJECT_AFTER = 3
@@ -339,30 +340,41 @@ def test_every_hold_kind_pauses_new_requests() -> None:
         assert not fleet.is_eligible("d1", 0.0)
 
 
+RANDOM_OPERATIONS = 9
+
+
+def random_operation(fleet: Fleet, rng: random.Random, now: float, operations: int) -> None:
+    """One of the first ``operations`` kinds of change, on a random engine (removals are the last two)."""
+    name = rng.choice([n for n, _ in ENGINES])
+    op = rng.randrange(operations)
+    if op == 0:
+        fleet.record_failure(name, rng.choice(list(FailureClass)), now)
+    elif op == 1:
+        fleet.record_success(name, rng.choice(list(SuccessKind)), now)
+    elif op == 2:
+        fleet.add_hold(name, rng.choice(list(HoldKind)), "r", now, rng.choice([None, now + 10.0]))
+    elif op == 3:
+        fleet.clear_hold(name, rng.choice(list(HoldKind)), now)
+    elif op == 4:
+        fleet.record_probe(name, rng.choice(["success", "failed", "inconclusive"]), now)
+    elif op == 5:
+        fleet.readmit(name, now)
+    elif op == 6:
+        fleet.eject(name, "r", now)
+    elif op == 7:
+        fleet.start_removal(name, now, "r")
+    else:
+        fleet.cancel_removal(name, now, "r")
+
+
 def test_random_operations_keep_the_last_engine_invariant_and_a_true_cache() -> None:
-    kinds = list(HoldKind)
     for seed in range(30):
         rng = random.Random(seed)
         fleet = make_fleet(quarantine_s=QUARANTINE_S)
         now = 0.0
         for _ in range(200):
             now += rng.choice([0.0, 0.5, 3.0, 31.0])
-            name = rng.choice([n for n, _ in ENGINES])
-            op = rng.randrange(7)
-            if op == 0:
-                fleet.record_failure(name, rng.choice(list(FailureClass)), now)
-            elif op == 1:
-                fleet.record_success(name, rng.choice(list(SuccessKind)), now)
-            elif op == 2:
-                fleet.add_hold(name, rng.choice(kinds), "r", now, rng.choice([None, now + 10.0]))
-            elif op == 3:
-                fleet.clear_hold(name, rng.choice(kinds), now)
-            elif op == 4:
-                fleet.record_probe(name, rng.choice(["success", "failed", "inconclusive"]), now)
-            elif op == 5:
-                fleet.readmit(name, now)
-            else:
-                fleet.eject(name, "r", now)
+            random_operation(fleet, rng, now, RANDOM_OPERATIONS - 2)
             views = fleet.views(now)
             for role in ("prefill", "decode"):
                 eligible = fleet.eligible(role, now)
@@ -375,6 +387,28 @@ def test_random_operations_keep_the_last_engine_invariant_and_a_true_cache() -> 
                 assert eligible or not protectable, (seed, role, views)
                 # No expired hold survives a look at it.
                 assert all(h.deadline is None or h.deadline > now for v in views for h in v.holds)
+
+
+def test_the_unsettled_views_and_the_states_agree_with_every_view_after_random_operations() -> None:
+    # What the monitor's stages and the timeline read instead of every engine's view, on every state reached.
+    reached = {"unsettled": 0, "settled": 0, "held": 0, "ejected": 0, "removing": 0}
+    for seed in range(20):
+        rng = random.Random(seed)
+        fleet = make_fleet(quarantine_s=QUARANTINE_S)
+        now = 0.0
+        for _ in range(150):
+            now += rng.choice([0.0, 0.5, 3.0, 31.0])
+            random_operation(fleet, rng, now, RANDOM_OPERATIONS)
+            unsettled = fleet.views_of_unsettled(now)
+            states = fleet.states(now)
+            views = fleet.views(now)
+            assert unsettled == [v for v in views if v.ejected or v.holds or v.removing], (seed, views)
+            assert states == {v.name: engine_state(v) for v in views}, (seed, views)
+            reached["unsettled" if unsettled else "settled"] += 1
+            for state in ("held", "ejected"):
+                reached[state] += state in states.values()
+            reached["removing"] += any(v.removing for v in unsettled)
+    assert all(reached.values()), reached
 
 
 # ---------- Clearing failure evidence (beyond the table) ----------

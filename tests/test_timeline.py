@@ -155,12 +155,13 @@ def test_the_feed_tees_requests_and_samples_every_second_on_an_absolute_schedule
     down = {"d1": False}
     telemetry = _Telemetry()
 
-    def views(now: float) -> list[_View]:
-        return [_View("p1", True, False), _View("d1", not down["d1"], down["d1"])]
+    def states(now: float) -> dict[str, str]:
+        return {view.name: engine_state(view)
+                for view in (_View("p1", True, False), _View("d1", not down["d1"], down["d1"]))}
 
     async def main() -> None:
         feed = TimelineFeed(Timeline(["p1", "d1"], window_s=900), telemetry, in_flight=lambda: in_flight.counts,
-                            views=views, clock=trio.current_time, wall_clock=lambda: 5000.0)
+                            states=states, clock=trio.current_time, wall_clock=lambda: 5000.0)
         in_flight.acquire("p1")
         async with trio.open_nursery() as nursery:
             await nursery.start(feed.run)

@@ -146,6 +146,18 @@ class FleetWriter:
         self._publish_if_changed()
         return views
 
+    def views_of_unsettled(self, now: float) -> list[EngineView]:
+        """``Fleet.views_of_unsettled``."""
+        views = self._fleet.views_of_unsettled(now)
+        self._publish_if_changed()
+        return views
+
+    def states(self, now: float) -> dict[str, str]:
+        """``Fleet.states``."""
+        states = self._fleet.states(now)
+        self._publish_if_changed()
+        return states
+
     def snapshot(self, now: float, wall_now: float) -> list[EngineRecord]:
         """``Fleet.snapshot``."""
         records = self._fleet.snapshot(now, wall_now)

@@ -622,6 +622,22 @@ class Fleet:
         """``view`` of every engine, in configured order."""
         return [self.view(name, now) for name in self._engines]
 
+    def views_of_unsettled(self, now: float) -> list[EngineView]:
+        """``view`` of every engine that is ejected, held (deferred holds too) or being removed, in configured
+        order: what a pass may act on (a healthy fleet has none, so its pass builds no view)."""
+        if self._dirty or now >= self._next_deadline:
+            self._refresh(now)  # a hold that lapses now is gone before the engines are picked
+        return [self.view(name, now) for name, engine in self._engines.items()
+                if engine.ejected or engine.holds or engine.removing]
+
+    def states(self, now: float) -> dict[str, str]:
+        """Each engine's ``ejected``, ``eligible`` or ``held``, as ``timeline_feed.engine_state`` reads a view."""
+        if self._dirty or now >= self._next_deadline:
+            self._refresh(now)
+        eligible = self._eligible_names
+        return {name: "ejected" if engine.ejected else ("eligible" if name in eligible else "held")
+                for name, engine in self._engines.items()}
+
     def drain_events(self) -> list[FleetEvent]:
         """What happened since the last call, oldest first."""
         events = list(self._events)

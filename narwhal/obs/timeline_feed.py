@@ -50,12 +50,13 @@ class TimelineFeed:
     """The request path's telemetry sink in the controller, teeing into ``timeline``."""
 
     def __init__(self, timeline: Timeline, telemetry: _Telemetry, *, in_flight: Callable[[], Mapping[str, int]],
-                 views: Callable[[float], list[Any]], clock: Callable[[], float] = trio.current_time,
+                 states: Callable[[float], dict[str, str]], clock: Callable[[], float] = trio.current_time,
                  wall_clock: Callable[[], float] = time.time) -> None:
         self.timeline = timeline
         self.telemetry = telemetry
         self._in_flight = in_flight
-        self._views = views
+        # Each engine's engine_state now (the fleet answers without building a view per engine).
+        self._states = states
         self.clock = clock
         self.wall_clock = wall_clock
 
@@ -71,8 +72,7 @@ class TimelineFeed:
     def sample(self) -> None:
         """Record requests in flight and every engine's state for the current second."""
         now = self.clock()
-        self.timeline.sample(now, in_flight=self._in_flight(),
-                             state={view.name: engine_state(view) for view in self._views(now)})
+        self.timeline.sample(now, in_flight=self._in_flight(), state=self._states(now))
 
     def view(self, seconds: int | None = None) -> TimelineView:
         """The timeline now, for ``GET /admin/timeline``."""

@@ -42,15 +42,17 @@ class DrainStage:
     def settle(self, now: float) -> list[str]:
         """Mark engines whose drain just completed; forget engines no longer draining."""
         newly: list[str] = []
-        for view in self.fleet.views(now):
+        draining: set[str] = set()
+        for view in self.fleet.views_of_unsettled(now):
             holds = sorted(str(hold.kind) for hold in view.holds if hold.kind in DRAIN_HOLDS)
             if not holds:
-                self.drained.discard(view.name)
                 continue
+            draining.add(view.name)
             if view.name in self.drained or not drained((hold.kind for hold in view.holds),
                                                         self.in_flight[view.name]):
                 continue
             self.drained.add(view.name)
             newly.append(view.name)
             log_event("engine_drained", engine=view.name, holds=holds, model=view.model)
+        self.drained.intersection_update(draining)
         return newly

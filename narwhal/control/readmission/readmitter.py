@@ -585,7 +585,8 @@ class Readmitter:
         if self._nursery is None:
             raise RuntimeError("readmitter is not running: start Readmitter.run first")
         now = self.clock()
-        for view in self.fleet.views(now):
+        # Only an ejected engine can be due (both checks below ask): the unsettled ones hold them all.
+        for view in self.fleet.views_of_unsettled(now):
             on_health = self._due_on_health(view, now)
             if on_health or self._due_on_tick(view, now):
                 self._start(view.name, now, on_health=on_health)
