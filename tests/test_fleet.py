@@ -15,6 +15,7 @@ import pytest
 import trio
 from trio.testing import MockClock
 
+from narwhal.control.model_view import engine_state
 from narwhal.errors import FailureClass, SuccessKind
 from narwhal.fleet import (
     INFERENCE_FAILURES,
@@ -25,7 +26,6 @@ from narwhal.fleet import (
     FleetEventKind,
     HoldKind,
 )
-from narwhal.obs.timeline_feed import engine_state
 
 ENGINES = [("p1", "prefill"), ("p2", "prefill"), ("d1", "decode"), ("d2", "decode")]
 EJECT_AFTER = 3

@@ -14,9 +14,10 @@ import trio
 import trio.testing
 from test_admin_api import TOKEN, harness  # noqa: F401  (the fixture)
 
+from narwhal.control.model_view import engine_state
 from narwhal.fleet.placement import InFlight
 from narwhal.obs.timeline import OTHER_ERROR_CLASS, Timeline, error_class_of
-from narwhal.obs.timeline_feed import TimelineFeed, engine_state
+from narwhal.obs.timeline_feed import TimelineFeed
 from narwhal.workers.protocol import RequestSample
 
 

@@ -25,6 +25,7 @@ from narwhal.fleet import (
     ActionKind,
     EjectionCause,
     EngineRecord,
+    EngineState,
     EngineView,
     Fleet,
     FleetEvent,
@@ -152,7 +153,7 @@ class FleetWriter:
         self._publish_if_changed()
         return views
 
-    def states(self, now: float) -> dict[str, str]:
+    def states(self, now: float) -> dict[str, EngineState]:
         """``Fleet.states``."""
         states = self._fleet.states(now)
         self._publish_if_changed()

@@ -9,20 +9,19 @@ returns as is. It reads and never changes anything.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Literal, Protocol
+from typing import Protocol
 
 import msgspec
 import trio
 
 from narwhal.config import Config, EngineSpec, RunningConfig
 from narwhal.control.model_lengths import ModelLengths
-from narwhal.fleet import EngineView
+from narwhal.fleet import EngineState, EngineView, state_name
 from narwhal.model_ready import ReadyAnswer, ready_answer
 from narwhal.served_models import ServedModel, ServedModels
 
 __all__ = ["ModelCard", "ModelEngineEntry", "ModelEntry", "ModelList", "ModelViewer", "ModelsView", "engine_state"]
 
-EngineState = Literal["eligible", "held", "ejected"]
 
 
 class ModelCard(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -74,9 +73,7 @@ class ModelsView(msgspec.Struct, frozen=True, kw_only=True):
 
 def engine_state(view: EngineView) -> EngineState:
     """``ejected``, ``eligible`` or ``held`` (out of placement for a hold): the fleet page's words."""
-    if view.ejected:
-        return "ejected"
-    return "eligible" if view.eligible else "held"
+    return state_name(view.ejected, view.eligible)
 
 
 class _Fleet(Protocol):

@@ -13,6 +13,7 @@ from narwhal.fleet.model import (
     EjectionCause,
     EngineCounters,
     EngineRecord,
+    EngineState,
     EngineView,
     FleetEvent,
     FleetEventKind,
@@ -20,6 +21,7 @@ from narwhal.fleet.model import (
     HoldKind,
     HoldRecord,
     ProbeOutcome,
+    state_name,
 )
 from narwhal.fleet.tables import (
     ACTION_POOL,
@@ -47,6 +49,7 @@ __all__ = [
     "EjectionCause",
     "EngineCounters",
     "EngineRecord",
+    "EngineState",
     "EngineView",
     "Fleet",
     "FleetEvent",
@@ -55,4 +58,5 @@ __all__ = [
     "HoldKind",
     "HoldRecord",
     "ProbeOutcome",
+    "state_name",
 ]

@@ -117,6 +117,7 @@ from narwhal.fleet.model import (
     EjectionCause,
     EngineCounters,
     EngineRecord,
+    EngineState,
     EngineView,
     FleetEvent,
     FleetEventKind,
@@ -124,6 +125,7 @@ from narwhal.fleet.model import (
     HoldKind,
     HoldRecord,
     ProbeOutcome,
+    state_name,
 )
 from narwhal.fleet.tables import (
     EVIDENCE_CLEARED,
@@ -630,13 +632,12 @@ class Fleet:
         return [self.view(name, now) for name, engine in self._engines.items()
                 if engine.ejected or engine.holds or engine.removing]
 
-    def states(self, now: float) -> dict[str, str]:
-        """Each engine's ``ejected``, ``eligible`` or ``held``, as ``timeline_feed.engine_state`` reads a view."""
+    def states(self, now: float) -> dict[str, EngineState]:
+        """Each engine's ``state_name`` at ``now``, without building its view."""
         if self._dirty or now >= self._next_deadline:
             self._refresh(now)
         eligible = self._eligible_names
-        return {name: "ejected" if engine.ejected else ("eligible" if name in eligible else "held")
-                for name, engine in self._engines.items()}
+        return {name: state_name(engine.ejected, name in eligible) for name, engine in self._engines.items()}
 
     def drain_events(self) -> list[FleetEvent]:
         """What happened since the last call, oldest first."""

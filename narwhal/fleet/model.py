@@ -21,6 +21,7 @@ __all__ = [
     "ActionKind",
     "EngineCounters",
     "EngineRecord",
+    "EngineState",
     "EjectionCause",
     "EngineView",
     "FleetEvent",
@@ -29,11 +30,22 @@ __all__ = [
     "HoldKind",
     "HoldRecord",
     "ProbeOutcome",
+    "state_name",
 ]
 
 ROLES: tuple[str, ...] = ("prefill", "decode")
 
 ProbeOutcome = Literal["success", "failed", "inconclusive"]
+
+# An engine's state in one word, as the fleet page, the timeline and /v1/models show it.
+EngineState = Literal["eligible", "held", "ejected"]
+
+
+def state_name(ejected: bool, eligible: bool) -> EngineState:
+    """``ejected``, ``eligible`` or ``held`` (out of placement for a hold, a drain included)."""
+    if ejected:
+        return "ejected"
+    return "eligible" if eligible else "held"
 
 # What caused a failure_quarantine hold: a failure class, or the liveness miss
 # counter (the evidence names of the clearing table).

@@ -19,7 +19,7 @@ import trio
 
 from narwhal.obs.timeline import Timeline, TimelineView
 
-__all__ = ["TimelineFeed", "engine_state"]
+__all__ = ["TimelineFeed"]
 
 SAMPLE_INTERVAL_S = 1.0
 
@@ -30,32 +30,16 @@ class _Telemetry(Protocol):
                        error_class: str | None = None, failed: bool = False) -> None: ...
 
 
-class _EngineView(Protocol):
-    @property
-    def name(self) -> str: ...
-    @property
-    def eligible(self) -> bool: ...
-    @property
-    def ejected(self) -> bool: ...
-
-
-def engine_state(view: _EngineView) -> str:
-    """``eligible``, ``ejected`` or ``held`` (any hold that keeps new requests away, a drain included)."""
-    if view.ejected:
-        return "ejected"
-    return "eligible" if view.eligible else "held"
-
-
 class TimelineFeed:
     """The request path's telemetry sink in the controller, teeing into ``timeline``."""
 
     def __init__(self, timeline: Timeline, telemetry: _Telemetry, *, in_flight: Callable[[], Mapping[str, int]],
-                 states: Callable[[float], dict[str, str]], clock: Callable[[], float] = trio.current_time,
+                 states: Callable[[float], Mapping[str, str]], clock: Callable[[], float] = trio.current_time,
                  wall_clock: Callable[[], float] = time.time) -> None:
         self.timeline = timeline
         self.telemetry = telemetry
         self._in_flight = in_flight
-        # Each engine's engine_state now (the fleet answers without building a view per engine).
+        # Each engine's state name now (the fleet answers without building a view per engine).
         self._states = states
         self.clock = clock
         self.wall_clock = wall_clock
