@@ -45,6 +45,7 @@ library's or a bug. The tree, with the module each class lives in:
     ├── FrameError .................. workers.protocol: a controller/worker frame no peer of ours would send
     ├── LinkClosed .................. workers.link: the other process of a controller/worker link is gone
     ├── KvWireError ................. kv_events.wire: a KV event message that cannot be read, or past its bounds
+    ├── WaitExpired ................. http1.readiness: a socket wait's deadline passed (the client makes it a timeout)
     ├── GateRefused ................. auth.priority: no capacity for the request's priority class (503)
     └── AuthRefused ................. auth.client_auth: a client's request refused (401, 403, 429, 503)
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 
 import pytest
 import trio
 
-from narwhal.http1.readiness import Readiness
+from narwhal.http1.readiness import Readiness, WaitExpired, Watch
 
 _open: list[socket.socket] = []
 
@@ -100,6 +101,86 @@ async def test_forgetting_a_socket_wakes_its_waiter_with_closed_resource(nursery
     ours.close()
     with trio.fail_after(5):
         await raised.wait()
+
+
+# timed waits: kept by whoever calls expire, with no cancel scope -------------------------
+
+async def watched_pair(nursery: trio.Nursery, on_timed: Callable[[], None] | None = None,
+                       ) -> tuple[Readiness, Watch, socket.socket, socket.socket]:
+    """A running hub (its timer hook set), and one socket of a pair in its set."""
+    hub = Readiness()
+    hub.on_timed = on_timed
+    await nursery.start(hub.run)
+    ours, peer = pair()
+    watch = hub.watch(ours.fileno())
+    assert watch is not None
+    return hub, watch, ours, peer
+
+
+async def test_a_timed_wait_fails_only_once_expire_finds_its_deadline_passed(nursery: trio.Nursery) -> None:
+    timer_woken: list[bool] = []
+    hub, watch, _ours, _peer = await watched_pair(nursery, lambda: timer_woken.append(True))
+    outcome: list[str] = []
+
+    async def waiter() -> None:
+        try:
+            await hub.wait(watch, deadline=100.0)
+        except WaitExpired:
+            outcome.append("expired")
+    nursery.start_soon(waiter)
+    await trio.testing.wait_all_tasks_blocked()
+    # The first timed wait wakes the timer; the wait is pending in the set.
+    assert timer_woken == [True] and hub.timed_waits
+    hub.expire(99.9)
+    await trio.testing.wait_all_tasks_blocked()
+    assert outcome == []
+    hub.expire(100.0)
+    await trio.testing.wait_all_tasks_blocked()
+    assert outcome == ["expired"]
+    assert not hub.timed_waits
+
+
+async def test_a_timed_wait_woken_in_time_leaves_the_set_and_a_later_plain_wait_is_never_expired(
+        nursery: trio.Nursery) -> None:
+    hub, watch, ours, peer = await watched_pair(nursery, lambda: None)
+    peer.send(b"x")
+    with trio.fail_after(5):
+        await hub.wait(watch, deadline=trio.current_time() + 100)
+    ours.recv(10)
+    # The same socket waits again, with no deadline: the earlier one must not fail it.
+    done: list[str] = []
+
+    async def waiter() -> None:
+        await hub.wait(watch)
+        done.append("woken")
+    nursery.start_soon(waiter)
+    await trio.testing.wait_all_tasks_blocked()
+    hub.expire(trio.current_time() + 1000)
+    await trio.testing.wait_all_tasks_blocked()
+    assert done == [] and not hub.timed_waits
+    peer.send(b"y")
+    with trio.fail_after(5):
+        while not done:
+            await trio.sleep(0.001)
+
+
+async def test_a_cancelled_timed_wait_leaves_the_set(nursery: trio.Nursery) -> None:
+    hub, watch, _ours, _peer = await watched_pair(nursery, lambda: None)
+    with trio.move_on_after(0.01):
+        await hub.wait(watch, deadline=trio.current_time() + 100)
+    assert watch.task is None
+    hub.expire(trio.current_time() + 1000)
+    assert not hub.timed_waits
+
+
+async def test_with_nobody_expiring_a_timed_wait_keeps_its_deadline_itself(
+        nursery: trio.Nursery, autojump_clock: trio.testing.MockClock) -> None:
+    hub, watch, _ours, _peer = await watched_pair(nursery)
+    started = trio.current_time()
+    with pytest.raises(WaitExpired):
+        await hub.wait(watch, deadline=started + 3.0)
+    assert trio.current_time() - started == pytest.approx(3.0)
+    assert not hub.timed_waits
 
 
 async def test_nothing_is_watched_while_the_hub_is_not_running() -> None:

@@ -639,6 +639,40 @@ async def test_the_watchdog_sleeps_while_no_stream_is_live_and_a_new_stream_is_w
     assert pool._stream_added.statistics().tasks_waiting == 1  # asleep again once the stream ended
 
 
+async def test_a_read_timeout_is_kept_by_the_watchdog_tick_not_a_scope(serve, make_pool, autojump_clock):
+    async def respond(request, stream, index):
+        await trio.sleep_forever()
+    engine = await serve(respond)
+    # The tick is a twentieth of the smallest deadline (0.1 s); the read timeout falls between two ticks.
+    pool = await make_pool(msgspec.structs.replace(FAST, stream_silence_s=2.0, first_token_deadline_s=2.0,
+                                                   request_timeout_s=10.05))
+    assert pool.watchdog_tick_s == pytest.approx(0.1)
+    await trio.sleep(5.0)
+    # Idle: the watchdog waits for work instead of ticking.
+    assert pool._stream_added.statistics().tasks_waiting == 1
+    started = trio.current_time()
+    waiting: list[bool] = []
+
+    async def watch_the_set() -> None:
+        await trio.sleep(1.0)
+        waiting.append(pool._readiness.timed_waits)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch_the_set)
+        with pytest.raises(EngineFailure) as caught:
+            await post(pool, engine)
+    elapsed = trio.current_time() - started
+    assert (caught.value.failure_class, caught.value.cause) == (FailureClass.TIMEOUT, "ReadTimeout")
+    assert "no response bytes within 10.05 s" in caught.value.message
+    # The readiness set held the wait (no scope of its own), and the watchdog's next tick after
+    # the deadline failed it: never early, at most a tick late.
+    assert waiting == [True]
+    assert 10.05 < elapsed <= 10.05 + pool.watchdog_tick_s + 1e-6
+    assert pool.statistics().in_use == 0
+    await trio.sleep(1.0)
+    assert pool._stream_added.statistics().tasks_waiting == 1  # asleep again
+
+
 async def test_a_reload_gives_the_next_stream_its_first_token_deadline(serve, make_pool, autojump_clock):
     engine = await serve(sse(then=trio.sleep_forever))
     pool = await make_pool(msgspec.structs.replace(FAST, stream_silence_s=30.0, first_token_deadline_s=20.0,

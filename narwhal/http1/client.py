@@ -41,7 +41,7 @@ import msgspec
 import trio
 
 from narwhal.errors import NarwhalError
-from narwhal.http1.readiness import Readiness, Watch
+from narwhal.http1.readiness import Readiness, WaitExpired, Watch
 from narwhal.http1.sockets import socket_of
 from narwhal.tls import tls_reason
 
@@ -271,10 +271,10 @@ class EngineConnection:
         """The engine closed or reset the connection (seen by the readiness set; False without one)."""
         return self._watch is not None and self._watch.gone
 
-    async def _wait_readable(self) -> None:
+    async def _wait_readable(self, deadline: float = _INF) -> None:
         if self._watch is not None:
             assert self._readiness is not None
-            await self._readiness.wait(self._watch)
+            await self._readiness.wait(self._watch, deadline)
         else:
             await trio.lowlevel.wait_readable(self._fd)
 
@@ -550,24 +550,36 @@ class EngineConnection:
             if read_by == deadline == _INF:
                 # Only the caller's scope bounds it (the control pool's, around the whole call): no scope of its own.
                 data = await self._wait_data(fd)
+            elif self._watch is not None and self._readiness is not None and self._readiness.expires_waits:
+                # The readiness set keeps the deadline (its timer's tick): no scope of its own either.
+                expires = min(read_by, deadline)
+                try:
+                    data = await self._wait_data(fd, expires)
+                except WaitExpired:
+                    self._broken = True
+                    raise self._expired(read_timeout_s, read_by, deadline, deadline_message) from None
             else:
                 with trio.move_on_at(min(read_by, deadline)) as scope:
                     data = await self._wait_data(fd)
                 if scope.cancelled_caught:
                     self._broken = True
-                    if deadline <= read_by:
-                        raise DeadlineExpired(deadline_message or "response deadline passed",
-                                              cause="DeadlineExpired")
-                    raise ReadTimeout(f"no response bytes within {read_timeout_s:g} s", cause="ReadTimeout")
+                    raise self._expired(read_timeout_s, read_by, deadline, deadline_message)
         assert data is not None
         self._parse(data)
 
-    async def _wait_data(self, fd: int) -> bytes:
-        """The next bytes the engine sends (b"" at its end of file), however long that takes."""
+    @staticmethod
+    def _expired(read_timeout_s: float, read_by: float, deadline: float, deadline_message: str) -> HTTPTransportError:
+        """The failure of a read whose time ran out: the caller's deadline, or the per-read timeout."""
+        if deadline <= read_by:
+            return DeadlineExpired(deadline_message or "response deadline passed", cause="DeadlineExpired")
+        return ReadTimeout(f"no response bytes within {read_timeout_s:g} s", cause="ReadTimeout")
+
+    async def _wait_data(self, fd: int, deadline: float = _INF) -> bytes:
+        """The next bytes the engine sends (b"" at its end of file); ``deadline`` only through the readiness set."""
         try:
             if fd >= 0:
                 while True:
-                    await self._wait_readable()
+                    await self._wait_readable(deadline)
                     data = self._read_now()
                     if data is not None:
                         return data

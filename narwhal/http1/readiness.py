@@ -18,6 +18,13 @@ to read and write every live decode stream from inside the hub; a handler that
 stopped before its socket was drained asks for another call with ``later`` (on
 the next round, after the hub has yielded to the scheduler once).
 
+A wait may carry a deadline (``wait(watch, deadline)``). No cancel scope is
+opened for it (a scope with a deadline costs about 7 µs of trio's Python, as
+much as a request leg's other bookkeeping): whoever drives the set's timers
+(``on_timed``; the data pool's watchdog) calls ``expire`` every tick, which
+fails each wait whose deadline has passed with ``WaitExpired``. Such a
+deadline therefore fires up to one tick late.
+
 Only for plain sockets on Linux; anything else uses trio's waits.
 """
 
@@ -30,7 +37,11 @@ from typing import Any
 import outcome
 import trio
 
-__all__ = ["Readiness", "Watch"]
+from narwhal.errors import NarwhalError
+
+__all__ = ["Readiness", "WaitExpired", "Watch"]
+
+_INF = float("inf")
 
 _EVENTS = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLET
 # The peer shut down its side (FIN) or the connection is gone: no edge will come again.
@@ -47,10 +58,14 @@ HUB_STOPPED = -1
 _BATCH = 64
 
 
+class WaitExpired(NarwhalError):
+    """A wait's deadline passed before its socket was ready (raised in the waiting task)."""
+
+
 class Watch:
     """One socket in the set: who waits for it, and what the hub saw while nobody did."""
 
-    __slots__ = ("closed", "fd", "gone", "gone_events", "handler", "on_gone", "ready", "task")
+    __slots__ = ("closed", "deadline", "fd", "gone", "gone_events", "handler", "on_gone", "ready", "task")
 
     def __init__(self, fd: int, on_gone: Callable[[], None] | None, gone_events: int) -> None:
         self.fd = fd
@@ -63,6 +78,8 @@ class Watch:
         # One of ``gone_events`` happened (and on_gone was called).
         self.gone = False
         self.task: trio.lowlevel.Task | None = None
+        # The deadline of the current wait (inf: none).
+        self.deadline = _INF
         # Called by the hub with the events instead of waking a task (the relay pump).
         self.handler: Callable[[int], None] | None = None
 
@@ -75,7 +92,34 @@ class Readiness:
         self._watches: dict[int, Watch] = {}
         # Watches whose handler asked to be called again on the next round (``later``).
         self._later: list[Watch] = []
+        # Watches whose wait had a deadline; a woken or aborted one leaves at the next ``expire``.
+        self._timed: set[Watch] = set()
+        # Called when a timed wait starts with none pending: whoever calls ``expire`` wakes to tick.
+        self.on_timed: Callable[[], None] | None = None
         self.running = False
+
+    @property
+    def expires_waits(self) -> bool:
+        """A wait's deadline is kept (someone calls ``expire``): callers need no scope of their own."""
+        return self.on_timed is not None
+
+    @property
+    def timed_waits(self) -> bool:
+        """Some wait with a deadline may still be pending (``expire`` has work)."""
+        return bool(self._timed)
+
+    def expire(self, now: float) -> None:
+        """Fail with ``WaitExpired`` each wait whose deadline is ``now`` or earlier."""
+        timed = self._timed
+        for watch in list(timed):
+            task = watch.task
+            if task is None or watch.deadline == _INF:
+                # Woken, aborted, or waiting again with no deadline since.
+                timed.discard(watch)
+            elif now >= watch.deadline:
+                timed.discard(watch)
+                watch.task = None
+                trio.lowlevel.reschedule(task, outcome.Error(WaitExpired()))
 
     def watch(self, fd: int, on_gone: Callable[[], None] | None = None,
               gone_events: int = GONE_EVENTS) -> Watch | None:
@@ -117,19 +161,34 @@ class Readiness:
         if task is not None:
             trio.lowlevel.reschedule(task, outcome.Error(trio.ClosedResourceError("the socket was closed")))
 
-    async def wait(self, watch: Watch) -> None:
-        """Until the socket has something to read (or its peer went away); at once if an edge is pending."""
+    async def wait(self, watch: Watch, deadline: float = _INF) -> None:
+        """Until the socket has something to read (or its peer went away); at once if an edge is pending.
+
+        With a ``deadline`` (trio time) it raises ``WaitExpired`` once ``expire`` finds it passed.
+        """
         if watch.ready or watch.closed:
             # After the peer's close no edge comes again: the EOF (or error) waits to be read.
             watch.ready = False
             return
-        if not self.running:
-            # The hub has stopped (shutdown): trio's own wait still works.
-            await trio.lowlevel.wait_readable(watch.fd)
+        on_timed = self.on_timed
+        if not self.running or (deadline < _INF and on_timed is None):
+            # The hub has stopped (shutdown), or nobody keeps deadlines: trio's own wait, under a scope.
+            with trio.move_on_at(deadline) as scope:
+                await trio.lowlevel.wait_readable(watch.fd)
+            if scope.cancelled_caught:
+                raise WaitExpired
             return
         if watch.task is not None:
             raise trio.BusyResourceError("another task is already waiting on this socket")
         watch.task = trio.lowlevel.current_task()
+        # Every wait sets it: a stale deadline must not expire a later wait that has none.
+        watch.deadline = deadline
+        if deadline < _INF:
+            timed = self._timed
+            if not timed:
+                assert on_timed is not None
+                on_timed()
+            timed.add(watch)
 
         def abort(_: Any) -> trio.lowlevel.Abort:
             watch.task = None
@@ -185,6 +244,7 @@ class Readiness:
         finally:
             self.running = False
             self._later.clear()
+            self._timed.clear()
             for watch in list(watches.values()):
                 handler, watch.handler = watch.handler, None
                 if handler is not None:

@@ -67,11 +67,12 @@ def _post_request(engine: EngineSpec, path: str, body: bytes, request_id: str, a
 
 
 def watchdog_tick(config: EngineConfig) -> float:
-    """How often the watchdog checks stream deadlines: a twentieth of the smallest, at most 1 s.
+    """How often the watchdog checks deadlines: a twentieth of the smallest, at most 1 s.
 
-    So ``first_token_deadline_s`` and ``stream_silence_s`` fire at most 5% late.
+    So ``first_token_deadline_s``, ``stream_silence_s`` and a read's ``request_timeout_s`` fire at most 5%
+    (or 1 s) late.
     """
-    smallest = min(config.first_token_deadline_s, config.stream_silence_s)
+    smallest = min(config.first_token_deadline_s, config.stream_silence_s, config.request_timeout_s)
     return max(_MIN_TICK_S, min(_MAX_TICK_S, smallest / 20))
 
 
@@ -271,7 +272,7 @@ class DataPool:
         self._wait = wait_for_slot
         # Live decode streams, for the deadline watchdog (``run``).
         self._streams: set[UpstreamStream] = set()
-        # Set when a stream starts: the watchdog sleeps on it while there is none.
+        # Set when a stream or a timed read starts: the watchdog sleeps on it while there is neither.
         self._stream_added = trio.Event()
         self._watchdog_running = False
         self.watchdog_tick_s = watchdog_tick(engine_config)
@@ -376,23 +377,31 @@ class DataPool:
             task_status.started()
 
     async def _watchdog(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """Every tick, cancel the streams whose engine kept them waiting too long."""
+        """Every tick, cancel the streams whose engine kept them waiting too long, and fail the engine reads
+        (heads, buffered bodies) whose timeout passed: a read opens no cancel scope of its own."""
+        readiness = self._readiness
+        readiness.on_timed = self._wake_watchdog
         self._watchdog_running = True
         try:
             task_status.started()
             while True:
-                if not self._streams:
-                    # Nothing to watch: asleep until a stream starts, not ticking.
+                if not self._streams and not readiness.timed_waits:
+                    # Nothing to watch: asleep until a stream or a timed read starts, not ticking.
                     self._stream_added = trio.Event()
                     await self._stream_added.wait()
                 # Read each tick: a reload may shorten the deadlines.
                 await trio.sleep(self.watchdog_tick_s)
+                now = trio.current_time()
                 if self._streams:
-                    now = trio.current_time()
                     for upstream in list(self._streams):
                         upstream.check_deadline(now)
+                readiness.expire(now)
         finally:
             self._watchdog_running = False
+            readiness.on_timed = None
+
+    def _wake_watchdog(self) -> None:
+        self._stream_added.set()
 
     def statistics(self) -> DataPoolStatistics:
         """Slots in use and waiting, connections opened so far, idle connections."""
