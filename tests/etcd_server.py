@@ -50,7 +50,25 @@ class EtcdServer:
 
 async def start_etcd(data_dir: Path, *, timeout_s: float = 20.0, ports: tuple[int, int] | None = None) -> EtcdServer:
     """Start etcd on free 127.0.0.1 ports (or ``ports``: client, peer, to start it again where it was) and wait
-    until it answers /health."""
+    until it answers /health.
+
+    A free port can be taken by another test's process before etcd binds it: on free ports chosen here, etcd
+    that exits for that reason is started again on others (three tries).
+    """
+    for attempt in range(3):
+        try:
+            return await _start_etcd_once(data_dir, timeout_s=timeout_s, ports=ports)
+        except _PortTaken:
+            if ports is not None or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(RuntimeError):
+    """etcd exited at once: a port it was given was taken meanwhile."""
+
+
+async def _start_etcd_once(data_dir: Path, *, timeout_s: float, ports: tuple[int, int] | None) -> EtcdServer:
     client_port, peer_port = ports if ports is not None else (_free_port(), _free_port())
     url = f"http://127.0.0.1:{client_port}"
     peer = f"http://127.0.0.1:{peer_port}"
@@ -75,5 +93,8 @@ async def start_etcd(data_dir: Path, *, timeout_s: float = 20.0, ports: tuple[in
                     pass
                 await trio.sleep(0.1)
     await server.stop()
-    raise RuntimeError(f"etcd at {url} did not become healthy within {timeout_s} s "
-                       f"(exit code {process.returncode}); see {data_dir}.log")
+    message = (f"etcd at {url} did not become healthy within {timeout_s} s "
+               f"(exit code {process.returncode}); see {data_dir}.log")
+    if b"address already in use" in (data_dir.parent / f"{data_dir.name}.log").read_bytes():
+        raise _PortTaken(message)
+    raise RuntimeError(message)
