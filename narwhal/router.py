@@ -21,6 +21,7 @@ import functools
 import json
 import logging
 import math
+import operator
 import os
 import secrets
 import socket
@@ -229,14 +230,15 @@ class Router:
         self.kv_publishers = KvPublishers(on_change=self._kv_sources_changed)
         recovery = config.recovery
         # The one writer: every part that changes the fleet gets this, never the bare Fleet.
-        self.fleet = FleetWriter(Fleet(
+        fleet = Fleet(
             [(entry.name, entry.role, entry.model) for entry in engines],
             eject_after=recovery.eject_after,
             liveness_misses=recovery.liveness_misses,
             failure_quarantine_s=recovery.failure_quarantine_s,
             probe_interval_s=recovery.probe_interval_s,
-        ), self.metrics, listeners=[self._forget_on_fleet_event], on_change=self._fleet_changed(poke),
-            decides=self._decides if self.replicas else None)
+        )
+        self.fleet = FleetWriter(fleet, self.metrics, listeners=[self._forget_on_fleet_event],
+                                 on_change=self._fleet_changed(poke), decides=self._decides if self.replicas else None)
         # Every engine request says it came from this router: one arriving back here is a loop.
         self.via_token = f"narwhal-{secrets.token_hex(8)}"
         # Certificates are read here: a problem is a ConfigError naming the key.
@@ -275,7 +277,10 @@ class Router:
                              admit_until=self._admit_until, kv_sources=lambda: self.kv_events.sources,
                              admit_until_reason=self._admit_until_reason if self.replicas else None,
                              on_placed=self._placed_by_workers if self.replicas else None,
-                             auth=self._auth_settings)
+                             auth=self._auth_settings,
+                             # A replica's eligibility is also the controller's word: no shortcut there.
+                             fleet_mutations=None if self.replicas else functools.partial(
+                                 operator.attrgetter("mutations"), fleet))
         self.index_relay = self.hub.index_relay
         self.data_plane = self._build_data_plane(config_dir)
         self.in_flight = self.data_plane.in_flight
@@ -386,9 +391,11 @@ class Router:
             plane.configure(placement, engine)
 
         # The request path reads snapshots and sends evidence as messages, here
-        # by a function call, from worker processes over a socket: one code path.
+        # by a function call, from worker processes over a socket: one code path
+        # (here a success, two a request, skips the message: the hub takes it as a call).
         view = WorkerView(lambda message: hub.receive(0, message), clock=trio.current_time,
-                          refresh=hub.refresh_if_fleet_changed, on_engines=engines_changed,
+                          refresh=hub.refresh_if_fleet_changed, record_success=hub.record_success,
+                          on_engines=engines_changed,
                           on_settings=settings_changed, on_fleet=lambda fleet: plane.core.set_fleet(fleet),
                           on_auth=lambda settings: plane.configure_auth(settings),
                           on_tracing=lambda tracing: plane.configure_tracing(tracing))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import operator
+import random
 import socket
 from collections.abc import Callable
 
@@ -29,6 +32,7 @@ from narwhal.workers.protocol import (
 )
 from narwhal.workers.view import TelemetryRelay, WorkerView
 from narwhal.workers.worker import others_in_flight
+from tests.test_fleet import ENGINES, QUARANTINE_S, RANDOM_OPERATIONS, make_fleet, random_operation
 
 # -- framing -------------------------------------------------------------------------------
 
@@ -263,6 +267,67 @@ def test_quarantine_expiry_is_published_at_its_deadline() -> None:
     fleet.readmit("d1", now[0])
     hub.publish()
     assert inbox[-1].eligible["decode"] == ["d1", "d2"]
+
+
+def test_the_fleets_change_count_lets_a_check_skip_asking_and_misses_no_change() -> None:
+    """A hub that trusts ``Fleet.mutations`` and the next hold deadline publishes exactly what one that asks
+    the fleet at every check publishes, through random changes and the clock passing hold deadlines."""
+    names = [name for name, _ in ENGINES]
+    for seed in range(20):
+        rng = random.Random(seed)
+        fleet = make_fleet(quarantine_s=QUARANTINE_S)
+        now = [0.0]
+        inboxes: tuple[list[Snapshot], list[Snapshot]] = ([], [])
+        asks: list[int] = [0]
+        control = _Control(fleet, now)
+        counted = _CountingControl(fleet, now, asks)
+        clock = functools.partial(operator.getitem, now, 0)
+        plain = WorkerHub(control, _Admission(), engines=names, clock=clock)
+        trusting = WorkerHub(counted, _Admission(), engines=names, clock=clock,
+                             fleet_mutations=functools.partial(operator.attrgetter("mutations"), fleet))
+        plain.attach(0, inboxes[0].append)
+        trusting.attach(0, inboxes[1].append)
+        skipped = 0
+        for _ in range(300):
+            now[0] += rng.choice([0.0, 0.0, 0.5, 3.0, 11.0])
+            if rng.random() < 0.4:
+                random_operation(fleet, rng, now[0], RANDOM_OPERATIONS)
+            before = asks[0]
+            # The trusting hub first: the plain one's reads would refresh the fleet for it.
+            trusting.refresh_if_fleet_changed()
+            skipped += asks[0] == before
+            plain.refresh_if_fleet_changed()
+            assert [snapshot.eligible for snapshot in inboxes[1]] == [
+                snapshot.eligible for snapshot in inboxes[0]], seed
+        assert skipped > 100  # most checks asked nothing
+
+
+def test_in_one_process_a_success_reaches_the_hub_as_a_call_and_clears_the_streak() -> None:
+    hub, _, now = _hub(eject_after=2)
+    sent: list[Evidence] = []
+    view = WorkerView(sent.append, clock=lambda: now[0], refresh=hub.refresh_if_fleet_changed,
+                      record_success=hub.record_success)
+    hub.attach(0, view.apply)
+    hub.receive(0, Evidence(engine="d1", failure_class="connection"))
+    view.record_success("d1", SuccessKind.DECODE_TERMINAL)
+    # The streak was cleared: one more failure is the first of a new streak, not the second.
+    hub.receive(0, Evidence(engine="d1", failure_class="connection"))
+    assert view.eligible("decode") == ["d1", "d2"]
+    hub.receive(0, Evidence(engine="d1", failure_class="connection"))
+    assert view.eligible("decode") == ["d2"]
+    assert sent == []  # no message was built for the success
+
+
+class _CountingControl(_Control):
+    """``_Control`` that counts the version reads (a full check)."""
+
+    def __init__(self, fleet: Fleet, now: list[float], asks: list[int]) -> None:
+        super().__init__(fleet, now)
+        self.asks = asks
+
+    def state_version(self) -> int:
+        self.asks[0] += 1
+        return super().state_version()
 
 
 def test_samples_in_reports_reach_the_controllers_telemetry() -> None:

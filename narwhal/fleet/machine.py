@@ -234,6 +234,9 @@ class Fleet:
         # The cache of eligibility is stale when _dirty is set or at
         # _next_deadline, the earliest hold deadline.
         self._dirty = True
+        # Counts the changes that marked it stale (``_changed``): a reader that saw the same count and
+        # reads before ``next_deadline`` knows the eligibility version has not moved, without asking.
+        self.mutations = 0
         self._next_deadline = math.inf
         # Bumped whenever the eligible sets change: snapshots for workers are republished on it.
         self._eligibility_version = 0
@@ -288,7 +291,7 @@ class Fleet:
         engine.ejected_at = now
         self._engines[name] = engine
         self._pool(model, role).append(engine)
-        self._dirty = True
+        self._changed()
         self._emit(FleetEventKind.ADDED, engine, now, reason)
         self._refresh_if_stale(now)
 
@@ -299,7 +302,7 @@ class Fleet:
             return
         engine.removing = True
         engine.next_probe_at = None
-        self._dirty = True
+        self._changed()
         self._emit(FleetEventKind.REMOVING, engine, now, reason)
         self._refresh_if_stale(now)
 
@@ -312,7 +315,7 @@ class Fleet:
         if (HoldKind.INFERENCE_VERIFICATION in engine.holds and not engine.ejected
                 and not engine.probe_in_flight and engine.next_probe_at is None):
             engine.next_probe_at = now  # the re-probe start_removal called off is due again
-        self._dirty = True
+        self._changed()
         self._emit(FleetEventKind.REMOVAL_CANCELLED, engine, now, reason)
         self._refresh_if_stale(now)
 
@@ -327,7 +330,7 @@ class Fleet:
                 del self._pools[(engine.model, role)]
                 self._eligible_pool.pop((engine.model, role), None)
             self._eligibility_version += 1  # the model left the pools workers place by
-        self._dirty = True
+        self._changed()
         self._emit(FleetEventKind.REMOVED, engine, now, reason)
         self._refresh(now)
 
@@ -589,7 +592,7 @@ class Fleet:
         engine.probe_in_flight = False
         self._emit(FleetEventKind.READMITTED, engine, now, "readmission verified",
                    health_to_eligible_s=None if health_to_eligible_s is None else round(health_to_eligible_s, 6))
-        self._dirty = True
+        self._changed()
         self._refresh_if_stale(now)
 
     def readmission_allowed(self, name: str, now: float) -> bool:
@@ -761,7 +764,7 @@ class Fleet:
         # Ejected engines come back through readmission, not probes.
         engine.next_probe_at = None
         engine.probe_in_flight = False
-        self._dirty = True
+        self._changed()
         self._emit(FleetEventKind.EJECTED, engine, now, reason, failure_class=failure_class,
                    ejection_cause=label)
         if self._quarantine_s is not None:
@@ -779,7 +782,7 @@ class Fleet:
         previous = engine.holds.get(kind)
         since = previous.since if previous is not None and previous.deferred == deferred else now
         engine.holds[kind] = Hold(kind, reason, since, deadline, deferred, cause)
-        self._dirty = True
+        self._changed()
         if deferred:
             self._emit(FleetEventKind.HOLD_DEFERRED, engine, now,
                        f"{reason} (deferred: last eligible {self._pool_name(engine.pool)} engine)", hold_kind=kind)
@@ -790,7 +793,7 @@ class Fleet:
         hold = engine.holds.pop(kind)
         if kind is HoldKind.INFERENCE_VERIFICATION:
             engine.next_probe_at = None  # nothing left to verify
-        self._dirty = True
+        self._changed()
         self._emit(FleetEventKind.HOLD_CLEARED, engine, now, f"{why} (was: {hold.reason})",
                    hold_kind=kind)
 
@@ -801,6 +804,11 @@ class Fleet:
                    failure_class=failure_class)
         engine.streaks[failure_class] = 0
         engine.any_streak = any(engine.streaks.values())
+
+    def _changed(self) -> None:
+        """Something eligibility is built from changed: the cache is stale, and ``mutations`` counts it."""
+        self._dirty = True
+        self.mutations += 1
 
     def _refresh_if_stale(self, now: float) -> None:
         if self._dirty or now >= self._next_deadline:

@@ -134,13 +134,22 @@ class WorkerHub:
                  kv_sources: Callable[[], Mapping[str, FeedSource]] | None = None,
                  admit_until_reason: Callable[[], str] | None = None,
                  on_placed: Callable[[list[IndexRecord]], None] | None = None,
-                 auth: Callable[[], AuthSettings | None] | None = None) -> None:
+                 auth: Callable[[], AuthSettings | None] | None = None,
+                 fleet_mutations: Callable[[], int] | None = None) -> None:
         """``index``: the controller's prefix index, relayed between the workers (``IndexRelay``);
         ``admit_until``: the lease-derived admission deadline on the control clock, read at each publish (with
-        ``admit_until_reason()``, what workers say past it); ``on_placed``: told of the workers' placements."""
+        ``admit_until_reason()``, what workers say past it); ``on_placed``: told of the workers' placements;
+        ``fleet_mutations``: the count of the fleet's changes (``Fleet.mutations``) when ``control``'s
+        eligibility is the fleet's own, so ``refresh_if_fleet_changed`` can skip asking while it stands."""
         self._control = control
         self._admission = admission
         self._clock = clock
+        self._fleet_mutations = fleet_mutations
+        # What the last full check saw: the fleet's change count, and until when its version stands by itself.
+        self._seen_mutations = -1
+        self._fresh_until = -math.inf
+        # The control clock read at its source when it is trio's (``trio.current_time`` is three calls deep).
+        self._now: Callable[[], float] | None = None
         # Snapshot deadlines are in the link's clock: CLOCK_MONOTONIC between
         # processes, the control clock itself in memory.
         self._to_link_clock = to_link_clock or (lambda t: t)
@@ -207,6 +216,11 @@ class WorkerHub:
         state = self.workers.pop(worker, None)
         if state is not None:
             self.metrics.retire(worker)
+
+    def record_success(self, engine: str, kind: SuccessKind) -> None:
+        """A success from this process's own request path: ``receive``'s evidence with no message built."""
+        self._control.record_success(engine, kind)
+        self.refresh_if_fleet_changed()
 
     def receive(self, worker: int, message: object) -> None:
         """Apply one message from ``worker`` (in arrival order)."""
@@ -312,6 +326,24 @@ class WorkerHub:
         return totals
 
     def refresh_if_fleet_changed(self) -> None:
-        """Republish when the fleet's eligibility changed (the cheap check after evidence and before reads)."""
+        """Republish when the fleet's eligibility changed (the cheap check after evidence and before reads).
+
+        The version moves only when the fleet changes or a hold deadline passes: while neither happened
+        since the last full check, nothing is asked (two reads of a count and the clock).
+        """
+        mutations = self._fleet_mutations
+        seen = -1
+        if mutations is not None:
+            now = self._now
+            if now is None:
+                now = self._now = (trio.lowlevel.current_clock().current_time if self._clock is trio.current_time
+                                   else self._clock)
+            seen = mutations()
+            if seen == self._seen_mutations and now() < self._fresh_until:
+                return
+            # The deadline first: one that passes while the version is read makes the next check a full one.
+            valid_until = self._control.valid_until()
+            self._fresh_until = math.inf if valid_until is None else valid_until
         if self._published_version is None or self._control.state_version() != self._published_version:
             self.publish()
+        self._seen_mutations = seen
