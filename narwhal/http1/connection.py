@@ -23,7 +23,7 @@ import trio
 
 from narwhal.errors import ClientGone
 from narwhal.http1.protocol import HTTP1Protocol, Limits, Request, error_response
-from narwhal.http1.readiness import Readiness
+from narwhal.http1.readiness import Readiness, WaitExpired
 from narwhal.http1.responder import Responder
 from narwhal.http1.sockets import socket_of
 from narwhal.http1.watchdogs import DisconnectWatch
@@ -218,10 +218,20 @@ class Connection:
                     await self._send_interim(interim)
                     continue
                 phase_deadline = protocol.deadline()
-                scope.deadline = (phase_deadline if phase_deadline != _INF
-                                  else trio.current_time() + context.idle_timeout_s)
+                wait_until = (phase_deadline if phase_deadline != _INF
+                              else trio.current_time() + context.idle_timeout_s)
                 self._idle = True
-                data = await self._receive()
+                if self.fd >= 0 and self._watch is not None and context.readiness.expires_waits:
+                    # The readiness set keeps the deadline (the server's watchdog expires it at its tick):
+                    # no scope deadline to set and take back, two moves of trio's deadline heap a request.
+                    try:
+                        data = await self._receive(wait_until)
+                    except WaitExpired:
+                        scope.cancel()
+                        data = b""
+                else:
+                    scope.deadline = wait_until
+                    data = await self._receive()
                 self._idle = False
                 if scope.cancel_called:
                     # Idle too long, a head or body too slow (answered by run()), or shut
@@ -231,7 +241,8 @@ class Connection:
                     self.disconnected = True
                     return
                 protocol.receive_data(data)
-            scope.deadline = _INF
+            if scope.deadline != _INF:
+                scope.deadline = _INF
             request = queue.popleft()
             if not await self._handle(request):
                 return
@@ -239,8 +250,8 @@ class Connection:
             # The response just went out: the client's next request comes later, so wait first.
             self._drained = True
 
-    async def _receive(self) -> bytes:
-        """The next bytes from the client; b"" on EOF or a reset."""
+    async def _receive(self, deadline: float = _INF) -> bytes:
+        """The next bytes from the client; b"" on EOF or a reset. ``deadline`` only through the readiness set."""
         fd = self.fd
         if fd < 0:
             try:
@@ -251,7 +262,7 @@ class Connection:
         while True:
             if self._drained:
                 if watch is not None:
-                    await self.context.readiness.wait(watch)
+                    await self.context.readiness.wait(watch, deadline)
                 else:
                     await trio.lowlevel.wait_readable(fd)
             try:

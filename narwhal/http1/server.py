@@ -309,9 +309,21 @@ class HTTPServer:
         await self._watchdog()
 
     async def _watchdog(self) -> None:
-        """Close the streams of clients whose pending write outlived ``client_write_timeout_s``."""
-        await watch_writes(self._connections, self._client_write_timeout_s,
-                           connection_arrives=self._connection_arrives)
+        """Close the streams of clients whose pending write outlived ``client_write_timeout_s``; expire the
+        head, body and idle deadlines of the connections waiting in the readiness set."""
+        context = self._context
+        readiness = context.readiness
+        readiness.on_timed = self._wake_watchdog
+        try:
+            await watch_writes(self._connections, self._client_write_timeout_s,
+                               connection_arrives=self._connection_arrives, readiness=readiness,
+                               deadlines_s=(context.limits.header_timeout_s, context.limits.body_timeout_s,
+                                            context.idle_timeout_s))
+        finally:
+            readiness.on_timed = None
+
+    def _wake_watchdog(self) -> None:
+        self._connection_added.set()
 
     async def _connection_arrives(self) -> None:
         self._connection_added = trio.Event()
