@@ -9,6 +9,7 @@ the tests at the end drive the fleet from trio tasks in virtual time.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 import msgspec
 import pytest
@@ -367,47 +368,48 @@ def random_operation(fleet: Fleet, rng: random.Random, now: float, operations: i
         fleet.cancel_removal(name, now, "r")
 
 
-def test_random_operations_keep_the_last_engine_invariant_and_a_true_cache() -> None:
-    for seed in range(30):
+def random_walk(seeds: int, steps: int, operations: int) -> Iterator[tuple[int, Fleet, float]]:
+    """A fresh fleet per seed through ``steps`` random changes of the first ``operations`` kinds, the clock
+    moving on before each: (seed, fleet, now) after every change."""
+    for seed in range(seeds):
         rng = random.Random(seed)
         fleet = make_fleet(quarantine_s=QUARANTINE_S)
         now = 0.0
-        for _ in range(200):
+        for _ in range(steps):
             now += rng.choice([0.0, 0.5, 3.0, 31.0])
-            random_operation(fleet, rng, now, RANDOM_OPERATIONS - 2)
-            views = fleet.views(now)
-            for role in ("prefill", "decode"):
-                eligible = fleet.eligible(role, now)
-                # The cache agrees with the state it summarises.
-                assert eligible == [v.name for v in views if v.role == role and not v.ejected
-                                    and all(h.deferred for h in v.holds)]
-                # Only protected holds keep these engines out; one of them must serve.
-                protectable = [v for v in views if v.role == role and not v.ejected
-                               and all(h.kind in PROTECTED_HOLDS for h in v.holds)]
-                assert eligible or not protectable, (seed, role, views)
-                # No expired hold survives a look at it.
-                assert all(h.deadline is None or h.deadline > now for v in views for h in v.holds)
+            random_operation(fleet, rng, now, operations)
+            yield seed, fleet, now
+
+
+def test_random_operations_keep_the_last_engine_invariant_and_a_true_cache() -> None:
+    for seed, fleet, now in random_walk(30, 200, RANDOM_OPERATIONS - 2):
+        views = fleet.views(now)
+        for role in ("prefill", "decode"):
+            eligible = fleet.eligible(role, now)
+            # The cache agrees with the state it summarises.
+            assert eligible == [v.name for v in views if v.role == role and not v.ejected
+                                and all(h.deferred for h in v.holds)]
+            # Only protected holds keep these engines out; one of them must serve.
+            protectable = [v for v in views if v.role == role and not v.ejected
+                           and all(h.kind in PROTECTED_HOLDS for h in v.holds)]
+            assert eligible or not protectable, (seed, role, views)
+            # No expired hold survives a look at it.
+            assert all(h.deadline is None or h.deadline > now for v in views for h in v.holds)
 
 
 def test_the_unsettled_views_and_the_states_agree_with_every_view_after_random_operations() -> None:
     # What the monitor's stages and the timeline read instead of every engine's view, on every state reached.
     reached = {"unsettled": 0, "settled": 0, "held": 0, "ejected": 0, "removing": 0}
-    for seed in range(20):
-        rng = random.Random(seed)
-        fleet = make_fleet(quarantine_s=QUARANTINE_S)
-        now = 0.0
-        for _ in range(150):
-            now += rng.choice([0.0, 0.5, 3.0, 31.0])
-            random_operation(fleet, rng, now, RANDOM_OPERATIONS)
-            unsettled = fleet.views_of_unsettled(now)
-            states = fleet.states(now)
-            views = fleet.views(now)
-            assert unsettled == [v for v in views if v.ejected or v.holds or v.removing], (seed, views)
-            assert states == {v.name: engine_state(v) for v in views}, (seed, views)
-            reached["unsettled" if unsettled else "settled"] += 1
-            for state in ("held", "ejected"):
-                reached[state] += state in states.values()
-            reached["removing"] += any(v.removing for v in unsettled)
+    for seed, fleet, now in random_walk(20, 150, RANDOM_OPERATIONS):
+        unsettled = fleet.views_of_unsettled(now)
+        states = fleet.states(now)
+        views = fleet.views(now)
+        assert unsettled == [v for v in views if v.ejected or v.holds or v.removing], (seed, views)
+        assert states == {v.name: engine_state(v) for v in views}, (seed, views)
+        reached["unsettled" if unsettled else "settled"] += 1
+        for state in ("held", "ejected"):
+            reached[state] += state in states.values()
+        reached["removing"] += any(v.removing for v in unsettled)
     assert all(reached.values()), reached
 
 
