@@ -322,6 +322,24 @@ async def test_the_silence_deadline_fires_for_a_pumped_stream(serve, make_pool, 
     assert pool.pump.streams == 0 and pool.statistics().in_use == 0
 
 
+async def test_a_pumped_streams_deadline_comes_out_of_the_pump_as_a_reads_failure(serve, make_pool, clients,
+                                                                                    autojump_clock):
+    engine = await serve(paced(EVENTS[:1], 0, then_forever=True))
+    pool = await make_pool(msgspec.structs.replace(FAST, stream_silence_s=10.0, first_token_deadline_s=20.0,
+                                                   request_timeout_s=60.0))
+    client = clients()
+    async with pool.stream(engine.spec, "/v1/completions", b"{}", request_id="r2") as upstream:
+        os.write(client.fd, await upstream.read())
+        # The watchdog reaches the pump through the engine connection: the pump's read raises the failure and
+        # hands it to the request task, with no scope cancelled around it.
+        with pytest.raises(EngineFailure) as caught:
+            await pool.pump.relay(upstream, client, False, until_done(upstream))
+        assert pool.pump.streams == 0
+        await trio.sleep(1.0)
+    assert "silent for more than 10 s" in caught.value.message and caught.value.cause == "DeadlineExpired"
+    assert pool.statistics().in_use == 0
+
+
 async def test_a_slow_client_holding_up_the_pump_is_not_engine_silence(serve, make_pool, clients, autojump_clock):
     events = numbered(3, 100, 1000)
     engine = await serve(paced(events, 0.01))

@@ -183,6 +183,29 @@ async def test_with_nobody_expiring_a_timed_wait_keeps_its_deadline_itself(
     assert not hub.timed_waits
 
 
+async def test_an_interrupt_raises_its_error_in_the_waiting_task_only(nursery: trio.Nursery) -> None:
+    hub, watch, _ours, peer = await watched_pair(nursery)
+    # Nobody waits: nothing to interrupt, and the next wait is a plain one.
+    assert hub.interrupt(watch, RuntimeError("late")) is False
+    raised: list[BaseException] = []
+
+    async def waiter() -> None:
+        try:
+            await hub.wait(watch)
+        except RuntimeError as exc:
+            raised.append(exc)
+    nursery.start_soon(waiter)
+    await trio.testing.wait_all_tasks_blocked()
+    error = RuntimeError("deadline")
+    assert hub.interrupt(watch, error) is True
+    await trio.testing.wait_all_tasks_blocked()
+    assert raised == [error] and watch.task is None
+    # The socket stays in the set: a later wait is woken by its bytes as before.
+    peer.send(b"x")
+    with trio.fail_after(5):
+        await hub.wait(watch)
+
+
 async def test_nothing_is_watched_while_the_hub_is_not_running() -> None:
     hub = Readiness()
     ours, _peer = pair()

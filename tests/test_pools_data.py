@@ -622,6 +622,38 @@ async def test_first_token_deadline_fires_from_the_watchdog_tick(serve, make_poo
     assert 4.0 <= trio.current_time() - started <= 4.0 + pool.watchdog_tick_s + 1e-6
 
 
+async def test_a_stream_deadline_is_raised_by_the_read_that_waits_not_by_a_cancelled_scope(
+        serve, make_pool, autojump_clock):
+    engine = await serve(sse(EVENTS[0], then=trio.sleep_forever))
+    pool = await make_pool(msgspec.structs.replace(FAST, stream_silence_s=10.0, first_token_deadline_s=20.0,
+                                                   request_timeout_s=60.0))
+    async with pool.stream(engine.spec, "/v1/completions", b"{}", request_id="w3") as upstream:
+        assert await upstream.read() == EVENTS[0]
+        # A plain socket: the watchdog ends the engine read itself, so the failure comes out of the read,
+        # and nothing around it was cancelled (a cancelled scope would raise Cancelled at the next checkpoint).
+        with pytest.raises(EngineFailure) as caught:
+            await upstream.read()
+        await trio.sleep(1.0)
+    assert (caught.value.failure_class, caught.value.cause) == (FailureClass.STREAM, "DeadlineExpired")
+    assert "silent for more than 10 s" in caught.value.message
+    assert pool.statistics().in_use == 0 and pool.statistics().idle_connections == 0
+
+
+async def test_a_first_token_deadline_that_passes_while_the_relay_is_elsewhere_fails_its_next_read(
+        serve, make_pool, autojump_clock):
+    engine = await serve(sse(then=trio.sleep_forever))
+    pool = await make_pool(msgspec.structs.replace(FAST, stream_silence_s=30.0, first_token_deadline_s=4.0,
+                                                   request_timeout_s=60.0))
+    async with pool.stream(engine.spec, "/v1/completions", b"{}", request_id="w4") as upstream:
+        # Not waiting on the engine when the deadline passes (no wait to end): the failure waits for the read.
+        await trio.sleep(10.0)
+        assert upstream.expired == "no first token within 4 s"
+        with pytest.raises(EngineFailure) as caught:
+            await upstream.read()
+    assert "no first token within 4 s" in caught.value.message
+    assert pool.statistics().in_use == 0
+
+
 async def test_the_watchdog_sleeps_while_no_stream_is_live_and_a_new_stream_is_watched(
         serve, make_pool, autojump_clock):
     engine = await serve(sse(then=trio.sleep_forever))

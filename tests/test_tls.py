@@ -173,3 +173,28 @@ async def test_untrusted_or_misnamed_engines_are_connection_failures(pem, nurser
     assert caught.value.failure_class is FailureClass.CONNECTION
     await control.aclose()
     await pool.aclose()
+
+
+async def test_a_silent_tls_stream_still_ends_at_its_deadline(pem, nursery, autojump_clock):
+    # A TLS connection's reads wait inside trio, out of the readiness set: the watchdog cancels the stream's scope.
+    service = await nursery.start(serve_mock, MockSettings(role="decode", tls_cert_file=pem["cert"],
+                                                           tls_key_file=pem["key"], token_delay_s=60.0,
+                                                           sse_writes="per-event"))
+    spec = EngineSpec(name="d1", url=f"https://127.0.0.1:{service.engine.port}", role="decode")
+    config = EngineConfig(tls_ca_file=pem["ca"], stream_silence_s=30.0, first_token_deadline_s=3.0,
+                          request_timeout_s=90.0)
+    pool = DataPool(max_connections=4, engine_config=config, ssl_context=engine_context(config))
+    await nursery.start(pool.run)
+    body = b'{"model": "mock-model", "prompt": "a b c", "max_tokens": 4, "stream": true}'
+    entered = []
+    started = trio.current_time()
+    with pytest.raises(EngineFailure) as caught:
+        async with pool.stream(spec, "/v1/completions", body, request_id="t") as upstream:
+            # The head came: the stream's first read waits for the first token.
+            entered.append(upstream.relay_watch)
+            await upstream.read()
+    assert entered == [None]
+    assert caught.value.failure_class is FailureClass.STREAM and caught.value.cause == "DeadlineExpired"
+    assert "no first token within 3 s" in caught.value.message
+    assert 3.0 <= trio.current_time() - started <= 3.0 + pool.watchdog_tick_s + 1e-6
+    await pool.aclose()

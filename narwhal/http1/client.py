@@ -224,6 +224,8 @@ class EngineConnection:
         # Bytes received for the current response: the head bound reads it before the head is parsed.
         self._received = 0
         self._wire_limit: float = _INF
+        # A watchdog's failure for the relay's reads (``interrupt``): every later relay read raises it.
+        self._interrupted: HTTPTransportError | None = None
 
     # httptools callbacks -------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -277,6 +279,22 @@ class EngineConnection:
             await self._readiness.wait(self._watch, deadline)
         else:
             await trio.lowlevel.wait_readable(self._fd)
+
+    def interrupt(self, error: HTTPTransportError) -> bool:
+        """End the relay's reads with ``error`` (a stream deadline passed): raised at once in a task waiting in
+        ``read_relay_body``, through the relay pump's next read when the pump owns the socket, else at the next
+        relay read. False off the readiness set (TLS): only a cancel scope reaches a wait inside trio.
+        """
+        watch = self._watch
+        if watch is None or self._fd < 0:
+            return False
+        self._interrupted = error
+        self._broken = True
+        assert self._readiness is not None
+        if not self._readiness.interrupt(watch, error) and watch.handler is not None:
+            # The pump owns the socket: the read it makes now raises the error and hands it to the request task.
+            watch.handler(0)
+        return True
 
     def dropped_while_idle(self) -> bool:
         """True when an idle connection has something to read: EOF, a reset, or stray bytes."""
@@ -432,16 +450,19 @@ class EngineConnection:
     async def read_relay_body(self) -> bytes:
         """The body bytes of the next read(s), b"" at its end; for a relay whose deadlines a watchdog keeps.
 
-        No cancel scope and no deadline per read: the caller's scope is cancelled
-        from outside when the engine is silent too long (``waiting_since`` says
-        since when it has been waited for). The socket is read first and waited
-        for only after a short read; every few reads that did not wait, it yields.
+        No cancel scope and no deadline per read: a watchdog ends the wait from
+        outside when the engine is silent too long (``waiting_since`` says since
+        when it has been waited for): ``interrupt`` on a plain socket, a cancel of
+        the caller's scope on TLS. The socket is read first and waited for only
+        after a short read; every few reads that did not wait, it yields.
         """
         body = self._body
         fd = self._fd
         while not body:
             if self._complete:
                 return b""
+            if self._interrupted is not None:
+                raise self._interrupted
             if fd < 0:
                 self.waiting_since = trio.current_time()
                 try:
@@ -487,6 +508,8 @@ class EngineConnection:
         while not body:
             if self._complete:
                 return b""
+            if self._interrupted is not None:
+                raise self._interrupted
             if self._drained:
                 return None
             try:

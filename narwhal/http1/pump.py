@@ -17,11 +17,13 @@ and writes the result to the client with one non-blocking ``write``.
   gives up on ends the stream with the same ``client_stalled`` error.
 - A stream whose engine socket never runs dry is read once per round: the hub
   yields to the scheduler before reading it again, so others progress.
-- The request task keeps its cancel scope: a deadline (the data pool's
-  watchdog, the request deadline), the client leaving or a shutdown cancels
-  it, which takes its stream out of the pump at once. The silence watchdog
-  sees when the stream began waiting for its engine (``waiting_since``);
-  never while its client is full.
+- The request task keeps its cancel scope: the request deadline, the client
+  leaving or a shutdown cancels it, which takes its stream out of the pump at
+  once. The data pool's watchdog (first token, silence) ends a stream through
+  its engine connection instead (``EngineConnection.interrupt``): the pump's
+  next read raises the failure, and it is handed over as any read's error.
+  The silence watchdog sees when the stream began waiting for its engine
+  (``waiting_since``); never while its client is full.
 - Whatever goes wrong in a read, in ``on_chunk`` or in a write is handed to
   the request task and raised there, as its own read or write would have.
 - The stream goes back to the request task when ``on_chunk`` declines a read

@@ -121,6 +121,15 @@ class Readiness:
                 watch.task = None
                 trio.lowlevel.reschedule(task, outcome.Error(WaitExpired()))
 
+    def interrupt(self, watch: Watch, error: BaseException) -> bool:
+        """Raise ``error`` in the task waiting on ``watch`` now; False when no task waits on it."""
+        task = watch.task
+        if task is None:
+            return False
+        watch.task = None
+        trio.lowlevel.reschedule(task, outcome.Error(error))
+        return True
+
     def watch(self, fd: int, on_gone: Callable[[], None] | None = None,
               gone_events: int = GONE_EVENTS) -> Watch | None:
         """Add a socket; None when the hub is not running (the caller then uses trio's waits).

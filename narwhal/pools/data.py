@@ -92,7 +92,8 @@ class UpstreamStream:
 
     The first-token deadline (before the first bytes) and the silence limit
     (between reads) are kept by the pool's watchdog, not by a scope per read:
-    it cancels the stream's scope and ``expired`` says why. At the end of the
+    it ends the engine read with ``DeadlineExpired`` (``EngineConnection.interrupt``;
+    on TLS it cancels the stream's scope) and ``expired`` says why. At the end of the
     body ``read()`` raises a ``stream`` failure unless the last event was
     ``data: [DONE]``; after that event, what the engine does (more bytes, a close,
     silence) is no failure. It is also an async iterator of the same reads.
@@ -102,12 +103,13 @@ class UpstreamStream:
     __slots__ = ("_conn", "_engine", "_finished", "_first_token_at", "_first_token_s", "_scope", "_silence_s",
                  "_started", "_watch", "expired", "headers", "saw_terminal", "status")
 
-    def __init__(self, engine: str, conn: EngineConnection, head: HTTPResponseHead, scope: trio.CancelScope, *,
-                 first_token_s: float, silence_s: float) -> None:
+    def __init__(self, engine: str, conn: EngineConnection, head: HTTPResponseHead, scope: trio.CancelScope | None,
+                 *, first_token_s: float, silence_s: float) -> None:
+        """``scope``: the one the watchdog cancels when the connection cannot be interrupted (TLS), else None."""
         self.status = head.status
         self.headers = head.headers
         self.saw_terminal = False
-        # Set by the watchdog, with the message of the deadline that passed, just before it cancels _scope.
+        # Set by the watchdog, with the message of the deadline that passed, just before it ends the read.
         self.expired: str | None = None
         self._engine = engine
         self._conn = conn
@@ -139,7 +141,10 @@ class UpstreamStream:
             # client holding up the relay is not the engine's silence.
             self.expired = f"stream silent for more than {self._silence_s:g} s"
         if self.expired is not None:
-            self._scope.cancel()
+            if self._scope is not None:
+                self._scope.cancel()
+            else:
+                self._conn.interrupt(DeadlineExpired(self.expired, cause="DeadlineExpired"))
 
     def __aiter__(self) -> UpstreamStream:
         return self
@@ -351,18 +356,24 @@ class DataPool:
                     classify.raise_for_status(engine.name, head.status, error_body)
                 if not _is_event_stream(head.headers):
                     raise classify.stream_failure(engine.name, "response is not text/event-stream")
-                # One scope for the whole stream, around the caller's relay loop: the watchdog
-                # cancels it when a deadline passes (no scope or deadline move per read).
-                with trio.CancelScope() as scope:
-                    upstream = UpstreamStream(engine.name, conn, head, scope, first_token_s=first_token_s,
-                                              silence_s=self._config.stream_silence_s)
-                    self._streams.add(upstream)
-                    self._stream_added.set()
-                    try:
+                # No scope or deadline per read: when a deadline passes, the watchdog ends the engine read
+                # with the failure (a plain socket: no scope at all, a scope costing as much as a leg's other
+                # bookkeeping), or cancels one scope around the caller's relay loop (TLS: its reads wait
+                # inside trio, where only a cancel reaches them).
+                scope = None if conn.relay_watch is not None else trio.CancelScope()
+                upstream = UpstreamStream(engine.name, conn, head, scope, first_token_s=first_token_s,
+                                          silence_s=self._config.stream_silence_s)
+                self._streams.add(upstream)
+                self._stream_added.set()
+                try:
+                    if scope is None:
                         yield upstream
-                    finally:
-                        self._streams.discard(upstream)
-                if upstream.expired is not None and scope.cancelled_caught:
+                    else:
+                        with scope:
+                            yield upstream
+                finally:
+                    self._streams.discard(upstream)
+                if scope is not None and upstream.expired is not None and scope.cancelled_caught:
                     raise classify.transport_failure(engine.name, DeadlineExpired(
                         upstream.expired, cause="DeadlineExpired"))
             finally:
