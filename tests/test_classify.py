@@ -151,6 +151,21 @@ def test_sse_watch_survives_every_split_point():
         assert w.data_events == 3, cut
 
 
+@pytest.mark.parametrize("read", [
+    CLEAN, b'data: {"text": "data: x"}\n\ndata: [DONE]\n\n', b"data: a\ndata: b\n\ndata: [DONE]\n\n",
+    b"data: 1\n\n\ndata: [DONE]\n\n", b"data: 1\n\n\n\ndata: 2\n\n", b"data: 1\n\nevent: x\ndata: 2\n\n",
+    b"data: 1\n\n: c\n\ndata: [DONE]\n\n", b"data:1\n\ndata:[DONE]\n\n", b"data: 1\ndata: [DONE]\n\n",
+    b"data: 1\n\ndata: 2\n\n\n", b"data: 1\n\nTraceback\n\n",
+])
+def test_a_whole_read_is_taken_as_the_same_bytes_fed_one_at_a_time(read):
+    # A read of whole events takes feed's counted shortcut; one byte at a time never can.
+    whole, each = watch(read), watch(*(read[i:i + 1] for i in range(len(read))))
+    assert (whole.valid, whole.saw_terminal, whole.between_events) == (each.valid, each.saw_terminal,
+                                                                         each.between_events)
+    if whole.valid:  # an invalid stream fails whatever it counted
+        assert whole.data_events == each.data_events
+
+
 def test_sse_watch_byte_by_byte():
     w = watch(*(CLEAN[i:i + 1] for i in range(len(CLEAN))))
     assert w.valid and w.finish()
