@@ -11,6 +11,7 @@ import time
 import types
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 import trio
 import trio.testing
@@ -100,9 +101,45 @@ def test_a_disabled_level_writes_nothing(stderr: io.StringIO) -> None:
 def test_process_fields_are_on_every_line(stderr: io.StringIO, monkeypatch: pytest.MonkeyPatch) -> None:
     _alone()
     monkeypatch.setattr(logs, "_process_fields", {})
+    monkeypatch.setattr(logs, "_process_members", "")
     logs.set_log_fields(worker=1)
     logs.log_event("request", request_id="r1")
-    assert _lines(stderr)[0]["worker"] == 1
+    logs.log_fields("request", _Fields("r2", None, 1.5))
+    assert [(line["worker"], line["request_id"]) for line in _lines(stderr)] == [(1, "r1"), (1, "r2")]
+
+
+class _Fields(msgspec.Struct):
+    request_id: str
+    error: str | None
+    ttft_ms: float
+
+
+class _Nothing(msgspec.Struct):
+    pass
+
+
+@pytest.mark.parametrize("process", [{}, {"worker": 3}])
+def test_a_struct_event_is_the_line_log_event_writes(stderr: io.StringIO, monkeypatch: pytest.MonkeyPatch,
+                                                      process: dict[str, int]) -> None:
+    _alone()
+    monkeypatch.setattr(logs, "_process_fields", {})
+    monkeypatch.setattr(logs, "_process_members", "")
+    logs.set_log_fields(**process)
+    monkeypatch.setattr(logs, "_now_iso", lambda: "2026-12-06T08:00:00.000Z")
+    logs.log_event("request", request_id='r"1', error=None, ttft_ms=1.5)
+    logs.log_fields("request", _Fields('r"1', None, 1.5))
+    logs.log_event("tick")
+    logs.log_fields("tick", _Nothing())
+    logs.log_event("engine_failure", level=logging.WARNING, request_id="r2", error="x", ttft_ms=0.0)
+    logs.log_fields("engine_failure", _Fields("r2", "x", 0.0), level=logging.WARNING)
+    logs.flush_logs()
+    written = stderr.getvalue().splitlines()
+    # Byte for byte, so the order of the fields (an interface) is the same too.
+    assert written[0::2] == written[1::2] and len(written) == 6
+    assert list(json.loads(written[0])) == ["event", "ts", "level", *process, "request_id", "error", "ttft_ms"]
+    logging.getLogger("narwhal.events").setLevel(logging.WARNING)
+    logs.log_fields("request", _Fields("r3", None, 1.0))
+    assert _lines(stderr) == [json.loads(line) for line in written]
 
 
 def test_timestamps_match_isoformat_at_millisecond_precision(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -83,7 +83,8 @@ async def test_the_request_log_carries_the_matched_share(monkeypatch: pytest.Mon
     import narwhal.serving.exchange as exchange
 
     logged: list[dict[str, Any]] = []
-    monkeypatch.setattr(exchange, "log_event", lambda event, **fields: logged.append({"event": event, **fields}))
+    monkeypatch.setattr(exchange, "log_fields", lambda event, fields, **_: logged.append(
+        {"event": event, **msgspec.structs.asdict(fields)}))
     core, _ = make_core()
     await core.handle("/v1/completions", body(), None, Sink())
     await core.handle("/v1/completions", body(), None, Sink())

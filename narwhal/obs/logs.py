@@ -17,7 +17,7 @@ from typing import Any, TextIO
 import msgspec
 import trio
 
-__all__ = ["configure_logging", "flush_logs", "log_event", "run_log_flusher", "set_log_fields"]
+__all__ = ["configure_logging", "flush_logs", "log_event", "log_fields", "run_log_flusher", "set_log_fields"]
 
 _encoder = msgspec.json.Encoder()
 _logger = logging.getLogger("narwhal.events")
@@ -27,9 +27,15 @@ _LEVEL_NAMES = {level: logging.getLevelName(level).lower()
                 for level in (logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR, logging.CRITICAL)}
 
 
+# The same fields as JSON members after a comma (',"worker":1'), for lines written from a struct.
+_process_members = ""
+
+
 def set_log_fields(**fields: Any) -> None:
     """Add ``fields`` to every event this process logs from now on."""
+    global _process_members
     _process_fields.update(fields)
+    _process_members = "," + _encoder.encode(_process_fields).decode()[1:-1] if _process_fields else ""
 
 
 # The formatted second of the last timestamp: most events of a busy router fall in the same second.
@@ -59,7 +65,26 @@ def log_event(event: str, /, *, level: int = logging.INFO, **fields: Any) -> Non
     if _process_fields:
         record.update(_process_fields)
     record.update(fields)
-    line = _encoder.encode(record).decode()
+    _emit(_encoder.encode(record).decode(), level)
+
+
+def log_fields(event: str, fields: msgspec.Struct, /, *, level: int = logging.INFO) -> None:
+    """``log_event`` with the fields of a struct, in its field order: the same line, at about a third of
+    the cost (no keyword dicts; the struct's members are encoded in C and joined to the line's head).
+
+    The struct's field names must not repeat the line's head (event, ts, level) or the process's fields.
+    """
+    if not _logger.isEnabledFor(level):
+        return
+    name = _LEVEL_NAMES.get(level)
+    if name is None:
+        name = logging.getLevelName(level).lower()
+    members = _encoder.encode(fields).decode()
+    _emit(f'{{"event":{_encoder.encode(event).decode()},"ts":"{_now_iso()}","level":"{name}"{_process_members}'
+          f'{"," if len(members) > 2 else ""}{members[1:]}', level)
+
+
+def _emit(line: str, level: int) -> None:
     handler = _batching
     if handler is not None and level < logging.WARNING and handler.sole_destination(level):
         # The usual case: configure_logging's handler is the only place lines go. Straight to its

@@ -12,16 +12,17 @@ from __future__ import annotations
 import math
 from typing import Any, Literal, Protocol
 
+import msgspec
 import trio
 
 from narwhal.config import EngineSpec
 from narwhal.http1.pump import ClientSocket
-from narwhal.obs.logs import log_event
+from narwhal.obs.logs import log_fields
 from narwhal.served_models import ServedModel
 from narwhal.serving.continuation import StreamJoin
 from narwhal.tracing.spans import RequestTrace, Span
 
-__all__ = ["UNTRACED", "Exchange", "Leg", "LegKind", "Sink"]
+__all__ = ["UNTRACED", "Exchange", "Leg", "LegKind", "RequestLine", "Sink"]
 
 # The data pool's keyword for an engine request of an untraced exchange: none (never mutated).
 UNTRACED: dict[str, bytes] = {}
@@ -68,6 +69,31 @@ class Leg:
         self.error: str | None = None
         # The leg's span while it runs (traced requests only).
         self.span: Span | None = None
+
+
+class RequestLine(msgspec.Struct):
+    """The ``request`` event's fields after its head (event, ts, level): names and order are an interface
+    (docs/operations.md); a field is only ever added at the end."""
+
+    request_id: str
+    route: str
+    status: int
+    prefill: str | None
+    decode: str | None
+    ttft_ms: float | None
+    tokens: int
+    duration_ms: float
+    attempts: int
+    continuations: int
+    join_gap_ms: float | None
+    regenerated_tokens: int
+    error: str | None
+    continued_after: str | None
+    prefix_match: float | None
+    relay: str | None
+    model: str | None
+    tenant: str | None
+    trace_id: str | None
 
 
 class Exchange:
@@ -170,25 +196,24 @@ class Exchange:
     def log_line(self, duration_s: float) -> None:
         """The ``request`` event (docs/operations.md): its fields, in this order, are an interface."""
         ttft_s, join_gap_s, prefix_match, trace = self.ttft_s, self.join_gap_s, self.prefix_match, self.trace
-        log_event(
-            "request",
-            request_id=self.rid,
-            route=self.route,
-            status=self.status,
-            prefill=self.prefill,
-            decode=self.decode,
-            ttft_ms=None if ttft_s is None else round(ttft_s * 1000, 3),
-            tokens=self.tokens,
-            duration_ms=round(duration_s * 1000, 3),
-            attempts=self.attempts,
-            continuations=self.continuations,
-            join_gap_ms=None if join_gap_s is None else round(join_gap_s * 1000, 3),
-            regenerated_tokens=self.regenerated,
-            error=self.error_class,
-            continued_after=self.continued_after,
-            prefix_match=None if prefix_match is None else round(prefix_match, 3),
-            relay=self.relay(),
-            model=None if self.model is None else self.model.name,
-            tenant=self.tenant,
-            trace_id=None if trace is None or not trace.sampled else trace.trace_id_hex,
-        )
+        log_fields("request", RequestLine(
+            self.rid,
+            self.route,
+            self.status,
+            self.prefill,
+            self.decode,
+            None if ttft_s is None else round(ttft_s * 1000, 3),
+            self.tokens,
+            round(duration_s * 1000, 3),
+            self.attempts,
+            self.continuations,
+            None if join_gap_s is None else round(join_gap_s * 1000, 3),
+            self.regenerated,
+            self.error_class,
+            self.continued_after,
+            None if prefix_match is None else round(prefix_match, 3),
+            self.relay(),
+            None if self.model is None else self.model.name,
+            self.tenant,
+            None if trace is None or not trace.sampled else trace.trace_id_hex,
+        ))
