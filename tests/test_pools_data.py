@@ -526,9 +526,24 @@ async def test_stream_error_status_raises_on_entering(serve, make_pool, status, 
         await stream.send_all(response(status, b'{"error": "no"}'))
         return True
     engine = await serve(respond)
+    pool = await make_pool()
     with pytest.raises(expected) as caught:
-        await collect(await make_pool(), engine)
+        await collect(pool, engine)
     assert caught.value.status == status
+    # Its body read to the end: the connection is kept, and the slot is free again.
+    assert (pool.statistics().in_use, pool.statistics().idle_connections) == (0, 1)
+
+
+async def test_a_stream_cancelled_before_its_head_frees_its_slot_and_closes_its_connection(serve, make_pool):
+    async def respond(request, stream, index):
+        await trio.sleep_forever()
+    engine = await serve(respond)
+    pool = await make_pool(msgspec.structs.replace(FAST, first_token_deadline_s=30.0, request_timeout_s=30.0))
+    with trio.move_on_after(0.1) as waited:
+        await collect(pool, engine)
+    assert waited.cancelled_caught
+    stats = pool.statistics()
+    assert (stats.in_use, stats.idle_connections) == (0, 0)
 
 
 async def one_event_then_listen(request: FakeRequest, stream: trio.SocketStream, index: int) -> bool:

@@ -242,6 +242,10 @@ class pool_slot:  # noqa: N801 -- used as a function: ``async with pool_slot(...
     async def __aexit__(self, *exc_info: object) -> None:
         self._limiter.release_on_behalf_of(self._token)
 
+    def release(self) -> None:
+        """``__aexit__``'s work, for an owner that is itself a context manager (``DataPool.stream``)."""
+        self._limiter.release_on_behalf_of(self._token)
+
 
 _SSE_FIELDS = (b"data:", b"event:", b"id:", b"retry:", b":")
 _LONGEST_FIELD = 6

@@ -9,9 +9,8 @@ shape and the terminal marker.
 
 from __future__ import annotations
 
-import contextlib
 import ssl
-from collections.abc import AsyncIterator
+from types import TracebackType
 from typing import Any
 
 import msgspec
@@ -31,7 +30,7 @@ from narwhal.http1.pump import Pump
 from narwhal.http1.readiness import Readiness, Watch
 from narwhal.pools import classify
 
-__all__ = ["DataPool", "DataPoolStatistics", "UpstreamStream"]
+__all__ = ["DataPool", "DataPoolStatistics", "StreamCall", "UpstreamStream"]
 
 # The terminal event whole, as vLLM writes it; an event after it in the same read ends the answer too.
 _DONE_EVENT = b"data: [DONE]\n\n"
@@ -331,54 +330,18 @@ class DataPool:
         classify.raise_for_status(engine.name, head.status, response_body)
         return head.status, response_body
 
-    @contextlib.asynccontextmanager
-    async def stream(self, engine: EngineSpec, path: str, body: bytes, *,
-                     request_id: str, trace: bytes = b"") -> AsyncIterator[UpstreamStream]:
-        """POST expecting text/event-stream; entering sends the request and reads the head.
+    def stream(self, engine: EngineSpec, path: str, body: bytes, *,
+               request_id: str, trace: bytes = b"") -> StreamCall:
+        """POST expecting text/event-stream: ``async with pool.stream(...) as upstream``; entering sends the
+        request and reads the head.
 
         A non-2xx answer raises as ``post_json`` does, after its body is read. The
         connection goes back to the pool only if the response was read to its end.
         """
         if not self._watchdog_running:
             raise RuntimeError("DataPool.run() is not running: stream deadlines would never fire")
-        request = _post_request(engine, path, body, request_id, b"text/event-stream", self._via, trace)
-        first_token_s = self._config.first_token_deadline_s
-        async with classify.pool_slot(self._limiter, "data", wait=self._wait):
-            conn, head = await self._request(engine, request, head_deadline_s=first_token_s,
-                                             head_deadline_message=self._first_token_message)
-            try:
-                if not 200 <= head.status < 300:
-                    try:
-                        error_body = await conn.read_body_to_end(read_timeout_s=self._config.request_timeout_s,
-                                                                 max_bytes=self._max_body)
-                    except HTTPTransportError as exc:
-                        raise classify.transport_failure(engine.name, exc) from exc
-                    classify.raise_for_status(engine.name, head.status, error_body)
-                if not _is_event_stream(head.headers):
-                    raise classify.stream_failure(engine.name, "response is not text/event-stream")
-                # No scope or deadline per read: when a deadline passes, the watchdog ends the engine read
-                # with the failure (a plain socket: no scope at all, a scope costing as much as a leg's other
-                # bookkeeping), or cancels one scope around the caller's relay loop (TLS: its reads wait
-                # inside trio, where only a cancel reaches them).
-                scope = None if conn.relay_watch is not None else trio.CancelScope()
-                upstream = UpstreamStream(engine.name, conn, head, scope, first_token_s=first_token_s,
-                                          silence_s=self._config.stream_silence_s)
-                self._streams.add(upstream)
-                self._stream_added.set()
-                try:
-                    if scope is None:
-                        yield upstream
-                    else:
-                        with scope:
-                            yield upstream
-                finally:
-                    self._streams.discard(upstream)
-                if scope is not None and upstream.expired is not None and scope.cancelled_caught:
-                    raise classify.transport_failure(engine.name, DeadlineExpired(
-                        upstream.expired, cause="DeadlineExpired"))
-            finally:
-                # Exited early (client gone, cancelled): the body is unread, so release closes it.
-                self._connections.release(conn)
+        return StreamCall(self, engine, _post_request(engine, path, body, request_id, b"text/event-stream",
+                                                      self._via, trace))
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """The pool's two tasks: the engine sockets' readiness set, and the stream deadline watchdog."""
@@ -442,3 +405,78 @@ class DataPool:
                                                    tls=tls)
         except HTTPTransportError as exc:
             raise classify.transport_failure(engine.name, exc) from exc
+
+
+class StreamCall:
+    """One ``DataPool.stream`` call: its pool slot, its engine connection, and the stream while it is read.
+
+    A class, not an ``asynccontextmanager``: one is entered per streamed request, and the generator's
+    machinery costs about a microsecond more.
+    """
+
+    __slots__ = ("_conn", "_engine", "_pool", "_request", "_scope", "_slot", "_upstream")
+
+    def __init__(self, pool: DataPool, engine: EngineSpec, request: bytes) -> None:
+        self._pool = pool
+        self._engine = engine
+        self._request = request
+        self._slot = classify.pool_slot(pool._limiter, "data", wait=pool._wait)
+        self._conn: EngineConnection | None = None
+        self._upstream: UpstreamStream | None = None
+        self._scope: trio.CancelScope | None = None
+
+    async def __aenter__(self) -> UpstreamStream:
+        pool, engine, slot = self._pool, self._engine, self._slot
+        config = pool._config
+        first_token_s = config.first_token_deadline_s
+        await slot.__aenter__()
+        try:
+            conn, head = await pool._request(engine, self._request, head_deadline_s=first_token_s,
+                                             head_deadline_message=pool._first_token_message)
+            try:
+                if not 200 <= head.status < 300:
+                    try:
+                        error_body = await conn.read_body_to_end(read_timeout_s=config.request_timeout_s,
+                                                                 max_bytes=pool._max_body)
+                    except HTTPTransportError as exc:
+                        raise classify.transport_failure(engine.name, exc) from exc
+                    classify.raise_for_status(engine.name, head.status, error_body)
+                if not _is_event_stream(head.headers):
+                    raise classify.stream_failure(engine.name, "response is not text/event-stream")
+            except BaseException:
+                pool._connections.release(conn)
+                raise
+        except BaseException:
+            slot.release()
+            raise
+        # No scope or deadline per read: when a deadline passes, the watchdog ends the engine read with the
+        # failure (a plain socket: no scope at all, a scope costing as much as a leg's other bookkeeping), or
+        # cancels one scope around the caller's relay loop (TLS: its reads wait inside trio, where only a
+        # cancel reaches them).
+        scope = None if conn.relay_watch is not None else trio.CancelScope()
+        upstream = UpstreamStream(engine.name, conn, head, scope, first_token_s=first_token_s,
+                                  silence_s=config.stream_silence_s)
+        pool._streams.add(upstream)
+        pool._stream_added.set()
+        self._conn, self._upstream, self._scope = conn, upstream, scope
+        if scope is not None:
+            scope.__enter__()
+        return upstream
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> bool:
+        pool, upstream, scope, conn = self._pool, self._upstream, self._scope, self._conn
+        assert upstream is not None and conn is not None
+        try:
+            pool._streams.discard(upstream)
+            if scope is None:
+                return False
+            swallowed = bool(scope.__exit__(exc_type, exc, tb))
+            if swallowed and upstream.expired is not None and scope.cancelled_caught:
+                raise classify.transport_failure(self._engine.name, DeadlineExpired(
+                    upstream.expired, cause="DeadlineExpired")) from None
+            return swallowed
+        finally:
+            # Exited early (client gone, cancelled): the body is unread, so release closes it.
+            pool._connections.release(conn)
+            self._slot.release()
