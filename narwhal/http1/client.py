@@ -34,6 +34,7 @@ import math
 import os
 import select
 import ssl
+from collections.abc import Callable
 from typing import NoReturn
 
 import httptools
@@ -204,6 +205,8 @@ class EngineConnection:
         self.sent_at = 0.0
         # While the relay waits for the engine: when that wait began (for the silence watchdog).
         self.waiting_since = _INF
+        # trio's clock read at its source (``trio.current_time`` is three calls deep): the same time.
+        self._now = trio.lowlevel.current_clock().current_time
         self._stream = stream
         # Plain sockets get the syscall fast path; any other trio Stream (TLS) the generic one.
         self._fd = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else -1
@@ -325,7 +328,7 @@ class EngineConnection:
             except OSError as exc:
                 self._broken = True
                 # The engine may have answered before closing (413 for a body over its limit).
-                self.sent_at = trio.current_time()
+                self.sent_at = self._now()
                 raise ConnectionClosed("connection closed while sending the request",
                                        cause=type(exc).__name__, response_started=False) from exc
             rest = memoryview(request)[sent:] if sent else request
@@ -344,10 +347,10 @@ class EngineConnection:
             if answered:
                 # The caller reads that answer (_early_response); the unsent rest makes the connection unusable.
                 self._broken = True
-                self.sent_at = trio.current_time()
+                self.sent_at = self._now()
                 raise ConnectionClosed("the engine answered or closed before the request was sent",
                                        cause="AnsweredEarly", response_started=False)
-        self.sent_at = trio.current_time()
+        self.sent_at = self._now()
 
     async def _send_unless_answered(self, data: bytes | memoryview) -> bool:
         """Send ``data``; True if the engine answered (or closed) first and the sending stopped.
@@ -386,7 +389,7 @@ class EngineConnection:
     def _closed_while_sending(self, exc: trio.BrokenResourceError) -> NoReturn:
         self._broken = True
         # The engine may have answered before closing (413 for a body over its limit).
-        self.sent_at = trio.current_time()
+        self.sent_at = self._now()
         raise ConnectionClosed(_closed_message("connection closed while sending the request", exc),
                                cause=_cause_name(exc), response_started=False) from exc
 
@@ -464,14 +467,14 @@ class EngineConnection:
             if self._interrupted is not None:
                 raise self._interrupted
             if fd < 0:
-                self.waiting_since = trio.current_time()
+                self.waiting_since = self._now()
                 try:
                     await self._receive(_INF, _INF, "")
                 finally:
                     self.waiting_since = _INF
                 continue
             if self._drained:
-                self.waiting_since = trio.current_time()
+                self.waiting_since = self._now()
                 try:
                     await self._wait_readable()
                 finally:
@@ -569,7 +572,7 @@ class EngineConnection:
         if fd >= 0 and not self._drained:
             data = self._read_now()
         if data is None:
-            read_by = trio.current_time() + read_timeout_s if read_timeout_s < _INF else _INF
+            read_by = self._now() + read_timeout_s if read_timeout_s < _INF else _INF
             if read_by == deadline == _INF:
                 # Only the caller's scope bounds it (the control pool's, around the whole call): no scope of its own.
                 data = await self._wait_data(fd)
@@ -678,6 +681,8 @@ class EngineConnections:
         self.connect_timeout_s = connect_timeout_s
         self.write_timeout_s = write_timeout_s
         self.connections_opened = 0
+        # trio.current_time, or the running clock's own method once the pool runs (``DataPool.run``).
+        self.clock: Callable[[], float] = trio.current_time
         self._idle: dict[tuple[str, int], list[EngineConnection]] = {}
         # Every release in order, oldest first (idle_since, idle_seq, connection): expiry reads only the
         # expired end, not one stack per engine. Bounded by the releases of one idle_s; stale entries
@@ -721,7 +726,7 @@ class EngineConnections:
         if self._closed or not conn.reusable:
             conn.close()
             return
-        now = trio.current_time()
+        now = self.clock()
         conn.idle_since = now
         self._releases += 1
         conn.idle_seq = self._releases
@@ -778,7 +783,7 @@ class EngineConnections:
         stack = self._idle.get(key)
         if not stack:
             return None
-        now = trio.current_time()
+        now = self.clock()
         cutoff = now - self.idle_s
         while stack:
             conn = stack.pop()

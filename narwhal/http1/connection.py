@@ -105,6 +105,7 @@ class Connection:
         "_gone_reason",
         "_handling",
         "_idle",
+        "_now",
         "_scope",
         "_watch",
         "context",
@@ -142,7 +143,9 @@ class Connection:
         self.on_stall: Callable[[], None] | None = None
         # Bytes to requests and responses to bytes; the first head is timed from the accept
         # (a TLS handshake included).
-        self.protocol = HTTP1Protocol(context.limits, trio.current_time, started_at=accepted_at, owner=self)
+        # trio's clock read at its source (``trio.current_time`` is three calls deep): the same time.
+        self._now = now = trio.lowlevel.current_clock().current_time
+        self.protocol = HTTP1Protocol(context.limits, now, started_at=accepted_at, owner=self)
         self._client: tuple[str, int] | None = None
         self.disconnected = False
         # A handler is running: it runs in the connection's scope, which a client that leaves cancels.
@@ -193,7 +196,7 @@ class Connection:
             self._scope = scope
             await self._serve_requests(scope)
         if (scope.cancel_called and protocol.in_message and protocol.error is None and not self.disconnected
-                and not self.context.closing and protocol.deadline() <= trio.current_time()):
+                and not self.context.closing and protocol.deadline() <= self._now()):
             # A head or body too slow: answered outside the scope its deadline cancelled.
             protocol.error = protocol.timeout_error()
             await self._send_error()
@@ -219,7 +222,7 @@ class Connection:
                     continue
                 phase_deadline = protocol.deadline()
                 wait_until = (phase_deadline if phase_deadline != _INF
-                              else trio.current_time() + context.idle_timeout_s)
+                              else self._now() + context.idle_timeout_s)
                 self._idle = True
                 if self.fd >= 0 and self._watch is not None and context.readiness.expires_waits:
                     # The readiness set keeps the deadline (the server's watchdog expires it at its tick):
@@ -327,7 +330,7 @@ class Connection:
 
     def write_waits(self, on_stall: Callable[[], None]) -> None:
         """The pump holds a write that has to wait: the watchdog times it from now, like a blocked ``send``."""
-        self.write_since = trio.current_time()
+        self.write_since = self._now()
         self.on_stall = on_stall
 
     def write_done(self) -> None:
@@ -361,7 +364,7 @@ class Connection:
                 return
             rest = memoryview(data)[sent:]
         # Only a write that has to wait is watched (one clock read); the fast path above is not.
-        self.write_since = trio.current_time()
+        self.write_since = self._now()
         try:
             await self.stream.send_all(rest)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
