@@ -280,7 +280,9 @@ class Router:
                              auth=self._auth_settings,
                              # A replica's eligibility is also the controller's word: no shortcut there.
                              fleet_mutations=None if self.replicas else functools.partial(
-                                 operator.attrgetter("mutations"), fleet))
+                                 operator.attrgetter("mutations"), fleet),
+                             # Nor for its evidence, which goes to the controller whatever this fleet holds.
+                             success_clears=None if self.replicas else fleet.success_clears)
         self.index_relay = self.hub.index_relay
         self.data_plane = self._build_data_plane(config_dir)
         self.in_flight = self.data_plane.in_flight
@@ -395,6 +397,7 @@ class Router:
         # (here a success, two a request, skips the message: the hub takes it as a call).
         view = WorkerView(lambda message: hub.receive(0, message), clock=trio.current_time,
                           refresh=hub.refresh_if_fleet_changed, record_success=hub.record_success,
+                          success_clears=hub.success_clears,
                           on_engines=engines_changed,
                           on_settings=settings_changed, on_fleet=lambda fleet: plane.core.set_fleet(fleet),
                           on_auth=lambda settings: plane.configure_auth(settings),

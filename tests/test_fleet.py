@@ -413,6 +413,21 @@ def test_the_unsettled_views_and_the_states_agree_with_every_view_after_random_o
     assert all(reached.values()), reached
 
 
+def test_a_success_the_fleet_says_clears_nothing_changes_nothing_in_every_state_reached() -> None:
+    # The request path skips such a success (WorkerView asks success_clears first): it must be a no-op.
+    skipped = 0
+    for seed, fleet, now in random_walk(10, 120, RANDOM_OPERATIONS):
+        for name in ("p1", "p2", "d1", "d2", "unknown"):
+            for kind in SuccessKind:
+                if fleet.success_clears(name, kind):
+                    continue
+                skipped += 1
+                views, mutations, events = fleet.views(now), fleet.mutations, fleet.has_events
+                assert name not in fleet or fleet.record_success(name, kind, now) == [], (seed, name, kind)
+                assert (fleet.views(now), fleet.mutations, fleet.has_events) == (views, mutations, events)
+    assert skipped > 1000
+
+
 # ---------- Clearing failure evidence (beyond the table) ----------
 
 def test_operator_drain_survives_successful_health_responses() -> None:

@@ -302,11 +302,14 @@ def test_the_fleets_change_count_lets_a_check_skip_asking_and_misses_no_change()
         assert skipped > 100  # most checks asked nothing
 
 
-def test_in_one_process_a_success_reaches_the_hub_as_a_call_and_clears_the_streak() -> None:
+@pytest.mark.parametrize("asks_the_fleet_first", [False, True])
+def test_in_one_process_a_success_reaches_the_hub_as_a_call_and_clears_the_streak(asks_the_fleet_first: bool) -> None:
     hub, _, now = _hub(eject_after=2)
     sent: list[Evidence] = []
+    fleet = hub._control.fleet  # type: ignore[attr-defined]
     view = WorkerView(sent.append, clock=lambda: now[0], refresh=hub.refresh_if_fleet_changed,
-                      record_success=hub.record_success)
+                      record_success=hub.record_success,
+                      success_clears=fleet.success_clears if asks_the_fleet_first else None)
     hub.attach(0, view.apply)
     hub.receive(0, Evidence(engine="d1", failure_class="connection"))
     view.record_success("d1", SuccessKind.DECODE_TERMINAL)
@@ -316,6 +319,33 @@ def test_in_one_process_a_success_reaches_the_hub_as_a_call_and_clears_the_strea
     hub.receive(0, Evidence(engine="d1", failure_class="connection"))
     assert view.eligible("decode") == ["d2"]
     assert sent == []  # no message was built for the success
+
+
+def test_a_success_that_clears_nothing_never_reaches_the_hub() -> None:
+    hub, _, now = _hub(eject_after=3)
+    fleet = hub._control.fleet  # type: ignore[attr-defined]
+    recorded: list[tuple[str, SuccessKind]] = []
+
+    def record(engine: str, kind: SuccessKind) -> None:
+        recorded.append((engine, kind))
+        hub.record_success(engine, kind)
+
+    view = WorkerView(lambda message: hub.receive(0, message), clock=lambda: now[0],
+                      refresh=hub.refresh_if_fleet_changed, record_success=record, success_clears=fleet.success_clears)
+    hub.attach(0, view.apply)
+    # No evidence against d1 (nor anything for an engine the fleet does not have): no call at all.
+    view.record_success("d1", SuccessKind.DECODE_TERMINAL)
+    view.record_success("gone", SuccessKind.DECODE_TERMINAL)
+    assert recorded == []
+    view.record_failure("d1", FailureClass.CONNECTION)
+    view.record_success("d2", SuccessKind.DECODE_TERMINAL)
+    assert recorded == []
+    # Evidence against d1: its success goes through, and clears it (two more failures do not eject it).
+    view.record_success("d1", SuccessKind.DECODE_TERMINAL)
+    assert recorded == [("d1", SuccessKind.DECODE_TERMINAL)]
+    view.record_failure("d1", FailureClass.CONNECTION)
+    view.record_failure("d1", FailureClass.CONNECTION)
+    assert view.eligible("decode") == ["d1", "d2"]
 
 
 class _CountingControl(_Control):

@@ -424,6 +424,12 @@ class Fleet:
         self._refresh_if_stale(now)
         return actions
 
+    def success_clears(self, name: str, kind: SuccessKind) -> bool:
+        """Whether ``record_success(name, kind, ...)`` may change anything: an engine with a failure streak,
+        or a health answer. The request path asks first and skips the call (and the clock) when it cannot."""
+        engine = self._engines.get(name)
+        return engine is not None and (engine.any_streak or kind is SuccessKind.HEALTH_200)
+
     def record_success(self, name: str, kind: SuccessKind, now: float) -> list[Action]:
         """Clear exactly the evidence that ``kind``'s row of the clearing table names."""
         engine = self._engines[name]

@@ -135,13 +135,17 @@ class WorkerHub:
                  admit_until_reason: Callable[[], str] | None = None,
                  on_placed: Callable[[list[IndexRecord]], None] | None = None,
                  auth: Callable[[], AuthSettings | None] | None = None,
-                 fleet_mutations: Callable[[], int] | None = None) -> None:
+                 fleet_mutations: Callable[[], int] | None = None,
+                 success_clears: Callable[[str, SuccessKind], bool] | None = None) -> None:
         """``index``: the controller's prefix index, relayed between the workers (``IndexRelay``);
         ``admit_until``: the lease-derived admission deadline on the control clock, read at each publish (with
         ``admit_until_reason()``, what workers say past it); ``on_placed``: told of the workers' placements;
         ``fleet_mutations``: the count of the fleet's changes (``Fleet.mutations``) when ``control``'s
-        eligibility is the fleet's own, so ``refresh_if_fleet_changed`` can skip asking while it stands."""
+        eligibility is the fleet's own, so ``refresh_if_fleet_changed`` can skip asking while it stands;
+        ``success_clears``: ``Fleet.success_clears`` when ``control``'s evidence is the fleet's own, for the
+        request path in this process to skip a success that clears nothing (``WorkerView``)."""
         self._control = control
+        self.success_clears = success_clears
         self._admission = admission
         self._clock = clock
         self._fleet_mutations = fleet_mutations

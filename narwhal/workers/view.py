@@ -31,6 +31,7 @@ class WorkerView:
     def __init__(self, send: Callable[[Evidence], None], *, clock: Callable[[], float] = time.monotonic,
                  refresh: Callable[[], None] | None = None,
                  record_success: Callable[[str, SuccessKind], None] | None = None,
+                 success_clears: Callable[[str, SuccessKind], bool] | None = None,
                  on_engines: Callable[[list[EngineSpec]], None] | None = None,
                  on_settings: Callable[[PlacementConfig, EngineConfig], None] | None = None,
                  on_fleet: Callable[[FleetConfig], None] | None = None,
@@ -41,8 +42,11 @@ class WorkerView:
         # In one process the hub is asked before each read whether the fleet
         # changed (one cheap comparison), so placement is as current as the fleet.
         self._refresh = refresh
-        # In one process a success goes to the hub as a call (two a request: no message built for them).
+        # In one process a success goes to the hub as a call (two a request: no message built for them),
+        # and only when the fleet says it may clear something (``Fleet.success_clears``): the usual one,
+        # on an engine with no failure streak, changes nothing and costs that one check.
         self._record_success = record_success
+        self._success_clears = success_clears
         self.snapshot = EMPTY_SNAPSHOT
         self._local_reason: str | None = None
         # Told the engine set when a snapshot changes it (the request core's ``set_engines``).
@@ -111,10 +115,11 @@ class WorkerView:
         self._send(Evidence(engine=engine, failure_class=failure_class.value))
 
     def record_success(self, engine: str, kind: SuccessKind) -> None:
-        if self._record_success is not None:
-            self._record_success(engine, kind)
-        else:
+        record = self._record_success
+        if record is None:
             self._send(Evidence(engine=engine, success_kind=kind.value))
+        elif self._success_clears is None or self._success_clears(engine, kind):
+            record(engine, kind)
 
     # -- the admission gate --------------------------------------------------------------
 
