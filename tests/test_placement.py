@@ -13,7 +13,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from narwhal.fleet.placement import Placer
@@ -193,9 +193,11 @@ def test_property_the_index_never_exceeds_its_bound(max_entries: int,
 
 
 def _chained(branch: int, fork: int, length: int) -> list[int]:
-    """A prompt's blocks as chained hashes make them: block i stands for the whole prefix through i. Prompts
-    of one ``branch`` share it all; another branch shares the first ``fork`` blocks of branch 0's."""
-    return [i if branch == 0 or i < fork else 1000 * branch + i for i in range(length)]
+    """A prompt's blocks as chained hashes make them: block i stands for the whole prefix through i, so two
+    prompts share block i only if they share every block before it. Branch 0 is one line of blocks; another
+    branch leaves it after its first ``fork`` blocks, on blocks of its own, different for each fork (the same
+    block past different forks would be a hash that ignores its prefix, which the index may assume away)."""
+    return [i if branch == 0 or i < fork else 1000 * (16 * branch + fork) + i for i in range(length)]
 
 
 _PROMPTS = st.tuples(st.integers(min_value=0, max_value=3), st.integers(min_value=0, max_value=12),
@@ -207,6 +209,9 @@ _PROMPTS = st.tuples(st.integers(min_value=0, max_value=3), st.integers(min_valu
                            max_size=40),
        max_entries=st.integers(min_value=0, max_value=48), prompt=_PROMPTS,
        at=st.integers(min_value=0, max_value=12))
+# Found once in a full run when a block past one fork had the id of the block past another: [0, 3001] held,
+# [3000, 3001, 3002] asked. Not a state chained hashes can reach; kept as the case the generator must not make.
+@example(operations=[("record", "p1", (3, 1, 2))], max_entries=8, prompt=(3, 0, 3), at=0)
 def test_property_the_per_engine_passes_equal_one_engine_at_a_time(
         operations: list[tuple[str, str, tuple[int, int, int]]], max_entries: int, prompt: tuple[int, int, int],
         at: int) -> None:
