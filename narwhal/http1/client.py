@@ -219,7 +219,11 @@ class EngineConnection:
         self._parser: httptools.HttpResponseParser | None = None
         self._headers: list[tuple[bytes, bytes]] = []
         self._head: HTTPResponseHead | None = None
+        # One list for the connection's life (cleared, never replaced): httptools looks its callbacks up once
+        # per parser, and the list's own append as ``on_body`` is a C call per body chunk, with no Python frame
+        # (an unpaced answer's read brings a chunk per token).
         self._body: list[bytes] = []
+        self.on_body = self._body.append
         self._response_started = False
         self._complete = False
         self._keep_alive = False
@@ -239,9 +243,6 @@ class EngineConnection:
     def on_headers_complete(self) -> None:
         assert self._parser is not None
         self._head = HTTPResponseHead(status=self._parser.get_status_code(), headers=self._headers)
-
-    def on_body(self, body: bytes) -> None:
-        self._body.append(body)
 
     def on_message_complete(self) -> None:
         assert self._parser is not None
@@ -311,7 +312,7 @@ class EngineConnection:
         self._parser = httptools.HttpResponseParser(self)
         self._headers = []
         self._head = None
-        self._body = []
+        self._body.clear()
         self._received = 0
         self._response_started = self._complete = self._keep_alive = False
         # Nothing of the response can be there yet: the first read waits for it.
