@@ -115,7 +115,7 @@ class _Fields(msgspec.Struct):
 
 
 class _Nothing(msgspec.Struct):
-    pass
+    """No fields: the line is its head alone."""
 
 
 @pytest.mark.parametrize("process", [{}, {"worker": 3}])

@@ -118,8 +118,7 @@ class Readiness:
                 timed.discard(watch)
             elif now >= watch.deadline:
                 timed.discard(watch)
-                watch.task = None
-                trio.lowlevel.reschedule(task, outcome.Error(WaitExpired()))
+                self.interrupt(watch, WaitExpired())
 
     def interrupt(self, watch: Watch, error: BaseException) -> bool:
         """Raise ``error`` in the task waiting on ``watch`` now; False when no task waits on it."""

@@ -240,10 +240,10 @@ class pool_slot:  # noqa: N801 -- used as a function: ``async with pool_slot(...
                 raise PoolSaturated(f"no free {self._pool} pool connection before the request deadline") from None
 
     async def __aexit__(self, *exc_info: object) -> None:
-        self._limiter.release_on_behalf_of(self._token)
+        self.release()
 
     def release(self) -> None:
-        """``__aexit__``'s work, for an owner that is itself a context manager (``DataPool.stream``)."""
+        """Give the slot back (``__aexit__``; or an owner that is itself a context manager, ``DataPool.stream``)."""
         self._limiter.release_on_behalf_of(self._token)
 
 
