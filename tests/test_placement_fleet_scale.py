@@ -8,12 +8,15 @@ and match, and the same random draws.
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Callable, Sequence
 
+import pytest
+
 from narwhal.fleet.placement import InFlight, Placer
-from narwhal.fleet.placement.policy import Choice
-from narwhal.fleet.placement.prefix_index import PrefixIndex
+from narwhal.fleet.placement.policy import ANCHOR_BLOCKS, Choice, Reason
+from narwhal.fleet.placement.prefix_index import ENTRY_BYTES, PrefixIndex
 
 
 def reference_least(candidates: Sequence[str], load: Callable[[str], int], rng: random.Random) -> str:
@@ -21,6 +24,27 @@ def reference_least(candidates: Sequence[str], load: Callable[[str], int], rng: 
     least = min(loads)
     tied = [name for name, n in zip(candidates, loads, strict=True) if n == least]
     return tied[0] if len(tied) == 1 else rng.choice(tied)
+
+
+def reference_rank(anchor: int, name: str) -> int:
+    """The rendezvous score as first written: splitmix64's finalizer over the anchor and the name's hash."""
+    value = anchor ^ int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+    value = (value ^ (value >> 30)) * 0xBF58476D1CE4E5B9 & (1 << 64) - 1
+    value = (value ^ (value >> 27)) * 0x94D049BB133111EB & (1 << 64) - 1
+    return value ^ (value >> 31)
+
+
+def reference_pick(placer: Placer, pool: list[str], blocks: Sequence[int], reason: Reason, matched: int) -> Choice:
+    """The tie-break as first written: random without blocks, else the highest ``rank`` (the first among equals)."""
+    n = len(blocks)
+    if len(pool) == 1:
+        name = pool[0]
+    elif not n:
+        name = placer.rng.choice(pool)
+    else:
+        anchor = blocks[min(n, ANCHOR_BLOCKS) - 1]
+        name = max(pool, key=lambda candidate: reference_rank(anchor, candidate))
+    return Choice(name, reason, matched / n if n else None)
 
 
 def reference_prefill(placer: Placer, candidates: Sequence[str], blocks: Sequence[int],
@@ -43,7 +67,7 @@ def reference_prefill(placer: Placer, candidates: Sequence[str], blocks: Sequenc
         if len(pool) > 1:
             smallest = min(index.entries(name) for name in pool)
             pool = [name for name in pool if index.entries(name) == smallest]
-        return placer._pick(pool, blocks, "miss", 0)
+        return reference_pick(placer, pool, blocks, "miss", 0)
     allowed = [name for name in candidates if loads[name] <= bound]
     best = max(matches[name] for name in allowed)
     pool = [name for name in allowed if matches[name] == best]
@@ -54,10 +78,13 @@ def reference_prefill(placer: Placer, candidates: Sequence[str], blocks: Sequenc
     elif len(pool) > 1:
         lowest = min(loads[name] for name in pool)
         pool = [name for name in pool if loads[name] == lowest]
-    return placer._pick(pool, blocks, "hit" if best == best_any else "spill", best)
+    return reference_pick(placer, pool, blocks, "hit" if best == best_any else "spill", best)
 
 
-def test_choices_over_a_large_fleet_match_the_per_engine_reference() -> None:
+@pytest.mark.parametrize("max_bytes", [1 << 20, 64 * ENTRY_BYTES * 4])
+def test_choices_over_a_large_fleet_match_the_per_engine_reference(max_bytes: int) -> None:
+    """At 4 entries an engine (the second case) every cache fills: misses then tie over the idle engines and
+    go to rendezvous among dozens."""
     rng = random.Random(34)
     prefill = [f"p{i}" for i in range(64)]
     decode = [f"d{i}" for i in range(192)]
@@ -66,9 +93,9 @@ def test_choices_over_a_large_fleet_match_the_per_engine_reference() -> None:
         state = random.Random(seed)
         in_flight = InFlight(prefill + decode)
         balance_abs, balance_rel = state.choice((0, 2, 8)), state.choice((1.0, 1.5))
-        fast = Placer(PrefixIndex(prefill, max_bytes=1 << 20), rng=random.Random(seed), balance_abs=balance_abs,
+        fast = Placer(PrefixIndex(prefill, max_bytes=max_bytes), rng=random.Random(seed), balance_abs=balance_abs,
                       balance_rel=balance_rel, clock=iter(range(1, 10**6)).__next__)
-        slow = Placer(PrefixIndex(prefill, max_bytes=1 << 20), rng=random.Random(seed), balance_abs=fast.balance_abs,
+        slow = Placer(PrefixIndex(prefill, max_bytes=max_bytes), rng=random.Random(seed), balance_abs=fast.balance_abs,
                       balance_rel=fast.balance_rel, clock=iter(range(1, 10**6)).__next__)
         for step in range(150):
             # Candidates as the request path gives them: the whole role, or filtered (retries, continuations).

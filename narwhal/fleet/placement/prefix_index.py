@@ -98,8 +98,12 @@ class PrefixIndex:
 
     def entries_of(self, engines: Sequence[str]) -> list[int]:
         """``entries`` for each of ``engines``, in order."""
-        get = self._lru.get
-        return [len(lru) if (lru := get(engine)) is not None else 0 for engine in engines]
+        try:
+            # In C while every engine is indexed (an engine a reload just added may not be yet).
+            return list(map(len, map(self._lru.__getitem__, engines)))
+        except KeyError:
+            get = self._lru.get
+            return [len(lru) if (lru := get(engine)) is not None else 0 for engine in engines]
 
     def last_used_each(self, engines: Sequence[str], block: int) -> list[float]:
         """``last_used`` for each of ``engines``, in order."""
