@@ -27,11 +27,13 @@ def reference_least(candidates: Sequence[str], load: Callable[[str], int], rng: 
 
 
 def reference_rank(anchor: int, name: str) -> int:
-    """The rendezvous score as first written: splitmix64's finalizer over the anchor and the name's hash."""
-    value = anchor ^ int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
-    value = (value ^ (value >> 30)) * 0xBF58476D1CE4E5B9 & (1 << 64) - 1
-    value = (value ^ (value >> 27)) * 0x94D049BB133111EB & (1 << 64) - 1
-    return value ^ (value >> 31)
+    """The rendezvous score written out: splitmix64's finalizer over the anchor, XOR the name's 64-bit blake2b,
+    then CPython's hash of that 1-tuple."""
+    mask = (1 << 64) - 1
+    mixed = (anchor ^ (anchor >> 30)) * 0xBF58476D1CE4E5B9 & mask
+    mixed = (mixed ^ (mixed >> 27)) * 0x94D049BB133111EB & mask
+    mixed ^= mixed >> 31
+    return hash((mixed ^ int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little"),))
 
 
 def reference_pick(placer: Placer, pool: list[str], blocks: Sequence[int], reason: Reason, matched: int) -> Choice:

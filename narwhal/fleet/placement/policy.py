@@ -114,6 +114,13 @@ def _salt(name: str) -> int:
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
 
 
+def _mix(value: int) -> int:
+    # splitmix64's finalizer: spreads a prompt anchor over 64 bits before the per-engine hash.
+    value = (value ^ (value >> 30)) * 0xBF58476D1CE4E5B9 & _MASK
+    value = (value ^ (value >> 27)) * 0x94D049BB133111EB & _MASK
+    return value ^ (value >> 31)
+
+
 class Placer:
     """Chooses engines for one router process; ``record`` keeps the index in step with its choices."""
 
@@ -138,22 +145,24 @@ class Placer:
         self._positions: dict[str, int] = {}
 
     def rendezvous(self, pool: Sequence[str], anchor: int) -> str:
-        """The engine of ``pool`` (at least one) with the highest rendezvous score for a prompt anchor (the
-        first of equals), the same in every process: splitmix64's finalizer over the anchor and a hash of the
-        engine's name. Written as one loop, since a miss among hundreds of idle engines scores every one."""
+        """The engine of ``pool`` (at least one) with the highest rendezvous score for a prompt anchor (the first
+        of equals), the same in every process.
+
+        The anchor is mixed once (splitmix64's finalizer), each engine's score is CPython's hash of the 1-tuple
+        (mixed anchor XOR a hash of the engine's name): computed in C, since a miss among hundreds of idle
+        engines scores every one of them. Ints and tuples of ints hash alike in every 64-bit CPython since 3.8
+        (no per-process seed), so worker processes and routers agree.
+        """
         salts = self._salts
-        best_name, best = pool[0], -1
-        for name in pool:
-            salt = salts.get(name)
-            if salt is None:
-                salt = salts[name] = _salt(name)
-            value = anchor ^ salt
-            value = (value ^ (value >> 30)) * 0xBF58476D1CE4E5B9 & _MASK
-            value = (value ^ (value >> 27)) * 0x94D049BB133111EB & _MASK
-            value ^= value >> 31
-            if value > best:
-                best_name, best = name, value
-        return best_name
+        try:
+            values = list(map(salts.__getitem__, pool))
+        except KeyError:
+            for name in pool:
+                if name not in salts:
+                    salts[name] = _salt(name)
+            values = list(map(salts.__getitem__, pool))
+        scores = list(map(hash, zip(map(_mix(anchor).__xor__, values))))
+        return pool[scores.index(max(scores))]
 
     def prefill(self, candidates: Sequence[str], blocks: Sequence[int], load: Callable[[str], int],
                 scores: Scores | None = None) -> Choice | None:
