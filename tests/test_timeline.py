@@ -124,6 +124,9 @@ def test_an_engine_added_by_a_reload_gets_its_series_from_its_first_sample() -> 
     assert v.engines == ["p1", "d9"]
     assert v.state == {"p1": ["eligible", "eligible"], "d9": [None, "held"]}
     assert v.in_flight == {"p1": [1, 1], "d9": [None, 2]}
+    # Later samples add nobody again, and "x" stays out however often it comes (names equal, not the same object).
+    t.sample(3.5, in_flight={}, state={"".join(["p", "1"]): "eligible", "d9": "held", "x": "held"})
+    assert t.view(4.0, 0.0, seconds=1).engines == ["p1", "d9"]
 
 
 def test_bad_sizes_are_refused() -> None:

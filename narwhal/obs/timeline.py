@@ -95,6 +95,8 @@ class Timeline:
             raise ValueError("window_s, max_ttft_samples and max_error_classes must be >= 1")
         # Engines in first-seen order: the configured ones, then any a config reload adds (up to max_engines).
         self.engines = list(engines)
+        # The same names as a set: the once-a-second sample asks for each engine whether it is known.
+        self._known = set(self.engines)
         self.max_engines = max(max_engines, len(self.engines))
         self.window_s = window_s
         self.max_ttft_samples = max_ttft_samples
@@ -160,10 +162,13 @@ class Timeline:
         a config reload) gets its series from this second on.
         """
         bucket = self._bucket(now)
-        known = self.engines
-        for name in state:
-            if name not in known and len(known) < self.max_engines:
-                known.append(name)
+        known = self._known
+        if not known.issuperset(state):
+            # A list membership test per engine made this O(engines^2) a second: 32,000 string comparisons at 256.
+            for name in state:
+                if name not in known and len(known) < self.max_engines:
+                    known.add(name)
+                    self.engines.append(name)
         bucket.in_flight = {name: int(in_flight.get(name, 0)) for name in state}
         bucket.state = dict(state)
 
