@@ -9,6 +9,8 @@ side by side. Three cases, each the best of 5 rounds of 20,000 calls:
   then ``record``, loads 0 or 1 (a quarter busy);
 - miss: a prompt nobody holds, loads as above, the caches as the hit left them (all but one empty):
   the least loaded with the emptiest cache tie, and rendezvous picks among them;
+- no block: a prompt shorter than one block (the fleet scenario's 16 words), loads as above: the least
+  loaded with the emptiest cache tie, and a random draw picks among them;
 - decode: 192 candidates, 64 of them busy (and 8 busy engines of the other role).
 """
 
@@ -31,7 +33,7 @@ def best_us(call: object) -> float:
     return min(timeit.repeat(call, number=CALLS, repeat=ROUNDS)) / CALLS * 1e6  # type: ignore[arg-type]
 
 
-def prefill_case(size: int) -> tuple[float, float]:
+def prefill_case(size: int) -> tuple[float, float, float]:
     names = [f"p{i}" for i in range(size)]
     index = PrefixIndex(names, max_bytes=64 << 20)
     placer = Placer(index, rng=random.Random(1))
@@ -49,7 +51,10 @@ def prefill_case(size: int) -> tuple[float, float]:
         n = turn()
         placer.prefill(names, [n * 7919 + 11], loads[n & 63].__getitem__)
 
-    return best_us(hit), best_us(miss)
+    def no_block() -> None:
+        placer.prefill(names, [], loads[turn() & 63].__getitem__)
+
+    return best_us(hit), best_us(miss), best_us(no_block)
 
 
 def decode_case() -> float:
@@ -65,8 +70,9 @@ def decode_case() -> float:
 
 def main() -> None:
     for size in (2, 16, 64, 256):
-        hit, miss = prefill_case(size)
-        print(f"prefill over {size:3d} candidates: hit + record {hit:6.2f} us, miss {miss:6.2f} us")
+        hit, miss, no_block = prefill_case(size)
+        print(f"prefill over {size:3d} candidates: hit + record {hit:6.2f} us, miss {miss:6.2f} us, "
+              f"no block {no_block:6.2f} us")
     print(f"decode over 192 candidates, 64 busy: {decode_case():.2f} us")
 
 

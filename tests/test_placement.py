@@ -231,6 +231,7 @@ def test_property_the_per_engine_passes_equal_one_engine_at_a_time(
     assert index.match_each(engines, blocks) == [index.match(name, blocks) for name in engines]
     assert all(type(value) is int for value in index.match_each(engines, blocks))
     assert index.entries_of(engines) == [index.entries(name) for name in engines]
+    assert index.entries_of(ENGINES) == [index.entries(name) for name in ENGINES]  # all indexed: the C path
     assert index.last_used_each(engines, at) == [index.last_used(name, at) for name in engines]
 
 

@@ -557,6 +557,21 @@ async def test_cache_aware_placement_follows_a_reloaded_prefill_set_in_both_work
             await wait_until(lambda: _has(fleet.router, "engine_removed", engine="p1"), timeout_s=10.0,
                              what="engine_removed p1")
             await eligible(fleet, "p3")
+            # Each worker learns of the reload from its own snapshot, a moment after the controller. A worker
+            # still without p3 would place the new prefix below on p2, and the prefix would then stay there
+            # (equal holders go to the one placed last): so first, until both workers have placed a one-block
+            # prompt of its own on p3 (the emptiest index; a block each leaves it far emptier than p2).
+            warmed = 0
+
+            async def p3_placed_from_both_workers() -> bool:
+                nonlocal warmed
+                warmed += 1
+                response = await client.post(f"{fleet.url}/v1/completions", json={
+                    "model": "mock-model", "prompt": " ".join(f"warm{warmed}w{i}" for i in range(16)), "max_tokens": 2})
+                assert response.status_code == 200, response.text
+                return {line["worker"] for line in fleet.router.events("request") if line["prefill"] == "p3"} == {0, 1}
+
+            await wait_until(p3_placed_from_both_workers, timeout_s=20.0, what="p3 placed from both workers")
 
             # A new prefix goes to the engine whose index is empty, p3, and stays there from either worker.
             new_group = 9
