@@ -200,6 +200,12 @@ class _Engine:
         return not self.ejected and not self.removing and all(kind in PROTECTED_HOLDS for kind in self.holds)
 
 
+def _success_may_clear(engine: _Engine, kind: SuccessKind) -> bool:
+    """A success can clear evidence only on an engine with a failure streak, or as a health answer (its row
+    also resets liveness misses and may lift a quarantine)."""
+    return engine.any_streak or kind is SuccessKind.HEALTH_200
+
+
 class Fleet:
     """The engine state machine: evidence, holds, ejection, eligibility per role."""
 
@@ -428,12 +434,12 @@ class Fleet:
         """Whether ``record_success(name, kind, ...)`` may change anything: an engine with a failure streak,
         or a health answer. The request path asks first and skips the call (and the clock) when it cannot."""
         engine = self._engines.get(name)
-        return engine is not None and (engine.any_streak or kind is SuccessKind.HEALTH_200)
+        return engine is not None and _success_may_clear(engine, kind)
 
     def record_success(self, name: str, kind: SuccessKind, now: float) -> list[Action]:
         """Clear exactly the evidence that ``kind``'s row of the clearing table names."""
         engine = self._engines[name]
-        if not engine.any_streak and kind is not SuccessKind.HEALTH_200:
+        if not _success_may_clear(engine, kind):
             return []  # the common case on the request path: nothing to clear
         for evidence in EVIDENCE_CLEARED[kind]:
             if isinstance(evidence, FailureClass):
