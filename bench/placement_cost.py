@@ -6,11 +6,11 @@ TREE (default: this checkout) is the source tree whose ``Placer`` is timed, so t
 side by side. Three cases, each the best of 5 rounds of 20,000 calls:
 
 - hit: one prompt, sent again and again (``narwhal bench``'s load), so one engine holds it; ``prefill``
-  then ``record``, loads 0 or 1 (a quarter busy);
+  then ``record``, loads 0 or 1 (a quarter busy), the busy engines given as the request path gives them;
 - miss: a prompt nobody holds, loads as above, the caches as the hit left them (all but one empty):
   the least loaded with the emptiest cache tie, and rendezvous picks among them;
-- no block: a prompt shorter than one block (the fleet scenario's 16 words), loads as above: the least
-  loaded with the emptiest cache tie, and a random draw picks among them;
+- no block: a prompt shorter than one block (the fleet scenario's 16 words), loads as above, the busy
+  engines given as the request path gives them: a random draw among the idle ones;
 - decode: 192 candidates, 64 of them busy (and 8 busy engines of the other role).
 """
 
@@ -40,20 +40,24 @@ def prefill_case(size: int) -> tuple[float, float, float]:
     placer = Placer(index, rng=random.Random(1))
     rng = random.Random(2)
     loads = [{name: rng.choice((0, 0, 0, 1)) for name in names} for _ in range(64)]
+    # The engines with a request in flight, as the request path passes them (InFlight.busy).
+    busy = [{name for name, n in load.items() if n} for load in loads]
     blocks = [123456789]
     turn = iter(range(10**9)).__next__
 
     def hit() -> None:
-        choice = placer.prefill(names, blocks, loads[turn() & 63].__getitem__)
+        n = turn() & 63
+        choice = placer.prefill(names, blocks, loads[n].__getitem__, busy=busy[n])
         assert choice is not None
         placer.record(choice.engine, blocks)
 
     def miss() -> None:
         n = turn()
-        placer.prefill(names, [n * 7919 + 11], loads[n & 63].__getitem__)
+        placer.prefill(names, [n * 7919 + 11], loads[n & 63].__getitem__, busy=busy[n & 63])
 
     def no_block() -> None:
-        placer.prefill(names, [], loads[turn() & 63].__getitem__)
+        n = turn() & 63
+        placer.prefill(names, [], loads[n].__getitem__, busy=busy[n])
 
     return best_us(hit), best_us(miss), best_us(no_block)
 

@@ -257,5 +257,5 @@ def test_prefill_engines_show_their_prefix_index_size() -> None:
                           readmitter=FakeReadmitter(), controller=FakeController(), monitor=FakeMonitor(),
                           clock=lambda: 10.0, prefix_index=index)
     p1, d1, _ = viewer.engines().engines
-    assert p1.prefix_index is not None and (p1.prefix_index.entries, p1.prefix_index.bytes) == (3, 3 * ENTRY_BYTES)
+    assert p1.prefix_index is not None and (p1.prefix_index.entries, p1.prefix_index.bytes) == (3, 4 * ENTRY_BYTES)
     assert d1.prefix_index is None

@@ -13,6 +13,8 @@ import random
 from collections.abc import Callable, Sequence
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from narwhal.fleet.placement import InFlight, Placer
 from narwhal.fleet.placement.policy import ANCHOR_BLOCKS, Choice, Reason
@@ -66,7 +68,8 @@ def reference_prefill(placer: Placer, candidates: Sequence[str], blocks: Sequenc
     best_any = max(matches.values())
     if best_any == 0:
         pool = [name for name in candidates if loads[name] == least]
-        if len(pool) > 1:
+        if len(pool) > 1 and n:
+            # (A prompt without a whole block adds nothing to a cache: the least loaded alone decide.)
             smallest = min(index.entries(name) for name in pool)
             pool = [name for name in pool if index.entries(name) == smallest]
         return reference_pick(placer, pool, blocks, "miss", 0)
@@ -105,7 +108,9 @@ def test_choices_over_a_large_fleet_match_the_per_engine_reference(max_bytes: in
             prefix = state.choice(prefixes)
             blocks = prefix[:state.randrange(len(prefix) + 1)] if state.random() < 0.8 else []
             load = in_flight.loader()
-            got = fast.prefill(candidates, blocks, load)
+            # With the busy engines (the request path's single process) or without (other workers' loads).
+            busy = in_flight.busy if state.random() < 0.5 else None
+            got = fast.prefill(candidates, blocks, load, busy=busy)
             want = reference_prefill(slow, candidates, blocks, in_flight.load)
             assert got == want, (seed, step)
             if got is not None:
@@ -158,3 +163,65 @@ def test_the_loader_reads_zero_for_an_engine_without_an_entry_and_adds_none() ->
     # Another worker's loads count: the loader is then the summing one.
     in_flight.elsewhere = {"a": 2}
     assert in_flight.loader()("a") == 3
+
+
+def _prompt_trees(rng: random.Random, trees: int) -> list[list[int]]:
+    """Prompts as chained hashes make them: each tree's prompts share its first block and fork after it."""
+    prompts = []
+    for _ in range(trees):
+        first = rng.getrandbits(64)
+        for _ in range(3):
+            prompts.append([first] + [rng.getrandbits(64) for _ in range(rng.randrange(6))])
+    return prompts
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(min_value=0, max_value=10**6),
+       operations=st.lists(st.tuples(st.sampled_from(["record", "record", "record", "forget", "engines", "bytes"]),
+                                     st.integers(min_value=0, max_value=10**6)), max_size=80))
+def test_property_the_holders_of_a_first_block_are_the_engines_holding_it(
+        seed: int, operations: list[tuple[str, int]]) -> None:
+    """Whatever was recorded, evicted, forgotten or re-shared: an engine is among a first block's holders exactly
+    while it holds that block, and each such entry is charged within the bound."""
+    rng = random.Random(seed)
+    engines = ["p0", "p1", "p2", "p3", "p4"]
+    prompts = _prompt_trees(rng, 6)
+    firsts = {prompt[0] for prompt in prompts}
+    index = PrefixIndex(engines[:3], max_bytes=ENTRY_BYTES * 40)
+    for op, value in operations:
+        choose = random.Random(value)
+        if op == "record":
+            index.record(choose.choice(engines), choose.choice(prompts), float(value))
+        elif op == "forget":
+            index.forget(choose.choice(engines))
+        elif op == "engines":
+            index.set_engines(choose.sample(engines, choose.randrange(1, len(engines) + 1)))
+        else:
+            index.set_max_bytes(ENTRY_BYTES * choose.randrange(0, 80))
+        held_firsts = dict.fromkeys(index.engines, 0)
+        for first in firsts:
+            holders = index.holders(first)
+            assert len(set(holders)) == len(holders)
+            for engine in index.engines:
+                assert (engine in holders) == (index.match(engine, [first]) == 1), (op, engine)
+            for engine in holders:
+                held_firsts[engine] += 1
+        for engine in index.engines:
+            assert index.bytes(engine) == (index.entries(engine) + held_firsts[engine]) * ENTRY_BYTES
+        assert index.total_bytes() <= index.max_bytes
+
+
+def test_a_candidate_list_with_a_repeated_name_is_placed_as_the_reference_places_it() -> None:
+    prefill = [f"p{i}" for i in range(20)]
+    candidates = [*prefill, "p3"]
+    in_flight = InFlight(prefill)
+    fast = Placer(PrefixIndex(prefill, max_bytes=1 << 20), rng=random.Random(1), clock=iter(range(1, 999)).__next__)
+    slow = Placer(PrefixIndex(prefill, max_bytes=1 << 20), rng=random.Random(1), clock=iter(range(1, 999)).__next__)
+    blocks = [11, 12, 13]
+    for step in range(30):
+        got = fast.prefill(candidates, blocks, in_flight.loader(), busy=in_flight.busy)
+        assert got == reference_prefill(slow, candidates, blocks, in_flight.load), step
+        assert got is not None
+        fast.record(got.engine, blocks)
+        slow.record(got.engine, blocks)
+        in_flight.acquire(got.engine)

@@ -144,11 +144,13 @@ class RequestPlacement:
         the label its choice is counted under), or None. ``tokens``: the prompt's token IDs, for the feeds."""
         placer = self.placer
         load = in_flight.loader()
+        # Without other workers' loads, in_flight.busy is exactly the engines with load > 0.
+        busy = None if in_flight.elsewhere else in_flight.busy
         if role == "prefill":
             blocks = prompt_blocks(request, chat=route == _CHAT, block_tokens=self._block_tokens) \
                 if placer.cache_aware else []
             scores = self._scores(candidates, blocks, tokens) if tokens is not None and placer.cache_aware else None
-            choice = placer.prefill(candidates, blocks, load, scores)
+            choice = placer.prefill(candidates, blocks, load, scores, busy)
             if choice is not None:
                 placer.record(choice.engine, blocks)
                 if tokens and self.kv is not None and self.kv.live(choice.engine):
@@ -156,8 +158,7 @@ class RequestPlacement:
                 if choice.matched is not None:
                     self.metrics.placement_match.observe(choice.matched, model)
         else:
-            # Without other workers' loads, in_flight.busy is exactly the engines with load > 0.
-            choice = placer.decode(candidates, load, None if in_flight.elsewhere else in_flight.busy)
+            choice = placer.decode(candidates, load, busy)
         if choice is not None:
             self.metrics.placements.inc(role, choice.reason, model)
         return choice

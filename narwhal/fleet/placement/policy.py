@@ -42,6 +42,11 @@ Reason = Literal["hit", "miss", "spill", "only_choice", "least_outstanding"]
 # Rendezvous hashing keys on the hash of this many leading blocks (fewer in a shorter prompt).
 ANCHOR_BLOCKS = 4
 _MASK = (1 << 64) - 1
+# Candidate lists whose positions ``Placer`` keeps: both roles of a few models.
+_POSITIONED = 8
+# From how many prefill candidates on the holders of a prompt's first block are looked at first: below, a pass over
+# every candidate in C costs less than finding the few (the same choice either way).
+_HOLDERS_FROM = 8
 
 
 class Scores(NamedTuple):
@@ -139,10 +144,9 @@ class Placer:
         self.balance_rel = balance_rel
         self.rng = rng or random.Random()
         self._salts: dict[str, int] = {}
-        # The last decode candidates seen and each one's position: a request's list is a fresh copy of the
-        # same eligible engines, so one C-level comparison usually finds them here.
-        self._positioned: list[str] = []
-        self._positions: dict[str, int] = {}
+        # The last candidate lists seen (a role's, a model's) with each name's position, newest first: a request's
+        # list is a fresh copy of the same eligible engines, so a C-level comparison or two usually finds it here.
+        self._positioned: list[tuple[list[str], dict[str, int]]] = []
 
     def rendezvous(self, pool: Sequence[str], anchor: int) -> str:
         """The engine of ``pool`` (at least one) with the highest rendezvous score for a prompt anchor (the first
@@ -165,12 +169,12 @@ class Placer:
         return pool[scores.index(max(scores))]
 
     def prefill(self, candidates: Sequence[str], blocks: Sequence[int], load: Callable[[str], int],
-                scores: Scores | None = None) -> Choice | None:
+                scores: Scores | None = None, busy: Collection[str] | None = None) -> Choice | None:
         """The prefill engine for a prompt of ``blocks`` among ``candidates``, or None when there are none.
 
         ``scores``, when given, replace the index's matches (the engines' own KV events): equal holders are
         then told apart by load and rendezvous, which every router computes alike, not by this router's
-        own placement times.
+        own placement times. ``busy``: as ``decode``'s, for the choices made by load alone.
         """
         if not candidates:
             return None
@@ -180,7 +184,21 @@ class Placer:
             name = candidates[0]
             return Choice(name, "only_choice", index.match(name, blocks) / n if n else None)
         if not self.cache_aware:
-            return Choice(least_outstanding(candidates, load, self.rng), "least_outstanding", None)
+            return Choice(self._least(candidates, load, busy), "least_outstanding", None)
+        if not n and scores is None:
+            # A prompt shorter than one block matches nothing and adds nothing to any cache: the least loaded
+            # takes it (random among equals), found as decode finds it, without a pass over hundreds.
+            return Choice(self._least(candidates, load, busy), "miss", None)
+        if scores is None and len(candidates) > _HOLDERS_FROM:
+            held_at = self._holders_at(candidates, blocks[0])
+            if held_at:
+                chosen = self._among_holders(candidates, blocks, load, busy, held_at)
+                if chosen is not None:
+                    return chosen
+            elif held_at is not None:
+                # Nobody holds the first block, so nobody holds any of the prompt.
+                load_list = list(map(load, candidates))
+                return self._miss(candidates, blocks, load_list, min(load_list), n, None)
         # The per-candidate passes run in C where they can (map, compress over lists aligned with the
         # candidates): see least_outstanding.
         load_list = list(map(load, candidates))
@@ -192,14 +210,7 @@ class Placer:
             match_list, total = scores.matches, scores.total
         best_any = max(match_list)
         if best_any == 0:
-            least_at = list(map(operator.eq, load_list, repeat(least)))
-            pool = list(compress(candidates, least_at))
-            if len(pool) > 1:
-                # The emptiest cache among the least loaded: new prefixes spread over the caches.
-                sizes = index.entries_of(pool) if scores is None else list(compress(scores.sizes, least_at))
-                smallest = min(sizes)
-                pool = list(compress(pool, map(operator.eq, sizes, repeat(smallest))))
-            return self._pick(pool, blocks, "miss", 0, total)
+            return self._miss(candidates, blocks, load_list, least, total, scores)
         # The holders (match above 0) are usually few among hundreds of candidates: the steps below walk
         # their positions only, unless none of them is within the bound.
         held = [i for i in compress(range(len(match_list)), match_list) if load_list[i] <= bound]
@@ -228,6 +239,56 @@ class Placer:
                 pool = list(compress(pool, map(operator.eq, pool_loads, repeat(lowest))))
         return self._pick(pool, blocks, "hit" if best == best_any else "spill", best, total)
 
+    def _miss(self, candidates: Sequence[str], blocks: Sequence[int], load_list: list[int], least: int,
+              total: int, scores: Scores | None) -> Choice:
+        """Nobody holds any of the prompt: the least loaded, the emptiest cache among them, then rendezvous."""
+        least_at = list(map(operator.eq, load_list, repeat(least)))
+        pool = list(compress(candidates, least_at))
+        if len(pool) > 1:
+            # The emptiest cache among the least loaded: new prefixes spread over the caches.
+            sizes = self.index.entries_of(pool) if scores is None else list(compress(scores.sizes, least_at))
+            smallest = min(sizes)
+            pool = list(compress(pool, map(operator.eq, sizes, repeat(smallest))))
+        return self._pick(pool, blocks, "miss", 0, total)
+
+    def _holders_at(self, candidates: Sequence[str], first: int) -> list[int] | None:
+        """The positions, in order, of the candidates holding the block ``first`` (None: names repeat)."""
+        positions = self._positions(candidates)
+        if positions is None:
+            return None
+        holders = self.index.holders(first)
+        if not holders:
+            return []
+        return sorted([i for i in map(positions.get, holders) if i is not None])
+
+    def _among_holders(self, candidates: Sequence[str], blocks: Sequence[int], load: Callable[[str], int],
+                       busy: Collection[str] | None, held_at: list[int]) -> Choice | None:
+        """The prefill choice when some candidates (at ``held_at``) hold the prompt: the same as the pass over every
+        candidate, from the holders' loads and matches alone; None when every holder is past the balance bound
+        (the least loaded of the rest then take it: the full pass)."""
+        if busy is not None and self._any_idle(candidates, busy):
+            least = 0
+        else:
+            least = min(map(load, candidates))
+        bound = max(least + self.balance_abs, least * self.balance_rel)
+        index = self.index
+        names = [candidates[i] for i in held_at]
+        matches = [index.match(name, blocks) for name in names]
+        within = [k for k, name in enumerate(names) if load(name) <= bound]
+        if not within:
+            return None
+        best_any = max(matches)
+        best = max([matches[k] for k in within])
+        pool = [names[k] for k in within if matches[k] == best]
+        if len(pool) > 1:
+            # Equal holders: the one that had it last, whose cache most likely still has it. A spilled
+            # prefix thus concentrates again on one engine instead of crowding several caches, and
+            # worker processes agree on which (the time of a placement travels with its record).
+            used = index.last_used_each(pool, blocks[best - 1])
+            latest = max(used)
+            pool = list(compress(pool, map(operator.eq, used, repeat(latest))))
+        return self._pick(pool, blocks, "hit" if best == best_any else "spill", best, len(blocks))
+
     def decode(self, candidates: Sequence[str], load: Callable[[str], int],
                busy: Collection[str] | None = None) -> Choice | None:
         """The decode engine: least outstanding, random among ties; None when there are none.
@@ -239,21 +300,41 @@ class Placer:
             return None
         if len(candidates) == 1:
             return Choice(candidates[0], "only_choice", None)
+        return Choice(self._least(candidates, load, busy), "least_outstanding", None)
+
+    def _least(self, candidates: Sequence[str], load: Callable[[str], int], busy: Collection[str] | None) -> str:
+        """``least_outstanding`` over two or more candidates; from the busy ones alone while one is idle."""
         if busy is not None:
             idle = self._idle(candidates, busy)
             if idle is not None:
                 # As least_outstanding: the least load is 0, the tied are the idle candidates in order.
-                name = idle[0] if len(idle) == 1 else self.rng.choice(idle)
-                return Choice(name, "least_outstanding", None)
-        return Choice(least_outstanding(candidates, load, self.rng), "least_outstanding", None)
+                return idle[0] if len(idle) == 1 else self.rng.choice(idle)
+        return least_outstanding(candidates, load, self.rng)
+
+    def _positions(self, candidates: Sequence[str]) -> dict[str, int] | None:
+        """Each candidate's position in the list (None when names repeat)."""
+        for entry in self._positioned:
+            if entry[0] == candidates:
+                positions = entry[1]
+                break
+        else:
+            names = list(candidates)
+            positions = {name: i for i, name in enumerate(names)}
+            # Bounded: a reload or a filtered list (a retry's) adds one; the oldest goes.
+            self._positioned = [(names, positions), *self._positioned[:_POSITIONED - 1]]
+        return positions if len(positions) == len(candidates) else None
+
+    def _any_idle(self, candidates: Sequence[str], busy: Collection[str]) -> bool:
+        """Whether a candidate has no request in flight (from the busy engines alone)."""
+        positions = self._positions(candidates)
+        if positions is None:
+            return False
+        return sum([1 for name in busy if name in positions]) < len(candidates)
 
     def _idle(self, candidates: Sequence[str], busy: Collection[str]) -> _Idle | None:
         """The idle candidates (None when every candidate is busy, or names repeat)."""
-        if self._positioned != candidates:
-            self._positioned = list(candidates)
-            self._positions = {name: i for i, name in enumerate(self._positioned)}
-        positions = self._positions
-        if len(positions) != len(candidates):
+        positions = self._positions(candidates)
+        if positions is None:
             return None
         # A list comprehension, not a generator: a sixth less at 64 busy engines (no generator frame to resume).
         taken = sorted([i for i in map(positions.get, busy) if i is not None])

@@ -9,6 +9,11 @@ A prompt's blocks are recorded deepest first, so a block's ancestors are
 always used at least as recently as the block itself: eviction takes the tails
 of prompts before their prefixes, what an engine holds stays prefix-closed, and
 a match is found by binary search.
+
+Prefix-closed also means an engine holds some of a prompt only if it holds the
+prompt's first block: the index keeps, for each first block, the engines holding
+it (``holders``), so placement among hundreds of engines looks at those few. Each
+such entry is charged as one more block against its engine's share.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ __all__ = ["ENTRY_BYTES", "PrefixIndex"]
 
 # Bytes one entry costs: an OrderedDict slot and node, a 64-bit int key and at
 # worst its own float time, measured at the worst point of the table's growth
-# (~200 bytes), rounded up.
+# (~200 bytes), rounded up. A first block's holder entry (a dict slot, the
+# engine's name or a small tuple: ~100 bytes) is charged as one more entry.
 ENTRY_BYTES = 224
 
 
@@ -31,6 +37,11 @@ class PrefixIndex:
         names = list(dict.fromkeys(engines))
         # block hash -> when a prompt through it was last placed (one number shared by a prompt's blocks).
         self._lru: dict[str, OrderedDict[int, float]] = {name: OrderedDict() for name in names}
+        # A prompt's first block -> the engines holding it (as a first block): one name, or a tuple of several (one
+        # engine is the common case, and a tuple more memory); and how many each engine holds. Keys are chained
+        # hashes, so a first block is never another prompt's later block.
+        self._holders: dict[int, str | tuple[str, ...]] = {}
+        self._firsts: dict[str, int] = dict.fromkeys(names, 0)
         self.max_bytes = max_bytes
         # An equal share each: an engine's entries never crowd out another's.
         self.quota = max_bytes // ENTRY_BYTES // max(1, len(names))
@@ -41,7 +52,10 @@ class PrefixIndex:
         The quota is shared again equally; an engine over its new share loses its least recently used blocks.
         """
         names = list(dict.fromkeys(engines))
+        for name in [name for name in self._lru if name not in names]:
+            self.forget(name)
         self._lru = {name: self._lru.get(name) or OrderedDict() for name in names}
+        self._firsts = {name: self._firsts.get(name, 0) for name in names}
         self._share()
 
     def set_max_bytes(self, max_bytes: int) -> None:
@@ -52,9 +66,34 @@ class PrefixIndex:
     def _share(self) -> None:
         # An equal share of the bound each; an engine over its share loses its least recently used blocks.
         self.quota = self.max_bytes // ENTRY_BYTES // max(1, len(self._lru))
-        for lru in self._lru.values():
-            for _ in range(len(lru) - self.quota):
-                lru.popitem(last=False)
+        for engine, lru in self._lru.items():
+            self._trim(engine, lru)
+
+    def _trim(self, engine: str, lru: OrderedDict[int, float]) -> None:
+        """Evict the engine's least recently used blocks until it is within its share (first blocks count twice)."""
+        firsts = self._firsts[engine]
+        quota = self.quota
+        while len(lru) + firsts > quota:
+            block, _ = lru.popitem(last=False)
+            if self._drop_holder(block, engine):
+                firsts -= 1
+        self._firsts[engine] = firsts
+
+    def _drop_holder(self, block: int, engine: str) -> bool:
+        """``engine`` no longer holds ``block``: out of its holders if it was one (then True)."""
+        held = self._holders.get(block)
+        if held is None:
+            return False
+        if isinstance(held, str):
+            if held != engine:
+                return False
+            del self._holders[block]
+            return True
+        if engine not in held:
+            return False
+        rest = tuple([name for name in held if name != engine])
+        self._holders[block] = rest[0] if len(rest) == 1 else rest
+        return True
 
     @property
     def engines(self) -> list[str]:
@@ -65,7 +104,10 @@ class PrefixIndex:
         lru = self._lru.get(engine)
         if not lru or not blocks:
             return 0
-        # Prefix-closed: the first absent block ends the match.
+        if blocks[-1] in lru:
+            # Prefix-closed: with the last block, all of it (the common case of a prompt sent again).
+            return len(blocks)
+        # The first absent block ends the match.
         lo, hi = 0, len(blocks)
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -95,6 +137,14 @@ class PrefixIndex:
             else:
                 found.append(self.match(engine, blocks))
         return found
+
+    def holders(self, first: int) -> tuple[str, ...]:
+        """The engines holding the block ``first`` as a prompt's first block: every engine holding any of a
+        prompt that begins with it (prefix-closed), in the order they took it."""
+        held = self._holders.get(first)
+        if held is None:
+            return ()
+        return (held,) if isinstance(held, str) else held
 
     def entries_of(self, engines: Sequence[str]) -> list[int]:
         """``entries`` for each of ``engines``, in order."""
@@ -134,15 +184,31 @@ class PrefixIndex:
             move(block)
             if at > seen:
                 lru[block] = at
-        excess = len(lru) - self.quota
-        for _ in range(excess):
-            lru.popitem(last=False)
+        first = blocks[0]
+        held = self._holders.get(first)
+        if held is None:
+            self._holders[first] = engine
+            self._firsts[engine] += 1
+        elif isinstance(held, str):
+            if held != engine:
+                self._holders[first] = (held, engine)
+                self._firsts[engine] += 1
+        elif engine not in held:
+            self._holders[first] = (*held, engine)
+            self._firsts[engine] += 1
+        if len(lru) + self._firsts[engine] > self.quota:
+            self._trim(engine, lru)
 
     def forget(self, engine: str) -> None:
         """Drop everything recorded for the engine (it left the fleet, or its cache is empty)."""
         lru = self._lru.get(engine)
-        if lru is not None:
-            self._lru[engine] = OrderedDict()
+        if lru is None:
+            return
+        if self._firsts[engine]:
+            for block in lru:
+                self._drop_holder(block, engine)
+        self._firsts[engine] = 0
+        self._lru[engine] = OrderedDict()
 
     def entries(self, engine: str) -> int:
         """Block hashes held for the engine."""
@@ -150,9 +216,9 @@ class PrefixIndex:
         return 0 if lru is None else len(lru)
 
     def bytes(self, engine: str) -> int:
-        """The engine's share of the index, in bytes by the index's accounting."""
-        return self.entries(engine) * ENTRY_BYTES
+        """The engine's share of the index, in bytes by the index's accounting (its blocks and first blocks)."""
+        return (self.entries(engine) + self._firsts.get(engine, 0)) * ENTRY_BYTES
 
     def total_bytes(self) -> int:
         """The whole index, in bytes by its accounting (never more than ``max_bytes``)."""
-        return sum(len(lru) for lru in self._lru.values()) * ENTRY_BYTES
+        return (sum(len(lru) for lru in self._lru.values()) + sum(self._firsts.values())) * ENTRY_BYTES
