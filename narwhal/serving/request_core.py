@@ -285,7 +285,8 @@ class RequestCore:
                  placement: RequestPlacement | None = None, auth: ClientAuth | None = None,
                  tracer: Tracer | None = None) -> None:
         """``auth``: client keys, limits and the priority gate (None: none of it, as without ``[auth]``).
-        ``tracer``: each request's trace ([tracing]; None: no tracing work at all)."""
+        ``tracer``: each request's trace ([tracing]; None: no tracing work at all). ``clock``: trio's (the
+        request deadline is a trio deadline)."""
         self.config = config
         self.auth = auth
         self.tracer = tracer
@@ -408,7 +409,7 @@ class RequestCore:
                 else:
                     # One attempt, and every await of the request is inside it: its leg scope carries the
                     # deadline (one cancel scope fewer per request than a scope of its own here).
-                    ex.deadline_at = trio.current_time() + self._deadline_s
+                    ex.deadline_at = started_at + self._deadline_s
                     try:
                         await self._serve(ex, body, authorization, key_memo)
                         expired = False
