@@ -898,3 +898,21 @@ async def test_a_stall_after_done_cut_short_by_the_client_or_the_deadline_is_sti
     assert logged["status"] == 200 and logged["error"] is None and logged["tokens"] == 4
     assert supervisor.failures == []
     assert pool.pump.streams == 0 and pool.statistics().in_use == 0
+
+
+async def test_a_stream_reads_one_clock_when_the_caller_gives_trios_in_either_form() -> None:
+    """The request core binds trio's running clock (its ``current_time`` method); the pump must still see it as
+    trio's own, so the watchdog reuses the caller's reading instead of reading the clock again."""
+    from types import SimpleNamespace
+
+    from narwhal.http1.pump import _Stream
+
+    upstream: Any = SimpleNamespace(relay_connection=None)
+    client: Any = SimpleNamespace(fd=-1)
+
+    def stream(clock: Callable[[], float]) -> Any:
+        return _Stream(None, upstream, None, client, False, lambda data: None, clock)  # type: ignore[arg-type]
+
+    assert stream(trio.current_time).same_clock
+    assert stream(trio.lowlevel.current_clock().current_time).same_clock
+    assert not stream(lambda: 0.0).same_clock

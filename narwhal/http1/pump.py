@@ -182,8 +182,9 @@ class _Stream:
         self.on_chunk = on_chunk
         # trio's clock read at its source (``trio.current_time`` is three calls deep); the same time.
         self.trio_now = trio.lowlevel.current_clock().current_time
-        # The silence watchdog reads trio's clock; the caller's clock serves for it when it is trio's.
-        self.same_clock = clock is trio.current_time
+        # The silence watchdog reads trio's clock; the caller's clock serves for it when it is trio's (the function,
+        # or the running clock's own method, as the request core binds it: bound methods of one clock are equal).
+        self.same_clock = clock is trio.current_time or clock == self.trio_now
         self.clock = self.trio_now if self.same_clock else clock
         self.done = False
         self.result = b""
