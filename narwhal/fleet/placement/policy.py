@@ -44,6 +44,9 @@ ANCHOR_BLOCKS = 4
 _MASK = (1 << 64) - 1
 # Candidate lists whose positions ``Placer`` keeps: both roles of a few models.
 _POSITIONED = 8
+# Random draws among the candidates before the idle ones are found exactly (each lands on an idle one with at
+# least the idle share's chance).
+_DRAWS = 4
 # From how many prefill candidates on the holders of a prompt's first block are looked at first: below, a pass over
 # every candidate in C costs less than finding the few (the same choice either way).
 _HOLDERS_FROM = 8
@@ -294,7 +297,8 @@ class Placer:
         """The decode engine: least outstanding, random among ties; None when there are none.
 
         ``busy``, when given, must be exactly the engines whose ``load`` is above 0: while some candidate
-        is idle the choice (the same one, with the same random draw) then costs O(busy), not O(candidates).
+        is idle the choice (uniform over the idle ones, as without it) then costs O(1) in the common case
+        of many idle engines and O(busy) at worst, not O(candidates).
         """
         if not candidates:
             return None
@@ -305,6 +309,16 @@ class Placer:
     def _least(self, candidates: Sequence[str], load: Callable[[str], int], busy: Collection[str] | None) -> str:
         """``least_outstanding`` over two or more candidates; from the busy ones alone while one is idle."""
         if busy is not None:
+            count = len(candidates)
+            if len(busy) < count:
+                # Some candidate is idle (the busy ones, of any role, are fewer): draw a candidate at random and
+                # keep it if idle. Each draw that lands is uniform over the idle ones, and so is the exact draw
+                # below when none lands, so the choice is uniform over them, in a few steps while many are idle.
+                draw = self.rng.random
+                for _ in range(_DRAWS):
+                    name = candidates[int(draw() * count)]
+                    if name not in busy:
+                        return name
             idle = self._idle(candidates, busy)
             if idle is not None:
                 # As least_outstanding: the least load is 0, the tied are the idle candidates in order.
@@ -329,6 +343,9 @@ class Placer:
         positions = self._positions(candidates)
         if positions is None:
             return False
+        if len(busy) < len(candidates):
+            # Fewer engines busy, of any role, than distinct candidates: one of them is idle.
+            return True
         return sum([1 for name in busy if name in positions]) < len(candidates)
 
     def _idle(self, candidates: Sequence[str], busy: Collection[str]) -> _Idle | None:
