@@ -311,9 +311,10 @@ class Placer:
         if busy is not None:
             count = len(candidates)
             if len(busy) < count:
-                # Some candidate is idle (the busy ones, of any role, are fewer): draw a candidate at random and
-                # keep it if idle. Each draw that lands is uniform over the idle ones, and so is the exact draw
-                # below when none lands, so the choice is uniform over them, in a few steps while many are idle.
+                # Some candidate is likely idle (the busy ones, of any role, are fewer; surely so when names do
+                # not repeat): draw a candidate at random and keep it if idle. Each draw that lands is uniform
+                # over the idle ones, and so is the exact draw below when none lands, so the choice is uniform
+                # over them, in a few steps while many are idle.
                 draw = self.rng.random
                 for _ in range(_DRAWS):
                     name = candidates[int(draw() * count)]
