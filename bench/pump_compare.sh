@@ -11,8 +11,10 @@
 #   ROUTERS_VENV  venv holding vllm-router (default /tmp/rustrouters; see docs/benchmarks.md)
 #   REPS          repetitions of the CPU/latency cases (default 3); every router runs once per repetition,
 #                 the order rotated from one repetition to the next
-#   CASES         subset of: paced-c64 paced-c8 unpaced-c64 unpaced-c8 (default all)
+#   CASES         subset of: paced-c64 paced-c8 unpaced-c64 unpaced-c8 unpaced-open (default all but unpaced-open)
 #   PACED_S       duration of each paced run (default 20); UNPACED_N requests of each unpaced run (default 10000)
+#   RATE, OPEN_S  unpaced-open: an open loop (`bench --rate`) of RATE requests/s (default 1500) for OPEN_S seconds
+#                 (default 10), the latencies at one offered load rather than at each router's saturation
 #   PROFILE       1 (default): per tree, a paced-c64 run (PROFILE_S seconds, default 10) and an unpaced-c64 run
 #                 under py-spy
 #   STRACE        1 (default): per router under `strace -f -c`, paced-c64 runs of STRACE_N1 and STRACE_N2
@@ -36,6 +38,8 @@ VENV=${ROUTERS_VENV:-/tmp/rustrouters}
 REPS=${REPS:-3}
 CASES=${CASES:-"paced-c64 paced-c8 unpaced-c64 unpaced-c8"}
 PACED_S=${PACED_S:-20}
+RATE=${RATE:-1500}
+OPEN_S=${OPEN_S:-10}
 UNPACED_N=${UNPACED_N:-10000}
 PROFILE=${PROFILE:-1}
 PROFILE_S=${PROFILE_S:-10}
@@ -93,6 +97,7 @@ case_args() {
     paced-c8) echo "--concurrency 8 --tokens 256 --token-delay-s 0.01 --duration-s $PACED_S" ;;
     unpaced-c64) echo "--concurrency 64 --requests $UNPACED_N" ;;
     unpaced-c8) echo "--concurrency 8 --requests $UNPACED_N" ;;
+    unpaced-open) echo "--rate $RATE --duration-s $OPEN_S" ;;
     *) echo "unknown case $1" >&2; exit 2 ;;
   esac
 }

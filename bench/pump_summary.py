@@ -20,12 +20,14 @@ from typing import Any
 from profile_top import top_costs
 from summarize import _get, _median, load_results
 
-_CASES = ("paced-c64", "paced-c8", "unpaced-c64", "unpaced-c8")
+_CASES = ("paced-c64", "paced-c8", "unpaced-c64", "unpaced-c8", "unpaced-open")
 _FIGURES = (
+    ("offered req/s", ("run", "load", "offered_rate"), 0),
     ("req/s", ("run", "load", "requests_per_s"), 0),
     ("tokens/s", ("run", "load", "tokens_per_s"), 0),
     ("TTFT p50 ms", ("run", "load", "ttft", "p50_ms"), 2),
     ("TTFT p99 ms", ("run", "load", "ttft", "p99_ms"), 2),
+    ("total p50 ms", ("run", "load", "total", "p50_ms"), 2),
     ("CPU ms/req", ("run", "router", "cpu_ms_per_request"), 3),
     ("CPU ms/1k tok", ("run", "router", "cpu_ms_per_1k_tokens"), 1),
     ("router cores", ("run", "router", "cpu_utilization"), 2),
@@ -41,6 +43,9 @@ _TARGETS = (
     ("TTFT p50 ms, paced c8", "paced-c8", _TTFT, 2, 1.0),
     ("TTFT p50 ms, unpaced c64", "unpaced-c64", _TTFT, 2, 1.0),
     ("TTFT p50 ms, unpaced c8", "unpaced-c8", _TTFT, 2, 1.0),
+    # One offered load for both (pump_compare.sh's RATE), not each router's saturation: see the case's table.
+    ("TTFT p50 ms, unpaced open loop", "unpaced-open", _TTFT, 2, 1.0),
+    ("TTFT p99 ms, unpaced open loop", "unpaced-open", ("run", "load", "ttft", "p99_ms"), 2, 1.0),
     ("CPU ms per request, unpaced c64", "unpaced-c64", _CPU_REQ, 3, 1.0),
     ("CPU ms per request, unpaced c8", "unpaced-c8", _CPU_REQ, 3, 1.0),
 )

@@ -8,6 +8,7 @@ import argparse
 import functools
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -284,6 +285,48 @@ async def test_duration_bounds_the_load(decode_mock) -> None:
     assert result.ok > 0 and result.duration_s < 2.0
 
 
+def _arrivals_before(rate: float, seconds: float, seed: int = 0) -> list[float]:
+    """The arrivals of the seeded Poisson process before ``seconds`` (what an open loop issues)."""
+    draws, at, arrivals = random.Random(seed), 0.0, []
+    while (at := at + draws.expovariate(rate)) < seconds:
+        arrivals.append(at)
+    return arrivals
+
+
+async def test_an_open_loop_issues_its_arrivals_whatever_the_answers_take(decode_mock) -> None:
+    # The arrivals are seeded: the count in a window is known before the run, however fast the engine answers.
+    spec = _spec(decode_mock.engine.port, rate=400.0, requests=None, duration_s=0.25, concurrency=8)
+    result = await run_load(spec)
+    summary = result.summary()
+    arrivals = _arrivals_before(400.0, 0.25)
+    assert summary.requests == summary.ok == len(arrivals) > 50
+    assert summary.offered_rate == 400.0
+    # Each record starts when its arrival was due, not when a client got to it.
+    assert sorted(record.started_at for record in result.records) == pytest.approx(arrivals, abs=1e-6)
+
+
+async def test_an_open_loop_counts_late_starts_and_times_them_from_when_they_were_due(decode_mock) -> None:
+    # Five arrivals within microseconds, one client: each after the first waits for the one before it.
+    spec = _spec(decode_mock.engine.port, rate=1e7, requests=5, concurrency=1, late_after_s=0.0)
+    result = await run_load(spec)
+    summary = result.summary()
+    # The last four waited for the one before them (the first may be a few microseconds late itself).
+    assert summary.ok == 5 and summary.late_starts >= 4
+    by_due = sorted(result.records, key=lambda record: record.started_at)
+    # Counted from their due times (all but equal), each latency holds the exchanges before it.
+    totals = [record.total_s for record in by_due]
+    assert totals == sorted(totals) and len(set(totals)) == 5
+    # The last was taken when the fourth had ended: at least the fourth's latency after it was due.
+    assert summary.late_max_ms / 1000 >= totals[3] - 1e-5
+    closed = (await run_load(_spec(decode_mock.engine.port, requests=5, concurrency=1))).summary()
+    assert (closed.offered_rate, closed.late_starts, closed.late_max_ms) == (None, 0, 0.0)
+
+
+def test_a_rate_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="rate must be positive"):
+        LoadSpec(host="127.0.0.1", port=1, body=b"{}", rate=0.0)
+
+
 def test_load_spec_needs_a_bound() -> None:
     with pytest.raises(ValueError):
         LoadSpec(host="127.0.0.1", port=1, body=b"{}", requests=None, duration_s=None)
@@ -359,6 +402,10 @@ def test_defaults_and_fault_defaults() -> None:
     assert (only_time.requests, only_time.duration_s) == (None, 5.0)
     faults = settings_from_args(_args("--scenario", "faults"))
     assert (faults.decode, faults.requests, faults.duration_s, faults.token_delay_s) == (3, None, 20.0, 0.01)
+    open_loop = settings_from_args(_args("--rate", "1500", "--duration-s", "10"))
+    assert (open_loop.rate, open_loop.concurrency, open_loop.requests) == (1500.0, 256, None)
+    assert settings_from_args(_args("--rate", "100", "--concurrency", "4")).concurrency == 4
+    assert settings.rate is None
     overrides = settings_from_args(_args("--set", "recovery.eject_after=2", "--set", "serving.policy=bounded"))
     assert overrides.overrides == {"recovery": {"eject_after": 2}, "serving": {"policy": "bounded"}}
 
@@ -378,6 +425,10 @@ def test_defaults_and_fault_defaults() -> None:
     ("--models", "2", "--target", "http://127.0.0.1:1"),
     ("--models", "2", "--scenario", "faults"),
     ("--models", "2", "--router-cmd", "vllm-router --port {port}"),
+    ("--rate", "0"),
+    ("--rate", "-5"),
+    ("--rate", "100", "--scenario", "prefix"),
+    ("--rate", "100", "--scenario", "priority"),
 ])
 def test_bad_option_combinations(argv: tuple[str, ...]) -> None:
     with pytest.raises(ValueError):

@@ -68,6 +68,20 @@ def test_targets_compare_the_last_tree_to_vllm_router_per_median_and_per_repetit
     assert missing.rstrip().endswith("| <= 1.0x | - |")
 
 
+def test_the_open_loop_case_compares_latencies_at_one_offered_rate(tmp_path: Path) -> None:
+    (tmp_path / "trees.txt").write_text("new: commit bbb\n")
+    for router, ttft_ms in (("new", 2.0), ("vllm-router", 2.5)):
+        report = _report(tokens=1000, ttft_ms=ttft_ms, cpu_req=1, cpu_1k=1)
+        report["run"]["load"]["offered_rate"] = 1500.0  # type: ignore[index]
+        _write(tmp_path, f"unpaced-open__{router}__1", report)
+    out = _summary(tmp_path)
+    p50 = next(line for line in out.splitlines() if line.startswith("| TTFT p50 ms, unpaced open loop"))
+    assert [c.strip() for c in p50.strip("|").split("|")][1:4] == ["2.00", "2.50", "0.80x"]
+    assert p50.rstrip().endswith("| <= 1.0x | **yes** |")
+    table = out.split("#### unpaced-open", 1)[1]
+    assert "| offered req/s |" in table and "| new | 1 | 1,500 |" in table
+
+
 def test_syscalls_per_1k_tokens_are_the_difference_of_two_runs(tmp_path: Path) -> None:
     (tmp_path / "trees.txt").write_text("new: commit bbb\n")
     runs = {  # router: ((requests, tokens, read, write, write errors) for the small and the large run)

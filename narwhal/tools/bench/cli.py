@@ -32,6 +32,8 @@ _PREFIX_PREFILL = 4
 _PREFIX_REQUESTS = 800
 _PREFIX_S_PER_TOKEN = 0.0002
 _FLEET_CONCURRENCY = 64
+# With --rate, the most requests in flight: above what any rate this machine sustains keeps in flight.
+_RATE_CONCURRENCY = 256
 _FLEET_REQUESTS = 3000
 _PRIORITY_DURATION_S = 20.0
 _PRIORITY_TOKEN_DELAY_S = 0.005
@@ -69,6 +71,12 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--duration-s", type=float, default=None,
                       help=f"stop issuing after this long (default {_DEFAULT_DURATION_S:g} s when --requests "
                            f"is not given either; {_FAULTS_DURATION_S:g} s with --scenario faults)")
+    load.add_argument("--rate", type=float, default=None, metavar="R",
+                      help="open loop: requests arrive at R per second (Poisson, seeded: the same arrivals every "
+                           "run) whatever the earlier ones are doing; --concurrency bounds those in flight "
+                           f"(default {_RATE_CONCURRENCY} with --rate), a request due while all are busy starts "
+                           "late and its latencies count from when it was due (default: closed loop, each "
+                           "client sends its next request when the last ends)")
     load.add_argument("--no-stream", dest="stream", action="store_false",
                       help="ask for whole JSON responses instead of SSE streams")
     load.add_argument("--new-connections", dest="keep_alive", action="store_false",
@@ -225,7 +233,14 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     priority = args.scenario == "priority"
     if priority and duration_s is None:
         duration_s = _PRIORITY_DURATION_S
-    concurrency = args.concurrency if args.concurrency is not None else _FLEET_CONCURRENCY if scale else 16
+    if args.rate is not None:
+        if not args.rate > 0:
+            raise ValueError("--rate must be positive")
+        if prefix or priority:
+            raise ValueError("--rate applies to --scenario load, faults and fleet (prefix and priority set their "
+                             "own clients)")
+    concurrency = (args.concurrency if args.concurrency is not None else _FLEET_CONCURRENCY if scale
+                   else _RATE_CONCURRENCY if args.rate is not None else 16)
     mock_writes = args.mock_writes or ("per-event" if scale else "batched")
     fleet_sizes = _fleet_sizes(args.fleet_sizes) if scale else DEFAULT_SIZES
     if scale:
@@ -326,7 +341,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     return BenchSettings(
         prefill=prefill, decode=decode, tokens=tokens, token_delay_s=token_delay_s,
         mock_writes=mock_writes, prompt_words=args.prompt_words, concurrency=concurrency,
-        requests=requests, duration_s=duration_s,
+        requests=requests, duration_s=duration_s, rate=args.rate,
         stream=args.stream, keep_alive=args.keep_alive, warmup=max(0, warmup), timeout_s=args.timeout_s,
         count_tokens=args.count_tokens == "on", overrides=overrides,
         router_cmd=args.router_cmd, target=args.target, target_pid=args.target_pid,

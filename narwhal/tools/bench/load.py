@@ -10,10 +10,17 @@ A load is ``concurrency`` workers taking tickets until ``requests`` have been
 issued or ``duration_s`` has passed; requests in flight then finish (each is
 bounded by ``timeout_s``). Each request yields one ``RequestRecord`` whose
 ``kind`` is ``"ok"`` or one of ``ERROR_KINDS``.
+
+With ``rate`` the load is open: ticket n is due at the n-th arrival of a seeded
+Poisson process of that rate, whatever the earlier requests are doing, and
+``concurrency`` only bounds the requests in flight. A request due while all of
+them are busy starts late and its latencies count from when it was due, so a
+slow router cannot hide its queue by slowing the clients (coordinated omission).
 """
 
 from __future__ import annotations
 
+import random
 import socket
 import ssl
 import time
@@ -90,10 +97,18 @@ class LoadSpec(msgspec.Struct, frozen=True, kw_only=True):
     # More header lines, each ending in CRLF (bench --auth: ``authorization: Bearer KEY``): part of the
     # request bytes encoded once, so a header costs the load generator nothing per request.
     headers: bytes = b""
+    # Open loop (bench --rate): requests arrive at this mean rate per second (Poisson, from ``rate_seed``) instead
+    # of each worker sending its next one when the last ends. None: closed loop.
+    rate: float | None = None
+    rate_seed: int = 0
+    # A request taken by a client more than this after it was due counts as late (all ``concurrency`` were busy).
+    late_after_s: float = 0.001
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
             raise ValueError("concurrency must be at least 1")
+        if self.rate is not None and not self.rate > 0:
+            raise ValueError("rate must be positive")
         if self.requests is None and self.duration_s is None:
             raise ValueError("a load needs a request count, a duration, or both")
         if self.requests is not None and self.requests < 1:
@@ -247,8 +262,13 @@ class LoadResult:
     """Every request's record, every inter-token gap, and the connections the load used."""
 
     def __init__(self, records: list[RequestRecord], gaps_s: array, *, duration_s: float,
-                 wall_started_at: float, connections_opened: int, stale_connection_retries: int) -> None:
+                 wall_started_at: float, connections_opened: int, stale_connection_retries: int,
+                 offered_rate: float | None = None, late_starts: int = 0, late_max_s: float = 0.0) -> None:
         self.records = records
+        # Open loop only: the arrival rate asked for, and the requests that started late (all workers busy).
+        self.offered_rate = offered_rate
+        self.late_starts = late_starts
+        self.late_max_s = late_max_s
         self.gaps_s = gaps_s
         self.duration_s = duration_s
         self.wall_started_at = wall_started_at
@@ -289,7 +309,9 @@ class LoadResult:
             total_s=[record.total_s for record in ok],
             gaps_s=self.gaps_s if whole else (), tokens=sum(record.tokens for record in ok),
             duration_s=self.duration_s, connections_opened=self.connections_opened if whole else 0,
-            stale_connection_retries=self.stale_connection_retries if whole else 0)
+            stale_connection_retries=self.stale_connection_retries if whole else 0,
+            offered_rate=self.offered_rate, late_starts=self.late_starts if whole else 0,
+            late_max_s=self.late_max_s if whole else 0.0)
 
 
 class _Refused(NarwhalError):
@@ -356,15 +378,27 @@ class _Load:
         self.stale_retries = 0
         self.t0 = 0.0
         self.stop_at = float("inf")
+        # Open loop: the arrivals' clock (the last ticket's due time) and their draws.
+        self.due = 0.0
+        self.arrivals = random.Random(spec.rate_seed)
+        self.late_starts = 0
+        self.late_max_s = 0.0
 
-    def take_ticket(self) -> bool:
+    def take_ticket(self) -> float | None:
+        """The next request's due time (now, in a closed loop); None when the load has issued all it may."""
         state = self.state
         if self.spec.requests is not None and state.issued >= self.spec.requests:
-            return False
-        if trio.current_time() >= self.stop_at:
-            return False
+            return None
+        rate = self.spec.rate
+        if rate is None:
+            due = trio.current_time()
+        else:
+            # Tickets are taken in order, so due times grow with the issue count.
+            due = self.due = self.due + self.arrivals.expovariate(rate)
+        if due >= self.stop_at:
+            return None
         state.issued += 1
-        return True
+        return due
 
     async def worker(self, index: int = 0) -> None:
         conn: trio.abc.Stream | None = None
@@ -372,12 +406,19 @@ class _Load:
         port = self.spec.ports[target] if self.spec.ports else self.spec.port
         try:
             models = len(self.requests)
-            while self.take_ticket():
-                record = RequestRecord(trio.current_time() - self.t0)
+            while (due := self.take_ticket()) is not None:
+                if self.spec.rate is not None:
+                    # Taken after it was due: no client was free (not this process's own wake-up delay).
+                    late = trio.current_time() - due
+                    if late > self.spec.late_after_s:
+                        self.late_starts += 1
+                        self.late_max_s = max(self.late_max_s, late)
+                    await trio.sleep_until(due)
+                record = RequestRecord(due - self.t0)
                 record.target = target
                 if models > 1:
                     record.model_index = (self.state.issued - 1) % models
-                conn = await self.one(conn, record, port)
+                conn = await self.one(conn, record, port, due)
                 self.finish(record)
         finally:
             if conn is not None:
@@ -423,14 +464,17 @@ class _Load:
         return build_request(spec, spec.body[:-1] + b',"kv_transfer_params":' + bytes(kv) + b"}")
 
     async def one(self, conn: trio.abc.Stream | None, record: RequestRecord,
-                  port: int | None = None) -> trio.abc.Stream | None:
-        """Send one request on ``conn`` (or a new connection to ``port``, else the spec's); returns it to reuse."""
-        started = trio.current_time()
+                  port: int | None = None, due: float | None = None) -> trio.abc.Stream | None:
+        """Send one request on ``conn`` (or a new connection to ``port``, else the spec's); returns it to reuse.
+
+        Latencies count from ``due`` when given (an open loop's late start is part of them), else from now.
+        """
+        started = trio.current_time() if due is None else due
         exchange: _Exchange | None = None
         ended_early = False
         request = self.requests[record.model_index] if self.bodies is None else build_request(
             msgspec.structs.replace(self.spec, body=self.bodies()))
-        with trio.move_on_at(started + self.spec.timeout_s) as scope:
+        with trio.move_on_after(self.spec.timeout_s) as scope:
             if self.spec.prefill_host is not None:
                 prepared = await self._prefill()
                 if isinstance(prepared, str):
@@ -542,7 +586,7 @@ async def run_load(spec: LoadSpec, *, state: LoadState | None = None,
     ``bodies`` gives each request its own body (called once per request); else every request sends ``spec.body``.
     """
     load = _Load(spec, state or LoadState(), on_record, ssl_context, bodies)
-    load.t0 = trio.current_time()
+    load.t0 = load.due = trio.current_time()
     load.state.started_at = load.t0
     wall_started_at = time.time()
     if spec.duration_s is not None:
@@ -553,4 +597,5 @@ async def run_load(spec: LoadSpec, *, state: LoadState | None = None,
     duration_s = trio.current_time() - load.t0
     return LoadResult(load.records, load.gaps_s, duration_s=duration_s, wall_started_at=wall_started_at,
                       connections_opened=load.connections_opened,
-                      stale_connection_retries=load.stale_retries)
+                      stale_connection_retries=load.stale_retries, offered_rate=spec.rate,
+                      late_starts=load.late_starts, late_max_s=load.late_max_s)

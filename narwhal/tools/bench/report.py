@@ -98,11 +98,17 @@ class LoadSummary(msgspec.Struct, frozen=True, kw_only=True):
     errors_by_status: dict[str, int]
     connections_opened: int
     stale_connection_retries: int
+    # Open loop (bench --rate): the arrival rate asked for (None: closed loop), and the requests that started
+    # later than due because --concurrency were in flight, with the latest start (their latencies count from due).
+    offered_rate: float | None = None
+    late_starts: int = 0
+    late_max_ms: float = 0.0
 
 
 def summarize_load(*, kinds: Sequence[str], statuses: Sequence[int], ttft_s: Sequence[float],
                    total_s: Sequence[float], gaps_s: Sequence[float], tokens: int, duration_s: float,
-                   connections_opened: int = 0, stale_connection_retries: int = 0) -> LoadSummary:
+                   connections_opened: int = 0, stale_connection_retries: int = 0,
+                   offered_rate: float | None = None, late_starts: int = 0, late_max_s: float = 0.0) -> LoadSummary:
     """Summarise one load: ``kinds[i]``/``statuses[i]`` describe request ``i`` (``"ok"`` or an error kind).
 
     Throughput counts only successful requests and the tokens they carried;
@@ -126,7 +132,8 @@ def summarize_load(*, kinds: Sequence[str], statuses: Sequence[int], ttft_s: Seq
         requests_per_s=rate(ok), tokens=tokens, tokens_per_s=rate(tokens),
         ttft=distribution(ttft_s), inter_token=distribution(gaps_s), total=distribution(total_s),
         errors_by_kind=dict(sorted(by_kind.items())), errors_by_status=dict(sorted(by_status.items())),
-        connections_opened=connections_opened, stale_connection_retries=stale_connection_retries)
+        connections_opened=connections_opened, stale_connection_retries=stale_connection_retries,
+        offered_rate=offered_rate, late_starts=late_starts, late_max_ms=round(late_max_s * 1000, 3))
 
 
 class ProcessUsage(msgspec.Struct, frozen=True, kw_only=True):
@@ -369,6 +376,9 @@ def _rows(run: RunReport) -> list[tuple[str, str]]:
         ("total ms p50 / p99", " / ".join(_dist_cells(load.total, ("p50", "p99")))),
         ("client connections opened", str(load.connections_opened)),
     ]
+    if load.offered_rate is not None:
+        rows[2:2] = [("offered requests/s (open loop)", _fmt(load.offered_rate, 1)),
+                     ("late starts / latest ms", f"{load.late_starts} / {_fmt(load.late_max_ms)}")]
     if run.router is not None:
         rows += [
             ("router CPU ms / request", _fmt(run.router.cpu_ms_per_request, 3)),

@@ -60,6 +60,8 @@ class BenchSettings(msgspec.Struct, frozen=True, kw_only=True):
     concurrency: int = 16
     requests: int | None = 2000
     duration_s: float | None = 20.0
+    # Open loop (bench --rate): requests per second arriving; None: closed loop.
+    rate: float | None = None
     stream: bool = True
     keep_alive: bool = True
     warmup: int = 32
@@ -159,7 +161,7 @@ def _spec(settings: BenchSettings, host: str, port: int, body: bytes, *, request
           duration_s: float | None, path: str = "/v1/completions",
           model_bodies: tuple[bytes, ...] = (), headers: bytes = b"") -> LoadSpec:
     return LoadSpec(host=host, port=port, body=body, concurrency=settings.concurrency, requests=requests,
-                    duration_s=duration_s, keep_alive=settings.keep_alive, stream=settings.stream,
+                    duration_s=duration_s, rate=settings.rate, keep_alive=settings.keep_alive, stream=settings.stream,
                     timeout_s=settings.timeout_s, path=path, model_bodies=model_bodies, headers=headers,
                     # Our mocks always send max_tokens: the fault scenario checks every join's arithmetic.
                     expect_tokens=settings.tokens if settings.scenario == "faults" and settings.target is None
