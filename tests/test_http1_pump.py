@@ -166,12 +166,17 @@ def numbered(stream_id: int, count: int, size: int = 0) -> list[bytes]:
     return [b'data: {"s": %d, "i": %d, "p": "%s"}\n\n' % (stream_id, i, pad) for i in range(count)] + [EVENTS[2]]
 
 
+# Both ways the hub's rounds run: from trio's idle wait while streams are live, or only in the hub task.
+HUB_MODES = pytest.mark.parametrize("inline", [True, False], ids=["inline-rounds", "hub-task"])
+
+
 # -- the pump and the data pool ----------------------------------------------------------------
 
 
-async def test_a_pumped_stream_reaches_its_client_chunk_framed_and_hands_back_done(serve, make_pool, clients):
+@HUB_MODES
+async def test_a_pumped_stream_reaches_its_client_chunk_framed_and_hands_back_done(serve, make_pool, clients, inline):
     engine = await serve(paced(EVENTS, 0.001))
-    pool = await make_pool(SLOW_DEADLINES)
+    pool = await make_pool(SLOW_DEADLINES, relay_inline=inline)
     client = clients()
     with trio.fail_after(10):
         first, declined = await pumped(pool, engine, client, chunked=True)
@@ -218,8 +223,9 @@ def sse_body(received: bytes) -> bytes:
         received = rest[length + 2:]
 
 
+@HUB_MODES
 async def test_a_stream_whose_reads_never_block_still_lets_other_streams_progress(serve, make_pool, clients,
-                                                                                 monkeypatch):
+                                                                                 monkeypatch, inline):
     # Reads of a full buffer never wait; make a full buffer small and endless for one engine socket.
     size = 256
     monkeypatch.setattr(client_module, "_READ_SIZE", size)
@@ -235,7 +241,7 @@ async def test_a_stream_whose_reads_never_block_still_lets_other_streams_progres
     engine = await serve(sse(EVENTS[0], then=trio.sleep_forever))
     # Paced by checkpoints, not by the wall clock: under load a millisecond sleep let the flood reach its limit.
     other_engine = await serve(paced(numbered(0, 20), 0))
-    pool = await make_pool(SLOW_DEADLINES)
+    pool = await make_pool(SLOW_DEADLINES, relay_inline=inline)
     reads = 0
     limit = 20000
 
@@ -269,11 +275,12 @@ async def test_a_stream_whose_reads_never_block_still_lets_other_streams_progres
     assert other_done.is_set() and 0 < reads < limit
 
 
-async def test_a_full_client_socket_stalls_only_its_own_stream(serve, make_pool, clients):
+@HUB_MODES
+async def test_a_full_client_socket_stalls_only_its_own_stream(serve, make_pool, clients, inline):
     events_a, events_b = numbered(1, 200, 1000), numbered(2, 200, 1000)
     engine_a = await serve(paced(events_a, 0))
     engine_b = await serve(paced(events_b, 0))
-    pool = await make_pool(SLOW_DEADLINES)
+    pool = await make_pool(SLOW_DEADLINES, relay_inline=inline)
     slow, fast = clients(small=True), clients()
     done_a = trio.Event()
     upstreams: dict[str, UpstreamStream] = {}
@@ -360,9 +367,10 @@ async def test_a_slow_client_holding_up_the_pump_is_not_engine_silence(serve, ma
     assert received == b"".join(events) and result
 
 
-async def test_a_client_that_disconnects_mid_stream_closes_the_engine_stream(serve, make_pool, clients):
+@HUB_MODES
+async def test_a_client_that_disconnects_mid_stream_closes_the_engine_stream(serve, make_pool, clients, inline):
     engine = await serve(paced([b'data: {"i": 1}\n\n'] * 100000, 0.001))
-    pool = await make_pool(SLOW_DEADLINES)
+    pool = await make_pool(SLOW_DEADLINES, relay_inline=inline)
     client = clients()
     with trio.fail_after(10):
         with trio.CancelScope() as scope:
@@ -412,8 +420,9 @@ async def test_a_failure_in_the_step_is_raised_in_the_request_task(serve, make_p
     assert pool.pump.streams == 0 and pool.statistics().in_use == 0
 
 
+@HUB_MODES
 async def test_a_thousand_concurrent_paced_streams_through_one_pump_arrive_whole_and_in_order(serve, make_pool,
-                                                                                              clients):
+                                                                                              clients, inline):
     streams, events = 1000, 12
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     needed = 8 * streams
@@ -441,7 +450,7 @@ async def test_a_thousand_concurrent_paced_streams_through_one_pump_arrive_whole
         return True
 
     engine = await serve(respond)
-    pool = await make_pool(SLOW_DEADLINES, max_connections=streams)
+    pool = await make_pool(SLOW_DEADLINES, max_connections=streams, relay_inline=inline)
     most = 0
     done = 0
 

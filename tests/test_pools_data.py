@@ -118,8 +118,8 @@ async def serve(nursery: trio.Nursery) -> Callable[[Respond], Awaitable[FakeEngi
 async def make_pool(nursery: trio.Nursery):
     pools: list[DataPool] = []
 
-    async def make(config: EngineConfig = FAST, max_connections: int = 8) -> DataPool:
-        pool = DataPool(max_connections=max_connections, engine_config=config)
+    async def make(config: EngineConfig = FAST, max_connections: int = 8, relay_inline: bool = True) -> DataPool:
+        pool = DataPool(max_connections=max_connections, engine_config=config, relay_inline=relay_inline)
         await nursery.start(pool.run)
         pools.append(pool)
         return pool

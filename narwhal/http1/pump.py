@@ -118,8 +118,11 @@ class Pump:
 
     def __init__(self, readiness: Readiness) -> None:
         self.readiness = readiness
-        # Streams in the pump right now (for tests and statistics).
-        self.streams = 0
+
+    @property
+    def streams(self) -> int:
+        """Streams in the pump right now (the hub counts them: while any, its rounds may run inline)."""
+        return self.readiness.pumped
 
     def can_relay(self, upstream: RelayWatched) -> TypeGuard[PumpUpstream]:
         """True when ``upstream``'s engine socket can be pumped (plain socket, hub running).
@@ -138,7 +141,8 @@ class Pump:
         watch = upstream.relay_watch
         assert watch is not None
         stream = _Stream(self, upstream, watch, client, chunked, on_chunk, clock)
-        self.streams += 1
+        readiness = self.readiness
+        readiness.pumped += 1
         try:
             watch.handler = stream.on_engine
             # Bytes that came before the handover get no new edge: read what is there now.
@@ -155,7 +159,7 @@ class Pump:
                 stream.task = trio.lowlevel.current_task()
                 await trio.lowlevel.wait_task_rescheduled(stream.abort)
         finally:
-            self.streams -= 1
+            readiness.pumped -= 1
             if not stream.done:
                 # Cancelled: the stream leaves the pump; the caller's scope ends it.
                 stream.detach()

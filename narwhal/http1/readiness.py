@@ -31,7 +31,7 @@ Only for plain sockets on Linux; anything else uses trio's waits.
 from __future__ import annotations
 
 import select
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import outcome
@@ -56,6 +56,8 @@ HUB_STOPPED = -1
 # ready sockets cannot hold up the tasks it wakes (a new request's first bytes) for all of it;
 # the rest stay on the kernel's ready list for the next round (no edge is lost).
 _BATCH = 64
+# The handlers to call again this round, when none asked.
+_NO_WATCHES: tuple[Watch, ...] = ()
 
 
 class WaitExpired(NarwhalError):
@@ -97,6 +99,17 @@ class Readiness:
         # Called when a timed wait starts with none pending: whoever calls ``expire`` wakes to tick.
         self.on_timed: Callable[[], None] | None = None
         self.running = False
+        # Live streams whose reads a handler does (the relay pump's): while any, rounds may run inline.
+        self.pumped = 0
+        # The hub task is parked on its set (trio's one-shot registration of it is armed).
+        self.parked = False
+        # Rounds run outside the hub task (from trio's idle wait: ``idle_rounds.py``).
+        self.inline_rounds = 0
+
+    @property
+    def epoll_fd(self) -> int:
+        """The set's own descriptor (readable while any of its sockets is ready)."""
+        return self._epoll.fileno()
 
     @property
     def expires_waits(self) -> bool:
@@ -149,6 +162,13 @@ class Readiness:
     def watch_writable(self, fd: int, handler: Callable[[int], None]) -> Watch:
         """Add a socket for room to write; the hub calls ``handler`` at each edge. OSError if it cannot."""
         self._epoll.register(fd, _WRITABLE)
+        watch = self._watches[fd] = Watch(fd, None, 0)
+        watch.handler = handler
+        return watch
+
+    def watch_handled(self, fd: int, handler: Callable[[int], None]) -> Watch:
+        """Add a descriptor whose readable edges call ``handler`` (no task waits on it). OSError if it cannot."""
+        self._epoll.register(fd, _EVENTS)
         watch = self._watches[fd] = Watch(fd, None, 0)
         watch.handler = handler
         return watch
@@ -208,7 +228,6 @@ class Readiness:
         """The hub: wake the waiting tasks (or call the handlers) of every ready socket, once per batch."""
         epoll = self._epoll
         watches = self._watches
-        reschedule = trio.lowlevel.reschedule
         self.running = True
         try:
             task_status.started()
@@ -219,36 +238,21 @@ class Readiness:
                     # than a round takes: yield once, then go on with whatever is ready by now.
                     await trio.lowlevel.checkpoint()
                 else:
-                    await trio.lowlevel.wait_readable(epoll.fileno())
-                again = self._later
+                    # While parked here, trio's idle wait may run the rounds (``idle_rounds.py``).
+                    self.parked = True
+                    try:
+                        await trio.lowlevel.wait_readable(epoll.fileno())
+                    finally:
+                        self.parked = False
+                again: Sequence[Watch] = self._later
                 if again:
                     self._later = []
+                else:
+                    # Not the live list: a handler's ``later`` in this round is for the next one.
+                    again = _NO_WATCHES
                 ready = epoll.poll(0, _BATCH)
                 busy = len(ready) == _BATCH
-                for fd, events in ready:
-                    watch = watches.get(fd)
-                    if watch is None:
-                        continue
-                    if events & _CLOSED:
-                        watch.closed = True
-                        if events & watch.gone_events and not watch.gone:
-                            watch.gone = True
-                            if watch.on_gone is not None:
-                                watch.on_gone()
-                    handler = watch.handler
-                    if handler is not None:
-                        handler(events)
-                        continue
-                    task = watch.task
-                    if task is not None:
-                        watch.task = None
-                        reschedule(task)
-                    else:
-                        watch.ready = True
-                for watch in again:
-                    handler = watch.handler
-                    if handler is not None:
-                        handler(0)
+                self._round(ready, again)
         finally:
             self.running = False
             self._later.clear()
@@ -258,3 +262,44 @@ class Readiness:
                 if handler is not None:
                     handler(HUB_STOPPED)
                 self.forget(watch)
+
+    def inline_round(self) -> bool:
+        """One round run outside the hub task (trio's idle wait); True when it stopped short (poll again at once)."""
+        again: Sequence[Watch] = self._later
+        if again:
+            self._later = []
+        else:
+            again = _NO_WATCHES
+        ready = self._epoll.poll(0, _BATCH)
+        self._round(ready, again)
+        self.inline_rounds += 1
+        return bool(self._later) or len(ready) == _BATCH
+
+    def _round(self, ready: list[tuple[int, int]], again: Sequence[Watch]) -> None:
+        """Hand each ready socket to its handler or its waiting task; then the handlers that asked ``later``."""
+        watches = self._watches
+        reschedule = trio.lowlevel.reschedule
+        for fd, events in ready:
+            watch = watches.get(fd)
+            if watch is None:
+                continue
+            if events & _CLOSED:
+                watch.closed = True
+                if events & watch.gone_events and not watch.gone:
+                    watch.gone = True
+                    if watch.on_gone is not None:
+                        watch.on_gone()
+            handler = watch.handler
+            if handler is not None:
+                handler(events)
+                continue
+            task = watch.task
+            if task is not None:
+                watch.task = None
+                reschedule(task)
+            else:
+                watch.ready = True
+        for watch in again:
+            handler = watch.handler
+            if handler is not None:
+                handler(0)

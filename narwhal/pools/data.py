@@ -9,6 +9,7 @@ shape and the terminal marker.
 
 from __future__ import annotations
 
+import logging
 import ssl
 from types import TracebackType
 from typing import Any
@@ -26,8 +27,10 @@ from narwhal.http1.client import (
     HTTPTransportError,
     via_line,
 )
+from narwhal.http1.idle_rounds import IdleRounds
 from narwhal.http1.pump import Pump
 from narwhal.http1.readiness import Readiness, Watch
+from narwhal.obs.logs import log_event
 from narwhal.pools import classify
 
 __all__ = ["DataPool", "DataPoolStatistics", "StreamCall", "UpstreamStream"]
@@ -264,11 +267,13 @@ class DataPool:
     """Keep-alive engine connections for prefill, decode and token counting."""
 
     def __init__(self, *, max_connections: int, engine_config: EngineConfig, wait_for_slot: bool = True,
-                 via: str | None = None, ssl_context: ssl.SSLContext | None = None) -> None:
+                 via: str | None = None, ssl_context: ssl.SSLContext | None = None,
+                 relay_inline: bool = True) -> None:
         """``wait_for_slot=False``: a full pool raises PoolSaturated at once instead of queueing.
 
         ``via``, when given, is sent as the ``via`` header of every request (loop detection).
         ``ssl_context`` verifies ``https://`` engines (and holds the client certificate).
+        ``relay_inline``: the readiness hub's rounds may run from trio's idle wait while pump streams are live.
         """
         self._config = engine_config
         self._first_token_message = _first_token_message(engine_config.first_token_deadline_s)
@@ -283,6 +288,9 @@ class DataPool:
         self._limiter = trio.CapacityLimiter(max_connections)
         # The engine sockets' readiness set; it runs (with the watchdog) in ``run``.
         self._readiness = Readiness()
+        self._relay_inline = relay_inline
+        # Runs the hub's rounds from trio's idle wait while pump streams are live (``run``; None: it does not).
+        self.idle_rounds: IdleRounds | None = None
         self._connections = EngineConnections(readiness=self._readiness, idle_s=engine_config.pool_idle_s,
                                               connect_timeout_s=engine_config.connect_timeout_s,
                                               write_timeout_s=engine_config.request_timeout_s,
@@ -347,10 +355,19 @@ class DataPool:
         """The pool's two tasks: the engine sockets' readiness set, and the stream deadline watchdog."""
         # The same time as trio.current_time, read in one call instead of three.
         self._connections.clock = trio.lowlevel.current_clock().current_time
-        async with trio.open_nursery() as nursery:
-            await nursery.start(self._readiness.run)
-            await nursery.start(self._watchdog)
-            task_status.started()
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self._readiness.run)
+                if self._relay_inline:
+                    self.idle_rounds, unavailable = IdleRounds.attach(self._readiness)
+                    if unavailable is not None:
+                        log_event("relay_inline_unavailable", level=logging.WARNING, reason=unavailable)
+                await nursery.start(self._watchdog)
+                task_status.started()
+        finally:
+            if self.idle_rounds is not None:
+                self.idle_rounds.detach()
+                self.idle_rounds = None
 
     async def _watchdog(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Every tick, cancel the streams whose engine kept them waiting too long, and fail the engine reads

@@ -95,7 +95,7 @@ class LocalDataPlane:
         # Only bounded serving may queue; the default policy reports saturation at once.
         self.data_pool = DataPool(max_connections=config.serving.max_connections, engine_config=config.engine,
                                   wait_for_slot=config.serving.policy == "bounded", via=f"1.1 {via_token}",
-                                  ssl_context=tls.engine)
+                                  ssl_context=tls.engine, relay_inline=config.serving.relay_inline)
         # Client keys, limits and the priority gate, when [auth] names a keys file (the snapshot brings them).
         self._capacity = config.serving.max_connections
         self._bounded = config.serving.policy == "bounded"

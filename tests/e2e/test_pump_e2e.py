@@ -40,16 +40,20 @@ async def streams_in_order(fleet, count: int) -> None:
         assert answer == expected
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-async def test_paced_streams_go_through_the_pump_whole_and_in_order(start_fleet, workers):
+# relay_inline: the hub's rounds run from trio's idle wait while streams are live (the default), or not.
+@pytest.mark.parametrize(("workers", "relay_inline"), [(1, True), (2, True), (1, False)])
+async def test_paced_streams_go_through_the_pump_whole_and_in_order(start_fleet, workers, relay_inline):
     fleet = await start_fleet(decode=2, mock_args=["--numbered-tokens", "--token-delay-s", "0.003"],
-                              sections={"serving": {"workers": workers, "shutdown_grace_s": 10.0}})
+                              sections={"serving": {"workers": workers, "shutdown_grace_s": 10.0,
+                                                    "relay_inline": relay_inline}})
     await streams_in_order(fleet, 64)
     with trio.fail_after(10):
         while len(fleet.router.events("request", status=200)) < 64:
             await trio.sleep(0.05)
     relays = {event["relay"] for event in fleet.router.events("request", status=200)}
     assert relays == {"pump"}
+    # trio as installed lets the rounds run inline: the router does not say otherwise.
+    assert not fleet.router.events("relay_inline_unavailable")
 
 
 async def test_relay_pump_off_relays_in_the_request_task(start_fleet):

@@ -1,0 +1,358 @@
+"""The readiness hub's rounds run from trio's idle wait while pump streams are live (``idle_rounds.py``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import socket
+from collections.abc import Callable
+
+import pytest
+import trio
+
+from narwhal.config import EngineConfig
+from narwhal.http1 import idle_rounds
+from narwhal.http1.idle_rounds import IdleRounds, TrioRun
+from narwhal.http1.readiness import Readiness
+from narwhal.pools.data import DataPool
+from tests.test_http1_readiness import close_sockets, pair  # noqa: F401  (close_sockets: an autouse fixture)
+
+
+def echo(sock: socket.socket, seen: list[bytes]) -> Callable[[int], None]:
+    """A pump-like handler: read what is there and write it back to the peer."""
+    def handler(events: int) -> None:
+        if events < 0:
+            return
+        try:
+            data = sock.recv(4096)
+        except BlockingIOError:
+            return
+        seen.append(data)
+        sock.send(data)
+    return handler
+
+
+# -- in a running trio loop ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def start_hub(nursery: trio.Nursery):
+    """A running hub, its rounds run from trio's idle wait when ``inline``, as the data pool wires it."""
+    attached: list[IdleRounds] = []
+
+    async def start(inline: bool) -> Readiness:
+        hub = Readiness()
+        await nursery.start(hub.run)
+        if inline:
+            rounds, unavailable = IdleRounds.attach(hub)
+            assert unavailable is None and rounds is not None
+            attached.append(rounds)
+        return hub
+    yield start
+    for rounds in attached:
+        rounds.detach()
+
+
+async def test_trio_as_installed_lets_the_hub_run_rounds_from_its_idle_wait(nursery: trio.Nursery) -> None:
+    # A trio upgrade that moves what the idle rounds use fails here, not silently in the benchmarks.
+    assert isinstance(idle_rounds.trio_run(), TrioRun)
+    pool = DataPool(max_connections=4, engine_config=EngineConfig())
+    await nursery.start(pool.run)
+    assert pool.idle_rounds is not None
+    await pool.aclose()
+
+
+@pytest.mark.parametrize("inline", [True, False])
+async def test_handler_reads_run_from_the_idle_wait_and_trios_own_waits_still_wake(start_hub,
+                                                                                    inline: bool) -> None:
+    hub = await start_hub(inline)
+    ours, peer = pair()
+    seen: list[bytes] = []
+    hub.watch_handled(ours.fileno(), echo(ours, seen))
+    hub.pumped = 1
+    try:
+        for i in range(20):
+            message = b"token %d" % i
+            peer.send(message)
+            # trio's own wait on the peer: it wakes when the handler has written back, whoever ran it.
+            with trio.fail_after(5):
+                await trio.lowlevel.wait_readable(peer)
+            assert peer.recv(100) == message
+    finally:
+        hub.pumped = 0
+    assert seen == [b"token %d" % i for i in range(20)]
+    if inline:
+        assert hub.inline_rounds >= 20
+    else:
+        assert hub.inline_rounds == 0
+
+
+async def test_a_task_a_round_wakes_runs_at_once_not_after_trios_timeout(start_hub) -> None:
+    hub = await start_hub(True)
+    ours, peer = pair()
+    woken = trio.Event()
+
+    def handler(events: int) -> None:
+        if events >= 0:
+            ours.recv(100)
+            woken.set()
+    hub.watch_handled(ours.fileno(), handler)
+    hub.pumped = 1
+    try:
+        peer.send(b"x")
+        # Without trio's wake-up after the round, trio would sleep until this scope's deadline and fail.
+        with trio.fail_after(30):
+            await woken.wait()
+    finally:
+        hub.pumped = 0
+    assert hub.inline_rounds >= 1
+
+
+async def test_a_task_waiting_on_a_hub_socket_is_woken_from_an_idle_round(start_hub,
+                                                                          nursery: trio.Nursery) -> None:
+    hub = await start_hub(True)
+    pumped_side, pumped_peer = pair()
+    hub.watch_handled(pumped_side.fileno(), echo(pumped_side, []))
+    ours, peer = pair()
+    watch = hub.watch(ours.fileno())
+    assert watch is not None
+    hub.pumped = 1
+    try:
+        async def later() -> None:
+            await trio.testing.wait_all_tasks_blocked()
+            peer.send(b"answer")
+        nursery.start_soon(later)
+        with trio.fail_after(30):
+            await hub.wait(watch)
+        assert ours.recv(100) == b"answer"
+    finally:
+        hub.pumped = 0
+
+
+@pytest.mark.parametrize("inline", [True, False])
+async def test_a_handler_that_does_not_drain_is_called_again_only_after_trios_io_is_served(
+        start_hub, inline: bool) -> None:
+    # A handler that asks ``later`` is called again in the next round, never in the same one: otherwise a
+    # stream whose engine never runs dry would hold the loop in one round while everything else waits.
+    hub = await start_hub(inline)
+    ours, peer = pair()
+    calls = 0
+    watch_box: list = []
+
+    def handler(events: int) -> None:
+        nonlocal calls
+        if events < 0:
+            return
+        calls += 1
+        if calls < 1000:
+            hub.later(watch_box[0])
+    watch_box.append(hub.watch_handled(ours.fileno(), handler))
+    hub.pumped = 1
+    other, other_peer = pair()
+    try:
+        peer.send(b"x")
+        other_peer.send(b"y")
+        with trio.fail_after(30):
+            await trio.lowlevel.wait_readable(other)
+        calls_when_served = calls
+        with trio.fail_after(30):
+            while calls < 1000:
+                await trio.sleep(0)
+    finally:
+        hub.pumped = 0
+    assert other.recv(10) == b"y"
+    assert calls_when_served < 100
+
+
+async def test_a_failure_in_an_idle_round_is_raised_by_the_hub_task() -> None:
+    class Defect(Exception):
+        pass
+
+    hub = Readiness()
+    ours, peer = pair()
+
+    def handler(events: int) -> None:
+        if events >= 0:
+            raise Defect("a handler's defect")
+
+    rounds = None
+    with pytest.raises(BaseExceptionGroup) as caught:
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(hub.run)
+                rounds, _ = IdleRounds.attach(hub)
+                hub.watch_handled(ours.fileno(), handler)
+                hub.pumped = 1
+                peer.send(b"x")
+                await trio.sleep_forever()
+    assert caught.group_contains(Defect)
+    assert rounds is not None and rounds.failure is not None
+    rounds.detach()
+
+
+async def test_the_data_pool_logs_when_trio_cannot_run_the_rounds(nursery: trio.Nursery, caplog,
+                                                                  monkeypatch) -> None:
+    monkeypatch.setattr(idle_rounds, "trio_run", lambda: "trio 9.9's run has changed: no runq")
+    pool = DataPool(max_connections=4, engine_config=EngineConfig())
+    with caplog.at_level(logging.INFO):
+        await nursery.start(pool.run)
+    lines = [line for line in (json.loads(record.getMessage()) for record in caplog.records
+                               if record.name == "narwhal.events") if line["event"] == "relay_inline_unavailable"]
+    assert lines and lines[0]["reason"] == "trio 9.9's run has changed: no runq"
+    assert lines[0]["level"] == "warning"
+    await pool.aclose()
+
+
+async def test_a_data_pool_told_not_to_never_runs_rounds_inline(nursery: trio.Nursery) -> None:
+    pool = DataPool(max_connections=4, engine_config=EngineConfig(), relay_inline=False)
+    await nursery.start(pool.run)
+    assert pool.idle_rounds is None
+    await pool.aclose()
+
+
+# -- the instrument alone, with trio's side played by the test ----------------------------------------------
+
+
+class FakeRun:
+    """trio's set (an epoll the test fills), its wake-up (counted) and its run queue (a list)."""
+
+    def __init__(self) -> None:
+        self.epoll = select.epoll()
+        self.forced = 0
+        self.runq: list[object] = []
+
+    def run(self) -> TrioRun:
+        return TrioRun(self.epoll.fileno(), self.force, self.runq)
+
+    def force(self) -> None:
+        self.forced += 1
+
+
+@pytest.fixture
+def fake():
+    made: list[tuple[FakeRun, IdleRounds]] = []
+
+    def make(hub: Readiness) -> tuple[FakeRun, IdleRounds]:
+        run = FakeRun()
+        rounds = IdleRounds(hub, run.run())
+        made.append((run, rounds))
+        hub.parked = True
+        hub.pumped = 1
+        return run, rounds
+    yield make
+    for run, rounds in made:
+        rounds._both.close()
+        os.close(rounds._wake_fd)
+        run.epoll.close()
+
+
+def wake_pending(rounds: IdleRounds) -> bool:
+    try:
+        os.eventfd_read(rounds._wake_fd)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def test_trios_deadline_ends_the_wait_with_trios_wake_up(fake) -> None:
+    hub = Readiness()
+    run, rounds = fake(hub)
+    rounds.before_io_wait(0.01)
+    assert run.forced == 1
+    assert hub.inline_rounds == 0
+
+
+def test_trios_own_io_ends_the_wait_without_a_round(fake) -> None:
+    hub = Readiness()
+    run, rounds = fake(hub)
+    trio_side, trio_peer = pair()
+    run.epoll.register(trio_side.fileno(), select.EPOLLIN)
+    trio_peer.send(b"x")
+    rounds.before_io_wait(3600)
+    # trio's epoll_wait returns at once by itself: no wake-up needed, no round run.
+    assert run.forced == 0
+    assert hub.inline_rounds == 0
+    assert not wake_pending(rounds)
+
+
+def test_rounds_run_until_one_makes_a_task_runnable(fake) -> None:
+    hub = Readiness()
+    run, rounds = fake(hub)
+    ours, peer = pair()
+    reads = 0
+
+    def handler(events: int) -> None:
+        nonlocal reads
+        ours.recv(100)
+        reads += 1
+        if reads < 3:
+            peer.send(b"more")  # the next edge: another round, still in the idle wait
+        else:
+            run.runq.append("a task")  # as a stream's end reschedules its request task
+    hub.watch_handled(ours.fileno(), handler)
+    peer.send(b"x")
+    rounds.before_io_wait(3600)
+    assert reads == 3
+    assert hub.inline_rounds == 3
+    assert run.forced == 1
+
+
+def test_a_round_left_short_when_trio_has_io_hands_on_to_the_hub_task(fake) -> None:
+    hub = Readiness()
+    run, rounds = fake(hub)
+    ours, peer = pair()
+    trio_side, trio_peer = pair()
+    run.epoll.register(trio_side.fileno(), select.EPOLLIN)
+    box: list = []
+
+    def handler(events: int) -> None:
+        hub.later(box[0])
+        trio_peer.send(b"trio has work")
+    box.append(hub.watch_handled(ours.fileno(), handler))
+    peer.send(b"x")
+    rounds.before_io_wait(3600)
+    assert hub.inline_rounds == 1
+    assert run.forced == 0
+    # The hub task is woken through its own set, and calls the handler again there.
+    assert wake_pending(rounds)
+
+
+@pytest.mark.parametrize("state", ["no timeout", "no stream", "hub not parked"])
+def test_the_idle_wait_is_trios_own_unless_streams_are_live_and_the_hub_parked(fake, state: str) -> None:
+    hub = Readiness()
+    run, rounds = fake(hub)
+    ours, peer = pair()
+    hub.watch_handled(ours.fileno(), lambda events: None)
+    peer.send(b"x")
+    timeout = 3600.0
+    if state == "no timeout":
+        timeout = 0.0
+    elif state == "no stream":
+        hub.pumped = 0
+    else:
+        hub.parked = False
+    rounds.before_io_wait(timeout)
+    assert hub.inline_rounds == 0
+    assert run.forced == 0
+
+
+def test_a_failure_is_kept_for_the_hub_task_and_rounds_stop(fake) -> None:
+    hub = Readiness()
+    run, rounds = fake(hub)
+    ours, peer = pair()
+    broken = ValueError("defect")
+
+    def handler(events: int) -> None:
+        raise broken
+    hub.watch_handled(ours.fileno(), handler)
+    peer.send(b"x")
+    rounds.before_io_wait(3600)
+    assert rounds.failure is broken
+    # The hub task's next round sees its wake-up and raises the failure as its own.
+    with pytest.raises(ValueError, match="defect"):
+        hub.inline_round()
+    peer.send(b"y")
+    rounds.before_io_wait(3600)
+    assert run.forced == 0
