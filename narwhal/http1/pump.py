@@ -4,7 +4,8 @@ Without it, each upstream read wakes the stream's request task (one trip
 through trio's scheduler per token per stream). With it, the request task
 hands its stream over after the first bytes and sleeps until the stream ends;
 the data pool's readiness hub (``narwhal/http1/readiness.py``), woken by trio
-once per batch of ready engine sockets, calls the pump for each of them, and
+once per batch of ready engine sockets (or its rounds run from trio's idle
+wait: ``idle_rounds.py``), calls the pump for each of them, and
 the pump reads the socket, passes the bytes through the caller's ``on_chunk``
 (token counting, KV stripping, continuation rewriting: synchronous, per read)
 and writes the result to the client with one non-blocking ``write``.

@@ -18,6 +18,11 @@ to read and write every live decode stream from inside the hub; a handler that
 stopped before its socket was drained asks for another call with ``later`` (on
 the next round, after the hub has yielded to the scheduler once).
 
+While relay-pump streams are live (``pumped``) and trio has nothing else to
+run, trio's idle wait may run the rounds instead of waking the hub task
+(``narwhal/http1/idle_rounds.py``; ``parked`` and ``inline_round`` are this
+side of it): the same round, called from elsewhere.
+
 A wait may carry a deadline (``wait(watch, deadline)``). No cancel scope is
 opened for it (a scope with a deadline costs about 7 µs of trio's Python, as
 much as a request leg's other bookkeeping): whoever drives the set's timers
