@@ -35,6 +35,7 @@ per batch (the data pool logs ``relay_inline_unavailable``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import time
@@ -114,10 +115,9 @@ class IdleRounds(trio.abc.Instrument):
 
     def detach(self) -> None:
         """Stop (the hub task is ending): no more rounds from the idle wait."""
-        try:
+        # KeyError: trio removed it already (it raised).
+        with contextlib.suppress(KeyError):
             trio.lowlevel.remove_instrument(self)
-        except KeyError:
-            pass  # trio removed it already (it raised)
         self._hub.forget(self._wake)
         self._both.close()
         os.close(self._wake_fd)
@@ -182,10 +182,9 @@ class IdleRounds(trio.abc.Instrument):
 
     def _on_wake(self, events: int) -> None:
         """The hub task's round saw the wake-up: drain it, and raise a failure of an idle round."""
-        try:
+        # BlockingIOError: nothing to drain (the hub stopping calls this without an edge).
+        with contextlib.suppress(BlockingIOError):
             os.eventfd_read(self._wake_fd)
-        except BlockingIOError:
-            pass
         failure = self.failure
         if failure is not None and events != HUB_STOPPED:
             raise failure

@@ -166,14 +166,12 @@ class Readiness:
 
     def watch_writable(self, fd: int, handler: Callable[[int], None]) -> Watch:
         """Add a socket for room to write; the hub calls ``handler`` at each edge. OSError if it cannot."""
-        self._epoll.register(fd, _WRITABLE)
-        watch = self._watches[fd] = Watch(fd, None, 0)
-        watch.handler = handler
-        return watch
+        return self.watch_handled(fd, handler, _WRITABLE)
 
-    def watch_handled(self, fd: int, handler: Callable[[int], None]) -> Watch:
-        """Add a descriptor whose readable edges call ``handler`` (no task waits on it). OSError if it cannot."""
-        self._epoll.register(fd, _EVENTS)
+    def watch_handled(self, fd: int, handler: Callable[[int], None], events: int = _EVENTS) -> Watch:
+        """Add a descriptor whose edges (readable by default) call ``handler``; no task waits on it, and
+        ``on_gone`` is never called. OSError if it cannot."""
+        self._epoll.register(fd, events)
         watch = self._watches[fd] = Watch(fd, None, 0)
         watch.handler = handler
         return watch
@@ -231,14 +229,14 @@ class Readiness:
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """The hub: wake the waiting tasks (or call the handlers) of every ready socket, once per batch."""
-        epoll = self._epoll
+        epoll_fd = self._epoll.fileno()
         watches = self._watches
         self.running = True
         try:
             task_status.started()
-            busy = False
+            short = False
             while True:
-                if self._later or busy:
+                if short or self._later:
                     # Handlers that stopped short of draining their socket, or more sockets ready
                     # than a round takes: yield once, then go on with whatever is ready by now.
                     await trio.lowlevel.checkpoint()
@@ -246,18 +244,10 @@ class Readiness:
                     # While parked here, trio's idle wait may run the rounds (``idle_rounds.py``).
                     self.parked = True
                     try:
-                        await trio.lowlevel.wait_readable(epoll.fileno())
+                        await trio.lowlevel.wait_readable(epoll_fd)
                     finally:
                         self.parked = False
-                again: Sequence[Watch] = self._later
-                if again:
-                    self._later = []
-                else:
-                    # Not the live list: a handler's ``later`` in this round is for the next one.
-                    again = _NO_WATCHES
-                ready = epoll.poll(0, _BATCH)
-                busy = len(ready) == _BATCH
-                self._round(ready, again)
+                short = self._round()
         finally:
             self.running = False
             self._later.clear()
@@ -270,18 +260,19 @@ class Readiness:
 
     def inline_round(self) -> bool:
         """One round run outside the hub task (trio's idle wait); True when it stopped short (poll again at once)."""
+        self.inline_rounds += 1
+        return self._round()
+
+    def _round(self) -> bool:
+        """Hand each ready socket (a batch at most) to its handler or its waiting task, then call the handlers
+        that asked ``later``; True when the round stopped short (a handler asked again, or a full batch)."""
         again: Sequence[Watch] = self._later
         if again:
             self._later = []
         else:
+            # Not the live list: a handler's ``later`` in this round is for the next one.
             again = _NO_WATCHES
         ready = self._epoll.poll(0, _BATCH)
-        self._round(ready, again)
-        self.inline_rounds += 1
-        return bool(self._later) or len(ready) == _BATCH
-
-    def _round(self, ready: list[tuple[int, int]], again: Sequence[Watch]) -> None:
-        """Hand each ready socket to its handler or its waiting task; then the handlers that asked ``later``."""
         watches = self._watches
         reschedule = trio.lowlevel.reschedule
         for fd, events in ready:
@@ -308,3 +299,4 @@ class Readiness:
             handler = watch.handler
             if handler is not None:
                 handler(0)
+        return bool(self._later) or len(ready) == _BATCH
