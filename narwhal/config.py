@@ -179,8 +179,8 @@ class ServingConfig(_Section, frozen=True):
     # One pump per process reads every live decode stream and writes it to its client
     # (plain sockets; TLS keeps the request task's own relay). false: every stream relays in its own task.
     relay_pump: bool = True
-    # While pump streams are live and trio would sleep, the readiness hub's rounds run from trio's idle wait
-    # instead of waking the hub task per batch (narwhal/http1/idle_rounds.py). false: the hub task wakes each time.
+    # Pumped streams' engine sockets sit in the hub's pump set, served from trio's own waits instead of trio
+    # waking the hub task per batch (narwhal/http1/idle_rounds.py). false: the hub task wakes each time.
     relay_inline: bool = True
     # Bounded policy only: requests waiting for capacity at most (the lowest priority class is shed first).
     max_queue: int = 256

@@ -1,4 +1,4 @@
-"""The readiness hub's rounds run from trio's idle wait while pump streams are live (``idle_rounds.py``)."""
+"""The pump set served from trio's own waits (``idle_rounds.py``): pumped sockets outside the hub's set."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import trio
 from narwhal.config import EngineConfig
 from narwhal.http1 import idle_rounds
 from narwhal.http1.idle_rounds import IdleRounds, TrioRun
-from narwhal.http1.readiness import Readiness
+from narwhal.http1.readiness import Readiness, Watch
 from narwhal.pools.data import DataPool
 from tests.test_http1_readiness import close_sockets, pair  # noqa: F401  (close_sockets: an autouse fixture)
 
@@ -32,6 +32,13 @@ def echo(sock: socket.socket, seen: list[bytes]) -> Callable[[int], None]:
         seen.append(data)
         sock.send(data)
     return handler
+
+
+def pumped(hub: Readiness, sock: socket.socket, handler: Callable[[int], None]) -> Watch:
+    """A socket a handler reads, moved into the pump set as the pump moves a stream's (no-op without one)."""
+    watch = hub.watch_handled(sock.fileno(), handler)
+    hub.pump_in(watch)
+    return watch
 
 
 # -- in a running trio loop ---------------------------------------------------------------------
@@ -70,23 +77,21 @@ async def test_handler_reads_run_from_the_idle_wait_and_trios_own_waits_still_wa
     hub = await start_hub(inline)
     ours, peer = pair()
     seen: list[bytes] = []
-    hub.watch_handled(ours.fileno(), echo(ours, seen))
-    hub.pumped = 1
-    try:
-        for i in range(20):
-            message = b"token %d" % i
-            peer.send(message)
-            # trio's own wait on the peer: it wakes when the handler has written back, whoever ran it.
-            with trio.fail_after(5):
-                await trio.lowlevel.wait_readable(peer)
-            assert peer.recv(100) == message
-    finally:
-        hub.pumped = 0
+    watch = pumped(hub, ours, echo(ours, seen))
+    # Out of the hub's set with a pump set; served by the hub task, in its set, without one.
+    assert watch.pumped is inline and hub.pump_sockets == int(inline)
+    for i in range(20):
+        message = b"token %d" % i
+        peer.send(message)
+        # trio's own wait on the peer: it wakes when the handler has written back, whoever ran it.
+        with trio.fail_after(5):
+            await trio.lowlevel.wait_readable(peer)
+        assert peer.recv(100) == message
     assert seen == [b"token %d" % i for i in range(20)]
     if inline:
-        assert hub.inline_rounds >= 20
+        assert hub.pump_rounds >= 20
     else:
-        assert hub.inline_rounds == 0
+        assert hub.pump_rounds == 0
 
 
 async def test_a_task_a_round_wakes_runs_at_once_not_after_trios_timeout(start_hub) -> None:
@@ -98,37 +103,31 @@ async def test_a_task_a_round_wakes_runs_at_once_not_after_trios_timeout(start_h
         if events >= 0:
             ours.recv(100)
             woken.set()
-    hub.watch_handled(ours.fileno(), handler)
-    hub.pumped = 1
-    try:
-        peer.send(b"x")
-        # Without trio's wake-up after the round, trio would sleep until this scope's deadline and fail.
-        with trio.fail_after(30):
-            await woken.wait()
-    finally:
-        hub.pumped = 0
-    assert hub.inline_rounds >= 1
+    pumped(hub, ours, handler)
+    peer.send(b"x")
+    # Without trio's wake-up after the round, trio would sleep until this scope's deadline and fail.
+    with trio.fail_after(30):
+        await woken.wait()
+    assert hub.pump_rounds >= 1
 
 
-async def test_a_task_waiting_on_a_hub_socket_is_woken_from_an_idle_round(start_hub,
-                                                                          nursery: trio.Nursery) -> None:
+async def test_a_task_waiting_on_a_hub_socket_is_woken_while_trio_sleeps_in_the_pump_set(
+        start_hub, nursery: trio.Nursery) -> None:
     hub = await start_hub(True)
     pumped_side, pumped_peer = pair()
-    hub.watch_handled(pumped_side.fileno(), echo(pumped_side, []))
+    pumped(hub, pumped_side, echo(pumped_side, []))
     ours, peer = pair()
     watch = hub.watch(ours.fileno())
-    assert watch is not None
-    hub.pumped = 1
-    try:
-        async def later() -> None:
-            await trio.testing.wait_all_tasks_blocked()
-            peer.send(b"answer")
-        nursery.start_soon(later)
-        with trio.fail_after(30):
-            await hub.wait(watch)
-        assert ours.recv(100) == b"answer"
-    finally:
-        hub.pumped = 0
+    assert watch is not None and not watch.pumped
+
+    async def later() -> None:
+        await trio.testing.wait_all_tasks_blocked()
+        peer.send(b"answer")
+    nursery.start_soon(later)
+    # The hub's set is in trio's, and trio's in the pump set: the sleep there ends, the hub task wakes.
+    with trio.fail_after(30):
+        await hub.wait(watch)
+    assert ours.recv(100) == b"answer"
 
 
 @pytest.mark.parametrize("inline", [True, False])
@@ -148,20 +147,16 @@ async def test_a_handler_that_does_not_drain_is_called_again_only_after_trios_io
         calls += 1
         if calls < 1000:
             hub.later(watch_box[0])
-    watch_box.append(hub.watch_handled(ours.fileno(), handler))
-    hub.pumped = 1
+    watch_box.append(pumped(hub, ours, handler))
     other, other_peer = pair()
-    try:
-        peer.send(b"x")
-        other_peer.send(b"y")
-        with trio.fail_after(30):
-            await trio.lowlevel.wait_readable(other)
-        calls_when_served = calls
-        with trio.fail_after(30):
-            while calls < 1000:
-                await trio.sleep(0)
-    finally:
-        hub.pumped = 0
+    peer.send(b"x")
+    other_peer.send(b"y")
+    with trio.fail_after(30):
+        await trio.lowlevel.wait_readable(other)
+    calls_when_served = calls
+    with trio.fail_after(30):
+        while calls < 1000:
+            await trio.sleep(0)
     assert other.recv(10) == b"y"
     assert calls_when_served < 100
 
@@ -183,8 +178,7 @@ async def test_a_failure_in_an_idle_round_is_raised_by_the_hub_task() -> None:
             async with trio.open_nursery() as nursery:
                 await nursery.start(hub.run)
                 rounds, _ = IdleRounds.attach(hub)
-                hub.watch_handled(ours.fileno(), handler)
-                hub.pumped = 1
+                pumped(hub, ours, handler)
                 peer.send(b"x")
                 await trio.sleep_forever()
     assert caught.group_contains(Defect)
@@ -232,18 +226,16 @@ class FakeRun:
 
 @pytest.fixture
 def fake():
-    made: list[tuple[FakeRun, IdleRounds]] = []
+    made: list[tuple[FakeRun, IdleRounds, Readiness]] = []
 
     def make(hub: Readiness) -> tuple[FakeRun, IdleRounds]:
         run = FakeRun()
         rounds = IdleRounds(hub, run.run())
-        made.append((run, rounds))
-        hub.parked = True
-        hub.pumped = 1
+        made.append((run, rounds, hub))
         return run, rounds
     yield make
-    for run, rounds in made:
-        rounds._both.close()
+    for run, rounds, hub in made:
+        hub.close_pump_set()
         os.close(rounds._wake_fd)
         run.epoll.close()
 
@@ -259,21 +251,24 @@ def wake_pending(rounds: IdleRounds) -> bool:
 def test_trios_deadline_ends_the_wait_with_trios_wake_up(fake) -> None:
     hub = Readiness()
     run, rounds = fake(hub)
+    ours, _ = pair()
+    pumped(hub, ours, lambda events: None)
     rounds.before_io_wait(0.01)
     assert run.forced == 1
-    assert hub.inline_rounds == 0
 
 
-def test_trios_own_io_ends_the_wait_without_a_round(fake) -> None:
+def test_trios_own_io_ends_the_wait_at_once_without_its_wake_up(fake) -> None:
     hub = Readiness()
     run, rounds = fake(hub)
+    ours, _ = pair()
+    pumped(hub, ours, lambda events: None)
     trio_side, trio_peer = pair()
     run.epoll.register(trio_side.fileno(), select.EPOLLIN)
     trio_peer.send(b"x")
     rounds.before_io_wait(3600)
-    # trio's epoll_wait returns at once by itself: no wake-up needed, no round run.
+    # trio's epoll_wait returns at once by itself: no wake-up needed; one round saw trio's set ready.
     assert run.forced == 0
-    assert hub.inline_rounds == 0
+    assert hub.pump_rounds == 1
     assert not wake_pending(rounds)
 
 
@@ -291,51 +286,131 @@ def test_rounds_run_until_one_makes_a_task_runnable(fake) -> None:
             peer.send(b"more")  # the next edge: another round, still in the idle wait
         else:
             run.runq.append("a task")  # as a stream's end reschedules its request task
-    hub.watch_handled(ours.fileno(), handler)
+    pumped(hub, ours, handler)
     peer.send(b"x")
     rounds.before_io_wait(3600)
     assert reads == 3
-    assert hub.inline_rounds == 3
+    assert hub.pump_rounds == 3
     assert run.forced == 1
 
 
-def test_a_round_left_short_when_trio_has_io_hands_on_to_the_hub_task(fake) -> None:
+def test_a_round_left_short_when_trio_has_io_goes_on_at_trios_next_wait(fake) -> None:
     hub = Readiness()
     run, rounds = fake(hub)
     ours, peer = pair()
     trio_side, trio_peer = pair()
     run.epoll.register(trio_side.fileno(), select.EPOLLIN)
     box: list = []
+    calls: list[int] = []
 
     def handler(events: int) -> None:
+        # Never drained: called again each round.
+        calls.append(events)
         hub.later(box[0])
-        trio_peer.send(b"trio has work")
-    box.append(hub.watch_handled(ours.fileno(), handler))
+        if len(calls) == 1:
+            trio_peer.send(b"trio has work")
+    box.append(pumped(hub, ours, handler))
     peer.send(b"x")
     rounds.before_io_wait(3600)
-    assert hub.inline_rounds == 1
-    assert run.forced == 0
-    # The hub task is woken through its own set, and calls the handler again there.
-    assert wake_pending(rounds)
+    # The second round saw trio's I/O: trio gets the loop, its epoll_wait returning at once (no wake-up).
+    assert calls == [1, 0] and hub.pump_rounds == 2 and run.forced == 0
+    # The handler's next call is the first thing trio's next wait does, busy or not.
+    run.runq.append("trio's task")
+    rounds.before_io_wait(0)
+    assert calls == [1, 0, 0] and hub.pump_rounds == 3
+    # Never through the hub task: its set is not involved.
+    assert not wake_pending(rounds)
 
 
-@pytest.mark.parametrize("state", ["no timeout", "no stream", "hub not parked"])
-def test_the_idle_wait_is_trios_own_unless_streams_are_live_and_the_hub_parked(fake, state: str) -> None:
+def test_a_busy_trio_gets_one_look_at_the_pump_set_and_no_sleep(fake) -> None:
     hub = Readiness()
     run, rounds = fake(hub)
     ours, peer = pair()
-    hub.watch_handled(ours.fileno(), lambda events: None)
+    seen: list[bytes] = []
+    pumped(hub, ours, echo(ours, seen))
+    run.runq.append("trio's task")
+    rounds.before_io_wait(0)
+    assert hub.pump_rounds == 1 and seen == []
     peer.send(b"x")
-    timeout = 3600.0
-    if state == "no timeout":
-        timeout = 0.0
-    elif state == "no stream":
-        hub.pumped = 0
-    else:
-        hub.parked = False
-    rounds.before_io_wait(timeout)
-    assert hub.inline_rounds == 0
+    rounds.before_io_wait(0)
+    assert seen == [b"x"] and peer.recv(10) == b"x"
+    # A task is runnable: trio's epoll_wait does not sleep, so its wake-up would be a wasted syscall.
     assert run.forced == 0
+
+
+def test_reads_left_when_trio_sees_no_work_call_trios_wake_up(fake) -> None:
+    # A timeout of 0 with nothing runnable: a deadline passed, or a test clock about to jump. Reads left over
+    # must not let trio take itself for idle.
+    hub = Readiness()
+    run, rounds = fake(hub)
+    ours, peer = pair()
+    box: list = []
+    box.append(pumped(hub, ours, lambda events: hub.later(box[0])))
+    peer.send(b"x")
+    rounds.before_io_wait(0)
+    assert run.forced == 1
+
+
+@pytest.mark.parametrize("state", ["no pumped socket", "the hub's own socket"])
+def test_trios_waits_are_its_own_without_a_pumped_socket(fake, state: str) -> None:
+    hub = Readiness()
+    run, rounds = fake(hub)
+    ours, peer = pair()
+    if state == "the hub's own socket":
+        # A handled socket never moved into the pump set: the hub task serves it.
+        hub.watch_handled(ours.fileno(), lambda events: None)
+    peer.send(b"x")
+    rounds.before_io_wait(3600)
+    rounds.before_io_wait(0)
+    assert hub.pump_rounds == 0
+    assert run.forced == 0
+
+
+def test_a_socket_moves_between_the_sets_without_losing_an_edge(fake) -> None:
+    hub = Readiness()
+    hub.running = True  # as when the hub task runs: ``watch`` registers
+    run, rounds = fake(hub)
+    ours, peer = pair()
+    watch = hub.watch(ours.fileno())
+    assert watch is not None
+    # Bytes that came while the socket was in the hub's set, its edge not yet taken: the pump set reports them.
+    peer.send(b"before the move")
+    calls: list[int] = []
+    watch.handler = calls.append
+    hub.pump_in(watch)
+    assert watch.pumped and hub.pump_sockets == 1
+    assert hub._round() is False and calls == []  # the hub's set no longer has it
+    run.runq.append("trio's task")
+    rounds.before_io_wait(0)
+    assert calls and calls[0] & select.EPOLLIN
+    ours.recv(100)
+    # Bytes that come while it is in the pump set, not yet polled, then the stream ends: the hub's set has them.
+    peer.send(b"after the stream")
+    watch.handler = None
+    hub.pump_out(watch)
+    assert not watch.pumped and hub.pump_sockets == 0
+    hub._round()
+    assert watch.ready
+    # A socket forgotten while pumped leaves the pump set too.
+    watch.ready = False
+    watch.handler = calls.append
+    hub.pump_in(watch)
+    hub.forget(watch)
+    assert hub.pump_sockets == 0 and not watch.pumped
+    hub.running = False
+
+
+def test_closing_the_pump_set_puts_its_sockets_back_in_the_hubs_set(fake) -> None:
+    hub = Readiness()
+    run, rounds = fake(hub)
+    ours, peer = pair()
+    calls: list[int] = []
+    watch = pumped(hub, ours, calls.append)
+    hub.close_pump_set()
+    assert not watch.pumped and hub.pump_sockets == 0
+    peer.send(b"x")
+    hub._round()
+    assert calls and calls[0] & select.EPOLLIN
 
 
 def test_a_failure_is_kept_for_the_hub_task_and_rounds_stop(fake) -> None:
@@ -346,13 +421,13 @@ def test_a_failure_is_kept_for_the_hub_task_and_rounds_stop(fake) -> None:
 
     def handler(events: int) -> None:
         raise broken
-    hub.watch_handled(ours.fileno(), handler)
+    pumped(hub, ours, handler)
     peer.send(b"x")
     rounds.before_io_wait(3600)
     assert rounds.failure is broken
     # The hub task's next round sees its wake-up and raises the failure as its own.
     with pytest.raises(ValueError, match="defect"):
-        hub.inline_round()
+        hub._round()
     peer.send(b"y")
     rounds.before_io_wait(3600)
     assert run.forced == 0

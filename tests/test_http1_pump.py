@@ -190,6 +190,43 @@ async def test_a_pumped_stream_reaches_its_client_chunk_framed_and_hands_back_do
     assert pool.statistics().idle_connections == 1 and pool.statistics().in_use == 0
 
 
+@HUB_MODES
+async def test_a_pumped_socket_is_in_the_pump_set_for_its_stream_only_and_serves_the_next_request(
+        serve, make_pool, clients, inline):
+    engine = await serve(paced(EVENTS, 0.001))
+    pool = await make_pool(SLOW_DEADLINES, relay_inline=inline)
+    readiness = pool.pump.readiness
+    seen: list[int] = []
+    real_relay = pool.pump.relay
+
+    async def relay(upstream, *args, **kwargs):
+        seen.append(readiness.pump_sockets)
+        result = await real_relay(upstream, *args, **kwargs)
+        seen.append(readiness.pump_sockets)
+        return result
+    pool.pump.relay = relay  # type: ignore[method-assign]
+    inside: list[int] = []
+    real_pump_in = readiness.pump_in
+
+    def pump_in(watch):
+        real_pump_in(watch)
+        inside.append(readiness.pump_sockets)
+    readiness.pump_in = pump_in  # type: ignore[method-assign]
+    for n in range(3):
+        client = clients()
+        with trio.fail_after(10):
+            first, declined = await pumped(pool, engine, client, request_id=f"r{n}")
+        assert (first, declined) == (EVENTS[0], EVENTS[2])
+        whole = b"".join(EVENTS)
+        assert await client.read_until(len(whole)) == whole
+    # In the pump set while its stream is pumped (with a pump set), back in the hub's set after, on the same
+    # kept-alive connection each time: its head waits are the hub task's again.
+    assert inside == ([1, 1, 1] if inline else [0, 0, 0])
+    assert seen == [0, 0] * 3 and readiness.pump_sockets == 0
+    assert pool.statistics().idle_connections == 1 and engine.connections == 1
+    assert (readiness.pump_rounds > 0) is inline
+
+
 @pytest.mark.parametrize("size", [1, 4089, 4090, 70000])
 async def test_events_of_every_size_reach_the_client_chunk_framed(serve, make_pool, clients, size):
     # The size line comes from a table below 4096 bytes and is formatted above it; a 64 KiB read fills the

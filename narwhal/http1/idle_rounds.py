@@ -1,36 +1,41 @@
-"""The readiness hub's rounds run from trio's idle wait, while relay-pump streams are live.
+"""The relay pump's sockets served from trio's waits: one ``epoll_wait`` a wake-up, no task woken.
 
-A paced stream's token costs the pump's read and write (about 28,000
-instructions of Python) and, when it arrives alone, trio's wake-up of the hub
-task: trio's ``epoll_wait``, the one-shot re-arm of the hub's set, the
-scheduler's loop and the task's step, about 55,000 more. Here a trio
-instrument takes trio's place when it is about to sleep (``before_io_wait``
-with a timeout, so no task is runnable) while pumped streams are live and the
-hub task is parked on its set: it sleeps instead, in an epoll set of its own
-that holds the hub's set and trio's, and runs the hub's rounds itself as the
-hub's sockets become ready; the pump's handlers read and write from here
-exactly as from the hub task.
+A paced stream's token costs the pump's read and write (about 24,000
+instructions of Python) and its wake-up: with the engine socket in the
+readiness hub's set, trio's ``epoll_wait`` returns the hub's set, trio
+re-arms it and steps the hub task, whose round polls the set again (about
+55,000 instructions more than the read and write). Here, while the data pool
+runs, a pumped stream's engine socket sits in a set of its own, the pump set
+(``Readiness.pump_in``), which also holds trio's set, and a trio instrument
+serves it from trio's own waits:
+
+- trio is about to sleep (``before_io_wait`` with a timeout: nothing is
+  runnable): the instrument sleeps instead, in the pump set, and runs its
+  rounds (the pump's handlers read and write) as its sockets become ready;
+- trio has tasks to run (no timeout): one look at the pump set, no sleep, so a
+  busy loop serves the pumped sockets once a batch.
 
 It gives the loop back to trio as soon as trio has work, so nothing waits
 longer than under trio's own sleep:
 
-- trio's set is ready (a new connection, a control-pool socket, a worker
-  thread's result, a signal): trio's ``epoll_wait`` returns at once;
-- a round made a task runnable (a stream ended, a request's socket became
-  ready) or trio's deadline came: trio would otherwise sleep its timeout
-  again, so its own wake-up is called (``force_wakeup``: a byte on its
-  wake-up socket, drained inside its I/O manager, no task step);
-- a round stopped short (a socket not drained, a full batch) and trio has
-  I/O: the hub task is woken through an event fd in its set, and goes on with
-  its own yields.
+- trio's set is ready (a request's socket in the hub's set, a new
+  connection, a worker thread's result, a signal): it shows in the pump set,
+  and trio's ``epoll_wait`` returns at once;
+- a round made a task runnable (a stream ended) or trio's deadline came: trio
+  would otherwise sleep its timeout again, so its own wake-up is called
+  (``force_wakeup``: a byte on its wake-up socket, drained inside its I/O
+  manager, no task step).
 
-An exception in a round is handed to the hub task the same way, which raises
-it as if its own round had (so a defect ends the router as it did before).
+A round that stopped short (a socket not drained, a full batch) goes on at
+trio's next wait, before anything else sleeps. An exception in a round is
+handed to the hub task through an event fd in the hub's set; the hub task
+raises it as if its own round had (so a defect ends the router as it did
+before).
 
 This reaches into trio's run: its I/O manager's epoll object and
 ``force_wakeup``, and its run queue. None is public API; ``IdleRounds.attach``
-checks they are there and otherwise says why, and the hub task goes on waking
-per batch (the data pool logs ``relay_inline_unavailable``).
+checks they are there and otherwise says why, and the pumped sockets stay in
+the hub's set (the data pool logs ``relay_inline_unavailable``).
 """
 
 from __future__ import annotations
@@ -79,109 +84,103 @@ def trio_run() -> TrioRun | str:
 
 
 class IdleRounds(trio.abc.Instrument):
-    """The instrument: ``before_io_wait`` runs the hub's rounds until trio has work (see the module)."""
+    """The instrument: serves the hub's pump set from ``before_io_wait`` (see the module)."""
 
     def __init__(self, hub: Readiness, run: TrioRun, *, monotonic: Callable[[], float] = time.monotonic) -> None:
         self._hub = hub
         self._run = run
         self._monotonic = monotonic
-        self._hub_fd = hub.epoll_fd
-        # Trio's set and the hub's, watched together: this sleeps where trio would.
-        self._both = select.epoll()
-        # Written to make the hub's set readable, so the parked hub task runs (``_wake_hub``).
+        # Written to make the hub's set readable, so the hub task runs and raises a round's failure.
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         try:
-            self._both.register(self._hub_fd, select.EPOLLIN)
-            self._both.register(run.epoll_fd, select.EPOLLIN)
-            self._wake = hub.watch_handled(self._wake_fd, self._on_wake)
+            hub.open_pump_set(run.epoll_fd)
+            try:
+                self._wake = hub.watch_handled(self._wake_fd, self._on_wake)
+            except OSError:
+                hub.close_pump_set()
+                raise
         except OSError:
-            self._both.close()
             os.close(self._wake_fd)
             raise
+        # The last round stopped short: the next wait polls at once.
+        self._short = False
         self.failure: BaseException | None = None
 
     @classmethod
     def attach(cls, hub: Readiness) -> tuple[IdleRounds | None, str | None]:
-        """Start running ``hub``'s rounds from the current trio loop's idle wait; (None, why) when it cannot."""
+        """Serve ``hub``'s pump set from the current trio loop's waits; (None, why) when it cannot."""
         run = trio_run()
         if isinstance(run, str):
             return None, run
         try:
             rounds = cls(hub, run)
         except OSError as exc:
-            return None, f"the idle wait's epoll set could not be made: {exc}"
+            return None, f"the pump's epoll set could not be made: {exc}"
         trio.lowlevel.add_instrument(rounds)
         return rounds, None
 
     def detach(self) -> None:
-        """Stop (the hub task is ending): no more rounds from the idle wait."""
+        """Stop (the hub task is ending): pumped sockets go back to the hub's set."""
         # KeyError: trio removed it already (it raised).
         with contextlib.suppress(KeyError):
             trio.lowlevel.remove_instrument(self)
+        self._hub.close_pump_set()
         self._hub.forget(self._wake)
-        self._both.close()
         os.close(self._wake_fd)
 
     def before_io_wait(self, timeout: float) -> None:
-        """trio is about to sleep up to ``timeout`` s: sleep here instead, running rounds, while streams are live."""
+        """trio is about to wait up to ``timeout`` s for I/O: serve the pump set (sleeping in it if trio would)."""
         hub = self._hub
-        if timeout <= 0 or not hub.pumped or not hub.parked or self.failure is not None:
+        if self.failure is not None or not (hub.pump_sockets or self._short or hub.has_later):
             return
         try:
-            self._rounds(timeout)
+            if timeout <= 0:
+                # trio has tasks to run (or a deadline passed): one look, no sleep. A task the round wakes runs in
+                # this batch.
+                self._short = short = hub.pump_round(0.0)[1]
+                if short and not self._run.runq:
+                    # Reads are left and trio sees no work: it would take itself for idle (a deadline that passed,
+                    # a test's clock jumping). Its wake-up says otherwise.
+                    self._run.force_wakeup()
+            else:
+                self._rounds(timeout)
         except BaseException as exc:
             # The hub task raises it (``_on_wake``), as a failure of its own round.
             self.failure = exc
+            self._short = False
             self._wake_hub()
 
     def _rounds(self, timeout: float) -> None:
         hub = self._hub
         run = self._run
         runq = run.runq
-        poll = self._both.poll
-        hub_fd = self._hub_fd
         monotonic = self._monotonic
         end = monotonic() + timeout
-        # The last round stopped short: poll again at once.
-        short = False
-        while True:
-            wait = end - monotonic()
-            if wait <= 0:
-                # trio's deadline: its own epoll_wait would sleep the whole timeout again.
-                if short:
-                    self._wake_hub()
-                else:
+        short = self._short
+        try:
+            while True:
+                wait = end - monotonic()
+                if wait <= 0:
+                    # trio's deadline: its own epoll_wait would sleep the whole timeout again.
                     run.force_wakeup()
-                return
-            ready = poll(0.0 if short else wait, 2)
-            hubs = trios = False
-            for fd, _ in ready:
-                if fd == hub_fd:
-                    hubs = True
-                else:
-                    trios = True
-            if not hubs:
-                if trios:
-                    # trio's own I/O: its epoll_wait returns at once. A round left short goes on in the hub task.
-                    if short:
-                        self._wake_hub()
                     return
-                if not short:
-                    continue  # timed out (epoll's milliseconds may end a hair early): the clock decides
-            short = hub.inline_round()
-            if runq:
-                # A task is runnable: trio runs it now (and the hub task, if the round stopped short).
-                if short:
-                    self._wake_hub()
-                else:
+                trio_ready, short = hub.pump_round(0.0 if short else wait)
+                if trio_ready:
+                    # trio's own I/O: its epoll_wait returns at once (a short round goes on at its next wait).
+                    return
+                if runq:
+                    # A task is runnable: trio runs it now.
                     run.force_wakeup()
-                return
+                    return
+                # Nothing for trio (or epoll's milliseconds ended a hair early): the clock decides.
+        finally:
+            self._short = short
 
     def _wake_hub(self) -> None:
         os.eventfd_write(self._wake_fd, 1)
 
     def _on_wake(self, events: int) -> None:
-        """The hub task's round saw the wake-up: drain it, and raise a failure of an idle round."""
+        """The hub task's round saw the wake-up: drain it, and raise a failure of a round run here."""
         # BlockingIOError: nothing to drain (the hub stopping calls this without an edge).
         with contextlib.suppress(BlockingIOError):
             os.eventfd_read(self._wake_fd)

@@ -4,8 +4,8 @@ Without it, each upstream read wakes the stream's request task (one trip
 through trio's scheduler per token per stream). With it, the request task
 hands its stream over after the first bytes and sleeps until the stream ends;
 the data pool's readiness hub (``narwhal/http1/readiness.py``), woken by trio
-once per batch of ready engine sockets (or its rounds run from trio's idle
-wait: ``idle_rounds.py``), calls the pump for each of them, and
+once per batch of ready engine sockets (or its pump set served from trio's own
+waits: ``idle_rounds.py``), calls the pump for each of them, and
 the pump reads the socket, passes the bytes through the caller's ``on_chunk``
 (token counting, KV stripping, continuation rewriting: synchronous, per read)
 and writes the result to the client with one non-blocking ``write``.
@@ -149,6 +149,9 @@ class Pump:
             # Bytes that came before the handover get no new edge: read what is there now.
             readable, watch.ready = watch.ready or watch.closed, False
             stream.pull(readable)
+            if not stream.done:
+                # Into the pump set, if the data pool runs one (served from trio's waits: idle_rounds.py).
+                readiness.pump_in(watch)
             while not stream.done:
                 if stream.again and stream.pending is None:
                     # A socket that did not run dry: yield, then read on (the hub may too, harmlessly).
@@ -339,7 +342,9 @@ class _Stream:
     def detach(self) -> None:
         """Out of the pump: no more calls from the hub; the request task takes the stream back."""
         self.done = True
-        self.watch.handler = None
+        watch = self.watch
+        watch.handler = None
+        self.pump.readiness.pump_out(watch)
         self.conn.waiting_since = _INF
         if self.pending is not None:
             self.client.cut_mid_write()

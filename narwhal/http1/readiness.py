@@ -18,10 +18,12 @@ to read and write every live decode stream from inside the hub; a handler that
 stopped before its socket was drained asks for another call with ``later`` (on
 the next round, after the hub has yielded to the scheduler once).
 
-While relay-pump streams are live (``pumped``) and trio has nothing else to
-run, trio's idle wait may run the rounds instead of waking the hub task
-(``narwhal/http1/idle_rounds.py``; ``parked`` and ``inline_round`` are this
-side of it): the same round, called from elsewhere.
+With a pump set (``open_pump_set``: ``narwhal/http1/idle_rounds.py``), a
+pumped stream's engine socket leaves the hub's set for a second set of the
+hub's (``pump_in``, ``pump_out`` when the stream ends), which also holds
+trio's own set: trio's idle wait then sleeps in it and runs its rounds
+(``pump_round``), one ``epoll_wait`` a wake-up, and no task is woken for a
+pumped socket at all.
 
 A wait may carry a deadline (``wait(watch, deadline)``). No cancel scope is
 opened for it (a scope with a deadline costs about 7 µs of trio's Python, as
@@ -35,6 +37,7 @@ Only for plain sockets on Linux; anything else uses trio's waits.
 
 from __future__ import annotations
 
+import contextlib
 import select
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -72,7 +75,7 @@ class WaitExpired(NarwhalError):
 class Watch:
     """One socket in the set: who waits for it, and what the hub saw while nobody did."""
 
-    __slots__ = ("closed", "deadline", "fd", "gone", "gone_events", "handler", "on_gone", "ready", "task")
+    __slots__ = ("closed", "deadline", "fd", "gone", "gone_events", "handler", "on_gone", "pumped", "ready", "task")
 
     def __init__(self, fd: int, on_gone: Callable[[], None] | None, gone_events: int) -> None:
         self.fd = fd
@@ -89,6 +92,8 @@ class Watch:
         self.deadline = _INF
         # Called by the hub with the events instead of waking a task (the relay pump).
         self.handler: Callable[[int], None] | None = None
+        # In the pump set rather than the hub's (``Readiness.pump_in``).
+        self.pumped = False
 
 
 class Readiness:
@@ -104,17 +109,25 @@ class Readiness:
         # Called when a timed wait starts with none pending: whoever calls ``expire`` wakes to tick.
         self.on_timed: Callable[[], None] | None = None
         self.running = False
-        # Live streams whose reads a handler does (the relay pump's): while any, rounds may run inline.
+        # Live streams whose reads a handler does (the relay pump's).
         self.pumped = 0
-        # The hub task is parked on its set (trio's one-shot registration of it is armed).
-        self.parked = False
-        # Rounds run outside the hub task (from trio's idle wait: ``idle_rounds.py``).
-        self.inline_rounds = 0
+        # The pump set (``open_pump_set``): pumped sockets and trio's own set, polled from trio's idle wait.
+        self._pump_set: select.epoll | None = None
+        self._trio_fd = -1
+        # Sockets in the pump set now.
+        self.pump_sockets = 0
+        # Rounds of the pump set run (from trio's waits: ``idle_rounds.py``).
+        self.pump_rounds = 0
 
     @property
     def epoll_fd(self) -> int:
         """The set's own descriptor (readable while any of its sockets is ready)."""
         return self._epoll.fileno()
+
+    @property
+    def has_later(self) -> bool:
+        """Some handler asked to be called again (``later``)."""
+        return bool(self._later)
 
     @property
     def expires_waits(self) -> bool:
@@ -184,13 +197,90 @@ class Readiness:
         """Remove a socket; call before closing it, so a reused fd number is never confused with it."""
         if self._watches.get(watch.fd) is watch:
             del self._watches[watch.fd]
+            epoll = self._epoll
+            if watch.pumped:
+                watch.pumped = False
+                self.pump_sockets -= 1
+                epoll = self._pump_set  # type: ignore[assignment]
             try:
-                self._epoll.unregister(watch.fd)
+                epoll.unregister(watch.fd)
             except (OSError, ValueError):
                 pass
         task, watch.task = watch.task, None
         if task is not None:
             trio.lowlevel.reschedule(task, outcome.Error(trio.ClosedResourceError("the socket was closed")))
+
+    def open_pump_set(self, trio_fd: int) -> None:
+        """Start the pump set, which holds trio's set (``trio_fd``) as well: ``pump_in`` moves sockets into it and
+        ``pump_round`` polls it. OSError if it cannot be made."""
+        pump_set = select.epoll()
+        try:
+            # Level-triggered: readable for as long as trio has I/O to take.
+            pump_set.register(trio_fd, select.EPOLLIN)
+        except OSError:
+            pump_set.close()
+            raise
+        self._pump_set, self._trio_fd = pump_set, trio_fd
+
+    def close_pump_set(self) -> None:
+        """Back to the hub's set alone: sockets still pumped return to it."""
+        pump_set, self._pump_set = self._pump_set, None
+        if pump_set is None:
+            return
+        for watch in list(self._watches.values()):
+            if watch.pumped:
+                self._move_out(watch, pump_set)
+        pump_set.close()
+
+    def pump_in(self, watch: Watch) -> None:
+        """Move a socket whose handler reads it (a pumped stream's) into the pump set, if there is one.
+
+        Adding a socket to a set reports it at once if it is ready, so no edge is lost between the sets."""
+        pump_set = self._pump_set
+        if pump_set is None or watch.pumped or self._watches.get(watch.fd) is not watch:
+            return
+        fd = watch.fd
+        try:
+            pump_set.register(fd, _EVENTS)
+        except OSError:
+            # Left in the hub's set: the hub task serves it as without a pump set.
+            return
+        # OSError: not in the hub's set after all (closed under us); the pump set's edge, or its read, says so.
+        with contextlib.suppress(OSError):
+            self._epoll.unregister(fd)
+        watch.pumped = True
+        self.pump_sockets += 1
+
+    def pump_out(self, watch: Watch) -> None:
+        """Back to the hub's set (the stream ended: its connection's next wait is a task's)."""
+        if watch.pumped and self._pump_set is not None:
+            self._move_out(watch, self._pump_set)
+
+    def _move_out(self, watch: Watch, pump_set: select.epoll) -> None:
+        watch.pumped = False
+        self.pump_sockets -= 1
+        fd = watch.fd
+        try:
+            pump_set.unregister(fd)
+            self._epoll.register(fd, _EVENTS)
+        except OSError:
+            # The socket is broken or closed under us: its next wait returns at once and the read says why.
+            watch.closed = True
+
+    def pump_round(self, timeout: float) -> tuple[bool, bool]:
+        """Poll the pump set up to ``timeout`` s and hand each ready socket on (as ``_round``), then call the
+        handlers that asked ``later``: (trio's set is ready, the round stopped short)."""
+        pump_set = self._pump_set
+        assert pump_set is not None
+        self.pump_rounds += 1
+        again = self._take_later()
+        ready = pump_set.poll(timeout, _BATCH)
+        trio_ready = self._dispatch(ready, self._trio_fd)
+        for watch in again:
+            handler = watch.handler
+            if handler is not None:
+                handler(0)
+        return trio_ready, bool(self._later) or len(ready) == _BATCH
 
     async def wait(self, watch: Watch, deadline: float = _INF) -> None:
         """Until the socket has something to read (or its peer went away); at once if an edge is pending.
@@ -236,17 +326,13 @@ class Readiness:
             task_status.started()
             short = False
             while True:
-                if short or self._later:
+                if short or (self._later and self._pump_set is None):
                     # Handlers that stopped short of draining their socket, or more sockets ready
                     # than a round takes: yield once, then go on with whatever is ready by now.
+                    # (With a pump set, its rounds call the handlers that asked ``later``.)
                     await trio.lowlevel.checkpoint()
                 else:
-                    # While parked here, trio's idle wait may run the rounds (``idle_rounds.py``).
-                    self.parked = True
-                    try:
-                        await trio.lowlevel.wait_readable(epoll_fd)
-                    finally:
-                        self.parked = False
+                    await trio.lowlevel.wait_readable(epoll_fd)
                 short = self._round()
         finally:
             self.running = False
@@ -258,26 +344,37 @@ class Readiness:
                     handler(HUB_STOPPED)
                 self.forget(watch)
 
-    def inline_round(self) -> bool:
-        """One round run outside the hub task (trio's idle wait); True when it stopped short (poll again at once)."""
-        self.inline_rounds += 1
-        return self._round()
-
-    def _round(self) -> bool:
-        """Hand each ready socket (a batch at most) to its handler or its waiting task, then call the handlers
-        that asked ``later``; True when the round stopped short (a handler asked again, or a full batch)."""
+    def _take_later(self) -> Sequence[Watch]:
         again: Sequence[Watch] = self._later
         if again:
             self._later = []
-        else:
-            # Not the live list: a handler's ``later`` in this round is for the next one.
-            again = _NO_WATCHES
+            return again
+        # Not the live list: a handler's ``later`` in this round is for the next one.
+        return _NO_WATCHES
+
+    def _round(self) -> bool:
+        """Hand each ready socket of the hub's set (a batch at most) to its handler or its waiting task, then call
+        the handlers that asked ``later`` (unless a pump set's rounds do); True when the round stopped short (a
+        handler asked again, or a full batch)."""
+        again = self._take_later() if self._pump_set is None else _NO_WATCHES
         ready = self._epoll.poll(0, _BATCH)
+        self._dispatch(ready, -1)
+        for watch in again:
+            handler = watch.handler
+            if handler is not None:
+                handler(0)
+        return (bool(self._later) and self._pump_set is None) or len(ready) == _BATCH
+
+    def _dispatch(self, ready: list[tuple[int, int]], other_fd: int) -> bool:
+        """Hand each ready socket to its handler or its waiting task; True when ``other_fd`` was among them."""
         watches = self._watches
         reschedule = trio.lowlevel.reschedule
+        other = False
         for fd, events in ready:
             watch = watches.get(fd)
             if watch is None:
+                if fd == other_fd:
+                    other = True
                 continue
             if events & _CLOSED:
                 watch.closed = True
@@ -295,8 +392,4 @@ class Readiness:
                 reschedule(task)
             else:
                 watch.ready = True
-        for watch in again:
-            handler = watch.handler
-            if handler is not None:
-                handler(0)
-        return bool(self._later) or len(ready) == _BATCH
+        return other
