@@ -338,6 +338,56 @@ def test_a_busy_trio_gets_one_look_at_the_pump_set_and_no_sleep(fake) -> None:
     assert run.forced == 0
 
 
+@pytest.mark.parametrize("streams", [0, 1])
+def test_a_busy_trio_looks_at_the_hubs_own_set_too_while_streams_are_pumped(fake, streams: int) -> None:
+    hub = Readiness()
+    run, rounds = fake(hub)
+    if streams:
+        stream_side, _ = pair()
+        pumped(hub, stream_side, lambda events: None)
+    ours, peer = pair()
+    calls: list[int] = []
+    # A socket of the hub's own set (a request's engine read, say).
+    hub.watch_handled(ours.fileno(), calls.append)
+    peer.send(b"x")
+    # trio's deadline: the hub's set is in trio's, and trio wakes the hub task for it (no look at it here).
+    rounds.before_io_wait(0.001)
+    assert calls == [] and hub.busy_rounds == 0
+    # trio is busy: one look at the hub's set while streams are pumped, so what it wakes runs in this batch, not
+    # after the hub task's wake-up; none without (at one request at a time it would mostly find nothing).
+    run.runq.append("trio's task")
+    rounds.before_io_wait(0)
+    if streams:
+        assert len(calls) == 1 and calls[0] & select.EPOLLIN and hub.busy_rounds == 1
+    else:
+        assert calls == [] and hub.busy_rounds == 0
+
+
+async def test_a_task_waiting_on_a_hub_socket_is_woken_from_trios_busy_loop(start_hub,
+                                                                            nursery: trio.Nursery) -> None:
+    hub = await start_hub(True)
+    stream_side, _ = pair()
+    pumped(hub, stream_side, lambda events: None)
+    ours, peer = pair()
+    watch = hub.watch(ours.fileno())
+    assert watch is not None
+    stop = False
+
+    async def busy() -> None:
+        # Keeps trio busy, so its waits have no timeout.
+        while not stop:
+            await trio.sleep(0)
+    nursery.start_soon(busy)
+    await trio.sleep(0)
+    peer.send(b"answer")
+    before = hub.busy_rounds
+    with trio.fail_after(30):
+        await hub.wait(watch)
+    stop = True
+    assert ours.recv(100) == b"answer"
+    assert hub.busy_rounds > before
+
+
 def test_reads_left_when_trio_sees_no_work_call_trios_wake_up(fake) -> None:
     # A timeout of 0 with nothing runnable: a deadline passed, or a test clock about to jump. Reads left over
     # must not let trio take itself for idle.

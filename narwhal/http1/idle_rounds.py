@@ -12,8 +12,14 @@ serves it from trio's own waits:
 - trio is about to sleep (``before_io_wait`` with a timeout: nothing is
   runnable): the instrument sleeps instead, in the pump set, and runs its
   rounds (the pump's handlers read and write) as its sockets become ready;
-- trio has tasks to run (no timeout): one look at the pump set, no sleep, so a
-  busy loop serves the pumped sockets once a batch.
+- trio has tasks to run (no timeout): one look at the pump set and one at the
+  hub's own set, no sleep, so a busy loop serves the pumped sockets once a
+  batch, and a task a socket of the hub's set wakes runs in this batch,
+  without trio waking the hub task first (a request's engine answer, a
+  client's next request).
+
+Without a pumped stream trio's waits are its own: at one request at a time a
+look at the sets would mostly find nothing, a syscall each.
 
 It gives the loop back to trio as soon as trio has work, so nothing waits
 longer than under trio's own sleep:
@@ -132,11 +138,14 @@ class IdleRounds(trio.abc.Instrument):
         """trio is about to wait up to ``timeout`` s for I/O: serve the pump set (sleeping in it if trio would)."""
         hub = self._hub
         if self.failure is not None or not (hub.pump_sockets or self._short or hub.has_later):
+            # No stream pumped: trio's waits are its own (at one request at a time a look at the sets would
+            # mostly find nothing, a syscall each).
             return
         try:
             if timeout <= 0:
-                # trio has tasks to run (or a deadline passed): one look, no sleep. A task the round wakes runs in
-                # this batch.
+                # trio has tasks to run (or a deadline passed): one look at each set, no sleep. A task a round wakes
+                # runs in this batch, without the hub task's wake-up.
+                hub.busy_round()
                 self._short = short = hub.pump_round(0.0)[1]
                 if short and not self._run.runq:
                     # Reads are left and trio sees no work: it would take itself for idle (a deadline that passed,

@@ -23,7 +23,8 @@ pumped stream's engine socket leaves the hub's set for a second set of the
 hub's (``pump_in``, ``pump_out`` when the stream ends), which also holds
 trio's own set: trio's idle wait then sleeps in it and runs its rounds
 (``pump_round``), one ``epoll_wait`` a wake-up, and no task is woken for a
-pumped socket at all.
+pumped socket at all. While streams are pumped, trio's busy loop also polls
+the hub's own set once a batch (``busy_round``).
 
 A wait may carry a deadline (``wait(watch, deadline)``). No cancel scope is
 opened for it (a scope with a deadline costs about 7 µs of trio's Python, as
@@ -118,6 +119,8 @@ class Readiness:
         self.pump_sockets = 0
         # Rounds of the pump set run (from trio's waits: ``idle_rounds.py``).
         self.pump_rounds = 0
+        # Rounds of the hub's set run from trio's busy loop (``busy_round``).
+        self.busy_rounds = 0
 
     @property
     def epoll_fd(self) -> int:
@@ -343,6 +346,16 @@ class Readiness:
                 if handler is not None:
                     handler(HUB_STOPPED)
                 self.forget(watch)
+
+    def busy_round(self) -> bool:
+        """The hub's set polled once from trio's busy loop (``idle_rounds.py``): ready sockets' tasks are woken (or
+        handlers called) without the hub task's own wake-up; True when a batch was full (the rest stay ready, and
+        trio wakes the hub task for them)."""
+        self.busy_rounds += 1
+        ready = self._epoll.poll(0, _BATCH)
+        if ready:
+            self._dispatch(ready, -1)
+        return len(ready) == _BATCH
 
     def _take_later(self) -> Sequence[Watch]:
         again: Sequence[Watch] = self._later
