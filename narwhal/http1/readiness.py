@@ -123,11 +123,6 @@ class Readiness:
         self.busy_rounds = 0
 
     @property
-    def epoll_fd(self) -> int:
-        """The set's own descriptor (readable while any of its sockets is ready)."""
-        return self._epoll.fileno()
-
-    @property
     def has_later(self) -> bool:
         """Some handler asked to be called again (``later``)."""
         return bool(self._later)
@@ -271,19 +266,12 @@ class Readiness:
             watch.closed = True
 
     def pump_round(self, timeout: float) -> tuple[bool, bool]:
-        """Poll the pump set up to ``timeout`` s and hand each ready socket on (as ``_round``), then call the
-        handlers that asked ``later``: (trio's set is ready, the round stopped short)."""
+        """Poll the pump set up to ``timeout`` s and hand each ready socket on, then call the handlers that asked
+        ``later``: (trio's set is ready, the round stopped short)."""
         pump_set = self._pump_set
         assert pump_set is not None
         self.pump_rounds += 1
-        again = self._take_later()
-        ready = pump_set.poll(timeout, _BATCH)
-        trio_ready = self._dispatch(ready, self._trio_fd)
-        for watch in again:
-            handler = watch.handler
-            if handler is not None:
-                handler(0)
-        return trio_ready, bool(self._later) or len(ready) == _BATCH
+        return self._poll_round(pump_set, timeout, self._trio_fd, True)
 
     async def wait(self, watch: Watch, deadline: float = _INF) -> None:
         """Until the socket has something to read (or its peer went away); at once if an edge is pending.
@@ -352,31 +340,28 @@ class Readiness:
         handlers called) without the hub task's own wake-up; True when a batch was full (the rest stay ready, and
         trio wakes the hub task for them)."""
         self.busy_rounds += 1
-        ready = self._epoll.poll(0, _BATCH)
-        if ready:
-            self._dispatch(ready, -1)
-        return len(ready) == _BATCH
-
-    def _take_later(self) -> Sequence[Watch]:
-        again: Sequence[Watch] = self._later
-        if again:
-            self._later = []
-            return again
-        # Not the live list: a handler's ``later`` in this round is for the next one.
-        return _NO_WATCHES
+        return self._poll_round(self._epoll, 0.0, -1, False)[1]
 
     def _round(self) -> bool:
-        """Hand each ready socket of the hub's set (a batch at most) to its handler or its waiting task, then call
-        the handlers that asked ``later`` (unless a pump set's rounds do); True when the round stopped short (a
-        handler asked again, or a full batch)."""
-        again = self._take_later() if self._pump_set is None else _NO_WATCHES
-        ready = self._epoll.poll(0, _BATCH)
-        self._dispatch(ready, -1)
+        """The hub task's round of its set; True when it stopped short (poll again after a yield). With a pump set,
+        the pump set's rounds call the handlers that asked ``later``."""
+        return self._poll_round(self._epoll, 0.0, -1, self._pump_set is None)[1]
+
+    def _poll_round(self, epoll: select.epoll, timeout: float, other_fd: int, with_later: bool) -> tuple[bool, bool]:
+        """Poll ``epoll`` (up to ``timeout`` s), hand each ready socket (a batch at most) to its handler or its
+        waiting task, then, ``with_later``, call the handlers that asked ``later``: (``other_fd`` was ready, the
+        round stopped short: a handler asked again, or a full batch)."""
+        again: Sequence[Watch] = _NO_WATCHES
+        if with_later and self._later:
+            # Not the live list: a handler's ``later`` in this round is for the next one.
+            again, self._later = self._later, []
+        ready = epoll.poll(timeout, _BATCH)
+        other = self._dispatch(ready, other_fd)
         for watch in again:
             handler = watch.handler
             if handler is not None:
                 handler(0)
-        return (bool(self._later) and self._pump_set is None) or len(ready) == _BATCH
+        return other, (with_later and bool(self._later)) or len(ready) == _BATCH
 
     def _dispatch(self, ready: list[tuple[int, int]], other_fd: int) -> bool:
         """Hand each ready socket to its handler or its waiting task; True when ``other_fd`` was among them."""
