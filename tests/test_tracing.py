@@ -199,6 +199,27 @@ def test_encoded_spans_decode_with_opentelemetry_proto() -> None:
     assert (decoded.status.code, decoded.status.message) == (STATUS_ERROR, "timeout")
 
 
+@pytest.mark.parametrize("parent", [None, bytes(range(1, 9))])
+@pytest.mark.parametrize("request_id", ["", "r", "r" * 60, "réq-" * 40, "r" * 20_000])
+def test_a_span_of_any_size_decodes_whole(parent: bytes | None, request_id: str) -> None:
+    """Under 128 bytes, 128 bytes to 16 KiB (tag, length and head in one pack) and past 16 KiB: the same fields;
+    a request id's bytes are its own whatever the length of the one before."""
+    spans = []
+    for text in (request_id, request_id + "x"):
+        span = Span(TRACE, PARENT, parent, "narwhal.request" if parent is None else "narwhal.decode", KIND_CLIENT,
+                    1_000)
+        span.set("narwhal.request_id", text)
+        span.end(2_000)
+        spans.append(span)
+    message = ExportTraceServiceRequest.FromString(encode_spans(spans, service_name="svc", scope_version="1"))
+    decoded = message.resource_spans[0].scope_spans[0].spans
+    for span, got in zip(spans, decoded, strict=True):
+        assert (got.trace_id, got.span_id, got.parent_span_id) == (TRACE, PARENT, parent or b"")
+        assert (got.name, got.start_time_unix_nano, got.end_time_unix_nano) == (span.name, 1_000, 2_000)
+        assert [(kv.key, kv.value.string_value) for kv in got.attributes] == \
+            [("narwhal.request_id", span.attributes["narwhal.request_id"])]
+
+
 def _nested_export(spans: list[bytes], service_name: str, scope_version: str) -> bytes:
     """The export request built the plain way, each enclosing message made whole around the one inside it."""
     def field(tag: int, payload: bytes) -> bytes:

@@ -119,9 +119,23 @@ _SPAN_ATTRIBUTES: dict[tuple[str, AttrValue], bytes] = {}
 _EVENT_ATTRIBUTES: dict[tuple[str, AttrValue], bytes] = {}
 
 
+# A one-request string (a request id): the bytes before its text depend only on the tag, key and text length,
+# so they are kept by those and the text appended (one concatenation instead of the nested fields).
+_UNIQUE_HEADS: dict[tuple[bytes, str, int], bytes] = {}
+
+
 def _attribute(cache: dict[tuple[str, AttrValue], bytes], tag: bytes, item: tuple[str, AttrValue]) -> bytes:
     """A cache miss: encode the item, and keep it unless its value is one request's own."""
     key, value = item
+    if value.__class__ is str and key in _UNIQUE_KEYS:
+        text = value.encode("utf-8", "replace")
+        at = (tag, key, len(text))
+        head = _UNIQUE_HEADS.get(at)
+        if head is None:
+            if len(_UNIQUE_HEADS) >= _MAX_CACHED:
+                _UNIQUE_HEADS.clear()
+            head = _UNIQUE_HEADS[at] = _field(tag, _key_value(key, value))[:-len(text) or None]
+        return head + text
     encoded = _field(tag, _key_value(key, value))
     if key not in _UNIQUE_KEYS and value.__class__ is not float:
         if len(cache) >= _MAX_ATTRIBUTES:
@@ -144,13 +158,17 @@ def _event(event: SpanEvent) -> bytes:
     return _field(_SPAN_EVENT, body)
 
 
-# A span's ids, kind, start and end with their tags and lengths, in one pack: trace_id = 1 (16 bytes), span_id = 2
-# (8 bytes), parent_span_id = 4 (8 bytes; a root has none), kind = 6 (varint: 1..5, one byte), start and end
-# (fixed64). The tags are constant arguments, so one C call writes the span's fixed part.
-_pack_child_head = struct.Struct("<BB16sBB8sBB8sBBBQBQ").pack
-_pack_root_head = struct.Struct("<BB16sBB8sBBBQBQ").pack
-# ScopeSpans.spans = 2, with a two-byte length: a span is 128 bytes to 16 KiB, mostly.
-_pack_span_tag2 = struct.Struct("<BBB").pack
+# A span's ``ScopeSpans.spans`` tag (2) and two-byte length (a span is 128 bytes to 16 KiB, mostly), then its
+# ids, kind, start and end with their tags and lengths, in one pack: trace_id = 1 (16 bytes), span_id = 2 (8 bytes),
+# parent_span_id = 4 (8 bytes; a root has none), kind = 6 (varint: 1..5, one byte), start and end (fixed64). The
+# tags are constant arguments, so one C call writes everything of a span but its name and attributes.
+_pack_child_head = struct.Struct("<BBBBB16sBB8sBB8sBBBQBQ").pack
+_pack_root_head = struct.Struct("<BBBBB16sBB8sBBBQBQ").pack
+# The same without the tag and length (a span under 128 bytes or over 16 KiB: its length is written apart).
+_pack_child_ids = struct.Struct("<BB16sBB8sBB8sBBBQBQ").pack
+_pack_root_ids = struct.Struct("<BB16sBB8sBBBQBQ").pack
+_CHILD_HEAD = 58  # the ids, kind and times of a span with a parent, in bytes
+_ROOT_HEAD = 48
 
 
 def _name(name: str) -> bytes:
@@ -184,34 +202,43 @@ def encode_request(spans: Sequence[Span]) -> bytes:
     get = _SPAN_ATTRIBUTES.get
     name_of = _NAMES.get
     for span in spans:
-        # Protobuf readers take fields in any order: ids, kind, times, name, then the attributes.
-        parent = span.parent_span_id
-        if parent is not None:
-            head = _pack_child_head(0x0A, 16, span.trace_id, 0x12, 8, span.span_id, 0x22, 8, parent,
-                                    0x30, span.kind, 0x39, span.start_ns, 0x41, span.end_ns)
-        else:
-            head = _pack_root_head(0x0A, 16, span.trace_id, 0x12, 8, span.span_id,
-                                   0x30, span.kind, 0x39, span.start_ns, 0x41, span.end_ns)
-        parts = [head, name_of(span.name) or _name(span.name)]
+        # Protobuf readers take fields in any order: ids, kind, times, name, then the attributes. The span's
+        # size is known before its head is written, so the tag, length and head are one pack.
         shared = span.shared
-        if shared is not None:
-            parts.append(shared.encoded or _encode_shared(shared))
+        if shared is None:
+            tail = [name_of(span.name) or _name(span.name)]
+        else:
+            tail = [name_of(span.name) or _name(span.name), shared.encoded or _encode_shared(shared)]
         # A loop, not a comprehension (a function call of its own on 3.11): a span has few attributes of its own.
         for item in span.attributes.items():
-            parts.append(get(item) or _attribute(_SPAN_ATTRIBUTES, _SPAN_ATTR, item))
+            tail.append(get(item) or _attribute(_SPAN_ATTRIBUTES, _SPAN_ATTR, item))
         if span.events:
-            parts += [_event(event) for event in span.events]
+            tail += [_event(event) for event in span.events]
         if span.status_code:
             status = _STATUS_CODE + _varint(span.status_code)
             if span.status_message:
                 status = _field(_STATUS_MESSAGE, _text(span.status_message)) + status
-            parts.append(_field(_SPAN_STATUS, status))
-        body = b"".join(parts)
-        size = len(body)
+            tail.append(_field(_SPAN_STATUS, status))
+        body = b"".join(tail)
+        parent = span.parent_span_id
+        size = len(body) + (_ROOT_HEAD if parent is None else _CHILD_HEAD)
         if 0x80 <= size < 0x4000:
-            out += (_pack_span_tag2(0x12, (size & 0x7F) | 0x80, size >> 7), body)
+            low, high = (size & 0x7F) | 0x80, size >> 7
+            if parent is not None:
+                head = _pack_child_head(0x12, low, high, 0x0A, 16, span.trace_id, 0x12, 8, span.span_id, 0x22, 8,
+                                        parent, 0x30, span.kind, 0x39, span.start_ns, 0x41, span.end_ns)
+            else:
+                head = _pack_root_head(0x12, low, high, 0x0A, 16, span.trace_id, 0x12, 8, span.span_id,
+                                       0x30, span.kind, 0x39, span.start_ns, 0x41, span.end_ns)
+            out += (head, body)
+            continue
+        if parent is not None:
+            head = _pack_child_ids(0x0A, 16, span.trace_id, 0x12, 8, span.span_id, 0x22, 8, parent,
+                                   0x30, span.kind, 0x39, span.start_ns, 0x41, span.end_ns)
         else:
-            out += (_T2_LEN, _varint(size), body)
+            head = _pack_root_ids(0x0A, 16, span.trace_id, 0x12, 8, span.span_id,
+                                  0x30, span.kind, 0x39, span.start_ns, 0x41, span.end_ns)
+        out += (_T2_LEN, _varint(size), head, body)
     return b"".join(out)
 
 

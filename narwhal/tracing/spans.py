@@ -106,7 +106,7 @@ class Span(msgspec.Struct, gc=False):
             self.events = []
         self.events.append(SpanEvent(name, time_ns, attributes))
 
-    def end(self, end_ns: int, *, error: str | None = None) -> None:
+    def end(self, end_ns: int, error: str | None = None) -> None:
         """End the span (status error with ``error`` as its message when given); a second end raises."""
         if self.ended:
             raise RuntimeError(f"span {self.name} {self.span_id.hex()} ended twice")
@@ -179,26 +179,35 @@ class RequestTrace:
         is recorded, and engines get the root's id with the not-sampled flag), so it costs no span per step."""
         if not self.sampled:
             return self.root
-        at = self._next_id
-        if at == len(self._span_ids):
-            self._span_ids, at = self._ids.span_ids(3), 0
-        self._next_id = at + 8
-        return Span(self.context.trace_id, self._span_ids[at:at + 8], self.root.span_id, name, kind, start_ns,
+        return Span(self.context.trace_id, self._next_span_id(), self.root.span_id, name, kind, start_ns,
                     shared=shared)
 
     def open(self, name: str, start_ns: int, kind: int = KIND_INTERNAL,
              shared: SharedAttributes | None = None) -> tuple[Span, dict[str, bytes]]:
         """``child``, with the data pool's keyword for the span's engine calls (``engine_kw``): what a leg asks
-        for together."""
-        span = self.child(name, start_ns, kind, shared)
-        return span, self.engine_kw(span)
+        for together (in one call: a request has two legs)."""
+        if not self.sampled:
+            return self.root, self.root_kw
+        span_id = self._next_span_id()
+        return (Span(self.context.trace_id, span_id, self.root.span_id, name, kind, start_ns, shared=shared),
+                {"trace": self._trace_head + hexlify(span_id) + self._flags_state})
+
+    def _next_span_id(self) -> bytes:
+        at = self._next_id
+        span_id = self._span_ids[at:at + 8]
+        if not span_id:
+            # The ids drawn with the trace are used up (a retry, a continuation): three more in one draw.
+            self._span_ids = self._ids.span_ids(3)
+            span_id, at = self._span_ids[:8], 0
+        self._next_id = at + 8
+        return span_id
 
     def finish(self, span: Span, end_ns: int, *, error: str | None = None) -> None:
         """End ``span``: the root hands every ended span to the sink, a child waits for it (or goes alone once
         the root has ended); nothing when the trace is not sampled."""
         if not self.sampled:
             return
-        span.end(end_ns, error=error)
+        span.end(end_ns, error)
         root = self.root
         if span is root:
             ended = self._ended
