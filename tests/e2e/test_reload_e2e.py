@@ -528,8 +528,12 @@ def group_prompt(group: int, request: int) -> dict[str, Any]:
 
 
 async def test_cache_aware_placement_follows_a_reloaded_prefill_set_in_both_workers(start_fleet, nursery) -> None:
+    # No engine fails here: health checks get time to spare, so that a loaded CI machine does not eject p3 for a
+    # moment (a new prefix placed on p2 meanwhile would stay there, equal holders keeping the last one used).
     fleet = await start_fleet(prefill=2, decode=1, mock_args=CACHE_ARGS, sections={
-        **sections(2), "serving": {"workers": 2, "count_tokens": False}})
+        **sections(2), "serving": {"workers": 2, "count_tokens": False},
+        "engine": {"connect_timeout_s": 2.0, "health_timeout_s": 2.0},
+        "controller": {"monitor_interval_s": 0.2, "stage_timeout_s": 5.0}})
     p3 = await start_mock_engine(nursery, "prefill", engine_id="p3", args=CACHE_ARGS)
     try:
         for name in ("p1", "p2", "d1"):
@@ -540,8 +544,9 @@ async def test_cache_aware_placement_follows_a_reloaded_prefill_set_in_both_work
                 response = await client.post(f"{fleet.url}/v1/completions", json=group_prompt(group, request))
                 assert response.status_code == 200, response.text
 
-            # Four prefixes spread over p1 and p2 (a miss goes to the emptier index).
-            for group in range(4):
+            # Eight prefixes spread over p1 and p2 (a miss goes to the emptier index): p2's index then holds about
+            # 100 blocks, more than the warm-up below can put on p3 in its 20 s.
+            for group in range(8):
                 for request in range(3):
                     await complete(group, request)
             before = {name: (await fleet.engine_stats(name))["prefill"] for name in ("p1", "p2")}
@@ -571,7 +576,10 @@ async def test_cache_aware_placement_follows_a_reloaded_prefill_set_in_both_work
                 assert response.status_code == 200, response.text
                 return {line["worker"] for line in fleet.router.events("request") if line["prefill"] == "p3"} == {0, 1}
 
-            await wait_until(p3_placed_from_both_workers, timeout_s=20.0, what="p3 placed from both workers")
+            # Each round places one more block on p3 (a new prompt), and the workers take connections unevenly (one
+            # may take ten in a row): a round every 0.25 s, so p3's index stays below p2's while the rounds last.
+            await wait_until(p3_placed_from_both_workers, timeout_s=20.0, what="p3 placed from both workers",
+                             poll_s=0.25)
 
             # A new prefix goes to the engine whose index is empty, p3, and stays there from either worker.
             new_group = 9
@@ -581,9 +589,22 @@ async def test_cache_aware_placement_follows_a_reloaded_prefill_set_in_both_work
                 lines = [line for line in fleet.router.events("request") if line["prefill"] == "p3"]
                 return {line["worker"] for line in lines if (line["prefix_match"] or 0) > 0.9} == {0, 1}
 
-            await wait_until(p3_holds_it_in_both_workers, timeout_s=20.0, what="hits on p3 from both workers")
+            try:
+                await wait_until(p3_holds_it_in_both_workers, timeout_s=20.0, what="hits on p3 from both workers")
+            except AssertionError as exc:
+                # What a failure needs to be understood: where each worker put the new prefix, and any ejection.
+                placed = [(line["worker"], line["prefill"], line["prefix_match"])
+                          for line in fleet.router.events("request")
+                          if line["ts"] > event["ts"] and line["prefix_match"] is not None]
+                ejected = [(line["engine"], line["reason"]) for line in fleet.router.events("engine_ejected")]
+                text = (await fleet.client.get(f"{fleet.url}/metrics")).text
+                entries = {name: _sample(text, "narwhal_placement_index_entries", engine=name, model="mock-model")
+                           for name in ("p2", "p3")}
+                raise AssertionError(f"{exc}; placed after the reload (worker, prefill, match): {placed[-12:]}; "
+                                     f"ejections: {ejected}; index entries: {entries}; warm-up rounds: {warmed}"
+                                     ) from None
             # The old prefixes: those p1 held go elsewhere, those on p2 stay.
-            for group in range(4):
+            for group in range(8):
                 await complete(group, 100)
         stats = {name: await fleet.engine_stats(name) for name in ("p1", "p2")}
         p3_stats = (await fleet.client.get(f"{p3.url}/mock/stats")).json()
