@@ -335,12 +335,12 @@ class Readiness:
                     handler(HUB_STOPPED)
                 self.forget(watch)
 
-    def busy_round(self) -> bool:
+    def busy_round(self) -> None:
         """The hub's set polled once from trio's busy loop (``idle_rounds.py``): ready sockets' tasks are woken (or
-        handlers called) without the hub task's own wake-up; True when a batch was full (the rest stay ready, and
-        trio wakes the hub task for them)."""
+        handlers called) without the hub task's own wake-up. What a full batch leaves stays ready: trio wakes the
+        hub task for it."""
         self.busy_rounds += 1
-        return self._poll_round(self._epoll, 0.0, -1, False)[1]
+        self._poll_round(self._epoll, 0.0, -1, False)
 
     def _round(self) -> bool:
         """The hub task's round of its set; True when it stopped short (poll again after a yield). With a pump set,
