@@ -1,9 +1,14 @@
-"""The one compiled part of Narwhal: the OTLP span encoder (narwhal/tracing/_otlp_native.c).
+"""Narwhal's compiled parts, both on a traced request's path: the OTLP span encoder (narwhal/tracing/_otlp_native.c)
+and RequestTrace (narwhal/tracing/_spans_native.c).
 
-Optional: where it cannot be built (no C compiler), the install goes on and narwhal/tracing/otlp.py's own encoder
-runs, byte for byte the same. Everything else about the package is in pyproject.toml.
+Optional: where they cannot be built (no C compiler), the install goes on and the Python twins in
+narwhal/tracing/otlp.py and spans.py run, with the same results. Everything else about the package is in
+pyproject.toml.
 """
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("narwhal.tracing._otlp_native", ["narwhal/tracing/_otlp_native.c"], optional=True)])
+setup(ext_modules=[
+    Extension("narwhal.tracing._otlp_native", ["narwhal/tracing/_otlp_native.c"], optional=True),
+    Extension("narwhal.tracing._spans_native", ["narwhal/tracing/_spans_native.c"], optional=True),
+])

@@ -4,6 +4,8 @@ Usage (from the tree to measure; issue 40's cost goal):
 
     python bench/trace_work.py                 # microseconds per request, traced and not (best of 5 passes)
     python bench/trace_work.py --valgrind      # instructions per request (cachegrind; needs valgrind)
+    NARWHAL_NO_EXTENSIONS=1 python bench/trace_work.py [--valgrind]   # the same with the Python twins of the
+                                               # C encoder and RequestTrace
 
 One request is what `RequestCore` does for a plain streamed request at `sample_ratio = 1.0`: the trace begun,
 placement (both choices), the prefill leg (with its KV handoff size), the decode leg (its usage), the request

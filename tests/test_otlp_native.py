@@ -130,7 +130,8 @@ def test_a_value_whose_str_encodes_spans_gets_its_own_buffer() -> None:
         def __str__(self) -> str:
             return native.encode_request([inner]).hex()
 
-    outer = Span(b"t" * 16, b"s" * 8, None, "narwhal.request", 2, 1, 2, {"x.value": Reentrant(), "s.after": "z"})
+    outer = Span(b"t" * 16, b"s" * 8, None, "narwhal.request", 2, 1, 2,
+                 {"x.value": Reentrant(), "s.after": "z"})  # type: ignore[dict-item]
     assert native.encode_request([outer]) == otlp.python_encode_request([outer])
 
 

@@ -6,8 +6,10 @@ here reads a clock or allocates beyond the span itself, so a traced request cost
 
 from __future__ import annotations
 
+import os
 from binascii import hexlify
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -17,11 +19,13 @@ __all__ = [
     "KIND_CLIENT",
     "KIND_INTERNAL",
     "KIND_SERVER",
+    "NATIVE",
     "SPAN_NAMES",
     "STATUS_ERROR",
     "STATUS_OK",
     "STATUS_UNSET",
     "AttrValue",
+    "PythonRequestTrace",
     "RequestTrace",
     "SharedAttributes",
     "Span",
@@ -123,9 +127,10 @@ _TRACEPARENT_AT = len(b"\r\ntraceparent: ")
 _SPAN_ID_AT = _TRACEPARENT_AT + len(b"00-") + 32 + len(b"-")
 
 
-class RequestTrace:
+class PythonRequestTrace:
     """One request's spans: the root narwhal.request (server) and its children; hands them to a sink together
     when the root ends (one encode and one queue entry a request), a child that ends after its root alone.
+    ``RequestTrace`` is this class, or its twin in C (``_spans_native``) when the install built it.
 
     ``context`` is the root span's own context (a fresh span id; the trace id and sampling decision continued
     from the client's ``traceparent`` or new). An unsampled trace still gives ``traceparent_for`` (flag 00) so
@@ -240,3 +245,22 @@ class RequestTrace:
             return self.response_traceparent[1]
         return b"00-%s-%s-%s" % (span.trace_id.hex().encode(), span.span_id.hex().encode(),
                                  b"01" if self.sampled else b"00")
+
+
+def _native_request_trace() -> type[PythonRequestTrace] | None:
+    if os.environ.get("NARWHAL_NO_EXTENSIONS"):
+        return None
+    try:
+        from narwhal.tracing import _spans_native
+    except ImportError:  # built without a C compiler: the Python class, which behaves the same
+        return None
+    _spans_native.bind(Span)
+    return _spans_native.RequestTrace
+
+
+if TYPE_CHECKING:
+    RequestTrace = PythonRequestTrace
+else:
+    RequestTrace = _native_request_trace() or PythonRequestTrace
+# Whether the C RequestTrace runs (CI fails when its install did not build it).
+NATIVE = RequestTrace is not PythonRequestTrace
