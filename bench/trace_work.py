@@ -71,12 +71,12 @@ def traced(tracer: Tracer, n: int) -> None:
     ex.trace_kw = trace.root_kw
     trace.finish(placing, now())
     prefill, decode = ex.attempt(PREFILL, DECODE, ROUTE, {})
-    span = request_spans.open_leg(trace, ex, prefill, now())
-    span.set("narwhal.kv_handoff.bytes", len(_encode_json.encode(KV)))
-    request_spans.end_leg(trace, ex, prefill, span, now())
-    span = request_spans.open_leg(trace, ex, decode, now())
+    prefill.span = span = request_spans.open_leg(trace, ex, prefill, now())
+    span.attributes["narwhal.kv_handoff.bytes"] = len(_encode_json.encode(KV))
+    request_spans.end_leg(trace, ex, prefill, now())
+    decode.span = request_spans.open_leg(trace, ex, decode, now())
     ex.tokens, ex.status = 32, 200
-    request_spans.end_leg(trace, ex, decode, span, now())
+    request_spans.end_leg(trace, ex, decode, now())
     request_spans.end_request(trace, ex, now())
 
 

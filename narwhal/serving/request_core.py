@@ -477,22 +477,18 @@ class RequestCore:
                                           error_engine=ex.error_engine, status=ex.status,
                                           error_class=ex.error_class or ex.continued_after,
                                           failed=ex.status >= 400 or ex.stream_error)
-        if ex.trace is not None:
-            self._end_trace(ex)
+        trace = ex.trace
+        if trace is not None:
+            # The request's trace ends (inline: one call fewer a traced request).
+            now_ns = time.time_ns()
+            if ex.queue_span is not None:
+                # Still waiting for capacity when the request ended (its deadline, the client left).
+                trace.finish(ex.queue_span, now_ns, error=ex.error_class or "cancelled")
+                ex.queue_span = None
+            request_spans.end_request(trace, ex, now_ns)
         ex.log_line(duration_s)
 
     # -- the request's trace (only with [tracing] on: ``ex.trace`` is None otherwise) -----------------------
-
-    @staticmethod
-    def _end_trace(ex: Exchange) -> None:
-        trace = ex.trace
-        assert trace is not None
-        now_ns = time.time_ns()
-        if ex.queue_span is not None:
-            # Still waiting for capacity when the request ended (its deadline, the client left).
-            trace.finish(ex.queue_span, now_ns, error=ex.error_class or "cancelled")
-            ex.queue_span = None
-        request_spans.end_request(trace, ex, now_ns)
 
     @staticmethod
     def _queued(ex: Exchange, reason: str, waited_s: float = 0.0) -> None:
@@ -522,23 +518,13 @@ class RequestCore:
                    "cancelled" if isinstance(exc, trio.Cancelled) else type(exc).__name__)
             failed = exc if isinstance(exc, _AttemptFailed) else None
             for leg in ex.legs[-2:]:
-                span = leg.span
-                if span is not None:
-                    leg.span = None
+                if leg.span is not None:
                     # Evidence against the leg's engine (what _translate recorded), not a removal's cut or a 4xx.
                     evidence = (failed is not None and failed.engine == leg.engine.name
                                 and failed.failure_class != ENGINE_REMOVED)
-                    request_spans.end_leg(trace, ex, leg, span, now_ns, error=leg.error or why,
+                    request_spans.end_leg(trace, ex, leg, now_ns, error=leg.error or why,
                                           message=None if failed is None else failed.error.message,
                                           evidence=evidence)
-
-    @staticmethod
-    def _end_leg(ex: Exchange, leg: Leg) -> None:
-        """A leg that succeeded: its span ends now."""
-        trace, span = ex.trace, leg.span
-        if trace is not None and span is not None:
-            leg.span = None
-            request_spans.end_leg(trace, ex, leg, span, time.time_ns())
 
     @staticmethod
     def _placed(ex: Exchange) -> None:
@@ -919,7 +905,8 @@ class RequestCore:
             if placing is not None:
                 ex.trace_kw = trace.root_kw
                 trace.finish(placing, time.time_ns())
-            self._placed(ex)
+            if ex.queue_span is not None:
+                self._placed(ex)
         prefill, decode = ex.attempt(self.engines[prefill_name], self.engines[decode_name], route, request)
         in_flight = self.in_flight
         # One cancel scope for both legs (a scope costs as much as the rest of a leg's bookkeeping),
@@ -957,8 +944,8 @@ class RequestCore:
                     kv = await self._prefill(prefill.route, prefill.request, prefill.engine, rid, trace=ex.trace_kw)
                     if trace is not None:
                         if prefill.span is not None and trace.sampled:
-                            prefill.span.set("narwhal.kv_handoff.bytes", len(_encode_json.encode(kv)))
-                        self._end_leg(ex, prefill)
+                            prefill.span.attributes["narwhal.kv_handoff.bytes"] = len(_encode_json.encode(kv))
+                        request_spans.end_leg(trace, ex, prefill, time.time_ns())
                 finally:
                     in_flight.release(prefill_name)
                 if not cut.scope.cancel_called:
@@ -972,7 +959,7 @@ class RequestCore:
                         in_flight.release(decode_name)
                     decoded = True
                     if trace is not None:
-                        self._end_leg(ex, decode)
+                        request_spans.end_leg(trace, ex, decode, time.time_ns())
         except _AttemptFailed as failed:
             (decode if cut.leg == "decode" else prefill).error = failed.failure_class
             raise
@@ -994,7 +981,7 @@ class RequestCore:
                 with self._cuttable(decode_name, "decode", ex.deadline_at):
                     await self._decode_leg(ex, decode, kv)
                 if trace is not None:
-                    self._end_leg(ex, decode)
+                    request_spans.end_leg(trace, ex, decode, time.time_ns())
             except _AttemptFailed as failed:
                 decode.error = failed.failure_class
                 raise

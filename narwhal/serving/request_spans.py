@@ -99,10 +99,14 @@ def open_leg(trace: RequestTrace, ex: Exchange, leg: Leg, now_ns: int) -> Span:
     return span
 
 
-def end_leg(trace: RequestTrace, ex: Exchange, leg: Leg, span: Span, now_ns: int, *,
+def end_leg(trace: RequestTrace, ex: Exchange, leg: Leg, now_ns: int, *,
             error: str | None = None, message: str | None = None, evidence: bool = False) -> None:
-    """End a leg's span: its failure class (and, when the failure was ``evidence`` against its engine, an event
-    saying so), or its usage."""
+    """End a leg's span (``leg.span``, then None; nothing if it has none): its failure class (and, when the
+    failure was ``evidence`` against its engine, an event saying so), or its usage."""
+    span = leg.span
+    if span is None:
+        return
+    leg.span = None
     if span is trace.root:
         return
     ex.trace_kw = trace.root_kw
