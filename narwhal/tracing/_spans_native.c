@@ -426,7 +426,7 @@ static int end_span(PyObject *span, PyObject *end_ns, PyObject *error) {
     if (was < 0) return -1;
     if (was) {
         PyObject *args[3] = {span, end_ns, error};
-        PyObject *result = PyObject_VectorcallMethod(s_end, args, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        PyObject *result = PyObject_VectorcallMethod(s_end, args, 3, NULL);
         Py_XDECREF(result);
         if (result != NULL) PyErr_SetString(PyExc_RuntimeError, "a span ended twice");
         return -1;
