@@ -5,7 +5,7 @@ common.proto, resource.proto), and writing them directly is a few microseconds a
 the output with the official ``opentelemetry-proto`` classes, field by field.
 
 ``encode_request`` is the C encoder of ``_otlp_native`` when the install built it (the same bytes for about a
-tenth of the instructions); ``python_encode_request`` otherwise, or when ``NARWHAL_NO_EXTENSIONS`` is set.
+fifth of the instructions); ``python_encode_request`` otherwise, or when ``NARWHAL_NO_EXTENSIONS`` is set.
 """
 
 from __future__ import annotations
