@@ -101,6 +101,7 @@ from narwhal.kv_events.sources import KvPublishers, feed_sources
 from narwhal.lease import EtcdLeaseBackend, Role, build_backend
 from narwhal.lease.backend import LeaseBackend
 from narwhal.lease.service import LeaseService, LeaseView, ServingParts
+from narwhal.native_parts import native_parts
 from narwhal.obs.logs import flush_logs, log_event, run_log_flusher
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.obs.timeline import Timeline
@@ -907,7 +908,7 @@ class Router:
                               reason="no [auth] keys_file: the completion routes take every caller")
                 log_event("router_started", router_id=self.router_id, listen=join_listen(host, self.bound_port),
                           engines=len(self.config.engines), pid=os.getpid(), handoff=str(self.handoff_path),
-                          tls=self.tls.server is not None, workers=self.worker_count)
+                          tls=self.tls.server is not None, workers=self.worker_count, native=native_parts())
                 started = True
                 self._warn_if_admin_open(join_listen(host, self.bound_port))
                 self.cert_expiry.check(force=True)

@@ -155,7 +155,8 @@ def test_the_relay_cost_workload_relays_every_token_and_counts_per_token() -> No
                             timeout=120, check=True)
     assert "Python calls per token:" in result.stdout
     per_token = float(result.stdout.split("Python calls per token:")[1].split()[0].replace(",", ""))
-    assert 5 < per_token < 500
+    # The C relay takes a token's read without a Python call; the hub's round per wake-up remains (a few calls).
+    assert 1 < per_token < 500
 
 
 def test_the_relay_cost_strace_parser_sums_the_rows() -> None:

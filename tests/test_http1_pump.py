@@ -953,7 +953,7 @@ async def test_a_stream_reads_one_clock_when_the_caller_gives_trios_in_either_fo
 
     from narwhal.http1.pump import _Stream
 
-    upstream: Any = SimpleNamespace(relay_connection=None)
+    upstream: Any = SimpleNamespace(relay_connection=None, relay_parts=lambda: None)
     client: Any = SimpleNamespace(fd=-1)
 
     def stream(clock: Callable[[], float]) -> Any:

@@ -74,6 +74,7 @@ _INF = math.inf
 _UNBLOCKED_READS_PER_CHECKPOINT = 16
 # Module-level names for the raw syscalls: the fast path's only I/O, and what tests replace.
 _read = os.read
+_os_read = os.read
 _write = os.write
 # Default bound on a response's status line and headers (engine.max_response_header_bytes).
 DEFAULT_MAX_HEAD_BYTES = 64 * 1024
@@ -194,6 +195,12 @@ class EngineConnection:
 
     It is also the httptools protocol object: the parser calls its ``on_*`` methods.
     """
+
+    # Slots: the relay pump's C twin reads and writes the relay's fields at their offsets.
+    __slots__ = ("_body", "_broken", "_complete", "_drained", "_fd", "_head", "_headers", "_interrupted", "_keep_alive",
+                 "_now", "_parser", "_readiness", "_received", "_response_started", "_stream", "_unblocked", "_watch",
+                 "_wire_limit", "idle_seq", "idle_since", "key", "max_head_bytes", "on_body", "sent_at",
+                 "waiting_since")
 
     def __init__(self, stream: trio.abc.Stream, key: tuple[str, int], *,
                  max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES, readiness: Readiness | None = None) -> None:
@@ -522,9 +529,7 @@ class EngineConnection:
                 self._drained = True
                 return None
             except OSError as exc:
-                self._broken = True
-                raise ConnectionClosed("connection reset by the engine", cause=type(exc).__name__,
-                                       response_started=self._response_started) from exc
+                self.relay_failed(exc)
             size = len(data)
             self._drained = size < _READ_SIZE
             if size and self._wire_limit == _INF and self._head is not None:
@@ -534,15 +539,29 @@ class EngineConnection:
                 try:
                     self._parser.feed_data(data)
                 except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
-                    self._broken = True
-                    if not self._complete:
-                        raise MalformedResponse(f"malformed HTTP response: {exc}",
-                                                cause=type(exc).__name__) from exc
+                    self.relay_failed(exc)
             else:
                 self._parse(data)
         data = body[0] if len(body) == 1 else b"".join(body)
         body.clear()
         return data
+
+    def relay_failed(self, exc: Exception) -> None:
+        """A relay read's ``OSError`` (ConnectionClosed) or its parse's httptools error (MalformedResponse,
+        unless the response is whole: the junk after it only makes the connection unusable), raised as ours."""
+        self._broken = True
+        if isinstance(exc, OSError):
+            raise ConnectionClosed("connection reset by the engine", cause=type(exc).__name__,
+                                   response_started=self._response_started) from exc
+        if not self._complete:
+            raise MalformedResponse(f"malformed HTTP response: {exc}", cause=type(exc).__name__) from exc
+
+    def relay_parts(self) -> tuple[Callable[[bytes], object], list[bytes], int, int] | None:
+        """The parser's feed, the body list, the read size and the socket, for the C relay's reads of the
+        body (``relay_body_ready``'s usual read); None off that path (TLS, a test's stand-in for ``read``)."""
+        if self._fd < 0 or self._parser is None or _read is not _os_read:
+            return None
+        return self._parser.feed_data, self._body, _READ_SIZE, self._fd
 
     @property
     def drained(self) -> bool:

@@ -33,21 +33,29 @@ and writes the result to the client with one non-blocking ``write``.
 
 Plain sockets on Linux only: a TLS engine or client, or no running hub, keeps
 the request task's own relay loop (``Pump.can_relay``).
+
+The usual read (one whole SSE event, the body's chunk framing only, a ``RelayBook``
+or any ``on_chunk``) runs in C where the optional ``_relay_native`` module was built
+(``RELAY_NATIVE``): the same steps as ``_Stream.on_engine``, which stays the reference
+and takes every other read (an error, the body's end, a client that is full).
 """
 
 from __future__ import annotations
 
 import math
 import os
+from bisect import bisect_left
 from collections.abc import Callable
 from typing import Any, Protocol, TypeGuard
 
+import msgspec
 import outcome
 import trio
 
 from narwhal.http1.readiness import HUB_STOPPED, Readiness, Watch
 
-__all__ = ["ClientSocket", "OnChunk", "Pump", "PumpUpstream", "RelayConnection", "RelayWatched"]
+__all__ = ["RELAY_NATIVE", "ClientSocket", "OnChunk", "Pump", "PumpUpstream", "RelayBook", "RelayConnection",
+           "RelayParts", "RelayWatched"]
 
 _INF = math.inf
 # The raw send syscall; a module-level name so tests can limit what the kernel takes.
@@ -78,12 +86,30 @@ class RelayConnection(Protocol):
         ...
 
 
+class RelayParts(msgspec.Struct, frozen=True):
+    """What the C relay reads and writes of a stream's engine side (``PumpUpstream.relay_parts``).
+
+    ``connection`` is an ``EngineConnection`` and ``sse`` its stream's ``SSEWatch``: the C twin reads and
+    writes their fields at their slots, as their own methods do by name.
+    """
+
+    connection: object
+    feed: Callable[[bytes], object]  # the response parser's feed_data
+    body: list[bytes]  # where the parser puts the body's bytes
+    sse: object
+    read_size: int
+    engine_fd: int
+
+
 class PumpUpstream(RelayWatched, Protocol):
     """A decode stream the pump can read without waiting (``narwhal.pools.data.UpstreamStream``)."""
 
     @property
     def relay_connection(self) -> RelayConnection: ...
     def read_ready(self, readable: bool) -> bytes | None: ...
+    def relay_parts(self) -> RelayParts | None:
+        """Its parts for the C relay; None when it cannot take this stream (the Python path reads it)."""
+        ...
 
 
 class ClientSocket(Protocol):
@@ -112,6 +138,72 @@ class ClientSocket(Protocol):
 
 
 OnChunk = Callable[[bytes, float], "bytes | None"]
+
+
+class RelayBook:
+    """The plain relay's ``on_chunk``: the inter-token histogram, ``marker``'s field stripped, the read that
+    carries ``[DONE]`` held back (``held``) and declined. The C relay does this work itself for this exact type."""
+
+    __slots__ = ("bounds", "counts", "held", "last_at", "marker", "strip", "total", "upstream")
+
+    def __init__(self, upstream: Any, bounds: tuple[float, ...], counts: list[int], total: list[float], *,
+                 last_at: float, marker: bytes, strip: Callable[[bytes], bytes]) -> None:
+        self.upstream = upstream  # its ``saw_terminal`` says the read carried [DONE]
+        # One histogram cell (``Histogram.cell``): observed inline, ``Histogram.observe``'s work without its call.
+        self.bounds = bounds
+        self.counts = counts
+        self.total = total
+        self.last_at = last_at
+        self.marker = marker
+        self.strip = strip
+        self.held = b""
+
+    def __call__(self, chunk: bytes, now: float) -> bytes | None:
+        gap = now - self.last_at
+        self.counts[bisect_left(self.bounds, gap)] += 1
+        self.total[0] += gap
+        self.last_at = now
+        if chunk.find(self.marker) >= 0:
+            chunk = self.strip(chunk)
+        if self.upstream.saw_terminal:
+            self.held = chunk
+            return None
+        return chunk
+
+
+def _native_step() -> Any:
+    if os.environ.get("NARWHAL_NO_EXTENSIONS"):
+        return None
+    try:
+        from narwhal.http1 import _relay_native
+    except ImportError:  # built without a C compiler: on_engine alone, which behaves the same
+        return None
+    import httptools
+
+    _relay_native.bind(RelayBook, (httptools.HttpParserError, httptools.HttpParserUpgrade))
+    return _relay_native.Step
+
+
+_Step = _native_step()
+# Whether the C relay runs (CI fails when its install did not build it).
+RELAY_NATIVE = _Step is not None
+
+
+def _system_clock() -> type | None:
+    """trio's own clock: its time is ``offset + perf_counter()``, which the C relay reads without a call."""
+    try:
+        from trio._core._run import SystemClock
+    except ImportError:  # pragma: no cover - a trio that moved it: the C relay calls the clock
+        return None
+    return SystemClock
+
+
+_SYSTEM_CLOCK = _system_clock()
+_os_write = os.write
+
+
+def _detached(events: int) -> None:
+    """A stream's handler once it left the pump (nothing calls it then)."""
 
 
 class Pump:
@@ -145,7 +237,7 @@ class Pump:
         readiness = self.readiness
         readiness.pumped += 1
         try:
-            watch.handler = stream.on_engine
+            watch.handler = stream.handler
             # Bytes that came before the handover get no new edge: read what is there now.
             readable, watch.ready = watch.ready or watch.closed, False
             stream.pull(readable)
@@ -175,8 +267,8 @@ class Pump:
 class _Stream:
     """One decode stream in the pump: its engine socket, its client, and a write that had to wait."""
 
-    __slots__ = ("again", "chunked", "client", "clock", "conn", "done", "error", "fd", "on_chunk", "pending", "pump",
-                 "result", "same_clock", "task", "trio_now", "upstream", "watch", "writable")
+    __slots__ = ("again", "chunked", "client", "clock", "conn", "done", "error", "fd", "handler", "on_chunk", "pending",
+                 "pump", "result", "same_clock", "task", "trio_now", "upstream", "watch", "writable")
 
     def __init__(self, pump: Pump, upstream: PumpUpstream, watch: Watch, client: ClientSocket, chunked: bool,
                  on_chunk: OnChunk, clock: Callable[[], float]) -> None:
@@ -203,6 +295,23 @@ class _Stream:
         # What the client's full socket did not take; the stream waits for EPOLLOUT.
         self.pending: memoryview | None = None
         self.writable: Watch | None = None
+        # What the hub calls: the C relay (which hands every read but the usual one to on_engine), or on_engine.
+        self.handler: Callable[[int], None] = self._native() or self.on_engine
+
+    def _native(self) -> Callable[[int], None] | None:
+        """The C relay for this stream, when the module was built and every part is the one it knows."""
+        if _Step is None or _write is not _os_write:  # (a test's stand-in for the kernel's write: Python)
+            return None
+        parts = self.upstream.relay_parts()
+        if parts is None:
+            return None
+        clock = trio.lowlevel.current_clock()
+        offset = getattr(clock, "offset", None) if type(clock) is _SYSTEM_CLOCK else None
+        step: Callable[[int], None] = _Step(
+            self, self.upstream, parts.connection, parts.feed, parts.body, parts.sse, self.watch, self.client,
+            self.on_chunk, None if self.same_clock else self.clock, self.trio_now, offset,
+            self.pump.readiness.later, parts.read_size, parts.engine_fd, self.fd, self.chunked)
+        return step
 
     # -- called by the hub --------------------------------------------------------
 
@@ -278,7 +387,7 @@ class _Stream:
 
     def pull(self, readable: bool) -> None:
         """Read once, as at an edge (``readable``) or not; errors end the stream with them."""
-        self.on_engine(1 if readable else 0)
+        self.handler(1 if readable else 0)
 
     def _park(self, data: bytes, sent: int) -> None:
         """The client's socket took only ``sent`` bytes of ``data``: the rest waits for EPOLLOUT."""
@@ -344,6 +453,8 @@ class _Stream:
         self.done = True
         watch = self.watch
         watch.handler = None
+        # The C relay holds this stream: without it here, the two would wait for the collector.
+        self.handler = _detached
         self.pump.readiness.pump_out(watch)
         self.conn.waiting_since = _INF
         if self.pending is not None:

@@ -267,6 +267,8 @@ class SSEWatch:
     over the events it completes, never a JSON parse.
     """
 
+    __slots__ = ("_after_newline", "_event", "data_events", "saw_terminal", "valid")
+
     def __init__(self) -> None:
         self.valid = True
         self.saw_terminal = False

@@ -28,7 +28,7 @@ from narwhal.http1.client import (
     via_line,
 )
 from narwhal.http1.idle_rounds import IdleRounds
-from narwhal.http1.pump import Pump
+from narwhal.http1.pump import Pump, RelayParts
 from narwhal.http1.readiness import Readiness, Watch
 from narwhal.obs.logs import log_event
 from narwhal.pools import classify
@@ -216,6 +216,23 @@ class UpstreamStream:
         if data is None:
             return None
         return self._took(data)
+
+    def relay_parts(self) -> RelayParts | None:
+        """Its parts for the pump's C relay; None when the connection's reads are off its path (TLS)."""
+        parts = None if self._finished else self._conn.relay_parts()
+        if parts is None or type(self._watch) is not classify.SSEWatch:
+            return None
+        feed, body, read_size, fd = parts
+        return RelayParts(self._conn, feed, body, self._watch, read_size, fd)
+
+    def relay_failed(self, exc: Exception) -> bytes | None:
+        """``read_ready``'s outcome when the C relay's read (an OSError) or parse (httptools) raised ``exc``:
+        b"", or the stream's failure raised; None when the read goes on (junk after a whole response)."""
+        try:
+            self._conn.relay_failed(exc)
+        except HTTPTransportError as failure:
+            return self._took(self._failed(failure))
+        return None
 
     def _failed(self, exc: HTTPTransportError) -> bytes:
         if isinstance(exc, ConnectionClosed):

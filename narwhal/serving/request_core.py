@@ -56,7 +56,7 @@ from narwhal.errors import (
     UpstreamClientError,
 )
 from narwhal.fleet.placement import InFlight, least_outstanding
-from narwhal.http1.pump import OnChunk, Pump
+from narwhal.http1.pump import OnChunk, Pump, RelayBook
 from narwhal.obs.logs import log_event
 from narwhal.obs.router_metrics import RouterMetrics
 from narwhal.served_models import ServedModel, ServedModels
@@ -1235,26 +1235,14 @@ class RequestCore:
                 # held and goes out with the chunked terminator in one write (P5).
                 if not upstream.saw_terminal:
                     await sink.start_stream(200, head, chunk)
-                    held = b""
-
-                    def on_chunk(chunk: bytes, now: float) -> bytes | None:
-                        # One read's bookkeeping, for the process's pump and the task's own loop alike (the
-                        # pool counts its events as it checks them: nothing here scans the read but the key).
-                        nonlocal last_at, held
-                        gap = now - last_at
-                        gap_counts[bisect_left(gap_bounds, gap)] += 1
-                        gap_sum[0] += gap
-                        last_at = now
-                        if chunk.find(KV_KEY) >= 0:
-                            chunk = strip_kv_from_events(chunk)
-                        if upstream.saw_terminal:
-                            held = chunk
-                            return None
-                        return chunk
-
+                    # One read's bookkeeping, for the process's pump and the task's own loop alike (the pool
+                    # counts its events as it checks them: nothing here scans the read but the key).
+                    book = RelayBook(upstream, gap_bounds, gap_counts, gap_sum, last_at=first_at, marker=KV_KEY,
+                                     strip=strip_kv_from_events)
                     # The read holding [DONE] is left in ``held``; b"" when the body ended first.
-                    await relay(upstream, sink, head, on_chunk, leg, clock=clock, pump=self._to_pump)
-                    chunk = held
+                    await relay(upstream, sink, head, book, leg, clock=clock, pump=self._to_pump)
+                    chunk = book.held
+                    last_at = book.last_at
                 held = chunk
                 tokens = upstream.data_events
                 if tokens > 2:

@@ -9,6 +9,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+
+#include "../_slot_offset.h"
 #include <string.h>
 
 static PyObject *span_type;  /* spans.Span, from bind() */
@@ -613,20 +615,6 @@ static PyTypeObject RequestTraceType = {
 
 PyDoc_STRVAR(bind_doc, "bind(span_type)\n--\n\nThe type RequestTrace makes its spans of (spans.Span); whether its "
                        "fields are written at their slots.");
-
-/* The offset of type's plain object slot called name, or -1 (not such a slot; no exception left set). */
-static Py_ssize_t slot_offset(PyObject *type, PyObject *name) {
-    PyObject *descr = PyObject_GetAttr(type, name);
-    if (descr == NULL) {
-        PyErr_Clear();
-        return -1;
-    }
-    Py_ssize_t offset = -1;
-    if (Py_IS_TYPE(descr, &PyMemberDescr_Type) && ((PyMemberDescrObject *)descr)->d_member->type == T_OBJECT_EX)
-        offset = ((PyMemberDescrObject *)descr)->d_member->offset;
-    Py_DECREF(descr);
-    return offset;
-}
 
 static PyObject *bind(PyObject *Py_UNUSED(module), PyObject *type) {
     if (!PyType_Check(type)) {
