@@ -184,3 +184,25 @@ def test_the_fleet_core_imports_nothing_from_the_shell() -> None:
                                                    for p in SHELL_PACKAGES):
                     offending.append(f"{name} imports {target}")
     assert offending == []
+
+
+def test_the_package_data_carries_the_c_modules_headers_and_stubs() -> None:
+    """An sdist, and a wheel built from it, needs the header the C sources include (else the optional modules
+    are silently not built) and their type stubs."""
+    import re
+    import tomllib
+
+    pyproject = tomllib.loads((PACKAGE_DIR.parent / "pyproject.toml").read_text())
+    package_data = pyproject["tool"]["setuptools"]["package-data"]
+
+    def listed(path: Path) -> bool:
+        package = ".".join(path.parent.relative_to(PACKAGE_DIR.parent).parts)
+        return any(path.match(pattern) for pattern in package_data.get(package, []))
+
+    sources = sorted(PACKAGE_DIR.rglob("*.c"))
+    assert len(sources) >= 3
+    for source in sources:
+        for header in re.findall(r'#include "([^"]+)"', source.read_text()):
+            assert listed((source.parent / header).resolve()), (source.name, header)
+        stub = source.with_suffix(".pyi")
+        assert stub.exists() and listed(stub), stub
