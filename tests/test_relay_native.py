@@ -11,10 +11,7 @@ import functools
 import os
 import socket
 import struct
-import subprocess
-import sys
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -25,11 +22,11 @@ from narwhal.http1 import pump as pump_module
 from narwhal.http1.pump import RelayBook
 from narwhal.pools.data import DataPool
 from narwhal.serving.client_view import KV_KEY, strip_kv_from_events
+from tests.python_twins import pass_with_only_python
 from tests.test_http1_pump import SLOW_DEADLINES, Client
 from tests.test_pools_data import LAST_CHUNK, SSE_HEAD, FakeEngine, FakeRequest, chunk
 
 native = pytest.importorskip("narwhal.http1._relay_native", reason="the C relay was not built")
-REPO = Path(__file__).resolve().parent.parent
 
 DONE = b"data: [DONE]\n\n"
 
@@ -50,13 +47,8 @@ def test_ci_builds_and_runs_the_c_relay() -> None:
 
 
 def test_the_pump_suites_pass_with_only_the_python_path() -> None:
-    env = {**os.environ, "NARWHAL_NO_EXTENSIONS": "1"}
-    files = ["tests/test_http1_pump.py", "tests/test_pools_data.py", "tests/test_hostile_engines.py"]
-    check = "from narwhal.http1 import pump; assert not pump.RELAY_NATIVE"
-    subprocess.run([sys.executable, "-c", check], env=env, cwd=REPO, check=True)
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", *files],
-                         env=env, cwd=REPO, capture_output=True, text=True, timeout=400)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    pass_with_only_python(["tests/test_http1_pump.py", "tests/test_pools_data.py", "tests/test_hostile_engines.py"],
+                          "from narwhal.http1 import pump; assert not pump.RELAY_NATIVE", timeout_s=400)
 
 
 def answer(pieces: list[bytes], end: str = "last") -> Callable[[FakeRequest, trio.SocketStream, int],

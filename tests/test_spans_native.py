@@ -9,20 +9,17 @@ from __future__ import annotations
 
 import gc
 import os
-import subprocess
-import sys
 import weakref
-from pathlib import Path
 
 import pytest
 
 from narwhal.tracing import spans
 from narwhal.tracing.context import IdSource, TraceContext
 from narwhal.tracing.spans import KIND_CLIENT, KIND_INTERNAL, PythonRequestTrace, SharedAttributes, Span
+from tests.python_twins import pass_with_only_python
 
 native = pytest.importorskip("narwhal.tracing._spans_native", reason="the C RequestTrace was not built")
 NativeRequestTrace = native.RequestTrace
-REPO = Path(__file__).resolve().parent.parent
 
 
 def test_ci_builds_and_runs_the_c_request_trace() -> None:
@@ -32,13 +29,9 @@ def test_ci_builds_and_runs_the_c_request_trace() -> None:
 
 
 def test_the_tracing_suites_pass_with_only_the_python_twins() -> None:
-    env = {**os.environ, "NARWHAL_NO_EXTENSIONS": "1"}
-    files = ["tests/test_tracing.py", "tests/test_trace_exporter.py", "tests/test_request_tracing.py"]
-    check = "from narwhal.tracing import otlp, spans; assert not otlp.NATIVE and not spans.NATIVE"
-    subprocess.run([sys.executable, "-c", check], env=env, cwd=REPO, check=True)
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", *files],
-                         env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    pass_with_only_python(["tests/test_tracing.py", "tests/test_trace_exporter.py", "tests/test_request_tracing.py"],
+                          "from narwhal.tracing import otlp, spans; assert not otlp.NATIVE and not spans.NATIVE",
+                          timeout_s=300)
 
 
 class _Ids(IdSource):

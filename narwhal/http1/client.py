@@ -547,7 +547,7 @@ class EngineConnection:
         return data
 
     def relay_failed(self, exc: Exception) -> None:
-        """A relay read's ``OSError`` (ConnectionClosed) or its parse's httptools error (MalformedResponse,
+        """A plain read's ``OSError`` (ConnectionClosed) or its parse's httptools error (MalformedResponse,
         unless the response is whole: the junk after it only makes the connection unusable), raised as ours."""
         self._broken = True
         if isinstance(exc, OSError):
@@ -580,9 +580,7 @@ class EngineConnection:
             self._drained = True
             return None
         except OSError as exc:
-            self._broken = True
-            raise ConnectionClosed("connection reset by the engine", cause=type(exc).__name__,
-                                   response_started=self._response_started) from exc
+            self.relay_failed(exc)
         self._drained = len(data) < _READ_SIZE
         return data
 
