@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -155,8 +157,9 @@ def test_the_relay_cost_workload_relays_every_token_and_counts_per_token() -> No
                             timeout=120, check=True)
     assert "Python calls per token:" in result.stdout
     per_token = float(result.stdout.split("Python calls per token:")[1].split()[0].replace(",", ""))
-    # The C relay takes a token's read without a Python call; the hub's round per wake-up remains (a few calls).
-    assert 1 < per_token < 500
+    # In C (the relay's read and the hub's round) a token makes no Python call, and the scheduler's noise can make
+    # the difference a little negative; the Python path makes about 25 a token.
+    assert -20 < per_token < 500
 
 
 def test_the_relay_cost_strace_parser_sums_the_rows() -> None:
@@ -211,3 +214,22 @@ def test_trace_work_makes_one_requests_spans_and_times_them() -> None:
     result = subprocess.run([sys.executable, "bench/trace_work.py", "--requests", "200"], cwd=_REPO,
                             capture_output=True, text=True, timeout=120, check=True)
     assert "tracing work" in result.stdout and "us per request" in result.stdout
+
+
+@pytest.mark.skipif(shutil.which("taskset") is None or len(os.sched_getaffinity(0)) < 2
+                    or not (_REPO / ".venv" / "bin" / "python").exists(),
+                    reason="pinned.sh needs taskset, two CPUs and the checkout's .venv")
+def test_pinned_prints_the_routers_user_and_system_cpu_over_a_window(tmp_path: Path) -> None:
+    report = tmp_path / "run.json"
+    result = subprocess.run(["bench/pinned.sh", "--concurrency", "4", "--tokens", "64", "--token-delay-s", "0.01",
+                             "--duration-s", "4", "--count-tokens", "off", "--quiet", "--json", str(report)],
+                            cwd=_REPO, env={**os.environ, "WINDOW": "1 1.5"}, capture_output=True, text=True,
+                            timeout=120, check=True)
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("router over")]
+    shape = re.fullmatch(r"router over 1\.5 s of the load: user ([\d.]+) s, system ([\d.]+) s, ([\d.]+) ms per "
+                         r"1,000 tokens at [\d,]+ tokens/s", line)
+    assert shape is not None, line
+    user, system, per_1k = (float(value) for value in shape.groups())
+    assert user + system > 0 and per_1k > 0
+    tokens_per_s = json.loads(report.read_text())["run"]["load"]["tokens_per_s"]
+    assert per_1k == pytest.approx((user + system) * 1e6 / (tokens_per_s * 1.5), abs=0.1)

@@ -6,8 +6,13 @@ import json
 import logging
 import os
 import select
+import signal
 import socket
+import sys
+import threading
+import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import trio
@@ -15,7 +20,7 @@ import trio
 from narwhal.config import EngineConfig
 from narwhal.http1 import idle_rounds
 from narwhal.http1.idle_rounds import IdleRounds, TrioRun
-from narwhal.http1.readiness import Readiness, Watch
+from narwhal.http1.readiness import ROUNDS_NATIVE, Readiness, Watch
 from narwhal.pools.data import DataPool
 from tests.test_http1_readiness import close_sockets, pair  # noqa: F401  (close_sockets: an autouse fixture)
 
@@ -248,22 +253,31 @@ def wake_pending(rounds: IdleRounds) -> bool:
     return True
 
 
-def test_trios_deadline_ends_the_wait_with_trios_wake_up(fake) -> None:
+def quiet_stream(fake) -> tuple[Readiness, FakeRun, IdleRounds]:
+    """A hub, trio played by the test, and one pumped socket that stays quiet (so the rounds run)."""
     hub = Readiness()
     run, rounds = fake(hub)
     ours, _ = pair()
     pumped(hub, ours, lambda events: None)
+    return hub, run, rounds
+
+
+def trios_socket(run: FakeRun) -> socket.socket:
+    """A socket in trio's own set; its peer (returned) makes trio's set ready."""
+    trio_side, trio_peer = pair()
+    run.epoll.register(trio_side.fileno(), select.EPOLLIN)
+    return trio_peer
+
+
+def test_trios_deadline_ends_the_wait_with_trios_wake_up(fake) -> None:
+    hub, run, rounds = quiet_stream(fake)
     rounds.before_io_wait(0.01)
     assert run.forced == 1
 
 
 def test_trios_own_io_ends_the_wait_at_once_without_its_wake_up(fake) -> None:
-    hub = Readiness()
-    run, rounds = fake(hub)
-    ours, _ = pair()
-    pumped(hub, ours, lambda events: None)
-    trio_side, trio_peer = pair()
-    run.epoll.register(trio_side.fileno(), select.EPOLLIN)
+    hub, run, rounds = quiet_stream(fake)
+    trio_peer = trios_socket(run)
     trio_peer.send(b"x")
     rounds.before_io_wait(3600)
     # trio's epoll_wait returns at once by itself: no wake-up needed; one round saw trio's set ready.
@@ -272,24 +286,32 @@ def test_trios_own_io_ends_the_wait_at_once_without_its_wake_up(fake) -> None:
     assert not wake_pending(rounds)
 
 
+class ReadsThenATask:
+    """A pumped socket's handler: each read brings the next edge, until the last makes a task runnable."""
+
+    def __init__(self, hub: Readiness, run: FakeRun, wake_ups: int) -> None:
+        self.ours, self.peer = pair()
+        self.run = run
+        self.wake_ups = wake_ups
+        self.reads = 0
+        pumped(hub, self.ours, self.handler)
+        self.peer.send(b"x")
+
+    def handler(self, events: int) -> None:
+        self.ours.recv(100)
+        self.reads += 1
+        if self.reads < self.wake_ups:
+            self.peer.send(b"more")  # the next edge: another round, still in the idle wait
+        else:
+            self.run.runq.append("a task")  # as a stream's end reschedules its request task
+
+
 def test_rounds_run_until_one_makes_a_task_runnable(fake) -> None:
     hub = Readiness()
     run, rounds = fake(hub)
-    ours, peer = pair()
-    reads = 0
-
-    def handler(events: int) -> None:
-        nonlocal reads
-        ours.recv(100)
-        reads += 1
-        if reads < 3:
-            peer.send(b"more")  # the next edge: another round, still in the idle wait
-        else:
-            run.runq.append("a task")  # as a stream's end reschedules its request task
-    pumped(hub, ours, handler)
-    peer.send(b"x")
+    reads = ReadsThenATask(hub, run, 3)
     rounds.before_io_wait(3600)
-    assert reads == 3
+    assert reads.reads == 3
     assert hub.pump_rounds == 3
     assert run.forced == 1
 
@@ -298,8 +320,7 @@ def test_a_round_left_short_when_trio_has_io_goes_on_at_trios_next_wait(fake) ->
     hub = Readiness()
     run, rounds = fake(hub)
     ours, peer = pair()
-    trio_side, trio_peer = pair()
-    run.epoll.register(trio_side.fileno(), select.EPOLLIN)
+    trio_peer = trios_socket(run)
     box: list = []
     calls: list[int] = []
 
@@ -481,3 +502,87 @@ def test_a_failure_is_kept_for_the_hub_task_and_rounds_stop(fake) -> None:
     peer.send(b"y")
     rounds.before_io_wait(3600)
     assert run.forced == 0
+
+
+# -- the rounds' waits as select.epoll.poll's: signals, other threads, and (in C) no Python per wake-up ----------
+
+
+def wait_with_an_alarm(rounds: IdleRounds, timeout: float, on_alarm: Callable[[int, Any], None]) -> tuple[float, float]:
+    """``before_io_wait(timeout)`` with SIGALRM's ``on_alarm`` due 20 ms into it: (when it began, how long it took)."""
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.02)
+        started = time.monotonic()
+        rounds.before_io_wait(timeout)
+        return started, time.monotonic() - started
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_signal_in_the_wait_runs_its_handler_and_the_wait_goes_on_to_trios_deadline(fake) -> None:
+    hub, run, rounds = quiet_stream(fake)
+    caught: list[float] = []
+    started, waited = wait_with_an_alarm(rounds, 0.6, lambda signum, frame: caught.append(time.monotonic()))
+    # PEP 475: the handler ran in the wait (not once it ended), which then slept out what was left of it.
+    assert len(caught) == 1 and caught[0] - started < 0.4
+    assert waited >= 0.59 and run.forced == 1
+    assert rounds.failure is None
+
+
+def test_a_signal_handler_that_raises_ends_the_rounds_as_a_failure(fake) -> None:
+    hub, run, rounds = quiet_stream(fake)
+    interrupted = KeyboardInterrupt()
+
+    def handler(signum: int, frame: object) -> None:
+        raise interrupted
+    _, waited = wait_with_an_alarm(rounds, 30, handler)
+    # It ends the wait then, and is kept for the hub task, which raises it as its own round's (as a handler's).
+    assert waited < 25
+    assert rounds.failure is interrupted and wake_pending(rounds)
+
+
+def test_another_thread_runs_while_the_rounds_sleep(fake) -> None:
+    hub, run, rounds = quiet_stream(fake)
+    trio_peer = trios_socket(run)
+    go_read, go_write = os.pipe()
+
+    def other_thread() -> None:
+        # Blocked outside the GIL until the test lets it go, then needs the GIL to send: only a wait that
+        # released it lets it in before the wait's own 30 s.
+        os.read(go_read, 1)
+        trio_peer.send(b"from another thread")
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    try:
+        os.write(go_write, b"x")
+        started = time.monotonic()
+        rounds.before_io_wait(30)
+        waited = time.monotonic() - started
+    finally:
+        thread.join(35)
+        os.close(go_read)
+        os.close(go_write)
+    assert waited < 25 and run.forced == 0
+
+
+@pytest.mark.skipif(not ROUNDS_NATIVE, reason="the C rounds were not built")
+def test_in_c_a_wake_up_runs_no_python_but_its_handler(fake) -> None:
+    def python_calls(wake_ups: int) -> int:
+        hub = Readiness()
+        run, rounds = fake(hub)
+        reads = ReadsThenATask(hub, run, wake_ups)
+        calls: list[str] = []
+
+        def profile(frame: Any, event: str, arg: object) -> None:
+            if event == "call" and frame.f_code is not ReadsThenATask.handler.__code__:
+                calls.append(frame.f_code.co_name)
+        sys.setprofile(profile)
+        try:
+            rounds.before_io_wait(3600)
+        finally:
+            sys.setprofile(None)
+        assert reads.reads == wake_ups and hub.pump_rounds == wake_ups
+        return len(calls)
+    # Python runs once a sleep (trio's instrument call), not once a wake-up.
+    assert python_calls(8) == python_calls(2)

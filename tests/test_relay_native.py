@@ -19,6 +19,7 @@ import pytest
 import trio
 
 from narwhal.http1 import pump as pump_module
+from narwhal.http1 import readiness as readiness_module
 from narwhal.http1.pump import RelayBook
 from narwhal.pools.data import DataPool
 from narwhal.serving.client_view import KV_KEY, strip_kv_from_events
@@ -42,13 +43,16 @@ class Raw(bytes):
 
 def test_ci_builds_and_runs_the_c_relay() -> None:
     if os.environ.get("CI"):
-        assert pump_module.RELAY_NATIVE
+        assert pump_module.RELAY_NATIVE and readiness_module.ROUNDS_NATIVE
     assert pump_module.RELAY_NATIVE == (pump_module._Step is native.Step)
+    assert readiness_module.ROUNDS_NATIVE == (readiness_module._native is native)
 
 
 def test_the_pump_suites_pass_with_only_the_python_path() -> None:
-    pass_with_only_python(["tests/test_http1_pump.py", "tests/test_pools_data.py", "tests/test_hostile_engines.py"],
-                          "from narwhal.http1 import pump; assert not pump.RELAY_NATIVE", timeout_s=400)
+    pass_with_only_python(["tests/test_http1_pump.py", "tests/test_pools_data.py", "tests/test_hostile_engines.py",
+                           "tests/test_http1_readiness.py", "tests/test_http1_idle_rounds.py"],
+                          "from narwhal.http1 import pump, readiness; "
+                          "assert not pump.RELAY_NATIVE and not readiness.ROUNDS_NATIVE", timeout_s=400)
 
 
 def answer(pieces: list[bytes], end: str = "last") -> Callable[[FakeRequest, trio.SocketStream, int],
@@ -227,7 +231,11 @@ def test_the_router_says_which_compiled_parts_run(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(pump_module, "RELAY_NATIVE", True)
     monkeypatch.setattr(otlp, "NATIVE", False)
     monkeypatch.setattr(spans, "NATIVE", True)
+    monkeypatch.setattr(readiness_module, "ROUNDS_NATIVE", False)
     assert native_parts() == ["relay", "request_trace"]
+    monkeypatch.setattr(readiness_module, "ROUNDS_NATIVE", True)
+    assert native_parts() == ["relay", "request_trace", "hub_round"]
     monkeypatch.setattr(pump_module, "RELAY_NATIVE", False)
     monkeypatch.setattr(spans, "NATIVE", False)
+    monkeypatch.setattr(readiness_module, "ROUNDS_NATIVE", False)
     assert native_parts() == []

@@ -8,7 +8,10 @@
    before it has consumed anything that path would not find where it looks (the body bytes in the
    connection's list), or through the Python helpers the error paths share (UpstreamStream.relay_failed,
    _Stream._end, _park, _client_failed). Optional, as the tracing modules: without it, or with
-   NARWHAL_NO_EXTENSIONS set, the Python path runs alone; the tests run the pump's suites against both. */
+   NARWHAL_NO_EXTENSIONS set, the Python path runs alone; the tests run the pump's suites against both.
+
+   Also the readiness hub's round (readiness.py's _poll_round and _dispatch, idle_rounds.py's loop of them): at one
+   token a wake-up its seven Python calls were about a third of a token's user-space work. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -18,7 +21,9 @@
 #include <errno.h>
 #include <math.h>
 #include <stddef.h>
+#include <limits.h>
 #include <string.h>
+#include <sys/epoll.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -27,7 +32,8 @@ static PyObject *parse_errors; /* httptools' parser errors (a tuple), from bind(
 static PyObject *s_pending, *s_again, *s_end, *s_park, *s_client_failed, *s_on_engine, *s_closed, *s_finished,
     *s_saw_terminal, *s_started, *s_took, *s_relay_failed, *s_drained, *s_complete, *s_interrupted, *s_wire_limit,
     *s_head, *s_received, *s_waiting_since, *s_event, *s_valid, *s_after_newline, *s_data_events, *s_disconnected,
-    *s_gone_error, *s_last_at, *s_held, *s_bounds, *s_counts, *s_total, *s_marker, *s_strip, *s_upstream;
+    *s_gone_error, *s_last_at, *s_held, *s_bounds, *s_counts, *s_total, *s_marker, *s_strip, *s_upstream,
+    *s_handler, *s_task, *s_ready, *s_later_list, *s_pump_rounds;
 static PyObject *empty_bytes, *one, *inf;
 
 #define READ_BUFFER 65536
@@ -99,6 +105,9 @@ static Field f_up_finished = {&s_finished, NULL, -1};
 static Field f_up_saw_terminal = {&s_saw_terminal, NULL, -1};
 static Field f_up_started = {&s_started, NULL, -1};
 static Field f_watch_closed = {&s_closed, NULL, -1};
+static Field f_watch_handler = {&s_handler, NULL, -1};
+static Field f_watch_ready = {&s_ready, NULL, -1};
+static Field f_watch_task = {&s_task, NULL, -1};
 
 static inline PyObject **field_slot(Field *field, PyObject *obj) {
     if ((PyObject *)Py_TYPE(obj) != field->type) {
@@ -647,20 +656,15 @@ static int step(Step *self, long events, int *read_done) {
     return result;
 }
 
-static PyObject *step_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
-    Step *self = (Step *)callable;
-    if (PyVectorcall_NARGS(nargsf) != 1 || kwnames != NULL) {
-        PyErr_SetString(PyExc_TypeError, "a relay step takes the events only");
-        return NULL;
-    }
-    long events = PyLong_AsLong(args[0]);
-    if (events == -1 && PyErr_Occurred()) return NULL;
+/* The hub's call with ``events`` (``events_obj``: the same as an int, or NULL to make it when needed). */
+static PyObject *step_call(Step *self, long events, PyObject *events_obj) {
     int read_done = 0;
     int result = step(self, events, &read_done);
     if (result > 0) Py_RETURN_NONE;
     if (result == 0) {
         /* The Python path, as if the read made here had been its own (no edge left to report). */
-        PyObject *arg = read_done ? PyLong_FromLong(0) : Py_NewRef(args[0]);
+        PyObject *arg = read_done ? PyLong_FromLong(0)
+                                  : (events_obj != NULL ? Py_NewRef(events_obj) : PyLong_FromLong(events));
         if (arg == NULL) return NULL;
         PyObject *done = PyObject_CallMethodOneArg(self->stream, s_on_engine, arg);
         Py_DECREF(arg);
@@ -673,6 +677,16 @@ static PyObject *step_vectorcall(PyObject *callable, PyObject *const *args, size
     Py_DECREF(exc);
     if (ended < 0) return NULL;
     Py_RETURN_NONE;
+}
+
+static PyObject *step_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    if (PyVectorcall_NARGS(nargsf) != 1 || kwnames != NULL) {
+        PyErr_SetString(PyExc_TypeError, "a relay step takes the events only");
+        return NULL;
+    }
+    long events = PyLong_AsLong(args[0]);
+    if (events == -1 && PyErr_Occurred()) return NULL;
+    return step_call((Step *)callable, events, args[0]);
 }
 
 static PyObject *step_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
@@ -786,6 +800,280 @@ static PyTypeObject StepType = {
     .tp_clear = (inquiry)step_clear,
 };
 
+/* ---- the readiness hub's round (readiness.py's _poll_round / _dispatch, idle_rounds.py's _rounds) ---- */
+
+/* The most ready descriptors a round takes (readiness.py's _BATCH is passed in and must not exceed it). */
+#define MAX_BATCH 256
+/* What makes readiness.py's _saw_closed run: the peer's FIN, a hang-up, an error (its _CLOSED). */
+#define CLOSED_EVENTS (EPOLLRDHUP | EPOLLHUP | EPOLLERR)
+
+/* select.epoll.poll's wait: the GIL released while it may sleep, a signal's handlers run at EINTR and the wait
+   resumed for what is left of ``timeout`` (PEP 475); a negative timeout waits for ever. The events taken, or -1. */
+static int wait_ready(int epoll_fd, struct epoll_event *events, int batch, double timeout) {
+    int ms = -1;
+    double deadline = 0.0;
+    if (timeout >= 0) {
+        double ceiling = ceil(timeout * 1e3);
+        ms = ceiling > (double)INT_MAX ? INT_MAX : (int)ceiling;
+        deadline = perf_counter() + timeout;
+    }
+    for (;;) {
+        int taken, error;
+        if (ms == 0) {
+            taken = epoll_wait(epoll_fd, events, batch, 0);
+            error = errno;
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            taken = epoll_wait(epoll_fd, events, batch, ms);
+            error = errno;
+            Py_END_ALLOW_THREADS
+        }
+        if (taken >= 0) return taken;
+        if (error != EINTR) {
+            errno = error;
+            PyErr_SetFromErrno(PyExc_OSError);
+            return -1;
+        }
+        if (PyErr_CheckSignals() < 0) return -1;
+        if (ms > 0) {
+            double left = deadline - perf_counter();
+            if (left < 0) return 0;
+            double ceiling = ceil(left * 1e3);
+            ms = ceiling > (double)INT_MAX ? INT_MAX : (int)ceiling;
+        }
+    }
+}
+
+/* A watch's handler called with ``events``: a relay step directly, anything else through a call. */
+static int call_handler(PyObject *handler, long events) {
+    PyObject *done;
+    if (Py_IS_TYPE(handler, &StepType)) {
+        done = step_call((Step *)handler, events, NULL);
+    } else {
+        PyObject *arg = PyLong_FromLong(events);
+        if (arg == NULL) return -1;
+        done = PyObject_CallOneArg(handler, arg);
+        Py_DECREF(arg);
+    }
+    if (done == NULL) return -1;
+    Py_DECREF(done);
+    return 0;
+}
+
+/* readiness.py's _dispatch for one ready watch: the close seen (by the Python helper), then its handler, its waiting
+   task woken, or the edge kept for the next wait. */
+static int deliver(PyObject *watch, long events, PyObject *saw_closed, PyObject *reschedule) {
+    if (events & CLOSED_EVENTS) {
+        PyObject *arg = PyLong_FromLong(events);
+        if (arg == NULL) return -1;
+        PyObject *args[2] = {watch, arg};
+        PyObject *done = PyObject_Vectorcall(saw_closed, args, 2, NULL);
+        Py_DECREF(arg);
+        if (done == NULL) return -1;
+        Py_DECREF(done);
+    }
+    PyObject *handler = get(&f_watch_handler, watch);
+    if (handler == NULL) return -1;
+    if (handler != Py_None) {
+        int result = call_handler(handler, events);
+        Py_DECREF(handler);
+        return result;
+    }
+    Py_DECREF(handler);
+    PyObject *task = get(&f_watch_task, watch);
+    if (task == NULL) return -1;
+    if (task == Py_None) {
+        Py_DECREF(task);
+        return set_bool(&f_watch_ready, watch, 1);
+    }
+    int result = put(&f_watch_task, watch, Py_None);
+    if (result == 0) {
+        PyObject *done = PyObject_CallOneArg(reschedule, task);
+        result = done == NULL ? -1 : 0;
+        Py_XDECREF(done);
+    }
+    Py_DECREF(task);
+    return result;
+}
+
+/* Each ready descriptor to its watch: 1 ``other_fd`` was among them (and is not watched), 0 not, -1 error. */
+static int dispatch(struct epoll_event *events, int taken, PyObject *watches, int other_fd, PyObject *saw_closed,
+                    PyObject *reschedule) {
+    int other = 0;
+    for (int i = 0; i < taken; i++) {
+        int fd = events[i].data.fd;
+        PyObject *key = PyLong_FromLong(fd);
+        if (key == NULL) return -1;
+        PyObject *watch = PyDict_GetItemWithError(watches, key);
+        Py_DECREF(key);
+        if (watch == NULL) {
+            if (PyErr_Occurred()) return -1;
+            if (fd == other_fd) other = 1;
+            continue;
+        }
+        /* A handler may forget it (its dict entry gone) while it runs. */
+        Py_INCREF(watch);
+        int result = deliver(watch, (long)events[i].events, saw_closed, reschedule);
+        Py_DECREF(watch);
+        if (result < 0) return -1;
+    }
+    return other;
+}
+
+/* An int argument (PyLong_AsInt is 3.13's). */
+static int as_int(PyObject *value) {
+    long result = PyLong_AsLong(value);
+    if (result == -1 && PyErr_Occurred()) return -1;
+    if (result > INT_MAX || result < INT_MIN) {
+        PyErr_SetString(PyExc_OverflowError, "an int argument is out of range");
+        return -1;
+    }
+    return (int)result;
+}
+
+static int check_batch(int batch) {
+    if (batch < 1 || batch > MAX_BATCH) {
+        PyErr_Format(PyExc_ValueError, "batch must be 1 to %d", MAX_BATCH);
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(poll_round_doc, "poll_round(epoll_fd, timeout, batch, watches, other_fd, saw_closed, reschedule)\n--\n\n"
+                             "readiness.py's poll and dispatch of one round: (other_fd was ready, events taken).");
+
+static PyObject *poll_round(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "poll_round takes 7 arguments");
+        return NULL;
+    }
+    int epoll_fd = as_int(args[0]);
+    double timeout = PyFloat_AsDouble(args[1]);
+    int batch = as_int(args[2]);
+    int other_fd = as_int(args[4]);
+    if (PyErr_Occurred() || check_batch(batch) < 0) return NULL;
+    if (!PyDict_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "watches must be a dict");
+        return NULL;
+    }
+    struct epoll_event events[MAX_BATCH];
+    int taken = wait_ready(epoll_fd, events, batch, timeout);
+    if (taken < 0) return NULL;
+    int other = dispatch(events, taken, args[3], other_fd, args[5], args[6]);
+    if (other < 0) return NULL;
+    return Py_BuildValue("(Oi)", other ? Py_True : Py_False, taken);
+}
+
+/* hub._later's length, or -1. */
+static Py_ssize_t later_size(PyObject *hub) {
+    PyObject *later = PyObject_GetAttr(hub, s_later_list);
+    if (later == NULL) return -1;
+    Py_ssize_t size = PyObject_Length(later);
+    Py_DECREF(later);
+    return size;
+}
+
+/* One of the hub's pump rounds (Readiness.pump_round): 1 trio's set was ready, 0 not, -1 error; *short_out says
+   whether it stopped short (a handler asked ``later``, or a full batch). */
+static int pump_round(PyObject *hub, int epoll_fd, int trio_fd, PyObject *watches, PyObject *saw_closed,
+                      PyObject *reschedule, int batch, double timeout, int *short_out) {
+    PyObject *count = PyObject_GetAttr(hub, s_pump_rounds);
+    PyObject *more = count != NULL ? PyNumber_Add(count, one) : NULL;
+    Py_XDECREF(count);
+    int failed = more == NULL || PyObject_SetAttr(hub, s_pump_rounds, more) < 0;
+    Py_XDECREF(more);
+    if (failed) return -1;
+    /* The handlers that asked ``later``, called after this round's edges; a ``later`` in this round is for the next. */
+    PyObject *again = PyObject_GetAttr(hub, s_later_list);
+    if (again == NULL) return -1;
+    if (!PyList_Check(again)) {
+        Py_DECREF(again);
+        PyErr_SetString(PyExc_TypeError, "Readiness._later must be a list");
+        return -1;
+    }
+    if (PyList_GET_SIZE(again) != 0) {
+        PyObject *fresh = PyList_New(0);
+        failed = fresh == NULL || PyObject_SetAttr(hub, s_later_list, fresh) < 0;
+        Py_XDECREF(fresh);
+        if (failed) {
+            Py_DECREF(again);
+            return -1;
+        }
+    } else {
+        Py_CLEAR(again);
+    }
+    struct epoll_event events[MAX_BATCH];
+    int taken = wait_ready(epoll_fd, events, batch, timeout);
+    int other = taken < 0 ? -1 : dispatch(events, taken, watches, trio_fd, saw_closed, reschedule);
+    if (other < 0) {
+        Py_XDECREF(again);
+        return -1;
+    }
+    if (again != NULL) {
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(again); i++) {
+            PyObject *handler = get(&f_watch_handler, PyList_GET_ITEM(again, i));
+            int result = handler == NULL ? -1 : (handler == Py_None ? 0 : call_handler(handler, 0));
+            Py_XDECREF(handler);
+            if (result < 0) {
+                Py_DECREF(again);
+                return -1;
+            }
+        }
+        Py_DECREF(again);
+    }
+    Py_ssize_t left = later_size(hub);
+    if (left < 0) return -1;
+    *short_out = left > 0 || taken == batch;
+    return other;
+}
+
+PyDoc_STRVAR(pump_rounds_doc,
+             "pump_rounds(hub, epoll_fd, trio_fd, watches, saw_closed, reschedule, runq, end, short, batch)\n--\n\n"
+             "idle_rounds.py's loop of pump rounds until trio's set is ready (1), a task is runnable (2) or "
+             "time.monotonic() reaches end (0): (outcome, short).");
+
+static PyObject *pump_rounds(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "pump_rounds takes 10 arguments");
+        return NULL;
+    }
+    PyObject *hub = args[0], *watches = args[3], *saw_closed = args[4], *reschedule = args[5], *runq = args[6];
+    int epoll_fd = as_int(args[1]);
+    int trio_fd = as_int(args[2]);
+    double end = PyFloat_AsDouble(args[7]);
+    int short_round = PyObject_IsTrue(args[8]);
+    int batch = as_int(args[9]);
+    if (PyErr_Occurred() || short_round < 0 || check_batch(batch) < 0) return NULL;
+    if (!PyDict_Check(watches)) {
+        PyErr_SetString(PyExc_TypeError, "watches must be a dict");
+        return NULL;
+    }
+    int outcome;
+    for (;;) {
+        /* ``end`` is time.monotonic()'s: on Linux the same CLOCK_MONOTONIC as perf_counter. */
+        double wait = end - perf_counter();
+        if (wait <= 0) {
+            /* trio's deadline: its own epoll_wait would sleep the whole timeout again. */
+            outcome = 0;
+            break;
+        }
+        int trio_ready = pump_round(hub, epoll_fd, trio_fd, watches, saw_closed, reschedule, batch,
+                                    short_round ? 0.0 : wait, &short_round);
+        if (trio_ready < 0) return NULL;
+        if (trio_ready) {
+            outcome = 1;
+            break;
+        }
+        Py_ssize_t runnable = PyObject_Length(runq);
+        if (runnable < 0) return NULL;
+        if (runnable > 0) {
+            outcome = 2;
+            break;
+        }
+    }
+    return Py_BuildValue("(iO)", outcome, short_round ? Py_True : Py_False);
+}
+
 PyDoc_STRVAR(bind_doc, "bind(book_type, parse_errors)\n--\n\nThe RelayBook type whose work Step does itself, and the "
                        "parser's errors that UpstreamStream.relay_failed translates.");
 
@@ -799,12 +1087,14 @@ static PyObject *bind(PyObject *Py_UNUSED(module), PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"bind", (PyCFunction)bind, METH_VARARGS, bind_doc},
+    {"poll_round", (PyCFunction)(void (*)(void))poll_round, METH_FASTCALL, poll_round_doc},
+    {"pump_rounds", (PyCFunction)(void (*)(void))pump_rounds, METH_FASTCALL, pump_rounds_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "narwhal.http1._relay_native",
-    "The relay pump's per-read path in C (see narwhal/http1/pump.py).", -1, methods, NULL, NULL, NULL, NULL,
+    "The relay pump's per-read path and the readiness hub's round in C (see narwhal/http1/pump.py, readiness.py).", -1, methods, NULL, NULL, NULL, NULL,
 };
 
 #define INTERN(var, text) \
@@ -844,6 +1134,11 @@ PyMODINIT_FUNC PyInit__relay_native(void) {
     INTERN(s_marker, "marker");
     INTERN(s_strip, "strip");
     INTERN(s_upstream, "upstream");
+    INTERN(s_handler, "handler");
+    INTERN(s_task, "task");
+    INTERN(s_ready, "ready");
+    INTERN(s_later_list, "_later");
+    INTERN(s_pump_rounds, "pump_rounds");
     if ((empty_bytes = PyBytes_FromStringAndSize(NULL, 0)) == NULL) return NULL;
     if ((one = PyLong_FromLong(1)) == NULL || (inf = PyFloat_FromDouble(INFINITY)) == NULL) return NULL;
     if (PyType_Ready(&StepType) < 0) return NULL;

@@ -38,6 +38,10 @@ handed to the hub task through an event fd in the hub's set; the hub task
 raises it as if its own round had (so a defect ends the router as it did
 before).
 
+Where the optional ``_relay_native`` module was built, the loop of rounds in
+an idle wait is C (``Readiness.pump_until``): no Python runs per wake-up but
+the handlers' own (none for the C relay's usual read).
+
 This reaches into trio's run: its I/O manager's epoll object and
 ``force_wakeup``, and its run queue. None is public API; ``IdleRounds.attach``
 checks they are there and otherwise says why, and the pumped sockets stay in
@@ -57,6 +61,9 @@ import trio
 from narwhal.http1.readiness import HUB_STOPPED, Readiness
 
 __all__ = ["IdleRounds", "TrioRun", "trio_run"]
+
+# Readiness.pump_until's outcome: trio's set is ready (its epoll_wait returns at once by itself).
+_TRIO_READY = 1
 
 
 class TrioRun:
@@ -110,6 +117,8 @@ class IdleRounds(trio.abc.Instrument):
             raise
         # The last round stopped short: the next wait polls at once.
         self._short = False
+        # The rounds' loop in C (``Readiness.pump_until``): only with the clock it reads.
+        self._native = hub.rounds_native and monotonic is time.monotonic
         self.failure: BaseException | None = None
 
     @classmethod
@@ -166,6 +175,13 @@ class IdleRounds(trio.abc.Instrument):
         monotonic = self._monotonic
         end = monotonic() + timeout
         short = self._short
+        if self._native:
+            # The loop below in C: one call a sleep rather than Python frames a wake-up.
+            self._short = False
+            outcome, self._short = hub.pump_until(end, short, runq)
+            if outcome != _TRIO_READY:
+                run.force_wakeup()
+            return
         try:
             while True:
                 wait = end - monotonic()

@@ -33,14 +33,19 @@ much as a request leg's other bookkeeping): whoever drives the set's timers
 fails each wait whose deadline has passed with ``WaitExpired``. Such a
 deadline therefore fires up to one tick late.
 
+A round's poll and hand-out (and idle_rounds.py's loop of rounds) run in C
+where the optional ``_relay_native`` module was built: the same steps, without
+the Python frames a wake-up otherwise costs (``ROUNDS_NATIVE``).
+
 Only for plain sockets on Linux; anything else uses trio's waits.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import select
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Sized
 from typing import Any
 
 import outcome
@@ -48,7 +53,7 @@ import trio
 
 from narwhal.errors import NarwhalError
 
-__all__ = ["Readiness", "WaitExpired", "Watch"]
+__all__ = ["ROUNDS_NATIVE", "Readiness", "WaitExpired", "Watch"]
 
 _INF = float("inf")
 
@@ -67,6 +72,21 @@ HUB_STOPPED = -1
 _BATCH = 64
 # The handlers to call again this round, when none asked.
 _NO_WATCHES: tuple[Watch, ...] = ()
+
+
+def _native_rounds() -> Any:
+    if os.environ.get("NARWHAL_NO_EXTENSIONS"):
+        return None
+    try:
+        from narwhal.http1 import _relay_native
+    except ImportError:  # built without a C compiler: the Python rounds, which behave the same
+        return None
+    return _relay_native
+
+
+_native = _native_rounds()
+# Whether a round's poll and hand-out run in C.
+ROUNDS_NATIVE = _native is not None
 
 
 class WaitExpired(NarwhalError):
@@ -114,6 +134,7 @@ class Readiness:
         self.pumped = 0
         # The pump set (``open_pump_set``): pumped sockets and trio's own set, polled from trio's idle wait.
         self._pump_set: select.epoll | None = None
+        self._pump_fd = -1
         self._trio_fd = -1
         # Sockets in the pump set now.
         self.pump_sockets = 0
@@ -218,11 +239,11 @@ class Readiness:
         except OSError:
             pump_set.close()
             raise
-        self._pump_set, self._trio_fd = pump_set, trio_fd
+        self._pump_set, self._pump_fd, self._trio_fd = pump_set, pump_set.fileno(), trio_fd
 
     def close_pump_set(self) -> None:
         """Back to the hub's set alone: sockets still pumped return to it."""
-        pump_set, self._pump_set = self._pump_set, None
+        pump_set, self._pump_set, self._pump_fd = self._pump_set, None, -1
         if pump_set is None:
             return
         for watch in list(self._watches.values()):
@@ -272,6 +293,21 @@ class Readiness:
         assert pump_set is not None
         self.pump_rounds += 1
         return self._poll_round(pump_set, timeout, self._trio_fd, True)
+
+    @property
+    def rounds_native(self) -> bool:
+        """``pump_until`` runs its loop in C (the Python rounds otherwise)."""
+        return _native is not None
+
+    def pump_until(self, end: float, short: bool, runq: Sized) -> tuple[int, bool]:
+        """``pump_round`` after ``pump_round`` (the first at once if ``short``) until trio's set is ready (1), ``runq``
+        holds a task (2) or ``time.monotonic()`` reaches ``end`` (0, before any round): (that, the last round stopped
+        short). In C; only when ``rounds_native``."""
+        assert _native is not None and self._pump_set is not None
+        outcome: tuple[int, bool] = _native.pump_rounds(self, self._pump_fd, self._trio_fd, self._watches,
+                                                         self._saw_closed, trio.lowlevel.reschedule, runq, end,
+                                                         short, _BATCH)
+        return outcome
 
     async def wait(self, watch: Watch, deadline: float = _INF) -> None:
         """Until the socket has something to read (or its peer went away); at once if an edge is pending.
@@ -355,13 +391,18 @@ class Readiness:
         if with_later and self._later:
             # Not the live list: a handler's ``later`` in this round is for the next one.
             again, self._later = self._later, []
-        ready = epoll.poll(timeout, _BATCH)
-        other = self._dispatch(ready, other_fd)
+        if _native is not None:
+            other, taken = _native.poll_round(epoll.fileno(), timeout, _BATCH, self._watches, other_fd,
+                                              self._saw_closed, trio.lowlevel.reschedule)
+        else:
+            ready = epoll.poll(timeout, _BATCH)
+            other = self._dispatch(ready, other_fd)
+            taken = len(ready)
         for watch in again:
             handler = watch.handler
             if handler is not None:
                 handler(0)
-        return other, (with_later and bool(self._later)) or len(ready) == _BATCH
+        return other, (with_later and bool(self._later)) or taken == _BATCH
 
     def _dispatch(self, ready: list[tuple[int, int]], other_fd: int) -> bool:
         """Hand each ready socket to its handler or its waiting task; True when ``other_fd`` was among them."""
@@ -375,11 +416,7 @@ class Readiness:
                     other = True
                 continue
             if events & _CLOSED:
-                watch.closed = True
-                if events & watch.gone_events and not watch.gone:
-                    watch.gone = True
-                    if watch.on_gone is not None:
-                        watch.on_gone()
+                self._saw_closed(watch, events)
             handler = watch.handler
             if handler is not None:
                 handler(events)
@@ -391,3 +428,13 @@ class Readiness:
             else:
                 watch.ready = True
         return other
+
+    @staticmethod
+    def _saw_closed(watch: Watch, events: int) -> None:
+        """The peer shut down its side or the connection broke: no edge comes again (``on_gone`` at the first of its
+        events)."""
+        watch.closed = True
+        if events & watch.gone_events and not watch.gone:
+            watch.gone = True
+            if watch.on_gone is not None:
+                watch.on_gone()
