@@ -166,6 +166,29 @@ def test_a_whole_read_is_taken_as_the_same_bytes_fed_one_at_a_time(read):
         assert whole.data_events == each.data_events
 
 
+def counted_events(data: bytes) -> int:
+    """The Python path's count of a read of whole one-line `data:` events (0: not such a read)."""
+    if not (data.startswith(b"data:") and data.endswith(b"\n\n")):
+        return 0
+    ended = data.count(b"\n\ndata:") + 1
+    return ended if data.count(b"\n") == 2 * ended else 0
+
+
+def test_the_compiled_count_of_whole_events_agrees_with_the_python_counts() -> None:
+    native = pytest.importorskip("narwhal.http1._relay_native", reason="the C relay was not built")
+    pieces = (b"data:", b"data: [DONE]", b"\n", b"\n\n", b"x", b"\r", b"da", b"ta:", b":")
+    reads = {b""}
+    for _ in range(5):
+        reads |= {read + piece for read in reads for piece in pieces}
+    assert len(reads) > 10_000
+    for read in reads:
+        assert native.whole_data_events(read) == counted_events(read), read
+    long = b'data: {"choices": [{"text": "a"}]}\n\n' * 500 + b"data: [DONE]\n\n"
+    assert native.whole_data_events(long) == 501 == counted_events(long)
+    with pytest.raises(TypeError):
+        native.whole_data_events(bytearray(long))
+
+
 def test_sse_watch_byte_by_byte():
     w = watch(*(CLEAN[i:i + 1] for i in range(len(CLEAN))))
     assert w.valid and w.finish()

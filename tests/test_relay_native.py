@@ -21,6 +21,7 @@ import trio
 from narwhal.http1 import pump as pump_module
 from narwhal.http1 import readiness as readiness_module
 from narwhal.http1.pump import RelayBook
+from narwhal.pools import classify as classify_module
 from narwhal.pools.data import DataPool
 from narwhal.serving.client_view import KV_KEY, strip_kv_from_events
 from tests.python_twins import pass_with_only_python
@@ -46,13 +47,16 @@ def test_ci_builds_and_runs_the_c_relay() -> None:
         assert pump_module.RELAY_NATIVE and readiness_module.ROUNDS_NATIVE
     assert pump_module.RELAY_NATIVE == (pump_module._Step is native.Step)
     assert readiness_module.ROUNDS_NATIVE == (readiness_module._native is native)
+    assert classify_module._whole_data_events is native.whole_data_events
 
 
 def test_the_pump_suites_pass_with_only_the_python_path() -> None:
     pass_with_only_python(["tests/test_http1_pump.py", "tests/test_pools_data.py", "tests/test_hostile_engines.py",
-                           "tests/test_http1_readiness.py", "tests/test_http1_idle_rounds.py"],
-                          "from narwhal.http1 import pump, readiness; "
-                          "assert not pump.RELAY_NATIVE and not readiness.ROUNDS_NATIVE", timeout_s=400)
+                           "tests/test_http1_readiness.py", "tests/test_http1_idle_rounds.py",
+                           "tests/test_classify.py"],
+                          "from narwhal.http1 import pump, readiness; from narwhal.pools import classify; "
+                          "assert not pump.RELAY_NATIVE and not readiness.ROUNDS_NATIVE "
+                          "and classify._whole_data_events is None", timeout_s=400)
 
 
 def answer(pieces: list[bytes], end: str = "last") -> Callable[[FakeRequest, trio.SocketStream, int],

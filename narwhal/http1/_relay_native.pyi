@@ -18,3 +18,6 @@ class Step:
                  trio_now: Callable[[], float], offset: float | None, later: Callable[[object], None],
                  read_size: int, engine_fd: int, client_fd: int, chunked: bool) -> None: ...
     def __call__(self, events: int, /) -> None: ...
+
+def whole_data_events(data: bytes, /) -> int:
+    """The events in ``data`` when it is whole one-line `data:` events, else 0."""

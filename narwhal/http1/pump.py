@@ -52,6 +52,7 @@ import msgspec
 import outcome
 import trio
 
+from narwhal.compiled import optional_module
 from narwhal.http1.readiness import HUB_STOPPED, Readiness, Watch
 
 __all__ = ["RELAY_NATIVE", "ClientSocket", "OnChunk", "Pump", "PumpUpstream", "RelayBook", "RelayConnection",
@@ -172,11 +173,8 @@ class RelayBook:
 
 
 def _native_step() -> Any:
-    if os.environ.get("NARWHAL_NO_EXTENSIONS"):
-        return None
-    try:
-        from narwhal.http1 import _relay_native
-    except ImportError:  # built without a C compiler: on_engine alone, which behaves the same
+    _relay_native = optional_module("narwhal.http1._relay_native")
+    if _relay_native is None:  # on_engine alone, which behaves the same
         return None
     import httptools
 

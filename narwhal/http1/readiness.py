@@ -43,7 +43,6 @@ Only for plain sockets on Linux; anything else uses trio's waits.
 from __future__ import annotations
 
 import contextlib
-import os
 import select
 from collections.abc import Callable, Sequence, Sized
 from typing import Any
@@ -51,6 +50,7 @@ from typing import Any
 import outcome
 import trio
 
+from narwhal.compiled import optional_module
 from narwhal.errors import NarwhalError
 
 __all__ = ["ROUNDS_NATIVE", "Readiness", "WaitExpired", "Watch"]
@@ -74,17 +74,8 @@ _BATCH = 64
 _NO_WATCHES: tuple[Watch, ...] = ()
 
 
-def _native_rounds() -> Any:
-    if os.environ.get("NARWHAL_NO_EXTENSIONS"):
-        return None
-    try:
-        from narwhal.http1 import _relay_native
-    except ImportError:  # built without a C compiler: the Python rounds, which behave the same
-        return None
-    return _relay_native
-
-
-_native = _native_rounds()
+# The round's poll and hand-out in C, or None: the Python rounds, which behave the same.
+_native: Any = optional_module("narwhal.http1._relay_native")
 # Whether a round's poll and hand-out run in C.
 ROUNDS_NATIVE = _native is not None
 

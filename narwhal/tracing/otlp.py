@@ -10,10 +10,10 @@ fifth of the instructions); ``python_encode_request`` otherwise, or when ``NARWH
 
 from __future__ import annotations
 
-import os
 import struct
 from collections.abc import Callable, Sequence
 
+from narwhal.compiled import optional_module
 from narwhal.tracing.spans import SPAN_NAMES, AttrValue, SharedAttributes, Span, SpanEvent
 
 __all__ = ["NATIVE", "SCOPE_NAME", "encode_encoded", "encode_request", "encode_span", "encode_spans",
@@ -248,11 +248,8 @@ def python_encode_request(spans: Sequence[Span]) -> bytes:
 
 
 def _native_encoder() -> Callable[[Sequence[Span]], bytes] | None:
-    if os.environ.get("NARWHAL_NO_EXTENSIONS"):
-        return None
-    try:
-        from narwhal.tracing import _otlp_native
-    except ImportError:  # built without a C compiler: the Python encoder, byte for byte the same
+    _otlp_native = optional_module("narwhal.tracing._otlp_native")
+    if _otlp_native is None:  # the Python encoder, byte for byte the same
         return None
     # Where the span types keep their fields: the encoder reads them there, not through getattr.
     _otlp_native.bind(Span, SpanEvent, SharedAttributes)

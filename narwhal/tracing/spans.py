@@ -6,13 +6,13 @@ here reads a clock or allocates beyond the span itself, so a traced request cost
 
 from __future__ import annotations
 
-import os
 from binascii import hexlify
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
 
+from narwhal.compiled import optional_module
 from narwhal.tracing.context import IdSource, TraceContext
 
 __all__ = [
@@ -248,11 +248,8 @@ class PythonRequestTrace:
 
 
 def _native_request_trace() -> type[PythonRequestTrace] | None:
-    if os.environ.get("NARWHAL_NO_EXTENSIONS"):
-        return None
-    try:
-        from narwhal.tracing import _spans_native
-    except ImportError:  # built without a C compiler: the Python class, which behaves the same
+    _spans_native = optional_module("narwhal.tracing._spans_native")
+    if _spans_native is None:  # the Python class, which behaves the same
         return None
     _spans_native.bind(Span)
     return _spans_native.RequestTrace
