@@ -221,7 +221,7 @@ def test_trace_work_makes_one_requests_spans_and_times_them() -> None:
                     reason="pinned.sh needs taskset, two CPUs and the checkout's .venv")
 def test_pinned_prints_the_routers_user_and_system_cpu_over_a_window(tmp_path: Path) -> None:
     report = tmp_path / "run.json"
-    result = subprocess.run(["bench/pinned.sh", "--concurrency", "4", "--tokens", "64", "--token-delay-s", "0.01",
+    result = subprocess.run(["bench/pinned.sh", "--concurrency", "16", "--tokens", "64", "--token-delay-s", "0.005",
                              "--duration-s", "4", "--count-tokens", "off", "--quiet", "--json", str(report)],
                             cwd=_REPO, env={**os.environ, "WINDOW": "1 1.5"}, capture_output=True, text=True,
                             timeout=120, check=True)

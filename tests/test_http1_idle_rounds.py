@@ -523,10 +523,10 @@ def wait_with_an_alarm(rounds: IdleRounds, timeout: float, on_alarm: Callable[[i
 def test_a_signal_in_the_wait_runs_its_handler_and_the_wait_goes_on_to_trios_deadline(fake) -> None:
     hub, run, rounds = quiet_stream(fake)
     caught: list[float] = []
-    started, waited = wait_with_an_alarm(rounds, 0.6, lambda signum, frame: caught.append(time.monotonic()))
+    started, waited = wait_with_an_alarm(rounds, 1.0, lambda signum, frame: caught.append(time.monotonic()))
     # PEP 475: the handler ran in the wait (not once it ended), which then slept out what was left of it.
-    assert len(caught) == 1 and caught[0] - started < 0.4
-    assert waited >= 0.59 and run.forced == 1
+    assert len(caught) == 1 and caught[0] - started < 0.8
+    assert waited >= 0.99 and run.forced == 1
     assert rounds.failure is None
 
 

@@ -631,7 +631,8 @@ static int step(Step *self, long events, int *read_done) {
         return -1;
     }
     if (taken) {
-        if (set_bool(&f_up_saw_terminal, self->upstream, terminal) < 0 || set_bool(&f_up_started, self->upstream, 1) < 0) {
+        if (set_bool(&f_up_saw_terminal, self->upstream, terminal) < 0 ||
+            set_bool(&f_up_started, self->upstream, 1) < 0) {
             Py_DECREF(chunk);
             return -1;
         }
@@ -1122,7 +1123,9 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "narwhal.http1._relay_native",
-    "The relay pump's per-read path and the readiness hub's round in C (see narwhal/http1/pump.py, readiness.py).", -1, methods, NULL, NULL, NULL, NULL,
+    "The relay pump's per-read path, the readiness hub's round and the SSE check of whole events in C (see "
+    "narwhal/http1/pump.py, readiness.py, narwhal/pools/classify.py).",
+    -1, methods, NULL, NULL, NULL, NULL,
 };
 
 #define INTERN(var, text) \
