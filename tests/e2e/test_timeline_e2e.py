@@ -23,6 +23,14 @@ REQUEST = {"model": "mock-model", "prompt": "hello", "max_tokens": 4}
 async def test_the_controllers_timeline_counts_the_requests_of_every_worker(start_fleet) -> None:
     fleet = await start_fleet(prefill=1, decode=1, sections=SECTIONS)
 
+    async def both_workers_up() -> bool:
+        # /ready answers 200 once one worker serves; its sibling may still be starting on a loaded machine (then
+        # the first takes every request, and the status below would catch the sibling before its hello).
+        status = (await fleet.client.get(f"{fleet.url}/admin/router")).json()
+        return [w["up"] for w in status["workers"]] == [True, True]
+
+    await wait_until(both_workers_up, timeout_s=30, what="both workers up")
+
     async def send(n: int) -> None:
         # A new connection per request: the workers take turns accepting them.
         async with httpx.AsyncClient(timeout=10.0, limits=httpx.Limits(max_keepalive_connections=0)) as client:
