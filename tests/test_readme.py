@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -43,7 +46,8 @@ def test_ci_runs_exactly_the_readme_test_command():
     install_and_test = [c for c in readme_commands() if "pytest" in c]
     assert len(install_and_test) == 1
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
-    assert install_and_test[0] in ci
+    # As written, then stopping CI at a failure of any of its steps.
+    assert f"{install_and_test[0]} || exit 1" in ci
     # And the first command a newcomer runs is the demo through the console script.
     assert readme_commands()[0] == "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/narwhal demo"
 
@@ -135,3 +139,25 @@ async def test_the_endpoint_table_lists_every_route_of_the_control_app():
         missing += [f"{method} {path}" for method in sorted(rule.methods - {"HEAD", "OPTIONS"})
                     if f"{method} {path}" not in listed]
     assert len(rules) >= 12 and missing == []
+
+
+def test_ci_stops_when_the_install_fails(tmp_path: Path) -> None:
+    # `set -e` does not stop at a failed step before the last of an && list: a broken install must not go on
+    # to the linters and the real tier (and pass with an old environment's tools).
+    (tmp_path / ".ci").mkdir()
+    shutil.copy(ROOT / ".ci" / "run", tmp_path / ".ci" / "run")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    ran = tmp_path / "ran"
+    stubs = {"python3": "exit 1", "chromium": "exit 0"}  # the venv cannot be made; chromium is there already
+    for name, body in stubs.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\necho {name} >> {ran}\n{body}\n")
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    for name in ("ruff", "mypy"):  # what a previous install left: they must not run
+        (tmp_path / ".venv" / "bin" / name).write_text(f"#!/bin/sh\necho {name} >> {ran}\n")
+    for stub in [*bin_dir.iterdir(), *(tmp_path / ".venv" / "bin").iterdir()]:
+        stub.chmod(0o755)
+    run = subprocess.run(["bash", str(tmp_path / ".ci" / "run")], cwd=tmp_path, capture_output=True, text=True,
+                         env={**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin"}, timeout=60)
+    assert run.returncode != 0
+    assert ran.read_text().split() == ["python3"]
