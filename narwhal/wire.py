@@ -99,39 +99,67 @@ DEFAULT_MAX_HANDOFF_BYTES = 1024 * 1024
 MAX_HANDOFF_DEPTH = 16
 
 
+_HANDOFF_FIELDS = frozenset(KVTransferParams.__struct_fields__)
+
+
+class _PrefillAnswer(msgspec.Struct):
+    """The one field of a prefill's answer the router reads; the rest is skipped unbuilt."""
+
+    kv_transfer_params: msgspec.Raw = msgspec.Raw(b"null")
+
+
+_prefill_answer = msgspec.json.Decoder(_PrefillAnswer)
+_handoff_decoder = msgspec.json.Decoder(KVTransferParams)
+
+
 class HandoffRejected(NarwhalError, ValueError):
     """A prefill's kv_transfer_params that must not reach a decode engine; the message says why."""
 
 
-def read_handoff(raw: bytes, *, max_bytes: int = DEFAULT_MAX_HANDOFF_BYTES) -> dict[str, Any]:
-    """A prefill response's kv_transfer_params, validated and bounded, as the dict to forward verbatim.
+def read_handoff(raw: bytes, *, max_bytes: int = DEFAULT_MAX_HANDOFF_BYTES) -> msgspec.Raw:
+    """A prefill response's kv_transfer_params, validated and bounded: the engine's own JSON, to forward as is.
 
     Raises ``HandoffRejected`` when the body is not JSON, nests too deep, or the
-    handoff is missing, malformed, over ``max_bytes`` of JSON, or over
+    handoff is missing, malformed, not UTF-8, over ``max_bytes`` of JSON, or over
     ``MAX_HANDOFF_DEPTH`` levels deep: the prefill's fault, found before decode sees it.
     """
+    # Only the handoff's own bytes are taken out of the answer (the rest is skipped, not built), and
+    # they are what the decode is sent: no dict is built of them unless they may nest too deep.
     try:
-        response = _decode_json.decode(raw)
+        kv_json = _prefill_answer.decode(raw).kv_transfer_params
+    except msgspec.ValidationError:
+        raise HandoffRejected("prefill response carries no kv_transfer_params object") from None
     except msgspec.DecodeError:
         raise HandoffRejected("prefill response is not JSON") from None
     except RecursionError:
         raise HandoffRejected("prefill response nests too deep") from None
-    kv = response.get("kv_transfer_params") if isinstance(response, dict) else None
-    if not isinstance(kv, dict):
+    try:
+        # Skipping checks a string's quotes and escapes, not its UTF-8: checked here, as a full decode would.
+        text = str(kv_json, "utf-8")
+    except UnicodeDecodeError:
+        raise HandoffRejected("kv_transfer_params is not valid UTF-8") from None
+    if not text.startswith("{"):
         raise HandoffRejected("prefill response carries no kv_transfer_params object")
     try:
-        msgspec.convert(kv, KVTransferParams)
+        _handoff_decoder.decode(text)
     except msgspec.ValidationError as exc:
         raise HandoffRejected(f"kv_transfer_params: {exc}") from None
-    # The raw body bounds the handoff's JSON size from above: re-encode only a big one.
-    if len(raw) > max_bytes:
-        size = len(_encoder.encode(kv))
-        if size > max_bytes:
-            raise HandoffRejected(f"kv_transfer_params is {size} bytes, over the {max_bytes} byte bound "
-                                  "(engine.max_handoff_bytes)")
-    if raw.count(b"[") + raw.count(b"{") > MAX_HANDOFF_DEPTH and _too_deep(kv, MAX_HANDOFF_DEPTH):
-        raise HandoffRejected(f"kv_transfer_params nests deeper than {MAX_HANDOFF_DEPTH} levels")
-    return kv
+    size = len(kv_json)
+    if size > max_bytes:
+        raise HandoffRejected(f"kv_transfer_params is {size} bytes, over the {max_bytes} byte bound "
+                              "(engine.max_handoff_bytes)")
+    # The typed fields nest three levels at most (the decode above saw to it): only other keys can go
+    # deeper, and only a handoff with more brackets than levels can nest that deep.
+    if text.count("[") + text.count("{") > MAX_HANDOFF_DEPTH:
+        try:
+            kv = _decode_json.decode(text)
+        except RecursionError:
+            raise HandoffRejected("prefill response nests too deep") from None
+        for key, value in kv.items():
+            if (key not in _HANDOFF_FIELDS and isinstance(value, (dict, list))
+                    and _too_deep(value, MAX_HANDOFF_DEPTH - 1)):
+                raise HandoffRejected(f"kv_transfer_params nests deeper than {MAX_HANDOFF_DEPTH} levels")
+    return msgspec.Raw(text)
 
 
 def _too_deep(value: Any, levels_left: int) -> bool:
@@ -143,7 +171,7 @@ def _too_deep(value: Any, levels_left: int) -> bool:
     return any(_too_deep(item, levels_left - 1) for item in items if isinstance(item, (dict, list)))
 
 
-def extract_handoff(raw: bytes, *, max_bytes: int = DEFAULT_MAX_HANDOFF_BYTES) -> dict[str, Any] | None:
+def extract_handoff(raw: bytes, *, max_bytes: int = DEFAULT_MAX_HANDOFF_BYTES) -> msgspec.Raw | None:
     """As ``read_handoff``, but None instead of the reason."""
     try:
         return read_handoff(raw, max_bytes=max_bytes)

@@ -218,6 +218,31 @@ async def test_decode_gets_the_original_body_plus_the_prefills_handoff_verbatim(
     assert ((engine, SuccessKind.DECODE_TERMINAL) in supervisor.successes)
 
 
+@pytest.mark.parametrize("stream", [True, False])
+async def test_the_handoff_reaches_decode_as_the_prefill_wrote_it(stream):
+    # Key order, spacing, number spelling and escapes kept: the decode is sent the prefill's own bytes.
+    kv_json = (b'{"tp_size": 1,  "remote_port": 9001, "remote_block_ids": [1, 2, 3], "remote_engine_id": "p1-eng",'
+               b' "remote_host": "127.0.0.1", "scale": 1.50, "note": "\\u00e9"}')
+    core, _, pool, _ = make_core()
+    raw_bodies: list[bytes] = []
+    stream_of, post_json_of = pool.stream, pool.post_json
+
+    def stream_recorded(engine, path, body, *, request_id):
+        raw_bodies.append(body)
+        return stream_of(engine, path, body, request_id=request_id)
+
+    async def post_json_recorded(engine, path, body, *, request_id):
+        raw_bodies.append(body)
+        return await post_json_of(engine, path, body, request_id=request_id)
+
+    pool.stream, pool.post_json = stream_recorded, post_json_recorded
+    pool.prefill.append((200, b'{"id": "x", "kv_transfer_params": ' + kv_json + b"}"))
+    sink = Sink()
+    await core.handle("/v1/completions", body(stream=stream), None, sink)
+    assert sink.status == 200
+    assert b'"kv_transfer_params":' + kv_json in raw_bodies[1]
+
+
 async def test_prefill_without_max_completion_tokens_does_not_gain_it():
     core, _, pool, _ = make_core()
     await core.handle("/v1/completions", body(), None, Sink())

@@ -241,7 +241,7 @@ def probe_prefill_body(model: str) -> bytes:
                     "kv_transfer_params": PREFILL_KV_REQUEST})
 
 
-def probe_decode_body(model: str, kv: dict[str, Any]) -> bytes:
+def probe_decode_body(model: str, kv: msgspec.Raw) -> bytes:
     """A one-token streamed decode of the probe prompt from the prefill's handoff ``kv``."""
     return _encode({"model": model, "prompt": PROBE_PROMPT, "max_tokens": 1, "stream": True,
                     "kv_transfer_params": kv})

@@ -228,7 +228,7 @@ class Supervisor:
             raise _LegInconclusive(f"no {role} engine to probe with (all ejected or drained)")
         return self.engines[partners[0]]
 
-    async def _probe_prefill(self, engine: EngineSpec, *, suspect_leg: bool) -> dict[str, Any]:
+    async def _probe_prefill(self, engine: EngineSpec, *, suspect_leg: bool) -> msgspec.Raw:
         body = contract.probe_prefill_body(self.config.model_of(engine))
         problem, raw = await self._probe_call(engine, "/v1/completions", body)
         if problem is None:
@@ -241,7 +241,7 @@ class Supervisor:
         assert kv is not None
         return kv
 
-    async def _probe_decode(self, engine: EngineSpec, kv: dict[str, Any], *, suspect_leg: bool) -> None:
+    async def _probe_decode(self, engine: EngineSpec, kv: msgspec.Raw, *, suspect_leg: bool) -> None:
         body = contract.probe_decode_body(self.config.model_of(engine), kv)
         problem, _ = await self._probe_call(engine, "/v1/completions", body, stream=True)
         if problem is not None:

@@ -944,7 +944,7 @@ class RequestCore:
                     kv = await self._prefill(prefill.route, prefill.request, prefill.engine, rid, trace=ex.trace_kw)
                     if trace is not None:
                         if prefill.span is not None and trace.sampled:
-                            prefill.span.attributes["narwhal.kv_handoff.bytes"] = len(_encode_json.encode(kv))
+                            prefill.span.attributes["narwhal.kv_handoff.bytes"] = len(kv)
                         request_spans.end_leg(trace, ex, prefill, time.time_ns())
                 finally:
                     in_flight.release(prefill_name)
@@ -988,7 +988,7 @@ class RequestCore:
             finally:
                 in_flight.release(decode_name)
 
-    def _decode_leg(self, ex: Exchange, leg: Leg, kv: dict[str, Any]) -> Coroutine[Any, Any, None]:
+    def _decode_leg(self, ex: Exchange, leg: Leg, kv: msgspec.Raw) -> Coroutine[Any, Any, None]:
         """The decode leg's coroutine, awaited by its caller (no await level of its own on the relay's path)."""
         if ex.join is not None:
             return self._decode_joined(ex, leg, kv, ex.join)
@@ -1159,7 +1159,7 @@ class RequestCore:
                 continue
 
     async def _prefill(self, route: str, request: dict[str, Any], prefill: EngineSpec, rid: str, *,
-                       trace: Mapping[str, bytes] = UNTRACED) -> dict[str, Any]:
+                       trace: Mapping[str, bytes] = UNTRACED) -> msgspec.Raw:
         body = dict(request)
         body["max_tokens"] = 1
         if "max_completion_tokens" in body:
@@ -1188,7 +1188,7 @@ class RequestCore:
         self.supervisor.record_success(prefill.name, SuccessKind.PREFILL_HANDOFF)
         return kv
 
-    async def _decode(self, ex: Exchange, leg: Leg, kv: dict[str, Any]) -> None:
+    async def _decode(self, ex: Exchange, leg: Leg, kv: msgspec.Raw) -> None:
         """A plain decode leg: the whole JSON answer, or a stream relayed (``relay``) with this leg's step."""
         route, request, decode, sink = leg.route, leg.request, leg.engine, ex.sink
         body = dict(request)
@@ -1287,7 +1287,7 @@ class RequestCore:
         leg.relay = "pump"
         return await pump.relay(upstream, client[0], client[1], on_chunk, clock=self.clock)
 
-    async def _decode_joined(self, ex: Exchange, leg: Leg, kv: dict[str, Any], join: StreamJoin) -> None:
+    async def _decode_joined(self, ex: Exchange, leg: Leg, kv: msgspec.Raw, join: StreamJoin) -> None:
         """A streamed decode leg that may be continued: every event goes through ``join``."""
         body = dict(leg.request)
         body["kv_transfer_params"] = kv
