@@ -15,7 +15,15 @@ like-for-like comparison.
 
 measures Narwhal and vllm-router side by side instead: per round (the order alternating) each router is started
 in front of the same engines, its idle CPU per second measured (``--idle-s``), then the same loads sent through
-it; the table gives CPU per request with the idle CPU included and taken out (``cpu_s - idle rate x wall``).
+it; the table gives CPU per request with the idle CPU included and taken out (``cpu_s - idle rate x wall``), and
+the user and system parts apart, each less its own idle rate.
+
+    python3 bench/real_vllm.py --cprofile-router /tmp/rv --cprofile-requests 50,250 --tokens 32 --concurrency 4 \
+        --quiet --router-set controller.monitor_interval_s=30
+
+runs Narwhal under cProfile instead, started afresh for 50 and for 250 requests (/tmp/rv-50.prof, /tmp/rv-250.prof):
+``python bench/cprofile_compare.py MOCK-50.prof MOCK-250.prof /tmp/rv-50.prof /tmp/rv-250.prof --requests 200``
+then shows what a request in front of real vLLM calls that one in front of the mock engines does not.
 """
 
 from __future__ import annotations
@@ -70,6 +78,12 @@ def inner(model: str, argv: list[str]) -> int:
                         help="with --vllm-router: seconds of each router's idle CPU measured before its load")
     parser.add_argument("--router-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="a Narwhal config value over the tier's (repeatable), e.g. serving.count_tokens=false")
+    parser.add_argument("--cprofile-router", metavar="PREFIX",
+                        help="no table: run Narwhal under cProfile once per --cprofile-requests count (the router "
+                             "started afresh each time), writing PREFIX-N.prof; bench/cprofile_compare.py gives "
+                             "the calls per request (against the mock's from bench/cprofile_router.py)")
+    parser.add_argument("--cprofile-requests", default="50,250", metavar="N1,N2",
+                        help="with --cprofile-router: the two request counts (default 50,250)")
     args, bench_args = parser.parse_known_args(argv)
     python = sys.executable
     with tempfile.TemporaryDirectory(prefix="narwhal-real-vllm-bench-") as tmp, \
@@ -79,6 +93,8 @@ def inner(model: str, argv: list[str]) -> int:
         child_env = {**os.environ, "PYTHONPATH": str(REPO)}
         if args.vllm_router:
             return _side_by_side(args, bench_args, python, fleet, config, Path(tmp), child_env, MODEL_NAME)
+        if args.cprofile_router:
+            return _profiled(args, bench_args, python, config, Path(tmp), child_env, MODEL_NAME)
         with (Path(tmp) / "router.log").open("w") as log:
             router = subprocess.Popen([python, "-m", "narwhal", "serve", "--config", str(config), "--listen",
                                        "127.0.0.1:0"], stderr=log, env=child_env, start_new_session=True)
@@ -124,15 +140,18 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
         process.wait()
 
 
-def _ticks(pid: int) -> float:
+def _user_sys(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds of ``pid`` and its descendants."""
     from narwhal.tools.bench.procstat import descendants, read_stat
 
-    total = 0
+    user = system = 0
     for each in [pid, *descendants(pid)]:
         stat = read_stat(each)
         if stat is not None:
-            total += stat.cpu_ticks
-    return total / os.sysconf("SC_CLK_TCK")
+            user += stat.utime
+            system += stat.stime
+    tick = os.sysconf("SC_CLK_TCK")
+    return user / tick, system / tick
 
 
 def _wait_http_ok(url: str, process: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
@@ -185,17 +204,24 @@ def _side_by_side(args: argparse.Namespace, bench_args: list[str], python: str, 
             proc, url = start(name)
             try:
                 time.sleep(2.0)  # past start-up work (first health passes, connections)
-                before, t0 = _ticks(proc.pid), time.monotonic()
+                (user0, sys0), t0 = _user_sys(proc.pid), time.monotonic()
                 time.sleep(args.idle_s)
-                idle_cpu_s_per_s = (_ticks(proc.pid) - before) / (time.monotonic() - t0)
+                (user1, sys1), idle_s = _user_sys(proc.pid), time.monotonic() - t0
+                idle_cpu_s_per_s = (user1 + sys1 - user0 - sys0) / idle_s
+                idle_rates = ((user1 - user0) / idle_s, (sys1 - sys0) / idle_s)
                 for conc in concurrencies:
                     out = tmp / f"{name}.{n}.{conc}.json"
                     cmd = [python, "-m", "narwhal", "bench", "--target", url, "--target-pid", str(proc.pid),
                            "--model", model_name, *bench_args,
                            *(["--concurrency", str(conc)] if conc is not None else []), "--json", str(out)]
                     print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
+                    # The run's user and system time apart, less idle each: which side a difference is on.
+                    (user0, sys0), t0 = _user_sys(proc.pid), time.monotonic()
                     status = status or subprocess.run(cmd, env=env, cwd=REPO).returncode
-                    results.append(_figures(name, n, conc, idle_cpu_s_per_s, out))
+                    (user1, sys1), wall = _user_sys(proc.pid), time.monotonic() - t0
+                    less_idle = (max(0.0, user1 - user0 - idle_rates[0] * wall),
+                                 max(0.0, sys1 - sys0 - idle_rates[1] * wall))
+                    results.append(_figures(name, n, conc, idle_cpu_s_per_s, out, less_idle))
             finally:
                 _stop(proc)
     if args.json_prefix:
@@ -204,23 +230,54 @@ def _side_by_side(args: argparse.Namespace, bench_args: list[str], python: str, 
     return status
 
 
-def _figures(router: str, round_: int, conc: int | None, idle: float, path: Path) -> dict[str, object]:
+def _profiled(args: argparse.Namespace, bench_args: list[str], python: str, config: Path, tmp: Path,
+              env: dict[str, str], model_name: str) -> int:
+    """Narwhal under cProfile in front of the engines, once per request count: exact Python calls per request."""
+    status = 0
+    for count in (int(n) for n in args.cprofile_requests.split(",")):
+        out = Path(f"{args.cprofile_router}-{count}.prof").resolve()
+        log_path = tmp / f"profiled-{count}.log"
+        with log_path.open("w") as log:
+            proc = subprocess.Popen([python, "-m", "cProfile", "-o", str(out), "-m", "narwhal", "serve", "--config",
+                                     str(config), "--listen", "127.0.0.1:0"], stderr=log, env=env,
+                                    start_new_session=True)
+            try:
+                url = _router_url(log_path, proc)
+                cmd = [python, "-m", "narwhal", "bench", "--target", url, "--target-pid", str(proc.pid), "--model",
+                       model_name, "--warmup", "0", *bench_args, "--requests", str(count)]
+                print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
+                status = status or subprocess.run(cmd, env=env, cwd=REPO).returncode
+            finally:
+                _stop(proc)
+        print(f"wrote {out}", file=sys.stderr, flush=True)
+    return status
+
+
+def _figures(router: str, round_: int, conc: int | None, idle: float, path: Path,
+             user_sys: tuple[float, float]) -> dict[str, object]:
     """One run's CPU per request with the router's idle CPU included and taken out."""
     run = json.loads(path.read_text())["run"]
     load, usage = run["load"], run["router"]
     ok, wall, cpu = load["ok"], load["duration_s"], usage["cpu_s"]
     less_idle = max(0.0, cpu - idle * wall)
+
+    def per_request(seconds: float) -> float | None:
+        return round(seconds * 1000 / ok, 3) if ok else None
+
     return {"router": router, "round": round_, "concurrency": conc, "ok": ok, "errors": load["errors"],
             "requests_per_s": load["requests_per_s"], "ttft_p50_ms": (load["ttft"] or {}).get("p50_ms"),
-            "idle_cpu_ms_per_s": round(idle * 1000, 3), "cpu_ms_per_request": round(cpu * 1000 / ok, 3) if ok else None,
-            "cpu_ms_per_request_less_idle": round(less_idle * 1000 / ok, 3) if ok else None}
+            "idle_cpu_ms_per_s": round(idle * 1000, 3), "cpu_ms_per_request": per_request(cpu),
+            "cpu_ms_per_request_less_idle": per_request(less_idle),
+            # Over the bench process's whole life (its start-up included), each less its idle rate.
+            "user_ms_per_request_less_idle": per_request(user_sys[0]),
+            "sys_ms_per_request_less_idle": per_request(user_sys[1])}
 
 
 def _print_side_by_side(results: list[dict[str, object]]) -> None:
     import statistics
 
-    keys = ("idle_cpu_ms_per_s", "cpu_ms_per_request", "cpu_ms_per_request_less_idle", "requests_per_s",
-            "ttft_p50_ms")
+    keys = ("idle_cpu_ms_per_s", "cpu_ms_per_request", "cpu_ms_per_request_less_idle",
+            "user_ms_per_request_less_idle", "sys_ms_per_request_less_idle", "requests_per_s", "ttft_p50_ms")
     print("| concurrency | router | " + " | ".join(keys) + " | errors |")
     print("|---" * (len(keys) + 3) + "|")
     medians: dict[tuple[object, str], dict[str, float]] = {}
@@ -238,7 +295,7 @@ def _print_side_by_side(results: list[dict[str, object]]) -> None:
     for conc in sorted({c for c, _ in medians}, key=lambda c: c or 0):
         a, b = medians.get((conc, "narwhal")), medians.get((conc, "vllm-router"))
         if a and b:
-            ratios = ", ".join(f"{k} {a[k] / b[k]:.2f}x" for k in keys[1:3] if b.get(k))
+            ratios = ", ".join(f"{k} {a[k] / b[k]:.2f}x" for k in keys[1:5] if b.get(k))
             print(f"c{conc}: narwhal / vllm-router: {ratios}")
 
 
