@@ -95,22 +95,19 @@ def inner(model: str, argv: list[str]) -> int:
             return _side_by_side(args, bench_args, python, fleet, config, Path(tmp), child_env, MODEL_NAME)
         if args.cprofile_router:
             return _profiled(args, bench_args, python, config, Path(tmp), child_env, MODEL_NAME)
-        with (Path(tmp) / "router.log").open("w") as log:
-            router = subprocess.Popen([python, "-m", "narwhal", "serve", "--config", str(config), "--listen",
-                                       "127.0.0.1:0"], stderr=log, env=child_env, start_new_session=True)
-            try:
-                url = _router_url(Path(tmp) / "router.log", router)
-                status = 0
-                for n in range(1, args.rounds + 1):
-                    out = ["--json", f"{args.json_prefix}.{n}.json"] if args.json_prefix else []
-                    cmd = [python, "-m", "narwhal", "bench", "--target", url, "--target-pid", str(router.pid),
-                           "--model", MODEL_NAME, "--baseline", "pair", "--pair", fleet["p1"].url,
-                           fleet["d1"].url, *bench_args, *out]
-                    print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
-                    status = status or subprocess.run(cmd, env=child_env, cwd=REPO).returncode
-                return status
-            finally:
-                _stop(router)
+        router, url = _start_narwhal(python, config, Path(tmp) / "router.log", child_env)
+        try:
+            status = 0
+            for n in range(1, args.rounds + 1):
+                out = ["--json", f"{args.json_prefix}.{n}.json"] if args.json_prefix else []
+                cmd = [python, "-m", "narwhal", "bench", "--target", url, "--target-pid", str(router.pid),
+                       "--model", MODEL_NAME, "--baseline", "pair", "--pair", fleet["p1"].url,
+                       fleet["d1"].url, *bench_args, *out]
+                print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
+                status = status or subprocess.run(cmd, env=child_env, cwd=REPO).returncode
+            return status
+        finally:
+            _stop(router)
 
 
 def _sections(settings: list[str]) -> dict[str, dict[str, object]]:
@@ -131,6 +128,19 @@ def _sections(settings: list[str]) -> dict[str, dict[str, object]]:
     return sections
 
 
+def _start_narwhal(python: str, config: Path, log_path: Path, env: dict[str, str], *,
+                   wrap: list[str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """A Narwhal router on a free port (under ``python [wrap] -m narwhal``), once it serves; its URL."""
+    with log_path.open("w") as log:
+        proc = subprocess.Popen([python, *(wrap or []), "-m", "narwhal", "serve", "--config", str(config),
+                                 "--listen", "127.0.0.1:0"], stderr=log, env=env, start_new_session=True)
+    try:
+        return proc, _router_url(log_path, proc)
+    except BaseException:
+        _stop(proc)
+        raise
+
+
 def _stop(process: subprocess.Popen[bytes]) -> None:
     process.send_signal(signal.SIGTERM)
     try:
@@ -142,7 +152,7 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 
 def _user_sys(pid: int) -> tuple[float, float]:
     """User and system CPU seconds of ``pid`` and its descendants."""
-    from narwhal.tools.bench.procstat import descendants, read_stat
+    from narwhal.tools.bench.procstat import CLOCK_TICKS_PER_S, descendants, read_stat
 
     user = system = 0
     for each in [pid, *descendants(pid)]:
@@ -150,8 +160,7 @@ def _user_sys(pid: int) -> tuple[float, float]:
         if stat is not None:
             user += stat.utime
             system += stat.stime
-    tick = os.sysconf("SC_CLK_TCK")
-    return user / tick, system / tick
+    return user / CLOCK_TICKS_PER_S, system / CLOCK_TICKS_PER_S
 
 
 def _wait_http_ok(url: str, process: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
@@ -183,11 +192,9 @@ def _side_by_side(args: argparse.Namespace, bench_args: list[str], python: str, 
     status = 0
 
     def start(name: str) -> tuple[subprocess.Popen[bytes], str]:
-        log = (tmp / f"{name}.log").open("w")
         if name == "narwhal":
-            proc = subprocess.Popen([python, "-m", "narwhal", "serve", "--config", str(config), "--listen",
-                                     "127.0.0.1:0"], stderr=log, env=env, start_new_session=True)
-            return proc, _router_url(tmp / f"{name}.log", proc)
+            return _start_narwhal(python, config, tmp / f"{name}.log", env)
+        log = (tmp / f"{name}.log").open("w")
         port, metrics = free_port(), free_port()
         cmd = [args.vllm_router, "--vllm-pd-disaggregation", "--prefill", prefill,
                *[flag for url in decodes for flag in ("--decode", url)], "--host", "127.0.0.1", "--port",
@@ -236,19 +243,15 @@ def _profiled(args: argparse.Namespace, bench_args: list[str], python: str, conf
     status = 0
     for count in (int(n) for n in args.cprofile_requests.split(",")):
         out = Path(f"{args.cprofile_router}-{count}.prof").resolve()
-        log_path = tmp / f"profiled-{count}.log"
-        with log_path.open("w") as log:
-            proc = subprocess.Popen([python, "-m", "cProfile", "-o", str(out), "-m", "narwhal", "serve", "--config",
-                                     str(config), "--listen", "127.0.0.1:0"], stderr=log, env=env,
-                                    start_new_session=True)
-            try:
-                url = _router_url(log_path, proc)
-                cmd = [python, "-m", "narwhal", "bench", "--target", url, "--target-pid", str(proc.pid), "--model",
-                       model_name, "--warmup", "0", *bench_args, "--requests", str(count)]
-                print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
-                status = status or subprocess.run(cmd, env=env, cwd=REPO).returncode
-            finally:
-                _stop(proc)
+        proc, url = _start_narwhal(python, config, tmp / f"profiled-{count}.log", env,
+                                   wrap=["-m", "cProfile", "-o", str(out)])
+        try:
+            cmd = [python, "-m", "narwhal", "bench", "--target", url, "--target-pid", str(proc.pid), "--model",
+                   model_name, "--warmup", "0", *bench_args, "--requests", str(count)]
+            print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
+            status = status or subprocess.run(cmd, env=env, cwd=REPO).returncode
+        finally:
+            _stop(proc)
         print(f"wrote {out}", file=sys.stderr, flush=True)
     return status
 
