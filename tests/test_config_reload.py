@@ -234,7 +234,6 @@ pool_idle_s = 1.5
     # The engine timeouts: the data pool's, the control pool's, the health sweep's, the probes', the rechecks'.
     pool = router.data_plane.data_pool  # type: ignore[attr-defined]
     assert pool._config.first_token_deadline_s == 0.4 and pool._config.stream_silence_s == 0.6
-    assert pool.watchdog_tick_s == 0.4 / 20
     assert (pool._connections.connect_timeout_s, pool._connections.write_timeout_s,
             pool._connections.idle_s) == (0.7, 7.0, 1.5)
     assert router.control_pool._config.health_timeout_s == 0.3

@@ -9,7 +9,6 @@ trio's MockClock, and a ``Connection`` over a memory stream with only its
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 
@@ -18,6 +17,7 @@ import trio
 import trio.testing
 
 from narwhal.errors import ClientGone
+from narwhal.http1.alarm import Alarm
 from narwhal.http1.connection import Connection, ServerContext
 from narwhal.http1.protocol import Limits, Request
 from narwhal.http1.responder import Responder
@@ -167,48 +167,66 @@ class Pending:
         self.write_since = since
         self.disconnected = False
         self.stalls = 0
+        self.stalled_at = math.nan
 
     async def stalled(self) -> None:
         self.stalls += 1
+        self.stalled_at = trio.current_time()
         self.disconnected = True
 
 
 async def test_the_write_watchdog_closes_only_writes_older_than_the_timeout(autojump_clock) -> None:
     now = trio.current_time()
     stuck, recent, idle = Pending(now), Pending(now), Pending(math.inf)
+    alarm = Alarm()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(watch_writes, [stuck, recent, idle], 10.0)
+        nursery.start_soon(watch_writes, [stuck, recent, idle], 10.0, alarm)
         await trio.sleep(9.5)
         recent.write_since = trio.current_time()  # this one's write went out and another began
+        alarm.due(recent.write_since + 10.0)
         assert stuck.stalls == 0
         await trio.sleep(1.0)
         assert (stuck.stalls, recent.stalls, idle.stalls) == (1, 0, 0)
         await trio.sleep(30.0)
         # Once gone, a connection is never closed again.
         assert (stuck.stalls, recent.stalls, idle.stalls) == (1, 1, 0)
+        # Each at its deadline: the watchdog sleeps until the earliest write's, not on a tick.
+        assert (stuck.stalled_at, recent.stalled_at) == (now + 10.0, now + 19.5)
+        assert alarm.wakeups == 2 and alarm.at == math.inf
         nursery.cancel_scope.cancel()
 
 
-async def test_the_write_watchdog_sleeps_while_no_connection_is_open_and_watches_one_that_opens(
+async def test_the_write_watchdog_sleeps_while_no_write_waits_and_a_write_that_starts_to_wait_wakes_it(
         autojump_clock) -> None:
-    connections: list[Pending] = []
-    arrived = trio.Event()
-    waits: list[float] = []
-
-    async def connection_arrives() -> None:
-        waits.append(trio.current_time())
-        await arrived.wait()
-
+    connections: list[Pending] = [Pending(math.inf)]
+    alarm = Alarm()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(functools.partial(watch_writes, connections, 10.0, connection_arrives=connection_arrives))
+        nursery.start_soon(watch_writes, connections, 10.0, alarm)
         await trio.sleep(100.0)
-        assert waits == [0.0]  # asleep since it started: no tick with nothing to watch
+        assert alarm.at == math.inf and alarm.wakeups == 0  # asleep since it started: no tick
         stuck = Pending(trio.current_time())
         connections.append(stuck)
-        arrived.set()
-        await trio.sleep(10.5)
-        assert stuck.stalls == 1  # at most one tick late, as with a connection open all along
+        alarm.due(stuck.write_since + 10.0)
+        await trio.sleep(30.0)
+        assert stuck.stalls == 1 and stuck.stalled_at == 110.0
         nursery.cancel_scope.cancel()
+
+
+async def test_a_connection_whose_write_starts_to_wait_wakes_the_write_watchdog() -> None:
+    ctx = context(echo)
+    ours, _theirs = trio.testing.memory_stream_pair()
+    conn = Connection(ctx, ours)
+    woken = []
+
+    async def sleeper() -> None:
+        await ctx.watchdog_alarm.sleep_until(math.inf)
+        woken.append(True)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(sleeper)
+        await trio.testing.wait_all_tasks_blocked()
+        conn.write_waits(lambda: None)
+        await trio.testing.wait_all_tasks_blocked()
+        assert woken == [True] and conn.write_since < math.inf
 
 
 # ---- one connection over a memory stream: no server, no socket ----

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable
 
 import pytest
 import trio
 
+from narwhal.http1.alarm import Alarm
 from narwhal.http1.readiness import Readiness, WaitExpired, Watch
 
 _open: list[socket.socket] = []
@@ -105,11 +105,11 @@ async def test_forgetting_a_socket_wakes_its_waiter_with_closed_resource(nursery
 
 # timed waits: kept by whoever calls expire, with no cancel scope -------------------------
 
-async def watched_pair(nursery: trio.Nursery, on_timed: Callable[[], None] | None = None,
+async def watched_pair(nursery: trio.Nursery, alarm: Alarm | None = None,
                        ) -> tuple[Readiness, Watch, socket.socket, socket.socket]:
-    """A running hub (its timer hook set), and one socket of a pair in its set."""
+    """A running hub (the alarm of whoever keeps its deadlines set), and one socket of a pair in its set."""
     hub = Readiness()
-    hub.on_timed = on_timed
+    hub.alarm = alarm
     await nursery.start(hub.run)
     ours, peer = pair()
     watch = hub.watch(ours.fileno())
@@ -117,9 +117,23 @@ async def watched_pair(nursery: trio.Nursery, on_timed: Callable[[], None] | Non
     return hub, watch, ours, peer
 
 
+async def sleeping_alarm(nursery: trio.Nursery, until: float) -> tuple[Alarm, list[float]]:
+    """An alarm whose keeper sleeps until ``until``; the list gets the time of each wake-up."""
+    alarm = Alarm()
+    woken: list[float] = []
+
+    async def keeper() -> None:
+        await alarm.sleep_until(until)
+        woken.append(trio.current_time())
+    nursery.start_soon(keeper)
+    await trio.testing.wait_all_tasks_blocked()
+    assert alarm.sleeping
+    return alarm, woken
+
+
 async def test_a_timed_wait_fails_only_once_expire_finds_its_deadline_passed(nursery: trio.Nursery) -> None:
-    timer_woken: list[bool] = []
-    hub, watch, _ours, _peer = await watched_pair(nursery, lambda: timer_woken.append(True))
+    alarm, woken = await sleeping_alarm(nursery, float("inf"))
+    hub, watch, _ours, _peer = await watched_pair(nursery, alarm)
     outcome: list[str] = []
 
     async def waiter() -> None:
@@ -129,20 +143,56 @@ async def test_a_timed_wait_fails_only_once_expire_finds_its_deadline_passed(nur
             outcome.append("expired")
     nursery.start_soon(waiter)
     await trio.testing.wait_all_tasks_blocked()
-    # The first timed wait wakes the timer; the wait is pending in the set.
-    assert timer_woken == [True] and hub.timed_waits
-    hub.expire(99.9)
+    # A deadline before the keeper's wake-up wakes it; the wait is pending in the set.
+    assert len(woken) == 1 and hub.timed_waits
+    # Not yet due: the keeper learns when it is.
+    assert hub.expire(99.9) == 100.0
     await trio.testing.wait_all_tasks_blocked()
     assert outcome == []
-    hub.expire(100.0)
+    assert hub.expire(100.0) == float("inf")
     await trio.testing.wait_all_tasks_blocked()
     assert outcome == ["expired"]
     assert not hub.timed_waits
 
 
+async def test_a_timed_wait_due_after_the_keeper_wakes_does_not_wake_it(nursery: trio.Nursery) -> None:
+    now = trio.current_time()
+    alarm, woken = await sleeping_alarm(nursery, now + 100)
+    hub, watch, _ours, _peer = await watched_pair(nursery, alarm)
+    with trio.move_on_after(0.01):
+        await hub.wait(watch, deadline=now + 150)
+    assert woken == [] and alarm.sleeping
+    with trio.move_on_after(0.01):
+        await hub.wait(watch, deadline=now + 50)
+    assert len(woken) == 1 and not alarm.sleeping
+
+
+async def test_expire_tells_the_earliest_deadline_still_pending(nursery: trio.Nursery) -> None:
+    hub, first, _ours, _peer = await watched_pair(nursery, Alarm())
+    ours2, _peer2 = pair()
+    second = hub.watch(ours2.fileno())
+    assert second is not None
+
+    async def waiter(watch: Watch, deadline: float) -> None:
+        with pytest.raises(trio.ClosedResourceError):
+            await hub.wait(watch, deadline)
+    nursery.start_soon(waiter, first, 1_000_000.0)
+    nursery.start_soon(waiter, second, 500_000.0)
+    await trio.testing.wait_all_tasks_blocked()
+    assert hub.expire(0.0) == 500_000.0
+    # A closed socket's wait leaves the set at once, not at the next expire.
+    hub.forget(second)
+    await trio.testing.wait_all_tasks_blocked()
+    assert hub.expire(0.0) == 1_000_000.0
+    hub.forget(first)
+    await trio.testing.wait_all_tasks_blocked()
+    assert not hub.timed_waits and hub.expire(0.0) == float("inf")
+    ours2.close()
+
+
 async def test_a_timed_wait_woken_in_time_leaves_the_set_and_a_later_plain_wait_is_never_expired(
         nursery: trio.Nursery) -> None:
-    hub, watch, ours, peer = await watched_pair(nursery, lambda: None)
+    hub, watch, ours, peer = await watched_pair(nursery, Alarm())
     peer.send(b"x")
     with trio.fail_after(5):
         await hub.wait(watch, deadline=trio.current_time() + 100)
@@ -165,7 +215,7 @@ async def test_a_timed_wait_woken_in_time_leaves_the_set_and_a_later_plain_wait_
 
 
 async def test_a_cancelled_timed_wait_leaves_the_set(nursery: trio.Nursery) -> None:
-    hub, watch, _ours, _peer = await watched_pair(nursery, lambda: None)
+    hub, watch, _ours, _peer = await watched_pair(nursery, Alarm())
     with trio.move_on_after(0.01):
         await hub.wait(watch, deadline=trio.current_time() + 100)
     assert watch.task is None

@@ -437,8 +437,8 @@ async def test_idle_connection_closes_after_idle_timeout() -> None:
                 await trio.sleep(0.01)
 
 
-# The head, body and idle deadlines of plain-socket connections are kept by the write watchdog's tick
-# (the readiness set's timed waits), not by moving the connection scope's deadline twice a request.
+# The head, body and idle deadlines of plain-socket connections are kept by the write watchdog (the
+# readiness set's timed waits), not by moving the connection scope's deadline twice a request.
 _TICKED = {"header_timeout_s": 2.05, "body_timeout_s": 2.0, "idle_timeout_s": 10.05, "client_write_timeout_s": 30.0}
 
 
@@ -448,27 +448,41 @@ async def _until_eof(client: RawClient) -> float:
     return trio.current_time() - started
 
 
-async def test_an_idle_deadline_is_kept_by_the_watchdog_tick(autojump_clock: trio.testing.MockClock) -> None:
+async def test_an_idle_deadline_is_kept_by_the_watchdog(autojump_clock: trio.testing.MockClock) -> None:
     async with running(echo, **_TICKED) as (server, port), raw_client(port) as client:
         await client.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         await client.responses_complete(1)
         waited = await _until_eof(client)
-        # The tick is a twentieth of the smallest deadline (0.1 s): the close comes at the first tick after the
-        # idle deadline, never before it (a scope's deadline would close at exactly 10.05 s).
-        assert 10.05 < waited <= 10.15 + 1e-6
+        # The watchdog sleeps until the earliest deadline it keeps: the close comes at the idle deadline.
+        assert waited == pytest.approx(10.05, abs=1e-6)
         with trio.fail_after(1):
             while server.statistics().connections_open:
                 await trio.sleep(0.01)
 
 
-async def test_a_slow_head_gets_its_408_at_the_tick_after_its_deadline(
+async def test_the_front_watchdog_wakes_at_deadlines_not_on_a_tick(autojump_clock: trio.testing.MockClock) -> None:
+    async with running(echo, **_TICKED) as (server, port), raw_client(port) as client:
+        alarm = server._context.watchdog_alarm
+        for n in range(1, 31):
+            await client.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            await client.responses_complete(n)
+            await trio.sleep(1.0)
+        # 30 s of a request a second on one connection: each request pushes its idle deadline 10.05 s on, and
+        # the watchdog wakes when the earliest deadline it last saw comes (three or four times), where a tick
+        # of a twentieth of the smallest timeout woke it 300 times.
+        assert 1 <= alarm.wakeups <= 5
+        waited = await _until_eof(client)
+        assert waited == pytest.approx(10.05 - 1.0, abs=1e-6)
+
+
+async def test_a_slow_head_gets_its_408_at_its_deadline(
         autojump_clock: trio.testing.MockClock) -> None:
     async with running(echo, **_TICKED) as (_server, port), raw_client(port) as client:
         await client.send(b"GET / HTTP/1.1\r\nHo")
         waited = await _until_eof(client)
         assert b"408" in client.raw.split(b"\r\n", 1)[0] and b"header_timeout" in client.raw
-        # From the accept (the first request's head is timed from it): after 2.05 s, within one tick.
-        assert 2.05 < waited <= 2.15 + 1e-6
+        # From the accept (the first request's head is timed from it): at 2.05 s.
+        assert waited == pytest.approx(2.05, abs=1e-6)
 
 
 async def test_http10_closes_unless_keep_alive_requested() -> None:

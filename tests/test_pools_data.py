@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import socket
 from collections.abc import Awaitable, Callable
 
@@ -607,11 +608,10 @@ async def test_waiting_for_a_slot_past_the_callers_deadline_is_pool_saturated(se
 
 # the relay loop: watchdog deadlines, reads that never block ------------------------
 
-async def test_silence_deadline_fires_from_the_watchdog_tick(serve, make_pool, autojump_clock):
+async def test_silence_deadline_fires_from_the_watchdog_on_time(serve, make_pool, autojump_clock):
     engine = await serve(sse(EVENTS[0], then=trio.sleep_forever))
     pool = await make_pool(msgspec.structs.replace(FAST, stream_silence_s=10.0, first_token_deadline_s=20.0,
                                                    request_timeout_s=60.0))
-    assert pool.watchdog_tick_s == 0.5  # a twentieth of the smallest deadline
     items = []
     with pytest.raises(EngineFailure) as caught:
         async with pool.stream(engine.spec, "/v1/completions", b"{}", request_id="w1") as upstream:
@@ -621,12 +621,12 @@ async def test_silence_deadline_fires_from_the_watchdog_tick(serve, make_pool, a
     waited = trio.current_time() - silent_from
     assert items == [EVENTS[0]]
     assert caught.value.failure_class is FailureClass.STREAM and "silent for more than 10 s" in caught.value.message
-    # No scope per read: the watchdog's tick cancels the stream at most one tick late.
-    assert 10.0 <= waited <= 10.5 + 1e-6
+    # No scope per read: the watchdog, asleep until the stream's deadline, ends it then.
+    assert waited == pytest.approx(10.0, abs=1e-6)
     assert pool.statistics().in_use == 0
 
 
-async def test_first_token_deadline_fires_from_the_watchdog_tick(serve, make_pool, autojump_clock):
+async def test_first_token_deadline_fires_from_the_watchdog_on_time(serve, make_pool, autojump_clock):
     engine = await serve(sse(then=trio.sleep_forever))
     pool = await make_pool(msgspec.structs.replace(FAST, stream_silence_s=30.0, first_token_deadline_s=4.0,
                                                    request_timeout_s=60.0))
@@ -634,7 +634,7 @@ async def test_first_token_deadline_fires_from_the_watchdog_tick(serve, make_poo
     with pytest.raises(EngineFailure) as caught:
         await collect(pool, engine)
     assert caught.value.failure_class is FailureClass.STREAM and "first token" in caught.value.message
-    assert 4.0 <= trio.current_time() - started <= 4.0 + pool.watchdog_tick_s + 1e-6
+    assert trio.current_time() - started == pytest.approx(4.0, abs=1e-6)
 
 
 async def test_a_stream_deadline_is_raised_by_the_read_that_waits_not_by_a_cancelled_scope(
@@ -675,28 +675,45 @@ async def test_the_watchdog_sleeps_while_no_stream_is_live_and_a_new_stream_is_w
     pool = await make_pool(msgspec.structs.replace(FAST, stream_silence_s=30.0, first_token_deadline_s=4.0,
                                                    request_timeout_s=60.0))
     await trio.sleep(100.0)
-    # No stream: the watchdog waits for one instead of ticking every 0.2 s.
-    assert pool._stream_added.statistics().tasks_waiting == 1
+    # No stream: the watchdog sleeps until a deadline is due instead of ticking.
+    assert pool.alarm.at == math.inf and pool.alarm.wakeups == 0
     started = trio.current_time()
     with pytest.raises(EngineFailure) as caught:
         await collect(pool, engine)
     assert "no first token within 4 s" in caught.value.message
-    assert 4.0 <= trio.current_time() - started <= 4.0 + pool.watchdog_tick_s + 1e-6
-    await trio.sleep(1.0)
-    assert pool._stream_added.statistics().tasks_waiting == 1  # asleep again once the stream ended
+    assert trio.current_time() - started == pytest.approx(4.0, abs=1e-6)
+    await trio.sleep(100.0)
+    assert pool.alarm.at == math.inf  # asleep again once the stream ended
+    # Woken by the engine read's deadline (the first of the call's), by the stream's, and at it.
+    assert pool.alarm.wakeups <= 3
 
 
-async def test_a_read_timeout_is_kept_by_the_watchdog_tick_not_a_scope(serve, make_pool, autojump_clock):
+async def test_the_watchdog_wakes_at_deadlines_not_on_a_tick_while_a_stream_runs(serve, make_pool, autojump_clock):
+    async def one_a_second(request, stream, index):
+        await stream.send_all(SSE_HEAD)
+        for _ in range(60):
+            await trio.sleep(1.0)
+            await stream.send_all(chunk(EVENTS[0]))
+        await stream.send_all(chunk(EVENTS[2]) + LAST_CHUNK)
+        return True
+    engine = await serve(one_a_second)
+    pool = await make_pool(msgspec.structs.replace(FAST, stream_silence_s=10.0, first_token_deadline_s=20.0,
+                                                   request_timeout_s=60.0))
+    items, terminal = await collect(pool, engine)
+    assert terminal and b"".join(items).count(EVENTS[0]) == 60
+    # 60 s of a live stream: a look when each deadline could first be due (about every 10 s),
+    # where a tick of a twentieth of the smallest deadline woke it 120 times.
+    assert pool.alarm.wakeups <= 9
+
+async def test_a_read_timeout_is_kept_by_the_watchdog_not_a_scope(serve, make_pool, autojump_clock):
     async def respond(request, stream, index):
         await trio.sleep_forever()
     engine = await serve(respond)
-    # The tick is a twentieth of the smallest deadline (0.1 s); the read timeout falls between two ticks.
     pool = await make_pool(msgspec.structs.replace(FAST, stream_silence_s=2.0, first_token_deadline_s=2.0,
                                                    request_timeout_s=10.05))
-    assert pool.watchdog_tick_s == pytest.approx(0.1)
     await trio.sleep(5.0)
-    # Idle: the watchdog waits for work instead of ticking.
-    assert pool._stream_added.statistics().tasks_waiting == 1
+    # Idle: the watchdog sleeps until something is due instead of ticking.
+    assert pool.alarm.at == math.inf
     started = trio.current_time()
     waiting: list[bool] = []
 
@@ -711,29 +728,40 @@ async def test_a_read_timeout_is_kept_by_the_watchdog_tick_not_a_scope(serve, ma
     elapsed = trio.current_time() - started
     assert (caught.value.failure_class, caught.value.cause) == (FailureClass.TIMEOUT, "ReadTimeout")
     assert "no response bytes within 10.05 s" in caught.value.message
-    # The readiness set held the wait (no scope of its own), and the watchdog's next tick after
-    # the deadline failed it: never early, at most a tick late.
+    # The readiness set held the wait (no scope of its own), and the watchdog, asleep until its
+    # deadline, failed it then: never early, never late.
     assert waiting == [True]
-    assert 10.05 < elapsed <= 10.05 + pool.watchdog_tick_s + 1e-6
+    assert elapsed == pytest.approx(10.05, abs=1e-6)
     assert pool.statistics().in_use == 0
     await trio.sleep(1.0)
-    assert pool._stream_added.statistics().tasks_waiting == 1  # asleep again
+    assert pool.alarm.at == math.inf  # asleep again
 
 
-async def test_a_reload_gives_the_next_stream_its_first_token_deadline(serve, make_pool, autojump_clock):
+async def test_a_reload_gives_the_next_stream_its_first_token_deadline(serve, make_pool, nursery, autojump_clock):
     engine = await serve(sse(then=trio.sleep_forever))
     pool = await make_pool(msgspec.structs.replace(FAST, stream_silence_s=30.0, first_token_deadline_s=20.0,
                                                    request_timeout_s=60.0))
+    first_failed: list[float] = []
+
+    async def first_stream() -> None:
+        with pytest.raises(EngineFailure, match="no first token within 20 s"):
+            await collect(pool, engine)
+        first_failed.append(trio.current_time())
+    started = trio.current_time()
+    nursery.start_soon(first_stream)
+    await trio.sleep(1.0)
+    # The watchdog sleeps until the first stream's deadline, 19 s from now.
+    assert pool.alarm.at == pytest.approx(started + 20.0)
     pool.set_timeouts(msgspec.structs.replace(FAST, stream_silence_s=30.0, first_token_deadline_s=4.0,
                                               request_timeout_s=60.0, max_response_bytes=1024))
-    assert pool.watchdog_tick_s == 0.2
     assert pool._max_body == FAST.max_response_bytes  # a bound is not a timeout: kept as built
-    started = trio.current_time()
     with pytest.raises(EngineFailure) as caught:
         await collect(pool, engine)
     assert "no first token within 4 s" in caught.value.message
-    # The watchdog already sleeping its old tick (1 s) takes the new one from its next tick.
-    assert 4.0 <= trio.current_time() - started <= 4.0 + 1.0 + 1e-6
+    # The new stream's deadline, before the one the watchdog slept to, woke it to watch the new one.
+    assert trio.current_time() - started == pytest.approx(5.0, abs=1e-6)
+    await trio.sleep(20.0)
+    assert first_failed == [pytest.approx(started + 20.0, abs=1e-6)]
 
 
 async def test_a_slow_client_holding_up_the_relay_is_not_engine_silence(serve, make_pool, autojump_clock):

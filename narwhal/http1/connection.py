@@ -22,6 +22,7 @@ from email.utils import formatdate
 import trio
 
 from narwhal.errors import ClientGone
+from narwhal.http1.alarm import Alarm
 from narwhal.http1.protocol import HTTP1Protocol, Limits, Request, error_response
 from narwhal.http1.readiness import Readiness, WaitExpired
 from narwhal.http1.responder import Responder
@@ -62,7 +63,7 @@ class ServerContext:
 
     __slots__ = ("_common_head", "_common_head_second", "_server_header", "client_write_timeout_s", "clients_stalled",
                  "closing", "disconnects", "gone_events", "handler", "idle_timeout_s", "limits", "overflow_paths",
-                 "readiness", "requests_in_flight", "requests_total")
+                 "readiness", "requests_in_flight", "requests_total", "watchdog_alarm")
 
     def __init__(self, handler: Handler, *, limits: Limits, idle_timeout_s: float, client_write_timeout_s: float,
                  overflow_paths: frozenset[str], gone_events: int, server_name: bytes) -> None:
@@ -76,6 +77,8 @@ class ServerContext:
         self.gone_events = gone_events
         # Every connection's socket, for the task that reads it and to see clients leave mid-request.
         self.readiness = Readiness()
+        # When the write watchdog wakes next; a write that starts to wait may wake it sooner.
+        self.watchdog_alarm = Alarm()
         # The fallback disconnect watch, for connections the readiness set could not take.
         self.disconnects = DisconnectWatch(gone_events)
         # Shutting down: idle connections close, responses say ``connection: close``.
@@ -330,8 +333,14 @@ class Connection:
 
     def write_waits(self, on_stall: Callable[[], None]) -> None:
         """The pump holds a write that has to wait: the watchdog times it from now, like a blocked ``send``."""
-        self.write_since = self._now()
+        self._write_starts_to_wait()
         self.on_stall = on_stall
+
+    def _write_starts_to_wait(self) -> None:
+        """The watchdog times the pending write from now."""
+        since = self.write_since = self._now()
+        context = self.context
+        context.watchdog_alarm.due(since + context.client_write_timeout_s)
 
     def write_done(self) -> None:
         """The pump's write that waited went out or was given up."""
@@ -364,7 +373,7 @@ class Connection:
                 return
             rest = memoryview(data)[sent:]
         # Only a write that has to wait is watched (one clock read); the fast path above is not.
-        self.write_since = self._now()
+        self._write_starts_to_wait()
         try:
             await self.stream.send_all(rest)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:

@@ -28,10 +28,11 @@ the hub's own set once a batch (``busy_round``).
 
 A wait may carry a deadline (``wait(watch, deadline)``). No cancel scope is
 opened for it (a scope with a deadline costs about 7 µs of trio's Python, as
-much as a request leg's other bookkeeping): whoever drives the set's timers
-(``on_timed``; the data pool's watchdog) calls ``expire`` every tick, which
-fails each wait whose deadline has passed with ``WaitExpired``. Such a
-deadline therefore fires up to one tick late.
+much as a request leg's other bookkeeping): the watchdog that keeps the set's
+deadlines (its ``alarm``; the data pool's, the front's) calls ``expire``, which
+fails each wait whose deadline has passed with ``WaitExpired`` and tells it
+the earliest deadline still pending, to sleep until; a wait whose deadline
+comes before that wakes it (``Alarm.due``).
 
 A round's poll and hand-out (and idle_rounds.py's loop of rounds) run in C
 where the optional ``_relay_native`` module was built: the same steps, without
@@ -52,6 +53,7 @@ import trio
 
 from narwhal.compiled import optional_module
 from narwhal.errors import NarwhalError
+from narwhal.http1.alarm import Alarm
 
 __all__ = ["ROUNDS_NATIVE", "Readiness", "WaitExpired", "Watch"]
 
@@ -118,8 +120,8 @@ class Readiness:
         self._later: list[Watch] = []
         # Watches whose wait had a deadline; a woken or aborted one leaves at the next ``expire``.
         self._timed: set[Watch] = set()
-        # Called when a timed wait starts with none pending: whoever calls ``expire`` wakes to tick.
-        self.on_timed: Callable[[], None] | None = None
+        # The alarm of the watchdog that calls ``expire`` (None: nobody keeps deadlines; waits use scopes).
+        self.alarm: Alarm | None = None
         self.running = False
         # Live streams whose reads a handler does (the relay pump's).
         self.pumped = 0
@@ -142,24 +144,30 @@ class Readiness:
     @property
     def expires_waits(self) -> bool:
         """A wait's deadline is kept (someone calls ``expire``): callers need no scope of their own."""
-        return self.on_timed is not None
+        return self.alarm is not None
 
     @property
     def timed_waits(self) -> bool:
         """Some wait with a deadline may still be pending (``expire`` has work)."""
         return bool(self._timed)
 
-    def expire(self, now: float) -> None:
-        """Fail with ``WaitExpired`` each wait whose deadline is ``now`` or earlier."""
+    def expire(self, now: float) -> float:
+        """Fail with ``WaitExpired`` each wait whose deadline is ``now`` or earlier; the earliest deadline of
+        the waits still pending (inf: none)."""
         timed = self._timed
+        earliest = _INF
         for watch in list(timed):
             task = watch.task
-            if task is None or watch.deadline == _INF:
+            deadline = watch.deadline
+            if task is None or deadline == _INF:
                 # Woken, aborted, or waiting again with no deadline since.
                 timed.discard(watch)
-            elif now >= watch.deadline:
+            elif now >= deadline:
                 timed.discard(watch)
                 self.interrupt(watch, WaitExpired())
+            elif deadline < earliest:
+                earliest = deadline
+        return earliest
 
     def interrupt(self, watch: Watch, error: BaseException) -> bool:
         """Raise ``error`` in the task waiting on ``watch`` now; False when no task waits on it."""
@@ -216,6 +224,8 @@ class Readiness:
                 epoll.unregister(watch.fd)
             except (OSError, ValueError):
                 pass
+        # Not kept until the next ``expire``, which may be many seconds away.
+        self._timed.discard(watch)
         task, watch.task = watch.task, None
         if task is not None:
             trio.lowlevel.reschedule(task, outcome.Error(trio.ClosedResourceError("the socket was closed")))
@@ -309,8 +319,8 @@ class Readiness:
             # After the peer's close no edge comes again: the EOF (or error) waits to be read.
             watch.ready = False
             return
-        on_timed = self.on_timed
-        if not self.running or (deadline < _INF and on_timed is None):
+        alarm = self.alarm
+        if not self.running or (deadline < _INF and alarm is None):
             # The hub has stopped (shutdown), or nobody keeps deadlines: trio's own wait, under a scope.
             with trio.move_on_at(deadline) as scope:
                 await trio.lowlevel.wait_readable(watch.fd)
@@ -323,11 +333,10 @@ class Readiness:
         # Every wait sets it: a stale deadline must not expire a later wait that has none.
         watch.deadline = deadline
         if deadline < _INF:
-            timed = self._timed
-            if not timed:
-                assert on_timed is not None
-                on_timed()
-            timed.add(watch)
+            assert alarm is not None
+            if deadline < alarm.at:
+                alarm.wake()
+            self._timed.add(watch)
 
         def abort(_: Any) -> trio.lowlevel.Abort:
             watch.task = None

@@ -184,8 +184,6 @@ class HTTPServer:
         self._accept_scope: trio.CancelScope | None = None
         self._connections_scope: trio.CancelScope | None = None
         self._connections: set[Connection] = set()
-        # Set when a connection opens: the write watchdog sleeps on it while none is open.
-        self._connection_added = trio.Event()
 
     def __repr__(self) -> str:
         context = self._context
@@ -313,21 +311,12 @@ class HTTPServer:
         head, body and idle deadlines of the connections waiting in the readiness set."""
         context = self._context
         readiness = context.readiness
-        readiness.on_timed = self._wake_watchdog
+        readiness.alarm = context.watchdog_alarm
         try:
-            await watch_writes(self._connections, self._client_write_timeout_s,
-                               connection_arrives=self._connection_arrives, readiness=readiness,
-                               deadlines_s=(context.limits.header_timeout_s, context.limits.body_timeout_s,
-                                            context.idle_timeout_s))
+            await watch_writes(self._connections, self._client_write_timeout_s, context.watchdog_alarm,
+                               readiness=readiness)
         finally:
-            readiness.on_timed = None
-
-    def _wake_watchdog(self) -> None:
-        self._connection_added.set()
-
-    async def _connection_arrives(self) -> None:
-        self._connection_added = trio.Event()
-        await self._connection_added.wait()
+            readiness.alarm = None
 
     async def _serve_connection(self, stream: trio.abc.Stream) -> None:
         # trio sets TCP_NODELAY on accepted sockets (the hot path depends on it; a test checks it).
@@ -362,7 +351,6 @@ class HTTPServer:
             stream = secure
         conn = Connection(self._context, stream, overflow=overflow, accepted_at=accepted_at)
         self._connections.add(conn)
-        self._connection_added.set()
         try:
             await conn.run()
         except Exception as exc:

@@ -1,28 +1,29 @@
 """The front's two watchdogs: clients that stopped reading, and clients that left mid-request.
 
-The write watchdog's tick also keeps the head, body and idle deadlines of the
+The write watchdog also keeps the head, body and idle deadlines of the
 connections that wait in the server's readiness set (``Readiness.expire``);
 any other connection keeps them in its own cancel scope
 (``HTTP1Protocol.deadline``). These two watch every connection at once, from
-one task each, so that the hot path pays nothing for them.
+one task each, so that the hot path pays nothing for them. The write
+watchdog sleeps until the earliest deadline it keeps (``Alarm``), not on a tick.
 """
 
 from __future__ import annotations
 
 import select
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Collection
 from typing import Protocol
 
 import trio
 
+from narwhal.http1.alarm import Alarm
 from narwhal.http1.readiness import Readiness
 
 __all__ = ["DisconnectWatch", "WriteTimed", "watch_writes"]
 
-# How often, at most, the write watchdog looks for writes to clients that stopped reading.
-WATCHDOG_MAX_TICK_S = 1.0
-# And at least: tiny test timeouts must not make it spin.
-_MIN_TICK_S = 0.001
+# The write watchdog's shortest sleep: a deadline that did not take (a bug) must not make it spin.
+_MIN_SLEEP_S = 0.001
+_INF = float("inf")
 
 
 class WriteTimed(Protocol):
@@ -39,31 +40,29 @@ class WriteTimed(Protocol):
         ...
 
 
-async def watch_writes(connections: Collection[WriteTimed], timeout_s: float, *,
-                       connection_arrives: Callable[[], Awaitable[None]] | None = None,
-                       readiness: Readiness | None = None, deadlines_s: Collection[float] = ()) -> None:
+async def watch_writes(connections: Collection[WriteTimed], timeout_s: float, alarm: Alarm, *,
+                       readiness: Readiness | None = None) -> None:
     """Close the streams of clients whose pending write outlived ``timeout_s``.
 
-    One coarse tick for all connections instead of a cancel scope per write:
-    the hot path pays nothing unless a write has to wait. With no connection
-    open it sleeps in ``connection_arrives()`` (when given) instead of ticking.
-    With ``readiness`` it also fails that set's waits whose deadline passed, at
-    most a twentieth of the smallest of ``deadlines_s`` late (the head, body
-    and idle timeouts), and sleeps only when no such wait is pending either.
+    One task for all connections instead of a cancel scope per write: the hot
+    path pays nothing unless a write has to wait, and a write that starts to
+    wait calls ``alarm.due``. With ``readiness`` it also fails that set's waits
+    whose deadline passed (the head, body and idle timeouts). It sleeps until
+    the earliest of these deadlines, and while there is none until one is due.
     """
-    tick_s = min(WATCHDOG_MAX_TICK_S, timeout_s / 10, *(deadline / 20 for deadline in deadlines_s))
-    tick_s = max(tick_s, _MIN_TICK_S)
     while True:
-        if not connections and connection_arrives is not None and (readiness is None or not readiness.timed_waits):
-            await connection_arrives()
-        await trio.sleep(tick_s)
-        now = trio.current_time()
-        if readiness is not None:
-            readiness.expire(now)
-        expired_before = now - timeout_s
+        expired_before = trio.current_time() - timeout_s
         for conn in list(connections):
             if conn.write_since <= expired_before and not conn.disconnected:
                 await conn.stalled()
+        # Read after the awaits above: a deadline set meanwhile is in what follows.
+        now = trio.current_time()
+        wake_at = _INF if readiness is None else readiness.expire(now)
+        for conn in connections:
+            since = conn.write_since
+            if since + timeout_s < wake_at and not conn.disconnected:
+                wake_at = since + timeout_s
+        await alarm.sleep_until(max(wake_at, now + _MIN_SLEEP_S))
 
 
 class Watched(Protocol):

@@ -18,6 +18,7 @@ import msgspec
 import trio
 
 from narwhal.config import EngineConfig, EngineSpec, engine_endpoint
+from narwhal.http1.alarm import Alarm
 from narwhal.http1.client import (
     ConnectionClosed,
     DeadlineExpired,
@@ -40,8 +41,9 @@ _DONE_EVENT = b"data: [DONE]\n\n"
 _NO_DONE = "stream ended without data: [DONE]"
 # What is read after data: [DONE] while waiting for the body's end (a conforming engine sends nothing).
 _AFTER_TERMINAL_BYTES = 64 * 1024
-_MIN_TICK_S = 0.001
-_MAX_TICK_S = 1.0
+# The watchdog's shortest sleep: a deadline that did not take (a bug) must not make it spin.
+_MIN_SLEEP_S = 0.001
+_INF = float("inf")
 
 
 class DataPoolStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -66,16 +68,6 @@ def _post_request(engine: EngineSpec, path: str, body: bytes, request_id: str, a
         b"\r\ncontent-length: ", str(len(body)).encode("ascii"),
         b"\r\nx-request-id: ", request_id.encode("latin-1"), via, trace, b"\r\n\r\n", body,
     ))
-
-
-def watchdog_tick(config: EngineConfig) -> float:
-    """How often the watchdog checks deadlines: a twentieth of the smallest, at most 1 s.
-
-    So ``first_token_deadline_s``, ``stream_silence_s`` and a read's ``request_timeout_s`` fire at most 5%
-    (or 1 s) late.
-    """
-    smallest = min(config.first_token_deadline_s, config.stream_silence_s, config.request_timeout_s)
-    return max(_MIN_TICK_S, min(_MAX_TICK_S, smallest / 20))
 
 
 def _first_token_message(first_token_s: float) -> str:
@@ -103,7 +95,7 @@ class UpstreamStream:
     """
 
     __slots__ = ("_conn", "_engine", "_finished", "_first_token_at", "_first_token_s", "_scope", "_silence_s",
-                 "_started", "_watch", "expired", "headers", "saw_terminal", "status")
+                 "_started", "_watch", "expired", "first_due", "headers", "saw_terminal", "status")
 
     def __init__(self, engine: str, conn: EngineConnection, head: HTTPResponseHead, scope: trio.CancelScope | None,
                  *, first_token_s: float, silence_s: float) -> None:
@@ -117,7 +109,11 @@ class UpstreamStream:
         self._conn = conn
         self._scope = scope
         # The first-token deadline runs from when the request was sent.
-        self._first_token_at = conn.sent_at + first_token_s
+        first_token_at = self._first_token_at = conn.sent_at + first_token_s
+        # The earliest a deadline of this stream can pass (for the watchdog's alarm): its first token's,
+        # or its silence's if it starts and then waits (the request was sent before either).
+        silent_at = conn.sent_at + silence_s
+        self.first_due = first_token_at if first_token_at < silent_at else silent_at
         self._first_token_s = first_token_s
         self._silence_s = silence_s
         self._started = False
@@ -130,23 +126,30 @@ class UpstreamStream:
         counted by the SSE check as it ends each event, so the relay need not scan the reads again."""
         return self._watch.data_events
 
-    def check_deadline(self, now: float) -> None:
-        """The watchdog's tick: cancel the stream if its engine has kept it waiting too long."""
+    def check_deadline(self, now: float) -> float:
+        """The watchdog's look: cancel the stream if its engine has kept it waiting too long; else the
+        earliest time its next look is due (inf: never)."""
         if self._finished or self.expired is not None:
-            return
+            return _INF
         if not self._started:
-            if now >= self._first_token_at:
-                # The messages are formatted only here, when a deadline passed: not for every stream.
-                self.expired = _first_token_message(self._first_token_s)
-        elif now - self._conn.waiting_since >= self._silence_s:
+            if now < self._first_token_at:
+                # Once started, it may wait from then on: its silence can be due before its first-token deadline.
+                return min(self._first_token_at, now + self._silence_s)
+            # The messages are formatted only here, when a deadline passed: not for every stream.
+            self.expired = _first_token_message(self._first_token_s)
+        else:
             # waiting_since is +inf unless the relay is waiting for the engine right now: a slow
-            # client holding up the relay is not the engine's silence.
+            # client holding up the relay is not the engine's silence. A wait that starts after
+            # this look is silent no sooner than now + silence_s: no read has to wake the watchdog.
+            waiting_since = self._conn.waiting_since
+            if now - waiting_since < self._silence_s:
+                return (now if waiting_since == _INF else waiting_since) + self._silence_s
             self.expired = f"stream silent for more than {self._silence_s:g} s"
-        if self.expired is not None:
-            if self._scope is not None:
-                self._scope.cancel()
-            else:
-                self._conn.interrupt(DeadlineExpired(self.expired, cause="DeadlineExpired"))
+        if self._scope is not None:
+            self._scope.cancel()
+        else:
+            self._conn.interrupt(DeadlineExpired(self.expired, cause="DeadlineExpired"))
+        return _INF
 
     def __aiter__(self) -> UpstreamStream:
         return self
@@ -298,10 +301,9 @@ class DataPool:
         self._wait = wait_for_slot
         # Live decode streams, for the deadline watchdog (``run``).
         self._streams: set[UpstreamStream] = set()
-        # Set when a stream or a timed read starts: the watchdog sleeps on it while there is neither.
-        self._stream_added = trio.Event()
+        # When the watchdog wakes next: the earliest deadline of a stream or a timed read (``Alarm``).
+        self.alarm = Alarm()
         self._watchdog_running = False
-        self.watchdog_tick_s = watchdog_tick(engine_config)
         self._limiter = trio.CapacityLimiter(max_connections)
         # The engine sockets' readiness set; it runs (with the watchdog) in ``run``.
         self._readiness = Readiness()
@@ -330,7 +332,6 @@ class DataPool:
         """
         self._config = self._config.with_timeouts_of(engine_config)
         self._first_token_message = _first_token_message(self._config.first_token_deadline_s)
-        self.watchdog_tick_s = watchdog_tick(self._config)
         connections = self._connections
         connections.idle_s = engine_config.pool_idle_s
         connections.connect_timeout_s = engine_config.connect_timeout_s
@@ -387,31 +388,26 @@ class DataPool:
                 self.idle_rounds = None
 
     async def _watchdog(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """Every tick, cancel the streams whose engine kept them waiting too long, and fail the engine reads
-        (heads, buffered bodies) whose timeout passed: a read opens no cancel scope of its own."""
+        """Cancel the streams whose engine kept them waiting too long, and fail the engine reads (heads,
+        buffered bodies) whose timeout passed (a read opens no cancel scope of its own); asleep until the
+        earliest of those deadlines, or until a new one comes before it."""
         readiness = self._readiness
-        readiness.on_timed = self._wake_watchdog
+        alarm = self.alarm
+        readiness.alarm = alarm
         self._watchdog_running = True
         try:
             task_status.started()
             while True:
-                if not self._streams and not readiness.timed_waits:
-                    # Nothing to watch: asleep until a stream or a timed read starts, not ticking.
-                    self._stream_added = trio.Event()
-                    await self._stream_added.wait()
-                # Read each tick: a reload may shorten the deadlines.
-                await trio.sleep(self.watchdog_tick_s)
                 now = trio.current_time()
-                if self._streams:
-                    for upstream in list(self._streams):
-                        upstream.check_deadline(now)
-                readiness.expire(now)
+                wake_at = readiness.expire(now)
+                for upstream in list(self._streams):
+                    due = upstream.check_deadline(now)
+                    if due < wake_at:
+                        wake_at = due
+                await alarm.sleep_until(max(wake_at, now + _MIN_SLEEP_S))
         finally:
             self._watchdog_running = False
-            readiness.on_timed = None
-
-    def _wake_watchdog(self) -> None:
-        self._stream_added.set()
+            readiness.alarm = None
 
     def statistics(self) -> DataPoolStatistics:
         """Slots in use and waiting, connections opened so far, idle connections."""
@@ -493,7 +489,9 @@ class StreamCall:
         upstream = UpstreamStream(engine.name, conn, head, scope, first_token_s=first_token_s,
                                   silence_s=config.stream_silence_s)
         pool._streams.add(upstream)
-        pool._stream_added.set()
+        alarm = pool.alarm
+        if upstream.first_due < alarm.at:
+            alarm.wake()
         self._conn, self._upstream, self._scope = conn, upstream, scope
         if scope is not None:
             scope.__enter__()
