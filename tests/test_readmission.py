@@ -503,6 +503,30 @@ async def test_asking_for_maintenance_again_keeps_the_first_start(autojump_clock
     assert world.readmitter.maintenance("d1", world.now()) == first
 
 
+async def test_the_maintenance_start_is_the_wall_clock_read_when_it_began_whatever_the_clocks_do_after(
+        autojump_clock: MockClock) -> None:
+    # Seen on a VM: the wall clock ran 2.6 s ahead of the monotonic one in a minute. A start rebuilt as
+    # "wall now less the monotonic time since" moved 2.6 s later, and an engine restarted 0.5 s after the
+    # maintenance began was refused as not newer.
+    world = World()
+    stepped = [0.0]
+    world.readmitter.wall_clock = lambda: world.wall() + stepped[0]
+    await trio.sleep(100)
+    started_at = world.readmitter.maintenance("d1", world.now())
+    assert started_at == WALL_BASE + 100
+    await trio.sleep(0.5)
+    world.engines["d1"].process_started_at = world.readmitter.wall_clock()  # restarted now
+    stepped[0] = 2.6
+    await trio.sleep(60)
+    assert world.readmitter.maintenance_started_at("d1") == started_at
+    assert world.readmitter.admin_state("d1").maintenance_started_at == started_at
+    assert world.readmitter.maintenance("d1", world.now()) == started_at  # asked again: the first start
+    assert (await world.readmitter.readmit("d1", operator=True)).readmitted
+    # A later maintenance reads the wall clock afresh.
+    second = world.readmitter.maintenance("d1", world.now())
+    assert second == world.wall() + 2.6
+
+
 async def test_maintenance_and_drain_survive_a_resume_into_another_process(autojump_clock: MockClock) -> None:
     world = World()
     await trio.sleep(10)

@@ -190,6 +190,11 @@ class Readmitter:
         self._nursery: trio.Nursery | None = None
         # The process_started_at each engine's attested identity last reported.
         self._process_started: dict[str, float] = {}
+        # Per engine under maintenance begun here: (the hold's since, the wall clock then). The wall clock is
+        # read when the maintenance begins, not rebuilt later from the monotonic time elapsed: the two clocks
+        # can drift apart (a VM paused, the wall clock stepped), and the newer_process check compares an
+        # engine's start with this time to the second.
+        self._maintenance_walls: dict[str, tuple[float, float]] = {}
         # Told when an engine proves to be a newer process than the one placement knew: its caches are
         # empty (the router drops its prefix-index entries). Called with the engine's name.
         self.on_newer_process = on_newer_process
@@ -237,6 +242,7 @@ class Readmitter:
         self._locks.pop(name, None)
         self._last.pop(name, None)
         self._process_started.pop(name, None)
+        self._maintenance_walls.pop(name, None)
         self.model_lengths.forget(name)
         self.kv_publishers.forget(name)
         self.schedule.remove(name, self.clock())
@@ -258,11 +264,16 @@ class Readmitter:
     def maintenance(self, name: str, now: float) -> float:
         """Drain ``name`` for planned maintenance; returns the maintenance start (unix seconds).
 
-        The start is the maintenance hold's own ``since``, which the handoff saves,
-        so it survives a resume or takeover. Asking again keeps the first start.
+        The start is the wall clock read as the hold is added; after a resume or takeover,
+        the maintenance hold's own ``since``, which the handoff saves. Asking again keeps
+        the first start.
         """
         self._spec(name)
         self.fleet.add_hold(name, HoldKind.MAINTENANCE, "planned maintenance", now)
+        hold = next(h for h in self.fleet.view(name, now).holds if h.kind is HoldKind.MAINTENANCE)
+        if hold.since == now:
+            # Begun just now (not asked again): its wall-clock start is read now and kept.
+            self._maintenance_walls[name] = (hold.since, self.wall_clock())
         started_at = self.maintenance_started_at(name)
         assert started_at is not None  # the hold was just added
         log_event("engine_maintenance_started", engine=name, started_at=started_at,
@@ -278,6 +289,10 @@ class Readmitter:
         hold = next((h for h in view.holds if h.kind is HoldKind.MAINTENANCE), None)
         if hold is None:
             return None
+        kept = self._maintenance_walls.get(view.name)
+        if kept is not None and kept[0] == hold.since:
+            return kept[1]
+        # Begun by another process (a resume, a takeover): from the hold's time, as the handoff keeps it.
         return self.wall_clock() - (now - hold.since)
 
     def drained(self, name: str) -> bool:
