@@ -20,6 +20,14 @@ async def test_the_alarm_sleeps_until_its_time(autojump_clock: trio.testing.Mock
     assert alarm.at == -math.inf
 
 
+async def test_a_time_already_past_still_sleeps_a_millisecond_so_a_watchdog_cannot_spin(
+        autojump_clock: trio.testing.MockClock) -> None:
+    alarm = Alarm()
+    await trio.sleep(10.0)
+    await alarm.sleep_until(5.0)
+    assert trio.current_time() == 10.001 and alarm.wakeups == 1
+
+
 async def test_a_deadline_before_its_time_wakes_it_then_and_a_later_one_does_not(
         nursery: trio.Nursery, autojump_clock: trio.testing.MockClock) -> None:
     alarm = Alarm()

@@ -16,6 +16,8 @@ import trio
 __all__ = ["Alarm"]
 
 _INF = float("inf")
+# The shortest sleep: a deadline that did not take (a watchdog's bug) must not make it spin.
+_MIN_SLEEP_S = 0.001
 
 
 class Alarm:
@@ -44,14 +46,15 @@ class Alarm:
         return self.at != -_INF
 
     async def sleep_until(self, at: float) -> None:
-        """Until ``at`` (trio time; +inf: until woken) or until a deadline before it is ``due``."""
+        """Until ``at`` (trio time; +inf: until woken), at least a millisecond, or until a deadline before it
+        is ``due``."""
         self._woken = trio.Event()
         self.at = at
         try:
             if at == _INF:
                 await self._woken.wait()
             else:
-                with trio.move_on_at(at):
+                with trio.move_on_at(max(at, trio.current_time() + _MIN_SLEEP_S)):
                     await self._woken.wait()
         finally:
             self.at = -_INF

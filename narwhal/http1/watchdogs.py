@@ -21,8 +21,6 @@ from narwhal.http1.readiness import Readiness
 
 __all__ = ["DisconnectWatch", "WriteTimed", "watch_writes"]
 
-# The write watchdog's shortest sleep: a deadline that did not take (a bug) must not make it spin.
-_MIN_SLEEP_S = 0.001
 _INF = float("inf")
 
 
@@ -62,7 +60,7 @@ async def watch_writes(connections: Collection[WriteTimed], timeout_s: float, al
             since = conn.write_since
             if since + timeout_s < wake_at and not conn.disconnected:
                 wake_at = since + timeout_s
-        await alarm.sleep_until(max(wake_at, now + _MIN_SLEEP_S))
+        await alarm.sleep_until(wake_at)
 
 
 class Watched(Protocol):

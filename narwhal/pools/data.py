@@ -41,8 +41,6 @@ _DONE_EVENT = b"data: [DONE]\n\n"
 _NO_DONE = "stream ended without data: [DONE]"
 # What is read after data: [DONE] while waiting for the body's end (a conforming engine sends nothing).
 _AFTER_TERMINAL_BYTES = 64 * 1024
-# The watchdog's shortest sleep: a deadline that did not take (a bug) must not make it spin.
-_MIN_SLEEP_S = 0.001
 _INF = float("inf")
 
 
@@ -404,7 +402,7 @@ class DataPool:
                     due = upstream.check_deadline(now)
                     if due < wake_at:
                         wake_at = due
-                await alarm.sleep_until(max(wake_at, now + _MIN_SLEEP_S))
+                await alarm.sleep_until(wake_at)
         finally:
             self._watchdog_running = False
             readiness.alarm = None
