@@ -584,18 +584,22 @@ async def test_cache_aware_placement_follows_a_reloaded_prefill_set_in_both_work
             # A new prefix goes to the engine whose index is empty, p3, and stays there from either worker. The
             # least loaded come first, and a worker counts the other's requests as the controller last reported
             # them: one that still counts a warm-up request on p3 places the prefix on p2 (a miss between
-            # unequal loads), where it stays. So a new prefix is tried until one goes to p3 (a few at most).
+            # unequal loads), where it stays. So a new prefix is tried, a quarter second apart (past the next
+            # report: six tried back to back in 0.1 s all met the same stale count once), until one goes to p3.
             async def p3_prefills() -> int:
                 return int((await fleet.client.get(f"{p3.url}/mock/stats")).json()["prefill"])
 
-            new_group = 9
-            for new_group in range(9, 15):
+            new_group = 8
+
+            async def a_new_prefix_goes_to_p3() -> bool:
+                nonlocal new_group
+                new_group += 1
                 on_p3 = await p3_prefills()
                 await complete(new_group, 0)
-                if await p3_prefills() > on_p3:
-                    break
-            else:
-                raise AssertionError("six new prefixes in a row placed away from p3, the emptiest index")
+                return await p3_prefills() > on_p3
+
+            await wait_until(a_new_prefix_goes_to_p3, timeout_s=20.0,
+                             what="a new prefix placed on p3, the emptiest index", poll_s=0.25)
 
             async def p3_holds_it_in_both_workers() -> bool:
                 await complete(new_group, len(fleet.router.events("request")))
