@@ -89,6 +89,31 @@ async def test_a_worker_counts_the_others_in_flight_without_its_own_twice() -> N
                for _ in range(20))
 
 
+async def test_a_count_that_fell_to_zero_is_reported_at_the_busy_cadence_not_a_second_later(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # The request was counted done (its metric moved) while its engine was still counted in flight:
+    # the next look sees no new request and nothing in flight, yet the report it sent still says 1.
+    link = FakeLink()
+    w = worker(link)
+    w.plane.in_flight.acquire("d1")
+    w.metrics.requests.inc("/v1/completions", "200", "")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(w.report_loop)
+        await trio.sleep(0.15)
+        reports = [m for m in link.sent if isinstance(m, Report)]
+        assert reports[-1].in_flight == {"d1": 1}
+        w.plane.in_flight.release("d1")
+        sent = len(link.sent)
+        await trio.sleep(0.1)
+        reports = [m for m in link.sent[sent:] if isinstance(m, Report)]
+        assert [r.in_flight for r in reports] == [{}]
+        # Then quiet: nothing changed, so the idle cadence (a report a second) holds.
+        sent = len(link.sent)
+        await trio.sleep(0.85)
+        assert not [m for m in link.sent[sent:] if isinstance(m, Report)]
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_snapshot_carries_reloaded_placement_and_engine_timeouts_into_the_worker() -> None:
     w = worker(FakeLink())
     w.on_message(snapshot(1, placement=CONFIG.placement, engine_config=CONFIG.engine))
