@@ -647,6 +647,26 @@ def test_snapshot_restore_round_trip() -> None:
     assert restored.view("p1", 500.0).ejected_at == pytest.approx(10.0 + shift)
 
 
+def test_a_hold_keeps_the_wall_time_read_when_it_began_through_writes_and_restores() -> None:
+    fleet = make_fleet()
+    fleet.add_hold("d2", HoldKind.OPERATOR_DRAIN, "move rack", 12.0, wall=1_000_012.0)
+    fleet.add_hold("d2", HoldKind.OPERATOR_DRAIN, "move rack", 15.0, wall=1_000_099.0)  # asked again
+    fleet.add_hold("d1", HoldKind.MAINTENANCE, "planned", 12.0)  # no wall given: converted at each write
+
+    def starts(records: list[EngineRecord]) -> dict[str, float]:
+        return {record.name: hold.since_wall for record in records for hold in record.holds}
+
+    # The writer's wall clock stepped 2.6 s: the kept start does not move, the converted one does.
+    assert starts(fleet.snapshot(now=20.0, wall_now=1_000_020.0 + 2.6)) == {
+        "d2": 1_000_012.0, "d1": pytest.approx(1_000_012.0 + 2.6)}
+    restored = make_fleet()
+    restored.restore(fleet.snapshot(now=20.0, wall_now=1_000_020.0), now=500.0, wall_now=1_000_030.0)
+    assert restored.view("d2", 500.0).holds[0].since_wall == 1_000_012.0
+    # Restored, both are the handoff's wall times, whatever the next writer's clock reads.
+    assert starts(restored.snapshot(now=600.0, wall_now=1_000_130.0 - 1.7)) == {
+        "d2": 1_000_012.0, "d1": pytest.approx(1_000_012.0)}
+
+
 def test_restore_brings_past_deadlines_back_expired() -> None:
     records = build_busy_fleet().snapshot(now=13.0, wall_now=1_000_000.0)
     restored = make_fleet(quarantine_s=QUARANTINE_S)

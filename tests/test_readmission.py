@@ -503,14 +503,20 @@ async def test_asking_for_maintenance_again_keeps_the_first_start(autojump_clock
     assert world.readmitter.maintenance("d1", world.now()) == first
 
 
+def world_with_a_stepping_wall_clock() -> tuple[World, list[float]]:
+    """A World whose readmitter's wall clock runs ``stepped[0]`` seconds ahead of the true one."""
+    world = World()
+    stepped = [0.0]
+    world.readmitter.wall_clock = lambda: world.wall() + stepped[0]
+    return world, stepped
+
+
 async def test_the_maintenance_start_is_the_wall_clock_read_when_it_began_whatever_the_clocks_do_after(
         autojump_clock: MockClock) -> None:
     # Seen on a VM: the wall clock ran 2.6 s ahead of the monotonic one in a minute. A start rebuilt as
     # "wall now less the monotonic time since" moved 2.6 s later, and an engine restarted 0.5 s after the
     # maintenance began was refused as not newer.
-    world = World()
-    stepped = [0.0]
-    world.readmitter.wall_clock = lambda: world.wall() + stepped[0]
+    world, stepped = world_with_a_stepping_wall_clock()
     await trio.sleep(100)
     started_at = world.readmitter.maintenance("d1", world.now())
     assert started_at == WALL_BASE + 100
@@ -554,6 +560,45 @@ async def test_maintenance_and_drain_survive_a_resume_into_another_process(autoj
     assert (await readmitter.readmit("d1", operator=True)).readmitted
     assert fleet.eligible("decode", clock()) == ["d1"]
     assert [h.kind for h in fleet.view("d2", clock()).holds] == [HoldKind.OPERATOR_DRAIN]
+
+
+async def test_the_maintenance_start_crosses_a_takeover_as_read_whatever_either_routers_clocks_do(
+        autojump_clock: MockClock) -> None:
+    # The handoff carries each hold's start as wall time. Converted afresh at every write ("wall now less
+    # the monotonic time since"), a start moved with each step of the writer's wall clock, and again with
+    # the reader's after a takeover: an engine restarted just after maintenance began could be refused.
+    world, stepped = world_with_a_stepping_wall_clock()
+    await trio.sleep(100)
+    started_at = world.readmitter.maintenance("d1", world.now())
+    world.readmitter.drain("d2", world.now())
+    drained_at = world.wall()
+    await trio.sleep(0.5)
+    world.engines["d1"].process_started_at = world.wall()  # restarted half a second later
+    stepped[0] = 2.6  # the old router's wall clock steps ahead before its last write
+    records = world.fleet.snapshot(world.now(), world.readmitter.wall_clock())
+    holds = {h.kind: h.since_wall for record in records for h in record.holds}
+    assert holds == {HoldKind.MAINTENANCE: started_at, HoldKind.OPERATOR_DRAIN: drained_at}
+    document = msgspec.json.encode(records)
+    await trio.sleep(30)
+
+    # The standby: another monotonic origin, and a wall clock 1.7 s behind the old router's true time.
+    def clock() -> float:
+        return trio.current_time() + 500.0
+
+    def wall() -> float:
+        return world.wall() - 1.7
+
+    fleet = Fleet([(s.name, s.role) for s in world.config.engines], eject_after=3, liveness_misses=3,
+                  failure_quarantine_s=None, probe_interval_s=5.0)
+    fleet.restore(msgspec.json.decode(document, type=list[EngineRecord]), clock(), wall())
+    readmitter = Readmitter(config=world.config, fleet=fleet, control_pool=world.pool,
+                            in_flight=world.in_flight, metrics=world.metrics, clock=clock,
+                            wall_clock=wall, attestation_key=KEY)
+    assert readmitter.maintenance_started_at("d1") == started_at
+    # Its own writes keep the start as read, whatever its clock reads then.
+    again = fleet.snapshot(clock(), wall() + 5.0)
+    assert {h.kind: h.since_wall for record in again for h in record.holds} == holds
+    assert (await readmitter.readmit("d1", operator=True)).readmitted
 
 
 # ----- the schedule -----------------------------------------------------------------------------

@@ -242,13 +242,13 @@ class FleetWriter:
         return self._done(actions)
 
     def add_hold(self, name: str, kind: HoldKind, reason: str, now: float,
-                 deadline: float | None = None) -> list[Action]:
+                 deadline: float | None = None, *, wall: float | None = None) -> list[Action]:
         """``Fleet.add_hold`` (an inference-verification hold asks for a probe: run); none on a removed engine."""
         if self._decides is not None and not self._decides():
             return []
         if name not in self._fleet:
             return []
-        return self._done(self._fleet.add_hold(name, kind, reason, now, deadline))
+        return self._done(self._fleet.add_hold(name, kind, reason, now, deadline, wall=wall))
 
     def clear_hold(self, name: str, kind: HoldKind, now: float) -> bool:
         """``Fleet.clear_hold``; False for an engine a reload removed."""

@@ -552,10 +552,12 @@ class Fleet:
     # ----- holds, ejection, readmission -----
 
     def add_hold(self, name: str, kind: HoldKind, reason: str, now: float,
-                 deadline: float | None = None) -> list[Action]:
-        """Hold ``name`` out of placement; an inference-verification hold also asks for a probe."""
+                 deadline: float | None = None, *, wall: float | None = None) -> list[Action]:
+        """Hold ``name`` out of placement; an inference-verification hold also asks for a probe.
+
+        ``wall``: the wall clock read with ``now``, kept as the start of a hold that begins now."""
         engine = self._engines[name]
-        self._put_hold(engine, kind, reason, now, deadline)
+        self._put_hold(engine, kind, reason, now, deadline, wall=wall)
         actions: list[Action] = []
         if (kind is HoldKind.INFERENCE_VERIFICATION and not engine.ejected
                 and not engine.probe_in_flight and engine.next_probe_at is None):
@@ -684,7 +686,8 @@ class Fleet:
             name=engine.name, role=engine.role, model=engine.model, ejected=engine.ejected,
             ejected_reason=engine.ejected_reason, ejected_cause=engine.ejected_cause,
             ejected_at_wall=wall(engine.ejected_at),
-            holds=[HoldRecord(kind=hold.kind, reason=hold.reason, since_wall=wall_now + (hold.since - now),
+            holds=[HoldRecord(kind=hold.kind, reason=hold.reason,
+                              since_wall=wall_now + (hold.since - now) if hold.since_wall is None else hold.since_wall,
                               deadline_wall=wall(hold.deadline), deferred=hold.deferred, cause=hold.cause)
                    for kind in _HOLD_ORDER if (hold := engine.holds.get(kind)) is not None],
             streaks=dict(engine.streaks), liveness_misses=engine.liveness_misses,
@@ -726,7 +729,7 @@ class Fleet:
                 if engine.ejected_at is None:
                     engine.ejected_at = now
             engine.holds = {h.kind: Hold(h.kind, h.reason, now + (h.since_wall - wall_now),
-                                         mono(h.deadline_wall), h.deferred, _cause(h.cause))
+                                         mono(h.deadline_wall), h.deferred, _cause(h.cause), h.since_wall)
                             for h in record.holds}
             engine.streaks.update(record.streaks)
             engine.any_streak = any(engine.streaks.values())
@@ -785,15 +788,18 @@ class Fleet:
         return [Action(ActionKind.EJECT, engine.name, failure_class, reason)]
 
     def _put_hold(self, engine: _Engine, kind: HoldKind, reason: str, now: float,
-                  deadline: float | None, *, cause: Cause | None = None) -> None:
+                  deadline: float | None, *, cause: Cause | None = None, wall: float | None = None) -> None:
         if self._dirty or now >= self._next_deadline:
             self._refresh(now)
         # Last-engine protection decides at the moment the hold would bite.
         deferred = (kind in PROTECTED_HOLDS and not engine.ejected
                     and self._eligible_pool.get(engine.pool) == [engine.name])
         previous = engine.holds.get(kind)
-        since = previous.since if previous is not None and previous.deferred == deferred else now
-        engine.holds[kind] = Hold(kind, reason, since, deadline, deferred, cause)
+        if previous is not None and previous.deferred == deferred:
+            since, since_wall = previous.since, previous.since_wall
+        else:
+            since, since_wall = now, wall
+        engine.holds[kind] = Hold(kind, reason, since, deadline, deferred, cause, since_wall)
         self._changed()
         if deferred:
             self._emit(FleetEventKind.HOLD_DEFERRED, engine, now,

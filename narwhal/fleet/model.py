@@ -117,6 +117,11 @@ class Hold(msgspec.Struct, frozen=True):
     deferred: bool = False
     # failure_quarantine only: the evidence that caused it, which decides what may clear it.
     cause: Cause | None = None
+    # The wall clock (unix seconds) when the hold began, where it was read then (an operator's hold, or
+    # one restored from a handoff); None: converted from ``since`` when needed. Kept because the two
+    # clocks drift apart (a VM paused, the wall clock stepped), and a maintenance start is compared
+    # with an engine's process start to the second.
+    since_wall: float | None = None
 
 
 class FleetEventKind(enum.StrEnum):

@@ -92,7 +92,7 @@ from narwhal.control.readmission.model import CHAIN, Check, ReadmissionResult, R
 from narwhal.control.readmission.recheck import Rechecker
 from narwhal.control.readmission.schedule import EngineSchedule, ReadmissionSchedule
 from narwhal.errors import EngineFailure, PoolSaturated, SuccessKind
-from narwhal.fleet import DRAIN_HOLDS, EjectionCause, EngineView, FleetEvent, HoldKind
+from narwhal.fleet import DRAIN_HOLDS, EjectionCause, EngineView, FleetEvent, Hold, HoldKind
 from narwhal.fleet.placement import InFlightCounts
 from narwhal.fleet.tables import drained
 from narwhal.kv_events.sources import KvPublishers
@@ -139,6 +139,13 @@ def _iso(wall: float) -> str:
         return repr(wall)
     return datetime.datetime.fromtimestamp(wall, datetime.UTC).isoformat(timespec="milliseconds").replace(
         "+00:00", "Z")
+
+
+def _began_wall(hold: Hold, now: float, wall_clock: Callable[[], float]) -> float:
+    """When ``hold`` began, in unix seconds: as read then, else converted from its monotonic ``since``."""
+    if hold.since_wall is not None:
+        return hold.since_wall
+    return wall_clock() - (now - hold.since)
 
 
 class Readmitter:
@@ -190,11 +197,6 @@ class Readmitter:
         self._nursery: trio.Nursery | None = None
         # The process_started_at each engine's attested identity last reported.
         self._process_started: dict[str, float] = {}
-        # Per engine under maintenance begun here: (the hold's since, the wall clock then). The wall clock is
-        # read when the maintenance begins, not rebuilt later from the monotonic time elapsed: the two clocks
-        # can drift apart (a VM paused, the wall clock stepped), and the newer_process check compares an
-        # engine's start with this time to the second.
-        self._maintenance_walls: dict[str, tuple[float, float]] = {}
         # Told when an engine proves to be a newer process than the one placement knew: its caches are
         # empty (the router drops its prefix-index entries). Called with the engine's name.
         self.on_newer_process = on_newer_process
@@ -242,7 +244,6 @@ class Readmitter:
         self._locks.pop(name, None)
         self._last.pop(name, None)
         self._process_started.pop(name, None)
-        self._maintenance_walls.pop(name, None)
         self.model_lengths.forget(name)
         self.kv_publishers.forget(name)
         self.schedule.remove(name, self.clock())
@@ -257,23 +258,18 @@ class Readmitter:
     def drain(self, name: str, now: float) -> None:
         """Stop new placements on ``name`` (an operator_drain hold); in-flight requests finish."""
         self._spec(name)
-        self.fleet.add_hold(name, HoldKind.OPERATOR_DRAIN, "operator drain", now)
+        self.fleet.add_hold(name, HoldKind.OPERATOR_DRAIN, "operator drain", now, wall=self.wall_clock())
         log_event("engine_drain_requested", engine=name, in_flight=self.in_flight[name],
                   model=self.config.model_of(self._spec(name)))
 
     def maintenance(self, name: str, now: float) -> float:
         """Drain ``name`` for planned maintenance; returns the maintenance start (unix seconds).
 
-        The start is the wall clock read as the hold is added; after a resume or takeover,
-        the maintenance hold's own ``since``, which the handoff saves. Asking again keeps
-        the first start.
+        The start is the wall clock read as the hold is added, kept by the hold itself (and by
+        the handoff, so a resume or takeover keeps it too). Asking again keeps the first start.
         """
         self._spec(name)
-        self.fleet.add_hold(name, HoldKind.MAINTENANCE, "planned maintenance", now)
-        hold = next(h for h in self.fleet.view(name, now).holds if h.kind is HoldKind.MAINTENANCE)
-        if hold.since == now:
-            # Begun just now (not asked again): its wall-clock start is read now and kept.
-            self._maintenance_walls[name] = (hold.since, self.wall_clock())
+        self.fleet.add_hold(name, HoldKind.MAINTENANCE, "planned maintenance", now, wall=self.wall_clock())
         started_at = self.maintenance_started_at(name)
         assert started_at is not None  # the hold was just added
         log_event("engine_maintenance_started", engine=name, started_at=started_at,
@@ -289,11 +285,7 @@ class Readmitter:
         hold = next((h for h in view.holds if h.kind is HoldKind.MAINTENANCE), None)
         if hold is None:
             return None
-        kept = self._maintenance_walls.get(view.name)
-        if kept is not None and kept[0] == hold.since:
-            return kept[1]
-        # Begun by another process (a resume, a takeover): from the hold's time, as the handoff keeps it.
-        return self.wall_clock() - (now - hold.since)
+        return _began_wall(hold, now, self.wall_clock)
 
     def drained(self, name: str) -> bool:
         """True when ``name`` is under a drain or maintenance hold and has nothing in flight."""
@@ -350,7 +342,8 @@ class Readmitter:
         holds = self.fleet.view(spec.name, started).holds
         attempt = _Attempt(spec, self.maintenance_started_at(spec.name),
                            needs_inference=self.fleet.quarantine_needs_inference_check(spec.name, started),
-                           held_since_wall=started_wall - (started - min(h.since for h in holds)) if holds else None)
+                           held_since_wall=min(_began_wall(h, started, lambda: started_wall) for h in holds)
+                           if holds else None)
         check: str | None = None
         health_to_eligible_s: float | None = None
         try:
