@@ -215,10 +215,10 @@ class Worker:
         while True:
             await trio.sleep(REPORT_INTERVAL_S)
             requests = sum(self.metrics.requests.values.values())
-            # A count that fell to zero after the last report is news too: without it the other workers
-            # and the controller would keep counting that request for up to a second.
-            busy = (self.plane.in_flight.total() > 0 or requests != last_requests
-                    or self._in_flight_now() != self._reported_in_flight)
+            # A count that fell to zero after the last report is news too (with nothing in flight now, the
+            # last report differs from now when it counted anything): without it the other workers and the
+            # controller would keep counting that request for up to a second.
+            busy = self.plane.in_flight.total() > 0 or requests != last_requests or bool(self._reported_in_flight)
             quiet = 0 if busy else quiet + 1
             if not busy and quiet % 10:
                 continue
@@ -233,13 +233,10 @@ class Worker:
                 return
             flush_logs(only_if_due=True)
 
-    def _in_flight_now(self) -> dict[str, int]:
-        return {name: n for name, n in self.plane.in_flight.counts.items() if n}
-
     def send_report(self) -> None:
         """One report of in-flight counts, metrics and samples; remembers the counts it sent."""
         pool = self.plane.data_pool.statistics()
-        self._reported_in_flight = self._in_flight_now()
+        self._reported_in_flight = {name: n for name, n in self.plane.in_flight.counts.items() if n}
         self.link.send(Report(snapshot_seq=self.view.snapshot.seq, in_flight=self._reported_in_flight,
                               requests_in_flight=self.plane.server.statistics().requests_in_flight,
                               metrics=export_state(self.metrics.registry), samples=self.telemetry.take(),
