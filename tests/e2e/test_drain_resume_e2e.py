@@ -60,3 +60,38 @@ async def test_drain_survives_health_successes_and_resume_until_readmitted(start
         assert view["eligible"] and not view["holds"]
     finally:
         await resumed.stop()
+
+
+async def test_a_maintenance_start_survives_resume_as_it_was_read(start_fleet, nursery):
+    # The start is compared with an engine's process start to the second; a start converted again at each
+    # write and at the resume moved with every drift between the router's two clocks.
+    fleet = await start_fleet(decode=2, sections=FAST)
+    response = await fleet.client.post(f"{fleet.url}/admin/engines/d2/maintenance")
+    assert response.status_code == 200, response.text
+    started_at = response.json()["maintenance_started_at"]
+    handoff_path = fleet.config_path.parent / "handoff.json"
+
+    def saved_start() -> float | None:
+        if not handoff_path.exists():
+            return None
+        record = {r["name"]: r for r in json.loads(handoff_path.read_bytes())["engines"]}["d2"]
+        return next((h["since_wall"] for h in record["holds"] if h["kind"] == "maintenance"), None)
+
+    async def saved() -> bool:
+        return saved_start() is not None
+
+    await wait_until(saved, what="the maintenance hold in the handoff")
+    await wait_for_passes(fleet.client, fleet.url, 3)
+    assert saved_start() == started_at  # every pass writes it as it was read
+    assert await fleet.router.stop() == 0
+    resumed = await start_router(nursery, str(fleet.config_path), args=["--resume"])
+    try:
+        view = (await views(fleet.client, resumed.url))["d2"]
+        assert view["maintenance_started_at"] == started_at
+        # The engine was not restarted: its process is older than the maintenance, and stays out.
+        readmit = await fleet.client.post(f"{resumed.url}/admin/engines/d2/readmit")
+        assert readmit.status_code == 409 and "newer_process" in readmit.text, readmit.text
+        await wait_for_passes(fleet.client, resumed.url, 2)
+        assert saved_start() == started_at
+    finally:
+        await resumed.stop()
