@@ -233,3 +233,11 @@ def test_pinned_prints_the_routers_user_and_system_cpu_over_a_window(tmp_path: P
     assert user + system > 0 and per_1k > 0
     tokens_per_s = json.loads(report.read_text())["run"]["load"]["tokens_per_s"]
     assert per_1k == pytest.approx((user + system) * 1e6 / (tokens_per_s * 1.5), abs=0.1)
+
+
+def test_the_health_check_count_runs_checks_against_a_mock_and_prints_calls_per_check() -> None:
+    result = subprocess.run([sys.executable, "bench/health_check_calls.py", "20"], cwd=_REPO, capture_output=True,
+                            text=True, timeout=120, check=True)
+    per_check = float(result.stdout.split("Python calls per health check:")[1].split()[0])
+    # About 195 a check (docs/benchmarks.md); a check that failed would raise, not count.
+    assert 50 < per_check < 1000

@@ -355,3 +355,45 @@ async def test_a_call_under_a_nearer_caller_deadline_ends_there_and_drops_its_co
         assert len(accepted) == 2 and pool.idle_connections == 1
     finally:
         await pool.aclose()
+
+
+async def _recording_engine(stream: trio.SocketStream, *, heads: list[bytes]) -> None:
+    """Answers every GET with 200 on the same connection, keeping each request head."""
+    try:
+        while (head := await _request_head(stream)) is not None:
+            heads.append(head)
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+    except trio.BrokenResourceError:
+        return
+    finally:
+        await trio.aclose_forcefully(stream)
+
+
+async def test_a_get_built_once_per_engine_and_path_names_each_and_the_kept_ones_are_bounded(nursery, monkeypatch):
+    import narwhal.pools.control as control
+
+    monkeypatch.setattr(control, "_MAX_KEPT_REQUESTS", 2)
+    heads: list[bytes] = []
+    engines = []
+    for i in range(2):
+        listeners = await nursery.start(functools.partial(
+            trio.serve_tcp, functools.partial(_recording_engine, heads=heads), 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        engines.append(EngineSpec(name=f"e{i}", url=f"http://127.0.0.1:{port}", role="prefill"))
+    pool = ControlPool(control_connections=2, engine_config=EngineConfig(health_timeout_s=2.0), via="narwhal-r1")
+    try:
+        with trio.fail_after(5):
+            calls = [(engines[0], "/health"), (engines[1], "/health"), (engines[0], "/v1/models")] * 2
+            for engine, path in calls:
+                assert (await pool.get(engine, path)).status == 200
+        for (engine, path), head in zip(calls, heads, strict=True):
+            port = engine.url.rsplit(":", 1)[1]
+            assert head == (f"GET {path} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\naccept-encoding: identity\r\n"
+                            f"via: narwhal-r1\r\n\r\n").encode()
+        assert len(pool._get_requests) <= 2  # three targets, at most two kept
+        # An unsafe path is refused at every call, never kept.
+        for _ in range(2):
+            with pytest.raises(ValueError, match="unsafe request path"):
+                await pool.get(engines[0], "/a b")
+    finally:
+        await pool.aclose()

@@ -39,6 +39,8 @@ __all__ = ["ControlCalls", "ControlPool", "ControlPoolStatistics", "ControlRespo
 _GET_HEADERS = {"accept-encoding": "identity"}
 _JSON_HEADERS = {"content-type": "application/json", "accept-encoding": "identity"}
 _INF = float("inf")
+# GET requests kept built (per engine and path): a few paths for each of up to thousands of engines.
+_MAX_KEPT_REQUESTS = 4096
 
 
 class ControlResponse(msgspec.Struct, frozen=True):
@@ -99,6 +101,8 @@ class ControlPool:
             idle_s=engine_config.pool_idle_s,
             connect_timeout_s=engine_config.connect_timeout_s, write_timeout_s=engine_config.request_timeout_s,
             max_head_bytes=engine_config.max_response_header_bytes, ssl_context=ssl_context)
+        # Per (engine URL, path): the engine's address and the GET request, as _get_target built them.
+        self._get_requests: dict[tuple[str, str], tuple[str, int, bool, bytes]] = {}
         self._httpx = None if transport is None else _HttpxCalls(transport, control_connections, engine_config,
                                                                    via, ssl_context)
 
@@ -165,16 +169,27 @@ class ControlPool:
 
     async def _http1_call(self, method: str, engine: EngineSpec, path: str, body: bytes | None,
                           timeout_s: float, caller_deadline: float) -> ControlResponse:
-        host, port, host_header, tls = engine_endpoint(engine.url)
-        request = _request(method, path, host_header, body, self._via)
+        if body is None:
+            # A GET's request is the same every time for an engine and path (a health check each pass).
+            target = self._get_requests.get((engine.url, path))
+            if target is None:
+                target = self._get_target(engine.url, path)
+            host, port, tls, request = target
+        else:
+            host, port, host_header, tls = engine_endpoint(engine.url)
+            request = _request(method, path, host_header, body, self._via)
         connections = self._connections
+        clock = connections.clock
+        if clock is trio.current_time:
+            # The running clock's own method: trio's public function is three calls deep (release and take too).
+            connections.clock = clock = trio.lowlevel.current_clock().current_time
         if tls and connections.ssl_context is None:
             # No context given: the system's trust store, as httpx's verify=True (built once, when needed).
             connections.ssl_context = ssl.create_default_context()
         max_bytes = self._config.max_response_bytes
         heads: list[HTTPResponseHead] = []
         try:
-            if caller_deadline < trio.current_time() + timeout_s:
+            if caller_deadline < clock() + timeout_s:
                 # The caller's scope ends the call first (a health sweep's) and reports the timeout; one of ours
                 # would never fire, and a cancel scope costs about a fifth of a kept-alive check.
                 content = await self._call_whole(host, port, request, tls, max_bytes, heads)
@@ -191,6 +206,16 @@ class ControlPool:
         if scope.cancelled_caught:
             raise classify.call_timeout(engine.name, timeout_s, response_started=bool(heads))
         return ControlResponse(status=heads[0].status, body=content)
+
+    def _get_target(self, url: str, path: str) -> tuple[str, int, bool, bytes]:
+        """An engine's address and the GET of ``path`` on it, built once and kept (bounded)."""
+        host, port, host_header, tls = engine_endpoint(url)
+        target = (host, port, tls, _request("GET", path, host_header, None, self._via))
+        if len(self._get_requests) >= _MAX_KEPT_REQUESTS:
+            # Engines that came and went (discovery): start afresh rather than keep every one ever seen.
+            self._get_requests.clear()
+        self._get_requests[url, path] = target
+        return target
 
     async def _call_whole(self, host: str, port: int, request: bytes, tls: bool, max_bytes: float,
                           heads: list[HTTPResponseHead]) -> bytes:
