@@ -252,13 +252,16 @@ def test_temporary_quarantine_preserves_the_last_eligible_engine() -> None:
 def test_deferred_hold_is_applied_once_a_peer_is_eligible_again() -> None:
     fleet = make_fleet()
     fleet.add_hold("d1", HoldKind.OPERATOR_DRAIN, "upgrade", 0.0)
-    fleet.add_hold("d2", HoldKind.PERFORMANCE_DRIFT, "slow", 1.0)
+    fleet.add_hold("d2", HoldKind.PERFORMANCE_DRIFT, "slow", 1.0, wall=1_000_001.0)
     assert fleet.eligible("decode", 1.0) == ["d2"]
     fleet.drain_events()
     fleet.clear_hold("d1", HoldKind.OPERATOR_DRAIN, 2.0)
     assert fleet.eligible("decode", 2.0) == ["d1"]
     held = fleet.view("d2", 2.0).holds
     assert [(h.kind, h.deferred, h.since) for h in held] == [(HoldKind.PERFORMANCE_DRIFT, False, 2.0)]
+    # Applied now, it begins now on the wall clock too (not when it was recorded deferred).
+    [record] = [r for r in fleet.snapshot(now=2.0, wall_now=1_000_002.0) if r.name == "d2"]
+    assert [h.since_wall for h in record.holds] == [1_000_002.0]
     applied = [e for e in fleet.drain_events() if e.kind is FleetEventKind.HOLD_ADDED]
     assert [(e.engine, e.hold_kind) for e in applied] == [("d2", HoldKind.PERFORMANCE_DRIFT)]
 

@@ -874,7 +874,8 @@ class Fleet:
             if peer_eligible or engine.protected_hold_active():
                 for kind, hold in list(engine.holds.items()):
                     if hold.deferred:
-                        engine.holds[kind] = msgspec.structs.replace(hold, since=now, deferred=False)
+                        # Applied now: it begins now (no wall time read here; converted when written).
+                        engine.holds[kind] = msgspec.structs.replace(hold, since=now, deferred=False, since_wall=None)
                         self._emit(FleetEventKind.HOLD_ADDED, engine, now,
                                    f"{hold.reason} (applied: a peer is eligible again)", hold_kind=kind)
         if not candidates or any(not engine.protected_hold_active() for engine in candidates):

@@ -169,7 +169,7 @@ class ControlPool:
 
     async def _http1_call(self, method: str, engine: EngineSpec, path: str, body: bytes | None,
                           timeout_s: float, caller_deadline: float) -> ControlResponse:
-        if body is None:
+        if body is None and method == "GET":
             # A GET's request is the same every time for an engine and path (a health check each pass).
             target = self._get_requests.get((engine.url, path))
             if target is None:
