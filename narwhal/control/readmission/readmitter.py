@@ -141,11 +141,9 @@ def _iso(wall: float) -> str:
         "+00:00", "Z")
 
 
-def _began_wall(hold: Hold, now: float, wall_clock: Callable[[], float]) -> float:
+def _began_wall(hold: Hold, now: float, wall_now: float) -> float:
     """When ``hold`` began, in unix seconds: as read then, else converted from its monotonic ``since``."""
-    if hold.since_wall is not None:
-        return hold.since_wall
-    return wall_clock() - (now - hold.since)
+    return hold.since_wall if hold.since_wall is not None else wall_now - (now - hold.since)
 
 
 class Readmitter:
@@ -285,7 +283,7 @@ class Readmitter:
         hold = next((h for h in view.holds if h.kind is HoldKind.MAINTENANCE), None)
         if hold is None:
             return None
-        return _began_wall(hold, now, self.wall_clock)
+        return _began_wall(hold, now, self.wall_clock())
 
     def drained(self, name: str) -> bool:
         """True when ``name`` is under a drain or maintenance hold and has nothing in flight."""
@@ -342,8 +340,7 @@ class Readmitter:
         holds = self.fleet.view(spec.name, started).holds
         attempt = _Attempt(spec, self.maintenance_started_at(spec.name),
                            needs_inference=self.fleet.quarantine_needs_inference_check(spec.name, started),
-                           held_since_wall=min(_began_wall(h, started, lambda: started_wall) for h in holds)
-                           if holds else None)
+                           held_since_wall=min(_began_wall(h, started, started_wall) for h in holds) if holds else None)
         check: str | None = None
         health_to_eligible_s: float | None = None
         try:
