@@ -180,7 +180,8 @@ class ServingConfig(_Section, frozen=True):
     # (plain sockets; TLS keeps the request task's own relay). false: every stream relays in its own task.
     relay_pump: bool = True
     # Pumped streams' engine sockets sit in the hub's pump set, served from trio's own waits instead of trio
-    # waking the hub task per batch (narwhal/http1/idle_rounds.py). false: the hub task wakes each time.
+    # waking the hub task per batch (narwhal/http1/idle_rounds.py), and trio's loop runs a hub's round before its
+    # task's step (narwhal/http1/early_rounds.py). false: the hub task wakes each time and does its own rounds.
     relay_inline: bool = True
     # Bounded policy only: requests waiting for capacity at most (the lowest priority class is shed first).
     max_queue: int = 256

@@ -53,7 +53,7 @@ def test_ci_builds_and_runs_the_c_relay() -> None:
 def test_the_pump_suites_pass_with_only_the_python_path() -> None:
     pass_with_only_python(["tests/test_http1_pump.py", "tests/test_pools_data.py", "tests/test_hostile_engines.py",
                            "tests/test_http1_readiness.py", "tests/test_http1_idle_rounds.py",
-                           "tests/test_classify.py"],
+                           "tests/test_http1_early_rounds.py", "tests/test_classify.py"],
                           "from narwhal.http1 import pump, readiness; from narwhal.pools import classify; "
                           "assert not pump.RELAY_NATIVE and not readiness.ROUNDS_NATIVE "
                           "and classify._whole_data_events is None", timeout_s=400)

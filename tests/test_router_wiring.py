@@ -100,6 +100,16 @@ def test_data_pool_is_bounded_by_serving_max_connections_and_control_pool_by_con
     assert built.control_pool.statistics().control_connections == 3
 
 
+@pytest.mark.parametrize("inline", [True, False])
+def test_relay_inline_decides_whether_trios_loop_runs_the_rounds_of_the_front_and_the_data_pool(inline):
+    config = parse_config(CONFIG.format(policy="saturate"))
+    config = msgspec.structs.replace(config, serving=msgspec.structs.replace(config.serving, relay_inline=inline))
+    plane = Router(config).data_plane
+    assert isinstance(plane, LocalDataPlane)
+    hubs = [plane.data_pool._readiness, plane.server._context.readiness]
+    assert [hub._early_wanted for hub in hubs] == [inline, inline]
+
+
 @pytest.mark.parametrize(("policy", "queues"), [("saturate", False), ("bounded", True)])
 async def test_only_bounded_serving_queues_for_a_data_connection(autojump_clock, policy, queues):
     pool = router(policy).data_plane.data_pool

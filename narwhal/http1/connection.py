@@ -66,7 +66,8 @@ class ServerContext:
                  "readiness", "requests_in_flight", "requests_total", "watchdog_alarm")
 
     def __init__(self, handler: Handler, *, limits: Limits, idle_timeout_s: float, client_write_timeout_s: float,
-                 overflow_paths: frozenset[str], gone_events: int, server_name: bytes) -> None:
+                 overflow_paths: frozenset[str], gone_events: int, server_name: bytes,
+                 early_rounds: bool = True) -> None:
         self.handler = handler
         # What every connection's protocol enforces.
         self.limits = limits
@@ -76,7 +77,7 @@ class ServerContext:
         # What the disconnect watches take for the client being gone (a FIN or not: ``half_close``).
         self.gone_events = gone_events
         # Every connection's socket, for the task that reads it and to see clients leave mid-request.
-        self.readiness = Readiness()
+        self.readiness = Readiness(early_rounds=early_rounds)
         # When the write watchdog wakes next; a write that starts to wait may wake it sooner.
         self.watchdog_alarm = Alarm()
         # The fallback disconnect watch, for connections the readiness set could not take.

@@ -54,6 +54,7 @@ import trio
 from narwhal.compiled import optional_module
 from narwhal.errors import NarwhalError
 from narwhal.http1.alarm import Alarm
+from narwhal.http1.early_rounds import EarlyRounds
 
 __all__ = ["ROUNDS_NATIVE", "Readiness", "WaitExpired", "Watch"]
 
@@ -113,8 +114,10 @@ class Watch:
 class Readiness:
     """The set and its task (``run``); ``watch`` a socket once, ``wait`` on it any number of times."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, early_rounds: bool = True) -> None:
+        """``early_rounds``: trio's loop runs the hub task's round before its step where it can (early_rounds.py)."""
         self._epoll = select.epoll()
+        self._early_wanted = early_rounds
         self._watches: dict[int, Watch] = {}
         # Watches whose handler asked to be called again on the next round (``later``).
         self._later: list[Watch] = []
@@ -135,6 +138,15 @@ class Readiness:
         self.pump_rounds = 0
         # Rounds of the hub's set run from trio's busy loop (``busy_round``).
         self.busy_rounds = 0
+        # The hub task, while it runs (``early_rounds.py`` looks whether trio has scheduled it).
+        self.task: trio.lowlevel.Task | None = None
+        # A round run for the hub task before its step (``early_round``), not yet taken by it: whether it stopped
+        # short, or what it raised.
+        self.early_pending = False
+        self._early_short = False
+        self._early_error: BaseException | None = None
+        # Rounds run that way.
+        self.early_rounds = 0
 
     @property
     def has_later(self) -> bool:
@@ -349,6 +361,8 @@ class Readiness:
         epoll_fd = self._epoll.fileno()
         watches = self._watches
         self.running = True
+        self.task = trio.lowlevel.current_task()
+        early = self._early_wanted and EarlyRounds.join(self)
         try:
             task_status.started()
             short = False
@@ -360,8 +374,21 @@ class Readiness:
                     await trio.lowlevel.checkpoint()
                 else:
                     await trio.lowlevel.wait_readable(epoll_fd)
-                short = self._round()
+                if self.early_pending:
+                    # trio's loop ran this round before the step (early_rounds.py).
+                    self.early_pending = False
+                    error, self._early_error = self._early_error, None
+                    if error is not None:
+                        raise error
+                    short = self._early_short
+                else:
+                    short = self._round()
         finally:
+            if early:
+                EarlyRounds.leave(self)
+            self.task = None
+            self.early_pending = False
+            self._early_error = None
             self.running = False
             self._later.clear()
             self._timed.clear()
@@ -370,6 +397,17 @@ class Readiness:
                 if handler is not None:
                     handler(HUB_STOPPED)
                 self.forget(watch)
+
+    def early_round(self) -> None:
+        """The hub task's next round, run from trio's loop after its I/O wait and before the batch the task steps
+        in (``early_rounds.py``): the tasks it wakes run in that batch; the task takes the outcome."""
+        self.early_rounds += 1
+        self.early_pending = True
+        try:
+            self._early_short = self._round()
+        except BaseException as exc:
+            # Raised by the hub task, as from its own round.
+            self._early_error = exc
 
     def busy_round(self) -> None:
         """The hub's set polled once from trio's busy loop (``idle_rounds.py``): ready sockets' tasks are woken (or

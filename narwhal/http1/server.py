@@ -152,6 +152,7 @@ class HTTPServer:
         max_client_connections: int | None = None,
         overflow_paths: frozenset[str] = frozenset({"/health"}),
         half_close: bool = True,
+        early_rounds: bool = True,
         server_name: bytes = b"narwhal",
         ssl_context: ssl.SSLContext | None = None,
         yield_at_cap: bool = False,
@@ -179,7 +180,7 @@ class HTTPServer:
                           header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s),
             idle_timeout_s=idle_timeout_s, client_write_timeout_s=client_write_timeout_s,
             overflow_paths=overflow_paths, gone_events=_RESET_EVENTS if half_close else _GONE_EVENTS,
-            server_name=server_name)
+            server_name=server_name, early_rounds=early_rounds)
         self._shutdown_deadline = float("inf")
         self._accept_scope: trio.CancelScope | None = None
         self._connections_scope: trio.CancelScope | None = None

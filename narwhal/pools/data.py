@@ -304,7 +304,7 @@ class DataPool:
         self._watchdog_running = False
         self._limiter = trio.CapacityLimiter(max_connections)
         # The engine sockets' readiness set; it runs (with the watchdog) in ``run``.
-        self._readiness = Readiness()
+        self._readiness = Readiness(early_rounds=relay_inline)
         self._relay_inline = relay_inline
         # Runs the hub's rounds from trio's idle wait while pump streams are live (``run``; None: it does not).
         self.idle_rounds: IdleRounds | None = None

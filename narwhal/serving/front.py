@@ -129,7 +129,8 @@ def build_front_server(config: Config, front: Front, ssl_context: ssl.SSLContext
                       max_body_bytes=serving.max_body_bytes, idle_timeout_s=serving.idle_timeout_s,
                       header_timeout_s=serving.header_timeout_s, body_timeout_s=serving.body_timeout_s,
                       client_write_timeout_s=serving.client_write_timeout_s,
-                      max_client_connections=client_cap, ssl_context=ssl_context, yield_at_cap=yield_at_cap)
+                      max_client_connections=client_cap, ssl_context=ssl_context, yield_at_cap=yield_at_cap,
+                      early_rounds=serving.relay_inline)
 
 
 def build_admin_server(config: Config, handler: Handler, ssl_context: ssl.SSLContext | None) -> HTTPServer:
