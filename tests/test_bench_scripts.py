@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import pstats
 import re
 import shutil
 import subprocess
@@ -241,3 +242,14 @@ def test_the_health_check_count_runs_checks_against_a_mock_and_prints_calls_per_
     per_check = float(result.stdout.split("Python calls per health check:")[1].split()[0])
     # About 195 a check (docs/benchmarks.md); a check that failed would raise, not count.
     assert 50 < per_check < 1000
+
+
+def test_the_idle_profile_is_an_idle_routers_calls_with_its_monitor_passes(tmp_path: Path) -> None:
+    out = tmp_path / "idle.prof"
+    subprocess.run(["bench/idle_prof.sh", ".", str(out), "2"], cwd=_REPO, capture_output=True, text=True,
+                   timeout=120, check=True)
+    calls = {(Path(file).name, function): row[1]
+             for (file, _, function), row in pstats.Stats(str(out)).stats.items()}  # type: ignore[attr-defined]
+    # Two seconds idle at one pass a second: the passes ran, and no completion request did.
+    assert calls[("monitor.py", "run_pass")] >= 2
+    assert calls.get(("request_core.py", "_serve"), 0) == 0

@@ -120,6 +120,84 @@ async def test_any_subset_of_stages_runs_and_unknown_names_have_no_order(autojum
     assert result.ok and stages[0].started[1] == 0.0 and stages[1].started[1] == 0.0
 
 
+class FakeNowStage(FakeStage):
+    """A stage that never waits: the pass calls ``run_now``; ``run`` must not be used."""
+
+    def __init__(self, name: str, *, fail_on: Iterable[int] = ()) -> None:
+        super().__init__(name, fail_on=fail_on)
+
+    async def run(self, pass_number: int) -> None:
+        raise AssertionError("a stage with run_now is called, not run in a task")
+
+    def run_now(self, pass_number: int) -> None:
+        self.started[pass_number] = trio.current_time()
+        if pass_number in self.fail_on:
+            raise self.error(f"{self.name} broke in pass {pass_number}")
+        self.finished[pass_number] = trio.current_time()
+
+
+NEVER_WAIT = ("controller", "drain", "rollover", "liveness", "telemetry")
+
+
+def mixed_stages(durations: dict[str, float], fail_on: dict[str, set[int]] | None = None) -> list[FakeStage]:
+    """The shipped mix: the stages that never wait as plain calls, the others as tasks taking ``durations``."""
+    fail_on = fail_on or {}
+    return [FakeNowStage(name, fail_on=fail_on.get(name, ())) if name in NEVER_WAIT
+            else FakeStage(name, duration_s=durations.get(name, 0.0), fail_on=fail_on.get(name, ()))
+            for name in STAGE_NAMES]
+
+
+async def test_plain_call_stages_start_after_the_stages_they_read(autojump_clock: MockClock) -> None:
+    stages = mixed_stages({"health": 0.4, "readmission": 0.7, "persistence": 0.1})
+    by_name = {s.name: s for s in stages}
+    await make_monitor(stages).run_pass()
+    starts = {name: by_name[name].started[1] for name in STAGE_NAMES}
+    assert starts == {"health": 0.0, "drain": 0.0, "rollover": 0.0, "readmission": 0.0,
+                      "controller": 0.4,           # after rollover (called at once) and health (0.4)
+                      "liveness": 0.4,             # after health
+                      "telemetry": 0.0,            # after rollover, called before it in the list's order
+                      "persistence": 0.7}          # after all seven; readmission ends last at 0.7
+    assert trio.current_time() == pytest.approx(0.8)
+
+
+async def test_a_plain_call_stage_that_raises_is_recorded_and_stops_nothing(autojump_clock: MockClock) -> None:
+    stages = mixed_stages({"health": 0.2}, fail_on={"rollover": {1}, "liveness": {1}})
+    result = await make_monitor(stages).run_pass()
+    assert [(e.stage, e.error_class, e.message) for e in result.errors] == [
+        ("rollover", "RuntimeError", "rollover broke in pass 1"),
+        ("liveness", "RuntimeError", "liveness broke in pass 1")]
+    assert {s.name for s in stages if 1 in s.finished} == set(STAGE_NAMES) - {"rollover", "liveness"}
+    assert {s.name for s in stages if 1 in s.started} == set(STAGE_NAMES)
+
+
+class SpawnCount(trio.abc.Instrument):
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def task_spawned(self, task: trio.lowlevel.Task) -> None:
+        self.names.append(task.name)
+
+
+async def test_a_pass_starts_a_task_only_for_stages_that_wait_and_not_for_its_last(autojump_clock: MockClock) -> None:
+    # The pass's own task calls the plain stages and runs persistence, the last, itself.
+    stages = mixed_stages({"health": 0.1, "readmission": 0.1, "persistence": 0.1})
+    spawned = SpawnCount()
+    trio.lowlevel.add_instrument(spawned)
+    try:
+        result = await make_monitor(stages).run_pass()
+    finally:
+        trio.lowlevel.remove_instrument(spawned)
+    assert result.ok
+    assert sorted(spawned.names) == ["monitor stage health", "monitor stage readmission"]
+
+
+async def test_stages_that_wait_for_each_other_are_a_defect_not_a_hang(autojump_clock: MockClock) -> None:
+    monitor = make_monitor([FakeStage("a"), FakeStage("b")])
+    monitor._after = {"a": ("b",), "b": ("a",)}
+    with pytest.RaisesGroup(pytest.RaisesExc(RuntimeError, match="wait for each other")):
+        await monitor.run_pass()
+
+
 def test_duplicate_stage_names_are_refused() -> None:
     with pytest.raises(ValueError, match="unique"):
         make_monitor([FakeStage("health"), FakeStage("health")])

@@ -100,6 +100,13 @@ def test_data_pool_is_bounded_by_serving_max_connections_and_control_pool_by_con
     assert built.control_pool.statistics().control_connections == 3
 
 
+def test_the_stages_that_never_wait_are_plain_calls_and_the_others_tasks():
+    # The monitor calls run_now in its pass's task; health, readmission and persistence wait (engines, the disk).
+    stages = router().monitor.stages
+    assert {stage.name for stage in stages if hasattr(stage, "run_now")} == {
+        "controller", "drain", "rollover", "liveness", "telemetry"}
+
+
 @pytest.mark.parametrize("inline", [True, False])
 def test_relay_inline_decides_whether_trios_loop_runs_the_rounds_of_the_front_and_the_data_pool(inline):
     config = parse_config(CONFIG.format(policy="saturate"))

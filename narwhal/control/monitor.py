@@ -2,8 +2,9 @@
 
 A pass runs the eight stages the spec lists (controller logic, health checks,
 drain settlement, interval rollover, readmission, liveness, telemetry, handoff
-persistence) under one nursery, each in its own cancel scope bounded by
-``stage_timeout_s``. A stage's exception, or its timeout (recorded with the
+persistence) under one nursery, each that waits in its own task and cancel
+scope bounded by ``stage_timeout_s`` (the others are plain calls: below). A
+stage's exception, or its timeout (recorded with the
 class ``TimeoutError``), is caught, counted in
 ``narwhal_monitor_stage_errors_total{stage,class}``, logged as one
 ``stage_error`` JSON line, and never stops the other stages. Only ``Exception``
@@ -22,6 +23,14 @@ produces in the same pass (``RUNS_AFTER``):
 A stage waits for its predecessors to finish, successfully or not; its own
 timeout starts when it starts. A dependency on a stage that is not in the
 monitor's list is ignored, so tests can run any subset.
+
+Stages that never wait (controller, drain, rollover, liveness, telemetry:
+they read and write in-memory state) offer ``run_now``, a plain call: the
+pass calls it in its own task once the stage's predecessors are done, each
+call guarded like a task's run, instead of starting a task and a cancel scope
+for it (trio's work around a task was most of an idle pass's Python). Nothing
+can cut a call that does not wait, so ``stage_timeout_s`` bounds only the
+stages that wait (health, readmission, persistence).
 
 Failure streak. A pass with at least one stage error adds one to
 ``failure_streak``; at ``failure_limit`` admission closes with
@@ -66,7 +75,10 @@ STAGE_TIMEOUT_CLASS = "TimeoutError"
 
 
 class Stage(Protocol):
-    """One monitor stage: a name from ``STAGE_NAMES`` and one async job per pass."""
+    """One monitor stage: a name from ``STAGE_NAMES`` and one async job per pass.
+
+    A stage that never waits may also have ``run_now(pass_number)``, the same job as a plain call, which the
+    pass calls instead of starting a task for ``run``."""
 
     name: str
 
@@ -101,6 +113,16 @@ def _leaf(exc: BaseException) -> BaseException:
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     return exc
+
+
+class _Progress:
+    """A pass's stage tasks still running, and the event the next one to end sets."""
+
+    __slots__ = ("ended", "running")
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.ended = trio.Event()
 
 
 class Monitor:
@@ -173,15 +195,49 @@ class Monitor:
         number = self.passes
         started_at = self.clock()
         errors: list[StageError] = []
-        finished = {stage.name: trio.Event() for stage in self.stages}
         acting = self._acting is None or self._acting()
+        # Stages finished in this pass (or not run by a replica), and those still to start.
+        done: set[str] = set()
+        waiting: list[Stage] = []
+        for stage in self.stages:
+            if acting or stage.name in self._passive:
+                waiting.append(stage)
+            else:
+                done.add(stage.name)
+        progress = _Progress()
         async with trio.open_nursery() as nursery:
-            for stage in self.stages:
-                if not acting and stage.name not in self._passive:
-                    finished[stage.name].set()
-                    continue
-                nursery.start_soon(self._run_stage, stage, number, finished, errors,
-                                   name=f"monitor stage {stage.name}")
+            while waiting:
+                blocked: list[Stage] = []
+                called = False
+                for stage in waiting:
+                    if not done.issuperset(self._after[stage.name]):
+                        blocked.append(stage)
+                        continue
+                    run_now = getattr(stage, "run_now", None)
+                    if run_now is None and not progress.running and len(done) + 1 == len(self.stages):
+                        # The pass's last stage (persistence, unless a replica's): no task to start for it.
+                        self._record(await self._guarded(stage, number), errors)
+                        done.add(stage.name)
+                        called = True
+                        continue
+                    if run_now is None:
+                        progress.running += 1
+                        nursery.start_soon(self._run_stage, stage, number, done, errors, progress,
+                                           name=f"monitor stage {stage.name}")
+                        continue
+                    try:
+                        run_now(number)
+                    except Exception as exc:  # noqa: BLE001 - one stage's failure must not stop its siblings
+                        self._record(self._stage_error(stage, exc, number), errors)
+                    done.add(stage.name)
+                    called = True
+                waiting = blocked
+                if waiting and not called:
+                    if not progress.running:
+                        raise RuntimeError(f"monitor stages wait for each other: {[s.name for s in waiting]}")
+                    # Until a stage task ends (a plain call may have let stages later in the list start at once).
+                    await progress.ended.wait()
+                    progress.ended = trio.Event()
         errors.sort(key=lambda error: self._position[error.stage])
         result = PassResult(number=number, started_at=started_at, finished_at=self.clock(), errors=errors)
         self.last_pass = result
@@ -189,17 +245,24 @@ class Monitor:
         self._settle(result)
         return result
 
-    async def _run_stage(self, stage: Stage, number: int, finished: dict[str, trio.Event],
-                         errors: list[StageError]) -> None:
+    async def _run_stage(self, stage: Stage, number: int, done: set[str], errors: list[StageError],
+                         progress: _Progress) -> None:
         try:
-            for name in self._after[stage.name]:
-                await finished[name].wait()
-            error = await self._guarded(stage, number)
-            if error is not None:
-                errors.append(error)
-                self._report(error)
+            self._record(await self._guarded(stage, number), errors)
         finally:
-            finished[stage.name].set()
+            done.add(stage.name)
+            progress.running -= 1
+            progress.ended.set()
+
+    def _record(self, error: StageError | None, errors: list[StageError]) -> None:
+        if error is not None:
+            errors.append(error)
+            self._report(error)
+
+    def _stage_error(self, stage: Stage, exc: Exception, number: int) -> StageError:
+        leaf = _leaf(exc)
+        return StageError(stage=stage.name, error_class=type(leaf).__name__,
+                          message=str(leaf) or type(leaf).__name__, pass_number=number, at=self.clock())
 
     async def _guarded(self, stage: Stage, number: int) -> StageError | None:
         """Run one stage in its own cancel scope; its exception or timeout becomes a StageError."""
@@ -207,9 +270,7 @@ class Monitor:
             with trio.move_on_after(self.stage_timeout_s) as scope:
                 await stage.run(number)
         except Exception as exc:  # noqa: BLE001 - one stage's failure must not stop its siblings
-            leaf = _leaf(exc)
-            return StageError(stage=stage.name, error_class=type(leaf).__name__,
-                              message=str(leaf) or type(leaf).__name__, pass_number=number, at=self.clock())
+            return self._stage_error(stage, exc, number)
         if scope.cancelled_caught:
             return StageError(stage=stage.name, error_class=STAGE_TIMEOUT_CLASS,
                               message=f"stage did not finish within stage_timeout_s ({self.stage_timeout_s:g} s)",

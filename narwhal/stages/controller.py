@@ -69,6 +69,10 @@ class ControllerStage:
 
     async def run(self, pass_number: int) -> None:
         """Judge every interval closed since the last pass."""
+        self.run_now(pass_number)
+
+    def run_now(self, pass_number: int) -> None:
+        """The same, as a plain call (it never waits): the monitor's pass calls it in its own task."""
         self.step(self.clock())
 
     def step(self, now: float) -> list[DriftDecision]:

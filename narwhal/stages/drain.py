@@ -37,6 +37,10 @@ class DrainStage:
 
     async def run(self, pass_number: int) -> None:
         """Settle drains at the current time."""
+        self.run_now(pass_number)
+
+    def run_now(self, pass_number: int) -> None:
+        """The same, as a plain call (it never waits): the monitor's pass calls it in its own task."""
         self.settle(self.clock())
 
     def settle(self, now: float) -> list[str]:

@@ -40,6 +40,10 @@ class LivenessStage:
 
     async def run(self, pass_number: int) -> None:
         """Apply the sweep the health stage completed in this pass, if it did."""
+        self.run_now(pass_number)
+
+    def run_now(self, pass_number: int) -> None:
+        """The same, as a plain call (it never waits): the monitor's pass calls it in its own task."""
         sweep = self.health.sweep
         if sweep is None or sweep.pass_number != pass_number:
             self.sweeps_skipped += 1

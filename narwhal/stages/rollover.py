@@ -22,4 +22,8 @@ class RolloverStage:
 
     async def run(self, pass_number: int) -> None:
         """Close the interval if it is due (the controller and telemetry stages read it next)."""
+        self.run_now(pass_number)
+
+    def run_now(self, pass_number: int) -> None:
+        """The same, as a plain call (it never waits): the monitor's pass calls it in its own task."""
         self.telemetry.roll(self.clock())

@@ -46,6 +46,10 @@ class TelemetryStage:
 
     async def run(self, pass_number: int) -> None:
         """Publish the latest closed interval if it is new."""
+        self.run_now(pass_number)
+
+    def run_now(self, pass_number: int) -> None:
+        """The same, as a plain call (it never waits): the monitor's pass calls it in its own task."""
         self.publish()
 
     def publish(self) -> bool:
