@@ -160,9 +160,17 @@ async def test_plain_call_stages_start_after_the_stages_they_read(autojump_clock
     assert trio.current_time() == pytest.approx(0.8)
 
 
-async def test_a_plain_call_stage_that_raises_is_recorded_and_stops_nothing(autojump_clock: MockClock) -> None:
+async def test_a_plain_call_stage_that_raises_is_recorded_and_stops_nothing(
+        autojump_clock: MockClock, caplog: pytest.LogCaptureFixture) -> None:
     stages = mixed_stages({"health": 0.2}, fail_on={"rollover": {1}, "liveness": {1}})
-    result = await make_monitor(stages).run_pass()
+    metrics = RouterMetrics()
+    monitor = make_monitor(stages, metrics=metrics)
+    result = await monitor.run_pass()
+    # Counted, logged and streaked as a task's error is.
+    assert metrics.stage_errors.values == {("rollover", "RuntimeError"): 1, ("liveness", "RuntimeError"): 1}
+    assert [(line["stage"], line["class"], line["pass"]) for line in events(caplog, "stage_error")] == [
+        ("rollover", "RuntimeError", 1), ("liveness", "RuntimeError", 1)]
+    assert monitor.failure_streak == 1
     assert [(e.stage, e.error_class, e.message) for e in result.errors] == [
         ("rollover", "RuntimeError", "rollover broke in pass 1"),
         ("liveness", "RuntimeError", "liveness broke in pass 1")]

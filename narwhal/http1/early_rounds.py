@@ -20,6 +20,7 @@ task's own rounds.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 import trio
@@ -67,10 +68,8 @@ class EarlyRounds(trio.abc.Instrument):
         if not instrument._hubs:
             _INSTRUMENT.set(None)
             # KeyError: trio removed it already (it raised).
-            try:
+            with contextlib.suppress(KeyError):
                 trio.lowlevel.remove_instrument(instrument)
-            except KeyError:
-                pass
 
     def after_io_wait(self, timeout: float) -> None:
         """trio took its I/O events and is about to run its batch: a hub task it scheduled has its round now."""
